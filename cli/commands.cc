@@ -1,0 +1,160 @@
+#include "commands.h"
+
+#include <cstdio>
+#include <iostream>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/core/rules.h"
+#include "moeplan/core/units.h"
+#include "moeplan/planner/search.h"
+#include "profiles.h"
+
+namespace moeplan::cli {
+
+namespace {
+
+double gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
+
+void print_table(const planner::SearchResult& result, const ClusterSpec& cluster, size_t top) {
+  std::printf("\n  #   E   S   R  place  ckpt       offload  mbs   ga  step(s)   tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
+  for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
+    const planner::Candidate& c = result.ranked[i];
+    const ParallelConfig& p = c.parallel;
+    const std::string offload =
+        p.activation_offloading ? "h" + std::to_string(p.activation_loading_horizon) : "-";
+    std::printf("%3zu %3lld %3lld %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %10.0f %12.1f %5.1f%% %6.1f/%.1f\n", i + 1,
+                static_cast<long long>(p.expert_parallel_degree), static_cast<long long>(p.hybrid_shard_degree),
+                static_cast<long long>(p.replica_degree()), p.placement.to_string().c_str(),
+                std::string(name_of(kCheckpointingNames, p.activation_checkpointing)).c_str(), offload.c_str(),
+                static_cast<long long>(p.micro_batch_size), static_cast<long long>(p.gradient_accumulation_steps),
+                c.estimate.step_time_s, c.estimate.tokens_per_s, c.estimate.tflops_per_gpu, 100.0 * c.estimate.mfu,
+                gib(c.memory.device_total), gib(cluster.usable_memory_bytes()));
+  }
+}
+
+void print_explain(const planner::SearchStats& s) {
+  std::printf("\nwhy candidates were removed (a candidate counts once for each rule it breaks):\n");
+  std::printf("  %-40s %10lld\n", "enumerated", static_cast<long long>(s.enumerated));
+  std::printf("  %-40s %10lld\n", "duplicate placement (same rank layout)",
+              static_cast<long long>(s.duplicate_placements));
+  for (int r = 0; r < kRuleCount; ++r) {
+    const int64_t n = s.rejected_by_rule[static_cast<size_t>(r)];
+    if (n > 0) std::printf("  rule %-35s %10lld\n", std::string(rule_name(static_cast<Rule>(r))).c_str(),
+                           static_cast<long long>(n));
+  }
+  std::printf("  %-40s %10lld\n", "valid by every rule", static_cast<long long>(s.rule_valid));
+  std::printf("  %-40s %10lld\n", "limit device memory", static_cast<long long>(s.over_device_memory));
+  std::printf("  %-40s %10lld\n", "limit host memory (offload)", static_cast<long long>(s.over_host_memory));
+  std::printf("  %-40s %10lld\n", "fit and ranked", static_cast<long long>(s.fitting));
+}
+
+void print_error(const InputError& e) {
+  for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
+}
+
+}  // namespace
+
+int run_search(const SearchArgs& args) {
+  try {
+    const std::string dir = profile_dir(args.profiles);
+    const ModelSpec model = load_model(args.model, dir);
+    const ClusterSpec cluster = planner::size_cluster(load_hardware(args.instance, dir), args.gpus);
+
+    planner::SearchOptions options;
+    options.gpus = args.gpus;
+    options.training.seq_len = args.seq_len;
+    options.training.global_batch_tokens = args.global_batch_tokens > 0
+                                               ? args.global_batch_tokens
+                                               : planner::default_global_batch_tokens(args.gpus, args.seq_len);
+    for (const auto& [name, value] : kPrecisionNames)
+      if (name == args.precision) options.training.precision = value;
+    options.moe.expert_load_imbalance = args.expert_load_imbalance;
+    options.moe.aux_loss_coef = model.router_aux_loss_coef;
+    options.max_micro_batch = args.max_micro_batch;
+    options.keep = static_cast<size_t>(std::max<int64_t>(args.top, 5));
+
+    const int64_t unit = args.gpus * args.seq_len;
+    if (options.training.global_batch_tokens % unit != 0)
+      throw InputError("--global-batch-tokens",
+                       {{"", "= " + std::to_string(options.training.global_batch_tokens) +
+                                 " is not a multiple of gpus x seq-len = " + std::to_string(unit) +
+                                 " (every rank reads whole sequences)"}});
+
+    const ParamCounts params = count_parameters(model);
+    if (!args.json) {
+      std::printf("moeplan search: %s (%.1fB parameters, %.1fB active per token) on %lld x %s (%lld x %s)\n",
+                  model.name.c_str(), static_cast<double>(params.total()) / 1e9,
+                  static_cast<double>(params.active()) / 1e9, static_cast<long long>(cluster.num_nodes),
+                  cluster.name.c_str(), static_cast<long long>(args.gpus), cluster.gpu_name.c_str());
+      std::printf("global batch %lld tokens (seq-len %lld), precision %s, expert load imbalance %.2f\n",
+                  static_cast<long long>(options.training.global_batch_tokens),
+                  static_cast<long long>(args.seq_len), args.precision.c_str(), args.expert_load_imbalance);
+    }
+
+    const planner::SearchResult result = planner::search(model, cluster, options);
+    const planner::SearchStats& s = result.stats;
+    if (!args.json)
+      std::printf("%lld configurations: %lld valid, %lld fit in memory; ranked by the analytic estimate\n",
+                  static_cast<long long>(s.enumerated), static_cast<long long>(s.rule_valid),
+                  static_cast<long long>(s.fitting));
+    if (args.explain) print_explain(s);
+    if (result.ranked.empty()) {
+      std::fprintf(stderr, "moeplan: no plan for %s on %lld GPU(s) of %s\n", model.name.c_str(),
+                   static_cast<long long>(args.gpus), cluster.name.c_str());
+      for (const std::string& line : planner::explain_no_plan(result, cluster))
+        std::fprintf(stderr, "moeplan:   %s\n", line.c_str());
+      return kExitNoPlan;
+    }
+
+    const Plan plan = planner::make_plan(model, cluster, options, result, args.command);
+    const std::string text = plan_to_text(plan);
+    if (args.json) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+    } else {
+      print_table(result, cluster, static_cast<size_t>(args.top));
+    }
+    if (!args.out.empty()) {
+      write_file_atomic(args.out, text);
+      if (!args.json) std::printf("\nwrote %s (%s)\n", args.out.c_str(), describe(plan.parallel).c_str());
+    }
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  }
+}
+
+int run_check(const CheckArgs& args) {
+  try {
+    const Plan plan = read_plan_file(args.plan);
+    const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
+    const planner::MemoryEstimate memory = planner::estimate_memory(config);
+    std::vector<std::string> problems;
+    const int64_t limit = plan.cluster.usable_memory_bytes();
+    if (memory.device_total > limit)
+      problems.push_back("parallel: needs " + std::to_string(memory.device_total) +
+                         " bytes of device memory per GPU, over the usable " + std::to_string(limit));
+    const int64_t host_limit = planner::host_limit_bytes(plan.cluster, plan.parallel.world_size);
+    if (memory.offloaded_activations > host_limit)
+      problems.push_back("parallel.activation_offloading: offloads " +
+                         std::to_string(memory.offloaded_activations) + " bytes per rank, over the host's " +
+                         std::to_string(host_limit));
+    if (memory.device_total != plan.prediction.memory.device_total_bytes)
+      problems.push_back("prediction.memory.device_total_bytes: = " +
+                         std::to_string(plan.prediction.memory.device_total_bytes) +
+                         " but the memory model gives " + std::to_string(memory.device_total) +
+                         " for this configuration (edited by hand, or written by another version)");
+    for (const std::string& p : problems) std::fprintf(stderr, "moeplan: error: %s: %s\n", args.plan.c_str(), p.c_str());
+    if (!problems.empty()) return kExitNoPlan;
+    std::printf("%s: ok: %s on %lld x %s, %.1f of %.1f GiB per GPU\n", args.plan.c_str(),
+                describe(plan.parallel).c_str(), static_cast<long long>(plan.cluster.num_nodes),
+                plan.cluster.name.c_str(), gib(memory.device_total), gib(limit));
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  }
+}
+
+}  // namespace moeplan::cli

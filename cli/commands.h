@@ -1,0 +1,38 @@
+#pragma once
+// The moeplan subcommands: each turns parsed arguments into calls of the libraries and
+// prints the result. Exit codes: 0 success, 1 no plan / plan has problems, 2 bad input.
+
+#include <cstdint>
+#include <string>
+
+namespace moeplan::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitNoPlan = 1;
+inline constexpr int kExitBadInput = 2;
+
+struct SearchArgs {
+  int64_t gpus = 0;
+  std::string instance = "p4d.24xlarge";
+  std::string model = "mixtral-8x7b";
+  std::string profiles;  // folder with hardware/ and models/; empty: the default
+  int64_t seq_len = 2048;
+  int64_t global_batch_tokens = 0;  // 0: the default for the world size
+  std::string precision = "bf16";
+  double expert_load_imbalance = 1.0;
+  int64_t max_micro_batch = 64;
+  int64_t top = 5;
+  bool explain = false;
+  bool json = false;
+  std::string out = "plan.json";
+  std::string command;  // the command line, recorded in the plan
+};
+
+struct CheckArgs {
+  std::string plan;
+};
+
+int run_search(const SearchArgs& args);
+int run_check(const CheckArgs& args);
+
+}  // namespace moeplan::cli

@@ -1,0 +1,66 @@
+// moeplan: plan, simulate and run Mixture-of-Experts pretraining.
+// Composition root: parse the command line and hand over to a subcommand.
+
+#include <CLI/CLI.hpp>
+
+#include "commands.h"
+
+namespace {
+
+std::string command_line(int argc, char** argv) {
+  std::string text = "moeplan";
+  for (int i = 1; i < argc; ++i) {
+    text += ' ';
+    text += argv[i];
+  }
+  return text;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace moeplan::cli;
+  CLI::App app{"moeplan: plan, simulate and run Mixture-of-Experts pretraining"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", MOEPLAN_VERSION);
+
+  SearchArgs search;
+  search.command = command_line(argc, argv);
+  CLI::App* search_cmd = app.add_subcommand("search", "Search parallel configurations and write the best as a plan");
+  search_cmd->add_option("--gpus", search.gpus, "Number of GPUs (ranks)")->required()->check(CLI::Range(1, 1 << 20));
+  search_cmd->add_option("--instance", search.instance, "Hardware profile name or .json file")->capture_default_str();
+  search_cmd->add_option("--model", search.model, "Model profile name, or a profile or Hugging Face config.json file")
+      ->capture_default_str();
+  search_cmd->add_option("--profiles", search.profiles, "Folder with hardware/ and models/ profiles");
+  search_cmd->add_option("--seq-len", search.seq_len, "Sequence length (block size)")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  search_cmd->add_option("--global-batch-tokens", search.global_batch_tokens,
+                         "Tokens per optimizer step (default: 4Mi rounded up to gpus x seq-len)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
+  search_cmd->add_option("--precision", search.precision, "bf16 (SMP bf16=1), mixed (fp32 master) or fp32")
+      ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
+  search_cmd->add_option("--expert-load-imbalance", search.expert_load_imbalance,
+                         "Tokens of the busiest expert over the mean")
+      ->capture_default_str()->check(CLI::Range(1.0, 1e6));
+  search_cmd->add_option("--max-micro-batch", search.max_micro_batch, "Largest micro-batch size tried")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
+  search_cmd->add_option("--top", search.top, "Candidates shown")->capture_default_str()->check(CLI::Range(1, 1000));
+  search_cmd->add_flag("--explain", search.explain, "Show how many candidates each rule or limit removed");
+  search_cmd->add_flag("--json", search.json, "Print the plan as JSON instead of the table");
+  search_cmd->add_option("--out", search.out, "Plan file to write (empty: none)")->capture_default_str();
+
+  CheckArgs check;
+  CLI::App* check_cmd = app.add_subcommand("check", "Validate a plan file and report every problem");
+  check_cmd->add_option("plan", check.plan, "plan.json")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // CLI11 prints help with exit 0 and errors with its own code; keep bad input at 2.
+    const int code = app.exit(e);
+    return code == 0 ? kExitOk : kExitBadInput;
+  }
+  if (search_cmd->parsed()) return run_search(search);
+  if (check_cmd->parsed()) return run_check(check);
+  return kExitBadInput;
+}

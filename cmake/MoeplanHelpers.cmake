@@ -1,0 +1,42 @@
+# One helper to add a library, one to add a test (ns-3 build_lib style).
+
+set(MOEPLAN_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wconversion -Wno-sign-conversion)
+
+# moeplan_add_library(NAME <name> SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
+# Builds moeplan_<name> from an explicit source list; public headers live in
+# <dir>/include/moeplan/<name>/.
+function(moeplan_add_library)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target moeplan_${ARG_NAME})
+  add_library(${target} STATIC ${ARG_SOURCES})
+  add_library(moeplan::${ARG_NAME} ALIAS ${target})
+  target_include_directories(${target} PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/include
+                                       PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+  target_link_libraries(${target} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  target_compile_options(${target} PRIVATE ${MOEPLAN_WARNING_FLAGS})
+  if(MOEPLAN_WARNINGS_AS_ERRORS)
+    target_compile_options(${target} PRIVATE -Werror)
+  endif()
+endfunction()
+
+# moeplan_add_test(NAME <name> SOURCES ... DEPS ... [LABELS fast|slow] [TIMEOUT s])
+function(moeplan_add_test)
+  cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  set(target test_${ARG_NAME})
+  add_executable(${target} ${ARG_SOURCES})
+  target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
+  target_compile_options(${target} PRIVATE ${MOEPLAN_WARNING_FLAGS} -Wno-conversion)
+  target_compile_definitions(${target} PRIVATE
+    MOEPLAN_PROFILE_DIR="${MOEPLAN_PROFILE_DIR}"
+    MOEPLAN_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data"
+    MOEPLAN_BINARY="$<TARGET_FILE:moeplan>")
+  if(NOT ARG_LABELS)
+    set(ARG_LABELS fast)
+  endif()
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  gtest_discover_tests(${target}
+    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+    DISCOVERY_TIMEOUT 60)
+endfunction()

@@ -1,0 +1,68 @@
+#pragma once
+// The cluster: a number of identical nodes, each with GPUs on an intra-node fabric (NVSwitch)
+// and a network card shared by the node's GPUs (EFA). Numbers are per GPU unless named per node.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/json_reader.h"
+
+namespace moeplan {
+
+// Achieved fraction of peak matrix-multiply rate for a GEMM of a given size.
+struct EfficiencyPoint {
+  double flops = 0;       // FLOPs of one GEMM
+  double efficiency = 0;  // achieved / peak, in (0, 1]
+  bool operator==(const EfficiencyPoint&) const = default;
+};
+
+struct ClusterSpec {
+  std::string name;  // instance type, e.g. "p4d.24xlarge"
+  std::string description;
+  int64_t gpus_per_node = 0;
+  int64_t num_nodes = 1;  // set when a search sizes the cluster; profiles leave it at 1
+
+  std::string gpu_name;
+  int64_t gpu_memory_bytes = 0;
+  double peak_bf16_flops = 0;  // dense, per GPU, per second
+  double peak_fp32_flops = 0;
+  double hbm_bandwidth_bytes_per_s = 0;
+  std::vector<EfficiencyPoint> matmul_efficiency;  // sorted by flops
+
+  std::string intra_node_fabric;
+  double intra_node_bandwidth_bytes_per_s = 0;  // per GPU, one direction
+  double intra_node_latency_s = 0;
+  std::string inter_node_fabric;
+  double inter_node_bandwidth_bytes_per_s = 0;  // per node, one direction, shared by its GPUs
+  double inter_node_latency_s = 0;
+
+  int64_t host_memory_bytes = 0;           // per node
+  double pcie_bandwidth_bytes_per_s = 0;   // per GPU, one direction
+
+  int64_t framework_overhead_bytes = 0;  // CUDA context, communicator buffers, kernels
+  double fragmentation_factor = 1.0;     // allocator overhead on dynamic allocations
+  int64_t memory_headroom_bytes = 0;     // kept free on purpose
+
+  SourceMap sources;  // field path -> public source of the number
+
+  int64_t world_size() const { return gpus_per_node * num_nodes; }
+  // Device memory a plan may use: capacity minus the headroom.
+  int64_t usable_memory_bytes() const { return gpu_memory_bytes - memory_headroom_bytes; }
+  // Achieved fraction of peak for a GEMM of `flops` (piecewise linear in log10(flops)).
+  double efficiency_at(double flops) const;
+
+  bool operator==(const ClusterSpec&) const = default;
+};
+
+// Hardware profile (profiles/hardware/*.json). Every number may be written as
+// {"value": x, "source": "..."}; shipped profiles do so for every number.
+ClusterSpec cluster_from_json(const Json& json, const std::string& origin);
+ClusterSpec read_cluster_file(const std::string& path);
+OrderedJson to_json(const ClusterSpec& cluster);
+
+// Reads a cluster object found at `path` (e.g. "cluster" inside a plan).
+ClusterSpec read_cluster(const Json& json, const std::string& path, Diagnostics& d);
+void check_cluster(const ClusterSpec& c, Diagnostics& d, const std::string& prefix);
+
+}  // namespace moeplan

@@ -1,0 +1,75 @@
+#pragma once
+// The model being trained: a Mixtral-style decoder (Hugging Face MixtralConfig semantics).
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "moeplan/core/json_reader.h"
+
+namespace moeplan {
+
+struct ModelSpec {
+  std::string name;
+  std::string source;  // where the figures come from (model card, config.json)
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;  // per expert (SwiGLU width)
+  int64_t num_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;  // hidden_size / num_attention_heads unless the config says otherwise
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;  // top-k
+  int64_t max_position_embeddings = 0;
+  double rope_theta = 1e6;
+  std::optional<int64_t> sliding_window;
+  double rms_norm_eps = 1e-5;
+  double initializer_range = 0.02;
+  bool tie_word_embeddings = false;
+  double router_aux_loss_coef = 0.001;
+
+  bool operator==(const ModelSpec&) const = default;
+};
+
+// Parameter counts, by where they live in the model. Expert parameters are the only ones
+// that expert parallelism partitions.
+struct ParamCounts {
+  int64_t embedding = 0;            // vocab x hidden
+  int64_t lm_head = 0;              // vocab x hidden, 0 when tied
+  int64_t final_norm = 0;           // hidden
+  int64_t attention_per_layer = 0;  // q, k, v, o projections (no biases)
+  int64_t norms_per_layer = 0;      // two RMSNorm weights
+  int64_t router_per_layer = 0;     // hidden x num_experts, no bias
+  int64_t expert = 0;               // one expert of one layer: w1, w2, w3
+  int64_t num_layers = 0;
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;
+
+  // Non-expert parameters of one transformer block.
+  int64_t dense_per_layer() const { return attention_per_layer + norms_per_layer + router_per_layer; }
+  int64_t dense() const { return embedding + lm_head + final_norm + num_layers * dense_per_layer(); }
+  int64_t experts() const { return num_layers * num_experts * expert; }
+  int64_t total() const { return dense() + experts(); }
+  // Parameters that one token passes through (top-k experts per layer).
+  int64_t active() const { return dense() + num_layers * experts_per_token * expert; }
+};
+
+ParamCounts count_parameters(const ModelSpec& model);
+
+// Forward FLOPs of one token through the whole model at sequence length seq_len (matrix
+// multiplies only, 2 FLOPs per multiply-add; causal attention counted at half the square).
+double forward_flops_per_token(const ModelSpec& model, int64_t seq_len);
+
+// moeplan model profile (profiles/models/*.json).
+ModelSpec model_from_json(const Json& json, const std::string& origin);
+// Hugging Face MixtralConfig config.json.
+ModelSpec model_from_hf_config(const Json& json, const std::string& origin);
+// Reads either format from a file: a "model_type" field marks a Hugging Face config.
+ModelSpec read_model_file(const std::string& path);
+OrderedJson to_json(const ModelSpec& model);
+
+// Reads the fields of a model profile from r (used inside plan.json too).
+ModelSpec read_model(ObjectReader& r);
+
+}  // namespace moeplan

@@ -1,0 +1,121 @@
+#pragma once
+// How a training run is spread over the cluster (SMP v2 semantics, design.md section 2), and
+// the MoE and training settings that go with it.
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "moeplan/core/json_reader.h"
+
+namespace moeplan {
+
+// The three dimensions of the device mesh [R, S, E].
+enum class MeshDim : uint8_t { kReplica, kShard, kExpert };
+
+// Order of the mesh dimensions from outermost to innermost, like a row-major mesh shape: in
+// "RSE" the expert dimension varies fastest, so an expert group occupies consecutive ranks
+// (inside one node when it is small enough).
+struct Placement {
+  std::array<MeshDim, 3> outer_to_inner{MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert};
+
+  std::string to_string() const;
+  static std::optional<Placement> parse(std::string_view text);
+  bool operator==(const Placement&) const = default;
+};
+
+enum class Checkpointing : uint8_t { kNone, kSelective, kFull };
+enum class Precision : uint8_t { kBf16, kMixed, kFp32 };
+enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
+enum class Dispatcher : uint8_t { kAllToAll, kAllGather };
+
+inline constexpr std::array<std::pair<std::string_view, Checkpointing>, 3> kCheckpointingNames{
+    {{"none", Checkpointing::kNone}, {"selective", Checkpointing::kSelective}, {"full", Checkpointing::kFull}}};
+inline constexpr std::array<std::pair<std::string_view, Precision>, 3> kPrecisionNames{
+    {{"bf16", Precision::kBf16}, {"mixed", Precision::kMixed}, {"fp32", Precision::kFp32}}};
+inline constexpr std::array<std::pair<std::string_view, LoadBalancing>, 4> kLoadBalancingNames{
+    {{"sinkhorn", LoadBalancing::kSinkhorn}, {"balanced", LoadBalancing::kBalanced},
+     {"aux_loss", LoadBalancing::kAuxLoss}, {"none", LoadBalancing::kNone}}};
+inline constexpr std::array<std::pair<std::string_view, Dispatcher>, 2> kDispatcherNames{
+    {{"alltoall", Dispatcher::kAllToAll}, {"allgather", Dispatcher::kAllGather}}};
+
+template <class Enum, size_t N>
+std::string_view name_of(const std::array<std::pair<std::string_view, Enum>, N>& names, Enum e) {
+  for (const auto& [name, value] : names)
+    if (value == e) return name;
+  return "?";
+}
+
+struct ParallelConfig {
+  int64_t world_size = 1;
+  int64_t expert_parallel_degree = 1;   // E: experts partitioned over E ranks
+  int64_t hybrid_shard_degree = 1;      // S: model states sharded over S ranks (0 = W/E)
+  int64_t tensor_parallel_degree = 1;   // not searched yet
+  int64_t pipeline_parallel_degree = 1; // not searched yet
+  Placement placement;
+  Checkpointing activation_checkpointing = Checkpointing::kNone;
+  bool activation_offloading = false;
+  int64_t activation_loading_horizon = 1;
+  int64_t micro_batch_size = 1;
+  int64_t gradient_accumulation_steps = 1;
+
+  // R = W / (S * E): replicas of each shard. Only meaningful for a valid config.
+  int64_t replica_degree() const {
+    const int64_t se = expert_parallel_degree * hybrid_shard_degree;
+    return se > 0 ? world_size / se : 0;
+  }
+  int64_t degree(MeshDim d) const {
+    switch (d) {
+      case MeshDim::kReplica: return replica_degree();
+      case MeshDim::kShard: return hybrid_shard_degree;
+      case MeshDim::kExpert: return expert_parallel_degree;
+    }
+    return 0;
+  }
+  // Distance in ranks between neighbours along dimension d.
+  int64_t stride(MeshDim d) const;
+  bool operator==(const ParallelConfig&) const = default;
+};
+
+struct MoeConfig {
+  LoadBalancing load_balancing = LoadBalancing::kSinkhorn;  // SMP's default
+  Dispatcher dispatcher = Dispatcher::kAllToAll;
+  bool global_token_shuffle = false;
+  double aux_loss_coef = 0.001;
+  double z_loss_coef = 0.0;
+  // Tokens of the busiest expert over the mean (1 = uniform routing).
+  double expert_load_imbalance = 1.0;
+  int64_t random_seed = 12345;
+  bool operator==(const MoeConfig&) const = default;
+};
+
+struct TrainingConfig {
+  int64_t seq_len = 2048;
+  int64_t global_batch_tokens = 0;
+  Precision precision = Precision::kBf16;
+  int64_t steps = 100;
+  double learning_rate = 1e-4;
+  double min_learning_rate = 1e-5;
+  int64_t warmup_steps = 10;
+  double weight_decay = 0.1;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double max_grad_norm = 1.0;
+  int64_t seed = 12345;
+  bool operator==(const TrainingConfig&) const = default;
+};
+
+ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d);
+MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d);
+TrainingConfig read_training(const Json& json, const std::string& path, Diagnostics& d);
+OrderedJson to_json(const ParallelConfig& p);
+OrderedJson to_json(const MoeConfig& m);
+OrderedJson to_json(const TrainingConfig& t);
+
+// Short form for tables and messages: "E8 S2 R1 RSE ckpt=full offload=h2 mbs=1 ga=8".
+std::string describe(const ParallelConfig& p);
+
+}  // namespace moeplan

@@ -1,0 +1,80 @@
+#pragma once
+// The validity rules of a model and a parallel configuration, in one place. The planner, the
+// executor and the CLI all use these functions; the search uses the mask form, which builds
+// no strings.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moeplan/core/cluster_spec.h"
+#include "moeplan/core/model_spec.h"
+#include "moeplan/core/parallel_config.h"
+
+namespace moeplan {
+
+enum class Rule : uint8_t {
+  // Model
+  kTopKWithinExperts,
+  kKvHeadsDivideHeads,
+  kHeadDimEven,
+  kModelSize,
+  // Cluster and world size
+  kWorldSizeFitsCluster,
+  kWholeNodes,
+  // Degrees
+  kExpertDegreeDividesExperts,
+  kExpertDegreeDividesWorld,
+  kShardDegreeResolved,
+  kShardExpertDividesWorld,
+  kTensorParallelUnsupported,
+  kPipelineParallelUnsupported,
+  // Batch and sequence
+  kSeqLenWithinPositions,
+  kMicroBatchTokens,
+  kGlobalBatchMatches,
+  // Activation checkpointing and offloading
+  kOffloadNeedsCheckpointing,
+  kHorizonPositive,
+  kHorizonWithinLayers,
+  // MoE
+  kLoadImbalanceRange,
+  kTokenShuffleNeedsExperts,
+  // Training schedule
+  kMinLrWithinLr,
+  kWarmupWithinSteps,
+  kCount
+};
+inline constexpr int kRuleCount = static_cast<int>(Rule::kCount);
+using RuleMask = uint32_t;
+static_assert(kRuleCount <= 32, "RuleMask is too narrow");
+
+inline constexpr RuleMask rule_bit(Rule r) { return RuleMask{1} << static_cast<int>(r); }
+
+// Stable name of a rule, used by --explain and in tests ("expert_degree_divides_experts").
+std::string_view rule_name(Rule rule);
+
+struct Violation {
+  Rule rule;
+  std::string field;    // field path, e.g. "parallel.expert_parallel_degree"
+  std::string message;  // the value and the rule, e.g. "= 3 does not divide num_experts = 8"
+  std::string to_string() const { return field + " " + message; }
+};
+
+struct RunConfig {
+  const ModelSpec& model;
+  const ClusterSpec& cluster;
+  const ParallelConfig& parallel;
+  const MoeConfig& moe;
+  const TrainingConfig& training;
+};
+
+// Every violated rule of the model alone.
+std::vector<Violation> validate_model(const ModelSpec& model);
+// Every violated rule of the whole configuration (model rules included).
+std::vector<Violation> validate(const RunConfig& config);
+// The same rules as bits, without building messages.
+RuleMask violated_rules(const RunConfig& config);
+
+}  // namespace moeplan

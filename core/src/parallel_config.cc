@@ -1,0 +1,180 @@
+#include "moeplan/core/parallel_config.h"
+
+namespace moeplan {
+
+namespace {
+constexpr int64_t kMaxDegree = int64_t{1} << 20;
+constexpr int64_t kMaxBatch = int64_t{1} << 16;
+constexpr int64_t kMaxTokens = int64_t{1} << 50;
+
+char letter(MeshDim d) {
+  switch (d) {
+    case MeshDim::kReplica: return 'R';
+    case MeshDim::kShard: return 'S';
+    case MeshDim::kExpert: return 'E';
+  }
+  return '?';
+}
+}  // namespace
+
+std::string Placement::to_string() const {
+  std::string s;
+  for (MeshDim d : outer_to_inner) s += letter(d);
+  return s;
+}
+
+std::optional<Placement> Placement::parse(std::string_view text) {
+  if (text.size() != 3) return std::nullopt;
+  Placement p;
+  bool seen[3] = {false, false, false};
+  for (size_t i = 0; i < 3; ++i) {
+    MeshDim d;
+    switch (text[i]) {
+      case 'R': d = MeshDim::kReplica; break;
+      case 'S': d = MeshDim::kShard; break;
+      case 'E': d = MeshDim::kExpert; break;
+      default: return std::nullopt;
+    }
+    if (seen[static_cast<int>(d)]) return std::nullopt;
+    seen[static_cast<int>(d)] = true;
+    p.outer_to_inner[i] = d;
+  }
+  return p;
+}
+
+int64_t ParallelConfig::stride(MeshDim d) const {
+  int64_t s = 1;
+  for (int i = 2; i >= 0; --i) {
+    if (placement.outer_to_inner[i] == d) return s;
+    s *= degree(placement.outer_to_inner[i]);
+  }
+  return s;
+}
+
+ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d) {
+  ParallelConfig p;
+  ObjectReader r(json, path, d);
+  if (!r.ok()) return p;
+  p.world_size = r.integer("world_size", 1, kMaxDegree);
+  p.expert_parallel_degree = r.integer("expert_parallel_degree", 1, kMaxDegree);
+  p.hybrid_shard_degree = r.integer("hybrid_shard_degree", 0, kMaxDegree);
+  p.tensor_parallel_degree = r.integer("tensor_parallel_degree", 1, kMaxDegree, 1);
+  p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
+  const std::string placement = r.string("placement", "RSE");
+  if (auto parsed = Placement::parse(placement)) {
+    p.placement = *parsed;
+  } else {
+    d.error(r.path_of("placement"),
+            "expected the letters R, S and E once each, outermost first (e.g. \"RSE\"), got \"" +
+                placement.substr(0, 16) + "\"");
+  }
+  p.activation_checkpointing = r.choice<Checkpointing>("activation_checkpointing", kCheckpointingNames);
+  p.activation_offloading = r.boolean("activation_offloading", false);
+  p.activation_loading_horizon = r.integer("activation_loading_horizon", 0, kMaxDegree, 1);
+  p.micro_batch_size = r.integer("micro_batch_size", 1, kMaxBatch);
+  p.gradient_accumulation_steps = r.integer("gradient_accumulation_steps", 1, kMaxBatch);
+  // replica_degree is derived; a plan writes it for readers, and it must agree.
+  if (r.has("replica_degree")) {
+    const int64_t written = r.integer("replica_degree", 1, kMaxDegree);
+    const int64_t se = p.expert_parallel_degree * p.hybrid_shard_degree;
+    if (se > 0 && p.world_size % se == 0 && written != p.world_size / se)
+      d.error(r.path_of("replica_degree"),
+              std::to_string(written) + " does not equal world_size / (expert_parallel_degree * "
+              "hybrid_shard_degree) = " + std::to_string(p.world_size / se));
+  }
+  r.finish();
+  return p;
+}
+
+MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d) {
+  MoeConfig m;
+  ObjectReader r(json, path, d);
+  if (!r.ok()) return m;
+  m.load_balancing = r.choice<LoadBalancing>("load_balancing", kLoadBalancingNames, LoadBalancing::kSinkhorn);
+  m.dispatcher = r.choice<Dispatcher>("dispatcher", kDispatcherNames, Dispatcher::kAllToAll);
+  m.global_token_shuffle = r.boolean("global_token_shuffle", false);
+  m.aux_loss_coef = r.number("aux_loss_coef", 0.0, 1e3, 0.001);
+  m.z_loss_coef = r.number("z_loss_coef", 0.0, 1e3, 0.0);
+  m.expert_load_imbalance = r.number("expert_load_imbalance", 1.0, 1e6, 1.0);
+  m.random_seed = r.integer("random_seed", 0, INT64_MAX, 12345);
+  r.finish();
+  return m;
+}
+
+TrainingConfig read_training(const Json& json, const std::string& path, Diagnostics& d) {
+  TrainingConfig t;
+  ObjectReader r(json, path, d);
+  if (!r.ok()) return t;
+  t.seq_len = r.integer("seq_len", 1, int64_t{1} << 24);
+  t.global_batch_tokens = r.integer("global_batch_tokens", 1, kMaxTokens);
+  t.precision = r.choice<Precision>("precision", kPrecisionNames, Precision::kBf16);
+  t.steps = r.integer("steps", 1, int64_t{1} << 40, 100);
+  t.learning_rate = r.number("learning_rate", 0.0, 10.0, 1e-4);
+  t.min_learning_rate = r.number("min_learning_rate", 0.0, 10.0, 1e-5);
+  t.warmup_steps = r.integer("warmup_steps", 0, int64_t{1} << 40, 10);
+  t.weight_decay = r.number("weight_decay", 0.0, 10.0, 0.1);
+  t.adam_beta1 = r.number("adam_beta1", 0.0, 1.0, 0.9);
+  t.adam_beta2 = r.number("adam_beta2", 0.0, 1.0, 0.95);
+  t.max_grad_norm = r.number("max_grad_norm", 0.0, 1e9, 1.0);
+  t.seed = r.integer("seed", 0, INT64_MAX, 12345);
+  r.finish();
+  return t;
+}
+
+OrderedJson to_json(const ParallelConfig& p) {
+  OrderedJson j;
+  j["world_size"] = p.world_size;
+  j["expert_parallel_degree"] = p.expert_parallel_degree;
+  j["hybrid_shard_degree"] = p.hybrid_shard_degree;
+  j["replica_degree"] = p.replica_degree();
+  j["tensor_parallel_degree"] = p.tensor_parallel_degree;
+  j["pipeline_parallel_degree"] = p.pipeline_parallel_degree;
+  j["placement"] = p.placement.to_string();
+  j["activation_checkpointing"] = name_of(kCheckpointingNames, p.activation_checkpointing);
+  j["activation_offloading"] = p.activation_offloading;
+  j["activation_loading_horizon"] = p.activation_loading_horizon;
+  j["micro_batch_size"] = p.micro_batch_size;
+  j["gradient_accumulation_steps"] = p.gradient_accumulation_steps;
+  return j;
+}
+
+OrderedJson to_json(const MoeConfig& m) {
+  OrderedJson j;
+  j["load_balancing"] = name_of(kLoadBalancingNames, m.load_balancing);
+  j["dispatcher"] = name_of(kDispatcherNames, m.dispatcher);
+  j["global_token_shuffle"] = m.global_token_shuffle;
+  j["aux_loss_coef"] = m.aux_loss_coef;
+  j["z_loss_coef"] = m.z_loss_coef;
+  j["expert_load_imbalance"] = m.expert_load_imbalance;
+  j["random_seed"] = m.random_seed;
+  return j;
+}
+
+OrderedJson to_json(const TrainingConfig& t) {
+  OrderedJson j;
+  j["seq_len"] = t.seq_len;
+  j["global_batch_tokens"] = t.global_batch_tokens;
+  j["precision"] = name_of(kPrecisionNames, t.precision);
+  j["steps"] = t.steps;
+  j["learning_rate"] = t.learning_rate;
+  j["min_learning_rate"] = t.min_learning_rate;
+  j["warmup_steps"] = t.warmup_steps;
+  j["weight_decay"] = t.weight_decay;
+  j["adam_beta1"] = t.adam_beta1;
+  j["adam_beta2"] = t.adam_beta2;
+  j["max_grad_norm"] = t.max_grad_norm;
+  j["seed"] = t.seed;
+  return j;
+}
+
+std::string describe(const ParallelConfig& p) {
+  std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" +
+                  std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) +
+                  " " + p.placement.to_string() + " ckpt=" +
+                  std::string(name_of(kCheckpointingNames, p.activation_checkpointing));
+  if (p.activation_offloading) s += " offload=h" + std::to_string(p.activation_loading_horizon);
+  s += " mbs=" + std::to_string(p.micro_batch_size) + " ga=" + std::to_string(p.gradient_accumulation_steps);
+  return s;
+}
+
+}  // namespace moeplan

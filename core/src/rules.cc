@@ -1,0 +1,226 @@
+#include "moeplan/core/rules.h"
+
+#include <array>
+
+namespace moeplan {
+
+namespace {
+
+constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
+    "top_k_within_experts",
+    "kv_heads_divide_heads",
+    "head_dim_even",
+    "model_size",
+    "world_size_fits_cluster",
+    "whole_nodes",
+    "expert_degree_divides_experts",
+    "expert_degree_divides_world",
+    "shard_degree_resolved",
+    "shard_expert_divides_world",
+    "tensor_parallel_unsupported",
+    "pipeline_parallel_unsupported",
+    "seq_len_within_positions",
+    "micro_batch_tokens",
+    "global_batch_matches",
+    "offload_needs_checkpointing",
+    "horizon_positive",
+    "horizon_within_layers",
+    "load_imbalance_range",
+    "token_shuffle_needs_experts",
+    "min_lr_within_lr",
+    "warmup_within_steps",
+};
+
+// Largest model whose counts stay far from int64 overflow in every derived quantity.
+constexpr double kMaxParameters = 1e15;
+// Tokens of one micro-batch on one rank; keeps activation sizes far from overflow.
+constexpr double kMaxMicroBatchTokens = 16777216;
+
+std::string str(int64_t v) { return std::to_string(v); }
+std::string str(double v) {
+  std::string s = std::to_string(v);
+  while (s.size() > 1 && s.back() == '0') s.pop_back();
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+// Sinks receive (rule, field, message-maker); the mask sink never calls the maker.
+struct MaskSink {
+  RuleMask mask = 0;
+  template <class F>
+  void operator()(Rule r, const char*, F&&) { mask |= rule_bit(r); }
+};
+struct MessageSink {
+  std::vector<Violation> out;
+  template <class F>
+  void operator()(Rule r, const char* field, F&& make) { out.push_back({r, field, make()}); }
+};
+
+template <class Sink>
+void check_model(const ModelSpec& m, Sink& sink) {
+  if (m.experts_per_token > m.num_experts)
+    sink(Rule::kTopKWithinExperts, "experts_per_token", [&] {
+      return "= " + str(m.experts_per_token) + " exceeds num_experts = " + str(m.num_experts);
+    });
+  if (m.num_key_value_heads <= 0 || m.num_attention_heads % m.num_key_value_heads != 0)
+    sink(Rule::kKvHeadsDivideHeads, "num_key_value_heads", [&] {
+      return "= " + str(m.num_key_value_heads) + " does not divide num_attention_heads = " +
+             str(m.num_attention_heads);
+    });
+  if (m.head_dim % 2 != 0)
+    sink(Rule::kHeadDimEven, "head_dim", [&] {
+      return "= " + str(m.head_dim) + " is odd; rotary embeddings rotate pairs of dimensions";
+    });
+  // Counted in double so that a huge model cannot overflow before it is rejected.
+  const double h = static_cast<double>(m.hidden_size);
+  const double layers = static_cast<double>(m.num_layers);
+  const double params =
+      2.0 * static_cast<double>(m.vocab_size) * h +
+      layers * (4.0 * h * static_cast<double>(m.num_attention_heads * m.head_dim) +
+                static_cast<double>(m.num_experts) * 3.0 * h * static_cast<double>(m.intermediate_size));
+  if (params > kMaxParameters)
+    sink(Rule::kModelSize, "num_layers", [&] {
+      return "and the other sizes give about " + str(params) + " parameters, over the supported " +
+             str(kMaxParameters);
+    });
+}
+
+template <class Sink>
+void check_config(const RunConfig& c, Sink& sink) {
+  const ModelSpec& m = c.model;
+  const ClusterSpec& cl = c.cluster;
+  const ParallelConfig& p = c.parallel;
+  const TrainingConfig& t = c.training;
+  const int64_t w = p.world_size;
+  const int64_t e = p.expert_parallel_degree;
+  const int64_t s = p.hybrid_shard_degree;
+
+  const int64_t cluster_gpus = cl.gpus_per_node * cl.num_nodes;
+  if (w > cluster_gpus)
+    sink(Rule::kWorldSizeFitsCluster, "parallel.world_size", [&] {
+      return "= " + str(w) + " exceeds the cluster's " + str(cl.num_nodes) + " x " +
+             str(cl.gpus_per_node) + " GPUs";
+    });
+  else if (cl.num_nodes > 1 && w != cluster_gpus)
+    sink(Rule::kWholeNodes, "parallel.world_size", [&] {
+      return "= " + str(w) + " leaves GPUs of a " + str(cl.num_nodes) +
+             "-node cluster idle; use whole nodes (a multiple of " + str(cl.gpus_per_node) + ")";
+    });
+
+  if (e < 1 || m.num_experts % e != 0)
+    sink(Rule::kExpertDegreeDividesExperts, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(e) + " does not divide num_experts = " + str(m.num_experts);
+    });
+  if (e < 1 || w % e != 0)
+    sink(Rule::kExpertDegreeDividesWorld, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(e) + " does not divide world_size = " + str(w);
+    });
+  if (s < 1)
+    sink(Rule::kShardDegreeResolved, "parallel.hybrid_shard_degree", [&] {
+      return "= " + str(s) + " must be a resolved degree of at least 1 (0, full sharding, is "
+             "written as world_size / expert_parallel_degree)";
+    });
+  else if (e >= 1 && w % (s * e) != 0)
+    sink(Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree", [&] {
+      return "= " + str(s) + " times expert_parallel_degree = " + str(e) +
+             " does not divide world_size = " + str(w);
+    });
+  if (p.tensor_parallel_degree != 1)
+    sink(Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree", [&] {
+      return "= " + str(p.tensor_parallel_degree) + ": tensor parallelism is not supported yet (use 1)";
+    });
+  if (p.pipeline_parallel_degree != 1)
+    sink(Rule::kPipelineParallelUnsupported, "parallel.pipeline_parallel_degree", [&] {
+      return "= " + str(p.pipeline_parallel_degree) + ": pipeline parallelism is not supported yet (use 1)";
+    });
+
+  if (t.seq_len > m.max_position_embeddings)
+    sink(Rule::kSeqLenWithinPositions, "training.seq_len", [&] {
+      return "= " + str(t.seq_len) + " exceeds the model's max_position_embeddings = " +
+             str(m.max_position_embeddings);
+    });
+  if (static_cast<double>(p.micro_batch_size) * static_cast<double>(t.seq_len) > kMaxMicroBatchTokens)
+    sink(Rule::kMicroBatchTokens, "parallel.micro_batch_size", [&] {
+      return "= " + str(p.micro_batch_size) + " times seq_len = " + str(t.seq_len) +
+             " exceeds the supported " + str(static_cast<int64_t>(kMaxMicroBatchTokens)) +
+             " tokens per micro-batch";
+    });
+  // Every rank reads its own micro-batch (data parallel over all W ranks).
+  const double step_tokens = static_cast<double>(w) * static_cast<double>(p.micro_batch_size) *
+                             static_cast<double>(p.gradient_accumulation_steps) *
+                             static_cast<double>(t.seq_len);
+  if (step_tokens != static_cast<double>(t.global_batch_tokens))
+    sink(Rule::kGlobalBatchMatches, "training.global_batch_tokens", [&] {
+      return "= " + str(t.global_batch_tokens) + " does not equal world_size x micro_batch_size x "
+             "gradient_accumulation_steps x seq_len = " + str(w) + " x " + str(p.micro_batch_size) +
+             " x " + str(p.gradient_accumulation_steps) + " x " + str(t.seq_len) + " = " +
+             str(step_tokens);
+    });
+
+  if (p.activation_offloading) {
+    if (p.activation_checkpointing == Checkpointing::kNone)
+      sink(Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading", [&] {
+        return std::string("= true needs activation_checkpointing (only checkpointed block inputs "
+                           "are offloaded)");
+      });
+    if (p.activation_loading_horizon < 1)
+      sink(Rule::kHorizonPositive, "parallel.activation_loading_horizon", [&] {
+        return "= " + str(p.activation_loading_horizon) + " must be at least 1 with offloading";
+      });
+    else if (p.activation_loading_horizon > m.num_layers)
+      sink(Rule::kHorizonWithinLayers, "parallel.activation_loading_horizon", [&] {
+        return "= " + str(p.activation_loading_horizon) + " exceeds num_layers = " + str(m.num_layers);
+      });
+  }
+
+  // The busiest expert can take at most every token's top-k slots: num_experts / top_k times
+  // the mean.
+  const double max_imbalance =
+      static_cast<double>(m.num_experts) / static_cast<double>(std::max<int64_t>(1, m.experts_per_token));
+  if (c.moe.expert_load_imbalance < 1.0 || c.moe.expert_load_imbalance > max_imbalance)
+    sink(Rule::kLoadImbalanceRange, "moe.expert_load_imbalance", [&] {
+      return "= " + str(c.moe.expert_load_imbalance) + " must be in [1, num_experts / "
+             "experts_per_token] = [1, " + str(max_imbalance) + "]";
+    });
+  if (c.moe.global_token_shuffle && e == 1)
+    sink(Rule::kTokenShuffleNeedsExperts, "moe.global_token_shuffle", [&] {
+      return std::string("= true needs expert_parallel_degree > 1 (it shuffles tokens across the "
+                         "expert-parallel group)");
+    });
+
+  if (t.min_learning_rate > t.learning_rate)
+    sink(Rule::kMinLrWithinLr, "training.min_learning_rate", [&] {
+      return "= " + str(t.min_learning_rate) + " exceeds learning_rate = " + str(t.learning_rate);
+    });
+  if (t.warmup_steps > t.steps)
+    sink(Rule::kWarmupWithinSteps, "training.warmup_steps", [&] {
+      return "= " + str(t.warmup_steps) + " exceeds steps = " + str(t.steps);
+    });
+}
+
+}  // namespace
+
+std::string_view rule_name(Rule rule) { return kRuleNames[static_cast<size_t>(rule)]; }
+
+std::vector<Violation> validate_model(const ModelSpec& model) {
+  MessageSink sink;
+  check_model(model, sink);
+  return std::move(sink.out);
+}
+
+std::vector<Violation> validate(const RunConfig& config) {
+  MessageSink sink;
+  check_model(config.model, sink);
+  for (Violation& v : sink.out) v.field = "model." + v.field;
+  check_config(config, sink);
+  return std::move(sink.out);
+}
+
+RuleMask violated_rules(const RunConfig& config) {
+  MaskSink sink;
+  check_model(config.model, sink);
+  check_config(config, sink);
+  return sink.mask;
+}
+
+}  // namespace moeplan

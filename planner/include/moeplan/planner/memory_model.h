@@ -1,0 +1,63 @@
+#pragma once
+// Per-rank memory of a training configuration, item by item (design.md section 3).
+// docs/memory-model.md derives every term.
+
+#include <cstdint>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+#include "moeplan/core/rules.h"
+
+namespace moeplan::planner {
+
+// Activation bytes of one transformer block for one micro-batch.
+struct BlockActivations {
+  int64_t block_input = 0;  // the residual stream entering the block
+  int64_t attention = 0;    // everything the attention sub-block keeps for backward
+  int64_t moe = 0;          // everything the MoE sub-block keeps for backward
+  int64_t full() const { return attention + moe; }
+};
+
+// `tokens` tokens of one micro-batch; `expert_token_slots` token-expert pairs processed on the
+// rank (k x tokens x imbalance).
+BlockActivations block_activations(const ModelSpec& model, int64_t tokens, int64_t expert_token_slots,
+                                   int64_t element_bytes);
+
+struct MemoryEstimate {
+  // Model states.
+  int64_t parameters = 0;        // local shard, in the parameter dtype (bf16 compute copy in mixed)
+  int64_t master_weights = 0;    // fp32 shard (mixed precision only)
+  int64_t gradients = 0;         // local shard
+  int64_t optimizer_states = 0;  // AdamW first and second moments of the shard
+  // Transient buffers.
+  int64_t gathered_parameters = 0;  // the block in use and the one being prefetched (S > 1)
+  int64_t gradient_buffers = 0;     // one block's unsharded gradient before reduce-scatter
+  int64_t activations = 0;          // kept for backward, plus one block's recompute working set
+  int64_t moe_dispatch_buffers = 0;
+  int64_t logits = 0;
+  int64_t framework_overhead = 0;
+  int64_t fragmentation = 0;  // (factor - 1) x the transient items
+  int64_t device_total = 0;
+  int64_t offloaded_activations = 0;  // host memory per rank
+
+  int64_t model_states() const { return parameters + master_weights + gradients + optimizer_states; }
+  std::vector<MemoryItem> device_items() const;
+  std::vector<MemoryItem> host_items() const;
+};
+
+// Parameters held by one rank before and after sharding.
+struct ShardSizes {
+  int64_t local_params = 0;  // dense + this rank's experts, unsharded
+  int64_t shard_params = 0;  // what the rank keeps: each flat parameter padded and split over S
+  int64_t largest_unit_params = 0;  // the biggest flat parameter gathered at once
+};
+ShardSizes shard_sizes(const ModelSpec& model, int64_t expert_degree, int64_t shard_degree);
+
+MemoryEstimate estimate_memory(const RunConfig& config);
+
+// Host memory available to one rank: the node's memory shared by its ranks.
+int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size);
+
+MemoryBreakdown to_breakdown(const MemoryEstimate& m, const ClusterSpec& cluster, int64_t world_size);
+
+}  // namespace moeplan::planner

@@ -1,0 +1,72 @@
+#pragma once
+// The configuration search: enumerate expert-parallel degree, hybrid-shard degree, mesh
+// placement, activation checkpointing, offloading with its loading horizon and micro-batch
+// size; reject by the validity rules and the memory limits; rank the rest by predicted
+// tokens per second.
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+#include "moeplan/core/rules.h"
+#include "moeplan/planner/memory_model.h"
+#include "moeplan/simulator/analytic.h"
+
+namespace moeplan::planner {
+
+struct SearchOptions {
+  int64_t gpus = 16;
+  TrainingConfig training;  // seq_len, global_batch_tokens, precision and the schedule
+  MoeConfig moe;
+  int64_t max_micro_batch = 64;
+  std::vector<int64_t> loading_horizons = {1, 2, 4};
+  size_t keep = 10;  // ranked candidates returned
+};
+
+struct Candidate {
+  ParallelConfig parallel;
+  MemoryEstimate memory;
+  sim::StepEstimate estimate;
+  int64_t index = 0;  // position in enumeration order; breaks ties deterministically
+};
+
+struct SearchStats {
+  int64_t enumerated = 0;
+  int64_t duplicate_placements = 0;  // placements that give the same rank layout as an earlier one
+  std::array<int64_t, kRuleCount> rejected_by_rule{};  // a candidate counts once per rule it breaks
+  int64_t rule_valid = 0;
+  int64_t over_device_memory = 0;
+  int64_t over_host_memory = 0;
+  int64_t fitting = 0;
+  // Among rule-valid candidates that do not fit: the one closest to each limit.
+  std::optional<Candidate> closest_over_device;
+  std::optional<Candidate> closest_over_host;
+};
+
+struct SearchResult {
+  std::vector<Candidate> ranked;  // best first, at most options.keep
+  SearchStats stats;
+};
+
+// The profile's cluster sized for `gpus` GPUs (whole nodes, or part of one node).
+ClusterSpec size_cluster(ClusterSpec profile, int64_t gpus);
+// 4 Mi tokens (a common global batch for models of this size), rounded up to a multiple of
+// gpus x seq_len so that every rank gets whole sequences.
+int64_t default_global_batch_tokens(int64_t gpus, int64_t seq_len);
+
+SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options);
+
+// Memory and time prediction of one configuration, as written into plan.json.
+Prediction predict(const RunConfig& config);
+
+// The plan for the best candidate, with the next ones as alternatives.
+Plan make_plan(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,
+               const SearchResult& result, const std::string& command);
+
+// Why nothing fits, one line per limit, with the closest candidate and the shortfall.
+std::vector<std::string> explain_no_plan(const SearchResult& result, const ClusterSpec& cluster);
+
+}  // namespace moeplan::planner

@@ -1,0 +1,168 @@
+#include "moeplan/planner/memory_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "moeplan/core/units.h"
+
+namespace moeplan::planner {
+
+namespace {
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Sizes are products of validated integers; they are formed in double, exact below 2^53
+// bytes, and saturate far beyond any device instead of overflowing.
+int64_t to_bytes(double bytes) {
+  constexpr double kSaturate = 4.0e18;
+  return static_cast<int64_t>(std::min(bytes, kSaturate));
+}
+}  // namespace
+
+BlockActivations block_activations(const ModelSpec& m, int64_t tokens, int64_t slots, int64_t a) {
+  const double t = static_cast<double>(tokens);
+  const double bytes = static_cast<double>(a);
+  const double h = static_cast<double>(m.hidden_size);
+  const double q = static_cast<double>(m.num_attention_heads * m.head_dim);
+  const double kv = static_cast<double>(m.num_key_value_heads * m.head_dim);
+  BlockActivations out;
+  out.block_input = to_bytes(t * h * bytes);
+  // RMSNorm input, its output (the q/k/v input), q, k, v after RoPE, the attention output
+  // (o_proj input), and the fp32 log-sum-exp per head that flash attention keeps.
+  out.attention = to_bytes(t * (2 * h + 2 * q + 2 * kv) * bytes +
+                           t * static_cast<double>(m.num_attention_heads) * kBytesFp32);
+  // RMSNorm input and output, fp32 router probabilities, then per token-expert slot: the
+  // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output.
+  out.moe = to_bytes(t * 2 * h * bytes + t * static_cast<double>(m.num_experts) * kBytesFp32 +
+                     static_cast<double>(slots) * (2 * h + 3 * static_cast<double>(m.intermediate_size)) * bytes);
+  return out;
+}
+
+ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s) {
+  const ParamCounts p = count_parameters(model);
+  const int64_t experts_per_layer = model.num_experts / e * p.expert;
+  ShardSizes out;
+  out.local_params = p.dense() + model.num_layers * experts_per_layer;
+  // Flat parameters (FSDP units): the embedding; per block its dense part and its experts
+  // (they reduce over different groups); the final norm with the lm head. Each is padded to
+  // a multiple of S before it is split.
+  const int64_t head = p.final_norm + p.lm_head;
+  out.shard_params = ceil_div(p.embedding, s) +
+                     model.num_layers * (ceil_div(p.dense_per_layer(), s) + ceil_div(experts_per_layer, s)) +
+                     ceil_div(head, s);
+  out.largest_unit_params = std::max({p.embedding, head, p.dense_per_layer() + experts_per_layer});
+  return out;
+}
+
+int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size) {
+  const int64_t ranks_per_node = std::max<int64_t>(1, std::min(world_size, cluster.gpus_per_node));
+  return cluster.host_memory_bytes / ranks_per_node;
+}
+
+MemoryEstimate estimate_memory(const RunConfig& c) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const Precision precision = c.training.precision;
+  const int64_t a = precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
+  const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree);
+  const int64_t shard = sizes.shard_params;
+
+  MemoryEstimate out;
+  switch (precision) {
+    case Precision::kBf16:  // parameters, gradients and moments all in bf16
+      out.parameters = 2 * shard;
+      out.gradients = 2 * shard;
+      out.optimizer_states = 2 * 2 * shard;
+      break;
+    case Precision::kMixed:  // bf16 compute copy, fp32 master, fp32 gradients and moments
+      out.parameters = 2 * shard;
+      out.master_weights = 4 * shard;
+      out.gradients = 4 * shard;
+      out.optimizer_states = 2 * 4 * shard;
+      break;
+    case Precision::kFp32:
+      out.parameters = 4 * shard;
+      out.gradients = 4 * shard;
+      out.optimizer_states = 2 * 4 * shard;
+      break;
+  }
+  if (p.hybrid_shard_degree > 1) {
+    out.gathered_parameters = 2 * sizes.largest_unit_params * a;
+    out.gradient_buffers = sizes.largest_unit_params * a;
+  }
+
+  const int64_t tokens = p.micro_batch_size * c.training.seq_len;
+  const auto slots = static_cast<int64_t>(
+      std::ceil(static_cast<double>(m.experts_per_token * tokens) * c.moe.expert_load_imbalance));
+  const BlockActivations block = block_activations(m, tokens, slots, a);
+  int64_t stored_per_block = 0;  // kept from forward to backward
+  int64_t working_set = 0;       // one block recomputed during backward
+  switch (p.activation_checkpointing) {
+    case Checkpointing::kNone: stored_per_block = block.full(); break;
+    case Checkpointing::kSelective:
+      stored_per_block = block.attention + block.block_input;  // the MoE sub-block's input
+      working_set = block.moe;
+      break;
+    case Checkpointing::kFull:
+      stored_per_block = block.block_input;
+      working_set = block.full();
+      break;
+  }
+  int64_t blocks_on_device = m.num_layers;
+  if (p.activation_offloading) {
+    // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.
+    blocks_on_device = std::min(m.num_layers, p.activation_loading_horizon + 1);
+    out.offloaded_activations = m.num_layers * stored_per_block;
+  }
+  out.activations = blocks_on_device * stored_per_block + working_set;
+
+  const double t = static_cast<double>(tokens);
+  if (p.expert_parallel_degree > 1) {
+    // All-to-all: the k copies of each local token going out, and the slots coming in.
+    // All-gather: every token of the expert group, and the slots computed here.
+    const double sent = c.moe.dispatcher == Dispatcher::kAllToAll
+                            ? static_cast<double>(m.experts_per_token) * t
+                            : static_cast<double>(p.expert_parallel_degree) * t;
+    out.moe_dispatch_buffers =
+        to_bytes((sent + static_cast<double>(slots)) * static_cast<double>(m.hidden_size * a));
+  }
+  // Logits in the compute dtype and the fp32 log-probabilities the loss keeps.
+  out.logits = to_bytes(t * static_cast<double>(m.vocab_size) * static_cast<double>(a + kBytesFp32));
+  out.framework_overhead = c.cluster.framework_overhead_bytes;
+  const int64_t transient = out.gathered_parameters + out.gradient_buffers + out.activations +
+                            out.moe_dispatch_buffers + out.logits;
+  out.fragmentation =
+      static_cast<int64_t>(std::llround(static_cast<double>(transient) * (c.cluster.fragmentation_factor - 1.0)));
+  out.device_total = out.model_states() + transient + out.framework_overhead + out.fragmentation;
+  return out;
+}
+
+std::vector<MemoryItem> MemoryEstimate::device_items() const {
+  return {{"parameters", parameters},
+          {"master_weights", master_weights},
+          {"gradients", gradients},
+          {"optimizer_states", optimizer_states},
+          {"gathered_parameters", gathered_parameters},
+          {"gradient_buffers", gradient_buffers},
+          {"activations", activations},
+          {"moe_dispatch_buffers", moe_dispatch_buffers},
+          {"logits", logits},
+          {"framework_overhead", framework_overhead},
+          {"fragmentation", fragmentation}};
+}
+
+std::vector<MemoryItem> MemoryEstimate::host_items() const {
+  return {{"offloaded_activations", offloaded_activations}};
+}
+
+MemoryBreakdown to_breakdown(const MemoryEstimate& m, const ClusterSpec& cluster, int64_t world_size) {
+  MemoryBreakdown b;
+  b.device = m.device_items();
+  b.device_total_bytes = m.device_total;
+  b.device_limit_bytes = cluster.usable_memory_bytes();
+  b.host = m.host_items();
+  b.host_total_bytes = m.offloaded_activations;
+  b.host_limit_bytes = host_limit_bytes(cluster, world_size);
+  return b;
+}
+
+}  // namespace moeplan::planner

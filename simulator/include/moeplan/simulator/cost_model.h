@@ -1,0 +1,60 @@
+#pragma once
+// Time of each operation of a training step, from the hardware profile: compute from FLOPs
+// and an achieved-rate curve, collectives by alpha-beta per topology level, host copies over
+// PCIe. The discrete-event engine and the analytic estimate both take their times from here.
+
+#include <cstdint>
+
+#include "moeplan/core/cluster_spec.h"
+#include "moeplan/core/parallel_config.h"
+
+namespace moeplan::sim {
+
+// Where the members of one communication group sit. Every rank runs the same collective at
+// the same time (SPMD), so `groups_per_node` groups share each node's network card.
+struct GroupShape {
+  int64_t size = 1;             // ranks in the group
+  int64_t per_node = 1;         // members of the group on one node
+  int64_t nodes = 1;            // nodes the group spans
+  int64_t groups_per_node = 1;  // groups that have members on one node (share its NIC)
+
+  bool crosses_nodes() const { return nodes > 1; }
+};
+
+// The group along mesh dimension `dim` (the group of rank 0; placements put every group of a
+// dimension in the same shape when degrees divide the node size).
+GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& parallel, MeshDim dim);
+// A group of `size` ranks with neighbours `stride` ranks apart.
+GroupShape group_shape(const ClusterSpec& cluster, int64_t world_size, int64_t size, int64_t stride);
+
+class CostModel {
+ public:
+  explicit CostModel(const ClusterSpec& cluster) : cluster_(&cluster) {}
+
+  // One GEMM (or a batch of same-shape GEMMs) of `flops`, at the rate the profile gives for
+  // GEMMs of `gemm_flops` each.
+  double matmul_seconds(double flops, double gemm_flops, bool fp32) const;
+  // Elementwise work bound by device memory bandwidth.
+  double memory_bound_seconds(double bytes) const;
+
+  // Ring all-gather producing `output_bytes` on every member (each contributes 1/size).
+  double all_gather_seconds(double output_bytes, const GroupShape& g) const;
+  // Ring reduce-scatter of `input_bytes` per member (each keeps 1/size of the sum).
+  double reduce_scatter_seconds(double input_bytes, const GroupShape& g) const;
+  // Ring all-reduce of `bytes` per member (reduce-scatter then all-gather).
+  double all_reduce_seconds(double bytes, const GroupShape& g) const;
+  // Pairwise all-to-all: each member sends `send_bytes` in total, 1/size to each member
+  // (its own share stays local).
+  double all_to_all_seconds(double send_bytes, const GroupShape& g) const;
+  // Host <-> device copy over PCIe of one GPU.
+  double pcie_seconds(double bytes) const;
+
+  const ClusterSpec& cluster() const { return *cluster_; }
+
+ private:
+  // Time for the traffic that leaves each node: `node_bytes` through one NIC.
+  double nic_seconds(double node_bytes) const;
+  const ClusterSpec* cluster_;
+};
+
+}  // namespace moeplan::sim

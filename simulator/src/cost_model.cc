@@ -1,0 +1,77 @@
+#include "moeplan/simulator/cost_model.h"
+
+#include <algorithm>
+
+namespace moeplan::sim {
+
+GroupShape group_shape(const ClusterSpec& cluster, int64_t world_size, int64_t size, int64_t stride) {
+  GroupShape g;
+  g.size = std::max<int64_t>(1, size);
+  const int64_t node_ranks = std::max<int64_t>(1, std::min(world_size, cluster.gpus_per_node));
+  // Members i * stride, i < size, that fall on the first node.
+  int64_t on_first = 0;
+  for (int64_t i = 0; i < g.size && i * stride < node_ranks; ++i) ++on_first;
+  g.per_node = std::max<int64_t>(1, on_first);
+  g.nodes = (g.size + g.per_node - 1) / g.per_node;
+  g.groups_per_node = std::max<int64_t>(1, node_ranks / g.per_node);
+  return g;
+}
+
+GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& parallel, MeshDim dim) {
+  return group_shape(cluster, parallel.world_size, parallel.degree(dim), parallel.stride(dim));
+}
+
+double CostModel::matmul_seconds(double flops, double gemm_flops, bool fp32) const {
+  if (flops <= 0) return 0;
+  const double peak = fp32 ? cluster_->peak_fp32_flops : cluster_->peak_bf16_flops;
+  return flops / (peak * cluster_->efficiency_at(gemm_flops));
+}
+
+double CostModel::memory_bound_seconds(double bytes) const {
+  return bytes / cluster_->hbm_bandwidth_bytes_per_s;
+}
+
+double CostModel::nic_seconds(double node_bytes) const {
+  return node_bytes / cluster_->inter_node_bandwidth_bytes_per_s;
+}
+
+double CostModel::all_gather_seconds(double output_bytes, const GroupShape& g) const {
+  if (g.size <= 1 || output_bytes <= 0) return 0;
+  const double n = static_cast<double>(g.size);
+  const double steps = n - 1;
+  const double intra = steps / n * output_bytes / cluster_->intra_node_bandwidth_bytes_per_s;
+  if (!g.crosses_nodes()) return steps * cluster_->intra_node_latency_s + intra;
+  // One ring per group enters each node once; the link into a node carries every chunk that
+  // started on another node, and all groups with members on the node share its NIC.
+  const double k = static_cast<double>(g.nodes);
+  const double node_bytes = static_cast<double>(g.groups_per_node) * output_bytes * (k - 1) / k;
+  return steps * cluster_->inter_node_latency_s + std::max(intra, nic_seconds(node_bytes));
+}
+
+double CostModel::reduce_scatter_seconds(double input_bytes, const GroupShape& g) const {
+  // The mirror image of the all-gather: the same chunks travel the same links.
+  return all_gather_seconds(input_bytes, g);
+}
+
+double CostModel::all_reduce_seconds(double bytes, const GroupShape& g) const {
+  return reduce_scatter_seconds(bytes, g) + all_gather_seconds(bytes, g);
+}
+
+double CostModel::all_to_all_seconds(double send_bytes, const GroupShape& g) const {
+  if (g.size <= 1 || send_bytes <= 0) return 0;
+  const double n = static_cast<double>(g.size);
+  const double m = static_cast<double>(g.per_node);
+  const double steps = n - 1;
+  const double intra = send_bytes * (m - 1) / n / cluster_->intra_node_bandwidth_bytes_per_s;
+  if (!g.crosses_nodes()) return steps * cluster_->intra_node_latency_s + intra;
+  // Every rank on the node sends (n - m)/n of its buffer off the node at the same time.
+  const double node_ranks = static_cast<double>(g.groups_per_node * g.per_node);
+  const double node_bytes = node_ranks * send_bytes * (n - m) / n;
+  return steps * cluster_->inter_node_latency_s + std::max(intra, nic_seconds(node_bytes));
+}
+
+double CostModel::pcie_seconds(double bytes) const {
+  return bytes / cluster_->pcie_bandwidth_bytes_per_s;
+}
+
+}  // namespace moeplan::sim
