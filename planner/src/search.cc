@@ -119,6 +119,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
               const RunConfig config{model, cluster, p, options.moe, training};
               const RuleMask broken = violated_rules(config);
               if (broken != 0) {
+                ++stats.rule_rejected;
                 for (int r = 0; r < kRuleCount; ++r)
                   if (broken & (RuleMask{1} << r)) ++stats.rejected_by_rule[static_cast<size_t>(r)];
                 continue;
@@ -149,10 +150,18 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     }
   }
   stats.fitting = static_cast<int64_t>(fitting.size());
-  const size_t keep = std::min(options.keep, fitting.size());
-  std::partial_sort(fitting.begin(), fitting.begin() + static_cast<std::ptrdiff_t>(keep), fitting.end(), better);
-  fitting.resize(keep);
-  result.ranked = std::move(fitting);
+  std::sort(fitting.begin(), fitting.end(), better);
+  // A candidate that differs from a better-ranked one only in its loading horizon, at the same
+  // predicted speed, just holds more memory: it is not worth showing.
+  for (const Candidate& c : fitting) {
+    if (result.ranked.size() >= options.keep) break;
+    const bool dominated = std::any_of(result.ranked.begin(), result.ranked.end(), [&](const Candidate& r) {
+      ParallelConfig same_horizon = c.parallel;
+      same_horizon.activation_loading_horizon = r.parallel.activation_loading_horizon;
+      return same_horizon == r.parallel && r.estimate.tokens_per_s == c.estimate.tokens_per_s;
+    });
+    if (!dominated) result.ranked.push_back(c);
+  }
   return result;
 }
 

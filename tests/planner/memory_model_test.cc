@@ -1,1 +1,171 @@
+#include "moeplan/planner/memory_model.h"
+
 #include <gtest/gtest.h>
+
+#include "moeplan/planner/search.h"
+
+namespace moeplan::planner {
+namespace {
+
+const ModelSpec& mixtral() {
+  static const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json");
+  return m;
+}
+const ClusterSpec& p4d_two_nodes() {
+  static const ClusterSpec c =
+      size_cluster(read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/p4d.24xlarge.json"), 16);
+  return c;
+}
+
+struct Layout {
+  ParallelConfig parallel;
+  MoeConfig moe;
+  TrainingConfig training;
+  MemoryEstimate estimate() const { return estimate_memory({mixtral(), p4d_two_nodes(), parallel, moe, training}); }
+};
+
+Layout layout(int64_t e, int64_t s, Checkpointing ckpt, Precision precision = Precision::kBf16) {
+  Layout x;
+  x.parallel.world_size = 16;
+  x.parallel.expert_parallel_degree = e;
+  x.parallel.hybrid_shard_degree = s;
+  x.parallel.activation_checkpointing = ckpt;
+  x.parallel.micro_batch_size = 1;
+  x.parallel.gradient_accumulation_steps = 128;
+  x.training.seq_len = 2048;
+  x.training.global_batch_tokens = 16 * 128 * 2048;
+  x.training.precision = precision;
+  return x;
+}
+
+// Flat parameters of Mixtral 8x7B (see model_spec_test for the counts): embedding
+// 131,072,000; per block dense 41,984,000 (attention 41,943,040 + norms 8,192 + router 32,768)
+// and experts (8/E) x 176,160,768; head 131,076,096 (final norm 4,096 + lm head). Each is
+// padded to a multiple of S and split.
+
+// E1 S16 R1: 8,192,000 + 32 x (2,624,000 + 88,080,384) + 8,192,256 = 2,918,924,544 params.
+// bf16 model states: 2 (params) + 2 (grads) + 4 (two moments) = 8 bytes each.
+TEST(MemoryModel, ModelStatesFullShardE1S16) {
+  const MemoryEstimate m = layout(1, 16, Checkpointing::kFull).estimate();
+  EXPECT_EQ(shard_sizes(mixtral(), 1, 16).shard_params, 2'918'924'544);
+  EXPECT_EQ(m.parameters, 5'837'849'088);
+  EXPECT_EQ(m.gradients, 5'837'849'088);
+  EXPECT_EQ(m.optimizer_states, 11'675'698'176);
+  EXPECT_EQ(m.master_weights, 0);
+  EXPECT_EQ(m.model_states(), 23'351'396'352);
+}
+
+// E8 S2 R1: 65,536,000 + 32 x (20,992,000 + 88,080,384) + 65,538,048 = 3,621,390,336 params,
+// x 8 bytes = 28,971,122,688.
+TEST(MemoryModel, ModelStatesExpertParallelE8S2) {
+  EXPECT_EQ(shard_sizes(mixtral(), 8, 2).shard_params, 3'621'390'336);
+  EXPECT_EQ(layout(8, 2, Checkpointing::kFull).estimate().model_states(), 28'971'122'688);
+}
+
+// E2 S4 R2: 32,768,000 + 32 x (10,496,000 + 176,160,768) + 32,769,024 = 6,038,553,600 params,
+// x 8 bytes = 48,308,428,800. Replicas do not change a rank's share.
+TEST(MemoryModel, ModelStatesReplicatedE2S4R2) {
+  EXPECT_EQ(shard_sizes(mixtral(), 2, 4).shard_params, 6'038'553'600);
+  const Layout x = layout(2, 4, Checkpointing::kFull);
+  EXPECT_EQ(x.parallel.replica_degree(), 2);
+  EXPECT_EQ(x.estimate().model_states(), 48'308'428'800);
+}
+
+// Mixed precision, E8 S2: bf16 copy 2 + fp32 master 4 + fp32 grads 4 + fp32 moments 8 = 18 bytes
+// per parameter: 3,621,390,336 x 18 = 65,185,026,048.
+TEST(MemoryModel, ModelStatesMixedPrecision) {
+  const MemoryEstimate m = layout(8, 2, Checkpointing::kFull, Precision::kMixed).estimate();
+  EXPECT_EQ(m.master_weights, 14'485'561'344);
+  EXPECT_EQ(m.model_states(), 65'185'026'048);
+}
+
+// Padding: with S = 3 the embedding 131,072,000 / 3 = 43,690,666.7 rounds up to 43,690,667.
+TEST(MemoryModel, FlatParametersArePaddedToTheShardDegree) {
+  const ShardSizes s = shard_sizes(mixtral(), 8, 3);
+  // 43,690,667 + 32 x (13,994,667 + 58,720,256) + 43,692,032 = 2,414,260,235
+  EXPECT_EQ(s.shard_params, 2'414'260'235);
+}
+
+// One block, one sequence of 2048 tokens, bf16 (2 bytes), top-2 of 8 experts, uniform routing
+// (4096 token-expert slots):
+//   block input   2048 x 4096 x 2                                       = 16,777,216
+//   attention     2048 x (2x4096 + 2x4096 + 2x1024) x 2 + 2048 x 32 x 4 = 75,759,616
+//   moe           2048 x 2x4096 x 2 + 2048 x 8 x 4 + 4096 x (2x4096 + 3x14336) x 2
+//                 = 33,554,432 + 65,536 + 419,430,400                    = 453,050,368
+TEST(MemoryModel, ActivationsPerBlock) {
+  const BlockActivations b = block_activations(mixtral(), 2048, 4096, 2);
+  EXPECT_EQ(b.block_input, 16'777'216);
+  EXPECT_EQ(b.attention, 75'759'616);
+  EXPECT_EQ(b.moe, 453'050'368);
+  EXPECT_EQ(b.full(), 528'809'984);
+}
+
+// 32 blocks: none keeps every block (32 x 528,809,984); full keeps block inputs and recomputes
+// one block (32 x 16,777,216 + 528,809,984); selective keeps attention plus the MoE input and
+// recomputes one MoE sub-block (32 x 92,536,832 + 453,050,368).
+TEST(MemoryModel, ActivationsWithAndWithoutCheckpointing) {
+  EXPECT_EQ(layout(8, 2, Checkpointing::kNone).estimate().activations, 16'921'919'488);
+  EXPECT_EQ(layout(8, 2, Checkpointing::kFull).estimate().activations, 1'065'680'896);
+  EXPECT_EQ(layout(8, 2, Checkpointing::kSelective).estimate().activations, 3'414'228'992);
+}
+
+// Offload with horizon 2 keeps 3 block inputs on the device (the one in use and two
+// prefetched) and all 32 on the host.
+TEST(MemoryModel, OffloadMovesBlockInputsToTheHost) {
+  Layout x = layout(8, 2, Checkpointing::kFull);
+  x.parallel.activation_offloading = true;
+  x.parallel.activation_loading_horizon = 2;
+  const MemoryEstimate m = x.estimate();
+  EXPECT_EQ(m.activations, 3 * 16'777'216 + 528'809'984);
+  EXPECT_EQ(m.offloaded_activations, 32 * 16'777'216);
+}
+
+// Expert imbalance: the busiest rank gets 1.5 x the mean of 4096 slots = 6144, so the expert
+// activations and the receive buffer grow by half.
+TEST(MemoryModel, ImbalanceGrowsExpertActivationsAndDispatchBuffers) {
+  Layout x = layout(8, 2, Checkpointing::kNone);
+  const MemoryEstimate uniform = x.estimate();
+  x.moe.expert_load_imbalance = 1.5;
+  const MemoryEstimate skewed = x.estimate();
+  EXPECT_EQ(skewed.activations - uniform.activations, int64_t{32} * 2048 * (2 * 4096 + 3 * 14336) * 2);
+  EXPECT_EQ(uniform.moe_dispatch_buffers, (4096 + 4096) * 4096 * 2);
+  EXPECT_EQ(skewed.moe_dispatch_buffers, (4096 + 6144) * 4096 * 2);
+}
+
+// Every item of E8 S2 with full checkpointing, and the total:
+//   model states 28,971,122,688
+//   gathered: 2 units of the largest flat parameter (a block: 41,984,000 + 176,160,768 =
+//     218,144,768) in bf16 = 872,579,072; gradient buffer: one unit = 436,289,536
+//   activations 1,065,680,896; dispatch (4096 sent + 4096 received) x 4096 x 2 = 67,108,864
+//   logits 2048 x 32000 x (2 + 4) = 393,216,000; framework 1,610,612,736 (profile)
+//   fragmentation 0.1 x (872,579,072 + 436,289,536 + 1,065,680,896 + 67,108,864 + 393,216,000)
+//     = 0.1 x 2,834,874,368 = 283,487,437 (rounded)
+//   total 33,700,097,229
+TEST(MemoryModel, DeviceTotalIsTheSumOfItems) {
+  const MemoryEstimate m = layout(8, 2, Checkpointing::kFull).estimate();
+  EXPECT_EQ(m.gathered_parameters, 872'579'072);
+  EXPECT_EQ(m.gradient_buffers, 436'289'536);
+  EXPECT_EQ(m.moe_dispatch_buffers, 67'108'864);
+  EXPECT_EQ(m.logits, 393'216'000);
+  EXPECT_EQ(m.framework_overhead, 1'610'612'736);
+  EXPECT_EQ(m.fragmentation, 283'487'437);
+  EXPECT_EQ(m.device_total, 33'700'097'229);
+  int64_t sum = 0;
+  for (const MemoryItem& item : m.device_items()) sum += item.bytes;
+  EXPECT_EQ(sum, m.device_total);
+}
+
+// Without sharding nothing is gathered: the rank holds its whole share.
+TEST(MemoryModel, NoGatherBuffersWithoutSharding) {
+  const MemoryEstimate m = layout(8, 1, Checkpointing::kFull).estimate();
+  EXPECT_EQ(m.gathered_parameters, 0);
+  EXPECT_EQ(m.gradient_buffers, 0);
+}
+
+TEST(MemoryModel, HostLimitIsSharedByTheNodesRanks) {
+  EXPECT_EQ(host_limit_bytes(p4d_two_nodes(), 16), p4d_two_nodes().host_memory_bytes / 8);
+  EXPECT_EQ(host_limit_bytes(p4d_two_nodes(), 2), p4d_two_nodes().host_memory_bytes / 2);
+}
+
+}  // namespace
+}  // namespace moeplan::planner

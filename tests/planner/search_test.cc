@@ -1,1 +1,112 @@
+#include "moeplan/planner/search.h"
+
 #include <gtest/gtest.h>
+
+namespace moeplan::planner {
+namespace {
+
+const ModelSpec& mixtral() {
+  static const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json");
+  return m;
+}
+ClusterSpec p4d(int64_t gpus) {
+  return size_cluster(read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/p4d.24xlarge.json"), gpus);
+}
+SearchOptions options_for(int64_t gpus) {
+  SearchOptions o;
+  o.gpus = gpus;
+  o.training.seq_len = 2048;
+  o.training.global_batch_tokens = default_global_batch_tokens(gpus, 2048);
+  return o;
+}
+
+TEST(Search, SixteenA100sGiveAValidPlanThatFits) {
+  const ClusterSpec cluster = p4d(16);
+  const SearchOptions options = options_for(16);
+  const SearchResult result = search(mixtral(), cluster, options);
+  ASSERT_FALSE(result.ranked.empty());
+  double previous = result.ranked.front().estimate.tokens_per_s;
+  for (const Candidate& c : result.ranked) {
+    EXPECT_LE(c.memory.device_total, cluster.usable_memory_bytes()) << describe(c.parallel);
+    EXPECT_LE(c.estimate.tokens_per_s, previous);
+    previous = c.estimate.tokens_per_s;
+    EXPECT_TRUE(validate({mixtral(), cluster, c.parallel, options.moe, options.training}).empty());
+  }
+  const Plan plan = make_plan(mixtral(), cluster, options, result, "test");
+  int64_t sum = 0;
+  for (const MemoryItem& item : plan.prediction.memory.device) sum += item.bytes;
+  EXPECT_EQ(sum, plan.prediction.memory.device_total_bytes);
+  EXPECT_LE(plan.prediction.memory.device_total_bytes, plan.prediction.memory.device_limit_bytes);
+  EXPECT_EQ(plan.cluster.num_nodes, 2);
+  EXPECT_EQ(plan.parallel.world_size, 16);
+  EXPECT_GT(plan.prediction.tokens_per_s, 0);
+  EXPECT_LT(plan.prediction.mfu, 1.0);
+}
+
+TEST(Search, EveryCandidateIsAccountedFor) {
+  const SearchResult r = search(mixtral(), p4d(16), options_for(16));
+  const SearchStats& s = r.stats;
+  EXPECT_EQ(s.enumerated, s.duplicate_placements + s.rule_rejected + s.rule_valid);
+  EXPECT_GE(s.rule_valid, s.fitting);
+  EXPECT_GE(s.over_device_memory + s.over_host_memory, s.rule_valid - s.fitting);
+  // The three rules that shape this space all removed something.
+  EXPECT_GT(s.rejected_by_rule[static_cast<size_t>(Rule::kExpertDegreeDividesExperts)], 0);
+  EXPECT_GT(s.rejected_by_rule[static_cast<size_t>(Rule::kShardExpertDividesWorld)], 0);
+  EXPECT_GT(s.rejected_by_rule[static_cast<size_t>(Rule::kOffloadNeedsCheckpointing)], 0);
+}
+
+TEST(Search, OneGpuCannotHoldMixtral8x7bAndSaysByHowMuch) {
+  const ClusterSpec cluster = p4d(1);
+  const SearchResult r = search(mixtral(), cluster, options_for(1));
+  EXPECT_TRUE(r.ranked.empty());
+  ASSERT_TRUE(r.stats.closest_over_device.has_value());
+  // bf16 model states of 46.7B parameters alone are 8 bytes each: ~348 GiB.
+  EXPECT_GT(r.stats.closest_over_device->memory.model_states(), int64_t{46'700'000'000} * 8);
+  const auto lines = explain_no_plan(r, cluster);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_NE(lines[0].find("device memory"), std::string::npos);
+  EXPECT_NE(lines[0].find("over by"), std::string::npos);
+}
+
+TEST(Search, IsDeterministic) {
+  const ClusterSpec cluster = p4d(16);
+  const SearchOptions options = options_for(16);
+  const std::string a = plan_to_text(make_plan(mixtral(), cluster, options, search(mixtral(), cluster, options), "x"));
+  const std::string b = plan_to_text(make_plan(mixtral(), cluster, options, search(mixtral(), cluster, options), "x"));
+  EXPECT_EQ(a, b);
+}
+
+TEST(Search, WrittenPlanReadsBackEqual) {
+  const ClusterSpec cluster = p4d(16);
+  const SearchOptions options = options_for(16);
+  const Plan plan = make_plan(mixtral(), cluster, options, search(mixtral(), cluster, options), "x");
+  const Plan back = plan_from_json(Json::parse(plan_to_text(plan)), "plan.json");
+  EXPECT_EQ(back, plan);
+  EXPECT_EQ(plan_to_text(back), plan_to_text(plan));
+}
+
+TEST(Search, ThousandGpusFindAPlan) {
+  const SearchResult r = search(mixtral(), p4d(1024), options_for(1024));
+  ASSERT_FALSE(r.ranked.empty());
+  EXPECT_EQ(r.ranked.front().parallel.world_size, 1024);
+}
+
+TEST(Search, MorePrecisionNeedsMoreGpus) {
+  // fp32 master weights and moments take 18 bytes per parameter: 46.7B x 18 = 841 GB, more
+  // than the 16 x 40 GiB = 687 GB of two p4d nodes, so only bf16 states (8 bytes) fit there.
+  SearchOptions options = options_for(16);
+  options.training.precision = Precision::kMixed;
+  EXPECT_TRUE(search(mixtral(), p4d(16), options).ranked.empty());
+  SearchOptions bigger = options_for(64);
+  bigger.training.precision = Precision::kMixed;
+  EXPECT_FALSE(search(mixtral(), p4d(64), bigger).ranked.empty());
+}
+
+TEST(Search, DefaultGlobalBatchIsWholeSequencesPerRank) {
+  EXPECT_EQ(default_global_batch_tokens(16, 2048), 4'194'304);
+  EXPECT_EQ(default_global_batch_tokens(3, 2048), 4'196'352);  // 683 x 3 x 2048
+  EXPECT_EQ(default_global_batch_tokens(4096, 2048), 4096 * 2048);
+}
+
+}  // namespace
+}  // namespace moeplan::planner

@@ -1,1 +1,108 @@
+#include "moeplan/simulator/cost_model.h"
+
 #include <gtest/gtest.h>
+
+namespace moeplan::sim {
+namespace {
+
+// A round-number cluster: 8 GPUs per node, 100 GB/s per GPU inside a node, 10 GB/s per node
+// across, 1 us and 10 us latency.
+ClusterSpec toy(int64_t nodes) {
+  ClusterSpec c;
+  c.name = "toy";
+  c.gpus_per_node = 8;
+  c.num_nodes = nodes;
+  c.peak_bf16_flops = 100e12;
+  c.peak_fp32_flops = 10e12;
+  c.hbm_bandwidth_bytes_per_s = 1e12;
+  c.matmul_efficiency = {{1e9, 0.5}, {1e11, 0.8}};
+  c.intra_node_bandwidth_bytes_per_s = 100e9;
+  c.intra_node_latency_s = 1e-6;
+  c.inter_node_bandwidth_bytes_per_s = 10e9;
+  c.inter_node_latency_s = 10e-6;
+  c.pcie_bandwidth_bytes_per_s = 20e9;
+  return c;
+}
+
+ParallelConfig mesh(int64_t w, int64_t e, int64_t s, const char* placement) {
+  ParallelConfig p;
+  p.world_size = w;
+  p.expert_parallel_degree = e;
+  p.hybrid_shard_degree = s;
+  p.placement = *Placement::parse(placement);
+  return p;
+}
+
+TEST(GroupShape, InnermostDimensionStaysInANode) {
+  const ClusterSpec c = toy(2);
+  // RSE, E = 8, S = 2: experts are ranks 0..7 (one node), shard peers 0 and 8 (two nodes).
+  const ParallelConfig p = mesh(16, 8, 2, "RSE");
+  const GroupShape e = group_shape(c, p, MeshDim::kExpert);
+  EXPECT_EQ(e.per_node, 8);
+  EXPECT_EQ(e.nodes, 1);
+  const GroupShape s = group_shape(c, p, MeshDim::kShard);
+  EXPECT_EQ(s.per_node, 1);
+  EXPECT_EQ(s.nodes, 2);
+  EXPECT_EQ(s.groups_per_node, 8);  // all 8 ranks of a node cross the NIC at once
+}
+
+TEST(GroupShape, OuterExpertDimensionSpansNodes) {
+  // ESR with E = 8, S = 2, R = 1: E has stride 2, so ranks 0,2,..,14: 4 per node, 2 nodes.
+  const GroupShape e = group_shape(toy(2), mesh(16, 8, 2, "ESR"), MeshDim::kExpert);
+  EXPECT_EQ(e.per_node, 4);
+  EXPECT_EQ(e.nodes, 2);
+  EXPECT_EQ(e.groups_per_node, 2);
+}
+
+TEST(CostModel, MatmulUsesTheEfficiencyCurve) {
+  const ClusterSpec c = toy(1);
+  const CostModel cost(c);
+  // 1e12 FLOPs at 100 TFLOP/s x 0.5 (GEMM of 1e9, first point) = 20 ms.
+  EXPECT_DOUBLE_EQ(cost.matmul_seconds(1e12, 1e9, false), 0.02);
+  // Halfway in log10 between 1e9 and 1e11: efficiency 0.65.
+  EXPECT_DOUBLE_EQ(c.efficiency_at(1e10), 0.65);
+  // fp32 uses the fp32 peak, and a GEMM beyond the last point its efficiency:
+  // 1e12 / (10e12 x 0.8) = 125 ms.
+  EXPECT_DOUBLE_EQ(cost.matmul_seconds(1e12, 1e12, true), 0.125);
+}
+
+TEST(CostModel, AllGatherInsideANode) {
+  const ClusterSpec c = toy(1);
+  const CostModel cost(c);
+  GroupShape g{8, 8, 1, 1};
+  // 7 steps x 1 us + 7/8 x 8 GB / 100 GB/s = 7 us + 70 ms.
+  EXPECT_NEAR(cost.all_gather_seconds(8e9, g), 7e-6 + 0.07, 1e-12);
+  EXPECT_NEAR(cost.all_reduce_seconds(8e9, g), 2 * (7e-6 + 0.07), 1e-12);
+}
+
+TEST(CostModel, AllGatherAcrossNodesSharesTheNic) {
+  const ClusterSpec c = toy(2);
+  const CostModel cost(c);
+  // 2 members, one per node, 8 such groups per node: each node's NIC takes 8 x 1 GB x 1/2
+  // = 4 GB at 10 GB/s = 0.4 s; the intra term (1/2 x 1 GB / 100 GB/s = 5 ms) is smaller.
+  GroupShape g{2, 1, 2, 8};
+  EXPECT_NEAR(cost.all_gather_seconds(1e9, g), 10e-6 + 0.4, 1e-12);
+}
+
+TEST(CostModel, AllToAllAcrossTwoNodes) {
+  const ClusterSpec c = toy(2);
+  const CostModel cost(c);
+  // 16 members, 8 per node; each sends 1.6 GB, 8/16 of it off the node. All 8 ranks of a node
+  // do so at once: 8 x 0.8 GB = 6.4 GB through a 10 GB/s NIC = 0.64 s, plus 15 x 10 us.
+  GroupShape g{16, 8, 2, 1};
+  EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, g), 15 * 10e-6 + 0.64, 1e-12);
+  // Inside one node only the 7/8 that leave the rank travel: 1.4 GB / 100 GB/s = 14 ms.
+  GroupShape local{8, 8, 1, 1};
+  EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, local), 7 * 1e-6 + 0.014, 1e-12);
+}
+
+TEST(CostModel, SingleMemberGroupsCostNothing) {
+  const CostModel cost(toy(1));
+  GroupShape one{};
+  EXPECT_EQ(cost.all_gather_seconds(1e9, one), 0);
+  EXPECT_EQ(cost.all_to_all_seconds(1e9, one), 0);
+  EXPECT_EQ(cost.all_reduce_seconds(1e9, one), 0);
+}
+
+}  // namespace
+}  // namespace moeplan::sim

@@ -18,8 +18,9 @@
 
 namespace moeplan {
 
-using Json = nlohmann::json;                // what readers take
-using OrderedJson = nlohmann::ordered_json;  // what writers produce (fields in a fixed order)
+// Objects keep their fields in document order, so what is read back writes out the same.
+using Json = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 // Where each hardware or model number came from, keyed by field path ("gpu.memory_bytes").
 using SourceMap = std::map<std::string, std::string>;

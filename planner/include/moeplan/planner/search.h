@@ -37,10 +37,11 @@ struct SearchStats {
   int64_t enumerated = 0;
   int64_t duplicate_placements = 0;  // placements that give the same rank layout as an earlier one
   std::array<int64_t, kRuleCount> rejected_by_rule{};  // a candidate counts once per rule it breaks
-  int64_t rule_valid = 0;
+  int64_t rule_rejected = 0;  // candidates that break at least one rule
+  int64_t rule_valid = 0;     // enumerated = duplicate_placements + rule_rejected + rule_valid
   int64_t over_device_memory = 0;
   int64_t over_host_memory = 0;
-  int64_t fitting = 0;
+  int64_t fitting = 0;  // rule-valid and within both memory limits
   // Among rule-valid candidates that do not fit: the one closest to each limit.
   std::optional<Candidate> closest_over_device;
   std::optional<Candidate> closest_over_host;
