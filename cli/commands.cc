@@ -46,7 +46,7 @@ void print_explain(const planner::SearchStats& s) {
   std::printf("  %-40s %10lld\n", "valid by every rule", static_cast<long long>(s.rule_valid));
   std::printf("  %-40s %10lld\n", "limit device memory", static_cast<long long>(s.over_device_memory));
   std::printf("  %-40s %10lld\n", "limit host memory (offload)", static_cast<long long>(s.over_host_memory));
-  std::printf("  %-40s %10lld\n", "fit and ranked", static_cast<long long>(s.fitting));
+  std::printf("  %-40s %10lld\n", "fit and ranked", static_cast<long long>(s.fitting), static_cast<long long>(s.simulated));
 }
 
 void print_error(const InputError& e) {
@@ -95,9 +95,9 @@ int run_search(const SearchArgs& args) {
     const planner::SearchResult result = planner::search(model, cluster, options);
     const planner::SearchStats& s = result.stats;
     if (!args.json)
-      std::printf("%lld configurations: %lld valid, %lld fit in memory; ranked by the analytic estimate\n",
+      std::printf("%lld configurations: %lld valid, %lld fit in memory, %lld simulated (the rest pruned by a compute bound)\n",
                   static_cast<long long>(s.enumerated), static_cast<long long>(s.rule_valid),
-                  static_cast<long long>(s.fitting));
+                  static_cast<long long>(s.fitting), static_cast<long long>(s.simulated));
     if (args.explain) print_explain(s);
     if (result.ranked.empty()) {
       std::fprintf(stderr, "moeplan: no plan for %s on %lld GPU(s) of %s\n", model.name.c_str(),

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "moeplan/core/units.h"
+#include "moeplan/simulator/step.h"
 
 namespace moeplan::planner {
 
@@ -35,6 +36,36 @@ bool better(const Candidate& a, const Candidate& b) {
     return a.estimate.tokens_per_s > b.estimate.tokens_per_s;
   if (a.memory.device_total != b.memory.device_total) return a.memory.device_total < b.memory.device_total;
   return a.index < b.index;
+}
+
+// No schedule can beat the busiest rank's compute: every compute op of a rank runs on one
+// stream, one after the other.
+double compute_lower_bound_s(const sim::StepEstimate& e) { return e.compute_s + e.recompute_s + e.optimizer_s; }
+
+// Simulates candidates in order of their analytic estimate until no candidate left can enter
+// the top `keep`, then ranks the simulated ones.
+std::vector<Candidate> simulate_best(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,
+                                     std::vector<Candidate> fitting, SearchStats& stats) {
+  std::vector<Candidate> simulated;
+  // The keep-th best simulated step time so far; a candidate whose bound exceeds it is out.
+  std::vector<double> best_times;
+  // Horizon-only variants are dropped from the ranking later; simulate a few more so that
+  // `keep` distinct ones remain.
+  const size_t wanted = options.keep * 4;
+  for (const Candidate& c : fitting) {
+    if (best_times.size() >= wanted && compute_lower_bound_s(c.estimate) > best_times.back() * (1 + 1e-9)) continue;
+    const RunConfig config{model, cluster, c.parallel, options.moe, options.training};
+    Candidate s = c;
+    s.estimate = sim::simulate_step(config).estimate;
+    s.simulated = true;
+    ++stats.simulated;
+    best_times.insert(std::upper_bound(best_times.begin(), best_times.end(), s.estimate.step_time_s),
+                      s.estimate.step_time_s);
+    if (best_times.size() > wanted) best_times.pop_back();
+    simulated.push_back(s);
+  }
+  std::sort(simulated.begin(), simulated.end(), better);
+  return simulated;
 }
 
 }  // namespace
@@ -151,6 +182,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   }
   stats.fitting = static_cast<int64_t>(fitting.size());
   std::sort(fitting.begin(), fitting.end(), better);
+  if (options.estimator == Estimator::kSimulator) fitting = simulate_best(model, cluster, options, std::move(fitting), stats);
   // A candidate that differs from a better-ranked one only in its loading horizon, at the same
   // predicted speed, just holds more memory: it is not worth showing.
   for (const Candidate& c : fitting) {
@@ -165,16 +197,30 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   return result;
 }
 
-Prediction predict(const RunConfig& config) {
+Prediction predict(const RunConfig& config, Estimator estimator) {
   const MemoryEstimate memory = estimate_memory(config);
-  const sim::StepEstimate step = sim::estimate_step(config, sim::layout_shapes(config.cluster, config.parallel));
   Prediction p;
+  p.memory = to_breakdown(memory, config.cluster, config.parallel.world_size);
+  if (estimator == Estimator::kSimulator) {
+    const sim::StepSimulation s = sim::simulate_step(config);
+    const sim::StepEstimate& step = s.estimate;
+    p.estimator = "simulator";
+    p.step_time_s = step.step_time_s;
+    p.tokens_per_s = step.tokens_per_s;
+    p.tflops_per_gpu = step.tflops_per_gpu;
+    p.mfu = step.mfu;
+    p.time = {{"compute", step.compute_s},
+              {"recompute", step.recompute_s},
+              {"optimizer", step.optimizer_s},
+              {"exposed_comm", s.exposed_comm_s}};
+    return p;
+  }
+  const sim::StepEstimate step = sim::estimate_step(config, sim::layout_shapes(config.cluster, config.parallel));
   p.estimator = "analytic";
   p.step_time_s = step.step_time_s;
   p.tokens_per_s = step.tokens_per_s;
   p.tflops_per_gpu = step.tflops_per_gpu;
   p.mfu = step.mfu;
-  p.memory = to_breakdown(memory, config.cluster, config.parallel.world_size);
   p.time = {{"compute", step.compute_s},
             {"recompute", step.recompute_s},
             {"expert_dispatch", step.expert_comm_s},
@@ -193,7 +239,7 @@ Plan make_plan(const ModelSpec& model, const ClusterSpec& cluster, const SearchO
   plan.moe = options.moe;
   plan.training = options.training;
   plan.parallel = result.ranked.front().parallel;
-  plan.prediction = predict({plan.model, plan.cluster, plan.parallel, plan.moe, plan.training});
+  plan.prediction = predict({plan.model, plan.cluster, plan.parallel, plan.moe, plan.training}, options.estimator);
   constexpr size_t kAlternatives = 4;
   for (size_t i = 1; i < result.ranked.size() && i <= kAlternatives; ++i) {
     const Candidate& c = result.ranked[i];

@@ -31,43 +31,66 @@ double CostModel::memory_bound_seconds(double bytes) const {
   return bytes / cluster_->hbm_bandwidth_bytes_per_s;
 }
 
-double CostModel::nic_seconds(double node_bytes) const {
-  return node_bytes / cluster_->inter_node_bandwidth_bytes_per_s;
+double CostModel::seconds(const CollectiveCost& c, const GroupShape& g) const {
+  const double nic = static_cast<double>(g.groups_per_node) * c.nic_bytes_per_node /
+                     cluster_->inter_node_bandwidth_bytes_per_s;
+  return c.latency_s + std::max(c.intra_s, nic);
+}
+
+CollectiveCost CostModel::all_gather_cost(double output_bytes, const GroupShape& g) const {
+  CollectiveCost c;
+  if (g.size <= 1 || output_bytes <= 0) return c;
+  const double n = static_cast<double>(g.size);
+  c.latency_s = (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
+  c.intra_s = (n - 1) / n * output_bytes / cluster_->intra_node_bandwidth_bytes_per_s;
+  if (g.crosses_nodes()) {
+    // One ring per group enters each node once; the link into a node carries every chunk
+    // that started on another node.
+    const double k = static_cast<double>(g.nodes);
+    c.nic_bytes_per_node = output_bytes * (k - 1) / k;
+  }
+  return c;
+}
+
+CollectiveCost CostModel::reduce_scatter_cost(double input_bytes, const GroupShape& g) const {
+  // The mirror image of the all-gather: the same chunks travel the same links.
+  return all_gather_cost(input_bytes, g);
+}
+
+CollectiveCost CostModel::all_reduce_cost(double bytes, const GroupShape& g) const {
+  CollectiveCost c = all_gather_cost(bytes, g);
+  c.latency_s *= 2;
+  c.intra_s *= 2;
+  c.nic_bytes_per_node *= 2;
+  return c;
+}
+
+CollectiveCost CostModel::all_to_all_cost(double send_bytes, const GroupShape& g) const {
+  CollectiveCost c;
+  if (g.size <= 1 || send_bytes <= 0) return c;
+  const double n = static_cast<double>(g.size);
+  const double m = static_cast<double>(g.per_node);
+  c.latency_s = (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
+  c.intra_s = send_bytes * (m - 1) / n / cluster_->intra_node_bandwidth_bytes_per_s;
+  // Each of the group's m members on a node sends (n - m)/n of its buffer off the node.
+  if (g.crosses_nodes()) c.nic_bytes_per_node = m * send_bytes * (n - m) / n;
+  return c;
 }
 
 double CostModel::all_gather_seconds(double output_bytes, const GroupShape& g) const {
-  if (g.size <= 1 || output_bytes <= 0) return 0;
-  const double n = static_cast<double>(g.size);
-  const double steps = n - 1;
-  const double intra = steps / n * output_bytes / cluster_->intra_node_bandwidth_bytes_per_s;
-  if (!g.crosses_nodes()) return steps * cluster_->intra_node_latency_s + intra;
-  // One ring per group enters each node once; the link into a node carries every chunk that
-  // started on another node, and all groups with members on the node share its NIC.
-  const double k = static_cast<double>(g.nodes);
-  const double node_bytes = static_cast<double>(g.groups_per_node) * output_bytes * (k - 1) / k;
-  return steps * cluster_->inter_node_latency_s + std::max(intra, nic_seconds(node_bytes));
+  return seconds(all_gather_cost(output_bytes, g), g);
 }
 
 double CostModel::reduce_scatter_seconds(double input_bytes, const GroupShape& g) const {
-  // The mirror image of the all-gather: the same chunks travel the same links.
-  return all_gather_seconds(input_bytes, g);
+  return seconds(reduce_scatter_cost(input_bytes, g), g);
 }
 
 double CostModel::all_reduce_seconds(double bytes, const GroupShape& g) const {
-  return reduce_scatter_seconds(bytes, g) + all_gather_seconds(bytes, g);
+  return seconds(all_reduce_cost(bytes, g), g);
 }
 
 double CostModel::all_to_all_seconds(double send_bytes, const GroupShape& g) const {
-  if (g.size <= 1 || send_bytes <= 0) return 0;
-  const double n = static_cast<double>(g.size);
-  const double m = static_cast<double>(g.per_node);
-  const double steps = n - 1;
-  const double intra = send_bytes * (m - 1) / n / cluster_->intra_node_bandwidth_bytes_per_s;
-  if (!g.crosses_nodes()) return steps * cluster_->intra_node_latency_s + intra;
-  // Every rank on the node sends (n - m)/n of its buffer off the node at the same time.
-  const double node_ranks = static_cast<double>(g.groups_per_node * g.per_node);
-  const double node_bytes = node_ranks * send_bytes * (n - m) / n;
-  return steps * cluster_->inter_node_latency_s + std::max(intra, nic_seconds(node_bytes));
+  return seconds(all_to_all_cost(send_bytes, g), g);
 }
 
 double CostModel::pcie_seconds(double bytes) const {

@@ -17,6 +17,8 @@
 
 namespace moeplan::planner {
 
+enum class Estimator : uint8_t { kAnalytic, kSimulator };
+
 struct SearchOptions {
   int64_t gpus = 16;
   TrainingConfig training;  // seq_len, global_batch_tokens, precision and the schedule
@@ -24,6 +26,9 @@ struct SearchOptions {
   int64_t max_micro_batch = 64;
   std::vector<int64_t> loading_horizons = {1, 2, 4};
   size_t keep = 10;  // ranked candidates returned
+  // kSimulator: the analytic estimate orders the candidates that fit, a lower bound (the busiest
+  // rank's compute) prunes them, and the discrete-event simulator ranks the rest.
+  Estimator estimator = Estimator::kSimulator;
 };
 
 struct Candidate {
@@ -31,6 +36,7 @@ struct Candidate {
   MemoryEstimate memory;
   sim::StepEstimate estimate;
   int64_t index = 0;  // position in enumeration order; breaks ties deterministically
+  bool simulated = false;  // estimate comes from the step simulator
 };
 
 struct SearchStats {
@@ -42,6 +48,7 @@ struct SearchStats {
   int64_t over_device_memory = 0;
   int64_t over_host_memory = 0;
   int64_t fitting = 0;  // rule-valid and within both memory limits
+  int64_t simulated = 0;  // fitting candidates the step simulator ran (the rest were pruned)
   // Among rule-valid candidates that do not fit: the one closest to each limit.
   std::optional<Candidate> closest_over_device;
   std::optional<Candidate> closest_over_host;
@@ -61,7 +68,7 @@ int64_t default_global_batch_tokens(int64_t gpus, int64_t seq_len);
 SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options);
 
 // Memory and time prediction of one configuration, as written into plan.json.
-Prediction predict(const RunConfig& config);
+Prediction predict(const RunConfig& config, Estimator estimator = Estimator::kSimulator);
 
 // The plan for the best candidate, with the next ones as alternatives.
 Plan make_plan(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,

@@ -5,6 +5,7 @@
 
 #include "moeplan/core/rules.h"
 #include "moeplan/simulator/cost_model.h"
+#include "moeplan/simulator/op_costs.h"
 
 namespace moeplan::sim {
 
@@ -33,5 +34,8 @@ struct StepEstimate {
 };
 
 StepEstimate estimate_step(const RunConfig& config, const LayoutShapes& shapes);
+
+// Fills tokens/s, model FLOPs, TFLOP/s per GPU and MFU from step_time_s.
+void fill_rates(const RunConfig& config, const OpCosts& costs, StepEstimate& estimate);
 
 }  // namespace moeplan::sim

@@ -27,6 +27,15 @@ GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& paralle
 // A group of `size` ranks with neighbours `stride` ranks apart.
 GroupShape group_shape(const ClusterSpec& cluster, int64_t world_size, int64_t size, int64_t stride);
 
+// A collective split into the parts the simulator schedules separately: ring latency, the
+// transfer over the intra-node fabric, and the bytes one group pushes through the network card
+// of each node it spans. The card is shared with whatever else crosses it at the time.
+struct CollectiveCost {
+  double latency_s = 0;
+  double intra_s = 0;
+  double nic_bytes_per_node = 0;
+};
+
 class CostModel {
  public:
   explicit CostModel(const ClusterSpec& cluster) : cluster_(&cluster) {}
@@ -46,14 +55,20 @@ class CostModel {
   // Pairwise all-to-all: each member sends `send_bytes` in total, 1/size to each member
   // (its own share stays local).
   double all_to_all_seconds(double send_bytes, const GroupShape& g) const;
+  // The same collectives as parts, for one group alone (groups_per_node is not applied).
+  CollectiveCost all_gather_cost(double output_bytes, const GroupShape& g) const;
+  CollectiveCost reduce_scatter_cost(double input_bytes, const GroupShape& g) const;
+  CollectiveCost all_reduce_cost(double bytes, const GroupShape& g) const;
+  CollectiveCost all_to_all_cost(double send_bytes, const GroupShape& g) const;
+
   // Host <-> device copy over PCIe of one GPU.
   double pcie_seconds(double bytes) const;
 
   const ClusterSpec& cluster() const { return *cluster_; }
 
  private:
-  // Time for the traffic that leaves each node: `node_bytes` through one NIC.
-  double nic_seconds(double node_bytes) const;
+  // A collective's time when `groups_per_node` groups cross each NIC at once.
+  double seconds(const CollectiveCost& c, const GroupShape& g) const;
   const ClusterSpec* cluster_;
 };
 

@@ -1,0 +1,115 @@
+#pragma once
+// One training step as a graph of ops on per-rank streams, and its discrete-event execution.
+//
+// Streams behave like CUDA streams: each rank's stream runs its ops one at a time in the order
+// they were added (a busy flag and a FIFO). An op also waits for the ops it depends on. A
+// collective is a set of parts, one on a stream of each participating rank; it starts when the
+// last part arrives and ends for all of them together. Collectives that cross nodes push bytes
+// through each node's network card, which is shared fairly by all transfers crossing it at the
+// same moment (processor sharing).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/trace.h"
+#include "moeplan/simulator/cost_model.h"
+#include "moeplan/simulator/engine.h"
+
+namespace moeplan::sim {
+
+using OpId = int32_t;
+inline constexpr OpId kNoOp = -1;
+
+enum class OpKind : uint8_t {
+  kAttentionForward,
+  kExpertForward,
+  kHeadForwardBackward,
+  kAttentionBackward,
+  kExpertBackward,
+  kAttentionRecompute,
+  kExpertRecompute,
+  kOptimizer,
+  kDispatch,
+  kCombine,
+  kDispatchBackward,
+  kCombineBackward,
+  kDispatchRecompute,
+  kCombineRecompute,
+  kGatherForward,
+  kGatherBackward,
+  kReduceScatter,
+  kGradAllReduce,
+  kOffload,
+  kReload,
+  kCount
+};
+std::string_view op_kind_name(OpKind kind);
+// Trace category: compute, all_to_all, all_gather, reduce_scatter, all_reduce or copy.
+std::string_view op_category(OpKind kind);
+
+struct Op {
+  int32_t rank = 0;  // index among the simulated ranks
+  TraceStream stream = TraceStream::kCompute;
+  OpKind kind = OpKind::kAttentionForward;
+  int16_t layer = -1;        // -1: not a layer's op
+  int16_t micro_batch = -1;  // -1: once per step
+  int32_t collective = -1;   // >= 0: this op is one rank's part of that collective
+  SimTime duration{0};       // compute and copy ops; a collective's time is the collective's
+  double flops = 0;
+  double bytes = 0;
+};
+
+struct Collective {
+  SimTime latency{0};  // ring steps
+  SimTime intra{0};    // transfer inside nodes
+  double nic_bytes_per_node = 0;
+  int32_t first_node = 0;  // into StepGraph::collective_nodes
+  int32_t node_count = 0;  // nodes whose card it crosses (0: none)
+  int32_t parts = 0;
+};
+
+class StepGraph {
+ public:
+  StepGraph(int32_t ranks, int32_t nodes);
+
+  OpId add_op(const Op& op);
+  // A collective among `parts` ranks, crossing the cards of `nodes`.
+  int32_t add_collective(SimTime latency, SimTime intra, double nic_bytes_per_node,
+                         const std::vector<int32_t>& nodes, int32_t parts);
+  // `later` starts only after `earlier` has finished; kNoOp is ignored.
+  void depend(OpId later, OpId earlier);
+
+  int32_t ranks() const { return ranks_; }
+  int32_t nodes() const { return nodes_; }
+  const std::vector<Op>& ops() const { return ops_; }
+  const std::vector<Collective>& collectives() const { return collectives_; }
+  const std::vector<int32_t>& collective_nodes() const { return collective_nodes_; }
+  const std::vector<std::pair<OpId, OpId>>& edges() const { return edges_; }  // (earlier, later)
+
+ private:
+  int32_t ranks_;
+  int32_t nodes_;
+  std::vector<Op> ops_;
+  std::vector<Collective> collectives_;
+  std::vector<int32_t> collective_nodes_;
+  std::vector<std::pair<OpId, OpId>> edges_;
+};
+
+struct GraphTimes {
+  std::vector<SimTime> start;  // per op: when it began (a collective part: when its rank arrived)
+  std::vector<SimTime> end;
+  SimTime makespan{0};
+  uint64_t events = 0;
+  size_t finished = 0;  // ops that ran; fewer than the graph's means a deadlock (a bug)
+  std::vector<SimTime> stream_busy;  // [rank * kTraceStreamCount + stream]
+  std::vector<SimTime> nic_busy;     // per node: time with at least one transfer
+};
+
+// Runs the graph. `nic_bandwidth_bytes_per_s` is each node's card.
+GraphTimes run_graph(const StepGraph& graph, double nic_bandwidth_bytes_per_s);
+
+// The ops as trace events (rank = simulated rank index).
+Trace to_trace(const StepGraph& graph, const GraphTimes& times);
+
+}  // namespace moeplan::sim

@@ -1,0 +1,41 @@
+#pragma once
+// The discrete-event simulation of one optimizer step (design.md section 4).
+//
+// By default one node's ranks are simulated and every other node is taken to behave like it:
+// under a uniform layout all nodes run the same ops at the same times, so a collective's
+// members on other nodes arrive when their counterparts here do, and the network card of
+// every node carries what this node's card carries. Micro-batches after the second repeat the
+// second; the step is extrapolated from them. Both reductions can be switched off, and tests
+// check that they change nothing.
+
+#include <cstdint>
+#include <vector>
+
+#include "moeplan/core/rules.h"
+#include "moeplan/core/trace.h"
+#include "moeplan/simulator/analytic.h"
+#include "moeplan/simulator/graph.h"
+
+namespace moeplan::sim {
+
+struct StepSimOptions {
+  bool all_ranks = false;          // simulate every rank instead of one node
+  bool all_micro_batches = false;  // simulate every micro-batch instead of two
+};
+
+struct StepSimulation {
+  StepEstimate estimate;
+  StepGraph graph{1, 1};
+  GraphTimes times;
+  std::vector<int64_t> ranks;  // global rank of each simulated rank
+  int64_t micro_batches = 0;   // simulated micro-batches
+  double exposed_comm_s = 0;   // step time the busiest compute stream spent waiting
+  double nic_busy_s = 0;       // time node 0's card carried traffic (extrapolated)
+};
+
+StepSimulation simulate_step(const RunConfig& config, const StepSimOptions& options = {});
+
+// The simulated step as a trace (pid = global rank).
+Trace step_trace(const StepSimulation& simulation);
+
+}  // namespace moeplan::sim

@@ -1,0 +1,381 @@
+#include "moeplan/simulator/step.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+
+#include "moeplan/core/units.h"
+
+namespace moeplan::sim {
+
+namespace {
+
+// The simulated ranks and, for each mesh dimension, the collectives of their groups.
+class Layout {
+ public:
+  Layout(const RunConfig& c, bool all_ranks) : c_(c) {
+    const ParallelConfig& p = c.parallel;
+    const int64_t node_ranks = std::min(p.world_size, c.cluster.gpus_per_node);
+    const int64_t count = all_ranks ? p.world_size : node_ranks;
+    for (int64_t r = 0; r < count; ++r) ranks_.push_back(r);
+    nodes_ = all_ranks ? static_cast<int32_t>((p.world_size + node_ranks - 1) / node_ranks) : 1;
+    node_ranks_ = node_ranks;
+  }
+
+  const std::vector<int64_t>& ranks() const { return ranks_; }
+  int32_t nodes() const { return nodes_; }
+  int64_t coord(int64_t rank, MeshDim d) const {
+    return (rank / c_.parallel.stride(d)) % c_.parallel.degree(d);
+  }
+  bool busiest_expert_rank(int64_t rank) const { return coord(rank, MeshDim::kExpert) == 0; }
+
+  // Simulated members of the group of `rank` along d (index into ranks()), and the simulated
+  // nodes whose card the group crosses when it spans nodes.
+  struct Group {
+    int64_t base;  // the smallest global rank in the group: its identity
+    std::vector<int32_t> members;
+    std::vector<int32_t> nodes;
+  };
+  Group group(int64_t rank, MeshDim d) const {
+    const int64_t stride = c_.parallel.stride(d);
+    const int64_t degree = c_.parallel.degree(d);
+    Group g;
+    g.base = rank - coord(rank, d) * stride;
+    std::vector<bool> seen(static_cast<size_t>(nodes_), false);
+    for (int64_t i = 0; i < degree; ++i) {
+      const int64_t member = g.base + i * stride;
+      if (member < static_cast<int64_t>(ranks_.size())) g.members.push_back(static_cast<int32_t>(member));
+      const auto node = static_cast<size_t>(std::min<int64_t>(member / node_ranks_, nodes_ - 1));
+      if (member / node_ranks_ < nodes_ && !seen[node]) {
+        seen[node] = true;
+        g.nodes.push_back(static_cast<int32_t>(node));
+      }
+    }
+    return g;
+  }
+
+ private:
+  const RunConfig& c_;
+  std::vector<int64_t> ranks_;
+  int32_t nodes_ = 1;
+  int64_t node_ranks_ = 1;
+};
+
+class Builder {
+ public:
+  Builder(const RunConfig& c, const Layout& layout, int64_t micro_batches)
+      : c_(c),
+        p_(c.parallel),
+        layout_(layout),
+        cost_(c.cluster),
+        o_(op_costs(c)),
+        shapes_(layout_shapes(c.cluster, c.parallel)),
+        graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
+        micro_batches_(micro_batches),
+        layers_(static_cast<int>(c.model.num_layers)) {}
+
+  StepGraph build(std::vector<std::vector<OpId>>& micro_batch_ends) {
+    const size_t n = layout_.ranks().size();
+    micro_batch_ends.assign(static_cast<size_t>(micro_batches_), std::vector<OpId>(n, kNoOp));
+    // Collectives must be issued in the same order on every rank, as NCCL requires: build
+    // op by op across ranks, not rank by rank.
+    RankState init;
+    std::vector<RankState> state(n, init);
+    for (auto& s : state) {
+      s.fwd_done.assign(static_cast<size_t>(layers_), kNoOp);
+      s.bwd_done.assign(static_cast<size_t>(layers_), kNoOp);
+      s.offloaded.assign(static_cast<size_t>(layers_), kNoOp);
+    }
+    for (int64_t mb = 0; mb < micro_batches_; ++mb) {
+      for (int l = 0; l < layers_; ++l) forward_layer(state, static_cast<int16_t>(mb), l);
+      for (size_t r = 0; r < n; ++r) {
+        Op head = compute(r, OpKind::kHeadForwardBackward, -1, mb, 3.0 * o_.head_forward_s, 3.0 * o_.head_flops);
+        state[r].last = graph_.add_op(head);
+        graph_.depend(state[r].last, state[r].layer_out);
+      }
+      for (int l = layers_ - 1; l >= 0; --l) backward_layer(state, static_cast<int16_t>(mb), l);
+      for (size_t r = 0; r < n; ++r) micro_batch_ends[static_cast<size_t>(mb)][r] = state[r].bwd_done[0];
+    }
+    // Gradients across replicas once per step: dense over E then R, experts over R.
+    std::vector<OpId> synced(n, kNoOp);
+    for (size_t r = 0; r < n; ++r) synced[r] = state[r].last_grad;
+    const double e = static_cast<double>(p_.expert_parallel_degree);
+    collective_round(synced, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                     cost_.all_reduce_cost(o_.dense_shard_bytes, shapes_.expert), o_.dense_shard_bytes, state, true);
+    collective_round(synced, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                     cost_.all_reduce_cost(o_.dense_shard_bytes / e + o_.expert_shard_bytes, shapes_.replica),
+                     o_.dense_shard_bytes / e + o_.expert_shard_bytes, state, true);
+    for (size_t r = 0; r < n; ++r) {
+      const OpId opt = graph_.add_op(compute(r, OpKind::kOptimizer, -1, -1, o_.optimizer_s, 0));
+      graph_.depend(opt, state[r].last);
+      graph_.depend(opt, synced[r]);
+    }
+    return std::move(graph_);
+  }
+
+ private:
+  struct RankState {
+    OpId last = kNoOp;        // the latest op of the rank's compute chain
+    OpId layer_out = kNoOp;   // the output of the latest forward block
+    OpId last_grad = kNoOp;   // the latest gradient collective
+    std::vector<OpId> fwd_done, bwd_done, offloaded;
+  };
+
+  Op compute(size_t r, OpKind kind, int layer, int64_t mb, double seconds, double flops) const {
+    Op op;
+    op.rank = static_cast<int32_t>(r);
+    op.stream = TraceStream::kCompute;
+    op.kind = kind;
+    op.layer = static_cast<int16_t>(layer);
+    op.micro_batch = static_cast<int16_t>(mb);
+    op.duration = to_sim_time(seconds);
+    op.flops = flops;
+    return op;
+  }
+
+  // One collective per group along d, with a part on every simulated member; each part
+  // depends on after[r] and replaces it.
+  void collective_round(std::vector<OpId>& after, MeshDim d, OpKind kind, TraceStream stream, int layer, int64_t mb,
+                        const CollectiveCost& cost, double bytes, std::vector<RankState>&, bool skip_single) {
+    if (skip_single && p_.degree(d) <= 1) return;
+    std::map<int64_t, int32_t> by_base;
+    const size_t n = layout_.ranks().size();
+    for (size_t r = 0; r < n; ++r) {
+      const Layout::Group g = layout_.group(static_cast<int64_t>(r), d);
+      auto [it, fresh] = by_base.try_emplace(g.base, 0);
+      if (fresh)
+        it->second = graph_.add_collective(to_sim_time(cost.latency_s), to_sim_time(cost.intra_s), cost.nic_bytes_per_node,
+                                           g.nodes, static_cast<int32_t>(g.members.size()));
+      Op op;
+      op.rank = static_cast<int32_t>(r);
+      op.stream = stream;
+      op.kind = kind;
+      op.layer = static_cast<int16_t>(layer);
+      op.micro_batch = static_cast<int16_t>(mb);
+      op.collective = it->second;
+      op.bytes = bytes;
+      const OpId id = graph_.add_op(op);
+      graph_.depend(id, after[r]);
+      after[r] = id;
+    }
+  }
+
+  // A token exchange inside the expert group, on the compute chain (the experts wait for it).
+  void exchange(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb) {
+    std::vector<OpId> after(state.size());
+    for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
+    collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb,
+                     cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.expert), o_.dispatch_send_bytes, state, false);
+    for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
+  }
+
+  void chain(std::vector<RankState>& state, size_t r, const Op& op) {
+    const OpId id = graph_.add_op(op);
+    graph_.depend(id, state[r].last);
+    state[r].last = id;
+  }
+
+  double moe_seconds(size_t r) const {
+    return layout_.busiest_expert_rank(static_cast<int64_t>(r)) ? o_.moe_forward_busiest_s : o_.moe_forward_s;
+  }
+
+  // Forward of one block (attention, then the MoE sub-block with its token exchange), the
+  // gather of its parameters and the offload of what it keeps.
+  void forward_layer(std::vector<RankState>& state, int16_t mb, int l) {
+    const size_t n = state.size();
+    const bool sharded = p_.hybrid_shard_degree > 1;
+    const bool experts = p_.expert_parallel_degree > 1;
+    std::vector<OpId> gathered(n, kNoOp);
+    if (sharded) {
+      // Two buffers: the block in use and the one prefetched; a gather waits for the block
+      // two back to be freed.
+      for (size_t r = 0; r < n; ++r) gathered[r] = l >= 2 ? state[r].fwd_done[static_cast<size_t>(l - 2)] : kNoOp;
+      collective_round(gathered, MeshDim::kShard, OpKind::kGatherForward, TraceStream::kShardGather, l, mb,
+                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, state, false);
+    }
+    for (size_t r = 0; r < n; ++r) {
+      chain(state, r, compute(r, OpKind::kAttentionForward, l, mb, o_.attention_forward_s, o_.attention_flops));
+      graph_.depend(state[r].last, gathered[r]);
+    }
+    if (experts) exchange(state, OpKind::kDispatch, l, mb);
+    for (size_t r = 0; r < n; ++r) chain(state, r, compute(r, OpKind::kExpertForward, l, mb, moe_seconds(r), o_.moe_flops));
+    if (experts) exchange(state, OpKind::kCombine, l, mb);
+    for (size_t r = 0; r < n; ++r) {
+      state[r].layer_out = state[r].last;
+      state[r].fwd_done[static_cast<size_t>(l)] = state[r].last;
+      if (p_.activation_offloading) {
+        Op copy;
+        copy.rank = static_cast<int32_t>(r);
+        copy.stream = TraceStream::kCopy;
+        copy.kind = OpKind::kOffload;
+        copy.layer = static_cast<int16_t>(l);
+        copy.micro_batch = mb;
+        copy.duration = to_sim_time(cost_.pcie_seconds(o_.offload_bytes));
+        copy.bytes = o_.offload_bytes;
+        const OpId id = graph_.add_op(copy);
+        graph_.depend(id, state[r].last);
+        state[r].offloaded[static_cast<size_t>(l)] = id;
+      }
+    }
+  }
+
+  void backward_layer(std::vector<RankState>& state, int16_t mb, int l) {
+    const size_t n = state.size();
+    const bool sharded = p_.hybrid_shard_degree > 1;
+    const bool experts = p_.expert_parallel_degree > 1;
+    const auto at = static_cast<size_t>(l);
+    std::vector<OpId> gathered(n, kNoOp);
+    if (sharded) {
+      for (size_t r = 0; r < n; ++r) gathered[r] = l + 2 < layers_ ? state[r].bwd_done[at + 2] : kNoOp;
+      collective_round(gathered, MeshDim::kShard, OpKind::kGatherBackward, TraceStream::kShardGather, l, mb,
+                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, state, false);
+    }
+    std::vector<OpId> reloaded(n, kNoOp);
+    if (p_.activation_offloading) {
+      // Prefetched `horizon` blocks ahead: the reload of block l may start once the backward
+      // of block l + horizon + 1 has freed its place.
+      const int free_after = l + static_cast<int>(p_.activation_loading_horizon) + 1;
+      for (size_t r = 0; r < n; ++r) {
+        Op copy;
+        copy.rank = static_cast<int32_t>(r);
+        copy.stream = TraceStream::kCopy;
+        copy.kind = OpKind::kReload;
+        copy.layer = static_cast<int16_t>(l);
+        copy.micro_batch = mb;
+        copy.duration = to_sim_time(cost_.pcie_seconds(o_.offload_bytes));
+        copy.bytes = o_.offload_bytes;
+        reloaded[r] = graph_.add_op(copy);
+        graph_.depend(reloaded[r], state[r].offloaded[at]);
+        if (free_after < layers_) graph_.depend(reloaded[r], state[r].bwd_done[static_cast<size_t>(free_after)]);
+      }
+    }
+    auto gate = [&](size_t r) {  // the first op of this block's backward waits for its inputs
+      graph_.depend(state[r].last, gathered[r]);
+      graph_.depend(state[r].last, reloaded[r]);
+    };
+    bool gated = false;
+    if (p_.activation_checkpointing == Checkpointing::kFull) {
+      for (size_t r = 0; r < n; ++r) {
+        chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.attention_forward_s, o_.attention_flops));
+        gate(r);
+      }
+      gated = true;
+    }
+    if (p_.activation_checkpointing != Checkpointing::kNone) {
+      if (experts) {
+        exchange(state, OpKind::kDispatchRecompute, l, mb);
+        if (!gated)
+          for (size_t r = 0; r < n; ++r) gate(r);
+        gated = true;
+      }
+      for (size_t r = 0; r < n; ++r) {
+        chain(state, r, compute(r, OpKind::kExpertRecompute, l, mb, moe_seconds(r), o_.moe_flops));
+        if (!gated) gate(r);
+      }
+      gated = true;
+      if (experts) exchange(state, OpKind::kCombineRecompute, l, mb);
+    }
+    if (experts) {
+      exchange(state, OpKind::kCombineBackward, l, mb);
+      if (!gated)
+        for (size_t r = 0; r < n; ++r) gate(r);
+      gated = true;
+    }
+    for (size_t r = 0; r < n; ++r) {
+      chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, 2.0 * moe_seconds(r), 2.0 * o_.moe_flops));
+      if (!gated) gate(r);
+    }
+    if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
+    for (size_t r = 0; r < n; ++r) {
+      chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, 2.0 * o_.attention_forward_s, 2.0 * o_.attention_flops));
+      state[r].bwd_done[at] = state[r].last;
+    }
+    if (sharded) {
+      std::vector<OpId> after(n);
+      for (size_t r = 0; r < n; ++r) after[r] = state[r].last;
+      collective_round(after, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, l, mb,
+                       cost_.reduce_scatter_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, state, false);
+      for (size_t r = 0; r < n; ++r) state[r].last_grad = after[r];
+    } else {
+      for (size_t r = 0; r < n; ++r) state[r].last_grad = state[r].last;
+    }
+  }
+
+  const RunConfig& c_;
+  const ParallelConfig& p_;
+  const Layout& layout_;
+  CostModel cost_;
+  OpCosts o_;
+  LayoutShapes shapes_;
+  StepGraph graph_;
+  int64_t micro_batches_;
+  int layers_;
+};
+
+SimTime latest(const GraphTimes& t, const std::vector<OpId>& ops) {
+  SimTime out{0};
+  for (OpId id : ops) out = std::max(out, t.end[static_cast<size_t>(id)]);
+  return out;
+}
+
+}  // namespace
+
+StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) {
+  const ParallelConfig& p = c.parallel;
+  StepSimulation sim;
+  const Layout layout(c, options.all_ranks);
+  sim.ranks = layout.ranks();
+  sim.micro_batches = options.all_micro_batches ? p.gradient_accumulation_steps
+                                                : std::min<int64_t>(2, p.gradient_accumulation_steps);
+  std::vector<std::vector<OpId>> micro_batch_ends;
+  sim.graph = Builder(c, layout, sim.micro_batches).build(micro_batch_ends);
+  sim.times = run_graph(sim.graph, c.cluster.inter_node_bandwidth_bytes_per_s);
+  if (sim.times.finished != sim.graph.ops().size())
+    throw std::logic_error("step simulation deadlocked: " +
+                           std::to_string(sim.graph.ops().size() - sim.times.finished) + " ops never ran");
+
+  // Micro-batches after the simulated ones repeat the last simulated one.
+  const int64_t repeats = p.gradient_accumulation_steps - sim.micro_batches;
+  SimTime period{0};
+  if (repeats > 0)
+    period = latest(sim.times, micro_batch_ends[1]) - latest(sim.times, micro_batch_ends[0]);
+  const double step = to_seconds(sim.times.makespan + period * repeats);
+  const double scale = static_cast<double>(p.gradient_accumulation_steps) / static_cast<double>(sim.micro_batches);
+
+  // Busy time per kind on the busiest rank's compute stream.
+  StepEstimate& est = sim.estimate;
+  std::vector<double> compute(sim.ranks.size(), 0), recompute(sim.ranks.size(), 0);
+  for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+    const Op& op = sim.graph.ops()[i];
+    if (op.stream != TraceStream::kCompute) continue;
+    const double d = to_seconds(sim.times.end[i] - sim.times.start[i]);
+    if (op.kind == OpKind::kAttentionRecompute || op.kind == OpKind::kExpertRecompute)
+      recompute[static_cast<size_t>(op.rank)] += d;
+    else if (op.kind != OpKind::kOptimizer)
+      compute[static_cast<size_t>(op.rank)] += d;
+  }
+  size_t busiest = 0;
+  for (size_t r = 1; r < compute.size(); ++r)
+    if (compute[r] + recompute[r] > compute[busiest] + recompute[busiest]) busiest = r;
+  const OpCosts o = op_costs(c);
+  est.step_time_s = step;
+  est.compute_s = compute[busiest] * scale;
+  est.recompute_s = recompute[busiest] * scale;
+  est.optimizer_s = to_seconds(to_sim_time(o.optimizer_s));
+  sim.exposed_comm_s = std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s);
+  est.expert_comm_s = 0;
+  est.shard_comm_exposed_s = 0;
+  est.offload_exposed_s = 0;
+  est.grad_sync_s = 0;
+  sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]) * scale;
+  fill_rates(c, o, est);
+  return sim;
+}
+
+Trace step_trace(const StepSimulation& sim) {
+  Trace t = to_trace(sim.graph, sim.times);
+  for (TraceEvent& e : t.events) e.rank = sim.ranks[static_cast<size_t>(e.rank)];
+  return t;
+}
+
+}  // namespace moeplan::sim
