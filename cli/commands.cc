@@ -8,6 +8,7 @@
 #include "moeplan/core/rules.h"
 #include "moeplan/core/units.h"
 #include "moeplan/planner/search.h"
+#include "moeplan/simulator/step.h"
 #include "profiles.h"
 
 namespace moeplan::cli {
@@ -46,7 +47,8 @@ void print_explain(const planner::SearchStats& s) {
   std::printf("  %-40s %10lld\n", "valid by every rule", static_cast<long long>(s.rule_valid));
   std::printf("  %-40s %10lld\n", "limit device memory", static_cast<long long>(s.over_device_memory));
   std::printf("  %-40s %10lld\n", "limit host memory (offload)", static_cast<long long>(s.over_host_memory));
-  std::printf("  %-40s %10lld\n", "fit and ranked", static_cast<long long>(s.fitting), static_cast<long long>(s.simulated));
+  std::printf("  %-40s %10lld\n", "fit in memory", static_cast<long long>(s.fitting));
+  std::printf("  %-40s %10lld\n", "simulated (others pruned by compute bound)", static_cast<long long>(s.simulated));
 }
 
 void print_error(const InputError& e) {
@@ -72,6 +74,7 @@ int run_search(const SearchArgs& args) {
     options.moe.expert_load_imbalance = args.expert_load_imbalance;
     options.moe.aux_loss_coef = model.router_aux_loss_coef;
     options.max_micro_batch = args.max_micro_batch;
+    options.estimator = args.estimator == "analytic" ? planner::Estimator::kAnalytic : planner::Estimator::kSimulator;
     options.keep = static_cast<size_t>(std::max<int64_t>(args.top, 5));
 
     const int64_t unit = args.gpus * args.seq_len;
@@ -150,6 +153,39 @@ int run_check(const CheckArgs& args) {
     std::printf("%s: ok: %s on %lld x %s, %.1f of %.1f GiB per GPU\n", args.plan.c_str(),
                 describe(plan.parallel).c_str(), static_cast<long long>(plan.cluster.num_nodes),
                 plan.cluster.name.c_str(), gib(memory.device_total), gib(limit));
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  }
+}
+
+int run_simulate(const SimulateArgs& args) {
+  try {
+    const Plan plan = read_plan_file(args.plan);
+    const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
+    sim::StepSimOptions options;
+    options.all_ranks = args.all_ranks;
+    options.all_micro_batches = args.all_micro_batches;
+    const sim::StepSimulation s = sim::simulate_step(config, options);
+    const sim::StepEstimate& e = s.estimate;
+    std::printf("%s: %s on %lld x %s\n", args.plan.c_str(), describe(plan.parallel).c_str(),
+                static_cast<long long>(plan.cluster.num_nodes), plan.cluster.name.c_str());
+    std::printf("simulated %zu of %lld ranks, %lld of %lld micro-batches: %zu ops, %llu events\n", s.ranks.size(),
+                static_cast<long long>(plan.parallel.world_size), static_cast<long long>(s.micro_batches),
+                static_cast<long long>(plan.parallel.gradient_accumulation_steps), s.graph.ops().size(),
+                static_cast<unsigned long long>(s.times.events));
+    std::printf("step %.3f s, %.0f tokens/s, %.1f TFLOP/s per GPU, MFU %.1f%%\n", e.step_time_s, e.tokens_per_s,
+                e.tflops_per_gpu, 100.0 * e.mfu);
+    std::printf("busiest rank: compute %.3f s, recompute %.3f s, optimizer %.3f s, waiting on communication %.3f s\n",
+                e.compute_s, e.recompute_s, e.optimizer_s, s.exposed_comm_s);
+    if (plan.cluster.num_nodes > 1)
+      std::printf("node 0 network card busy %.3f s (%.0f%% of the step)\n", s.nic_busy_s,
+                  100.0 * s.nic_busy_s / e.step_time_s);
+    if (!args.trace.empty()) {
+      write_file_atomic(args.trace, to_json(sim::step_trace(s)).dump() + "\n");
+      std::printf("wrote %s\n", args.trace.c_str());
+    }
     return kExitOk;
   } catch (const InputError& e) {
     print_error(e);

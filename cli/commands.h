@@ -25,6 +25,7 @@ struct SearchArgs {
   bool explain = false;
   bool json = false;
   std::string out = "plan.json";
+  std::string estimator = "simulator";
   std::string command;  // the command line, recorded in the plan
 };
 
@@ -32,7 +33,15 @@ struct CheckArgs {
   std::string plan;
 };
 
+struct SimulateArgs {
+  std::string plan;
+  std::string trace;  // Chrome trace to write; empty: none
+  bool all_ranks = false;
+  bool all_micro_batches = false;
+};
+
 int run_search(const SearchArgs& args);
+int run_simulate(const SimulateArgs& args);
 int run_check(const CheckArgs& args);
 
 }  // namespace moeplan::cli

@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
   search_cmd->add_option("--max-micro-batch", search.max_micro_batch, "Largest micro-batch size tried")
       ->capture_default_str()->check(CLI::Range(1, 1 << 16));
   search_cmd->add_option("--top", search.top, "Candidates shown")->capture_default_str()->check(CLI::Range(1, 1000));
+  search_cmd->add_option("--estimator", search.estimator, "Rank by the step simulator or the analytic estimate")
+      ->capture_default_str()->check(CLI::IsMember({"simulator", "analytic"}));
   search_cmd->add_flag("--explain", search.explain, "Show how many candidates each rule or limit removed");
   search_cmd->add_flag("--json", search.json, "Print the plan as JSON instead of the table");
   search_cmd->add_option("--out", search.out, "Plan file to write (empty: none)")->capture_default_str();
@@ -52,6 +54,13 @@ int main(int argc, char** argv) {
   CheckArgs check;
   CLI::App* check_cmd = app.add_subcommand("check", "Validate a plan file and report every problem");
   check_cmd->add_option("plan", check.plan, "plan.json")->required();
+
+  SimulateArgs simulate;
+  CLI::App* simulate_cmd = app.add_subcommand("simulate", "Simulate one training step of a plan");
+  simulate_cmd->add_option("plan", simulate.plan, "plan.json")->required();
+  simulate_cmd->add_option("--trace", simulate.trace, "Write the step as a Chrome trace (Perfetto, chrome://tracing)");
+  simulate_cmd->add_flag("--all-ranks", simulate.all_ranks, "Simulate every rank, not one node");
+  simulate_cmd->add_flag("--all-micro-batches", simulate.all_micro_batches, "Simulate every micro-batch, not two");
 
   try {
     app.parse(argc, argv);
@@ -62,5 +71,6 @@ int main(int argc, char** argv) {
   }
   if (search_cmd->parsed()) return run_search(search);
   if (check_cmd->parsed()) return run_check(check);
+  if (simulate_cmd->parsed()) return run_simulate(simulate);
   return kExitBadInput;
 }
