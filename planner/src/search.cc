@@ -38,33 +38,38 @@ bool better(const Candidate& a, const Candidate& b) {
   return a.index < b.index;
 }
 
-// No schedule can beat the busiest rank's compute: every compute op of a rank runs on one
-// stream, one after the other.
-double compute_lower_bound_s(const sim::StepEstimate& e) { return e.compute_s + e.recompute_s + e.optimizer_s; }
+// A candidate that differs from a better-ranked one only in its loading horizon, at the same
+// predicted speed, just holds more memory: it is not worth showing.
+bool horizon_duplicate(const Candidate& c, const std::vector<Candidate>& ranked) {
+  return std::any_of(ranked.begin(), ranked.end(), [&](const Candidate& r) {
+    ParallelConfig same_horizon = c.parallel;
+    same_horizon.activation_loading_horizon = r.parallel.activation_loading_horizon;
+    return same_horizon == r.parallel && r.estimate.tokens_per_s == c.estimate.tokens_per_s;
+  });
+}
 
 // Simulates candidates in order of their analytic estimate until no candidate left can enter
-// the top `keep`, then ranks the simulated ones.
+// the top `keep` (its lower bound is above the keep-th best simulated time), then ranks the
+// simulated ones.
 std::vector<Candidate> simulate_best(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,
-                                     std::vector<Candidate> fitting, SearchStats& stats) {
+                                     const std::vector<Candidate>& fitting, SearchStats& stats) {
   std::vector<Candidate> simulated;
-  // The keep-th best simulated step time so far; a candidate whose bound exceeds it is out.
-  std::vector<double> best_times;
-  // Horizon-only variants are dropped from the ranking later; simulate a few more so that
-  // `keep` distinct ones remain.
-  const size_t wanted = options.keep * 4;
+  std::vector<double> best_times;  // ascending, at most `keep`
   for (const Candidate& c : fitting) {
-    if (best_times.size() >= wanted && compute_lower_bound_s(c.estimate) > best_times.back() * (1 + 1e-9)) continue;
+    // The bound is in double, the simulation rounds each op to a nanosecond: leave a margin.
+    if (options.prune && best_times.size() >= options.keep && c.estimate.lower_bound_s > best_times.back() * (1 + 1e-6))
+      continue;
     const RunConfig config{model, cluster, c.parallel, options.moe, options.training};
     Candidate s = c;
     s.estimate = sim::simulate_step(config).estimate;
     s.simulated = true;
     ++stats.simulated;
+    if (horizon_duplicate(s, simulated)) continue;
     best_times.insert(std::upper_bound(best_times.begin(), best_times.end(), s.estimate.step_time_s),
                       s.estimate.step_time_s);
-    if (best_times.size() > wanted) best_times.pop_back();
+    if (best_times.size() > options.keep) best_times.pop_back();
     simulated.push_back(s);
   }
-  std::sort(simulated.begin(), simulated.end(), better);
   return simulated;
 }
 
@@ -182,17 +187,13 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   }
   stats.fitting = static_cast<int64_t>(fitting.size());
   std::sort(fitting.begin(), fitting.end(), better);
-  if (options.estimator == Estimator::kSimulator) fitting = simulate_best(model, cluster, options, std::move(fitting), stats);
-  // A candidate that differs from a better-ranked one only in its loading horizon, at the same
-  // predicted speed, just holds more memory: it is not worth showing.
+  if (options.estimator == Estimator::kSimulator) {
+    fitting = simulate_best(model, cluster, options, fitting, stats);
+    std::sort(fitting.begin(), fitting.end(), better);
+  }
   for (const Candidate& c : fitting) {
     if (result.ranked.size() >= options.keep) break;
-    const bool dominated = std::any_of(result.ranked.begin(), result.ranked.end(), [&](const Candidate& r) {
-      ParallelConfig same_horizon = c.parallel;
-      same_horizon.activation_loading_horizon = r.parallel.activation_loading_horizon;
-      return same_horizon == r.parallel && r.estimate.tokens_per_s == c.estimate.tokens_per_s;
-    });
-    if (!dominated) result.ranked.push_back(c);
+    if (!horizon_duplicate(c, result.ranked)) result.ranked.push_back(c);
   }
   return result;
 }

@@ -32,6 +32,8 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   // Token dispatch: forward and backward each dispatch and combine once per layer; a
   // recomputed MoE block does its forward pair again.
   double expert_comm = 0;
+  double expert_chain_min = 0;
+  double nic_bytes_a2a = 0;
   if (p.expert_parallel_degree > 1) {
     double per_exchange;
     if (c.moe.dispatcher == Dispatcher::kAllToAll) {
@@ -45,11 +47,20 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
     }
     const double exchanges = 4.0 + (p.activation_checkpointing == Checkpointing::kNone ? 0.0 : 2.0);
     expert_comm = layers * exchanges * per_exchange;
+    if (c.moe.dispatcher == Dispatcher::kAllToAll) {
+      GroupShape alone = shapes.expert;
+      alone.groups_per_node = 1;
+      expert_chain_min = layers * exchanges * cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
+      nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, shapes.expert).nic_bytes_per_node *
+                      static_cast<double>(shapes.expert.groups_per_node);
+    }
   }
 
   // Sharded model states: each block's unit is gathered for forward and again for backward,
   // and its gradient reduce-scattered, behind the compute of the neighbouring block.
   double shard_comm_exposed = 0;
+  double gather_stream_min = 0;  // per micro-batch
+  double nic_bytes = 0;          // per micro-batch, through each node's card
   if (p.hybrid_shard_degree > 1) {
     const double gather = cost.all_gather_seconds(o.unit_bytes, shapes.shard);
     const double scatter = cost.reduce_scatter_seconds(o.unit_bytes, shapes.shard);
@@ -57,6 +68,12 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
     const double per_block_compute = (compute + recompute - 3.0 * o.head_forward_s) / layers;
     // The first gather has nothing to hide behind; the rest overlap block by block.
     shard_comm_exposed = gather + layers * std::max(0.0, per_block_comm - per_block_compute);
+    // The gather stream runs 2 L gathers per micro-batch, the gradient stream L reduce-scatters.
+    const CollectiveCost g = cost.all_gather_cost(o.unit_bytes, shapes.shard);
+    GroupShape alone = shapes.shard;
+    alone.groups_per_node = 1;
+    gather_stream_min = 2.0 * layers * cost.all_gather_seconds(o.unit_bytes, alone);
+    nic_bytes += 3.0 * layers * g.nic_bytes_per_node * static_cast<double>(shapes.shard.groups_per_node);
   }
 
   // Activation offload: every stored block activation goes to the host and comes back.
@@ -81,6 +98,11 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   out.offload_exposed_s = accum * offload_exposed;
   out.grad_sync_s = grad_sync;
   out.optimizer_s = o.optimizer_s;
+  // The busiest resource's work: the compute chain, the gather stream, or a node's card
+  // (shared fairly, so it never idles while it has bytes to move).
+  const double card_s = accum * (nic_bytes + nic_bytes_a2a) / c.cluster.inter_node_bandwidth_bytes_per_s;
+  out.lower_bound_s = std::max({accum * (compute + recompute + expert_chain_min) + o.optimizer_s,
+                                accum * gather_stream_min, card_s});
   out.step_time_s = out.compute_s + out.recompute_s + out.expert_comm_s + out.shard_comm_exposed_s +
                     out.offload_exposed_s + out.grad_sync_s + out.optimizer_s;
   fill_rates(c, o, out);

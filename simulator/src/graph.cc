@@ -103,6 +103,7 @@ class Runner {
     arrived_.assign(g.collectives().size(), 0);
     flows_left_.assign(g.collectives().size(), 0);
     fixed_end_.assign(g.collectives().size(), SimTime(0));
+    times_.collective_start.assign(g.collectives().size(), SimTime(0));
     parts_.assign(g.collectives().size(), {});
     nics_.resize(static_cast<size_t>(g.nodes()));
     times_.nic_busy.assign(static_cast<size_t>(g.nodes()), SimTime(0));
@@ -159,6 +160,7 @@ class Runner {
     // The last participant has arrived: the transfer starts now.
     const Collective& col = g_.collectives()[c];
     fixed_end_[c] = now_ + col.latency + col.intra;
+    times_.collective_start[c] = now_;
     if (col.node_count == 0) {
       queue_.schedule(fixed_end_[c], kCollectiveDone, static_cast<uint32_t>(c));
     } else {

@@ -1,6 +1,7 @@
 #include "moeplan/simulator/step.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <stdexcept>
 
@@ -9,6 +10,10 @@
 namespace moeplan::sim {
 
 namespace {
+
+// Micro-batches simulated before the step is extrapolated: the first warms the streams up, the
+// last two give the period.
+constexpr int64_t kSimulatedMicroBatches = 3;
 
 // The simulated ranks and, for each mesh dimension, the collectives of their groups.
 class Layout {
@@ -74,9 +79,8 @@ class Builder {
         micro_batches_(micro_batches),
         layers_(static_cast<int>(c.model.num_layers)) {}
 
-  StepGraph build(std::vector<std::vector<OpId>>& micro_batch_ends) {
+  StepGraph build() {
     const size_t n = layout_.ranks().size();
-    micro_batch_ends.assign(static_cast<size_t>(micro_batches_), std::vector<OpId>(n, kNoOp));
     // Collectives must be issued in the same order on every rank, as NCCL requires: build
     // op by op across ranks, not rank by rank.
     RankState init;
@@ -94,7 +98,6 @@ class Builder {
         graph_.depend(state[r].last, state[r].layer_out);
       }
       for (int l = layers_ - 1; l >= 0; --l) backward_layer(state, static_cast<int16_t>(mb), l);
-      for (size_t r = 0; r < n; ++r) micro_batch_ends[static_cast<size_t>(mb)][r] = state[r].bwd_done[0];
     }
     // Gradients across replicas once per step: dense over E then R, experts over R.
     std::vector<OpId> synced(n, kNoOp);
@@ -312,10 +315,40 @@ class Builder {
   int layers_;
 };
 
-SimTime latest(const GraphTimes& t, const std::vector<OpId>& ops) {
-  SimTime out{0};
-  for (OpId id : ops) out = std::max(out, t.end[static_cast<size_t>(id)]);
-  return out;
+// When the last op of each micro-batch ended: its compute, its copies and its gradient
+// reduce-scatters, which may trail behind when a network card is the bottleneck.
+std::vector<SimTime> micro_batch_ends(const StepGraph& g, const GraphTimes& t, int64_t micro_batches) {
+  std::vector<SimTime> ends(static_cast<size_t>(micro_batches), SimTime(0));
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const int16_t mb = g.ops()[i].micro_batch;
+    if (mb >= 0) ends[static_cast<size_t>(mb)] = std::max(ends[static_cast<size_t>(mb)], t.end[i]);
+  }
+  return ends;
+}
+
+// The work micro-batch `mb` gives its busiest resource: the sum of its op times on one
+// stream of one rank (a collective counted from its start, not from a member's arrival), or
+// the bytes it pushes through node 0's card over the card's bandwidth.
+SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t mb, double card_bytes_per_s) {
+  std::vector<SimTime> stream(static_cast<size_t>(g.ranks()) * kTraceStreamCount, SimTime(0));
+  double card_bytes = 0;
+  std::vector<bool> counted(g.collectives().size(), false);
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    if (op.micro_batch != mb) continue;
+    SimTime begin = t.start[i];
+    if (op.collective >= 0) {
+      const auto c = static_cast<size_t>(op.collective);
+      begin = t.collective_start[c];
+      const Collective& col = g.collectives()[c];
+      if (!counted[c] && col.node_count > 0 && g.collective_nodes()[static_cast<size_t>(col.first_node)] == 0)
+        card_bytes += col.nic_bytes_per_node;
+      counted[c] = true;
+    }
+    stream[static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(op.stream)] += t.end[i] - begin;
+  }
+  SimTime most = *std::max_element(stream.begin(), stream.end());
+  return std::max(most, SimTime(static_cast<int64_t>(std::ceil(card_bytes / card_bytes_per_s * 1e9))));
 }
 
 }  // namespace
@@ -326,19 +359,25 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   const Layout layout(c, options.all_ranks);
   sim.ranks = layout.ranks();
   sim.micro_batches = options.all_micro_batches ? p.gradient_accumulation_steps
-                                                : std::min<int64_t>(2, p.gradient_accumulation_steps);
-  std::vector<std::vector<OpId>> micro_batch_ends;
-  sim.graph = Builder(c, layout, sim.micro_batches).build(micro_batch_ends);
+                                                : std::min<int64_t>(kSimulatedMicroBatches, p.gradient_accumulation_steps);
+  sim.graph = Builder(c, layout, sim.micro_batches).build();
   sim.times = run_graph(sim.graph, c.cluster.inter_node_bandwidth_bytes_per_s);
   if (sim.times.finished != sim.graph.ops().size())
     throw std::logic_error("step simulation deadlocked: " +
                            std::to_string(sim.graph.ops().size() - sim.times.finished) + " ops never ran");
 
-  // Micro-batches after the simulated ones repeat the last simulated one.
+  // Micro-batches after the simulated ones repeat the last one. Each adds a period: the time
+  // between the ends of the last two simulated ones, but at least the work one micro-batch
+  // gives the busiest resource (a stream, or node 0's card), which may still be filling its
+  // backlog when the simulation stops.
   const int64_t repeats = p.gradient_accumulation_steps - sim.micro_batches;
   SimTime period{0};
-  if (repeats > 0)
-    period = latest(sim.times, micro_batch_ends[1]) - latest(sim.times, micro_batch_ends[0]);
+  if (repeats > 0) {
+    const std::vector<SimTime> ends = micro_batch_ends(sim.graph, sim.times, sim.micro_batches);
+    period = ends[static_cast<size_t>(sim.micro_batches - 1)] - ends[static_cast<size_t>(sim.micro_batches - 2)];
+    period = std::max(period, busiest_resource_work(sim.graph, sim.times, sim.micro_batches - 1,
+                                                    c.cluster.inter_node_bandwidth_bytes_per_s));
+  }
   const double step = to_seconds(sim.times.makespan + period * repeats);
   const double scale = static_cast<double>(p.gradient_accumulation_steps) / static_cast<double>(sim.micro_batches);
 

@@ -102,6 +102,37 @@ TEST(Search, MorePrecisionNeedsMoreGpus) {
   EXPECT_FALSE(search(mixtral(), p4d(64), bigger).ranked.empty());
 }
 
+// The bound only skips candidates that cannot enter the ranking: the result is the same as
+// simulating every candidate that fits.
+TEST(Search, PruningDoesNotChangeTheRanking) {
+  for (int64_t gpus : {16, 64}) {
+    SearchOptions pruned = options_for(gpus);
+    SearchOptions full = pruned;
+    full.prune = false;
+    const SearchResult a = search(mixtral(), p4d(gpus), pruned);
+    const SearchResult b = search(mixtral(), p4d(gpus), full);
+    EXPECT_LT(a.stats.simulated, b.stats.simulated);
+    ASSERT_EQ(a.ranked.size(), b.ranked.size());
+    for (size_t i = 0; i < a.ranked.size(); ++i) {
+      EXPECT_EQ(a.ranked[i].parallel, b.ranked[i].parallel) << gpus << " GPUs, rank " << i;
+      EXPECT_EQ(a.ranked[i].estimate.step_time_s, b.ranked[i].estimate.step_time_s);
+    }
+  }
+}
+
+// Every simulated step is at least the analytic lower bound.
+TEST(Search, SimulationNeverBeatsTheLowerBound) {
+  const ClusterSpec cluster = p4d(64);
+  SearchOptions options = options_for(64);
+  options.prune = false;
+  options.keep = 100000;
+  for (const Candidate& c : search(mixtral(), cluster, options).ranked) {
+    const RunConfig config{mixtral(), cluster, c.parallel, options.moe, options.training};
+    const double bound = sim::estimate_step(config, sim::layout_shapes(cluster, c.parallel)).lower_bound_s;
+    EXPECT_GE(c.estimate.step_time_s, bound * (1 - 1e-6)) << describe(c.parallel);
+  }
+}
+
 TEST(Search, DefaultGlobalBatchIsWholeSequencesPerRank) {
   EXPECT_EQ(default_global_batch_tokens(16, 2048), 4'194'304);
   EXPECT_EQ(default_global_batch_tokens(3, 2048), 4'196'352);  // 683 x 3 x 2048

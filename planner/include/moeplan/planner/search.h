@@ -29,6 +29,7 @@ struct SearchOptions {
   // kSimulator: the analytic estimate orders the candidates that fit, a lower bound (the busiest
   // rank's compute) prunes them, and the discrete-event simulator ranks the rest.
   Estimator estimator = Estimator::kSimulator;
+  bool prune = true;  // false: simulate every candidate that fits (to check the bound)
 };
 
 struct Candidate {

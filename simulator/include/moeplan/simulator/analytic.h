@@ -31,6 +31,9 @@ struct StepEstimate {
   double grad_sync_s = 0;            // gradient all-reduce across replicas
   double offload_exposed_s = 0;      // activation copies not hidden behind compute
   double optimizer_s = 0;            // AdamW update of the local shard
+  // No schedule is faster: the busiest rank's compute and token exchanges form one chain, and
+  // an exchange takes at least its time with the network card to itself.
+  double lower_bound_s = 0;
 };
 
 StepEstimate estimate_step(const RunConfig& config, const LayoutShapes& shapes);

@@ -104,6 +104,7 @@ struct GraphTimes {
   size_t finished = 0;  // ops that ran; fewer than the graph's means a deadlock (a bug)
   std::vector<SimTime> stream_busy;  // [rank * kTraceStreamCount + stream]
   std::vector<SimTime> nic_busy;     // per node: time with at least one transfer
+  std::vector<SimTime> collective_start;  // per collective: when its last member arrived
 };
 
 // Runs the graph. `nic_bandwidth_bytes_per_s` is each node's card.

@@ -4,8 +4,8 @@
 // By default one node's ranks are simulated and every other node is taken to behave like it:
 // under a uniform layout all nodes run the same ops at the same times, so a collective's
 // members on other nodes arrive when their counterparts here do, and the network card of
-// every node carries what this node's card carries. Micro-batches after the second repeat the
-// second; the step is extrapolated from them. Both reductions can be switched off, and tests
+// every node carries what this node's card carries. Micro-batches after the third repeat the
+// third; the step is extrapolated from them. Both reductions can be switched off, and tests
 // check that they change nothing.
 
 #include <cstdint>
@@ -20,7 +20,7 @@ namespace moeplan::sim {
 
 struct StepSimOptions {
   bool all_ranks = false;          // simulate every rank instead of one node
-  bool all_micro_batches = false;  // simulate every micro-batch instead of two
+  bool all_micro_batches = false;  // simulate every micro-batch instead of three
 };
 
 struct StepSimulation {
