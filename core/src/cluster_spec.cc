@@ -38,9 +38,13 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.peak_fp32_flops = gpu->number("peak_fp32_flops", 1.0, kMaxRate);
     c.hbm_bandwidth_bytes_per_s = gpu->number("memory_bandwidth_bytes_per_s", 1.0, kMaxRate);
     if (auto eff = gpu->object("matmul_efficiency")) {
-      std::string source = eff->string("source", "");
-      if (r.sources() != nullptr && !source.empty())
-        (*r.sources())[eff->path_of("points")] = source;
+      // The curve's source is a plain string: the curve has no single value to wrap.
+      if (const Json* source = eff->child("source", true)) {
+        if (!source->is_string())
+          r.diagnostics().error(eff->path_of("source"), "expected a string, got " + describe_json(*source));
+        else if (r.sources() != nullptr && !source->get<std::string>().empty())
+          (*r.sources())[eff->path_of("points")] = source->get<std::string>();
+      }
       if (const Json* points = eff->child("points")) {
         const std::string path = eff->path_of("points");
         if (!points->is_array() || points->empty() || points->size() > 64) {
@@ -143,12 +147,12 @@ OrderedJson to_json(const ClusterSpec& c) {
     return j;
   };
   OrderedJson j;
-  j["name"] = c.name;
-  j["description"] = c.description;
+  j["name"] = sourced("name", c.name);
+  j["description"] = sourced("description", c.description);
   j["gpus_per_node"] = sourced("gpus_per_node", c.gpus_per_node);
-  j["num_nodes"] = c.num_nodes;
+  j["num_nodes"] = sourced("num_nodes", c.num_nodes);
   OrderedJson gpu;
-  gpu["name"] = c.gpu_name;
+  gpu["name"] = sourced("gpu.name", c.gpu_name);
   gpu["memory_bytes"] = sourced("gpu.memory_bytes", c.gpu_memory_bytes);
   gpu["peak_bf16_flops"] = sourced("gpu.peak_bf16_flops", c.peak_bf16_flops);
   gpu["peak_fp32_flops"] = sourced("gpu.peak_fp32_flops", c.peak_fp32_flops);
@@ -163,12 +167,12 @@ OrderedJson to_json(const ClusterSpec& c) {
   gpu["matmul_efficiency"] = eff;
   j["gpu"] = gpu;
   OrderedJson intra;
-  intra["fabric"] = c.intra_node_fabric;
+  intra["fabric"] = sourced("intra_node.fabric", c.intra_node_fabric);
   intra["bandwidth_bytes_per_s"] = sourced("intra_node.bandwidth_bytes_per_s", c.intra_node_bandwidth_bytes_per_s);
   intra["latency_s"] = sourced("intra_node.latency_s", c.intra_node_latency_s);
   j["intra_node"] = intra;
   OrderedJson inter;
-  inter["fabric"] = c.inter_node_fabric;
+  inter["fabric"] = sourced("inter_node.fabric", c.inter_node_fabric);
   inter["bandwidth_bytes_per_s"] = sourced("inter_node.bandwidth_bytes_per_s", c.inter_node_bandwidth_bytes_per_s);
   inter["latency_s"] = sourced("inter_node.latency_s", c.inter_node_latency_s);
   j["inter_node"] = inter;

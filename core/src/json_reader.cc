@@ -9,9 +9,10 @@ namespace moeplan {
 Json parse_json_text(std::string_view text, const std::string& origin) {
   try {
     return Json::parse(text.begin(), text.end());
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {
     // nlohmann's message is "[json.exception.parse_error.101] parse error at line 1, column 5:
-    // syntax error ..."; keep the part after the tag.
+    // syntax error ..." (or out_of_range.406 for a number beyond a double); keep the part after
+    // the tag.
     std::string what = e.what();
     if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
     throw InputError(origin, {{"", "not valid JSON (" + what + ")"}});
@@ -133,9 +134,13 @@ int64_t ObjectReader::integer(std::string_view key, int64_t min, int64_t max,
       error(key, "expected an integer, got " + describe_json(*value));
       return neutral;
     }
-    if (v < static_cast<double>(min) || v > static_cast<double>(max))
-      return out_of_range(value->dump());
-    return static_cast<int64_t>(v);
+    // Compare in int64 once v is known to convert: 2^63 itself does not, although it equals
+    // static_cast<double>(INT64_MAX).
+    constexpr double kTwoTo63 = 9223372036854775808.0;
+    if (v >= kTwoTo63 || v < -kTwoTo63) return out_of_range(value->dump());
+    const auto iv = static_cast<int64_t>(v);
+    if (iv < min || iv > max) return out_of_range(value->dump());
+    return iv;
   }
   error(key, "expected an integer, got " + describe_json(*value));
   return neutral;

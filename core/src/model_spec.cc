@@ -1,5 +1,6 @@
 #include "moeplan/core/model_spec.h"
 
+#include <algorithm>
 #include <array>
 
 #include "moeplan/core/rules.h"
@@ -50,6 +51,16 @@ double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
   return 2.0 * weights + attention;
 }
 
+// head_dim when the file does not give it: hidden_size / heads, as Hugging Face computes it.
+static int64_t derived_head_dim(const ModelSpec& m, ObjectReader& r, const char* heads_field) {
+  const int64_t head_dim = m.num_attention_heads > 0 ? m.hidden_size / m.num_attention_heads : 0;
+  if (head_dim < 1 && r.diagnostics().empty())
+    r.diagnostics().error(r.path_of(heads_field), "= " + std::to_string(m.num_attention_heads) +
+                                                      " exceeds hidden_size = " + std::to_string(m.hidden_size) +
+                                                      ", so head_dim = hidden_size / heads would be 0; give head_dim");
+  return std::max<int64_t>(head_dim, 1);
+}
+
 ModelSpec read_model(ObjectReader& r) {
   ModelSpec m;
   m.name = r.string("name");
@@ -60,8 +71,11 @@ ModelSpec read_model(ObjectReader& r) {
   m.num_layers = r.integer("num_layers", 1, kMaxLayers);
   m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim);
   m.num_key_value_heads = r.integer("num_key_value_heads", 1, kMaxDim);
-  m.head_dim = r.integer("head_dim", 1, kMaxDim,
-                         m.num_attention_heads > 0 ? m.hidden_size / m.num_attention_heads : 1);
+  if (r.has("head_dim")) {
+    m.head_dim = r.integer("head_dim", 1, kMaxDim);
+  } else {
+    m.head_dim = derived_head_dim(m, r, "num_attention_heads");
+  }
   m.num_experts = r.integer("num_experts", 1, kMaxExperts);
   m.experts_per_token = r.integer("experts_per_token", 1, kMaxExperts);
   m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions);
@@ -112,7 +126,7 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     m.num_key_value_heads = r.integer("num_key_value_heads", 1, kMaxDim, 8);
     // Newer transformers versions write head_dim explicitly (sometimes as null).
     auto head_dim = r.nullable_integer("head_dim", 1, kMaxDim);
-    m.head_dim = head_dim.value_or(m.num_attention_heads > 0 ? m.hidden_size / m.num_attention_heads : 1);
+    m.head_dim = head_dim ? *head_dim : derived_head_dim(m, r, "num_attention_heads");
     m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
     m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
     m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 4096 * 32);
@@ -136,7 +150,17 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     for (const char* key : kAccepted) r.ignore(key);
     r.finish();
   }
-  if (d.empty()) check_model_rules(m, d, "");
+  if (d.empty()) {
+    // Rules speak of moeplan's names; report the config's own.
+    for (Violation& v : validate_model(m)) {
+      static constexpr std::array<std::pair<std::string_view, std::string_view>, 3> kHfNames{
+          {{"experts_per_token", "num_experts_per_tok"}, {"num_layers", "num_hidden_layers"},
+           {"num_experts", "num_local_experts"}}};
+      for (const auto& [ours, theirs] : kHfNames)
+        if (v.field == ours) v.field = theirs;
+      d.error(v.field, v.message);
+    }
+  }
   d.throw_if_any(origin);
   return m;
 }

@@ -55,11 +55,13 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
   ParallelConfig p;
   ObjectReader r(json, path, d);
   if (!r.ok()) return p;
+  const size_t problems_before = d.items().size();
   p.world_size = r.integer("world_size", 1, kMaxDegree);
   p.expert_parallel_degree = r.integer("expert_parallel_degree", 1, kMaxDegree);
   p.hybrid_shard_degree = r.integer("hybrid_shard_degree", 0, kMaxDegree);
   p.tensor_parallel_degree = r.integer("tensor_parallel_degree", 1, kMaxDegree, 1);
   p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
+  const bool degrees_read = d.items().size() == problems_before;
   const std::string placement = r.string("placement", "RSE");
   if (auto parsed = Placement::parse(placement)) {
     p.placement = *parsed;
@@ -74,10 +76,11 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
   p.micro_batch_size = r.integer("micro_batch_size", 1, kMaxBatch);
   p.gradient_accumulation_steps = r.integer("gradient_accumulation_steps", 1, kMaxBatch);
   // replica_degree is derived; a plan writes it for readers, and it must agree.
+  // (Only when the degrees themselves were read: a fallback would make it look wrong.)
   if (r.has("replica_degree")) {
     const int64_t written = r.integer("replica_degree", 1, kMaxDegree);
     const int64_t se = p.expert_parallel_degree * p.hybrid_shard_degree;
-    if (se > 0 && p.world_size % se == 0 && written != p.world_size / se)
+    if (degrees_read && se > 0 && p.world_size % se == 0 && written != p.world_size / se)
       d.error(r.path_of("replica_degree"),
               std::to_string(written) + " does not equal world_size / (expert_parallel_degree * "
               "hybrid_shard_degree) = " + std::to_string(p.world_size / se));

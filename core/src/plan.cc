@@ -35,10 +35,17 @@ OrderedJson items_json(const std::vector<MemoryItem>& items) {
   return j;
 }
 
+// The sum of the items, or -1 when it does not fit in int64 (no total can then match it).
 int64_t sum(const std::vector<MemoryItem>& items) {
   int64_t total = 0;
-  for (const auto& item : items) total += item.bytes;
+  for (const auto& item : items)
+    if (__builtin_add_overflow(total, item.bytes, &total)) return -1;
   return total;
+}
+
+std::string sum_text(const std::vector<MemoryItem>& items) {
+  const int64_t total = sum(items);
+  return total < 0 ? std::string("more than 2^63") : std::to_string(total);
 }
 
 Prediction read_prediction(const Json& json, const std::string& path, Diagnostics& d) {
@@ -62,11 +69,11 @@ Prediction read_prediction(const Json& json, const std::string& path, Diagnostic
       if (sum(p.memory.device) != p.memory.device_total_bytes)
         d.error(mem->path_of("device_total_bytes"),
                 "= " + std::to_string(p.memory.device_total_bytes) +
-                    " does not equal the sum of the device items = " + std::to_string(sum(p.memory.device)));
+                    " does not equal the sum of the device items = " + sum_text(p.memory.device));
       if (sum(p.memory.host) != p.memory.host_total_bytes)
         d.error(mem->path_of("host_total_bytes"),
                 "= " + std::to_string(p.memory.host_total_bytes) +
-                    " does not equal the sum of the host items = " + std::to_string(sum(p.memory.host)));
+                    " does not equal the sum of the host items = " + sum_text(p.memory.host));
     }
   }
   if (const Json* time = r.child("time")) {
@@ -154,6 +161,20 @@ Plan plan_from_json(const Json& json, const std::string& origin) {
     RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
     for (const Violation& v : validate(config))
       d.error(v.field, v.message + " [" + std::string(rule_name(v.rule)) + "]");
+    // An alternative is the same run with another parallel configuration: the same rules,
+    // reported when the alternative breaks one that the plan itself does not.
+    const RuleMask plan_broken = violated_rules(config);
+    for (size_t i = 0; i < plan.alternatives.size(); ++i) {
+      const RunConfig alt{plan.model, plan.cluster, plan.alternatives[i].parallel, plan.moe, plan.training};
+      const std::string at = "alternatives[" + std::to_string(i) + "].";
+      for (const Violation& v : validate(alt)) {
+        if (plan_broken & rule_bit(v.rule)) continue;
+        if (v.field.rfind("parallel.", 0) == 0)
+          d.error(at + v.field, v.message + " [" + std::string(rule_name(v.rule)) + "]");
+        else
+          d.error(at + "parallel", "with " + v.field + " " + v.message + " [" + std::string(rule_name(v.rule)) + "]");
+      }
+    }
   }
   d.throw_if_any(origin);
   return plan;

@@ -11,9 +11,10 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Sizes are products of validated integers; they are formed in double, exact below 2^53
-// bytes, and saturate far beyond any device instead of overflowing.
+// bytes, and saturate at 2^59 bytes (far beyond any device), so that the sum of all items
+// still fits in int64.
 int64_t to_bytes(double bytes) {
-  constexpr double kSaturate = 4.0e18;
+  constexpr double kSaturate = 576460752303423488.0;  // 2^59
   return static_cast<int64_t>(std::min(bytes, kSaturate));
 }
 }  // namespace
@@ -111,9 +112,10 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   if (p.activation_offloading) {
     // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.
     blocks_on_device = std::min(m.num_layers, p.activation_loading_horizon + 1);
-    out.offloaded_activations = m.num_layers * stored_per_block;
+    out.offloaded_activations = to_bytes(static_cast<double>(m.num_layers) * static_cast<double>(stored_per_block));
   }
-  out.activations = blocks_on_device * stored_per_block + working_set;
+  out.activations = to_bytes(static_cast<double>(blocks_on_device) * static_cast<double>(stored_per_block) +
+                             static_cast<double>(working_set));
 
   const double t = static_cast<double>(tokens);
   if (p.expert_parallel_degree > 1) {
@@ -131,7 +133,7 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   const int64_t transient = out.gathered_parameters + out.gradient_buffers + out.activations +
                             out.moe_dispatch_buffers + out.logits;
   out.fragmentation =
-      static_cast<int64_t>(std::llround(static_cast<double>(transient) * (c.cluster.fragmentation_factor - 1.0)));
+      to_bytes(std::round(static_cast<double>(transient) * (c.cluster.fragmentation_factor - 1.0)));
   out.device_total = out.model_states() + transient + out.framework_overhead + out.fragmentation;
   return out;
 }

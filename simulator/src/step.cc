@@ -12,7 +12,7 @@ namespace moeplan::sim {
 namespace {
 
 // Micro-batches simulated before the step is extrapolated: the first warms the streams up, the
-// last two give the period.
+// second gives the period, the third is the last one (shorter: nothing follows it).
 constexpr int64_t kSimulatedMicroBatches = 3;
 
 // The simulated ranks and, for each mesh dimension, the collectives of their groups.
@@ -366,17 +366,17 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
     throw std::logic_error("step simulation deadlocked: " +
                            std::to_string(sim.graph.ops().size() - sim.times.finished) + " ops never ran");
 
-  // Micro-batches after the simulated ones repeat the last one. Each adds a period: the time
-  // between the ends of the last two simulated ones, but at least the work one micro-batch
+  // Micro-batches between the second and the last repeat the second. Each adds a period: the
+  // time from the end of the first to the end of the second (the last is shorter: no next
+  // micro-batch competes with its reduce-scatters), but at least the work one micro-batch
   // gives the busiest resource (a stream, or node 0's card), which may still be filling its
-  // backlog when the simulation stops.
+  // backlog.
   const int64_t repeats = p.gradient_accumulation_steps - sim.micro_batches;
   SimTime period{0};
   if (repeats > 0) {
     const std::vector<SimTime> ends = micro_batch_ends(sim.graph, sim.times, sim.micro_batches);
-    period = ends[static_cast<size_t>(sim.micro_batches - 1)] - ends[static_cast<size_t>(sim.micro_batches - 2)];
-    period = std::max(period, busiest_resource_work(sim.graph, sim.times, sim.micro_batches - 1,
-                                                    c.cluster.inter_node_bandwidth_bytes_per_s));
+    period = ends[1] - ends[0];
+    period = std::max(period, busiest_resource_work(sim.graph, sim.times, 1, c.cluster.inter_node_bandwidth_bytes_per_s));
   }
   const double step = to_seconds(sim.times.makespan + period * repeats);
   const double scale = static_cast<double>(p.gradient_accumulation_steps) / static_cast<double>(sim.micro_batches);

@@ -1,1 +1,305 @@
+// Runs the real `moeplan` executable, as a user would, in a fresh folder per test.
+
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/json_reader.h"
+#include "moeplan/core/plan.h"
+
+namespace moeplan {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Single quotes for the shell.
+std::string quoted(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+struct Outcome {
+  int exit_code = -1;  // -1 when the process did not exit normally (killed by a signal)
+  int signal = 0;
+  std::string out;
+  std::string err;
+  std::vector<std::string> err_lines() const { return lines_of(err); }
+};
+
+// A fresh folder under the system temp dir, removed with everything in it; commands run in it.
+class Workdir {
+ public:
+  Workdir() {
+    std::string pattern = (fs::temp_directory_path() / "moeplan-cli-test-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~Workdir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  Workdir(const Workdir&) = delete;
+  Workdir& operator=(const Workdir&) = delete;
+
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+  const fs::path& path() const { return path_; }
+
+  // Runs `moeplan <args>` here. MOEPLAN_PROFILES is unset so the built-in profile folder is used.
+  Outcome moeplan(const std::string& args) const {
+    const fs::path out = path_ / ".stdout";
+    const fs::path err = path_ / ".stderr";
+    const std::string command = "cd " + quoted(path_.string()) + " && env -u MOEPLAN_PROFILES " +
+                                quoted(MOEPLAN_BINARY) + " " + args + " >" + quoted(out.string()) + " 2>" +
+                                quoted(err.string());
+    const int status = std::system(command.c_str());
+    Outcome run;
+    if (WIFEXITED(status)) {
+      run.exit_code = WEXITSTATUS(status);
+      // sh reports a child killed by signal n as exit code 128 + n.
+      if (run.exit_code > 128) run.signal = run.exit_code - 128;
+    } else if (WIFSIGNALED(status)) {
+      run.signal = WTERMSIG(status);
+    }
+    run.out = read_text(out);
+    run.err = read_text(err);
+    fs::remove(out);
+    fs::remove(err);
+    return run;
+  }
+
+ private:
+  fs::path path_;
+};
+
+std::string show(const Outcome& run) {
+  return "exit " + std::to_string(run.exit_code) + ", signal " + std::to_string(run.signal) + "\nstdout:\n" +
+         run.out.substr(0, 2000) + "\nstderr:\n" + run.err.substr(0, 2000);
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+class Cli : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(MOEPLAN_BINARY)) GTEST_SKIP() << "moeplan binary not built: " << MOEPLAN_BINARY;
+  }
+  // plan.json written by `moeplan search --gpus 16` in a fresh folder, read once per test binary.
+  static const std::string& searched_plan_text() {
+    static const std::string text = [] {
+      Workdir dir;
+      const Outcome run = dir.moeplan("search --gpus 16");
+      if (run.exit_code != 0) return std::string();
+      return read_text(dir / "plan.json");
+    }();
+    return text;
+  }
+};
+
+TEST_F(Cli, SearchWritesAPlanThatCheckAccepts) {
+  Workdir dir;
+  const Outcome search = dir.moeplan("search --gpus 16");
+  ASSERT_EQ(search.exit_code, 0) << show(search);
+  EXPECT_EQ(search.err, "");
+  ASSERT_TRUE(fs::exists(dir / "plan.json"));
+  EXPECT_NE(search.out.find("wrote plan.json ("), std::string::npos) << show(search);
+
+  const Outcome check = dir.moeplan("check plan.json");
+  ASSERT_EQ(check.exit_code, 0) << show(check);
+  EXPECT_TRUE(starts_with(check.out, "plan.json: ok: ")) << show(check);
+  EXPECT_EQ(check.err, "");
+
+  // What was written is a complete plan for the command line that made it.
+  const Plan plan = read_plan_file((dir / "plan.json").string());
+  EXPECT_EQ(plan.parallel.world_size, 16);
+  EXPECT_EQ(plan.cluster.num_nodes, 2);
+  EXPECT_EQ(plan.provenance.command, "moeplan search --gpus 16");
+  // No temporary file is left next to it.
+  for (const auto& entry : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(entry.path().filename(), "plan.json");
+}
+
+TEST_F(Cli, SameCommandGivesTheSameBytesInAnotherFolder) {
+  Workdir first;
+  Workdir second;
+  const std::string args = "search --gpus 16 --explain";
+  const Outcome a = first.moeplan(args);
+  const Outcome b = second.moeplan(args);
+  ASSERT_EQ(a.exit_code, 0) << show(a);
+  ASSERT_EQ(b.exit_code, 0) << show(b);
+  const std::string plan_a = read_text(first / "plan.json");
+  const std::string plan_b = read_text(second / "plan.json");
+  ASSERT_FALSE(plan_a.empty());
+  EXPECT_TRUE(plan_a == plan_b) << "plan.json differs between two runs of `moeplan " << args << "`";
+  EXPECT_EQ(a.out, b.out);
+}
+
+TEST_F(Cli, OneGpuHasNoPlanAndSaysByHowMuch) {
+  Workdir dir;
+  const Outcome run = dir.moeplan("search --gpus 1");
+  ASSERT_EQ(run.exit_code, 1) << show(run);
+  EXPECT_FALSE(fs::exists(dir / "plan.json"));
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_GE(lines.size(), 2u) << show(run);
+  EXPECT_EQ(lines[0], "moeplan: no plan for mixtral-8x7b on 1 GPU(s) of p4d.24xlarge");
+  EXPECT_NE(run.err.find("device memory"), std::string::npos) << show(run);
+  EXPECT_NE(run.err.find("over by"), std::string::npos) << show(run);
+  // 40 GiB minus the 1 GiB headroom of the p4d profile.
+  EXPECT_NE(run.err.find("against 39.0 GiB usable (40.0 GiB minus 1.0 GiB headroom)"), std::string::npos)
+      << show(run);
+}
+
+TEST_F(Cli, UnknownModelIsOneLineNamingTheFlag) {
+  Workdir dir;
+  const Outcome run = dir.moeplan("search --gpus 16 --model nosuchmodel");
+  ASSERT_EQ(run.exit_code, 2) << show(run);
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_EQ(lines.size(), 1u) << show(run);
+  EXPECT_TRUE(starts_with(lines[0], "moeplan: error: --model: no models profile named \"nosuchmodel\" in "))
+      << lines[0];
+  EXPECT_NE(lines[0].find("mixtral-8x7b"), std::string::npos) << "lists the known models: " << lines[0];
+  EXPECT_FALSE(fs::exists(dir / "plan.json"));
+}
+
+TEST_F(Cli, GlobalBatchThatIsNotWholeSequencesIsOneLineNamingTheFlag) {
+  Workdir dir;
+  const Outcome run = dir.moeplan("search --gpus 16 --global-batch-tokens 1000");
+  ASSERT_EQ(run.exit_code, 2) << show(run);
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_EQ(lines.size(), 1u) << show(run);
+  // 16 GPUs x 2048 tokens = 32768.
+  EXPECT_EQ(lines[0],
+            "moeplan: error: --global-batch-tokens: = 1000 is not a multiple of gpus x seq-len = 32768 "
+            "(every rank reads whole sequences)");
+}
+
+TEST_F(Cli, CheckOnATruncatedPlanIsOneLineNamingTheFile) {
+  const std::string& text = searched_plan_text();
+  ASSERT_FALSE(text.empty());
+  Workdir dir;
+  write_text(dir / "plan.json", text.substr(0, text.size() / 3));
+  const Outcome run = dir.moeplan("check plan.json");
+  ASSERT_EQ(run.exit_code, 2) << show(run);
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_EQ(lines.size(), 1u) << show(run);
+  EXPECT_TRUE(starts_with(lines[0], "moeplan: error: plan.json: not valid JSON (parse error at line ")) << lines[0];
+}
+
+TEST_F(Cli, CheckOnAPlanWithExpertDegreeThreeNamesTheField) {
+  const std::string& text = searched_plan_text();
+  ASSERT_FALSE(text.empty());
+  Json json = parse_json_text(text, "plan.json");
+  json["parallel"]["expert_parallel_degree"] = 3;
+  Workdir dir;
+  write_text(dir / "plan.json", json.dump(2));
+  const Outcome run = dir.moeplan("check plan.json");
+  ASSERT_EQ(run.exit_code, 2) << show(run);
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_FALSE(lines.empty()) << show(run);
+  // One line per broken rule; the first is about the edited field.
+  EXPECT_EQ(lines[0],
+            "moeplan: error: plan.json: parallel.expert_parallel_degree: = 3 does not divide num_experts = 8 "
+            "[expert_degree_divides_experts]");
+  for (const std::string& line : lines) EXPECT_TRUE(starts_with(line, "moeplan: error: plan.json: ")) << line;
+}
+
+TEST_F(Cli, CheckOnAMissingFileNamesIt) {
+  Workdir dir;
+  const Outcome run = dir.moeplan("check absent.json");
+  ASSERT_EQ(run.exit_code, 2) << show(run);
+  EXPECT_EQ(run.err_lines(), std::vector<std::string>{"moeplan: error: absent.json: cannot open file"});
+}
+
+// A number beyond a double in a plan is bad input: exit 2 with one line, not an abort.
+TEST_F(Cli, CheckOnAPlanWithANumberTooLargeForADoubleIsBadInput) {
+  const std::string& text = searched_plan_text();
+  ASSERT_FALSE(text.empty());
+  std::string edited = text;
+  const std::string key = "\"world_size\": 16";
+  const size_t at = edited.find(key);
+  ASSERT_NE(at, std::string::npos);
+  edited.replace(at, key.size(), "\"world_size\": 1e400");
+  Workdir dir;
+  write_text(dir / "plan.json", edited);
+  const Outcome run = dir.moeplan("check plan.json");
+  EXPECT_EQ(run.signal, 0) << show(run);
+  ASSERT_EQ(run.exit_code, 2) << show(run);
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_EQ(lines.size(), 1u) << show(run);
+  EXPECT_TRUE(starts_with(lines[0], "moeplan: error: plan.json: ")) << lines[0];
+}
+
+TEST_F(Cli, CheckOnAPlanWhoseMemoryWasEditedByHand) {
+  const std::string& text = searched_plan_text();
+  ASSERT_FALSE(text.empty());
+  Json json = parse_json_text(text, "plan.json");
+  // Consistent in itself (items still add up) but not what the memory model gives.
+  Json& memory = json["prediction"]["memory"];
+  memory["device"]["activations"] = memory["device"]["activations"].get<int64_t>() - 1024;
+  memory["device_total_bytes"] = memory["device_total_bytes"].get<int64_t>() - 1024;
+  Workdir dir;
+  write_text(dir / "plan.json", json.dump(2));
+  const Outcome run = dir.moeplan("check plan.json");
+  ASSERT_EQ(run.exit_code, 1) << show(run);
+  const std::vector<std::string> lines = run.err_lines();
+  ASSERT_EQ(lines.size(), 1u) << show(run);
+  EXPECT_TRUE(starts_with(lines[0], "moeplan: error: plan.json: prediction.memory.device_total_bytes: = ")) << lines[0];
+}
+
+TEST_F(Cli, JsonPlanKeepsEveryCandidateWithinDeviceMemory) {
+  Workdir dir;
+  const Outcome run = dir.moeplan("search --gpus 16 --json --out ''");
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  EXPECT_FALSE(fs::exists(dir / "plan.json")) << "--out '' writes no file";
+  // stdout is the plan and nothing else.
+  const Json json = parse_json_text(run.out, "stdout");
+  const Plan plan = plan_from_json(json, "stdout");
+  EXPECT_EQ(plan_to_text(plan), run.out);
+
+  const MemoryBreakdown& memory = plan.prediction.memory;
+  EXPECT_GT(memory.device_limit_bytes, 0);
+  EXPECT_LE(memory.device_total_bytes, memory.device_limit_bytes);
+  EXPECT_LE(memory.host_total_bytes, memory.host_limit_bytes);
+  ASSERT_FALSE(plan.alternatives.empty());
+  for (size_t i = 0; i < plan.alternatives.size(); ++i) {
+    const Alternative& alt = plan.alternatives[i];
+    EXPECT_GT(alt.device_peak_bytes, 0) << "alternative " << i;
+    EXPECT_LE(alt.device_peak_bytes, memory.device_limit_bytes) << "alternative " << i;
+  }
+  // The items add up to their totals, counted here from the raw JSON.
+  int64_t device_sum = 0;
+  for (const auto& [name, bytes] : json["prediction"]["memory"]["device"].items()) device_sum += bytes.get<int64_t>();
+  EXPECT_EQ(device_sum, json["prediction"]["memory"]["device_total_bytes"].get<int64_t>());
+  int64_t host_sum = 0;
+  for (const auto& [name, bytes] : json["prediction"]["memory"]["host"].items()) host_sum += bytes.get<int64_t>();
+  EXPECT_EQ(host_sum, json["prediction"]["memory"]["host_total_bytes"].get<int64_t>());
+  EXPECT_EQ(json["prediction"]["memory"]["device"].size(), memory.device.size());
+}
+
+}  // namespace
+}  // namespace moeplan

@@ -1,1 +1,566 @@
+#include "moeplan/core/json_reader.h"
+
 #include <gtest/gtest.h>
+
+#include <array>
+#include <cstdlib>
+#include <filesystem>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/cluster_spec.h"
+#include "moeplan/core/model_spec.h"
+
+namespace moeplan {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string profile(const std::string& name) { return std::string(MOEPLAN_PROFILE_DIR) + "/" + name; }
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A folder under the system temp dir, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "moeplan-json-test-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream out(file(name), std::ios::binary);
+    out << text;
+    return file(name);
+  }
+  std::string write(const std::string& name, const Json& json) const { return write(name, json.dump(2)); }
+
+ private:
+  fs::path path_;
+};
+
+std::string describe(const std::vector<Diagnostic>& diagnostics) {
+  std::string text;
+  for (const Diagnostic& d : diagnostics) text += "\n  " + d.to_string();
+  return text;
+}
+
+// Runs read(), which must throw InputError from `origin`; returns its diagnostics.
+template <class F>
+std::vector<Diagnostic> problems_of(F&& read, const std::string& origin) {
+  try {
+    read();
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.origin(), origin);
+    EXPECT_FALSE(e.diagnostics().empty());
+    return e.diagnostics();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw a non-InputError: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "accepted the input from " << origin;
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// parse_json_text and read_json_file
+
+TEST(ParseJsonText, ParsesValidText) {
+  const Json json = parse_json_text(R"({"a": [1, 2.5, "x", null, true], "b": {}})", "t.json");
+  EXPECT_EQ(json["a"][1], 2.5);
+  EXPECT_TRUE(json["b"].is_object());
+}
+
+TEST(ParseJsonText, TruncatedTextNamesLineAndColumn) {
+  const auto problems = problems_of([] { parse_json_text("{\"a\": [1, 2", "t.json"); }, "t.json");
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].path, "");
+  EXPECT_EQ(problems[0].message.rfind("not valid JSON (parse error at line 1, column 12: ", 0), 0u)
+      << problems[0].message;
+  // The nlohmann tag ("[json.exception.parse_error.101]") is cut off.
+  EXPECT_EQ(problems[0].message.find("json.exception"), std::string::npos) << problems[0].message;
+}
+
+TEST(ParseJsonText, SyntaxErrorsAreInputErrors) {
+  for (const char* text : {"", "{", "}", "{\"a\" 1}", "{\"a\": 1,}", "[1 2]", "tru", "\"abc", "{\"a\": 01}",
+                           "{\"a\": -}", "{\"a\": 1e}", "{\"a\": \"\\x\"}", "\xff", "{} {}", "NaN", "Infinity"}) {
+    const auto problems = problems_of([&] { parse_json_text(text, "t.json"); }, "t.json");
+    ASSERT_EQ(problems.size(), 1u) << text;
+    EXPECT_EQ(problems[0].message.rfind("not valid JSON (", 0), 0u) << text << ": " << problems[0].message;
+  }
+}
+
+// A number beyond a double (1e400) makes nlohmann throw out_of_range, not parse_error; it is
+// still malformed input and must come back as an InputError naming the file.
+TEST(ParseJsonText, NumberOutsideDoubleRangeIsAnInputError) {
+  for (const char* text : {"1e400", "[-1e400]", "{\"world_size\": 1e400}"}) {
+    const auto problems = problems_of([&] { parse_json_text(text, "t.json"); }, "t.json");
+    if (!problems.empty()) {
+      EXPECT_EQ(problems[0].path, "") << text;
+    }
+  }
+}
+
+TEST(ParseJsonText, HugeIntegersBecomeNumbersNotErrors) {
+  EXPECT_TRUE(parse_json_text("18446744073709551615", "t").is_number_unsigned());
+  EXPECT_TRUE(parse_json_text("18446744073709551616", "t").is_number_float());
+  EXPECT_TRUE(parse_json_text("-9223372036854775809", "t").is_number_float());
+  EXPECT_EQ(parse_json_text("1e-400", "t").get<double>(), 0.0);  // underflow is not an error
+}
+
+TEST(ReadJsonFile, MissingFileNamesThePath) {
+  TempDir dir;
+  const std::string path = dir.file("nowhere.json");
+  const auto problems = problems_of([&] { read_json_file(path); }, path);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].path, "");
+  EXPECT_EQ(problems[0].message, "cannot open file");
+}
+
+TEST(ReadJsonFile, TruncatedFileNamesThePath) {
+  TempDir dir;
+  const std::string text = read_text(profile("hardware/p4d.24xlarge.json"));
+  const std::string path = dir.write("p4d.json", text.substr(0, text.size() / 2));
+  const auto problems = problems_of([&] { read_json_file(path); }, path);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].message.rfind("not valid JSON (parse error at line ", 0), 0u) << problems[0].message;
+}
+
+TEST(ReadJsonFile, DirectoryIsAnInputError) {
+  TempDir dir;
+  const std::string path = dir.file("");
+  problems_of([&] { read_json_file(path); }, path);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ObjectReader
+
+struct Read {
+  Diagnostics diagnostics;
+  Json json;
+  explicit Read(const char* text) : json(Json::parse(text)) {}
+  ObjectReader reader(SourceMap* sources = nullptr) { return ObjectReader(json, "obj", diagnostics, sources); }
+  std::string only_problem() const {
+    EXPECT_EQ(diagnostics.items().size(), 1u) << describe(diagnostics.items());
+    return diagnostics.items().empty() ? "" : diagnostics.items()[0].to_string();
+  }
+};
+
+TEST(ObjectReader, IntegersAcceptIntegralFloats) {
+  Read r(R"({"a": 4.0e10, "b": 7, "c": -3})");
+  ObjectReader o = r.reader();
+  EXPECT_EQ(o.integer("a", 0, int64_t{1} << 40), 40'000'000'000);
+  EXPECT_EQ(o.integer("b", 0, 10), 7);
+  EXPECT_EQ(o.integer("c", -5, 10), -3);
+  o.finish();
+  EXPECT_TRUE(r.diagnostics.empty()) << describe(r.diagnostics.items());
+}
+
+TEST(ObjectReader, IntegerProblems) {
+  const std::vector<std::pair<const char*, const char*>> cases = {
+      {R"({"n": 2.5})", "obj.n: expected an integer, got number 2.5"},
+      {R"({"n": "8"})", "obj.n: expected an integer, got string \"8\""},
+      {R"({"n": true})", "obj.n: expected an integer, got true"},
+      {R"({"n": null})", "obj.n: expected an integer, got null"},
+      {R"({"n": [8]})", "obj.n: expected an integer, got an array"},
+      {R"({"n": 11})", "obj.n: must be in [1, 10], got 11"},
+      {R"({"n": 0})", "obj.n: must be in [1, 10], got 0"},
+      {R"({"n": -1})", "obj.n: must be in [1, 10], got -1"},
+      {R"({"n": 1e300})", "obj.n: must be in [1, 10], got 1e+300"},
+      {R"({"n": -1e300})", "obj.n: must be in [1, 10], got -1e+300"},
+      {R"({"n": 18446744073709551615})", "obj.n: must be in [1, 10], got 18446744073709551615"},
+      {R"({"n": -9223372036854775808})", "obj.n: must be in [1, 10], got -9223372036854775808"},
+      {R"({})", "obj.n: missing required field"},
+  };
+  for (const auto& [text, expected] : cases) {
+    Read r(text);
+    ObjectReader o = r.reader();
+    EXPECT_EQ(o.integer("n", 1, 10), 1) << text;  // the neutral value, so reading goes on
+    EXPECT_EQ(r.only_problem(), expected) << text;
+  }
+}
+
+TEST(ObjectReader, NumberProblems) {
+  const std::vector<std::pair<const char*, const char*>> cases = {
+      {R"({"x": "1.5"})", "obj.x: expected a number, got string \"1.5\""},
+      {R"({"x": {}})", "obj.x: expected a number, got an object"},
+      {R"({"x": 1e300})", "obj.x: must be in [0, 1], got 1e+300"},
+      {R"({"x": -0.25})", "obj.x: must be in [0, 1], got -0.25"},
+      {R"({"x": 18446744073709551615})", "obj.x: must be in [0, 1], got 18446744073709551615"},
+  };
+  for (const auto& [text, expected] : cases) {
+    Read r(text);
+    ObjectReader o = r.reader();
+    o.number("x", 0.0, 1.0);
+    EXPECT_EQ(r.only_problem(), expected) << text;
+  }
+}
+
+TEST(ObjectReader, OptionalFieldsTakeTheirFallback) {
+  Read r(R"({})");
+  ObjectReader o = r.reader();
+  EXPECT_EQ(o.integer("i", 1, 10, 7), 7);
+  EXPECT_EQ(o.number("x", 0, 1, 0.5), 0.5);
+  EXPECT_TRUE(o.boolean("b", true));
+  EXPECT_EQ(o.string("s", "dflt"), "dflt");
+  EXPECT_FALSE(o.nullable_integer("w", 1, 10).has_value());
+  EXPECT_FALSE(o.object("nested", true).has_value());
+  EXPECT_TRUE(r.diagnostics.empty()) << describe(r.diagnostics.items());
+}
+
+TEST(ObjectReader, LongStringsAreShortenedInMessages) {
+  Read r(R"({"n": "0123456789012345678901234567890123456789abcdef"})");
+  ObjectReader o = r.reader();
+  o.integer("n", 0, 1);
+  EXPECT_EQ(r.only_problem(),
+            "obj.n: expected an integer, got string \"0123456789012345678901234567890123456789...\"");
+}
+
+TEST(ObjectReader, UnknownFieldsAreReportedAtFinish) {
+  Read r(R"({"known": 1, "unknwn": 2, "nested": {"deep": 1, "extra": 3}})");
+  ObjectReader o = r.reader();
+  o.integer("known", 0, 10);
+  std::optional<ObjectReader> nested = o.object("nested");
+  ASSERT_TRUE(nested.has_value());
+  nested->integer("deep", 0, 10);
+  nested->finish();
+  o.finish();
+  ASSERT_EQ(r.diagnostics.items().size(), 2u) << describe(r.diagnostics.items());
+  EXPECT_EQ(r.diagnostics.items()[0].to_string(), "obj.nested.extra: unknown field");
+  EXPECT_EQ(r.diagnostics.items()[1].to_string(), "obj.unknwn: unknown field");
+}
+
+TEST(ObjectReader, SourcedValuesAreUnwrappedAndRemembered) {
+  Read r(R"({"bw": {"value": 5e10, "source": "datasheet"}, "plain": 3,
+             "bad": {"value": 1}, "extra": {"value": 1, "source": "s", "note": "n"},
+             "typed": {"value": 1, "source": 7}})");
+  SourceMap sources;
+  ObjectReader o = r.reader(&sources);
+  EXPECT_EQ(o.number("bw", 0, 1e12), 5e10);
+  EXPECT_EQ(o.integer("plain", 0, 10), 3);
+  o.integer("bad", 0, 10);
+  o.integer("extra", 0, 10);
+  o.integer("typed", 0, 10);
+  o.finish();
+  EXPECT_EQ(sources, (SourceMap{{"obj.bw", "datasheet"}}));
+  const std::vector<Diagnostic>& items = r.diagnostics.items();
+  ASSERT_EQ(items.size(), 3u) << describe(items);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_EQ(items[i].message, "expected a value or {\"value\": ..., \"source\": \"...\"}") << i;
+  EXPECT_EQ(items[0].path, "obj.bad");
+  EXPECT_EQ(items[1].path, "obj.extra");
+  EXPECT_EQ(items[2].path, "obj.typed");
+}
+
+TEST(ObjectReader, ChoiceListsTheAllowedNames) {
+  static constexpr std::array<std::pair<std::string_view, int>, 2> kNames{{{"none", 0}, {"full", 1}}};
+  Read r(R"({"c": "Full"})");
+  ObjectReader o = r.reader();
+  EXPECT_EQ(o.choice<int>("c", kNames), 0);
+  EXPECT_EQ(r.only_problem(), "obj.c: expected one of \"none\", \"full\", got string \"Full\"");
+}
+
+TEST(ObjectReader, NotAnObject) {
+  Diagnostics d;
+  const Json json = Json::array();
+  ObjectReader o(json, "cluster.gpu", d);
+  EXPECT_FALSE(o.ok());
+  o.integer("memory_bytes", 0, 10);  // reports nothing more: the object itself is wrong
+  o.finish();
+  ASSERT_EQ(d.items().size(), 1u);
+  EXPECT_EQ(d.items()[0].to_string(), "cluster.gpu: expected an object, got an array");
+}
+
+TEST(DescribeJson, EveryKind) {
+  EXPECT_EQ(describe_json(Json(nullptr)), "null");
+  EXPECT_EQ(describe_json(Json(false)), "false");
+  EXPECT_EQ(describe_json(Json("two")), "string \"two\"");
+  EXPECT_EQ(describe_json(Json(-3)), "number -3");
+  EXPECT_EQ(describe_json(Json(0.5)), "number 0.5");
+  EXPECT_EQ(describe_json(Json::object()), "an object");
+  EXPECT_EQ(describe_json(Json::array()), "an array");
+  // Invalid UTF-8 in a string is replaced (and escaped), not thrown on.
+  EXPECT_EQ(describe_json(Json(std::string("a\xff"))), "string \"a\\ufffd\"");
+}
+
+TEST(InputError, FirstLineCountsTheRest) {
+  const InputError one("f.json", {{"a.b", "bad"}});
+  EXPECT_STREQ(one.what(), "f.json: a.b: bad");
+  const InputError three("f.json", {{"a", "x"}, {"", "y"}, {"c", "z"}});
+  EXPECT_STREQ(three.what(), "f.json: a: x (and 2 more)");
+  EXPECT_EQ(three.lines(), (std::vector<std::string>{"f.json: a: x", "f.json: y", "f.json: c: z"}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hardware profiles, read from files
+
+Json p4d_json() { return Json::parse(read_text(profile("hardware/p4d.24xlarge.json"))); }
+
+TEST(HardwareProfile, ShippedProfilesReadAndRoundTrip) {
+  for (const char* name : {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge"}) {
+    const ClusterSpec c = read_cluster_file(profile(std::string("hardware/") + name + ".json"));
+    EXPECT_EQ(c.name, name);
+    EXPECT_EQ(c.gpus_per_node, 8);
+    EXPECT_FALSE(c.sources.empty());
+    EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c) << name;
+  }
+}
+
+struct ProfileEdit {
+  const char* pointer;
+  Json value;
+  const char* path;
+  const char* message;
+};
+
+TEST(HardwareProfile, OneProblemEachFromAFile) {
+  const std::vector<ProfileEdit> edits = {
+      {"/gpu/memory_bytes/value", "40GB", "gpu.memory_bytes", "expected an integer, got string \"40GB\""},
+      {"/gpu/memory_bytes", -1, "gpu.memory_bytes", "must be in [1, 1125899906842624], got -1"},
+      {"/gpus_per_node/value", 0, "gpus_per_node", "must be in [1, 1024], got 0"},
+      {"/gpus_per_node", 1e300, "gpus_per_node", "must be in [1, 1024], got 1e+300"},
+      {"/host/memory_bytes/value", Json(uint64_t{18446744073709551615u}), "host.memory_bytes",
+       "must be in [1, 1125899906842624], got 18446744073709551615"},
+      {"/intra_node/latency_s/value", -1e-6, "intra_node.latency_s", "must be in [0, 1], got -1e-06"},
+      {"/inter_node/bandwidth_bytes_per_s", "fast", "inter_node.bandwidth_bytes_per_s",
+       "expected a number, got string \"fast\""},
+      {"/framework/fragmentation_factor/value", 0.9, "framework.fragmentation_factor", "must be in [1, 4], got 0.9"},
+      {"/gpu/memory_byte", 1, "gpu.memory_byte", "unknown field"},
+      {"/gpu/matmul_efficiency/points/2", Json::array({1e9, 0.5}), "gpu.matmul_efficiency.points[2]",
+       "flops must increase from one point to the next"},
+      {"/gpu/matmul_efficiency/points/0", Json::array({1e8, 1.5}), "gpu.matmul_efficiency.points[0]",
+       "efficiency must be in (0, 1], got 1.5"},
+      {"/gpu/matmul_efficiency/points/1", "1e9", "gpu.matmul_efficiency.points[1]",
+       "expected [flops, efficiency], got string \"1e9\""},
+      {"/schema_version", 2, "schema_version", "must be in [1, 1], got 2"},
+      {"/intra_node", "NVSwitch", "intra_node", "expected an object, got string \"NVSwitch\""},
+      // Consistency checks run once every field has been read.
+      {"/gpu/peak_fp32_flops/value", 400e12, "gpu.peak_fp32_flops",
+       "exceeds gpu.peak_bf16_flops; the two are probably swapped"},
+      {"/framework/headroom_bytes/value", int64_t{42949672960}, "framework",
+       "headroom_bytes + overhead_bytes (44560285696) leave no device memory of gpu.memory_bytes = 42949672960"},
+  };
+  TempDir dir;
+  for (const ProfileEdit& edit : edits) {
+    Json json = p4d_json();
+    const Json::json_pointer at(edit.pointer);
+    ASSERT_TRUE(json.contains(at.parent_pointer())) << edit.pointer;
+    json[at] = edit.value;
+    const std::string path = dir.write("p4d.json", json);
+    const auto problems = problems_of([&] { read_cluster_file(path); }, path);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+  }
+}
+
+TEST(HardwareProfile, EveryProblemIsReported) {
+  Json json = p4d_json();
+  json["gpu"]["memory_bytes"]["value"] = "40GB";
+  json["gpu"]["memory_byte"] = 1;
+  json["intra_node"]["latency_s"] = -1;
+  json.erase("host");
+  json["owner"] = "me";
+  const auto problems = problems_of([&] { cluster_from_json(json, "p4d.json"); }, "p4d.json");
+  const std::vector<std::string> paths = {"gpu.memory_bytes", "gpu.memory_byte", "intra_node.latency_s", "host",
+                                          "owner"};
+  ASSERT_EQ(problems.size(), paths.size()) << describe(problems);
+  for (size_t i = 0; i < paths.size(); ++i) EXPECT_EQ(problems[i].path, paths[i]) << i;
+  EXPECT_EQ(problems[3].message, "missing required field");
+}
+
+TEST(HardwareProfile, MissingAndTruncatedFiles) {
+  TempDir dir;
+  const std::string missing = dir.file("p9.json");
+  EXPECT_EQ(problems_of([&] { read_cluster_file(missing); }, missing).at(0).message, "cannot open file");
+  const std::string text = read_text(profile("hardware/p5.48xlarge.json"));
+  const std::string truncated = dir.write("p5.json", text.substr(0, text.find("\"intra_node\"")));
+  const auto problems = problems_of([&] { read_cluster_file(truncated); }, truncated);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].message.rfind("not valid JSON (", 0), 0u) << problems[0].message;
+}
+
+// Every field read in the {"value", "source"} form keeps its source through a write and a read,
+// strings and counts as well as rates.
+TEST(HardwareProfile, SourcesSurviveARoundTrip) {
+  for (const char* pointer : {"/num_nodes", "/name", "/intra_node/fabric"}) {
+    Json json = p4d_json();
+    const Json::json_pointer at(pointer);
+    const Json plain = json.contains(at) ? json[at] : Json(1);
+    json[at] = Json{{"value", plain}, {"source", "fuzz"}};
+    const ClusterSpec c = cluster_from_json(json, "p4d.json");
+    const ClusterSpec again = cluster_from_json(Json::parse(to_json(c).dump()), "again");
+    EXPECT_EQ(again.sources.size(), c.sources.size()) << pointer;
+    EXPECT_TRUE(again == c) << pointer;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model profiles and Hugging Face config.json files
+
+TEST(ModelProfile, ProblemsFromAFile) {
+  const Json base = Json::parse(read_text(profile("models/mixtral-8x7b.json")));
+  const std::vector<ProfileEdit> edits = {
+      {"/num_experts", "eight", "num_experts", "expected an integer, got string \"eight\""},
+      {"/num_layers", 0, "num_layers", "must be in [1, 4096], got 0"},
+      {"/hidden_size", 1e300, "hidden_size", "must be in [1, 16777216], got 1e+300"},
+      {"/vocab_size", Json(uint64_t{18446744073709551615u}), "vocab_size",
+       "must be in [1, 16777216], got 18446744073709551615"},
+      {"/rope_theta", 0.5, "rope_theta", "must be in [1, 1e+12], got 0.5"},
+      {"/tie_word_embeddings", "false", "tie_word_embeddings", "expected true or false, got string \"false\""},
+      {"/num_expert", 8, "num_expert", "unknown field"},
+      {"/schema_version", 0, "schema_version", "must be in [1, 1], got 0"},
+      // The model rules run after a clean read, with the field names of the profile.
+      {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
+      {"/head_dim", 127, "head_dim", "= 127 is odd; rotary embeddings rotate pairs of dimensions"},
+  };
+  TempDir dir;
+  for (const ProfileEdit& edit : edits) {
+    Json json = base;
+    json[Json::json_pointer(edit.pointer)] = edit.value;
+    const std::string path = dir.write("model.json", json);
+    const auto problems = problems_of([&] { read_model_file(path); }, path);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+  }
+}
+
+TEST(ModelProfile, ShippedProfilesRoundTrip) {
+  for (const char* name : {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny"}) {
+    const ModelSpec m = read_model_file(profile(std::string("models/") + name + ".json"));
+    EXPECT_EQ(m.name, name);
+    EXPECT_EQ(model_from_json(Json::parse(to_json(m).dump()), "again"), m) << name;
+  }
+}
+
+// mistralai/Mixtral-8x7B-v0.1 config.json as published on the Hugging Face hub.
+Json hf_config() {
+  return Json::parse(R"({
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
+}
+
+TEST(HfConfig, FileIsRecognisedByModelType) {
+  TempDir dir;
+  const std::string path = dir.write("config.json", hf_config());
+  const ModelSpec m = read_model_file(path);
+  EXPECT_EQ(m.num_layers, 32);
+  EXPECT_EQ(m.head_dim, 128);
+  EXPECT_EQ(m.name, "hf-mixtral");
+  EXPECT_EQ(m.source, "Hugging Face config.json (" + path + ")");
+  EXPECT_EQ(count_parameters(m).total(), count_parameters(read_model_file(profile("models/mixtral-8x7b.json"))).total());
+}
+
+TEST(HfConfig, ProblemsFromAFile) {
+  const std::vector<ProfileEdit> edits = {
+      {"/num_local_experts", "eight", "num_local_experts", "expected an integer, got string \"eight\""},
+      {"/num_hidden_layers", 0, "num_hidden_layers", "must be in [1, 4096], got 0"},
+      {"/num_attention_heads", -32, "num_attention_heads", "must be in [1, 16777216], got -32"},
+      {"/vocab_size", 1e300, "vocab_size", "must be in [1, 16777216], got 1e+300"},
+      {"/intermediate_size", Json(uint64_t{18446744073709551615u}), "intermediate_size",
+       "must be in [1, 16777216], got 18446744073709551615"},
+      {"/rms_norm_eps", "1e-5", "rms_norm_eps", "expected a number, got string \"1e-5\""},
+      {"/sliding_window", 0, "sliding_window", "must be in [1, 16777216], got 0"},
+      {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
+      {"/num_local_expert", 16, "num_local_expert", "unknown field"},
+      {"/model_type", "llama", "model_type", "expected \"mixtral\", got \"llama\""},
+      {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU experts) is supported, got \"gelu\""},
+      {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
+  };
+  TempDir dir;
+  for (const ProfileEdit& edit : edits) {
+    Json json = hf_config();
+    json[Json::json_pointer(edit.pointer)] = edit.value;
+    const std::string path = dir.write("config.json", json);
+    const auto problems = problems_of([&] { read_model_file(path); }, path);
+    ASSERT_FALSE(problems.empty()) << edit.pointer;
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+    EXPECT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+  }
+}
+
+// Rule problems of a Hugging Face config name the config's own fields (num_experts_per_tok,
+// num_hidden_layers), not moeplan's.
+TEST(HfConfig, RuleProblemsNameTheConfigFields) {
+  Json top_k = hf_config();
+  top_k["num_experts_per_tok"] = 9;
+  const auto top_k_problems = problems_of([&] { model_from_hf_config(top_k, "config.json"); }, "config.json");
+  ASSERT_EQ(top_k_problems.size(), 1u) << describe(top_k_problems);
+  EXPECT_EQ(top_k_problems[0].path, "num_experts_per_tok");
+  EXPECT_EQ(top_k_problems[0].message, "= 9 exceeds num_experts = 8");
+
+  // hidden 2^24 (so head_dim 2^19): attention alone is 32 x 4 x 2^24 x 2^24 = 3.6e16 > 1e15.
+  Json huge = hf_config();
+  huge["hidden_size"] = 16777216;
+  const auto huge_problems = problems_of([&] { model_from_hf_config(huge, "config.json"); }, "config.json");
+  ASSERT_EQ(huge_problems.size(), 1u) << describe(huge_problems);
+  EXPECT_EQ(huge_problems[0].path, "num_hidden_layers");
+}
+
+// Without head_dim, hidden_size / heads is used; more heads than hidden units would make it 0,
+// which must be refused rather than written back as a model no reader accepts.
+TEST(HfConfig, DerivedHeadDimOfZeroIsRejected) {
+  Json hf = hf_config();
+  hf["num_attention_heads"] = 8192;  // > hidden_size = 4096; 8 KV heads still divide it
+  EXPECT_THROW(
+      {
+        const ModelSpec m = model_from_hf_config(hf, "config.json");
+        std::printf("accepted with head_dim = %lld\n", static_cast<long long>(m.head_dim));
+      },
+      InputError);
+
+  Json profile_json = Json::parse(read_text(profile("models/mixtral-8x7b.json")));
+  profile_json.erase("head_dim");
+  profile_json["num_attention_heads"] = 8192;
+  EXPECT_THROW(model_from_json(profile_json, "model.json"), InputError);
+}
+
+TEST(HfConfig, EveryProblemIsReported) {
+  Json json = hf_config();
+  json["num_local_experts"] = "eight";
+  json["hidden_act"] = "relu";
+  json["num_hidden_layers"] = -1;
+  json["rope_scalling"] = nullptr;
+  const auto problems = problems_of([&] { model_from_hf_config(json, "config.json"); }, "config.json");
+  const std::vector<std::string> paths = {"num_hidden_layers", "num_local_experts", "hidden_act", "rope_scalling"};
+  ASSERT_EQ(problems.size(), paths.size()) << describe(problems);
+  for (size_t i = 0; i < paths.size(); ++i) EXPECT_EQ(problems[i].path, paths[i]) << i;
+}
+
+TEST(HfConfig, TruncatedAndMissingFiles) {
+  TempDir dir;
+  const std::string text = hf_config().dump(2);
+  const std::string truncated = dir.write("config.json", text.substr(0, text.size() - 2));
+  const auto problems = problems_of([&] { read_model_file(truncated); }, truncated);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].message.rfind("not valid JSON (", 0), 0u) << problems[0].message;
+  const std::string missing = dir.file("absent/config.json");
+  EXPECT_EQ(problems_of([&] { read_model_file(missing); }, missing).at(0).message, "cannot open file");
+}
+
+}  // namespace
+}  // namespace moeplan

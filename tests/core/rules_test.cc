@@ -1,1 +1,378 @@
+#include "moeplan/core/rules.h"
+
 #include <gtest/gtest.h>
+
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "moeplan/planner/search.h"
+
+namespace moeplan {
+namespace {
+
+std::string profile(const std::string& name) { return std::string(MOEPLAN_PROFILE_DIR) + "/" + name; }
+
+// The valid base every case below starts from: Mixtral 8x7B on two p4d.24xlarge nodes,
+// 16 ranks, E = 2, S = 8 (so R = 1), RSE, full checkpointing, mbs 1, ga 128, seq_len 2048:
+// 16 x 1 x 128 x 2048 = 4,194,304 tokens per step.
+struct Scenario {
+  ModelSpec model;
+  ClusterSpec cluster;
+  ParallelConfig parallel;
+  MoeConfig moe;
+  TrainingConfig training;
+
+  RunConfig run() const { return {model, cluster, parallel, moe, training}; }
+};
+
+Scenario base() {
+  static const ModelSpec model = read_model_file(profile("models/mixtral-8x7b.json"));
+  static const ClusterSpec cluster =
+      planner::size_cluster(read_cluster_file(profile("hardware/p4d.24xlarge.json")), 16);
+  Scenario s{model, cluster, {}, {}, {}};
+  s.parallel.world_size = 16;
+  s.parallel.expert_parallel_degree = 2;
+  s.parallel.hybrid_shard_degree = 8;
+  s.parallel.placement = *Placement::parse("RSE");
+  s.parallel.activation_checkpointing = Checkpointing::kFull;
+  s.parallel.micro_batch_size = 1;
+  s.parallel.gradient_accumulation_steps = 128;
+  s.training.seq_len = 2048;
+  s.training.global_batch_tokens = 4'194'304;
+  return s;
+}
+
+std::string describe(const std::vector<Violation>& violations) {
+  std::string text;
+  for (const Violation& v : violations)
+    text += "\n  [" + std::string(rule_name(v.rule)) + "] " + v.to_string();
+  return violations.empty() ? "(none)" : text;
+}
+
+TEST(Rules, BaseIsValid) {
+  const Scenario s = base();
+  ASSERT_EQ(s.cluster.world_size(), 16);
+  ASSERT_EQ(s.parallel.replica_degree(), 1);
+  const std::vector<Violation> violations = validate(s.run());
+  EXPECT_TRUE(violations.empty()) << describe(violations);
+  EXPECT_EQ(violated_rules(s.run()), RuleMask{0});
+  EXPECT_TRUE(validate_model(s.model).empty());
+}
+
+// One fault each. `change` breaks exactly one rule of the base; where that rule can only be
+// reached by moving a second field (offloading is off in the base, the global batch is tied
+// to mbs and seq_len), the second field is moved to where it is valid on its own.
+struct RuleCase {
+  const char* name;
+  std::function<void(Scenario&)> change;
+  Rule rule;
+  const char* field;
+  const char* message;    // exact text of the violation
+  const char* bad_value;  // the value the change introduced, as the message must show it
+};
+
+const RuleCase kCases[] = {
+    {"KvHeadsDoNotDivideHeads", [](Scenario& s) { s.model.num_key_value_heads = 5; },
+     Rule::kKvHeadsDivideHeads, "model.num_key_value_heads",
+     "= 5 does not divide num_attention_heads = 32", "5"},
+    {"ZeroKvHeads", [](Scenario& s) { s.model.num_key_value_heads = 0; },
+     Rule::kKvHeadsDivideHeads, "model.num_key_value_heads",
+     "= 0 does not divide num_attention_heads = 32", "0"},
+    {"OddHeadDim", [](Scenario& s) { s.model.head_dim = 127; },
+     Rule::kHeadDimEven, "model.head_dim",
+     "= 127 is odd; rotary embeddings rotate pairs of dimensions", "127"},
+    // 2 x 32000 x 4096 + 1e6 x (4 x 4096 x 4096 + 8 x 3 x 4096 x 14336)
+    //   = 262,144,000 + 1e6 x 1,476,395,008 = 1,476,395,270,144,000 > 1e15.
+    {"MillionLayersIsTooBig", [](Scenario& s) { s.model.num_layers = 1'000'000; },
+     Rule::kModelSize, "model.num_layers",
+     "and the other sizes give about 1476395270144000 parameters, over the supported 1000000000000000",
+     "1476395270144000"},
+    {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },
+     Rule::kWorldSizeFitsCluster, "parallel.world_size",
+     "= 16 exceeds the cluster's 1 x 8 GPUs", "1 x 8"},
+    {"NodesOfFourGpus", [](Scenario& s) { s.cluster.gpus_per_node = 4; },
+     Rule::kWorldSizeFitsCluster, "parallel.world_size",
+     "= 16 exceeds the cluster's 2 x 4 GPUs", "2 x 4"},
+    {"ThirdNodeIdle", [](Scenario& s) { s.cluster.num_nodes = 3; },
+     Rule::kWholeNodes, "parallel.world_size",
+     "= 16 leaves GPUs of a 3-node cluster idle; use whole nodes (a multiple of 8)", "3-node"},
+    {"SevenExperts", [](Scenario& s) { s.model.num_experts = 7; },
+     Rule::kExpertDegreeDividesExperts, "parallel.expert_parallel_degree",
+     "= 2 does not divide num_experts = 7", "7"},
+    {"UnresolvedShardDegree", [](Scenario& s) { s.parallel.hybrid_shard_degree = 0; },
+     Rule::kShardDegreeResolved, "parallel.hybrid_shard_degree",
+     "= 0 must be a resolved degree of at least 1 (0, full sharding, is written as "
+     "world_size / expert_parallel_degree)",
+     "= 0"},
+    {"NegativeShardDegree", [](Scenario& s) { s.parallel.hybrid_shard_degree = -1; },
+     Rule::kShardDegreeResolved, "parallel.hybrid_shard_degree",
+     "= -1 must be a resolved degree of at least 1 (0, full sharding, is written as "
+     "world_size / expert_parallel_degree)",
+     "-1"},
+    {"ShardThree", [](Scenario& s) { s.parallel.hybrid_shard_degree = 3; },
+     Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree",
+     "= 3 times expert_parallel_degree = 2 does not divide world_size = 16", "3"},
+    {"ShardTimesExpertsOverWorld", [](Scenario& s) { s.parallel.hybrid_shard_degree = 16; },
+     Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree",
+     "= 16 times expert_parallel_degree = 2 does not divide world_size = 16", "16"},
+    {"TensorParallelTwo", [](Scenario& s) { s.parallel.tensor_parallel_degree = 2; },
+     Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree",
+     "= 2: tensor parallelism is not supported yet (use 1)", "2"},
+    {"TensorParallelZero", [](Scenario& s) { s.parallel.tensor_parallel_degree = 0; },
+     Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree",
+     "= 0: tensor parallelism is not supported yet (use 1)", "0"},
+    {"PipelineParallelFour", [](Scenario& s) { s.parallel.pipeline_parallel_degree = 4; },
+     Rule::kPipelineParallelUnsupported, "parallel.pipeline_parallel_degree",
+     "= 4: pipeline parallelism is not supported yet (use 1)", "4"},
+    {"ShortPositionTable", [](Scenario& s) { s.model.max_position_embeddings = 1024; },
+     Rule::kSeqLenWithinPositions, "training.seq_len",
+     "= 2048 exceeds the model's max_position_embeddings = 1024", "1024"},
+    // 8193 x 2048 = 16,779,264 > 16,777,216 tokens; the global batch follows (16 x 8193 x 128 x
+    // 2048) so that only the micro-batch rule breaks.
+    {"MicroBatchOverSixteenMiTokens",
+     [](Scenario& s) {
+       s.parallel.micro_batch_size = 8193;
+       s.training.global_batch_tokens = int64_t{16} * 8193 * 128 * 2048;
+     },
+     Rule::kMicroBatchTokens, "parallel.micro_batch_size",
+     "= 8193 times seq_len = 2048 exceeds the supported 16777216 tokens per micro-batch", "8193"},
+    {"GlobalBatchOffByOne", [](Scenario& s) { s.training.global_batch_tokens = 4'194'305; },
+     Rule::kGlobalBatchMatches, "training.global_batch_tokens",
+     "= 4194305 does not equal world_size x micro_batch_size x gradient_accumulation_steps x "
+     "seq_len = 16 x 1 x 128 x 2048 = 4194304",
+     "4194305"},
+    {"HalfTheAccumulation", [](Scenario& s) { s.parallel.gradient_accumulation_steps = 64; },
+     Rule::kGlobalBatchMatches, "training.global_batch_tokens",
+     "= 4194304 does not equal world_size x micro_batch_size x gradient_accumulation_steps x "
+     "seq_len = 16 x 1 x 64 x 2048 = 2097152",
+     "x 64 x"},
+    {"DoubleSequence", [](Scenario& s) { s.training.seq_len = 4096; },
+     Rule::kGlobalBatchMatches, "training.global_batch_tokens",
+     "= 4194304 does not equal world_size x micro_batch_size x gradient_accumulation_steps x "
+     "seq_len = 16 x 1 x 128 x 4096 = 8388608",
+     "4096"},
+    {"OffloadWithoutCheckpointing",
+     [](Scenario& s) {
+       s.parallel.activation_offloading = true;
+       s.parallel.activation_checkpointing = Checkpointing::kNone;
+     },
+     Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading",
+     "= true needs activation_checkpointing (only checkpointed block inputs are offloaded)", "= true"},
+    {"OffloadHorizonZero",
+     [](Scenario& s) {
+       s.parallel.activation_offloading = true;
+       s.parallel.activation_loading_horizon = 0;
+     },
+     Rule::kHorizonPositive, "parallel.activation_loading_horizon",
+     "= 0 must be at least 1 with offloading", "= 0"},
+    {"OffloadHorizonNegative",
+     [](Scenario& s) {
+       s.parallel.activation_offloading = true;
+       s.parallel.activation_loading_horizon = -3;
+     },
+     Rule::kHorizonPositive, "parallel.activation_loading_horizon",
+     "= -3 must be at least 1 with offloading", "-3"},
+    {"OffloadHorizonPastLastLayer",
+     [](Scenario& s) {
+       s.parallel.activation_offloading = true;
+       s.parallel.activation_loading_horizon = 33;
+     },
+     Rule::kHorizonWithinLayers, "parallel.activation_loading_horizon",
+     "= 33 exceeds num_layers = 32", "33"},
+    // The busiest expert takes at most num_experts / top_k = 8 / 2 = 4 times the mean.
+    {"ImbalanceOverFour", [](Scenario& s) { s.moe.expert_load_imbalance = 4.5; },
+     Rule::kLoadImbalanceRange, "moe.expert_load_imbalance",
+     "= 4.5 must be in [1, num_experts / experts_per_token] = [1, 4]", "4.5"},
+    {"ImbalanceUnderOne", [](Scenario& s) { s.moe.expert_load_imbalance = 0.5; },
+     Rule::kLoadImbalanceRange, "moe.expert_load_imbalance",
+     "= 0.5 must be in [1, num_experts / experts_per_token] = [1, 4]", "0.5"},
+    {"ShuffleWithoutExpertParallelism",
+     [](Scenario& s) {
+       s.moe.global_token_shuffle = true;
+       s.parallel.expert_parallel_degree = 1;
+     },
+     Rule::kTokenShuffleNeedsExperts, "moe.global_token_shuffle",
+     "= true needs expert_parallel_degree > 1 (it shuffles tokens across the expert-parallel group)",
+     "= true"},
+    {"MinLearningRateAboveLearningRate", [](Scenario& s) { s.training.min_learning_rate = 1e-3; },
+     Rule::kMinLrWithinLr, "training.min_learning_rate",
+     "= 0.001 exceeds learning_rate = 0.0001", "0.001"},
+    {"WarmupLongerThanRun", [](Scenario& s) { s.training.warmup_steps = 101; },
+     Rule::kWarmupWithinSteps, "training.warmup_steps",
+     "= 101 exceeds steps = 100", "101"},
+};
+
+class OneFault : public testing::TestWithParam<RuleCase> {};
+
+TEST_P(OneFault, BreaksExactlyItsRule) {
+  const RuleCase& c = GetParam();
+  Scenario s = base();
+  c.change(s);
+  const std::vector<Violation> violations = validate(s.run());
+  ASSERT_EQ(violations.size(), 1u) << describe(violations);
+  const Violation& v = violations.front();
+  EXPECT_EQ(v.rule, c.rule) << "got " << rule_name(v.rule) << ", expected " << rule_name(c.rule);
+  EXPECT_EQ(v.field, c.field);
+  EXPECT_EQ(v.message, c.message);
+  EXPECT_NE(v.message.find(c.bad_value), std::string::npos) << v.message;
+  EXPECT_EQ(violated_rules(s.run()), rule_bit(c.rule));
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, OneFault, testing::ValuesIn(kCases),
+                         [](const testing::TestParamInfo<RuleCase>& param) { return std::string(param.param.name); });
+
+// Two rules cannot break alone. top-k > num_experts empties the imbalance range [1, n/k];
+// E not dividing W means S x E cannot divide W either (and S < 1 is its own rule). Every other
+// rule has a single-fault case above.
+TEST(Rules, EveryRuleThatCanBreakAloneHasAOneFaultCase) {
+  std::set<Rule> covered;
+  for (const RuleCase& c : kCases) covered.insert(c.rule);
+  for (int r = 0; r < kRuleCount; ++r) {
+    const auto rule = static_cast<Rule>(r);
+    if (rule == Rule::kTopKWithinExperts || rule == Rule::kExpertDegreeDividesWorld) continue;
+    EXPECT_TRUE(covered.contains(rule)) << rule_name(rule) << " has no one-fault case";
+  }
+  EXPECT_EQ(covered.size(), static_cast<size_t>(kRuleCount - 2));
+  EXPECT_GE(std::size(kCases), 20u);
+}
+
+TEST(Rules, TopKOverExpertsAlsoEmptiesTheImbalanceRange) {
+  Scenario s = base();
+  s.model.experts_per_token = 9;
+  const std::vector<Violation> model_only = validate_model(s.model);
+  ASSERT_EQ(model_only.size(), 1u) << describe(model_only);
+  EXPECT_EQ(model_only[0].rule, Rule::kTopKWithinExperts);
+  EXPECT_EQ(model_only[0].field, "experts_per_token");  // no "model." prefix outside a run config
+  EXPECT_EQ(model_only[0].message, "= 9 exceeds num_experts = 8");
+
+  const std::vector<Violation> all = validate(s.run());
+  ASSERT_EQ(all.size(), 2u) << describe(all);
+  EXPECT_EQ(all[0].rule, Rule::kTopKWithinExperts);
+  EXPECT_EQ(all[0].field, "model.experts_per_token");
+  EXPECT_EQ(all[1].rule, Rule::kLoadImbalanceRange);
+  // 8 / 9 = 0.888889 (std::to_string keeps six decimals).
+  EXPECT_EQ(all[1].message, "= 1 must be in [1, num_experts / experts_per_token] = [1, 0.888889]");
+  EXPECT_EQ(violated_rules(s.run()), rule_bit(Rule::kTopKWithinExperts) | rule_bit(Rule::kLoadImbalanceRange));
+}
+
+TEST(Rules, ExpertDegreeNotDividingWorldAlsoBreaksShardTimesExpert) {
+  Scenario s = base();
+  s.model.num_experts = 24;  // so that E = 3 divides the experts
+  s.parallel.expert_parallel_degree = 3;
+  const std::vector<Violation> all = validate(s.run());
+  ASSERT_EQ(all.size(), 2u) << describe(all);
+  EXPECT_EQ(all[0].rule, Rule::kExpertDegreeDividesWorld);
+  EXPECT_EQ(all[0].field, "parallel.expert_parallel_degree");
+  EXPECT_EQ(all[0].message, "= 3 does not divide world_size = 16");
+  EXPECT_EQ(all[1].rule, Rule::kShardExpertDividesWorld);
+  EXPECT_EQ(all[1].message, "= 8 times expert_parallel_degree = 3 does not divide world_size = 16");
+  EXPECT_EQ(violated_rules(s.run()),
+            rule_bit(Rule::kExpertDegreeDividesWorld) | rule_bit(Rule::kShardExpertDividesWorld));
+}
+
+TEST(Rules, ZeroExpertDegreeDividesNothing) {
+  Scenario s = base();
+  s.parallel.expert_parallel_degree = 0;
+  const std::vector<Violation> all = validate(s.run());
+  ASSERT_EQ(all.size(), 2u) << describe(all);
+  EXPECT_EQ(all[0].rule, Rule::kExpertDegreeDividesExperts);
+  EXPECT_EQ(all[0].message, "= 0 does not divide num_experts = 8");
+  EXPECT_EQ(all[1].rule, Rule::kExpertDegreeDividesWorld);
+  EXPECT_EQ(all[1].message, "= 0 does not divide world_size = 16");
+  EXPECT_EQ(violated_rules(s.run()),
+            rule_bit(Rule::kExpertDegreeDividesExperts) | rule_bit(Rule::kExpertDegreeDividesWorld));
+}
+
+TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
+  Scenario s = base();
+  s.model.num_key_value_heads = 5;
+  s.parallel.expert_parallel_degree = 3;  // divides neither 8 experts nor 16 ranks, nor does 8 x 3
+  s.parallel.tensor_parallel_degree = 2;
+  s.parallel.activation_offloading = true;
+  s.parallel.activation_checkpointing = Checkpointing::kNone;
+  s.training.warmup_steps = 200;
+  const std::vector<Violation> all = validate(s.run());
+  const std::vector<std::pair<Rule, std::string>> expected = {
+      {Rule::kKvHeadsDivideHeads, "model.num_key_value_heads"},
+      {Rule::kExpertDegreeDividesExperts, "parallel.expert_parallel_degree"},
+      {Rule::kExpertDegreeDividesWorld, "parallel.expert_parallel_degree"},
+      {Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree"},
+      {Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree"},
+      {Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading"},
+      {Rule::kWarmupWithinSteps, "training.warmup_steps"},
+  };
+  ASSERT_EQ(all.size(), expected.size()) << describe(all);
+  RuleMask mask = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(all[i].rule, expected[i].first) << i << ": " << rule_name(all[i].rule);
+    EXPECT_EQ(all[i].field, expected[i].second) << i;
+    mask |= rule_bit(expected[i].first);
+  }
+  EXPECT_EQ(all[1].message, "= 3 does not divide num_experts = 8");
+  EXPECT_EQ(all[6].message, "= 200 exceeds steps = 100");
+  EXPECT_EQ(violated_rules(s.run()), mask);
+}
+
+// Changes that look risky but keep the configuration valid: the rules must not fire.
+TEST(Rules, ValidVariantsOfTheBaseStayValid) {
+  const std::vector<std::pair<const char*, std::function<void(Scenario&)>>> variants = {
+      {"offload with horizon 32", [](Scenario& s) {
+         s.parallel.activation_offloading = true;
+         s.parallel.activation_loading_horizon = 32;
+       }},
+      {"E8 S2 ESR", [](Scenario& s) {
+         s.parallel.expert_parallel_degree = 8;
+         s.parallel.hybrid_shard_degree = 2;
+         s.parallel.placement = *Placement::parse("ESR");
+       }},
+      {"E1 S1 R16", [](Scenario& s) {
+         s.parallel.expert_parallel_degree = 1;
+         s.parallel.hybrid_shard_degree = 1;
+       }},
+      {"horizon 0 without offloading", [](Scenario& s) { s.parallel.activation_loading_horizon = 0; }},
+      {"imbalance at its maximum 4", [](Scenario& s) { s.moe.expert_load_imbalance = 4.0; }},
+      {"shuffle with E = 2", [](Scenario& s) { s.moe.global_token_shuffle = true; }},
+      {"min lr equal to lr", [](Scenario& s) { s.training.min_learning_rate = s.training.learning_rate; }},
+      {"warmup equal to steps", [](Scenario& s) { s.training.warmup_steps = s.training.steps; }},
+      {"seq_len at the position limit", [](Scenario& s) {
+         s.training.seq_len = 32768;
+         s.parallel.gradient_accumulation_steps = 8;  // 16 x 1 x 8 x 32768 = 4,194,304
+       }},
+      {"16 Mi tokens per micro-batch exactly", [](Scenario& s) {
+         s.parallel.micro_batch_size = 8192;
+         s.training.global_batch_tokens = int64_t{16} * 8192 * 128 * 2048;
+       }},
+      {"world inside one node", [](Scenario& s) {
+         s.cluster.num_nodes = 1;
+         s.parallel.world_size = 8;
+         s.parallel.hybrid_shard_degree = 4;
+         s.training.global_batch_tokens = 8 * 128 * 2048;
+       }},
+  };
+  for (const auto& [name, change] : variants) {
+    Scenario s = base();
+    change(s);
+    const std::vector<Violation> violations = validate(s.run());
+    EXPECT_TRUE(violations.empty()) << name << ":" << describe(violations);
+    EXPECT_EQ(violated_rules(s.run()), RuleMask{0}) << name;
+  }
+}
+
+TEST(Rules, NamesAreStableUniqueAndSnakeCase) {
+  EXPECT_EQ(rule_name(Rule::kExpertDegreeDividesExperts), "expert_degree_divides_experts");
+  EXPECT_EQ(rule_name(Rule::kShardExpertDividesWorld), "shard_expert_divides_world");
+  EXPECT_EQ(rule_name(Rule::kWarmupWithinSteps), "warmup_within_steps");
+  std::set<std::string_view> names;
+  for (int r = 0; r < kRuleCount; ++r) {
+    const std::string_view name = rule_name(static_cast<Rule>(r));
+    EXPECT_FALSE(name.empty()) << r;
+    EXPECT_EQ(name.find_first_not_of("abcdefghijklmnopqrstuvwxyz_"), std::string_view::npos) << name;
+    names.insert(name);
+  }
+  EXPECT_EQ(names.size(), static_cast<size_t>(kRuleCount));
+}
+
+}  // namespace
+}  // namespace moeplan

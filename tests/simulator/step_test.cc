@@ -1,0 +1,504 @@
+#include "moeplan/simulator/step.h"
+
+#include <gtest/gtest-spi.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moeplan/planner/search.h"
+#include "moeplan/simulator/op_costs.h"
+
+namespace moeplan::sim {
+namespace {
+
+const ModelSpec& model(const std::string& name) {
+  static std::map<std::string, ModelSpec> cache;
+  auto it = cache.find(name);
+  if (it == cache.end())
+    it = cache.emplace(name, read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/" + name + ".json")).first;
+  return it->second;
+}
+
+const ClusterSpec& hardware(const std::string& name) {
+  static std::map<std::string, ClusterSpec> cache;
+  auto it = cache.find(name);
+  if (it == cache.end())
+    it = cache.emplace(name, read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/" + name + ".json")).first;
+  return it->second;
+}
+
+// RunConfig only refers to its parts; a Scenario owns them, so a test can copy one and change
+// a field.
+struct Scenario {
+  ModelSpec model;
+  ClusterSpec cluster;
+  ParallelConfig parallel;
+  MoeConfig moe;
+  TrainingConfig training;
+
+  RunConfig config() const { return {model, cluster, parallel, moe, training}; }
+  std::string describe() const {
+    std::ostringstream out;
+    out << model.name << " on " << parallel.world_size << " x " << cluster.name << ": "
+        << moeplan::describe(parallel) << " seq=" << training.seq_len
+        << " imbalance=" << moe.expert_load_imbalance;
+    return out.str();
+  }
+};
+
+Scenario make_scenario(const std::string& model_name, const std::string& hardware_name, int64_t world, int64_t e,
+                       int64_t s, const char* placement, Checkpointing ckpt = Checkpointing::kNone,
+                       int64_t micro_batch = 1, int64_t accumulation = 2, int64_t seq_len = 2048) {
+  Scenario c{model(model_name), planner::size_cluster(hardware(hardware_name), world), {}, {}, {}};
+  c.parallel.world_size = world;
+  c.parallel.expert_parallel_degree = e;
+  c.parallel.hybrid_shard_degree = s;
+  c.parallel.placement = *Placement::parse(placement);
+  c.parallel.activation_checkpointing = ckpt;
+  c.parallel.micro_batch_size = micro_batch;
+  c.parallel.gradient_accumulation_steps = accumulation;
+  c.training.seq_len = seq_len;
+  c.training.precision = Precision::kBf16;
+  c.training.global_batch_tokens = world * micro_batch * accumulation * seq_len;
+  return c;
+}
+
+// rng() % n rather than std::uniform_int_distribution, whose output differs between standard
+// libraries: the scenarios are the same everywhere.
+int64_t pick(std::mt19937_64& rng, int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); }
+
+Scenario random_scenario(std::mt19937_64& rng) {
+  static const std::array<const char*, 2> kModels = {"mixtral-8x7b", "mixtral-tiny"};
+  static const std::array<const char*, 2> kHardware = {"p4d.24xlarge", "p5.48xlarge"};
+  static const std::array<const char*, 6> kPlacements = {"RSE", "RES", "SRE", "SER", "ERS", "ESR"};
+  static const std::array<int64_t, 3> kWorlds = {8, 16, 32};
+  const int64_t world = kWorlds[static_cast<size_t>(pick(rng, 3))];
+  const int64_t e = int64_t{1} << pick(rng, 4);  // divisors of 8 experts
+  std::vector<int64_t> shard_degrees;                // S with S * E dividing W
+  for (int64_t s = 1; s * e <= world; s *= 2)
+    if (world % (s * e) == 0) shard_degrees.push_back(s);
+  const int64_t s = shard_degrees[static_cast<size_t>(pick(rng, static_cast<int64_t>(shard_degrees.size())))];
+  const char* placement = kPlacements[static_cast<size_t>(pick(rng, 6))];
+  const auto ckpt = static_cast<Checkpointing>(pick(rng, 3));
+  const int64_t micro_batch = 1 + pick(rng, 4);
+  const int64_t accumulation = 1 + pick(rng, 4);
+  const int64_t seq_len = pick(rng, 2) == 0 ? 512 : 2048;
+  Scenario c = make_scenario(kModels[static_cast<size_t>(pick(rng, 2))], kHardware[static_cast<size_t>(pick(rng, 2))],
+                             world, e, s, placement, ckpt, micro_batch, accumulation, seq_len);
+  if (ckpt != Checkpointing::kNone && pick(rng, 2) == 0) {
+    c.parallel.activation_offloading = true;
+    c.parallel.activation_loading_horizon = 1 + pick(rng, 4);
+  }
+  return c;
+}
+
+// The scenarios a property runs over, from an explicit seed (one seed per property).
+std::vector<Scenario> random_scenarios(uint64_t seed, int count) {
+  std::mt19937_64 rng(seed);
+  std::vector<Scenario> out;
+  for (int i = 0; i < count; ++i) out.push_back(random_scenario(rng));
+  return out;
+}
+constexpr int kScenariosPerProperty = 100;
+
+int64_t step_ns(const StepSimulation& s) { return std::llround(s.estimate.step_time_s * 1e9); }
+
+TEST(StepProperties, RandomScenariosAreValid) {
+  // The generator itself: every scenario passes the rules, and the draws cover the space.
+  std::map<std::string, int> seen;
+  for (uint64_t seed : {1u, 2u, 3u, 4u}) {
+    for (const Scenario& c : random_scenarios(seed, kScenariosPerProperty)) {
+      const std::vector<Violation> v = validate(c.config());
+      EXPECT_TRUE(v.empty()) << c.describe() << ": " << (v.empty() ? "" : v.front().to_string());
+      ++seen[c.model.name];
+      ++seen["E" + std::to_string(c.parallel.expert_parallel_degree)];
+      ++seen["W" + std::to_string(c.parallel.world_size)];
+      ++seen[c.parallel.placement.to_string()];
+      ++seen[std::string(name_of(kCheckpointingNames, c.parallel.activation_checkpointing))];
+      if (c.parallel.activation_offloading) ++seen["offload"];
+    }
+  }
+  for (const char* key : {"mixtral-8x7b", "mixtral-tiny", "E1", "E2", "E4", "E8", "W8", "W16", "W32", "RSE", "RES",
+                          "SRE", "SER", "ERS", "ESR", "none", "selective", "full", "offload"})
+    EXPECT_GT(seen[key], 0) << key;
+}
+
+// (a) Twice the bandwidth of a link, or of all of them, never makes the step slower. Every
+// duration is to_sim_time of a time that only shrinks, and rounding to the nearest ns is
+// monotone, so the comparison is exact. (Fair sharing of a node's card could in principle
+// reward a slower transfer, as it rewards slower compute in (b); no scenario here does.)
+TEST(StepProperties, MoreBandwidthIsNeverSlower) {
+  using Field = double ClusterSpec::*;
+  const std::array<std::pair<const char*, std::vector<Field>>, 4> kVariants = {{
+      {"intra", {&ClusterSpec::intra_node_bandwidth_bytes_per_s}},
+      {"inter", {&ClusterSpec::inter_node_bandwidth_bytes_per_s}},
+      {"pcie", {&ClusterSpec::pcie_bandwidth_bytes_per_s}},
+      {"all",
+       {&ClusterSpec::intra_node_bandwidth_bytes_per_s, &ClusterSpec::inter_node_bandwidth_bytes_per_s,
+        &ClusterSpec::pcie_bandwidth_bytes_per_s}},
+  }};
+  int strictly_faster = 0;
+  for (const Scenario& base : random_scenarios(1, kScenariosPerProperty)) {
+    const int64_t before = step_ns(simulate_step(base.config()));
+    for (const auto& [name, fields] : kVariants) {
+      Scenario faster = base;
+      for (Field f : fields) faster.cluster.*f *= 2;
+      const int64_t after = step_ns(simulate_step(faster.config()));
+      EXPECT_LE(after, before) << base.describe() << ": 2 x " << name << " bandwidth";
+      if (after < before) ++strictly_faster;
+    }
+  }
+  // The property must be able to fail: doubling bandwidth does shorten most steps.
+  EXPECT_GT(strictly_faster, kScenariosPerProperty);
+}
+
+// (b) A busier busiest expert never makes the step faster, where the simulator is a max-plus
+// system: each op starts when its stream and its inputs are free, so longer compute can only
+// push ends later. That holds exactly when no two collectives share a node's network card at
+// once. It does not hold in general, because the card is shared fairly (processor sharing),
+// and a transfer that starts later takes bandwidth from a critical transfer for less time.
+// Seen here with the sharded gradient reduce-scatter (off the critical path) and the
+// prefetched all-gather of the next block (on it); the smallest case found:
+//   mixtral-tiny, 32 x p4d.24xlarge, E1 S8 R4 SRE, ckpt=none, mbs=4, ga=1, seq=512:
+//   step 2,109,233 ns at imbalance 1.0, 2,057,611 ns at 2.0 (all_ranks gives the same): the
+//   longer expert backward delays reduce_scatter(L3), which then shares the card with
+//   gather_bwd(L2) for less time, and gather_bwd(L2) ends 25.8 us earlier.
+// That is the documented card model at work (graph.h), not an error in the code, so the
+// property is checked exactly (1) with the card out of play, for every scenario, and (2) with
+// the real card where only one kind of collective crosses it at a time: the shard group stays
+// inside a node (token exchanges are on the compute chain and cross the card in step on every
+// group; the gradient all-reduces come after all of them).
+TEST(StepProperties, MoreExpertSkewIsNeverFaster) {
+  int strictly_slower = 0;
+  int checked_with_card = 0;
+  for (Scenario c : random_scenarios(2, kScenariosPerProperty)) {
+    Scenario no_card = c;
+    no_card.cluster.inter_node_bandwidth_bytes_per_s = 1e30;  // every crossing takes 1 ns
+    const bool card_shared = group_shape(c.cluster, c.parallel, MeshDim::kShard).crosses_nodes();
+    if (!card_shared) ++checked_with_card;
+    int64_t previous = 0;
+    int64_t previous_no_card = 0;
+    for (double imbalance : {1.0, 1.5, 2.0}) {
+      c.moe.expert_load_imbalance = imbalance;
+      no_card.moe.expert_load_imbalance = imbalance;
+      ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+      const int64_t t = step_ns(simulate_step(c.config()));
+      const int64_t t_no_card = step_ns(simulate_step(no_card.config()));
+      EXPECT_GE(t_no_card, previous_no_card) << c.describe() << ", inter-node bandwidth 1e30";
+      if (!card_shared) {
+        EXPECT_GE(t, previous) << c.describe();
+      }
+      // Sharing the card fairly can reorder, but never beat, a card that is never busy.
+      EXPECT_GE(t, t_no_card) << c.describe();
+      if (imbalance > 1.0 && t_no_card > previous_no_card) ++strictly_slower;
+      previous = t;
+      previous_no_card = t_no_card;
+    }
+  }
+  EXPECT_GT(strictly_slower, kScenariosPerProperty);
+  EXPECT_GT(checked_with_card, kScenariosPerProperty / 4);
+}
+
+// (c) No resource does more work than the simulated step lasts, and the step covers the
+// busiest rank's compute, recompute and optimizer.
+TEST(StepProperties, StepCoversTheBusiestResource) {
+  for (const Scenario& c : random_scenarios(3, kScenariosPerProperty)) {
+    const StepSimulation s = simulate_step(c.config());
+    const SimTime makespan = s.times.makespan;
+    ASSERT_EQ(s.times.stream_busy.size(), s.ranks.size() * kTraceStreamCount) << c.describe();
+    for (size_t r = 0; r < s.ranks.size(); ++r)
+      for (int stream = 0; stream < kTraceStreamCount; ++stream)
+        EXPECT_LE(s.times.stream_busy[r * kTraceStreamCount + static_cast<size_t>(stream)], makespan)
+            << c.describe() << ": rank " << r << " stream " << stream;
+    // Recount the busy time per (rank, stream) from the op intervals: stream_busy must be their sum.
+    std::vector<SimTime> busy(s.times.stream_busy.size(), SimTime(0));
+    for (size_t i = 0; i < s.graph.ops().size(); ++i) {
+      const Op& op = s.graph.ops()[i];
+      busy[static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(op.stream)] +=
+          s.times.end[i] - s.times.start[i];
+    }
+    EXPECT_EQ(busy, s.times.stream_busy) << c.describe();
+    for (size_t node = 0; node < s.times.nic_busy.size(); ++node)
+      EXPECT_LE(s.times.nic_busy[node], makespan) << c.describe() << ": node " << node;
+
+    // compute_s and recompute_s are sums of whole nanoseconds in doubles, scaled by ga over
+    // the simulated micro-batches: their floating-point error is ~1e-11 s for 1e4 ops of a
+    // 10 s step, so 1 ns of slack hides no real shortfall.
+    const StepEstimate& e = s.estimate;
+    EXPECT_GE(e.step_time_s, e.compute_s + e.recompute_s + e.optimizer_s - 1e-9) << c.describe();
+    EXPECT_GT(e.compute_s, 0) << c.describe();
+    EXPECT_EQ(e.recompute_s > 0, c.parallel.activation_checkpointing != Checkpointing::kNone) << c.describe();
+  }
+}
+
+// (d) With free communication, full checkpointing adds exactly one forward of every block on
+// the busiest rank (attention + MoE), selective the MoE part alone.
+Scenario with_free_communication(Scenario c) {
+  c.cluster.intra_node_bandwidth_bytes_per_s = 1e30;
+  c.cluster.inter_node_bandwidth_bytes_per_s = 1e30;
+  c.cluster.pcie_bandwidth_bytes_per_s = 1e30;
+  c.cluster.intra_node_latency_s = 0;
+  c.cluster.inter_node_latency_s = 0;
+  return c;
+}
+
+void expect_recompute_cost(Scenario c) {
+  c = with_free_communication(std::move(c));
+  c.parallel.activation_offloading = false;
+  auto run = [&](Checkpointing ckpt) {
+    Scenario v = c;
+    v.parallel.activation_checkpointing = ckpt;
+    return step_ns(simulate_step(v.config()));
+  };
+  const int64_t none = run(Checkpointing::kNone);
+  const int64_t selective = run(Checkpointing::kSelective);
+  const int64_t full = run(Checkpointing::kFull);
+  // Each op lasts to_sim_time of its own seconds (step.cc Builder::compute); the busiest rank
+  // (expert coordinate 0) runs the MoE block at moe_forward_busiest_s and sets the pace.
+  const OpCosts o = op_costs(c.config());
+  const int64_t blocks = c.parallel.gradient_accumulation_steps * c.model.num_layers;
+  const int64_t attention_ns = to_sim_time(o.attention_forward_s).count();
+  const int64_t moe_ns = to_sim_time(o.moe_forward_busiest_s).count();
+  // The recompute's token exchanges (dispatch and combine) take 0 ns inside a node, but a
+  // transfer through a node's card is rounded up to whole nanoseconds (graph.cc reschedule:
+  // "a flow never finishes before its last byte"), so an expert group that spans nodes pays
+  // 1 ns per exchange even with an infinitely fast card.
+  const int64_t exchanges_ns = group_shape(c.cluster, c.parallel, MeshDim::kExpert).crosses_nodes() ? 2 : 0;
+  EXPECT_EQ(full - none, blocks * (attention_ns + moe_ns + exchanges_ns)) << c.describe();
+  EXPECT_EQ(selective - none, blocks * (moe_ns + exchanges_ns)) << c.describe();
+}
+
+TEST(StepProperties, CheckpointingAddsOneForwardWhenCommunicationIsFree) {
+  // Without experts and sharding.
+  for (int64_t world : {8, 16, 32})
+    for (const char* name : {"mixtral-8x7b", "mixtral-tiny"})
+      expect_recompute_cost(make_scenario(name, "p4d.24xlarge", world, 1, 1, "RSE", Checkpointing::kNone, 2, 3));
+  // Random layouts with experts, and a skewed busiest expert.
+  int with_experts = 0;
+  for (Scenario c : random_scenarios(4, kScenariosPerProperty)) {
+    if (c.parallel.expert_parallel_degree == 1) continue;
+    c.moe.expert_load_imbalance = with_experts % 2 == 0 ? 1.0 : 2.0;
+    expect_recompute_cost(c);
+    ++with_experts;
+  }
+  EXPECT_GT(with_experts, 30);
+}
+
+// The reductions of step.h (one node stands for all, a few micro-batches for all) change
+// nothing: fixed layouts whose groups span nodes, then random ones on 16 and 32 GPUs.
+std::vector<Scenario> reduction_scenarios() {
+  std::vector<Scenario> out;
+  out.push_back(make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull, 1, 4));
+  out.push_back(make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "ESR", Checkpointing::kNone, 1, 6));
+  out.push_back(make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 2, 4, "SER", Checkpointing::kSelective, 2, 4));
+  out.push_back(make_scenario("mixtral-8x7b", "p5.48xlarge", 16, 4, 2, "ERS", Checkpointing::kFull, 1, 4));
+  out.push_back(make_scenario("mixtral-8x7b", "p4d.24xlarge", 32, 8, 4, "ESR", Checkpointing::kFull, 1, 5));
+  out.push_back(make_scenario("mixtral-8x7b", "p4d.24xlarge", 32, 2, 4, "RES", Checkpointing::kNone, 1, 4));
+  out.push_back(make_scenario("mixtral-8x7b", "p5.48xlarge", 32, 4, 8, "SRE", Checkpointing::kSelective, 1, 5));
+  out.push_back(make_scenario("mixtral-tiny", "p4d.24xlarge", 32, 8, 1, "ESR", Checkpointing::kFull, 4, 6, 512));
+  Scenario offload = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "SRE", Checkpointing::kFull, 1, 5);
+  offload.parallel.activation_offloading = true;
+  offload.parallel.activation_loading_horizon = 2;
+  out.push_back(offload);
+  int n = 0;
+  for (Scenario c : random_scenarios(5, 2 * kScenariosPerProperty)) {
+    if (c.parallel.world_size == 8 || n == 40) continue;
+    c.parallel.gradient_accumulation_steps = 4 + n++ % 3;
+    c.training.global_batch_tokens = c.parallel.world_size * c.parallel.micro_batch_size *
+                                     c.parallel.gradient_accumulation_steps * c.training.seq_len;
+    out.push_back(c);
+  }
+  return out;
+}
+
+TEST(StepReductions, OneNodeStandsForAll) {
+  for (const Scenario& c : reduction_scenarios()) {
+    ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+    const StepSimulation reduced = simulate_step(c.config());
+    const StepSimulation full = simulate_step(c.config(), {.all_ranks = true});
+    EXPECT_EQ(reduced.ranks.size(), static_cast<size_t>(c.cluster.gpus_per_node));
+    EXPECT_EQ(full.ranks.size(), static_cast<size_t>(c.parallel.world_size));
+    EXPECT_EQ(step_ns(reduced), step_ns(full)) << c.describe();
+  }
+}
+
+// The extrapolated step equals the fully simulated one to the nanosecond. The period repeated
+// for the micro-batches not simulated is a middle one: the last micro-batch is shorter (no
+// later all-gathers compete with its reduce-scatters for the card). Case that caught it
+// (LastSimulatedMicroBatchIsNotAMiddleOne below): mixtral-tiny, 16 x p4d.24xlarge, E4 S4 R1
+// RSE, ckpt=none, mbs=4, ga=4, seq=512: micro-batches end 763,804, 634,276, 634,276 and
+// 602,674 ns apart; repeating the last gap came out 31,602 ns short.
+TEST(StepReductions, FewMicroBatchesStandForAll) {
+  int reduced_runs = 0;
+  for (const Scenario& c : reduction_scenarios()) {
+    const StepSimulation reduced = simulate_step(c.config());
+    const StepSimulation full = simulate_step(c.config(), {.all_micro_batches = true});
+    EXPECT_EQ(full.micro_batches, c.parallel.gradient_accumulation_steps);
+    if (reduced.micro_batches < full.micro_batches) ++reduced_runs;
+    EXPECT_EQ(step_ns(reduced), step_ns(full)) << c.describe();
+  }
+  EXPECT_GT(reduced_runs, 0) << "no scenario exercises the extrapolation";
+}
+
+TEST(StepReductions, LastSimulatedMicroBatchIsNotAMiddleOne) {
+  const Scenario c = make_scenario("mixtral-tiny", "p4d.24xlarge", 16, 4, 4, "RSE", Checkpointing::kNone, 4, 4, 512);
+  ASSERT_TRUE(validate(c.config()).empty());
+  const StepSimulation reduced = simulate_step(c.config());
+  const StepSimulation full = simulate_step(c.config(), {.all_micro_batches = true});
+  ASSERT_LT(reduced.micro_batches, full.micro_batches);
+  EXPECT_EQ(step_ns(reduced), step_ns(full)) << c.describe();
+}
+
+// Trace structure, shared by the in-memory trace and the file the CLI writes.
+void expect_trace_structure(const Json& j, int64_t world) {
+  ASSERT_TRUE(j.contains("traceEvents"));
+  const Json& events = j["traceEvents"];
+  ASSERT_TRUE(events.is_array());
+  std::map<int64_t, bool> process_named;
+  std::map<std::pair<int64_t, int64_t>, bool> thread_named;
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int64_t>>> intervals;  // (start, end) ns
+  size_t complete = 0;
+  for (const Json& e : events) {
+    ASSERT_TRUE(e.is_object());
+    ASSERT_TRUE(e.contains("ph") && e["ph"].is_string());
+    const std::string ph = e["ph"];
+    if (ph == "M") {
+      ASSERT_TRUE(e.contains("name") && e["name"].is_string()) << e.dump();
+      ASSERT_TRUE(e.contains("pid") && e["pid"].is_number_integer()) << e.dump();
+      const std::string name = e["name"];
+      if (name == "thread_name") {
+        ASSERT_TRUE(e.contains("tid") && e["tid"].is_number_integer()) << e.dump();
+      }
+      if (name == "process_name") process_named[e["pid"]] = true;
+      else if (name == "thread_name") thread_named[{e["pid"], e["tid"]}] = true;
+      else ADD_FAILURE() << "unexpected metadata event " << e.dump();
+      continue;
+    }
+    ASSERT_EQ(ph, "X") << e.dump();
+    ++complete;
+    ASSERT_TRUE(e.contains("name") && e["name"].is_string()) << e.dump();
+    ASSERT_TRUE(e.contains("cat") && e["cat"].is_string()) << e.dump();
+    ASSERT_TRUE(e.contains("ts") && e["ts"].is_number()) << e.dump();
+    ASSERT_TRUE(e.contains("dur") && e["dur"].is_number()) << e.dump();
+    ASSERT_TRUE(e.contains("pid") && e["pid"].is_number_integer()) << e.dump();
+    ASSERT_TRUE(e.contains("tid") && e["tid"].is_number_integer()) << e.dump();
+    const int64_t pid = e["pid"];
+    const int64_t tid = e["tid"];
+    EXPECT_GE(pid, 0);
+    EXPECT_LT(pid, world);
+    EXPECT_GE(tid, 0);
+    EXPECT_LT(tid, kTraceStreamCount);
+    EXPECT_GE(e["dur"].get<double>(), 0) << e.dump();
+    ASSERT_TRUE(e.contains("args") && e["args"].is_object()) << e.dump();
+    ASSERT_TRUE(e["args"].contains("start_ns") && e["args"]["start_ns"].is_number_integer()) << e.dump();
+    ASSERT_TRUE(e["args"].contains("duration_ns") && e["args"]["duration_ns"].is_number_integer()) << e.dump();
+    const int64_t start = e["args"]["start_ns"];
+    const int64_t duration = e["args"]["duration_ns"];
+    EXPECT_GE(duration, 0) << e.dump();
+    // ts and dur are the same times in microseconds.
+    EXPECT_EQ(std::llround(e["ts"].get<double>() * 1000.0), start) << e.dump();
+    EXPECT_EQ(std::llround(e["dur"].get<double>() * 1000.0), duration) << e.dump();
+    intervals[{pid, tid}].emplace_back(start, start + duration);
+  }
+  EXPECT_GT(complete, 0u);
+  for (auto& [key, list] : intervals) {
+    EXPECT_TRUE(process_named[key.first]) << "pid " << key.first << " has no process_name";
+    EXPECT_TRUE((thread_named[key])) << "pid " << key.first << " tid " << key.second << " has no thread_name";
+    std::stable_sort(list.begin(), list.end());
+    for (size_t i = 1; i < list.size(); ++i)
+      EXPECT_GE(list[i].first, list[i - 1].second)
+          << "pid " << key.first << " tid " << key.second << ": event at " << list[i].first
+          << " ns starts before the previous one ends at " << list[i - 1].second << " ns";
+  }
+}
+
+// The checker itself catches what it looks for.
+TEST(StepTrace, CheckerRejectsOverlapsAndStrayRanks) {
+  Trace t;
+  t.source = "simulated";
+  t.ranks = 2;
+  t.events.push_back({"a", "compute", 0, 100, 0, TraceStream::kCompute, 0, 0});
+  t.events.push_back({"b", "compute", 99, 10, 0, TraceStream::kCompute, 0, 0});
+  const Json overlapping = parse_json_text(to_json(t).dump(), "overlapping");
+  EXPECT_NONFATAL_FAILURE(expect_trace_structure(overlapping, 2), "starts before the previous one ends");
+  t.events[1].start_ns = 100;  // back to back is fine
+  const Json touching = parse_json_text(to_json(t).dump(), "touching");
+  expect_trace_structure(touching, 2);
+  t.events[1].rank = 2;  // a rank beyond the world
+  t.ranks = 3;
+  const Json stray = parse_json_text(to_json(t).dump(), "stray");
+  EXPECT_NONFATAL_FAILURE(expect_trace_structure(stray, 2), "(pid) < (world)");
+  Json unnamed = parse_json_text(to_json(t).dump(), "unnamed");
+  unnamed["traceEvents"].erase(0);  // rank 0's process_name
+  EXPECT_NONFATAL_FAILURE(expect_trace_structure(unnamed, 3), "has no process_name");
+}
+
+TEST(StepTrace, StructureAndRoundTrip) {
+  // Every stream in use: experts across nodes (ESR), sharding, offloading.
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "ESR", Checkpointing::kFull, 1, 2);
+  c.parallel.activation_offloading = true;
+  for (bool all_ranks : {false, true}) {
+    const StepSimulation s = simulate_step(c.config(), {.all_ranks = all_ranks});
+    const Trace trace = step_trace(s);
+    const std::string text = to_json(trace).dump();
+    const Json parsed = parse_json_text(text, "trace");
+    expect_trace_structure(parsed, c.parallel.world_size);
+    std::array<bool, kTraceStreamCount> used{};
+    for (const TraceEvent& e : trace.events) used[static_cast<size_t>(e.stream)] = true;
+    for (int stream = 0; stream < kTraceStreamCount; ++stream) EXPECT_TRUE(used[static_cast<size_t>(stream)]) << stream;
+    EXPECT_EQ(trace.events.size(), s.graph.ops().size());
+    EXPECT_EQ(trace_from_json(parsed, "trace"), trace);
+  }
+}
+
+// The trace file of the real command line, from a plan the real search wrote.
+TEST(StepTrace, CommandLineWritesTheSameStructure) {
+  ASSERT_TRUE(std::filesystem::exists(MOEPLAN_BINARY)) << MOEPLAN_BINARY << " is not built";
+  std::string dir_template = (std::filesystem::temp_directory_path() / "moeplan_step_test_XXXXXX").string();
+  ASSERT_NE(mkdtemp(dir_template.data()), nullptr);
+  const std::filesystem::path dir(dir_template);
+  const std::string cd = "cd '" + dir.string() + "' && '" + MOEPLAN_BINARY + "'";
+  ASSERT_EQ(std::system((cd + " search --gpus 16 --profiles '" MOEPLAN_PROFILE_DIR "' --out plan.json > search.log 2>&1").c_str()), 0)
+      << "see " << dir / "search.log";
+  ASSERT_EQ(std::system((cd + " simulate plan.json --trace sim.json > simulate.log 2>&1").c_str()), 0)
+      << "see " << dir / "simulate.log";
+  std::ifstream in(dir / "sim.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  const Json j = parse_json_text(text.str(), (dir / "sim.json").string());
+  expect_trace_structure(j, 16);
+  EXPECT_EQ(j["otherData"]["source"], "simulated");
+  if (!HasFailure()) std::filesystem::remove_all(dir);
+}
+
+// Determinism: the same configuration simulates to the same times and the same trace text,
+// also with another simulation run in between (no state survives a run).
+TEST(StepDeterminism, SameConfigurationSameResult) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 32, 8, 2, "ESR", Checkpointing::kFull, 1, 3);
+  c.parallel.activation_offloading = true;
+  const Scenario other = make_scenario("mixtral-tiny", "p5.48xlarge", 16, 4, 4, "SER", Checkpointing::kSelective, 2, 2);
+  for (bool all_ranks : {false, true}) {
+    const StepSimulation first = simulate_step(c.config(), {.all_ranks = all_ranks});
+    simulate_step(other.config());
+    const StepSimulation second = simulate_step(c.config(), {.all_ranks = all_ranks});
+    EXPECT_EQ(first.times.end, second.times.end);
+    EXPECT_EQ(first.times.start, second.times.start);
+    EXPECT_EQ(first.times.makespan, second.times.makespan);
+    EXPECT_EQ(first.times.events, second.times.events);
+    EXPECT_EQ(first.times.nic_busy, second.times.nic_busy);
+    EXPECT_EQ(to_json(step_trace(first)).dump(), to_json(step_trace(second)).dump());
+  }
+}
+
+}  // namespace
+}  // namespace moeplan::sim
