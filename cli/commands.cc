@@ -18,18 +18,20 @@ namespace {
 double gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
 
 void print_table(const planner::SearchResult& result, const ClusterSpec& cluster, size_t top) {
-  std::printf("\n  #   E   S   R  place  ckpt       offload  mbs   ga  step(s)   tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
+  std::printf("\n  #   E   S   R  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
   for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
     const planner::Candidate& c = result.ranked[i];
     const ParallelConfig& p = c.parallel;
     const std::string offload =
         p.activation_offloading ? "h" + std::to_string(p.activation_loading_horizon) : "-";
-    std::printf("%3zu %3lld %3lld %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %10.0f %12.1f %5.1f%% %6.1f/%.1f\n", i + 1,
+    const sim::StepEstimate& e = c.estimate;
+    const double waiting = std::max(0.0, e.step_time_s - e.compute_s - e.recompute_s - e.optimizer_s);
+    std::printf("%3zu %3lld %3lld %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f %5.1f%% %6.1f/%.1f\n", i + 1,
                 static_cast<long long>(p.expert_parallel_degree), static_cast<long long>(p.hybrid_shard_degree),
                 static_cast<long long>(p.replica_degree()), p.placement.to_string().c_str(),
                 std::string(name_of(kCheckpointingNames, p.activation_checkpointing)).c_str(), offload.c_str(),
                 static_cast<long long>(p.micro_batch_size), static_cast<long long>(p.gradient_accumulation_steps),
-                c.estimate.step_time_s, c.estimate.tokens_per_s, c.estimate.tflops_per_gpu, 100.0 * c.estimate.mfu,
+                e.step_time_s, e.compute_s, e.recompute_s, waiting, e.tokens_per_s, e.tflops_per_gpu, 100.0 * e.mfu,
                 gib(c.memory.device_total), gib(cluster.usable_memory_bytes()));
   }
 }

@@ -1,6 +1,7 @@
 #include "moeplan/core/plan.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -211,7 +212,32 @@ OrderedJson to_json(const Plan& plan) {
 
 std::string plan_to_text(const Plan& plan) { return to_json(plan).dump(2) + "\n"; }
 
+// Writes all of text to fd; false on an error (errno set).
+static bool write_all(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
 void write_file_atomic(const std::string& path, const std::string& text) {
+  // A device or a pipe (/dev/stdout, /dev/null) is written in place: renaming a file over it
+  // would replace it.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    const bool ok = fd >= 0 && write_all(fd, text);
+    const std::string reason = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    if (!ok) throw InputError(path, {{"", "write failed: " + reason}});
+    return;
+  }
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   auto fail = [&](const char* what) {
     const std::string reason = std::strerror(errno);
@@ -220,15 +246,9 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   };
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("create");
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      fail("write");
-    }
-    done += static_cast<size_t>(n);
+  if (!write_all(fd, text)) {
+    ::close(fd);
+    fail("write");
   }
   if (::fsync(fd) != 0) {
     ::close(fd);

@@ -1,7 +1,9 @@
 // Runs the real `moeplan` executable, as a user would, in a fresh folder per test.
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -299,6 +301,33 @@ TEST_F(Cli, JsonPlanKeepsEveryCandidateWithinDeviceMemory) {
   for (const auto& [name, bytes] : json["prediction"]["memory"]["host"].items()) host_sum += bytes.get<int64_t>();
   EXPECT_EQ(host_sum, json["prediction"]["memory"]["host_total_bytes"].get<int64_t>());
   EXPECT_EQ(json["prediction"]["memory"]["device"].size(), memory.device.size());
+}
+
+}  // namespace
+}  // namespace moeplan
+
+namespace moeplan {
+namespace {
+
+// A plan written to something that is not a regular file (a pipe here; /dev/stdout or
+// /dev/null in use) goes through it: renaming a temporary file over it would replace it.
+TEST(CliWrite, PlanToAPipeGoesThroughThePipe) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moeplan_fifo_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string fifo = (dir / "plan.fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // The reader gives up after 20 s, so that a broken write fails the test instead of hanging it.
+  const std::string command = "timeout 20 cat " + fifo + " > " + (dir / "copy.json").string() + " & " + std::string(MOEPLAN_BINARY) +
+                              " search --gpus 16 --out " + fifo + " > /dev/null; wait";
+  ASSERT_EQ(std::system(command.c_str()), 0);
+  struct stat st {};
+  ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the pipe was replaced";
+  std::ifstream copy(dir / "copy.json");
+  std::stringstream text;
+  text << copy.rdbuf();
+  EXPECT_NO_THROW(plan_from_json(Json::parse(text.str()), "copy.json"));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
