@@ -74,6 +74,13 @@ int run_search(const SearchArgs& args) {
     for (const auto& [name, value] : kPrecisionNames)
       if (name == args.precision) options.training.precision = value;
     options.moe.expert_load_imbalance = args.expert_load_imbalance;
+    options.moe.tokens_per_expert = args.tokens_per_expert;
+    if (!args.tokens_per_expert.empty()) {
+      const RunConfig probe{model, cluster, ParallelConfig{}, options.moe, options.training};
+      for (const Violation& v : validate(probe))
+        if (v.rule == Rule::kTokenCountsMatchExperts)
+          throw InputError("--tokens-per-expert", {{"", v.message}});
+    }
     options.moe.aux_loss_coef = model.router_aux_loss_coef;
     options.max_micro_batch = args.max_micro_batch;
     options.estimator = args.estimator == "analytic" ? planner::Estimator::kAnalytic : planner::Estimator::kSimulator;

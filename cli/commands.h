@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moeplan::cli {
 
@@ -20,6 +21,7 @@ struct SearchArgs {
   int64_t global_batch_tokens = 0;  // 0: the default for the world size
   std::string precision = "bf16";
   double expert_load_imbalance = 1.0;
+  std::vector<double> tokens_per_expert;  // measured counts; overrides the imbalance
   int64_t max_micro_batch = 64;
   int64_t top = 5;
   bool explain = false;

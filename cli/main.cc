@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   search_cmd->add_option("--expert-load-imbalance", search.expert_load_imbalance,
                          "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));
+  search_cmd->add_option("--tokens-per-expert", search.tokens_per_expert,
+                         "Token counts per expert, e.g. measured (comma-separated); overrides the imbalance")
+      ->delimiter(',')->check(CLI::Range(0.0, 1e18));
   search_cmd->add_option("--max-micro-batch", search.max_micro_batch, "Largest micro-batch size tried")
       ->capture_default_str()->check(CLI::Range(1, 1 << 16));
   search_cmd->add_option("--top", search.top, "Candidates shown")->capture_default_str()->check(CLI::Range(1, 1000));

@@ -100,6 +100,21 @@ MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d) {
   m.z_loss_coef = r.number("z_loss_coef", 0.0, 1e3, 0.0);
   m.expert_load_imbalance = r.number("expert_load_imbalance", 1.0, 1e6, 1.0);
   m.random_seed = r.integer("random_seed", 0, INT64_MAX, 12345);
+  if (const Json* counts = r.child("tokens_per_expert", true)) {
+    const std::string at = r.path_of("tokens_per_expert");
+    if (!counts->is_array() || counts->size() > 4096) {
+      d.error(at, "expected an array of at most 4096 counts, got " + describe_json(*counts));
+    } else {
+      for (size_t i = 0; i < counts->size(); ++i) {
+        const Json& c = (*counts)[i];
+        if (!c.is_number() || !(c.get<double>() >= 0.0 && c.get<double>() <= 1e18)) {
+          d.error(at + "[" + std::to_string(i) + "]", "expected a count in [0, 1e18], got " + describe_json(c));
+          continue;
+        }
+        m.tokens_per_expert.push_back(c.get<double>());
+      }
+    }
+  }
   r.finish();
   return m;
 }
@@ -150,6 +165,7 @@ OrderedJson to_json(const MoeConfig& m) {
   j["z_loss_coef"] = m.z_loss_coef;
   j["expert_load_imbalance"] = m.expert_load_imbalance;
   j["random_seed"] = m.random_seed;
+  if (!m.tokens_per_expert.empty()) j["tokens_per_expert"] = m.tokens_per_expert;
   return j;
 }
 

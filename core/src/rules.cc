@@ -1,5 +1,6 @@
 #include "moeplan/core/rules.h"
 
+#include <algorithm>
 #include <array>
 
 namespace moeplan {
@@ -27,6 +28,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "horizon_within_layers",
     "load_imbalance_range",
     "token_shuffle_needs_experts",
+    "token_counts_match_experts",
     "min_lr_within_lr",
     "warmup_within_steps",
 };
@@ -182,6 +184,25 @@ void check_config(const RunConfig& c, Sink& sink) {
       return "= " + str(c.moe.expert_load_imbalance) + " must be in [1, num_experts / "
              "experts_per_token] = [1, " + str(max_imbalance) + "]";
     });
+  if (!c.moe.tokens_per_expert.empty()) {
+    double total = 0, most = 0;
+    for (double n : c.moe.tokens_per_expert) {
+      total += n;
+      most = std::max(most, n);
+    }
+    // Each token takes k distinct experts, so no expert gets more than 1/k of the slots.
+    const double k = static_cast<double>(std::max<int64_t>(1, m.experts_per_token));
+    if (static_cast<int64_t>(c.moe.tokens_per_expert.size()) != m.num_experts)
+      sink(Rule::kTokenCountsMatchExperts, "moe.tokens_per_expert", [&] {
+        return "has " + str(static_cast<int64_t>(c.moe.tokens_per_expert.size())) + " counts for num_experts = " +
+               str(m.num_experts);
+      });
+    else if (!(total > 0) || most > total / k * (1 + 1e-9))
+      sink(Rule::kTokenCountsMatchExperts, "moe.tokens_per_expert", [&] {
+        return "must have a positive total and no expert above 1/experts_per_token of it (total " + str(total) +
+               ", largest " + str(most) + ")";
+      });
+  }
   if (c.moe.global_token_shuffle && e == 1)
     sink(Rule::kTokenShuffleNeedsExperts, "moe.global_token_shuffle", [&] {
       return std::string("= true needs expert_parallel_degree > 1 (it shuffles tokens across the "

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moeplan/core/moe_load.h"
 #include "moeplan/core/units.h"
 
 namespace moeplan::planner {
@@ -93,7 +94,8 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
 
   const int64_t tokens = p.micro_batch_size * c.training.seq_len;
   const auto slots = static_cast<int64_t>(
-      std::ceil(static_cast<double>(m.experts_per_token * tokens) * c.moe.expert_load_imbalance));
+      std::ceil(static_cast<double>(m.experts_per_token * tokens) *
+                busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree)));
   const BlockActivations block = block_activations(m, tokens, slots, a);
   int64_t stored_per_block = 0;  // kept from forward to backward
   int64_t working_set = 0;       // one block recomputed during backward

@@ -1,5 +1,6 @@
 #include "moeplan/simulator/op_costs.h"
 
+#include "moeplan/core/moe_load.h"
 #include "moeplan/core/units.h"
 
 namespace moeplan::sim {
@@ -21,7 +22,7 @@ OpCosts op_costs(const RunConfig& c) {
   // Token-expert pairs per rank: each rank routes k per token and the E ranks of the group
   // share the pairs; the busiest expert's rank gets `imbalance` times the mean.
   const double mean_slots = static_cast<double>(m.experts_per_token) * tokens;
-  const double busiest_slots = mean_slots * c.moe.expert_load_imbalance;
+  const double busiest_slots = mean_slots * busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree);
   const double local_experts = static_cast<double>(m.num_experts) / e;
 
   const double q_width = static_cast<double>(m.num_attention_heads * m.head_dim);
@@ -42,6 +43,8 @@ OpCosts op_costs(const RunConfig& c) {
                           cost.matmul_seconds(core_flops, 4.0 * seq * static_cast<double>(m.head_dim) * context, fp32);
   o.moe_forward_s = moe_seconds(mean_slots);
   o.moe_forward_busiest_s = moe_seconds(busiest_slots);
+  for (int64_t r = 0; r < p.expert_parallel_degree; ++r)
+    o.moe_forward_by_expert_rank.push_back(moe_seconds(mean_slots * expert_rank_load(m, c.moe, p.expert_parallel_degree, r)));
   o.head_forward_s = cost.matmul_seconds(2.0 * tokens * vocab * h, 2.0 * tokens * vocab * h, fp32);
   o.attention_flops = proj_flops + core_flops;
   o.moe_flops = router_flops + expert_flops(mean_slots);

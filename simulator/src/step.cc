@@ -32,7 +32,6 @@ class Layout {
   int64_t coord(int64_t rank, MeshDim d) const {
     return (rank / c_.parallel.stride(d)) % c_.parallel.degree(d);
   }
-  bool busiest_expert_rank(int64_t rank) const { return coord(rank, MeshDim::kExpert) == 0; }
 
   // Simulated members of the group of `rank` along d (index into ranks()), and the simulated
   // nodes whose card the group crosses when it spans nodes.
@@ -179,7 +178,7 @@ class Builder {
   }
 
   double moe_seconds(size_t r) const {
-    return layout_.busiest_expert_rank(static_cast<int64_t>(r)) ? o_.moe_forward_busiest_s : o_.moe_forward_s;
+    return o_.moe_forward_by_expert_rank[static_cast<size_t>(layout_.coord(layout_.ranks()[r], MeshDim::kExpert))];
   }
 
   // Forward of one block (attention, then the MoE sub-block with its token exchange), the

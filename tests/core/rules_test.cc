@@ -196,6 +196,12 @@ const RuleCase kCases[] = {
      Rule::kTokenShuffleNeedsExperts, "moe.global_token_shuffle",
      "= true needs expert_parallel_degree > 1 (it shuffles tokens across the expert-parallel group)",
      "= true"},
+    {"TokenCountsForTooFewExperts", [](Scenario& s) { s.moe.tokens_per_expert = {1, 1, 1, 1, 1, 1, 1}; },
+     Rule::kTokenCountsMatchExperts, "moe.tokens_per_expert", "has 7 counts for num_experts = 8", "7"},
+    // Top-2 routing gives no expert more than half the slots: 9 of 17 is impossible.
+    {"TokenCountsAboveOneOverTopK", [](Scenario& s) { s.moe.tokens_per_expert = {9, 1, 1, 1, 1, 1, 1, 2}; },
+     Rule::kTokenCountsMatchExperts, "moe.tokens_per_expert",
+     "must have a positive total and no expert above 1/experts_per_token of it (total 17, largest 9)", "9"},
     {"MinLearningRateAboveLearningRate", [](Scenario& s) { s.training.min_learning_rate = 1e-3; },
      Rule::kMinLrWithinLr, "training.min_learning_rate",
      "= 0.001 exceeds learning_rate = 0.0001", "0.001"},

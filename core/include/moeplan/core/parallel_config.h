@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "moeplan/core/json_reader.h"
 
@@ -86,8 +87,12 @@ struct MoeConfig {
   bool global_token_shuffle = false;
   double aux_loss_coef = 0.001;
   double z_loss_coef = 0.0;
-  // Tokens of the busiest expert over the mean (1 = uniform routing).
+  // Tokens of the busiest expert over the mean (1 = uniform routing); used when
+  // tokens_per_expert is empty.
   double expert_load_imbalance = 1.0;
+  // Token-expert slots each expert received (given, or measured by a run); empty: use
+  // expert_load_imbalance. Only the proportions matter.
+  std::vector<double> tokens_per_expert;
   int64_t random_seed = 12345;
   bool operator==(const MoeConfig&) const = default;
 };

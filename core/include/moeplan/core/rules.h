@@ -41,6 +41,7 @@ enum class Rule : uint8_t {
   // MoE
   kLoadImbalanceRange,
   kTokenShuffleNeedsExperts,
+  kTokenCountsMatchExperts,
   // Training schedule
   kMinLrWithinLr,
   kWarmupWithinSteps,

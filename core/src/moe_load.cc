@@ -1,0 +1,47 @@
+#include "moeplan/core/moe_load.h"
+
+#include <algorithm>
+
+namespace moeplan {
+
+namespace {
+
+// Share of expert i, without building the vector.
+double share(const ModelSpec& m, const MoeConfig& moe, double total, int64_t i) {
+  const auto n = static_cast<double>(m.num_experts);
+  if (!moe.tokens_per_expert.empty()) return moe.tokens_per_expert[static_cast<size_t>(i)] / total;
+  if (m.num_experts == 1) return 1.0;
+  const double busiest = moe.expert_load_imbalance / n;
+  return i == 0 ? busiest : (1.0 - busiest) / (n - 1.0);
+}
+
+double total_count(const MoeConfig& moe) {
+  double total = 0;
+  for (double c : moe.tokens_per_expert) total += c;
+  return total;
+}
+
+}  // namespace
+
+std::vector<double> expert_shares(const ModelSpec& m, const MoeConfig& moe) {
+  const double total = total_count(moe);
+  std::vector<double> out(static_cast<size_t>(m.num_experts));
+  for (int64_t i = 0; i < m.num_experts; ++i) out[static_cast<size_t>(i)] = share(m, moe, total, i);
+  return out;
+}
+
+double expert_rank_load(const ModelSpec& m, const MoeConfig& moe, int64_t expert_degree, int64_t rank) {
+  const double total = total_count(moe);
+  const int64_t local = m.num_experts / expert_degree;
+  double load = 0;
+  for (int64_t i = rank * local; i < (rank + 1) * local; ++i) load += share(m, moe, total, i);
+  return load * static_cast<double>(expert_degree);
+}
+
+double busiest_expert_rank_load(const ModelSpec& m, const MoeConfig& moe, int64_t expert_degree) {
+  double most = 0;
+  for (int64_t r = 0; r < expert_degree; ++r) most = std::max(most, expert_rank_load(m, moe, expert_degree, r));
+  return most;
+}
+
+}  // namespace moeplan
