@@ -5,6 +5,21 @@
 
 namespace moeplan::sim {
 
+double moe_forward_seconds(const RunConfig& c, double load) {
+  const ModelSpec& m = c.model;
+  const CostModel cost(c.cluster);
+  const bool fp32 = c.training.precision == Precision::kFp32;
+  const double h = static_cast<double>(m.hidden_size);
+  const double ffn = static_cast<double>(m.intermediate_size);
+  const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
+  const double slots = static_cast<double>(m.experts_per_token) * tokens * load;
+  const double local_experts = static_cast<double>(m.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
+  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.num_experts);
+  // Each local expert runs its three GEMMs on its share of the rank's slots.
+  return cost.matmul_seconds(router_flops, router_flops, fp32) +
+         cost.matmul_seconds(2.0 * slots * 3.0 * h * ffn, 2.0 * slots / local_experts * h * ffn, fp32);
+}
+
 OpCosts op_costs(const RunConfig& c) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
@@ -20,10 +35,9 @@ OpCosts op_costs(const RunConfig& c) {
   const double seq = static_cast<double>(c.training.seq_len);
   const double tokens = static_cast<double>(p.micro_batch_size) * seq;
   // Token-expert pairs per rank: each rank routes k per token and the E ranks of the group
-  // share the pairs; the busiest expert's rank gets `imbalance` times the mean.
+  // share the pairs; the busiest rank gets its load (moe_load.h) times the mean.
   const double mean_slots = static_cast<double>(m.experts_per_token) * tokens;
   const double busiest_slots = mean_slots * busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree);
-  const double local_experts = static_cast<double>(m.num_experts) / e;
 
   const double q_width = static_cast<double>(m.num_attention_heads * m.head_dim);
   const double kv_width = static_cast<double>(m.num_key_value_heads * m.head_dim);
@@ -33,18 +47,14 @@ OpCosts op_costs(const RunConfig& c) {
   const double core_flops = 4.0 * tokens * q_width * context;
   const double router_flops = 2.0 * tokens * h * static_cast<double>(m.num_experts);
   auto expert_flops = [&](double slots) { return 2.0 * slots * 3.0 * h * ffn; };
-  auto moe_seconds = [&](double slots) {
-    return cost.matmul_seconds(router_flops, router_flops, fp32) +
-           cost.matmul_seconds(expert_flops(slots), 2.0 * slots / local_experts * h * ffn, fp32);
-  };
+  auto moe_seconds = [&](double slots) { return moe_forward_seconds(c, slots / mean_slots); };
 
   OpCosts o;
   o.attention_forward_s = cost.matmul_seconds(proj_flops, 2.0 * tokens * h * h, fp32) +
                           cost.matmul_seconds(core_flops, 4.0 * seq * static_cast<double>(m.head_dim) * context, fp32);
   o.moe_forward_s = moe_seconds(mean_slots);
   o.moe_forward_busiest_s = moe_seconds(busiest_slots);
-  for (int64_t r = 0; r < p.expert_parallel_degree; ++r)
-    o.moe_forward_by_expert_rank.push_back(moe_seconds(mean_slots * expert_rank_load(m, c.moe, p.expert_parallel_degree, r)));
+
   o.head_forward_s = cost.matmul_seconds(2.0 * tokens * vocab * h, 2.0 * tokens * vocab * h, fp32);
   o.attention_flops = proj_flops + core_flops;
   o.moe_flops = router_flops + expert_flops(mean_slots);

@@ -5,6 +5,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "moeplan/core/moe_load.h"
 #include "moeplan/core/units.h"
 
 namespace moeplan::sim {
@@ -76,7 +77,12 @@ class Builder {
         shapes_(layout_shapes(c.cluster, c.parallel)),
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
-        layers_(static_cast<int>(c.model.num_layers)) {}
+        layers_(static_cast<int>(c.model.num_layers)) {
+    for (int64_t rank : layout.ranks()) {
+      const int64_t e = layout.coord(rank, MeshDim::kExpert);
+      moe_by_rank_.push_back(moe_forward_seconds(c, expert_rank_load(c.model, c.moe, p_.expert_parallel_degree, e)));
+    }
+  }
 
   StepGraph build() {
     const size_t n = layout_.ranks().size();
@@ -177,9 +183,7 @@ class Builder {
     state[r].last = id;
   }
 
-  double moe_seconds(size_t r) const {
-    return o_.moe_forward_by_expert_rank[static_cast<size_t>(layout_.coord(layout_.ranks()[r], MeshDim::kExpert))];
-  }
+  double moe_seconds(size_t r) const { return moe_by_rank_[r]; }
 
   // Forward of one block (attention, then the MoE sub-block with its token exchange), the
   // gather of its parameters and the offload of what it keeps.
@@ -312,6 +316,7 @@ class Builder {
   StepGraph graph_;
   int64_t micro_batches_;
   int layers_;
+  std::vector<double> moe_by_rank_;  // MoE forward seconds of each simulated rank
 };
 
 // When the last op of each micro-batch ended: its compute, its copies and its gradient

@@ -2,7 +2,6 @@
 // Per-op times and sizes of one micro-batch on one rank, from the model, the configuration and
 // the cost model. The analytic estimate and the step simulator both start from these.
 
-#include <vector>
 
 #include "moeplan/core/rules.h"
 #include "moeplan/simulator/cost_model.h"
@@ -15,7 +14,6 @@ struct OpCosts {
   double attention_forward_s = 0;  // norms, q/k/v/o projections, attention core
   double moe_forward_s = 0;        // router and experts, at the mean expert load
   double moe_forward_busiest_s = 0;  // the same on the busiest expert-parallel rank
-  std::vector<double> moe_forward_by_expert_rank;  // by expert-parallel coordinate
   double head_forward_s = 0;       // lm head and loss
   double attention_flops = 0;
   double moe_flops = 0;  // at the mean load
@@ -31,5 +29,9 @@ struct OpCosts {
 };
 
 OpCosts op_costs(const RunConfig& config);
+
+// Router and experts forward of one micro-batch on a rank whose experts get `load` times the
+// mean share of routed tokens.
+double moe_forward_seconds(const RunConfig& config, double load);
 
 }  // namespace moeplan::sim
