@@ -25,13 +25,12 @@ void print_table(const planner::SearchResult& result, const ClusterSpec& cluster
     const std::string offload =
         p.activation_offloading ? "h" + std::to_string(p.activation_loading_horizon) : "-";
     const sim::StepEstimate& e = c.estimate;
-    const double waiting = std::max(0.0, e.step_time_s - e.compute_s - e.recompute_s - e.optimizer_s);
     std::printf("%3zu %3lld %3lld %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f %5.1f%% %6.1f/%.1f\n", i + 1,
                 static_cast<long long>(p.expert_parallel_degree), static_cast<long long>(p.hybrid_shard_degree),
                 static_cast<long long>(p.replica_degree()), p.placement.to_string().c_str(),
                 std::string(name_of(kCheckpointingNames, p.activation_checkpointing)).c_str(), offload.c_str(),
                 static_cast<long long>(p.micro_batch_size), static_cast<long long>(p.gradient_accumulation_steps),
-                e.step_time_s, e.compute_s, e.recompute_s, waiting, e.tokens_per_s, e.tflops_per_gpu, 100.0 * e.mfu,
+                e.step_time_s, e.compute_s, e.recompute_s, e.exposed_comm_s, e.tokens_per_s, e.tflops_per_gpu, 100.0 * e.mfu,
                 gib(c.memory.device_total), gib(cluster.usable_memory_bytes()));
   }
 }
@@ -187,7 +186,7 @@ int run_simulate(const SimulateArgs& args) {
     std::printf("step %.3f s, %.0f tokens/s, %.1f TFLOP/s per GPU, MFU %.1f%%\n", e.step_time_s, e.tokens_per_s,
                 e.tflops_per_gpu, 100.0 * e.mfu);
     std::printf("busiest rank: compute %.3f s, recompute %.3f s, optimizer %.3f s, waiting on communication %.3f s\n",
-                e.compute_s, e.recompute_s, e.optimizer_s, s.exposed_comm_s);
+                e.compute_s, e.recompute_s, e.optimizer_s, e.exposed_comm_s);
     if (plan.cluster.num_nodes > 1)
       std::printf("node 0 network card busy %.3f s (%.0f%% of the step)\n", s.nic_busy_s,
                   100.0 * s.nic_busy_s / e.step_time_s);

@@ -103,8 +103,8 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   const double card_s = accum * (nic_bytes + nic_bytes_a2a) / c.cluster.inter_node_bandwidth_bytes_per_s;
   out.lower_bound_s = std::max({accum * (compute + recompute + expert_chain_min) + o.optimizer_s,
                                 accum * gather_stream_min, card_s});
-  out.step_time_s = out.compute_s + out.recompute_s + out.expert_comm_s + out.shard_comm_exposed_s +
-                    out.offload_exposed_s + out.grad_sync_s + out.optimizer_s;
+  out.exposed_comm_s = out.expert_comm_s + out.shard_comm_exposed_s + out.offload_exposed_s + out.grad_sync_s;
+  out.step_time_s = out.compute_s + out.recompute_s + out.exposed_comm_s + out.optimizer_s;
   fill_rates(c, o, out);
   return out;
 }

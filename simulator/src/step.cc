@@ -109,10 +109,10 @@ class Builder {
     for (size_t r = 0; r < n; ++r) synced[r] = state[r].last_grad;
     const double e = static_cast<double>(p_.expert_parallel_degree);
     collective_round(synced, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
-                     cost_.all_reduce_cost(o_.dense_shard_bytes, shapes_.expert), o_.dense_shard_bytes, state, true);
+                     cost_.all_reduce_cost(o_.dense_shard_bytes, shapes_.expert), o_.dense_shard_bytes, true);
     collective_round(synced, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
                      cost_.all_reduce_cost(o_.dense_shard_bytes / e + o_.expert_shard_bytes, shapes_.replica),
-                     o_.dense_shard_bytes / e + o_.expert_shard_bytes, state, true);
+                     o_.dense_shard_bytes / e + o_.expert_shard_bytes, true);
     for (size_t r = 0; r < n; ++r) {
       const OpId opt = graph_.add_op(compute(r, OpKind::kOptimizer, -1, -1, o_.optimizer_s, 0));
       graph_.depend(opt, state[r].last);
@@ -141,10 +141,18 @@ class Builder {
     return op;
   }
 
+  // A block's kept activations to or from host memory.
+  Op copy(size_t r, OpKind kind, int layer, int64_t mb) const {
+    Op op = compute(r, kind, layer, mb, cost_.pcie_seconds(o_.offload_bytes), 0);
+    op.stream = TraceStream::kCopy;
+    op.bytes = o_.offload_bytes;
+    return op;
+  }
+
   // One collective per group along d, with a part on every simulated member; each part
   // depends on after[r] and replaces it.
   void collective_round(std::vector<OpId>& after, MeshDim d, OpKind kind, TraceStream stream, int layer, int64_t mb,
-                        const CollectiveCost& cost, double bytes, std::vector<RankState>&, bool skip_single) {
+                        const CollectiveCost& cost, double bytes, bool skip_single) {
     if (skip_single && p_.degree(d) <= 1) return;
     std::map<int64_t, int32_t> by_base;
     const size_t n = layout_.ranks().size();
@@ -173,7 +181,7 @@ class Builder {
     std::vector<OpId> after(state.size());
     for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
     collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb,
-                     cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.expert), o_.dispatch_send_bytes, state, false);
+                     cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.expert), o_.dispatch_send_bytes, false);
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
@@ -197,7 +205,7 @@ class Builder {
       // two back to be freed.
       for (size_t r = 0; r < n; ++r) gathered[r] = l >= 2 ? state[r].fwd_done[static_cast<size_t>(l - 2)] : kNoOp;
       collective_round(gathered, MeshDim::kShard, OpKind::kGatherForward, TraceStream::kShardGather, l, mb,
-                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, state, false);
+                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, false);
     }
     for (size_t r = 0; r < n; ++r) {
       chain(state, r, compute(r, OpKind::kAttentionForward, l, mb, o_.attention_forward_s, o_.attention_flops));
@@ -210,15 +218,7 @@ class Builder {
       state[r].layer_out = state[r].last;
       state[r].fwd_done[static_cast<size_t>(l)] = state[r].last;
       if (p_.activation_offloading) {
-        Op copy;
-        copy.rank = static_cast<int32_t>(r);
-        copy.stream = TraceStream::kCopy;
-        copy.kind = OpKind::kOffload;
-        copy.layer = static_cast<int16_t>(l);
-        copy.micro_batch = mb;
-        copy.duration = to_sim_time(cost_.pcie_seconds(o_.offload_bytes));
-        copy.bytes = o_.offload_bytes;
-        const OpId id = graph_.add_op(copy);
+        const OpId id = graph_.add_op(copy(r, OpKind::kOffload, l, mb));
         graph_.depend(id, state[r].last);
         state[r].offloaded[static_cast<size_t>(l)] = id;
       }
@@ -234,7 +234,7 @@ class Builder {
     if (sharded) {
       for (size_t r = 0; r < n; ++r) gathered[r] = l + 2 < layers_ ? state[r].bwd_done[at + 2] : kNoOp;
       collective_round(gathered, MeshDim::kShard, OpKind::kGatherBackward, TraceStream::kShardGather, l, mb,
-                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, state, false);
+                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, false);
     }
     std::vector<OpId> reloaded(n, kNoOp);
     if (p_.activation_offloading) {
@@ -242,55 +242,42 @@ class Builder {
       // of block l + horizon + 1 has freed its place.
       const int free_after = l + static_cast<int>(p_.activation_loading_horizon) + 1;
       for (size_t r = 0; r < n; ++r) {
-        Op copy;
-        copy.rank = static_cast<int32_t>(r);
-        copy.stream = TraceStream::kCopy;
-        copy.kind = OpKind::kReload;
-        copy.layer = static_cast<int16_t>(l);
-        copy.micro_batch = mb;
-        copy.duration = to_sim_time(cost_.pcie_seconds(o_.offload_bytes));
-        copy.bytes = o_.offload_bytes;
-        reloaded[r] = graph_.add_op(copy);
+        reloaded[r] = graph_.add_op(copy(r, OpKind::kReload, l, mb));
         graph_.depend(reloaded[r], state[r].offloaded[at]);
         if (free_after < layers_) graph_.depend(reloaded[r], state[r].bwd_done[static_cast<size_t>(free_after)]);
       }
     }
-    auto gate = [&](size_t r) {  // the first op of this block's backward waits for its inputs
-      graph_.depend(state[r].last, gathered[r]);
-      graph_.depend(state[r].last, reloaded[r]);
-    };
-    bool gated = false;
-    if (p_.activation_checkpointing == Checkpointing::kFull) {
+    // The block's first op, whichever it is, waits for its parameters and its activations.
+    bool gate_pending = true;
+    auto gate_first = [&] {
+      if (!gate_pending) return;
       for (size_t r = 0; r < n; ++r) {
-        chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.attention_forward_s, o_.attention_flops));
-        gate(r);
+        graph_.depend(state[r].last, gathered[r]);
+        graph_.depend(state[r].last, reloaded[r]);
       }
-      gated = true;
+      gate_pending = false;
+    };
+    if (p_.activation_checkpointing == Checkpointing::kFull) {
+      for (size_t r = 0; r < n; ++r)
+        chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.attention_forward_s, o_.attention_flops));
+      gate_first();
     }
     if (p_.activation_checkpointing != Checkpointing::kNone) {
       if (experts) {
         exchange(state, OpKind::kDispatchRecompute, l, mb);
-        if (!gated)
-          for (size_t r = 0; r < n; ++r) gate(r);
-        gated = true;
+        gate_first();
       }
-      for (size_t r = 0; r < n; ++r) {
-        chain(state, r, compute(r, OpKind::kExpertRecompute, l, mb, moe_seconds(r), o_.moe_flops));
-        if (!gated) gate(r);
-      }
-      gated = true;
+      for (size_t r = 0; r < n; ++r) chain(state, r, compute(r, OpKind::kExpertRecompute, l, mb, moe_seconds(r), o_.moe_flops));
+      gate_first();
       if (experts) exchange(state, OpKind::kCombineRecompute, l, mb);
     }
     if (experts) {
       exchange(state, OpKind::kCombineBackward, l, mb);
-      if (!gated)
-        for (size_t r = 0; r < n; ++r) gate(r);
-      gated = true;
+      gate_first();
     }
-    for (size_t r = 0; r < n; ++r) {
+    for (size_t r = 0; r < n; ++r)
       chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, 2.0 * moe_seconds(r), 2.0 * o_.moe_flops));
-      if (!gated) gate(r);
-    }
+    gate_first();
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
     for (size_t r = 0; r < n; ++r) {
       chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, 2.0 * o_.attention_forward_s, 2.0 * o_.attention_flops));
@@ -300,7 +287,7 @@ class Builder {
       std::vector<OpId> after(n);
       for (size_t r = 0; r < n; ++r) after[r] = state[r].last;
       collective_round(after, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, l, mb,
-                       cost_.reduce_scatter_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, state, false);
+                       cost_.reduce_scatter_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, false);
       for (size_t r = 0; r < n; ++r) state[r].last_grad = after[r];
     } else {
       for (size_t r = 0; r < n; ++r) state[r].last_grad = state[r].last;
@@ -405,11 +392,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   est.compute_s = compute[busiest] * scale;
   est.recompute_s = recompute[busiest] * scale;
   est.optimizer_s = to_seconds(to_sim_time(o.optimizer_s));
-  sim.exposed_comm_s = std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s);
-  est.expert_comm_s = 0;
-  est.shard_comm_exposed_s = 0;
-  est.offload_exposed_s = 0;
-  est.grad_sync_s = 0;
+  est.exposed_comm_s = std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s);
   sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]) * scale;
   fill_rates(c, o, est);
   return sim;

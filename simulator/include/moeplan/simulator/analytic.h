@@ -23,7 +23,9 @@ struct StepEstimate {
   double model_flops_per_step = 0;  // 3 x forward FLOPs of the global batch (no recompute)
   double tflops_per_gpu = 0;
   double mfu = 0;
-  // Where a step's time goes on one rank (seconds per step; they add up to step_time_s).
+  // Where a step's time goes on one rank (seconds per step). compute + recompute + optimizer +
+  // exposed_comm = step_time_s; the closed form also splits exposed_comm into the four parts
+  // below (the simulator leaves them 0).
   double compute_s = 0;              // forward + backward matrix multiplies
   double recompute_s = 0;            // forward again under activation checkpointing
   double expert_comm_s = 0;          // token dispatch and combine (on the critical path)
@@ -31,6 +33,8 @@ struct StepEstimate {
   double grad_sync_s = 0;            // gradient all-reduce across replicas
   double offload_exposed_s = 0;      // activation copies not hidden behind compute
   double optimizer_s = 0;            // AdamW update of the local shard
+  // The rest of the step: the busiest rank's compute stream waiting on communication.
+  double exposed_comm_s = 0;
   // No schedule is faster: the busiest rank's compute and token exchanges form one chain, and
   // an exchange takes at least its time with the network card to itself.
   double lower_bound_s = 0;

@@ -29,7 +29,6 @@ struct StepSimulation {
   GraphTimes times;
   std::vector<int64_t> ranks;  // global rank of each simulated rank
   int64_t micro_batches = 0;   // simulated micro-batches
-  double exposed_comm_s = 0;   // step time the busiest compute stream spent waiting
   double nic_busy_s = 0;       // time node 0's card carried traffic (extrapolated)
 };
 
