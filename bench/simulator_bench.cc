@@ -7,24 +7,14 @@
 
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/step.h"
+#include "test_support.h"
 
 namespace moeplan::sim {
 namespace {
 
-const ModelSpec& mixtral() {
-  static const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json");
-  return m;
-}
-ClusterSpec p4d(int64_t gpus) {
-  return planner::size_cluster(read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/p4d.24xlarge.json"), gpus);
-}
-planner::SearchOptions options_for(int64_t gpus) {
-  planner::SearchOptions o;
-  o.gpus = gpus;
-  o.training.seq_len = 2048;
-  o.training.global_batch_tokens = planner::default_global_batch_tokens(gpus, 2048);
-  return o;
-}
+// Every step and search here is Mixtral 8x7B on p4d.24xlarge nodes.
+const ModelSpec& mixtral() { return test::model("mixtral-8x7b"); }
+ClusterSpec p4d(int64_t gpus) { return test::hardware("p4d.24xlarge", gpus); }
 
 // Schedule and pop events with random times, 1,024 in flight: the kernel's own cost.
 void BM_EventQueue(benchmark::State& state) {
@@ -46,7 +36,7 @@ BENCHMARK(BM_EventQueue);
 void BM_SimulateStep(benchmark::State& state) {
   const int64_t gpus = state.range(0);
   const ClusterSpec cluster = p4d(gpus);
-  planner::SearchOptions o = options_for(gpus);
+  planner::SearchOptions o = test::search_options(gpus);
   const planner::SearchResult r = planner::search(mixtral(), cluster, o);
   const RunConfig config{mixtral(), cluster, r.ranked.front().parallel, o.moe, o.training};
   StepSimOptions sim_options;
@@ -66,7 +56,7 @@ BENCHMARK(BM_SimulateStep)->Args({16, 0})->Args({16, 1})->Args({64, 0})->Unit(be
 // The event-processing part alone: the graph of the 16-GPU plan, run again and again.
 void BM_RunGraph(benchmark::State& state) {
   const ClusterSpec cluster = p4d(16);
-  planner::SearchOptions o = options_for(16);
+  planner::SearchOptions o = test::search_options(16);
   const planner::SearchResult r = planner::search(mixtral(), cluster, o);
   const RunConfig config{mixtral(), cluster, r.ranked.front().parallel, o.moe, o.training};
   StepSimOptions all;
@@ -86,7 +76,7 @@ BENCHMARK(BM_RunGraph)->Unit(benchmark::kMillisecond);
 void BM_SearchSimulated(benchmark::State& state) {
   const int64_t gpus = state.range(0);
   const ClusterSpec cluster = p4d(gpus);
-  const planner::SearchOptions o = options_for(gpus);
+  const planner::SearchOptions o = test::search_options(gpus);
   int64_t simulated = 0;
   for (auto _ : state) {
     const planner::SearchResult r = planner::search(mixtral(), cluster, o);

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -14,23 +13,14 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "test_support.h"
 
 namespace moeplan {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-}
+using test::read_text;
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;
@@ -54,29 +44,16 @@ struct Outcome {
   std::vector<std::string> err_lines() const { return lines_of(err); }
 };
 
-// A fresh folder under the system temp dir, removed with everything in it; commands run in it.
-class Workdir {
+// A fresh test::TempDir; commands run in it.
+class Workdir : public test::TempDir {
  public:
-  Workdir() {
-    std::string pattern = (fs::temp_directory_path() / "moeplan-cli-test-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~Workdir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  Workdir(const Workdir&) = delete;
-  Workdir& operator=(const Workdir&) = delete;
-
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& name) const { return path() / name; }
 
   // Runs `moeplan <args>` here. MOEPLAN_PROFILES is unset so the built-in profile folder is used.
   Outcome moeplan(const std::string& args) const {
-    const fs::path out = path_ / ".stdout";
-    const fs::path err = path_ / ".stderr";
-    const std::string command = "cd " + quoted(path_.string()) + " && env -u MOEPLAN_PROFILES " +
+    const fs::path out = path() / ".stdout";
+    const fs::path err = path() / ".stderr";
+    const std::string command = "cd " + quoted(path().string()) + " && env -u MOEPLAN_PROFILES " +
                                 quoted(MOEPLAN_BINARY) + " " + args + " >" + quoted(out.string()) + " 2>" +
                                 quoted(err.string());
     const int status = std::system(command.c_str());
@@ -94,9 +71,6 @@ class Workdir {
     fs::remove(err);
     return run;
   }
-
- private:
-  fs::path path_;
 };
 
 std::string show(const Outcome& run) {
@@ -204,7 +178,7 @@ TEST_F(Cli, CheckOnATruncatedPlanIsOneLineNamingTheFile) {
   const std::string& text = searched_plan_text();
   ASSERT_FALSE(text.empty());
   Workdir dir;
-  write_text(dir / "plan.json", text.substr(0, text.size() / 3));
+  dir.write("plan.json", text.substr(0, text.size() / 3));
   const Outcome run = dir.moeplan("check plan.json");
   ASSERT_EQ(run.exit_code, 2) << show(run);
   const std::vector<std::string> lines = run.err_lines();
@@ -218,7 +192,7 @@ TEST_F(Cli, CheckOnAPlanWithExpertDegreeThreeNamesTheField) {
   Json json = parse_json_text(text, "plan.json");
   json["parallel"]["expert_parallel_degree"] = 3;
   Workdir dir;
-  write_text(dir / "plan.json", json.dump(2));
+  dir.write("plan.json", json.dump(2));
   const Outcome run = dir.moeplan("check plan.json");
   ASSERT_EQ(run.exit_code, 2) << show(run);
   const std::vector<std::string> lines = run.err_lines();
@@ -247,7 +221,7 @@ TEST_F(Cli, CheckOnAPlanWithANumberTooLargeForADoubleIsBadInput) {
   ASSERT_NE(at, std::string::npos);
   edited.replace(at, key.size(), "\"world_size\": 1e400");
   Workdir dir;
-  write_text(dir / "plan.json", edited);
+  dir.write("plan.json", edited);
   const Outcome run = dir.moeplan("check plan.json");
   EXPECT_EQ(run.signal, 0) << show(run);
   ASSERT_EQ(run.exit_code, 2) << show(run);
@@ -265,7 +239,7 @@ TEST_F(Cli, CheckOnAPlanWhoseMemoryWasEditedByHand) {
   memory["device"]["activations"] = memory["device"]["activations"].get<int64_t>() - 1024;
   memory["device_total_bytes"] = memory["device_total_bytes"].get<int64_t>() - 1024;
   Workdir dir;
-  write_text(dir / "plan.json", json.dump(2));
+  dir.write("plan.json", json.dump(2));
   const Outcome run = dir.moeplan("check plan.json");
   ASSERT_EQ(run.exit_code, 1) << show(run);
   const std::vector<std::string> lines = run.err_lines();
@@ -312,22 +286,20 @@ namespace {
 // A plan written to something that is not a regular file (a pipe here; /dev/stdout or
 // /dev/null in use) goes through it: renaming a temporary file over it would replace it.
 TEST(CliWrite, PlanToAPipeGoesThroughThePipe) {
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moeplan_fifo_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  const std::string fifo = (dir / "plan.fifo").string();
+  const test::TempDir dir;
+  const std::string fifo = dir.file("plan.fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   // The reader gives up after 20 s, so that a broken write fails the test instead of hanging it.
-  const std::string command = "timeout 20 cat " + fifo + " > " + (dir / "copy.json").string() + " & " + std::string(MOEPLAN_BINARY) +
+  const std::string command = "timeout 20 cat " + fifo + " > " + dir.file("copy.json") + " & " + std::string(MOEPLAN_BINARY) +
                               " search --gpus 16 --out " + fifo + " > /dev/null; wait";
   ASSERT_EQ(std::system(command.c_str()), 0);
   struct stat st {};
   ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
   EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the pipe was replaced";
-  std::ifstream copy(dir / "copy.json");
+  std::ifstream copy(dir.file("copy.json"));
   std::stringstream text;
   text << copy.rdbuf();
   EXPECT_NO_THROW(plan_from_json(Json::parse(text.str()), "copy.json"));
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -3,57 +3,20 @@
 #include <gtest/gtest.h>
 
 #include <array>
-#include <cstdlib>
-#include <filesystem>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/model_spec.h"
+#include "test_support.h"
 
 namespace moeplan {
 namespace {
 
-namespace fs = std::filesystem;
-
-std::string profile(const std::string& name) { return std::string(MOEPLAN_PROFILE_DIR) + "/" + name; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// A folder under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "moeplan-json-test-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::ofstream out(file(name), std::ios::binary);
-    out << text;
-    return file(name);
-  }
-  std::string write(const std::string& name, const Json& json) const { return write(name, json.dump(2)); }
-
- private:
-  fs::path path_;
-};
+using test::profile_path;
+using test::read_text;
+using test::TempDir;
 
 std::string describe(const std::vector<Diagnostic>& diagnostics) {
   std::string text;
@@ -135,7 +98,7 @@ TEST(ReadJsonFile, MissingFileNamesThePath) {
 
 TEST(ReadJsonFile, TruncatedFileNamesThePath) {
   TempDir dir;
-  const std::string text = read_text(profile("hardware/p4d.24xlarge.json"));
+  const std::string text = read_text(profile_path("hardware/p4d.24xlarge.json"));
   const std::string path = dir.write("p4d.json", text.substr(0, text.size() / 2));
   const auto problems = problems_of([&] { read_json_file(path); }, path);
   ASSERT_EQ(problems.size(), 1u);
@@ -310,11 +273,11 @@ TEST(InputError, FirstLineCountsTheRest) {
 // ---------------------------------------------------------------------------------------------
 // Hardware profiles, read from files
 
-Json p4d_json() { return Json::parse(read_text(profile("hardware/p4d.24xlarge.json"))); }
+Json p4d_json() { return Json::parse(read_text(profile_path("hardware/p4d.24xlarge.json"))); }
 
 TEST(HardwareProfile, ShippedProfilesReadAndRoundTrip) {
   for (const char* name : {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge"}) {
-    const ClusterSpec c = read_cluster_file(profile(std::string("hardware/") + name + ".json"));
+    const ClusterSpec c = read_cluster_file(profile_path(std::string("hardware/") + name + ".json"));
     EXPECT_EQ(c.name, name);
     EXPECT_EQ(c.gpus_per_node, 8);
     EXPECT_FALSE(c.sources.empty());
@@ -389,7 +352,7 @@ TEST(HardwareProfile, MissingAndTruncatedFiles) {
   TempDir dir;
   const std::string missing = dir.file("p9.json");
   EXPECT_EQ(problems_of([&] { read_cluster_file(missing); }, missing).at(0).message, "cannot open file");
-  const std::string text = read_text(profile("hardware/p5.48xlarge.json"));
+  const std::string text = read_text(profile_path("hardware/p5.48xlarge.json"));
   const std::string truncated = dir.write("p5.json", text.substr(0, text.find("\"intra_node\"")));
   const auto problems = problems_of([&] { read_cluster_file(truncated); }, truncated);
   ASSERT_EQ(problems.size(), 1u);
@@ -415,7 +378,7 @@ TEST(HardwareProfile, SourcesSurviveARoundTrip) {
 // Model profiles and Hugging Face config.json files
 
 TEST(ModelProfile, ProblemsFromAFile) {
-  const Json base = Json::parse(read_text(profile("models/mixtral-8x7b.json")));
+  const Json base = Json::parse(read_text(profile_path("models/mixtral-8x7b.json")));
   const std::vector<ProfileEdit> edits = {
       {"/num_experts", "eight", "num_experts", "expected an integer, got string \"eight\""},
       {"/num_layers", 0, "num_layers", "must be in [1, 4096], got 0"},
@@ -444,7 +407,7 @@ TEST(ModelProfile, ProblemsFromAFile) {
 
 TEST(ModelProfile, ShippedProfilesRoundTrip) {
   for (const char* name : {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny"}) {
-    const ModelSpec m = read_model_file(profile(std::string("models/") + name + ".json"));
+    const ModelSpec m = read_model_file(profile_path(std::string("models/") + name + ".json"));
     EXPECT_EQ(m.name, name);
     EXPECT_EQ(model_from_json(Json::parse(to_json(m).dump()), "again"), m) << name;
   }
@@ -471,7 +434,7 @@ TEST(HfConfig, FileIsRecognisedByModelType) {
   EXPECT_EQ(m.head_dim, 128);
   EXPECT_EQ(m.name, "hf-mixtral");
   EXPECT_EQ(m.source, "Hugging Face config.json (" + path + ")");
-  EXPECT_EQ(count_parameters(m).total(), count_parameters(read_model_file(profile("models/mixtral-8x7b.json"))).total());
+  EXPECT_EQ(count_parameters(m).total(), count_parameters(read_model_file(profile_path("models/mixtral-8x7b.json"))).total());
 }
 
 TEST(HfConfig, ProblemsFromAFile) {
@@ -533,7 +496,7 @@ TEST(HfConfig, DerivedHeadDimOfZeroIsRejected) {
       },
       InputError);
 
-  Json profile_json = Json::parse(read_text(profile("models/mixtral-8x7b.json")));
+  Json profile_json = Json::parse(read_text(profile_path("models/mixtral-8x7b.json")));
   profile_json.erase("head_dim");
   profile_json["num_attention_heads"] = 8192;
   EXPECT_THROW(model_from_json(profile_json, "model.json"), InputError);

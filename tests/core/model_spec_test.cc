@@ -2,10 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 namespace moeplan {
 namespace {
-
-ModelSpec mixtral_8x7b() { return read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json"); }
 
 // Mixtral 8x7B (h = 4096, ffn = 14336, 32 layers, 32 heads of 128, 8 KV heads, 8 experts,
 // top-2, vocab 32000, untied head):
@@ -20,7 +20,7 @@ ModelSpec mixtral_8x7b() { return read_model_file(std::string(MOEPLAN_PROFILE_DI
 //   active = dense + 32 * 2 * 176,160,768
 //          = 1,605,636,096 + 11,274,289,152 = 12,879,925,248 (the seed's "12.9 billion")
 TEST(ModelSpec, Mixtral8x7bParameterCounts) {
-  const ParamCounts p = count_parameters(mixtral_8x7b());
+  const ParamCounts p = count_parameters(test::model("mixtral-8x7b"));
   EXPECT_EQ(p.embedding, 131'072'000);
   EXPECT_EQ(p.lm_head, 131'072'000);
   EXPECT_EQ(p.attention_per_layer, 41'943'040);
@@ -43,7 +43,7 @@ TEST(ModelSpec, HuggingFaceConfigGivesTheSameModel) {
     "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
     "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
   const ModelSpec hf = model_from_hf_config(config, "config.json");
-  ModelSpec profile = mixtral_8x7b();
+  ModelSpec profile = test::model("mixtral-8x7b");
   EXPECT_EQ(count_parameters(hf).total(), count_parameters(profile).total());
   EXPECT_EQ(hf.head_dim, 128);
   EXPECT_EQ(hf.num_experts, 8);
@@ -69,7 +69,7 @@ TEST(ModelSpec, HuggingFaceConfigRejectsOtherArchitectures) {
 }
 
 TEST(ModelSpec, Mixtral8x22bIsAbout141BillionParameters) {
-  const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x22b.json");
+  const ModelSpec m = test::model("mixtral-8x22b");
   const ParamCounts p = count_parameters(m);
   // Mistral's announcement: 141B total, 39B active.
   EXPECT_NEAR(static_cast<double>(p.total()) / 1e9, 141.0, 0.5);
@@ -77,7 +77,7 @@ TEST(ModelSpec, Mixtral8x22bIsAbout141BillionParameters) {
 }
 
 TEST(ModelSpec, ProfileRoundTrips) {
-  const ModelSpec m = mixtral_8x7b();
+  const ModelSpec m = test::model("mixtral-8x7b");
   const Json text = Json::parse(to_json(m).dump());
   EXPECT_EQ(model_from_json(text, "round trip"), m);
 }

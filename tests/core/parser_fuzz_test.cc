@@ -12,12 +12,10 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,20 +26,15 @@
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/analytic.h"
+#include "test_support.h"
 
 namespace moeplan {
 namespace {
 
 constexpr uint64_t kSeed = 0x6d6f65706c616e;  // "moeplan"
 
-std::string profile(const std::string& name) { return std::string(MOEPLAN_PROFILE_DIR) + "/" + name; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using test::profile_path;
+using test::read_text;
 
 // ---------------------------------------------------------------------------------------------
 // Crash report. A crash cannot be caught, so the input being read is kept where a signal
@@ -543,20 +536,16 @@ std::vector<Document> documents() {
     docs.push_back({target, path, text, parse_json_text(text, path)});
   };
   for (const char* name : {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge"})
-    add_file(Target::kCluster, profile(std::string("hardware/") + name + ".json"));
+    add_file(Target::kCluster, profile_path(std::string("hardware/") + name + ".json"));
   for (const char* name : {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny"})
-    add_file(Target::kModel, profile(std::string("models/") + name + ".json"));
+    add_file(Target::kModel, profile_path(std::string("models/") + name + ".json"));
 
   // Plans as `moeplan search` writes them: Mixtral 8x7B on two p4d nodes, and the tiny model
   // on one p5 node.
   auto add_plan = [&](const char* model_name, const char* instance, int64_t gpus) {
-    const ModelSpec model = read_model_file(profile(std::string("models/") + model_name + ".json"));
-    const ClusterSpec cluster =
-        planner::size_cluster(read_cluster_file(profile(std::string("hardware/") + instance + ".json")), gpus);
-    planner::SearchOptions options;
-    options.gpus = gpus;
-    options.training.seq_len = std::min<int64_t>(2048, model.max_position_embeddings);
-    options.training.global_batch_tokens = planner::default_global_batch_tokens(gpus, options.training.seq_len);
+    const ModelSpec& model = test::model(model_name);
+    const ClusterSpec cluster = test::hardware(instance, gpus);
+    planner::SearchOptions options = test::search_options(gpus, std::min<int64_t>(2048, model.max_position_embeddings));
     options.moe.aux_loss_coef = model.router_aux_loss_coef;
     const planner::SearchResult result = planner::search(model, cluster, options);
     if (result.ranked.empty()) throw std::runtime_error(std::string("no plan for ") + model_name);

@@ -2,7 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -11,23 +10,20 @@
 
 #include "moeplan/core/rules.h"
 #include "moeplan/planner/search.h"
+#include "test_support.h"
 
 namespace moeplan {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string profile(const std::string& name) { return std::string(MOEPLAN_PROFILE_DIR) + "/" + name; }
+using test::TempDir;
 
 // The plan `moeplan search --gpus 16` makes: Mixtral 8x7B on two p4d.24xlarge nodes.
 const Plan& searched_plan() {
   static const Plan plan = [] {
-    const ModelSpec model = read_model_file(profile("models/mixtral-8x7b.json"));
-    const ClusterSpec cluster = planner::size_cluster(read_cluster_file(profile("hardware/p4d.24xlarge.json")), 16);
-    planner::SearchOptions options;
-    options.gpus = 16;
-    options.training.seq_len = 2048;
-    options.training.global_batch_tokens = planner::default_global_batch_tokens(16, 2048);
+    const ModelSpec& model = test::model("mixtral-8x7b");
+    const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+    planner::SearchOptions options = test::search_options(16);
     options.moe.aux_loss_coef = model.router_aux_loss_coef;
     const planner::SearchResult result = planner::search(model, cluster, options);
     if (result.ranked.empty()) throw std::runtime_error("no plan for 16 GPUs");
@@ -42,32 +38,6 @@ const std::string& plan_text() {
 }
 
 Json plan_json() { return parse_json_text(plan_text(), "plan.json"); }
-
-// A folder under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "moeplan-plan-test-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::ofstream out(file(name), std::ios::binary);
-    out << text;
-    return file(name);
-  }
-
- private:
-  fs::path path_;
-};
 
 std::string describe(const std::vector<Diagnostic>& diagnostics) {
   std::string text;

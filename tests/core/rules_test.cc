@@ -8,11 +8,10 @@
 #include <vector>
 
 #include "moeplan/planner/search.h"
+#include "test_support.h"
 
 namespace moeplan {
 namespace {
-
-std::string profile(const std::string& name) { return std::string(MOEPLAN_PROFILE_DIR) + "/" + name; }
 
 // The valid base every case below starts from: Mixtral 8x7B on two p4d.24xlarge nodes,
 // 16 ranks, E = 2, S = 8 (so R = 1), RSE, full checkpointing, mbs 1, ga 128, seq_len 2048:
@@ -28,10 +27,7 @@ struct Scenario {
 };
 
 Scenario base() {
-  static const ModelSpec model = read_model_file(profile("models/mixtral-8x7b.json"));
-  static const ClusterSpec cluster =
-      planner::size_cluster(read_cluster_file(profile("hardware/p4d.24xlarge.json")), 16);
-  Scenario s{model, cluster, {}, {}, {}};
+  Scenario s{test::model("mixtral-8x7b"), test::hardware("p4d.24xlarge", 16), {}, {}, {}};
   s.parallel.world_size = 16;
   s.parallel.expert_parallel_degree = 2;
   s.parallel.hybrid_shard_degree = 8;

@@ -3,19 +3,13 @@
 #include <gtest/gtest.h>
 
 #include "moeplan/planner/search.h"
+#include "test_support.h"
 
 namespace moeplan::planner {
 namespace {
 
-const ModelSpec& mixtral() {
-  static const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json");
-  return m;
-}
-const ClusterSpec& p4d_two_nodes() {
-  static const ClusterSpec c =
-      size_cluster(read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/p4d.24xlarge.json"), 16);
-  return c;
-}
+const ModelSpec& mixtral() { return test::model("mixtral-8x7b"); }
+ClusterSpec p4d_two_nodes() { return test::hardware("p4d.24xlarge", 16); }
 
 struct Layout {
   ParallelConfig parallel;

@@ -2,27 +2,18 @@
 
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 namespace moeplan::planner {
 namespace {
 
-const ModelSpec& mixtral() {
-  static const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json");
-  return m;
-}
-ClusterSpec p4d(int64_t gpus) {
-  return size_cluster(read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/p4d.24xlarge.json"), gpus);
-}
-SearchOptions options_for(int64_t gpus) {
-  SearchOptions o;
-  o.gpus = gpus;
-  o.training.seq_len = 2048;
-  o.training.global_batch_tokens = default_global_batch_tokens(gpus, 2048);
-  return o;
-}
+// Every search here plans Mixtral 8x7B on p4d.24xlarge nodes.
+const ModelSpec& mixtral() { return test::model("mixtral-8x7b"); }
+ClusterSpec p4d(int64_t gpus) { return test::hardware("p4d.24xlarge", gpus); }
 
 TEST(Search, SixteenA100sGiveAValidPlanThatFits) {
   const ClusterSpec cluster = p4d(16);
-  const SearchOptions options = options_for(16);
+  const SearchOptions options = test::search_options(16);
   const SearchResult result = search(mixtral(), cluster, options);
   ASSERT_FALSE(result.ranked.empty());
   double previous = result.ranked.front().estimate.tokens_per_s;
@@ -44,7 +35,7 @@ TEST(Search, SixteenA100sGiveAValidPlanThatFits) {
 }
 
 TEST(Search, EveryCandidateIsAccountedFor) {
-  const SearchResult r = search(mixtral(), p4d(16), options_for(16));
+  const SearchResult r = search(mixtral(), p4d(16), test::search_options(16));
   const SearchStats& s = r.stats;
   EXPECT_EQ(s.enumerated, s.duplicate_placements + s.rule_rejected + s.rule_valid);
   EXPECT_GE(s.rule_valid, s.fitting);
@@ -57,7 +48,7 @@ TEST(Search, EveryCandidateIsAccountedFor) {
 
 TEST(Search, OneGpuCannotHoldMixtral8x7bAndSaysByHowMuch) {
   const ClusterSpec cluster = p4d(1);
-  const SearchResult r = search(mixtral(), cluster, options_for(1));
+  const SearchResult r = search(mixtral(), cluster, test::search_options(1));
   EXPECT_TRUE(r.ranked.empty());
   ASSERT_TRUE(r.stats.closest_over_device.has_value());
   // bf16 model states of 46.7B parameters alone are 8 bytes each: ~348 GiB.
@@ -70,7 +61,7 @@ TEST(Search, OneGpuCannotHoldMixtral8x7bAndSaysByHowMuch) {
 
 TEST(Search, IsDeterministic) {
   const ClusterSpec cluster = p4d(16);
-  const SearchOptions options = options_for(16);
+  const SearchOptions options = test::search_options(16);
   const std::string a = plan_to_text(make_plan(mixtral(), cluster, options, search(mixtral(), cluster, options), "x"));
   const std::string b = plan_to_text(make_plan(mixtral(), cluster, options, search(mixtral(), cluster, options), "x"));
   EXPECT_EQ(a, b);
@@ -78,7 +69,7 @@ TEST(Search, IsDeterministic) {
 
 TEST(Search, WrittenPlanReadsBackEqual) {
   const ClusterSpec cluster = p4d(16);
-  const SearchOptions options = options_for(16);
+  const SearchOptions options = test::search_options(16);
   const Plan plan = make_plan(mixtral(), cluster, options, search(mixtral(), cluster, options), "x");
   const Plan back = plan_from_json(Json::parse(plan_to_text(plan)), "plan.json");
   EXPECT_EQ(back, plan);
@@ -86,7 +77,7 @@ TEST(Search, WrittenPlanReadsBackEqual) {
 }
 
 TEST(Search, ThousandGpusFindAPlan) {
-  const SearchResult r = search(mixtral(), p4d(1024), options_for(1024));
+  const SearchResult r = search(mixtral(), p4d(1024), test::search_options(1024));
   ASSERT_FALSE(r.ranked.empty());
   EXPECT_EQ(r.ranked.front().parallel.world_size, 1024);
 }
@@ -94,10 +85,10 @@ TEST(Search, ThousandGpusFindAPlan) {
 TEST(Search, MorePrecisionNeedsMoreGpus) {
   // fp32 master weights and moments take 18 bytes per parameter: 46.7B x 18 = 841 GB, more
   // than the 16 x 40 GiB = 687 GB of two p4d nodes, so only bf16 states (8 bytes) fit there.
-  SearchOptions options = options_for(16);
+  SearchOptions options = test::search_options(16);
   options.training.precision = Precision::kMixed;
   EXPECT_TRUE(search(mixtral(), p4d(16), options).ranked.empty());
-  SearchOptions bigger = options_for(64);
+  SearchOptions bigger = test::search_options(64);
   bigger.training.precision = Precision::kMixed;
   EXPECT_FALSE(search(mixtral(), p4d(64), bigger).ranked.empty());
 }
@@ -106,7 +97,7 @@ TEST(Search, MorePrecisionNeedsMoreGpus) {
 // simulating every candidate that fits.
 TEST(Search, PruningDoesNotChangeTheRanking) {
   for (int64_t gpus : {16, 64}) {
-    SearchOptions pruned = options_for(gpus);
+    SearchOptions pruned = test::search_options(gpus);
     SearchOptions full = pruned;
     full.prune = false;
     const SearchResult a = search(mixtral(), p4d(gpus), pruned);
@@ -123,7 +114,7 @@ TEST(Search, PruningDoesNotChangeTheRanking) {
 // Every simulated step is at least the analytic lower bound.
 TEST(Search, SimulationNeverBeatsTheLowerBound) {
   const ClusterSpec cluster = p4d(64);
-  SearchOptions options = options_for(64);
+  SearchOptions options = test::search_options(64);
   options.prune = false;
   options.keep = 100000;
   for (const Candidate& c : search(mixtral(), cluster, options).ranked) {

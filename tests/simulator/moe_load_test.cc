@@ -5,14 +5,12 @@
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/step.h"
+#include "test_support.h"
 
 namespace moeplan {
 namespace {
 
-const ModelSpec& mixtral() {
-  static const ModelSpec m = read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/mixtral-8x7b.json");
-  return m;
-}
+const ModelSpec& mixtral() { return test::model("mixtral-8x7b"); }
 
 // One expert at 1.5 x the mean share (1.5/8 = 0.1875), the other seven split the rest
 // (0.8125/7 each). With E = 2, rank 0 holds experts 0-3: 2 x (0.1875 + 3 x 0.8125/7) = 1.0714...;
@@ -39,8 +37,7 @@ TEST(MoeLoad, CountsGiveRankLoads) {
 }
 
 struct Setup16 {
-  ClusterSpec cluster = planner::size_cluster(
-      read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/p4d.24xlarge.json"), 16);
+  ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
   ParallelConfig parallel;
   MoeConfig moe;
   TrainingConfig training;

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -17,25 +16,10 @@
 
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/op_costs.h"
+#include "test_support.h"
 
 namespace moeplan::sim {
 namespace {
-
-const ModelSpec& model(const std::string& name) {
-  static std::map<std::string, ModelSpec> cache;
-  auto it = cache.find(name);
-  if (it == cache.end())
-    it = cache.emplace(name, read_model_file(std::string(MOEPLAN_PROFILE_DIR) + "/models/" + name + ".json")).first;
-  return it->second;
-}
-
-const ClusterSpec& hardware(const std::string& name) {
-  static std::map<std::string, ClusterSpec> cache;
-  auto it = cache.find(name);
-  if (it == cache.end())
-    it = cache.emplace(name, read_cluster_file(std::string(MOEPLAN_PROFILE_DIR) + "/hardware/" + name + ".json")).first;
-  return it->second;
-}
 
 // RunConfig only refers to its parts; a Scenario owns them, so a test can copy one and change
 // a field.
@@ -59,7 +43,7 @@ struct Scenario {
 Scenario make_scenario(const std::string& model_name, const std::string& hardware_name, int64_t world, int64_t e,
                        int64_t s, const char* placement, Checkpointing ckpt = Checkpointing::kNone,
                        int64_t micro_batch = 1, int64_t accumulation = 2, int64_t seq_len = 2048) {
-  Scenario c{model(model_name), planner::size_cluster(hardware(hardware_name), world), {}, {}, {}};
+  Scenario c{test::model(model_name), test::hardware(hardware_name, world), {}, {}, {}};
   c.parallel.world_size = world;
   c.parallel.expert_parallel_degree = e;
   c.parallel.hybrid_shard_degree = s;
@@ -472,10 +456,7 @@ TEST(StepTrace, CommandLineWritesTheSameStructure) {
       << "see " << dir / "search.log";
   ASSERT_EQ(std::system((cd + " simulate plan.json --trace sim.json > simulate.log 2>&1").c_str()), 0)
       << "see " << dir / "simulate.log";
-  std::ifstream in(dir / "sim.json");
-  std::stringstream text;
-  text << in.rdbuf();
-  const Json j = parse_json_text(text.str(), (dir / "sim.json").string());
+  const Json j = parse_json_text(test::read_text(dir / "sim.json"), (dir / "sim.json").string());
   expect_trace_structure(j, 16);
   EXPECT_EQ(j["otherData"]["source"], "simulated");
   if (!HasFailure()) std::filesystem::remove_all(dir);
