@@ -16,6 +16,7 @@ namespace {
 
 using test::profile_path;
 using test::read_text;
+using test::data_path;
 using test::TempDir;
 
 std::string describe(const std::vector<Diagnostic>& diagnostics) {
@@ -414,17 +415,7 @@ TEST(ModelProfile, ShippedProfilesRoundTrip) {
 }
 
 // mistralai/Mixtral-8x7B-v0.1 config.json as published on the Hugging Face hub.
-Json hf_config() {
-  return Json::parse(R"({
-    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
-    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
-    "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
-    "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
-}
+Json hf_config() { return parse_json_text(read_text(data_path("hf/mixtral-8x7b/config.json")), "config.json"); }
 
 TEST(HfConfig, FileIsRecognisedByModelType) {
   TempDir dir;

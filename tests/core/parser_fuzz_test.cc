@@ -35,6 +35,7 @@ constexpr uint64_t kSeed = 0x6d6f65706c616e;  // "moeplan"
 
 using test::profile_path;
 using test::read_text;
+using test::data_path;
 
 // ---------------------------------------------------------------------------------------------
 // Crash report. A crash cannot be caught, so the input being read is kept where a signal
@@ -557,15 +558,9 @@ std::vector<Document> documents() {
 
   // mistralai/Mixtral-8x7B-v0.1 config.json, and a newer-style one with head_dim and
   // rope_scaling written out.
+  const std::string published = read_text(data_path("hf/mixtral-8x7b/config.json"));
   const char* hf_configs[] = {
-      R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-          "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-          "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
-          "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-          "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
-          "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
-          "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
-          "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})",
+      published.c_str(),
       R"({"_name_or_path": "mistralai/Mixtral-8x22B-v0.1", "architectures": ["MixtralForCausalLM"],
           "hidden_act": "silu", "hidden_size": 6144, "intermediate_size": 16384, "head_dim": 128,
           "max_position_embeddings": 65536, "model_type": "mixtral", "num_attention_heads": 48,

@@ -30,6 +30,11 @@ inline std::string profile_path(const std::string& relative) {
 
 // profiles/models/<name>.json, read once per process. std::map never moves its nodes, so the
 // reference stays valid; the lock keeps the cache safe for benchmarks run on several threads.
+// A file under tests/data.
+inline std::string data_path(const std::string& relative) {
+  return std::string(MOEPLAN_TEST_DATA_DIR) + "/" + relative;
+}
+
 inline const ModelSpec& model(const std::string& name) {
   static std::mutex mutex;
   static std::map<std::string, ModelSpec> cache;
