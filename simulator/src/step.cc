@@ -1,6 +1,7 @@
 #include "moeplan/simulator/step.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <stdexcept>
@@ -26,6 +27,8 @@ class Layout {
     for (int64_t r = 0; r < count; ++r) ranks_.push_back(r);
     nodes_ = all_ranks ? static_cast<int32_t>((p.world_size + node_ranks - 1) / node_ranks) : 1;
     node_ranks_ = node_ranks;
+    for (MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert})
+      groups_[static_cast<size_t>(d)] = find_groups(d);
   }
 
   const std::vector<int64_t>& ranks() const { return ranks_; }
@@ -34,36 +37,46 @@ class Layout {
     return (rank / c_.parallel.stride(d)) % c_.parallel.degree(d);
   }
 
-  // Simulated members of the group of `rank` along d (index into ranks()), and the simulated
-  // nodes whose card the group crosses when it spans nodes.
-  struct Group {
-    int64_t base;  // the smallest global rank in the group: its identity
-    std::vector<int32_t> members;
-    std::vector<int32_t> nodes;
+  // The groups along one mesh dimension that have simulated members: which group each
+  // simulated rank is in, how many simulated members each has, and the simulated nodes whose
+  // card it crosses when it spans nodes.
+  struct Groups {
+    std::vector<int32_t> of_rank;
+    std::vector<int32_t> parts;
+    std::vector<std::vector<int32_t>> nodes;
   };
-  Group group(int64_t rank, MeshDim d) const {
+  const Groups& groups(MeshDim d) const { return groups_[static_cast<size_t>(d)]; }
+
+ private:
+  Groups find_groups(MeshDim d) const {
     const int64_t stride = c_.parallel.stride(d);
     const int64_t degree = c_.parallel.degree(d);
-    Group g;
-    g.base = rank - coord(rank, d) * stride;
-    std::vector<bool> seen(static_cast<size_t>(nodes_), false);
-    for (int64_t i = 0; i < degree; ++i) {
-      const int64_t member = g.base + i * stride;
-      if (member < static_cast<int64_t>(ranks_.size())) g.members.push_back(static_cast<int32_t>(member));
-      const auto node = static_cast<size_t>(std::min<int64_t>(member / node_ranks_, nodes_ - 1));
-      if (member / node_ranks_ < nodes_ && !seen[node]) {
-        seen[node] = true;
-        g.nodes.push_back(static_cast<int32_t>(node));
+    Groups g;
+    std::map<int64_t, int32_t> index_of_base;  // a group is known by its smallest rank
+    for (int64_t rank : ranks_) {
+      const int64_t base = rank - coord(rank, d) * stride;
+      auto [it, fresh] = index_of_base.try_emplace(base, static_cast<int32_t>(g.parts.size()));
+      g.of_rank.push_back(it->second);
+      if (!fresh) continue;
+      int32_t parts = 0;
+      std::vector<int32_t> nodes;
+      for (int64_t i = 0; i < degree; ++i) {
+        const int64_t member = base + i * stride;
+        if (member < static_cast<int64_t>(ranks_.size())) ++parts;
+        const auto node = static_cast<int32_t>(member / node_ranks_);
+        if (node < nodes_ && std::find(nodes.begin(), nodes.end(), node) == nodes.end()) nodes.push_back(node);
       }
+      g.parts.push_back(parts);
+      g.nodes.push_back(std::move(nodes));
     }
     return g;
   }
 
- private:
   const RunConfig& c_;
   std::vector<int64_t> ranks_;
   int32_t nodes_ = 1;
   int64_t node_ranks_ = 1;
+  std::array<Groups, 3> groups_;
 };
 
 class Builder {
@@ -154,21 +167,22 @@ class Builder {
   void collective_round(std::vector<OpId>& after, MeshDim d, OpKind kind, TraceStream stream, int layer, int64_t mb,
                         const CollectiveCost& cost, double bytes, bool skip_single) {
     if (skip_single && p_.degree(d) <= 1) return;
-    std::map<int64_t, int32_t> by_base;
+    const Layout::Groups& groups = layout_.groups(d);
+    std::vector<int32_t> collective_of_group(groups.parts.size(), -1);
+    const SimTime latency = to_sim_time(cost.latency_s);
+    const SimTime intra = to_sim_time(cost.intra_s);
     const size_t n = layout_.ranks().size();
     for (size_t r = 0; r < n; ++r) {
-      const Layout::Group g = layout_.group(static_cast<int64_t>(r), d);
-      auto [it, fresh] = by_base.try_emplace(g.base, 0);
-      if (fresh)
-        it->second = graph_.add_collective(to_sim_time(cost.latency_s), to_sim_time(cost.intra_s), cost.nic_bytes_per_node,
-                                           g.nodes, static_cast<int32_t>(g.members.size()));
+      const auto g = static_cast<size_t>(groups.of_rank[r]);
+      if (collective_of_group[g] < 0)
+        collective_of_group[g] = graph_.add_collective(latency, intra, cost.nic_bytes_per_node, groups.nodes[g], groups.parts[g]);
       Op op;
       op.rank = static_cast<int32_t>(r);
       op.stream = stream;
       op.kind = kind;
       op.layer = static_cast<int16_t>(layer);
       op.micro_batch = static_cast<int16_t>(mb);
-      op.collective = it->second;
+      op.collective = collective_of_group[g];
       op.bytes = bytes;
       const OpId id = graph_.add_op(op);
       graph_.depend(id, after[r]);
