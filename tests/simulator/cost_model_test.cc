@@ -97,7 +97,8 @@ TEST(CostModel, AllToAllAcrossTwoNodes) {
 }
 
 TEST(CostModel, SingleMemberGroupsCostNothing) {
-  const CostModel cost(toy(1));
+  const ClusterSpec cluster = toy(1);
+  const CostModel cost(cluster);
   GroupShape one{};
   EXPECT_EQ(cost.all_gather_seconds(1e9, one), 0);
   EXPECT_EQ(cost.all_to_all_seconds(1e9, one), 0);

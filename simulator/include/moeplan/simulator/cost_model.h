@@ -39,6 +39,8 @@ struct CollectiveCost {
 class CostModel {
  public:
   explicit CostModel(const ClusterSpec& cluster) : cluster_(&cluster) {}
+  // The model keeps a pointer to the cluster: it must outlive the model.
+  explicit CostModel(const ClusterSpec&& cluster) = delete;
 
   // One GEMM (or a batch of same-shape GEMMs) of `flops`, at the rate the profile gives for
   // GEMMs of `gemm_flops` each.
