@@ -49,7 +49,7 @@ void print_explain(const planner::SearchStats& s) {
   std::printf("  %-40s %10lld\n", "limit device memory", static_cast<long long>(s.over_device_memory));
   std::printf("  %-40s %10lld\n", "limit host memory (offload)", static_cast<long long>(s.over_host_memory));
   std::printf("  %-40s %10lld\n", "fit in memory", static_cast<long long>(s.fitting));
-  std::printf("  %-40s %10lld\n", "simulated (others pruned by compute bound)", static_cast<long long>(s.simulated));
+  std::printf("  %-40s %10lld\n", "simulated (others pruned by a lower bound)", static_cast<long long>(s.simulated));
 }
 
 void print_error(const InputError& e) {
@@ -106,7 +106,7 @@ int run_search(const SearchArgs& args) {
     const planner::SearchResult result = planner::search(model, cluster, options);
     const planner::SearchStats& s = result.stats;
     if (!args.json)
-      std::printf("%lld configurations: %lld valid, %lld fit in memory, %lld simulated (the rest pruned by a compute bound)\n",
+      std::printf("%lld configurations: %lld valid, %lld fit in memory, %lld simulated (the rest pruned by a lower bound)\n",
                   static_cast<long long>(s.enumerated), static_cast<long long>(s.rule_valid),
                   static_cast<long long>(s.fitting), static_cast<long long>(s.simulated));
     if (args.explain) print_explain(s);
