@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <set>
-#include <tuple>
 
 #include "moeplan/core/units.h"
 #include "moeplan/simulator/step.h"
