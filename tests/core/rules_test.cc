@@ -16,15 +16,7 @@ namespace {
 // The valid base every case below starts from: Mixtral 8x7B on two p4d.24xlarge nodes,
 // 16 ranks, E = 2, S = 8 (so R = 1), RSE, full checkpointing, mbs 1, ga 128, seq_len 2048:
 // 16 x 1 x 128 x 2048 = 4,194,304 tokens per step.
-struct Scenario {
-  ModelSpec model;
-  ClusterSpec cluster;
-  ParallelConfig parallel;
-  MoeConfig moe;
-  TrainingConfig training;
-
-  RunConfig run() const { return {model, cluster, parallel, moe, training}; }
-};
+using test::Scenario;
 
 Scenario base() {
   Scenario s{test::model("mixtral-8x7b"), test::hardware("p4d.24xlarge", 16), {}, {}, {}};
@@ -51,9 +43,9 @@ TEST(Rules, BaseIsValid) {
   const Scenario s = base();
   ASSERT_EQ(s.cluster.world_size(), 16);
   ASSERT_EQ(s.parallel.replica_degree(), 1);
-  const std::vector<Violation> violations = validate(s.run());
+  const std::vector<Violation> violations = validate(s.config());
   EXPECT_TRUE(violations.empty()) << describe(violations);
-  EXPECT_EQ(violated_rules(s.run()), RuleMask{0});
+  EXPECT_EQ(violated_rules(s.config()), RuleMask{0});
   EXPECT_TRUE(validate_model(s.model).empty());
 }
 
@@ -212,14 +204,14 @@ TEST_P(OneFault, BreaksExactlyItsRule) {
   const RuleCase& c = GetParam();
   Scenario s = base();
   c.change(s);
-  const std::vector<Violation> violations = validate(s.run());
+  const std::vector<Violation> violations = validate(s.config());
   ASSERT_EQ(violations.size(), 1u) << describe(violations);
   const Violation& v = violations.front();
   EXPECT_EQ(v.rule, c.rule) << "got " << rule_name(v.rule) << ", expected " << rule_name(c.rule);
   EXPECT_EQ(v.field, c.field);
   EXPECT_EQ(v.message, c.message);
   EXPECT_NE(v.message.find(c.bad_value), std::string::npos) << v.message;
-  EXPECT_EQ(violated_rules(s.run()), rule_bit(c.rule));
+  EXPECT_EQ(violated_rules(s.config()), rule_bit(c.rule));
 }
 
 INSTANTIATE_TEST_SUITE_P(Rules, OneFault, testing::ValuesIn(kCases),
@@ -249,41 +241,41 @@ TEST(Rules, TopKOverExpertsAlsoEmptiesTheImbalanceRange) {
   EXPECT_EQ(model_only[0].field, "experts_per_token");  // no "model." prefix outside a run config
   EXPECT_EQ(model_only[0].message, "= 9 exceeds num_experts = 8");
 
-  const std::vector<Violation> all = validate(s.run());
+  const std::vector<Violation> all = validate(s.config());
   ASSERT_EQ(all.size(), 2u) << describe(all);
   EXPECT_EQ(all[0].rule, Rule::kTopKWithinExperts);
   EXPECT_EQ(all[0].field, "model.experts_per_token");
   EXPECT_EQ(all[1].rule, Rule::kLoadImbalanceRange);
   // 8 / 9 = 0.888889 (std::to_string keeps six decimals).
   EXPECT_EQ(all[1].message, "= 1 must be in [1, num_experts / experts_per_token] = [1, 0.888889]");
-  EXPECT_EQ(violated_rules(s.run()), rule_bit(Rule::kTopKWithinExperts) | rule_bit(Rule::kLoadImbalanceRange));
+  EXPECT_EQ(violated_rules(s.config()), rule_bit(Rule::kTopKWithinExperts) | rule_bit(Rule::kLoadImbalanceRange));
 }
 
 TEST(Rules, ExpertDegreeNotDividingWorldAlsoBreaksShardTimesExpert) {
   Scenario s = base();
   s.model.num_experts = 24;  // so that E = 3 divides the experts
   s.parallel.expert_parallel_degree = 3;
-  const std::vector<Violation> all = validate(s.run());
+  const std::vector<Violation> all = validate(s.config());
   ASSERT_EQ(all.size(), 2u) << describe(all);
   EXPECT_EQ(all[0].rule, Rule::kExpertDegreeDividesWorld);
   EXPECT_EQ(all[0].field, "parallel.expert_parallel_degree");
   EXPECT_EQ(all[0].message, "= 3 does not divide world_size = 16");
   EXPECT_EQ(all[1].rule, Rule::kShardExpertDividesWorld);
   EXPECT_EQ(all[1].message, "= 8 times expert_parallel_degree = 3 does not divide world_size = 16");
-  EXPECT_EQ(violated_rules(s.run()),
+  EXPECT_EQ(violated_rules(s.config()),
             rule_bit(Rule::kExpertDegreeDividesWorld) | rule_bit(Rule::kShardExpertDividesWorld));
 }
 
 TEST(Rules, ZeroExpertDegreeDividesNothing) {
   Scenario s = base();
   s.parallel.expert_parallel_degree = 0;
-  const std::vector<Violation> all = validate(s.run());
+  const std::vector<Violation> all = validate(s.config());
   ASSERT_EQ(all.size(), 2u) << describe(all);
   EXPECT_EQ(all[0].rule, Rule::kExpertDegreeDividesExperts);
   EXPECT_EQ(all[0].message, "= 0 does not divide num_experts = 8");
   EXPECT_EQ(all[1].rule, Rule::kExpertDegreeDividesWorld);
   EXPECT_EQ(all[1].message, "= 0 does not divide world_size = 16");
-  EXPECT_EQ(violated_rules(s.run()),
+  EXPECT_EQ(violated_rules(s.config()),
             rule_bit(Rule::kExpertDegreeDividesExperts) | rule_bit(Rule::kExpertDegreeDividesWorld));
 }
 
@@ -295,7 +287,7 @@ TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
   s.parallel.activation_offloading = true;
   s.parallel.activation_checkpointing = Checkpointing::kNone;
   s.training.warmup_steps = 200;
-  const std::vector<Violation> all = validate(s.run());
+  const std::vector<Violation> all = validate(s.config());
   const std::vector<std::pair<Rule, std::string>> expected = {
       {Rule::kKvHeadsDivideHeads, "model.num_key_value_heads"},
       {Rule::kExpertDegreeDividesExperts, "parallel.expert_parallel_degree"},
@@ -314,7 +306,7 @@ TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
   }
   EXPECT_EQ(all[1].message, "= 3 does not divide num_experts = 8");
   EXPECT_EQ(all[6].message, "= 200 exceeds steps = 100");
-  EXPECT_EQ(violated_rules(s.run()), mask);
+  EXPECT_EQ(violated_rules(s.config()), mask);
 }
 
 // Changes that look risky but keep the configuration valid: the rules must not fire.
@@ -356,9 +348,9 @@ TEST(Rules, ValidVariantsOfTheBaseStayValid) {
   for (const auto& [name, change] : variants) {
     Scenario s = base();
     change(s);
-    const std::vector<Violation> violations = validate(s.run());
+    const std::vector<Violation> violations = validate(s.config());
     EXPECT_TRUE(violations.empty()) << name << ":" << describe(violations);
-    EXPECT_EQ(violated_rules(s.run()), RuleMask{0}) << name;
+    EXPECT_EQ(violated_rules(s.config()), RuleMask{0}) << name;
   }
 }
 

@@ -21,24 +21,7 @@
 namespace moeplan::sim {
 namespace {
 
-// RunConfig only refers to its parts; a Scenario owns them, so a test can copy one and change
-// a field.
-struct Scenario {
-  ModelSpec model;
-  ClusterSpec cluster;
-  ParallelConfig parallel;
-  MoeConfig moe;
-  TrainingConfig training;
-
-  RunConfig config() const { return {model, cluster, parallel, moe, training}; }
-  std::string describe() const {
-    std::ostringstream out;
-    out << model.name << " on " << parallel.world_size << " x " << cluster.name << ": "
-        << moeplan::describe(parallel) << " seq=" << training.seq_len
-        << " imbalance=" << moe.expert_load_imbalance;
-    return out.str();
-  }
-};
+using test::Scenario;
 
 Scenario make_scenario(const std::string& model_name, const std::string& hardware_name, int64_t world, int64_t e,
                        int64_t s, const char* placement, Checkpointing ckpt = Checkpointing::kNone,

@@ -108,4 +108,23 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// RunConfig only refers to its parts; a Scenario owns them, so a test can copy one and change
+// a field.
+struct Scenario {
+  ModelSpec model;
+  ClusterSpec cluster;
+  ParallelConfig parallel;
+  MoeConfig moe;
+  TrainingConfig training;
+
+  RunConfig config() const { return {model, cluster, parallel, moe, training}; }
+  std::string describe() const {
+    std::ostringstream out;
+    out << model.name << " on " << parallel.world_size << " x " << cluster.name << ": "
+        << moeplan::describe(parallel) << " seq=" << training.seq_len
+        << " imbalance=" << moe.expert_load_imbalance;
+    return out.str();
+  }
+};
+
 }  // namespace moeplan::test
