@@ -1,6 +1,10 @@
 #include "commands.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 
 #include "moeplan/core/errors.h"
@@ -199,6 +203,29 @@ int run_simulate(const SimulateArgs& args) {
     print_error(e);
     return kExitBadInput;
   }
+}
+
+}  // namespace moeplan::cli
+
+namespace moeplan::cli {
+
+int run_data(const std::vector<std::string>& args, const char* argv0) {
+  // The sibling executable: next to the real path of this one.
+  std::string self(4096, '\0');
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
+  self = n > 0 ? self.substr(0, static_cast<size_t>(n)) : std::string(argv0);
+  const auto slash = self.rfind('/');
+  const std::string tool = (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/moeplan-data";
+  std::vector<std::string> storage{tool};
+  storage.insert(storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : storage) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  ::execv(tool.c_str(), argv.data());
+  std::fprintf(stderr, "moeplan: error: data: cannot run %s (%s); it is built with the executor\n", tool.c_str(),
+               std::strerror(errno));
+  return kExitBadInput;
 }
 
 }  // namespace moeplan::cli

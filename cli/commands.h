@@ -42,8 +42,23 @@ struct SimulateArgs {
   bool all_micro_batches = false;
 };
 
+struct RunArgs {
+  std::string plan;
+  std::string data;
+  std::string out = "run";
+  int64_t steps = 0;
+  int64_t checkpoint_every = 0;
+  bool resume = false;
+  int threads = 0;
+};
+
 int run_search(const SearchArgs& args);
 int run_simulate(const SimulateArgs& args);
 int run_check(const CheckArgs& args);
+// Executor commands; without the executor built they say so and fail.
+// `moeplan data ...` replaces this process by moeplan-data (next to this executable) with the
+// same arguments.
+int run_data(const std::vector<std::string>& args, const char* argv0);
+int run_run(const RunArgs& args);
 
 }  // namespace moeplan::cli

@@ -65,6 +65,21 @@ int main(int argc, char** argv) {
   simulate_cmd->add_flag("--all-ranks", simulate.all_ranks, "Simulate every rank, not one node");
   simulate_cmd->add_flag("--all-micro-batches", simulate.all_micro_batches, "Simulate every micro-batch, not two");
 
+  CLI::App* data_cmd = app.add_subcommand("data", "Prepare training data: `moeplan data prepare --help`");
+  data_cmd->prefix_command();  // everything after `data` goes to moeplan-data
+
+  RunArgs run;
+  CLI::App* run_cmd = app.add_subcommand("run", "Train with a plan and compare with its prediction");
+  run_cmd->add_option("plan", run.plan, "plan.json")->required();
+  run_cmd->add_option("--data", run.data, "Folder written by `moeplan data prepare`")->required();
+  run_cmd->add_option("--out", run.out, "Run folder: metrics.jsonl, checkpoints/")->capture_default_str();
+  run_cmd->add_option("--steps", run.steps, "Stop after this step (default: the plan's training.steps)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  run_cmd->add_option("--checkpoint-every", run.checkpoint_every, "Save a checkpoint every N steps and at the end")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  run_cmd->add_flag("--resume", run.resume, "Continue from the newest complete checkpoint in --out");
+  run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: every core)")->check(CLI::Range(1, 1024));
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -75,5 +90,7 @@ int main(int argc, char** argv) {
   if (search_cmd->parsed()) return run_search(search);
   if (check_cmd->parsed()) return run_check(check);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
+  if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
+  if (run_cmd->parsed()) return run_run(run);
   return kExitBadInput;
 }

@@ -256,6 +256,17 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   }
   if (::close(fd) != 0) fail("close");
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename");
+  const auto slash = path.rfind('/');
+  fsync_directory(slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash));
+}
+
+void fsync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw InputError(dir, {{"", std::string("cannot open the folder: ") + std::strerror(errno)}});
+  const int rc = ::fsync(fd);
+  const std::string reason = std::strerror(errno);
+  ::close(fd);
+  if (rc != 0) throw InputError(dir, {{"", "fsync of the folder failed: " + reason}});
 }
 
 }  // namespace moeplan

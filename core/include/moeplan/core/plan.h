@@ -86,6 +86,10 @@ OrderedJson to_json(const Plan& plan);
 std::string plan_to_text(const Plan& plan);
 
 // Writes text to path atomically: a temporary file in the same folder, fsync, rename.
+// The folder is fsynced too, so the rename survives a power loss.
 void write_file_atomic(const std::string& path, const std::string& text);
+
+// Makes the entries of a folder (new names, renames) durable.
+void fsync_directory(const std::string& dir);
 
 }  // namespace moeplan

@@ -1,0 +1,50 @@
+// `moeplan data prepare` and `moeplan run`: hand the arguments to the executor.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+
+#include "commands.h"
+#include "moeplan/core/errors.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/executor/trainer.h"
+
+namespace moeplan::cli {
+
+namespace {
+
+void print_error(const InputError& e) {
+  for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
+}
+
+}  // namespace
+
+int run_run(const RunArgs& args) {
+  try {
+    const Plan plan = read_plan_file(args.plan);
+    executor::RunOptions o;
+    o.data_dir = args.data;
+    o.out_dir = args.out;
+    o.stop_after_step = args.steps;
+    o.checkpoint_every = args.checkpoint_every;
+    o.resume = args.resume;
+    o.threads = args.threads;
+    o.progress = &std::cout;
+    const executor::RunResult r = executor::run_training(plan, o);
+    if (!r.steps.empty()) {
+      std::vector<double> seconds;
+      for (const auto& s : r.steps) seconds.push_back(s.seconds);
+      std::sort(seconds.begin(), seconds.end());
+      const double median = seconds[seconds.size() / 2];
+      std::printf("run: steps %lld-%lld, final loss %.4f, median step %.3f s (%.0f tok/s), peak RSS %.1f MiB\n",
+                  static_cast<long long>(r.first_step), static_cast<long long>(r.last_step), r.steps.back().loss,
+                  median, static_cast<double>(r.steps.back().tokens) / median,
+                  static_cast<double>(r.peak_rss_bytes) / (1 << 20));
+    }
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  }
+}
+
+}  // namespace moeplan::cli

@@ -1,0 +1,102 @@
+#pragma once
+// Mixtral exactly as Hugging Face's MixtralForCausalLM defines it: RMSNorm, RoPE, grouped-query
+// attention with an optional sliding window, and the sparse MoE block (bias-free router, fp32
+// softmax, top-k, renormalised weights, SwiGLU experts), with an untied lm head.
+//
+// The model is a list of named parameters (Hugging Face names) plus a forward function over
+// them. Experts are separate parameters so that a rank can hold any subset of them, and every
+// parameter is initialised from (seed, name) alone, so the initial weights of a run do not
+// depend on how it is later split over ranks.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/model_spec.h"
+#include "moeplan/core/parallel_config.h"
+
+namespace moeplan::executor {
+
+enum class InitKind : uint8_t { kNormal, kOnes };
+
+struct ParamInfo {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+  std::vector<int64_t> shape;  // as in Hugging Face (Linear weights are [out, in])
+  int64_t block = 0;           // 0: embedding; 1..L: decoder layer L-1; L+1: final norm and lm head
+  int64_t expert = -1;         // expert index, -1 for dense parameters
+  InitKind init = InitKind::kNormal;
+  double init_std = 0;
+  bool weight_decay = true;  // matrices decay; norm weights do not (as Megatron does)
+
+  int64_t numel() const;
+};
+
+// Every parameter of the model in Hugging Face's order.
+std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec);
+
+// The seed of one parameter: a function of the run's seed and the parameter's name only.
+uint64_t parameter_seed(uint64_t run_seed, const std::string& name);
+
+// Fills t (the whole parameter, fp32 or lower) with its deterministic initial values.
+void initialize_parameter(torch::Tensor& t, const ParamInfo& info, uint64_t run_seed);
+
+// Parameters of one rank. Built on the meta device (no memory), then materialised and
+// initialised; `check_materialized` proves nothing is left on meta.
+class ParameterSet {
+ public:
+  // Shapes only: every tensor is on the meta device.
+  static ParameterSet on_meta(std::vector<ParamInfo> infos);
+  void materialize(uint64_t run_seed, torch::ScalarType dtype);
+  // Throws std::logic_error naming the first parameter still on the meta device.
+  void check_materialized() const;
+
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  std::vector<torch::Tensor>& tensors() { return tensors_; }
+  const std::vector<torch::Tensor>& tensors() const { return tensors_; }
+  int64_t numel() const;
+  // Index of a parameter by name, or -1.
+  int64_t find(const std::string& name) const;
+
+ private:
+  std::vector<ParamInfo> infos_;
+  std::vector<torch::Tensor> tensors_;
+};
+
+// Tensors of one decoder layer, viewed by role.
+struct LayerWeights {
+  torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_attention_norm, router;
+  std::vector<torch::Tensor> w1, w2, w3;  // per expert
+};
+
+struct MixtralWeights {
+  torch::Tensor embed_tokens;
+  std::vector<LayerWeights> layers;
+  torch::Tensor norm, lm_head;
+
+  // Binds tensors (same order as mixtral_parameters) to their roles.
+  static MixtralWeights bind(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors);
+};
+
+struct ForwardResult {
+  torch::Tensor logits;                      // [B, T, vocab], fp32 as in Hugging Face
+  std::vector<torch::Tensor> router_logits;  // per layer [B*T, num_experts], compute dtype
+  torch::Tensor tokens_per_expert;           // [layers, num_experts] int64: token-expert slots
+};
+
+ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weights,
+                              const torch::Tensor& input_ids, LoadBalancing balancing);
+
+struct LossTerms {
+  torch::Tensor total;  // lm + aux_coef * aux (aux_loss balancing only) + z_coef * z
+  torch::Tensor lm;     // next-token cross entropy, nats per predicted token
+  torch::Tensor aux;    // Hugging Face load_balancing_loss_func (computed for every method)
+  torch::Tensor z;      // router z-loss
+};
+
+// Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
+LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
+                       const torch::Tensor& input_ids);
+
+}  // namespace moeplan::executor

@@ -1,0 +1,41 @@
+#pragma once
+// Token-to-expert routing and the router's auxiliary losses, with SMP's load-balancing methods.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "moeplan/core/parallel_config.h"
+
+namespace moeplan::executor {
+
+struct Routing {
+  torch::Tensor weights;  // [tokens, k] fp32, renormalised to sum 1 per token (Mixtral)
+  torch::Tensor experts;  // [tokens, k] int64
+};
+
+// Chooses k experts per token from router logits [tokens, experts]:
+// - aux_loss, none: the k largest softmax probabilities (Hugging Face Mixtral);
+// - sinkhorn: the k largest entries of the Sinkhorn-balanced score matrix (Megatron's S-BASE);
+// - balanced: a capacity-limited greedy assignment, at most ceil(tokens * k / experts) per
+//   expert (BASE layers' balanced assignment, solved greedily).
+// The weights are always the softmax probabilities of the chosen experts, renormalised; the
+// choice itself carries no gradient.
+Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing method);
+
+// Megatron's sinkhorn(): exp(cost), then alternate row and column normalisation until the
+// column scalings move by less than tol on average (at most max_iterations rounds).
+torch::Tensor sinkhorn(const torch::Tensor& cost, double tol = 1e-4, int max_iterations = 1000);
+
+// Expert of each (token, slot): [tokens, k], every expert taking at most capacity slots.
+torch::Tensor balanced_assignment(const torch::Tensor& scores, int64_t k);
+
+// Hugging Face load_balancing_loss_func over all layers' router logits:
+// num_experts * sum_e f_e * P_e, f_e the share of top-k slots, P_e the mean probability.
+torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k);
+
+// ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, all layers together.
+torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits);
+
+}  // namespace moeplan::executor

@@ -1,0 +1,56 @@
+#pragma once
+// The training loop of one rank: a plan's model, precision and batch settings, trained on a
+// prepared data folder with AdamW, warmup + cosine schedule, global-norm clipping and gradient
+// accumulation; a line per step to metrics.jsonl and the progress stream; atomic checkpoints and
+// exact resume.
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+
+namespace moeplan::executor {
+
+struct RunOptions {
+  std::string data_dir;
+  std::string out_dir;           // metrics.jsonl and checkpoints/ go here
+  int64_t stop_after_step = 0;   // 0: the plan's training.steps (the schedule always uses those)
+  int64_t checkpoint_every = 0;  // 0: no checkpoints
+  bool resume = false;           // continue from the newest complete checkpoint in out_dir
+  int threads = 0;               // intra-op threads; 0: every core
+  std::ostream* progress = nullptr;
+};
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0;        // language-model cross entropy, mean over micro-batches
+  double aux_loss = 0;
+  double z_loss = 0;
+  double total_loss = 0;  // what was differentiated
+  double learning_rate = 0;
+  double grad_norm = 0;   // before clipping
+  int64_t tokens = 0;
+  double seconds = 0;
+  std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
+};
+
+struct RunResult {
+  int64_t first_step = 0;  // first step trained by this call
+  int64_t last_step = 0;
+  std::vector<StepRecord> steps;
+  int64_t peak_rss_bytes = 0;  // VmHWM of this process
+  std::string last_checkpoint;
+};
+
+// Throws InputError for a plan, data folder or checkpoint that does not fit.
+RunResult run_training(const Plan& plan, const RunOptions& options);
+
+// One metrics.jsonl line (no newline).
+std::string to_json_line(const StepRecord& record);
+
+// Peak resident set of this process (VmHWM), in bytes; 0 where /proc is missing.
+int64_t peak_rss_bytes();
+
+}  // namespace moeplan::executor

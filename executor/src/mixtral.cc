@@ -1,0 +1,271 @@
+#include "moeplan/executor/mixtral.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cassert>
+#include <cmath>
+#include <stdexcept>
+
+#include "moeplan/executor/routing.h"
+
+namespace moeplan::executor {
+
+int64_t ParamInfo::numel() const {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
+  const int64_t h = spec.hidden_size, heads = spec.num_attention_heads, kv = spec.num_key_value_heads;
+  const int64_t hd = spec.head_dim, ffn = spec.intermediate_size, layers = spec.num_layers;
+  const double std = spec.initializer_range;
+  std::vector<ParamInfo> p;
+  auto matrix = [&](std::string name, std::vector<int64_t> shape, int64_t block, int64_t expert = -1) {
+    p.push_back({std::move(name), std::move(shape), block, expert, InitKind::kNormal, std, true});
+  };
+  auto norm = [&](std::string name, int64_t block) {
+    p.push_back({std::move(name), {h}, block, -1, InitKind::kOnes, 0, false});
+  };
+  matrix("model.embed_tokens.weight", {spec.vocab_size, h}, 0);
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string prefix = "model.layers." + std::to_string(l) + ".";
+    const int64_t block = l + 1;
+    norm(prefix + "input_layernorm.weight", block);
+    matrix(prefix + "self_attn.q_proj.weight", {heads * hd, h}, block);
+    matrix(prefix + "self_attn.k_proj.weight", {kv * hd, h}, block);
+    matrix(prefix + "self_attn.v_proj.weight", {kv * hd, h}, block);
+    matrix(prefix + "self_attn.o_proj.weight", {h, heads * hd}, block);
+    norm(prefix + "post_attention_layernorm.weight", block);
+    matrix(prefix + "block_sparse_moe.gate.weight", {spec.num_experts, h}, block);
+    for (int64_t e = 0; e < spec.num_experts; ++e) {
+      const std::string expert = prefix + "block_sparse_moe.experts." + std::to_string(e) + ".";
+      matrix(expert + "w1.weight", {ffn, h}, block, e);
+      matrix(expert + "w2.weight", {h, ffn}, block, e);
+      matrix(expert + "w3.weight", {ffn, h}, block, e);
+    }
+  }
+  norm("model.norm.weight", layers + 1);
+  matrix("lm_head.weight", {spec.vocab_size, h}, layers + 1);
+  return p;
+}
+
+namespace {
+
+// splitmix64: a full-avalanche mix, so nearby seeds and names give unrelated streams.
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t parameter_seed(uint64_t run_seed, const std::string& name) {
+  uint64_t h = 0xCBF29CE484222325ULL;  // FNV-1a over the name
+  for (const unsigned char ch : name) h = (h ^ ch) * 0x100000001B3ULL;
+  return mix(mix(run_seed) ^ h);
+}
+
+void initialize_parameter(torch::Tensor& t, const ParamInfo& info, uint64_t run_seed) {
+  torch::NoGradGuard no_grad;
+  switch (info.init) {
+    case InitKind::kOnes:
+      t.fill_(1.0);
+      return;
+    case InitKind::kNormal: {
+      // Drawn in fp32 whatever the storage type, so fp32 and bf16 runs start from the same values
+      // (rounded).
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(run_seed, info.name));
+      torch::Tensor values = torch::empty(info.shape, torch::kFloat);
+      values.normal_(0.0, info.init_std, generator);
+      t.copy_(values);
+      return;
+    }
+  }
+}
+
+ParameterSet ParameterSet::on_meta(std::vector<ParamInfo> infos) {
+  ParameterSet set;
+  set.infos_ = std::move(infos);
+  for (const ParamInfo& info : set.infos_)
+    set.tensors_.push_back(torch::empty(info.shape, torch::TensorOptions().device(torch::kMeta)));
+  return set;
+}
+
+void ParameterSet::materialize(uint64_t run_seed, torch::ScalarType dtype) {
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    torch::Tensor t = torch::empty(infos_[i].shape, torch::TensorOptions().dtype(dtype));
+    initialize_parameter(t, infos_[i], run_seed);
+    tensors_[i] = t;
+  }
+}
+
+void ParameterSet::check_materialized() const {
+  for (size_t i = 0; i < tensors_.size(); ++i)
+    if (!tensors_[i].defined() || tensors_[i].is_meta())
+      throw std::logic_error("parameter " + infos_[i].name + " is still on the meta device");
+}
+
+int64_t ParameterSet::numel() const {
+  int64_t n = 0;
+  for (const ParamInfo& info : infos_) n += info.numel();
+  return n;
+}
+
+int64_t ParameterSet::find(const std::string& name) const {
+  for (size_t i = 0; i < infos_.size(); ++i)
+    if (infos_[i].name == name) return static_cast<int64_t>(i);
+  return -1;
+}
+
+MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<torch::Tensor>& t) {
+  [[maybe_unused]] const size_t per_layer = 7 + 3 * static_cast<size_t>(spec.num_experts);
+  assert(t.size() == 3 + per_layer * static_cast<size_t>(spec.num_layers) && "one tensor per parameter");
+  MixtralWeights w;
+  size_t i = 0;
+  w.embed_tokens = t[i++];
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    LayerWeights layer;
+    layer.input_norm = t[i++];
+    layer.q_proj = t[i++];
+    layer.k_proj = t[i++];
+    layer.v_proj = t[i++];
+    layer.o_proj = t[i++];
+    layer.post_attention_norm = t[i++];
+    layer.router = t[i++];
+    for (int64_t e = 0; e < spec.num_experts; ++e) {
+      layer.w1.push_back(t[i++]);
+      layer.w2.push_back(t[i++]);
+      layer.w3.push_back(t[i++]);
+    }
+    w.layers.push_back(std::move(layer));
+  }
+  w.norm = t[i++];
+  w.lm_head = t[i++];
+  return w;
+}
+
+namespace {
+
+using torch::indexing::Slice;
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const torch::Tensor x32 = x.to(torch::kFloat);
+  const torch::Tensor normed = x32 * torch::rsqrt(x32.square().mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.index({"...", Slice(half, torch::indexing::None)}), x.index({"...", Slice(0, half)})}, -1);
+}
+
+struct Rope {
+  torch::Tensor cos, sin;  // [T, head_dim], compute dtype
+};
+
+Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype) {
+  const int64_t d = spec.head_dim;
+  const torch::Tensor exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
+  const torch::Tensor inv_freq = 1.0 / torch::pow(spec.rope_theta, exponents);
+  const torch::Tensor positions = torch::arange(seq_len, torch::kLong).to(torch::kFloat);
+  const torch::Tensor freqs = torch::outer(positions, inv_freq);
+  const torch::Tensor emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                        const torch::Tensor& mask) {
+  const int64_t b = x.size(0), t = x.size(1);
+  const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
+  torch::Tensor q = torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}).transpose(1, 2);
+  torch::Tensor k = torch::matmul(x, w.k_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
+  torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
+  q = q * rope.cos + rotate_half(q) * rope.sin;
+  k = k * rope.cos + rotate_half(k) * rope.sin;
+  if (heads != kv) {
+    k = k.repeat_interleave(heads / kv, 1);
+    v = v.repeat_interleave(heads / kv, 1);
+  }
+  torch::Tensor scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(hd));
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  const torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type());
+  const torch::Tensor out = torch::matmul(probs, v).transpose(1, 2).reshape({b, t, heads * hd});
+  return torch::matmul(out, w.o_proj.t());
+}
+
+// True where attention is not allowed: the future, and beyond the sliding window.
+torch::Tensor attention_mask(const ModelSpec& spec, int64_t t) {
+  const torch::Tensor i = torch::arange(t, torch::kLong).unsqueeze(1);
+  const torch::Tensor j = torch::arange(t, torch::kLong).unsqueeze(0);
+  torch::Tensor masked = j > i;
+  if (spec.sliding_window) masked = masked | (i - j >= *spec.sliding_window);
+  return masked;
+}
+
+torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x,
+                         LoadBalancing balancing, torch::Tensor& router_logits, torch::Tensor counts) {
+  const int64_t h = x.size(-1);
+  const torch::Tensor tokens = x.reshape({-1, h});
+  router_logits = torch::matmul(tokens, w.router.t());
+  const Routing r = route(router_logits, spec.experts_per_token, balancing);
+  const torch::Tensor weights = r.weights.to(x.scalar_type());
+  counts.copy_(torch::bincount(r.experts.flatten(), {}, spec.num_experts));
+  torch::Tensor out = torch::zeros_like(tokens);
+  // Like Hugging Face: for each expert, its (slot, token) pairs in slot-major order.
+  const torch::Tensor expert_of_slot = r.experts.t();  // [k, tokens]
+  for (int64_t e = 0; e < spec.num_experts; ++e) {
+    const torch::Tensor where = (expert_of_slot == e).nonzero();  // [m, 2]: slot, token
+    if (where.size(0) == 0) continue;
+    const torch::Tensor slot = where.select(1, 0), token = where.select(1, 1);
+    const torch::Tensor in = tokens.index_select(0, token);
+    const torch::Tensor act = torch::silu(torch::matmul(in, w.w1[e].t())) * torch::matmul(in, w.w3[e].t());
+    const torch::Tensor y = torch::matmul(act, w.w2[e].t()) * weights.index({token, slot}).unsqueeze(-1);
+    out = out.index_add(0, token, y);
+  }
+  return out.view(x.sizes());
+}
+
+}  // namespace
+
+ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, const torch::Tensor& input_ids,
+                              LoadBalancing balancing) {
+  const int64_t t = input_ids.size(1);
+  const torch::ScalarType dtype = w.embed_tokens.scalar_type();
+  const Rope rope = rope_tables(spec, t, dtype);
+  const torch::Tensor mask = attention_mask(spec, t);
+  ForwardResult out;
+  out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    const LayerWeights& layer = w.layers[static_cast<size_t>(l)];
+    x = x + attention(spec, layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), rope, mask);
+    torch::Tensor router_logits;
+    x = x + sparse_moe(spec, layer, rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps), balancing,
+                       router_logits, out.tokens_per_expert[l]);
+    out.router_logits.push_back(router_logits);
+  }
+  x = rms_norm(x, w.norm, spec.rms_norm_eps);
+  out.logits = torch::matmul(x, w.lm_head.t()).to(torch::kFloat);
+  return out;
+}
+
+LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
+                       const torch::Tensor& input_ids) {
+  const int64_t vocab = out.logits.size(-1);
+  LossTerms loss;
+  const torch::Tensor shift_logits = out.logits.index({Slice(), Slice(0, -1)}).reshape({-1, vocab});
+  const torch::Tensor shift_labels = input_ids.index({Slice(), Slice(1, torch::indexing::None)}).reshape({-1});
+  loss.lm = torch::nn::functional::cross_entropy(shift_logits, shift_labels);
+  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token);
+  loss.z = router_z_loss(out.router_logits);
+  loss.total = loss.lm;
+  if (moe.load_balancing == LoadBalancing::kAuxLoss && moe.aux_loss_coef != 0)
+    loss.total = loss.total + moe.aux_loss_coef * loss.aux;
+  if (moe.z_loss_coef != 0) loss.total = loss.total + moe.z_loss_coef * loss.z;
+  return loss;
+}
+
+}  // namespace moeplan::executor
