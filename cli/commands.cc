@@ -71,6 +71,12 @@ int run_search(const SearchArgs& args) {
     planner::SearchOptions options;
     options.gpus = args.gpus;
     options.training.seq_len = args.seq_len;
+    options.training.steps = args.steps;
+    options.training.learning_rate = args.learning_rate;
+    options.training.min_learning_rate = args.min_learning_rate;
+    options.training.warmup_steps = args.warmup_steps;
+    if (args.min_learning_rate > args.learning_rate)
+      throw InputError("--min-learning-rate", {{"", "must not exceed --learning-rate"}});
     options.training.global_batch_tokens = args.global_batch_tokens > 0
                                                ? args.global_batch_tokens
                                                : planner::default_global_batch_tokens(args.gpus, args.seq_len);

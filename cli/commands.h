@@ -20,6 +20,11 @@ struct SearchArgs {
   int64_t seq_len = 2048;
   int64_t global_batch_tokens = 0;  // 0: the default for the world size
   std::string precision = "bf16";
+  // Optimizer settings written into the plan (the executor follows them).
+  int64_t steps = 100;
+  double learning_rate = 1e-4;
+  double min_learning_rate = 1e-5;
+  int64_t warmup_steps = 10;
   double expert_load_imbalance = 1.0;
   std::vector<double> tokens_per_expert;  // measured counts; overrides the imbalance
   int64_t max_micro_batch = 64;

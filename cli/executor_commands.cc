@@ -39,6 +39,10 @@ int run_run(const RunArgs& args) {
                   static_cast<long long>(r.first_step), static_cast<long long>(r.last_step), r.steps.back().loss,
                   median, static_cast<double>(r.steps.back().tokens) / median,
                   static_cast<double>(r.peak_rss_bytes) / (1 << 20));
+      const double predicted = plan.prediction.step_time_s;
+      if (predicted > 0)
+        std::printf("run: predicted step %.3f s (%s profile), measured median %.3f s: %+.0f%%\n", predicted,
+                    plan.cluster.name.c_str(), median, 100.0 * (median - predicted) / predicted);
     }
     return kExitOk;
   } catch (const InputError& e) {

@@ -39,6 +39,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
   search_cmd->add_option("--precision", search.precision, "bf16 (SMP bf16=1), mixed (fp32 master) or fp32")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
+  search_cmd->add_option("--steps", search.steps, "Training steps (the length of the learning-rate schedule)")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  search_cmd->add_option("--learning-rate", search.learning_rate, "Peak learning rate")
+      ->capture_default_str()->check(CLI::Range(0.0, 10.0));
+  search_cmd->add_option("--min-learning-rate", search.min_learning_rate, "Learning rate at the end of the cosine decay")
+      ->capture_default_str()->check(CLI::Range(0.0, 10.0));
+  search_cmd->add_option("--warmup-steps", search.warmup_steps, "Linear warmup steps")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   search_cmd->add_option("--expert-load-imbalance", search.expert_load_imbalance,
                          "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));

@@ -15,6 +15,7 @@
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
 
 namespace moeplan::executor {
@@ -97,21 +98,132 @@ void truncate_metrics(const std::string& path, int64_t last_step) {
   write_file_atomic(path, kept);
 }
 
-class Trainer {
- public:
-  Trainer(const Plan& plan, const RunOptions& o, TokenDataset data)
-      : plan_(plan), o_(o), data_(std::move(data)), types_(precisions(plan.training.precision)),
-        params_(ParameterSet::on_meta(mixtral_parameters(plan.model))),
-        order_(data_.num_blocks(), static_cast<uint64_t>(plan.training.seed)) {
-    params_.materialize(static_cast<uint64_t>(plan.training.seed), types_.master);
-    params_.check_materialized();
-    std::vector<bool> decay;
-    for (const ParamInfo& info : params_.infos()) decay.push_back(info.weight_decay);
-    for (torch::Tensor& t : params_.tensors()) t.requires_grad_(true);
-    optimizer_ = std::make_unique<AdamW>(
-        params_.tensors(), decay,
-        AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay});
+}  // namespace
+
+ModelTrainer::ModelTrainer(const Plan& plan)
+    : plan_(plan), master_type_(precisions(plan.training.precision).master),
+      compute_type_(precisions(plan.training.precision).compute),
+      params_(ParameterSet::on_meta(mixtral_parameters(plan.model))) {
+  params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
+  params_.check_materialized();
+  std::vector<bool> decay;
+  for (const ParamInfo& info : params_.infos()) decay.push_back(info.weight_decay);
+  for (torch::Tensor& t : params_.tensors()) t.requires_grad_(true);
+  optimizer_ = std::make_unique<AdamW>(
+      params_.tensors(), decay,
+      AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay});
+}
+
+NamedTensors ModelTrainer::state() const {
+  NamedTensors tensors;
+  const auto& infos = params_.infos();
+  for (size_t i = 0; i < infos.size(); ++i) tensors.emplace_back("param/" + infos[i].name, params_.tensors()[i]);
+  for (size_t i = 0; i < infos.size(); ++i) tensors.emplace_back("exp_avg/" + infos[i].name, optimizer_->exp_avg()[i]);
+  for (size_t i = 0; i < infos.size(); ++i)
+    tensors.emplace_back("exp_avg_sq/" + infos[i].name, optimizer_->exp_avg_sq()[i]);
+  tensors.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
+  return tensors;
+}
+
+void ModelTrainer::load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d) {
+  std::map<std::string, const torch::Tensor*> by_name;
+  for (const auto& [name, t] : tensors) by_name[name] = &t;
+  auto take = [&](const std::string& name, torch::Tensor& into) {
+    const auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      d.error(name, "missing from the checkpoint");
+      return;
+    }
+    const torch::Tensor& t = *it->second;
+    if (t.sizes() != into.sizes() || t.scalar_type() != into.scalar_type()) {
+      d.error(name, "is " + std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()) + ", expected " +
+                        c10::toString(into.scalar_type()) + " " + c10::str(into.sizes()));
+      return;
+    }
+    torch::NoGradGuard no_grad;
+    into.copy_(t);
+  };
+  for (size_t i = 0; i < params_.infos().size(); ++i) {
+    const std::string& name = params_.infos()[i].name;
+    take("param/" + name, params_.tensors()[i]);
+    take("exp_avg/" + name, optimizer_->exp_avg()[i]);
+    take("exp_avg_sq/" + name, optimizer_->exp_avg_sq()[i]);
   }
+  torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
+  take("rng/cpu", rng);
+  if (!d.empty()) return;
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  generator.set_state(rng);
+  step_ = step;
+  optimizer_->set_step_count(optimizer_step);
+}
+
+StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t ga = static_cast<int64_t>(micro_batches.size());
+  const ModelSpec& spec = plan_.model;
+  StepRecord r;
+  r.step = ++step_;
+  r.learning_rate = learning_rate(plan_.training, step_);
+  torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  const bool mixed = compute_type_ != master_type_;
+  std::vector<torch::Tensor> master_grads;
+  if (mixed)
+    for (const torch::Tensor& t : params_.tensors()) master_grads.push_back(torch::zeros_like(t));
+  double loss = 0, aux = 0, z = 0, total = 0;
+  for (const torch::Tensor& ids : micro_batches) {
+    std::vector<torch::Tensor> compute;
+    if (mixed) {
+      // bf16 copies of the fp32 master weights for this micro-batch; their gradients are added
+      // to fp32 accumulators.
+      for (const torch::Tensor& t : params_.tensors()) compute.push_back(t.detach().to(compute_type_).requires_grad_(true));
+    } else {
+      compute = params_.tensors();
+    }
+    const ForwardResult out = mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
+    const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
+    (terms.total / static_cast<double>(ga)).backward();
+    if (mixed)
+      for (size_t i = 0; i < compute.size(); ++i)
+        if (compute[i].grad().defined()) master_grads[i].add_(compute[i].grad().to(master_type_));
+    counts += out.tokens_per_expert;
+    loss += terms.lm.item<double>();
+    aux += terms.aux.item<double>();
+    z += terms.z.item<double>();
+    total += terms.total.item<double>();
+    r.tokens += ids.numel();
+  }
+  std::vector<torch::Tensor> grads;
+  if (mixed) {
+    grads = master_grads;
+  } else {
+    for (torch::Tensor& t : params_.tensors()) grads.push_back(t.grad().defined() ? t.grad() : torch::zeros_like(t));
+  }
+  r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
+  optimizer_->step(grads, r.learning_rate);
+  for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
+  const double n = static_cast<double>(ga);
+  r.loss = loss / n;
+  r.aux_loss = aux / n;
+  r.z_loss = z / n;
+  r.total_loss = total / n;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    std::vector<int64_t> row;
+    for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(counts[l][e].item<int64_t>());
+    r.tokens_per_expert.push_back(std::move(row));
+  }
+  return r;
+}
+
+namespace {
+
+// The data order, the checkpoint files and the model trainer of one run.
+class Run {
+ public:
+  Run(const Plan& plan, const RunOptions& o, TokenDataset data)
+      : plan_(plan), o_(o), data_(std::move(data)), model_(plan),
+        order_(data_.num_blocks(), static_cast<uint64_t>(plan.training.seed)) {}
 
   void resume(const std::string& step_dir) {
     const LoadedCheckpoint c = open_checkpoint(step_dir);
@@ -127,137 +239,45 @@ class Trainer {
       d.error("state.optimizer_step", "missing");
     if (c.files.size() != 1) d.error("files", "a one-rank checkpoint has one shard");
     d.throw_if_any(step_dir + "/manifest.json");
-
     const TensorFile shard = read_checkpoint_shard(c, c.files.front().name);
-    std::map<std::string, const torch::Tensor*> by_name;
-    for (const auto& [name, t] : shard.tensors) by_name[name] = &t;
-    auto take = [&](const std::string& name, torch::Tensor& into) {
-      const auto it = by_name.find(name);
-      if (it == by_name.end()) {
-        d.error(name, "missing from the checkpoint");
-        return;
-      }
-      const torch::Tensor& t = *it->second;
-      if (t.sizes() != into.sizes() || t.scalar_type() != into.scalar_type()) {
-        d.error(name, "is " + std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()) + ", expected " +
-                          c10::toString(into.scalar_type()) + " " + c10::str(into.sizes()));
-        return;
-      }
-      torch::NoGradGuard no_grad;
-      into.copy_(t);
-    };
-    for (size_t i = 0; i < params_.infos().size(); ++i) {
-      const std::string& name = params_.infos()[i].name;
-      take("param/" + name, params_.tensors()[i]);
-      take("exp_avg/" + name, optimizer_->exp_avg()[i]);
-      take("exp_avg_sq/" + name, optimizer_->exp_avg_sq()[i]);
-    }
-    torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
-    take("rng/cpu", rng);
+    model_.load_state(shard.tensors, c.step, s["optimizer_step"].get<int64_t>(), d);
     d.throw_if_any(step_dir + "/" + c.files.front().name);
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(rng);
-    step_ = c.step;
     samples_ = s["samples_consumed"].get<int64_t>();
-    optimizer_->set_step_count(s["optimizer_step"].get<int64_t>());
   }
 
   std::string save() {
-    const std::string checkpoints = o_.out_dir + "/checkpoints";
-    const std::string dir = begin_checkpoint(checkpoints, step_);
-    NamedTensors tensors;
-    for (size_t i = 0; i < params_.infos().size(); ++i) tensors.emplace_back("param/" + params_.infos()[i].name, params_.tensors()[i]);
-    for (size_t i = 0; i < params_.infos().size(); ++i)
-      tensors.emplace_back("exp_avg/" + params_.infos()[i].name, optimizer_->exp_avg()[i]);
-    for (size_t i = 0; i < params_.infos().size(); ++i)
-      tensors.emplace_back("exp_avg_sq/" + params_.infos()[i].name, optimizer_->exp_avg_sq()[i]);
-    tensors.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
-    const CheckpointFile shard = write_checkpoint_shard(dir, 0, tensors);
+    const std::string dir = begin_checkpoint(o_.out_dir + "/checkpoints", model_.step_count());
+    const CheckpointFile shard = write_checkpoint_shard(dir, 0, model_.state());
     OrderedJson state;
     state["samples_consumed"] = samples_;
-    state["optimizer_step"] = optimizer_->step_count();
+    state["optimizer_step"] = model_.step_count();
     state["precision"] = name_of(kPrecisionNames, plan_.training.precision);
     state["seed"] = plan_.training.seed;
     state["model"] = to_json(plan_.model);
     state["parallel"] = to_json(plan_.parallel);
     state["data"] = {{"dir", data_.dir()}, {"blocks", data_.num_blocks()}, {"block_size", data_.block_size()}};
-    commit_checkpoint(dir, step_, state, {shard});
+    commit_checkpoint(dir, model_.step_count(), state, {shard});
     return dir;
   }
 
   StepRecord train_step() {
-    const auto start = std::chrono::steady_clock::now();
-    const int64_t ga = plan_.parallel.gradient_accumulation_steps, mbs = plan_.parallel.micro_batch_size;
-    const ModelSpec& spec = plan_.model;
-    StepRecord r;
-    r.step = ++step_;
-    r.learning_rate = learning_rate(plan_.training, step_);
-    torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
-    const bool mixed = types_.compute != types_.master;
-    std::vector<torch::Tensor> master_grads;
-    if (mixed)
-      for (const torch::Tensor& t : params_.tensors()) master_grads.push_back(torch::zeros_like(t));
-    double loss = 0, aux = 0, z = 0, total = 0;
-    for (int64_t micro = 0; micro < ga; ++micro) {
+    std::vector<torch::Tensor> micro_batches;
+    for (int64_t m = 0; m < plan_.parallel.gradient_accumulation_steps; ++m) {
       std::vector<int64_t> blocks;
-      for (int64_t i = 0; i < mbs; ++i) blocks.push_back(order_.block_of(samples_++));
-      const torch::Tensor ids = data_.blocks(blocks);
-      std::vector<torch::Tensor> compute;
-      if (mixed) {
-        for (const torch::Tensor& t : params_.tensors())
-          compute.push_back(t.detach().to(types_.compute).requires_grad_(true));
-      } else {
-        compute = params_.tensors();
-      }
-      const ForwardResult out =
-          mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
-      const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
-      (terms.total / static_cast<double>(ga)).backward();
-      if (mixed)
-        for (size_t i = 0; i < compute.size(); ++i)
-          if (compute[i].grad().defined()) master_grads[i].add_(compute[i].grad().to(types_.master));
-      counts += out.tokens_per_expert;
-      loss += terms.lm.item<double>();
-      aux += terms.aux.item<double>();
-      z += terms.z.item<double>();
-      total += terms.total.item<double>();
+      for (int64_t i = 0; i < plan_.parallel.micro_batch_size; ++i) blocks.push_back(order_.block_of(samples_++));
+      micro_batches.push_back(data_.blocks(blocks));
     }
-    std::vector<torch::Tensor> grads;
-    if (mixed) {
-      grads = master_grads;
-    } else {
-      for (torch::Tensor& t : params_.tensors())
-        grads.push_back(t.grad().defined() ? t.grad() : torch::zeros_like(t));
-    }
-    r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
-    optimizer_->step(grads, r.learning_rate);
-    for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
-    const double n = static_cast<double>(ga);
-    r.loss = loss / n;
-    r.aux_loss = aux / n;
-    r.z_loss = z / n;
-    r.total_loss = total / n;
-    r.tokens = ga * mbs * plan_.training.seq_len;
-    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    for (int64_t l = 0; l < spec.num_layers; ++l) {
-      std::vector<int64_t> row;
-      for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(counts[l][e].item<int64_t>());
-      r.tokens_per_expert.push_back(std::move(row));
-    }
-    return r;
+    return model_.step(micro_batches);
   }
 
-  int64_t step() const { return step_; }
+  int64_t step() const { return model_.step_count(); }
 
  private:
   const Plan& plan_;
   const RunOptions& o_;
   TokenDataset data_;
-  Precisions types_;
-  ParameterSet params_;
-  std::unique_ptr<AdamW> optimizer_;
+  ModelTrainer model_;
   BlockOrder order_;
-  int64_t step_ = 0;
   int64_t samples_ = 0;
 };
 
@@ -275,7 +295,8 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   TokenDataset data = TokenDataset::open(o.data_dir);
   check_plan(plan, data, o);
   const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(threads);
+  set_compute_threads(threads);
+  keep_freed_memory();
 
   fs::create_directories(o.out_dir);
   const std::string metrics_path = o.out_dir + "/metrics.jsonl";
@@ -289,7 +310,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
     throw InputError("--out", {{"", o.out_dir + " already holds a run; pass --resume to continue it or choose another folder"}});
   }
 
-  Trainer trainer(plan, o, std::move(data));
+  Run trainer(plan, o, std::move(data));
   if (!resume_from.empty()) {
     trainer.resume(resume_from);
     truncate_metrics(metrics_path, trainer.step());

@@ -9,7 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/executor/mixtral.h"
+#include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/tensor_file.h"
 
 namespace moeplan::executor {
 
@@ -34,6 +38,31 @@ struct StepRecord {
   int64_t tokens = 0;
   double seconds = 0;
   std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
+};
+
+// The model, its optimizer and one optimizer step of a plan, without data or files (the
+// benchmarks drive it directly).
+class ModelTrainer {
+ public:
+  explicit ModelTrainer(const Plan& plan);
+
+  // One optimizer step over gradient_accumulation_steps micro-batches of token ids
+  // [micro_batch_size, seq_len]: forward, loss, backward (accumulated), clipping, AdamW.
+  StepRecord step(const std::vector<torch::Tensor>& micro_batches);
+
+  int64_t step_count() const { return step_; }
+  // Parameters, AdamW moments and the CPU generator, by global name ("param/<name>", ...).
+  NamedTensors state() const;
+  // Restores what state() returned; every missing or mismatched tensor is reported into d.
+  void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
+  const ParameterSet& parameters() const { return params_; }
+
+ private:
+  const Plan& plan_;
+  torch::ScalarType master_type_, compute_type_;
+  ParameterSet params_;
+  std::unique_ptr<AdamW> optimizer_;
+  int64_t step_ = 0;
 };
 
 struct RunResult {

@@ -1,0 +1,66 @@
+// Single-rank training throughput of the executor on mixtral-tiny, next to this machine's
+// matrix-multiply rate. Run: build/bench/bench_executor --benchmark_min_time=20
+// (the Python baseline with the same settings: bench/python/mixtral_baseline.py).
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+
+#include "moeplan/executor/runtime.h"
+#include "moeplan/executor/trainer.h"
+#include "test_support.h"
+
+namespace moeplan {
+namespace {
+
+constexpr int64_t kSeqLen = 256;
+constexpr int64_t kMicroBatch = 8;
+
+// GFLOP/s of an n x n x n matrix multiply in the given type.
+void BM_Matmul(benchmark::State& state) {
+  executor::set_compute_threads(static_cast<int>(state.range(1)));
+  const int64_t n = state.range(0);
+  const auto type = state.range(2) == 0 ? torch::kFloat : torch::kBFloat16;
+  const torch::Tensor a = torch::randn({n, n}).to(type), b = torch::randn({n, n}).to(type);
+  for (auto _ : state) benchmark::DoNotOptimize(torch::mm(a, b));
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * n * n * n * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(type == torch::kFloat ? "fp32" : "bf16");
+}
+BENCHMARK(BM_Matmul)->Args({512, 1, 0})->Args({512, 1, 1})->Args({1024, 1, 0})->Args({512, 2, 0})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+
+Plan tiny_plan(Precision precision) {
+  Plan plan;
+  plan.model = test::model("mixtral-tiny");
+  plan.training.seq_len = kSeqLen;
+  plan.training.precision = precision;
+  plan.training.steps = 1000;
+  plan.parallel.micro_batch_size = kMicroBatch;
+  plan.moe.load_balancing = LoadBalancing::kAuxLoss;
+  return plan;
+}
+
+// One optimizer step (one micro-batch of 8 x 256 tokens): forward, backward, clipping, AdamW.
+void BM_TrainStep(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const Precision precision = state.range(1) == 0 ? Precision::kFp32 : Precision::kMixed;
+  executor::set_compute_threads(threads);
+  executor::keep_freed_memory();
+  const Plan plan = tiny_plan(precision);
+  executor::ModelTrainer trainer(plan);
+  torch::manual_seed(1);
+  const torch::Tensor ids = torch::randint(plan.model.vocab_size, {kMicroBatch, kSeqLen}, torch::kLong);
+  trainer.step({ids});  // warm-up: first-touch allocations
+  for (auto _ : state) benchmark::DoNotOptimize(trainer.step({ids}));
+  const double tokens = static_cast<double>(kMicroBatch * kSeqLen);
+  // Model FLOPs of training: forward + 2x backward, no recompute.
+  const double flops_per_token = 3 * forward_flops_per_token(plan.model, kSeqLen);
+  state.counters["tokens/s"] = benchmark::Counter(tokens, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["model_GFLOP/s"] =
+      benchmark::Counter(tokens * flops_per_token * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(precision == Precision::kFp32 ? "fp32" : "mixed (bf16 compute)");
+}
+BENCHMARK(BM_TrainStep)->Args({1, 0})->Args({1, 1})->Args({2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+}  // namespace moeplan

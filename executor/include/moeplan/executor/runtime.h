@@ -1,0 +1,17 @@
+#pragma once
+// Process-wide settings of a CPU rank: how many threads its math uses and how freed memory is
+// kept. Called once at the start of a rank, before any tensor work.
+
+namespace moeplan::executor {
+
+// Sets LibTorch's intra-op threads and, when the BLAS library is OpenBLAS (Debian's LibTorch
+// takes whatever libblas.so.3 is selected and does not tell it), OpenBLAS's own pool too:
+// otherwise OpenBLAS runs one thread per core in every rank and they spin against each other.
+void set_compute_threads(int threads);
+
+// Keeps freed memory in the heap for reuse instead of returning it to the kernel, like the CUDA
+// caching allocator does on a GPU. Without it every large activation is a fresh mmap whose
+// pages the kernel zero-fills again, step after step (a quarter of the step time here).
+void keep_freed_memory();
+
+}  // namespace moeplan::executor
