@@ -48,6 +48,11 @@ int run_run(const RunArgs& args) {
   } catch (const InputError& e) {
     print_error(e);
     return kExitBadInput;
+  } catch (const c10::Error& e) {
+    // LibTorch refused something the checks above let through: report it, do not abort.
+    const std::string what = e.what_without_backtrace();
+    std::fprintf(stderr, "moeplan: error: run: LibTorch: %s\n", what.substr(0, what.find('\n')).c_str());
+    return kExitBadInput;
   }
 }
 

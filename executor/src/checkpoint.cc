@@ -59,10 +59,18 @@ void commit_checkpoint(const std::string& step_dir, int64_t step, const OrderedJ
 std::string latest_checkpoint(const std::string& checkpoints_dir) {
   std::error_code ec;
   std::string best;
+  int64_t best_step = -1;
   for (const auto& entry : fs::directory_iterator(checkpoints_dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind("step-", 0) != 0 || !fs::exists(entry.path() / kManifest)) continue;
-    if (name > best) best = name;  // fixed-width step numbers sort as text
+    if (name.rfind("step-", 0) != 0 || name.size() > 5 + 18 || !fs::exists(entry.path() / kManifest)) continue;
+    const std::string digits = name.substr(5);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    // By number: past eight digits the names no longer sort as text.
+    const int64_t step = std::stoll(digits);
+    if (step > best_step) {
+      best_step = step;
+      best = name;
+    }
   }
   return best.empty() ? "" : checkpoints_dir + "/" + best;
 }

@@ -6,8 +6,10 @@
 
 namespace moeplan::executor {
 
-torch::Tensor sinkhorn(const torch::Tensor& cost_in, double tol, int max_iterations) {
-  const torch::Tensor cost = torch::exp(cost_in);
+torch::Tensor sinkhorn(const torch::Tensor& logits, double tol, int max_iterations) {
+  // exp(logits) as in Megatron, with each row's maximum taken out first: a row scale is absorbed
+  // by the row factors d0, so the balanced matrix is the same, and peaked logits cannot overflow.
+  const torch::Tensor cost = torch::exp(logits - std::get<0>(logits.max(1, /*keepdim=*/true)));
   torch::Tensor d0 = torch::ones({cost.size(0)}, cost.options());
   torch::Tensor d1 = torch::ones({cost.size(1)}, cost.options());
   constexpr double kEps = 1e-8;
@@ -15,7 +17,9 @@ torch::Tensor sinkhorn(const torch::Tensor& cost_in, double tol, int max_iterati
   for (int i = 0; i < max_iterations; ++i) {
     d0 = (1.0 / static_cast<double>(d0.size(0))) / (torch::sum(d1 * cost, 1) + kEps);
     d1 = (1.0 / static_cast<double>(d1.size(0))) / (torch::sum(d0.unsqueeze(1) * cost, 0) + kEps);
-    const double error = torch::mean(torch::abs(d1_old - d1)).item<double>();
+    // Megatron stops on the mean absolute change of d1; d1's scale follows the logits', so the
+    // change is measured relative to d1 here, which stops at the same balance for any scale.
+    const double error = (torch::mean(torch::abs(d1_old - d1)) / torch::mean(torch::abs(d1))).item<double>();
     d1_old = d1;
     if (error <= tol) break;
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <utility>
 
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/errors.h"
@@ -159,17 +160,18 @@ TensorFile read_tensor_file(const std::string& path) {
     uint64_t numel = 1;
     if (shape_ok) {
       for (const Json& s : value["shape"]) {
-        if (!s.is_number_unsigned() || s.get<uint64_t>() > (uint64_t{1} << 40)) {
+        // Sizes and their product stay below 2^50, checked before multiplying so that a
+        // crafted shape cannot wrap the count around.
+        if (!s.is_number_unsigned() || s.get<uint64_t>() > (uint64_t{1} << 50) ||
+            __builtin_mul_overflow(numel, s.get<uint64_t>(), &numel) || numel > (uint64_t{1} << 50)) {
           shape_ok = false;
           break;
         }
         shape.push_back(s.get<int64_t>());
-        numel *= s.get<uint64_t>();
-        if (numel > (uint64_t{1} << 50)) shape_ok = false;
       }
     }
     if (!shape_ok) {
-      d.error(name + ".shape", "must be a list of non-negative sizes, got " + value["shape"].dump());
+      d.error(name + ".shape", "must be a list of non-negative sizes with fewer than 2^50 elements, got " + value["shape"].dump());
       continue;
     }
     const Json& off = value["data_offsets"];
@@ -193,7 +195,10 @@ TensorFile read_tensor_file(const std::string& path) {
   }
   std::vector<const Entry*> by_offset;
   for (const Entry& e : entries) by_offset.push_back(&e);
-  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
+  // By (begin, end), so an empty tensor at the end of another sorts before the next one.
+  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
+    return std::pair(a->begin, a->end) < std::pair(b->begin, b->end);
+  });
   for (size_t i = 1; i < by_offset.size(); ++i)
     if (by_offset[i]->begin < by_offset[i - 1]->end)
       d.error(by_offset[i]->name + ".data_offsets", "overlaps " + by_offset[i - 1]->name);

@@ -24,9 +24,9 @@ struct Routing {
 // choice itself carries no gradient.
 Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing method);
 
-// Megatron's sinkhorn(): exp(cost), then alternate row and column normalisation until the
-// column scalings move by less than tol on average (at most max_iterations rounds).
-torch::Tensor sinkhorn(const torch::Tensor& cost, double tol = 1e-4, int max_iterations = 1000);
+// Megatron's sinkhorn(): exp(logits), then alternate row and column normalisation until the
+// column scalings move by less than tol of their mean (at most max_iterations rounds).
+torch::Tensor sinkhorn(const torch::Tensor& logits, double tol = 1e-4, int max_iterations = 1000);
 
 // Expert of each (token, slot): [tokens, k], every expert taking at most capacity slots.
 torch::Tensor balanced_assignment(const torch::Tensor& scores, int64_t k);

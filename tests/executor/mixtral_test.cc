@@ -1,0 +1,332 @@
+// The LibTorch Mixtral against a reference written here with plain loops in double precision,
+// token by token and expert by expert, following Hugging Face's MixtralForCausalLM.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "moeplan/executor/mixtral.h"
+#include "test_support.h"
+
+namespace moeplan::executor {
+namespace {
+
+using Vec = std::vector<double>;
+
+// A row-major matrix [rows, cols] copied out of a tensor.
+struct Mat {
+  int64_t rows = 0, cols = 0;
+  Vec v;
+  explicit Mat(const torch::Tensor& t) : rows(t.size(0)), cols(t.dim() > 1 ? t.size(1) : 1) {
+    const torch::Tensor d = t.to(torch::kDouble).contiguous();
+    v.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+  }
+  Vec times(const Vec& x) const {  // W x for a Linear weight W [out, in]
+    Vec y(static_cast<size_t>(rows), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) y[r] += v[r * cols + c] * x[c];
+    return y;
+  }
+};
+
+Vec rms_norm(const Vec& x, const Mat& w, double eps) {
+  double ms = 0;
+  for (double a : x) ms += a * a;
+  ms /= static_cast<double>(x.size());
+  Vec y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = w.v[i] * x[i] / std::sqrt(ms + eps);
+  return y;
+}
+
+// Rotates one head vector to position p (Hugging Face's rotate_half pairing: i with i + d/2).
+Vec rope(const Vec& x, int64_t p, double theta) {
+  const size_t d = x.size(), half = d / 2;
+  Vec y(d);
+  for (size_t i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(p) / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(d));
+    y[i] = x[i] * std::cos(angle) - x[i + half] * std::sin(angle);
+    y[i + half] = x[i + half] * std::cos(angle) + x[i] * std::sin(angle);
+  }
+  return y;
+}
+
+double silu(double a) { return a / (1 + std::exp(-a)); }
+
+struct Reference {
+  std::vector<Vec> logits;                        // [T][vocab]
+  std::vector<std::vector<int64_t>> expert_load;  // [layer][expert]
+};
+
+// One sequence, top-k routing by softmax probability (aux_loss / none).
+Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ids) {
+  const int64_t T = static_cast<int64_t>(ids.size()), H = s.hidden_size, hd = s.head_dim;
+  const int64_t heads = s.num_attention_heads, kv = s.num_key_value_heads, E = s.num_experts;
+  size_t at = 0;
+  const Mat embed(t[at++]);
+  std::vector<Vec> x(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) x[i] = Vec(embed.v.begin() + ids[i] * H, embed.v.begin() + (ids[i] + 1) * H);
+  Reference ref;
+  for (int64_t l = 0; l < s.num_layers; ++l) {
+    const Mat ln1(t[at++]), wq(t[at++]), wk(t[at++]), wv(t[at++]), wo(t[at++]), ln2(t[at++]), gate(t[at++]);
+    std::vector<Mat> w1, w2, w3;
+    for (int64_t e = 0; e < E; ++e) {
+      w1.emplace_back(t[at++]);
+      w2.emplace_back(t[at++]);
+      w3.emplace_back(t[at++]);
+    }
+    // Attention, token by token.
+    std::vector<Vec> q(T), k(T), v(T);
+    for (int64_t i = 0; i < T; ++i) {
+      const Vec h = rms_norm(x[i], ln1, s.rms_norm_eps);
+      q[i] = wq.times(h);
+      k[i] = wk.times(h);
+      v[i] = wv.times(h);
+    }
+    std::vector<Vec> attn_out(T);
+    for (int64_t i = 0; i < T; ++i) {
+      Vec concat;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t g = hh / (heads / kv);  // the key/value head this query head shares
+        const Vec qi = rope(Vec(q[i].begin() + hh * hd, q[i].begin() + (hh + 1) * hd), i, s.rope_theta);
+        std::vector<double> scores;
+        std::vector<int64_t> keys;
+        for (int64_t j = 0; j <= i; ++j) {
+          if (s.sliding_window && i - j >= *s.sliding_window) continue;
+          const Vec kj = rope(Vec(k[j].begin() + g * hd, k[j].begin() + (g + 1) * hd), j, s.rope_theta);
+          double dot = 0;
+          for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kj[c];
+          scores.push_back(dot / std::sqrt(static_cast<double>(hd)));
+          keys.push_back(j);
+        }
+        const double m = *std::max_element(scores.begin(), scores.end());
+        double z = 0;
+        for (double& sc : scores) z += (sc = std::exp(sc - m));
+        Vec out(static_cast<size_t>(hd), 0.0);
+        for (size_t n = 0; n < keys.size(); ++n)
+          for (int64_t c = 0; c < hd; ++c) out[c] += scores[n] / z * v[keys[n]][g * hd + c];
+        concat.insert(concat.end(), out.begin(), out.end());
+      }
+      attn_out[i] = wo.times(concat);
+    }
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t c = 0; c < H; ++c) x[i][c] += attn_out[i][c];
+    // Sparse MoE, token by token, expert by expert.
+    std::vector<int64_t> load(static_cast<size_t>(E), 0);
+    for (int64_t i = 0; i < T; ++i) {
+      const Vec h = rms_norm(x[i], ln2, s.rms_norm_eps);
+      const Vec logits = gate.times(h);
+      const double m = *std::max_element(logits.begin(), logits.end());
+      Vec p(E);
+      double z = 0;
+      for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(logits[e] - m));
+      for (double& pe : p) pe /= z;
+      std::vector<int64_t> order(E);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+      double chosen = 0;
+      for (int64_t j = 0; j < s.experts_per_token; ++j) chosen += p[order[j]];
+      for (int64_t j = 0; j < s.experts_per_token; ++j) {
+        const int64_t e = order[j];
+        ++load[e];
+        const Vec a = w1[e].times(h), b = w3[e].times(h);
+        Vec act(a.size());
+        for (size_t c = 0; c < a.size(); ++c) act[c] = silu(a[c]) * b[c];
+        const Vec y = w2[e].times(act);
+        for (int64_t c = 0; c < H; ++c) x[i][c] += p[e] / chosen * y[c];
+      }
+    }
+    ref.expert_load.push_back(load);
+  }
+  const Mat norm(t[at++]), head(t[at++]);
+  for (int64_t i = 0; i < T; ++i) ref.logits.push_back(head.times(rms_norm(x[i], norm, s.rms_norm_eps)));
+  return ref;
+}
+
+ModelSpec small_spec() {
+  ModelSpec s = test::model("mixtral-tiny");
+  s.vocab_size = 50;
+  s.hidden_size = 16;
+  s.intermediate_size = 24;
+  s.num_layers = 2;
+  s.num_attention_heads = 4;
+  s.num_key_value_heads = 2;
+  s.head_dim = 8;
+  s.num_experts = 4;
+  s.experts_per_token = 2;
+  s.rope_theta = 10000;
+  // Larger than a real init so attention and routing are far from uniform.
+  s.initializer_range = 0.3;
+  return s;
+}
+
+ParameterSet random_model(const ModelSpec& s, uint64_t seed, torch::ScalarType dtype = torch::kFloat) {
+  ParameterSet p = ParameterSet::on_meta(mixtral_parameters(s));
+  p.materialize(seed, dtype);
+  // Norm weights start at one; make them differ so a wrong norm is visible.
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < p.infos().size(); ++i)
+    if (p.infos()[i].init == InitKind::kOnes) p.tensors()[i].uniform_(0.5, 1.5);
+  return p;
+}
+
+void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
+  torch::manual_seed(7);
+  const ParameterSet p = random_model(s, seed);
+  const int64_t B = 2, T = 9;
+  const torch::Tensor ids = torch::randint(s.vocab_size, {B, T}, torch::kLong);
+  const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
+  ASSERT_EQ(out.logits.sizes(), (std::vector<int64_t>{B, T, s.vocab_size}));
+  std::vector<std::vector<int64_t>> load(s.num_layers, std::vector<int64_t>(s.num_experts, 0));
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> seq(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + T);
+    const Reference ref = reference_forward(s, p.tensors(), seq);
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t v = 0; v < s.vocab_size; ++v)
+        ASSERT_NEAR(out.logits[b][i][v].item<double>(), ref.logits[i][v], 1e-5)
+            << "sequence " << b << " token " << i << " vocab " << v;
+    for (int64_t l = 0; l < s.num_layers; ++l)
+      for (int64_t e = 0; e < s.num_experts; ++e) load[l][e] += ref.expert_load[l][e];
+  }
+  for (int64_t l = 0; l < s.num_layers; ++l)
+    for (int64_t e = 0; e < s.num_experts; ++e)
+      EXPECT_EQ(out.tokens_per_expert[l][e].item<int64_t>(), load[l][e]) << "layer " << l << " expert " << e;
+}
+
+TEST(Mixtral, LogitsMatchPlainReferenceInFp32) { expect_matches_reference(small_spec(), 11); }
+
+TEST(Mixtral, SlidingWindowMatchesReference) {
+  ModelSpec s = small_spec();
+  s.sliding_window = 3;
+  expect_matches_reference(s, 12);
+}
+
+TEST(Mixtral, MultiQueryAttentionMatchesReference) {
+  ModelSpec s = small_spec();
+  s.num_key_value_heads = 1;
+  s.experts_per_token = 1;
+  expect_matches_reference(s, 13);
+}
+
+TEST(Mixtral, ReferenceSeesAWrongModel) {
+  // The comparison can fail: perturb one expert weight and the logits move beyond tolerance.
+  const ModelSpec s = small_spec();
+  ParameterSet p = random_model(s, 11);
+  const torch::Tensor ids = torch::arange(6, torch::kLong).view({1, 6});
+  std::vector<int64_t> seq(ids[0].data_ptr<int64_t>(), ids[0].data_ptr<int64_t>() + 6);
+  const Reference before = reference_forward(s, p.tensors(), seq);
+  {
+    torch::NoGradGuard no_grad;
+    p.tensors()[static_cast<size_t>(p.find("model.layers.1.block_sparse_moe.experts.2.w2.weight"))].add_(0.05);
+  }
+  const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
+  double worst = 0;
+  for (int64_t i = 0; i < 6; ++i)
+    for (int64_t v = 0; v < s.vocab_size; ++v)
+      worst = std::max(worst, std::abs(out.logits[0][i][v].item<double>() - before.logits[i][v]));
+  EXPECT_GT(worst, 1e-3);
+}
+
+TEST(Mixtral, ParameterCountMatchesModelSpec) {
+  const ModelSpec s = test::model("mixtral-tiny");
+  const ParameterSet p = ParameterSet::on_meta(mixtral_parameters(s));
+  EXPECT_EQ(p.numel(), count_parameters(s).total());
+  const ModelSpec big = test::model("mixtral-8x7b");
+  EXPECT_EQ(ParameterSet::on_meta(mixtral_parameters(big)).numel(), int64_t{46'702'792'704});
+}
+
+TEST(Mixtral, DelayedInitLeavesNothingOnMeta) {
+  const ModelSpec s = small_spec();
+  ParameterSet p = ParameterSet::on_meta(mixtral_parameters(s));
+  for (const torch::Tensor& t : p.tensors()) EXPECT_TRUE(t.is_meta());
+  EXPECT_THROW(p.check_materialized(), std::logic_error);
+  p.materialize(5, torch::kFloat);
+  EXPECT_NO_THROW(p.check_materialized());
+  for (const torch::Tensor& t : p.tensors()) EXPECT_FALSE(t.is_meta());
+}
+
+TEST(Mixtral, InitialWeightsDoNotDependOnWhichParametersARankHolds) {
+  // A rank holding only expert 3 of layer 1 (as under expert parallelism) gets the same values
+  // as the rank holding the whole model.
+  const ModelSpec s = small_spec();
+  ParameterSet whole = ParameterSet::on_meta(mixtral_parameters(s));
+  whole.materialize(99, torch::kFloat);
+  std::vector<ParamInfo> mine;
+  for (const ParamInfo& info : mixtral_parameters(s))
+    if (info.expert == 3 && info.block == 2) mine.push_back(info);
+  ASSERT_EQ(mine.size(), 3u);
+  ParameterSet part = ParameterSet::on_meta(mine);
+  part.materialize(99, torch::kFloat);
+  for (size_t i = 0; i < mine.size(); ++i)
+    EXPECT_TRUE(torch::equal(part.tensors()[i], whole.tensors()[static_cast<size_t>(whole.find(mine[i].name))]))
+        << mine[i].name;
+  // And a different seed gives different weights.
+  ParameterSet other = ParameterSet::on_meta(mine);
+  other.materialize(100, torch::kFloat);
+  EXPECT_FALSE(torch::equal(other.tensors()[0], part.tensors()[0]));
+  // Init statistics: std close to initializer_range.
+  const double std = whole.tensors()[static_cast<size_t>(whole.find("model.embed_tokens.weight"))].std().item<double>();
+  EXPECT_NEAR(std, s.initializer_range, 0.05 * s.initializer_range);
+}
+
+TEST(Mixtral, Bf16ForwardStaysCloseToFp32) {
+  const ModelSpec s = small_spec();
+  const ParameterSet p32 = random_model(s, 21);
+  std::vector<torch::Tensor> p16;
+  for (const torch::Tensor& t : p32.tensors()) p16.push_back(t.to(torch::kBFloat16));
+  const torch::Tensor ids = torch::randint(s.vocab_size, {2, 7}, torch::kLong);
+  const auto a = mixtral_forward(s, MixtralWeights::bind(s, p32.tensors()), ids, LoadBalancing::kNone);
+  const auto b = mixtral_forward(s, MixtralWeights::bind(s, p16), ids, LoadBalancing::kNone);
+  EXPECT_EQ(b.router_logits[0].scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(b.logits.scalar_type(), torch::kFloat);
+  const double scale = a.logits.abs().max().item<double>();
+  EXPECT_LT((a.logits - b.logits).abs().max().item<double>(), 0.05 * scale);
+}
+
+TEST(Mixtral, LossIsHuggingFaceShiftedCrossEntropy) {
+  const ModelSpec s = small_spec();
+  const ParameterSet p = random_model(s, 31);
+  const torch::Tensor ids = torch::randint(s.vocab_size, {2, 5}, torch::kLong);
+  const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kAuxLoss;
+  moe.aux_loss_coef = 0.01;
+  moe.z_loss_coef = 0.001;
+  const LossTerms loss = mixtral_loss(s, moe, out, ids);
+  double nll = 0;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t i = 0; i + 1 < 5; ++i) {
+      const torch::Tensor row = out.logits[b][i].to(torch::kDouble);
+      nll += (torch::logsumexp(row, 0) - row[ids[b][i + 1].item<int64_t>()]).item<double>();
+    }
+  EXPECT_NEAR(loss.lm.item<double>(), nll / 8, 1e-5);
+  EXPECT_NEAR(loss.total.item<double>(),
+              loss.lm.item<double>() + 0.01 * loss.aux.item<double>() + 0.001 * loss.z.item<double>(), 1e-5);
+  moe.load_balancing = LoadBalancing::kSinkhorn;  // the aux term belongs to aux_loss only
+  EXPECT_NEAR(mixtral_loss(s, moe, out, ids).total.item<double>(),
+              loss.lm.item<double>() + 0.001 * loss.z.item<double>(), 1e-5);
+}
+
+TEST(Mixtral, GradientsReachEveryUsedParameter) {
+  const ModelSpec s = small_spec();
+  ParameterSet p = random_model(s, 41);
+  for (torch::Tensor& t : p.tensors()) t.requires_grad_(true);
+  const torch::Tensor ids = torch::randint(s.vocab_size, {4, 16}, torch::kLong);
+  const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kAuxLoss;
+  mixtral_loss(s, moe, out, ids).total.backward();
+  for (size_t i = 0; i < p.infos().size(); ++i) {
+    const ParamInfo& info = p.infos()[i];
+    const int64_t layer = info.block - 1;
+    const bool routed = info.expert < 0 || out.tokens_per_expert[layer][info.expert].item<int64_t>() > 0;
+    if (routed) {
+      ASSERT_TRUE(p.tensors()[i].grad().defined()) << info.name;
+      EXPECT_GT(p.tensors()[i].grad().abs().sum().item<double>(), 0) << info.name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moeplan::executor

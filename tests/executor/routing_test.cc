@@ -1,0 +1,116 @@
+// Router losses on crafted logits, worked by hand; load balancing on random logits.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "moeplan/executor/routing.h"
+
+namespace moeplan::executor {
+namespace {
+
+// Four tokens, two experts. ln 3 vs 0 gives probabilities 0.75 / 0.25.
+torch::Tensor crafted_logits() {
+  const double l3 = std::log(3.0);
+  return torch::tensor({l3, 0.0, l3, 0.0, 0.0, l3, l3, 0.0}, torch::kFloat).view({4, 2});
+}
+
+TEST(RouterLoss, AuxLossTop1ByHand) {
+  // Top-1 picks expert 0 for tokens 1, 2, 4 and expert 1 for token 3: f = (3/4, 1/4).
+  // Mean probabilities P = ((.75+.75+.25+.75)/4, (.25+.25+.75+.25)/4) = (.625, .375).
+  // aux = E * sum f P = 2 * (.75 * .625 + .25 * .375) = 2 * .5625 = 1.125.
+  EXPECT_NEAR(load_balancing_loss({crafted_logits()}, 1).item<double>(), 1.125, 1e-6);
+}
+
+TEST(RouterLoss, AuxLossTop2ByHand) {
+  // Top-2 of two experts: slot 0 as above f0 = (.75, .25), slot 1 the other expert f1 = (.25, .75).
+  // sum = (.75*.625 + .25*.375) + (.25*.625 + .75*.375) = .5625 + .4375 = 1; times E = 2.
+  EXPECT_NEAR(load_balancing_loss({crafted_logits()}, 2).item<double>(), 2.0, 1e-6);
+}
+
+TEST(RouterLoss, AuxLossConcatenatesLayers) {
+  // A second layer with uniform logits: P = (.5, .5). Top-1 ties go to expert 0 (topk keeps the
+  // first), so over 8 tokens f = (7/8, 1/8), P = ((.625*4 + .5*4)/8, (.375*4 + .5*4)/8) = (.5625, .4375).
+  // aux = 2 * (7/8 * .5625 + 1/8 * .4375) = 2 * (.4921875 + .0546875) = 1.09375.
+  const torch::Tensor uniform = torch::zeros({4, 2});
+  EXPECT_NEAR(load_balancing_loss({crafted_logits(), uniform}, 1).item<double>(), 1.09375, 1e-6);
+}
+
+TEST(RouterLoss, ZLossByHand) {
+  // logsumexp(ln 3, 0) = ln 4 for every crafted token; logsumexp(0, 0) = ln 2.
+  const double ln4 = std::log(4.0), ln2 = std::log(2.0);
+  EXPECT_NEAR(router_z_loss({crafted_logits()}).item<double>(), ln4 * ln4, 1e-6);
+  EXPECT_NEAR(router_z_loss({crafted_logits(), torch::zeros({4, 2})}).item<double>(), (ln4 * ln4 + ln2 * ln2) / 2, 1e-6);
+}
+
+TEST(Routing, TopKRenormalisesTheChosenProbabilities) {
+  const torch::Tensor logits = torch::tensor({0.0, std::log(2.0), std::log(5.0)}, torch::kFloat).view({1, 3});
+  const Routing r = route(logits, 2, LoadBalancing::kAuxLoss);
+  // Probabilities 1/8, 2/8, 5/8: top-2 are experts 2 and 1, renormalised to 5/7 and 2/7.
+  EXPECT_EQ(r.experts[0][0].item<int64_t>(), 2);
+  EXPECT_EQ(r.experts[0][1].item<int64_t>(), 1);
+  EXPECT_NEAR(r.weights[0][0].item<double>(), 5.0 / 7, 1e-6);
+  EXPECT_NEAR(r.weights[0][1].item<double>(), 2.0 / 7, 1e-6);
+}
+
+// Token-expert slots per expert.
+std::vector<int64_t> load_of(const Routing& r, int64_t experts) {
+  const torch::Tensor counts = torch::bincount(r.experts.flatten(), {}, experts);
+  return std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + experts);
+}
+
+double spread(const std::vector<int64_t>& load) {  // (max - min) / mean
+  const auto [lo, hi] = std::minmax_element(load.begin(), load.end());
+  const double mean = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(load.size());
+  return static_cast<double>(*hi - *lo) / mean;
+}
+
+// Random router logits with a strong preference for the first experts, as an untrained or
+// collapsing router has.
+torch::Tensor skewed_logits(int64_t tokens, int64_t experts) {
+  torch::manual_seed(3);
+  return torch::randn({tokens, experts}) + torch::linspace(2.0, 0.0, experts).unsqueeze(0);
+}
+
+TEST(Routing, SinkhornBalancesExpertsWithinTenPercent) {
+  const torch::Tensor logits = skewed_logits(4096, 8);
+  const auto plain = load_of(route(logits, 2, LoadBalancing::kNone), 8);
+  const auto balanced = load_of(route(logits, 2, LoadBalancing::kSinkhorn), 8);
+  EXPECT_GT(spread(plain), 1.0) << "the test logits must be unbalanced to begin with";
+  EXPECT_LE(spread(balanced), 0.10);
+  EXPECT_EQ(std::accumulate(balanced.begin(), balanced.end(), int64_t{0}), 4096 * 2);
+}
+
+TEST(Routing, SinkhornOnUnskewedRandomLogits) {
+  torch::manual_seed(4);
+  const auto load = load_of(route(torch::randn({2048, 8}), 2, LoadBalancing::kSinkhorn), 8);
+  EXPECT_LE(spread(load), 0.10);
+}
+
+TEST(Routing, SinkhornBalancesPeakedLogitsOfATrainedRouter) {
+  // Logits ten times larger, as a trained router produces: an absolute stopping rule would stop
+  // after one round with the experts still far apart.
+  const torch::Tensor logits = skewed_logits(2048, 8) * 10;
+  EXPECT_LE(spread(load_of(route(logits, 2, LoadBalancing::kSinkhorn), 8)), 0.10);
+}
+
+TEST(Routing, BalancedRespectsCapacity) {
+  const torch::Tensor logits = skewed_logits(1000, 8);
+  const Routing r = route(logits, 2, LoadBalancing::kBalanced);
+  const auto load = load_of(r, 8);
+  for (const int64_t l : load) EXPECT_LE(l, 250);  // ceil(1000 * 2 / 8)
+  // Every token has two different experts.
+  EXPECT_TRUE(torch::all(r.experts.select(1, 0) != r.experts.select(1, 1)).item<bool>());
+  EXPECT_NEAR(r.weights.sum(1).mean().item<double>(), 1.0, 1e-6);
+}
+
+TEST(Routing, ChoiceCarriesNoGradientButWeightsDo) {
+  torch::Tensor logits = skewed_logits(64, 4).requires_grad_(true);
+  const Routing r = route(logits, 2, LoadBalancing::kSinkhorn);
+  r.weights.select(1, 0).sum().backward();
+  ASSERT_TRUE(logits.grad().defined());
+  EXPECT_GT(logits.grad().abs().sum().item<double>(), 0);
+}
+
+}  // namespace
+}  // namespace moeplan::executor
