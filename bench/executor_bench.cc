@@ -43,7 +43,7 @@ Plan tiny_plan(Precision precision) {
 // One optimizer step (one micro-batch of 8 x 256 tokens): forward, backward, clipping, AdamW.
 void BM_TrainStep(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
-  const Precision precision = state.range(1) == 0 ? Precision::kFp32 : Precision::kMixed;
+  const Precision precision = state.range(1) == 0 ? Precision::kFp32 : state.range(1) == 1 ? Precision::kMixed : Precision::kBf16;
   executor::set_compute_threads(threads);
   executor::keep_freed_memory();
   const Plan plan = tiny_plan(precision);
@@ -58,9 +58,9 @@ void BM_TrainStep(benchmark::State& state) {
   state.counters["tokens/s"] = benchmark::Counter(tokens, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["model_GFLOP/s"] =
       benchmark::Counter(tokens * flops_per_token * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(precision == Precision::kFp32 ? "fp32" : "mixed (bf16 compute)");
+  state.SetLabel(std::string(name_of(kPrecisionNames, precision)));
 }
-BENCHMARK(BM_TrainStep)->Args({1, 0})->Args({1, 1})->Args({2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TrainStep)->Args({1, 0})->Args({1, 1})->Args({1, 2})->Args({2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace moeplan

@@ -177,7 +177,7 @@ Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype
 }
 
 torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
-                        const torch::Tensor& mask) {
+                        const torch::Tensor& mask_bias) {
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
   torch::Tensor q = torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}).transpose(1, 2);
@@ -189,20 +189,23 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
     k = k.repeat_interleave(heads / kv, 1);
     v = v.repeat_interleave(heads / kv, 1);
   }
-  torch::Tensor scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(hd));
-  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  // scores = mask_bias + q k^T / sqrt(d) in one call; the bias is 0 where attention is allowed
+  // and -inf elsewhere.
+  const torch::Tensor scores = torch::baddbmm(mask_bias, q.reshape({b * heads, t, hd}),
+                                              k.reshape({b * heads, t, hd}).transpose(1, 2), /*beta=*/1,
+                                              /*alpha=*/1.0 / std::sqrt(static_cast<double>(hd)));
   const torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type());
-  const torch::Tensor out = torch::matmul(probs, v).transpose(1, 2).reshape({b, t, heads * hd});
-  return torch::matmul(out, w.o_proj.t());
+  const torch::Tensor out = torch::bmm(probs, v.reshape({b * heads, t, hd})).view({b, heads, t, hd});
+  return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * hd}), w.o_proj.t());
 }
 
-// True where attention is not allowed: the future, and beyond the sliding window.
-torch::Tensor attention_mask(const ModelSpec& spec, int64_t t) {
+// 0 where attention is allowed, -inf in the future and beyond the sliding window: [T, T].
+torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype) {
   const torch::Tensor i = torch::arange(t, torch::kLong).unsqueeze(1);
   const torch::Tensor j = torch::arange(t, torch::kLong).unsqueeze(0);
   torch::Tensor masked = j > i;
   if (spec.sliding_window) masked = masked | (i - j >= *spec.sliding_window);
-  return masked;
+  return torch::zeros({t, t}, dtype).masked_fill(masked, -std::numeric_limits<float>::infinity());
 }
 
 torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x,
@@ -212,19 +215,29 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   router_logits = torch::matmul(tokens, w.router.t());
   const Routing r = route(router_logits, spec.experts_per_token, balancing);
   const torch::Tensor weights = r.weights.to(x.scalar_type());
-  counts.copy_(torch::bincount(r.experts.flatten(), {}, spec.num_experts));
-  torch::Tensor out = torch::zeros_like(tokens);
-  // Like Hugging Face: for each expert, its (slot, token) pairs in slot-major order.
-  const torch::Tensor expert_of_slot = r.experts.t();  // [k, tokens]
+  const torch::Tensor slots = r.experts.flatten();  // token-major: (t0, s0), (t0, s1), (t1, s0), ...
+  const torch::Tensor load = torch::bincount(slots, {}, spec.num_experts);
+  counts.copy_(load);
+  // Group the token-expert slots by expert once (a stable sort keeps tokens in order), so each
+  // expert reads a contiguous slice: one gather and one scatter per layer instead of one each
+  // per expert.
+  const torch::Tensor order = std::get<1>(torch::sort(slots, /*stable=*/c10::optional<bool>(true), /*dim=*/0));
+  const torch::Tensor token_of = torch::div(order, spec.experts_per_token, "floor");
+  const torch::Tensor gathered = tokens.index_select(0, token_of);
+  const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
+  std::vector<torch::Tensor> outputs;
+  int64_t begin = 0;
+  const int64_t* per_expert = load.data_ptr<int64_t>();
   for (int64_t e = 0; e < spec.num_experts; ++e) {
-    const torch::Tensor where = (expert_of_slot == e).nonzero();  // [m, 2]: slot, token
-    if (where.size(0) == 0) continue;
-    const torch::Tensor slot = where.select(1, 0), token = where.select(1, 1);
-    const torch::Tensor in = tokens.index_select(0, token);
+    const int64_t n = per_expert[e];
+    if (n == 0) continue;
+    const torch::Tensor in = gathered.narrow(0, begin, n);
     const torch::Tensor act = torch::silu(torch::matmul(in, w.w1[e].t())) * torch::matmul(in, w.w3[e].t());
-    const torch::Tensor y = torch::matmul(act, w.w2[e].t()) * weights.index({token, slot}).unsqueeze(-1);
-    out = out.index_add(0, token, y);
+    outputs.push_back(torch::matmul(act, w.w2[e].t()));
+    begin += n;
   }
+  if (outputs.empty()) return torch::zeros_like(x);
+  const torch::Tensor out = torch::zeros_like(tokens).index_add(0, token_of, torch::cat(outputs, 0) * slot_weights);
   return out.view(x.sizes());
 }
 
@@ -235,7 +248,7 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   const int64_t t = input_ids.size(1);
   const torch::ScalarType dtype = w.embed_tokens.scalar_type();
   const Rope rope = rope_tables(spec, t, dtype);
-  const torch::Tensor mask = attention_mask(spec, t);
+  const torch::Tensor mask = attention_mask_bias(spec, t, dtype);
   ForwardResult out;
   out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
   torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);

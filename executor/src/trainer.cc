@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <fstream>
 #include <ostream>
-#include <thread>
 
 #include "moeplan/core/errors.h"
 #include "moeplan/executor/checkpoint.h"
@@ -294,8 +293,7 @@ std::string format_progress(const StepRecord& r, int64_t last_step) {
 RunResult run_training(const Plan& plan, const RunOptions& o) {
   TokenDataset data = TokenDataset::open(o.data_dir);
   check_plan(plan, data, o);
-  const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  set_compute_threads(threads);
+  set_compute_threads(o.threads > 0 ? o.threads : 1);
   keep_freed_memory();
 
   fs::create_directories(o.out_dir);

@@ -19,6 +19,7 @@
 #include "moeplan/core/json_reader.h"
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/tensor_file.h"
+#include "run_fixture.h"
 #include "test_support.h"
 
 namespace moeplan::executor {
@@ -26,7 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kFortunesDir[] = "/usr/share/games/fortunes";
+using test::kFortunesDir;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -42,23 +43,7 @@ void flip_byte(const std::string& path, uint64_t at) {
   write_bytes(path, bytes);
 }
 
-// The lines of the InputError `f` throws; a test failure (and "") if it throws nothing or
-// something else.
-template <class F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    std::string text;
-    for (const std::string& line : e.lines()) text += line + "\n";
-    return text;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "not an InputError: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "no error";
-  return "";
-}
+using test::input_error_of;
 
 // Same type, shape and bytes: NaN, -0.0 and denormals must survive, so no value comparison.
 ::testing::AssertionResult same_bits(const torch::Tensor& a, const torch::Tensor& b) {
@@ -381,39 +366,10 @@ TEST(Checkpoint, LatestComparesStepsAsNumbersPastEightDigits) {
 
 // ---- Resuming through the real binary
 
-struct Command {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-// Runs `moeplan args` with stdout and stderr captured apart.
-Command run_moeplan(const std::string& args) {
-  const test::TempDir tmp;
-  const std::string err_path = tmp.file("stderr");
-  Command r;
-  FILE* pipe = ::popen((std::string(MOEPLAN_BINARY) + " " + args + " 2>" + err_path).c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.out.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.err = test::read_text(err_path);
-  return r;
-}
-
-std::string show(const Command& c) {
-  return "exit " + std::to_string(c.exit_code) + "\n--- stdout\n" + c.out + "--- stderr\n" + c.err;
-}
-
-std::vector<Json> read_metrics(const std::string& run_dir) {
-  std::vector<Json> lines;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) lines.push_back(Json::parse(line));
-  return lines;
-}
+using test::Command;
+using test::read_metrics;
+using test::run_moeplan;
+using test::show;
 
 TEST(CheckpointRun, DamagedNewestCheckpointIsAnErrorAndAnOlderOneResumes) {
   if (!fs::is_directory(kFortunesDir))

@@ -105,10 +105,10 @@ TEST(Crash, SaveKilledAtRandomMomentsNeverLeavesALoadableBrokenCheckpoint) {
 
   // And training goes on from what is there.
   fs::remove_all(step2);
-  const CommandResult resumed = run_command(moeplan_command("run " + plan + " --data " + dir.file("data") + " --out " +
+  const Command resumed = run_moeplan(("run " + plan + " --data " + dir.file("data") + " --out " +
                                                             out + " --threads 1 --resume --steps 3"));
-  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("step-00000001"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.exit_code, 0) << show(resumed);
+  EXPECT_NE(resumed.all().find("step-00000001"), std::string::npos) << show(resumed);
   EXPECT_EQ(read_metrics(out).size(), 3u);
 }
 

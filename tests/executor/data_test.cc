@@ -19,6 +19,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/executor/tokens.h"
+#include "run_fixture.h"
 #include "test_support.h"
 
 namespace moeplan::executor {
@@ -26,35 +27,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kFortunesDir[] = "/usr/share/games/fortunes";
+using test::kFortunesDir;
 constexpr int64_t kVocab = 512;  // small, so that training the tokenizer takes about a second
 constexpr int64_t kBlock = 64;
 
-struct Command {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-// Runs `moeplan args` with stdout and stderr captured apart, so a test can tell that the
-// error lines went to stderr.
-Command run_moeplan(const std::string& args) {
-  const test::TempDir tmp;
-  const std::string err_path = tmp.file("stderr");
-  Command r;
-  FILE* pipe = ::popen((std::string(MOEPLAN_BINARY) + " " + args + " 2>" + err_path).c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.out.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.err = test::read_text(err_path);
-  return r;
-}
-
-std::string show(const Command& c) {
-  return "exit " + std::to_string(c.exit_code) + "\n--- stdout\n" + c.out + "--- stderr\n" + c.err;
-}
+using test::Command;
+using test::run_moeplan;
+using test::show;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -110,21 +89,9 @@ void replace_with_valid_checksum(const std::string& dir, const std::string& name
   write_bytes(dir + "/manifest.json", manifest.dump(2));
 }
 
-// The lines of the InputError that TokenDataset::open(dir) throws; a test failure (and "") if it
-// opens or throws anything else.
+// The lines of the InputError that TokenDataset::open(dir) throws; a test failure if it opens.
 std::string open_error(const std::string& dir) {
-  try {
-    TokenDataset::open(dir);
-  } catch (const InputError& e) {
-    std::string text;
-    for (const std::string& line : e.lines()) text += line + "\n";
-    return text;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "not an InputError: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << dir << " opened although it is damaged";
-  return "";
+  return test::input_error_of([&] { TokenDataset::open(dir); });
 }
 
 // One folder prepared from four fortune files for the whole suite; tests that damage files

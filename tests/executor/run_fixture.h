@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
 #include "test_support.h"
 
@@ -17,24 +20,33 @@ namespace moeplan::test {
 
 inline constexpr char kFortunesDir[] = "/usr/share/games/fortunes";
 
-struct CommandResult {
+struct Command {
   int exit_code = -1;
-  std::string output;  // stdout and stderr together
+  std::string out, err;
+  std::string all() const { return out + err; }
 };
 
-inline CommandResult run_command(const std::string& command) {
-  CommandResult r;
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+// Runs `moeplan args` with stdout and stderr captured apart, so a test can tell that error
+// lines went to stderr.
+inline Command run_moeplan(const std::string& args) {
+  const TempDir tmp;
+  const std::string err_path = tmp.file("stderr");
+  Command r;
+  FILE* pipe = ::popen((std::string(MOEPLAN_BINARY) + " " + args + " 2>" + err_path).c_str(), "r");
   if (pipe == nullptr) return r;
   std::array<char, 4096> buffer{};
   size_t n = 0;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.output.append(buffer.data(), n);
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.out.append(buffer.data(), n);
   const int status = ::pclose(pipe);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.err = read_text(err_path);
   return r;
 }
 
-inline std::string moeplan_command(const std::string& args) { return std::string(MOEPLAN_BINARY) + " " + args; }
+// For failure messages.
+inline std::string show(const Command& c) {
+  return "exit " + std::to_string(c.exit_code) + "\n--- stdout\n" + c.out + "--- stderr\n" + c.err;
+}
 
 // Fortune files of real English text (the package `fortunes`); empty if it is not installed.
 inline std::vector<std::string> fortune_files(const std::vector<std::string>& names) {
@@ -56,19 +68,19 @@ inline std::string write_small_model(const TempDir& dir, int64_t vocab_size) {
 }
 
 // A one-rank plan for the local CPU profile.
-inline CommandResult make_plan(const std::string& model_file, const std::string& out, int64_t seq_len,
+inline Command make_plan(const std::string& model_file, const std::string& out, int64_t seq_len,
                                int64_t global_batch_tokens, const std::string& precision, int64_t max_micro_batch) {
-  return run_command(moeplan_command("search --gpus 1 --instance local-cpu --model " + model_file + " --seq-len " +
+  return run_moeplan(("search --gpus 1 --instance local-cpu --model " + model_file + " --seq-len " +
                                      std::to_string(seq_len) + " --global-batch-tokens " +
                                      std::to_string(global_batch_tokens) + " --precision " + precision +
                                      " --max-micro-batch " + std::to_string(max_micro_batch) + " --out " + out));
 }
 
-inline CommandResult prepare_data(const std::vector<std::string>& inputs, const std::string& out, int64_t vocab_size,
+inline Command prepare_data(const std::vector<std::string>& inputs, const std::string& out, int64_t vocab_size,
                                   int64_t block_size) {
   std::string files;
   for (const std::string& f : inputs) files += " " + f;
-  return run_command(moeplan_command("data prepare --input" + files + " --out " + out + " --vocab-size " +
+  return run_moeplan(("data prepare --input" + files + " --out " + out + " --vocab-size " +
                                      std::to_string(vocab_size) + " --block-size " + std::to_string(block_size) +
                                      " --document-separator %"));
 }
@@ -81,6 +93,24 @@ inline std::vector<Json> read_metrics(const std::string& run_dir) {
   while (std::getline(in, line))
     if (!line.empty()) lines.push_back(Json::parse(line));
   return lines;
+}
+
+// The lines of the InputError `f` throws; a test failure (and "") if it throws nothing or
+// something else.
+template <class F>
+std::string input_error_of(F&& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    std::string text;
+    for (const std::string& line : e.lines()) text += line + "\n";
+    return text;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not an InputError: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no error";
+  return "";
 }
 
 }  // namespace moeplan::test

@@ -14,8 +14,8 @@ class Resume : public ::testing::TestWithParam<std::string> {
     dir_ = new TempDir();
     const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
     if (files.empty()) return;
-    const CommandResult r = prepare_data(files, dir_->file("data"), 512, 64);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const Command r = prepare_data(files, dir_->file("data"), 512, 64);
+    ASSERT_EQ(r.exit_code, 0) << show(r);
     model_ = write_small_model(*dir_, 512);
   }
   static void TearDownTestSuite() {
@@ -36,19 +36,19 @@ TEST_P(Resume, TwentyStepsEqualTenPlusCheckpointPlusTen) {
   const std::string precision = GetParam();
   const std::string plan = dir_->file("plan-" + precision + ".json");
   // 4 sequences of 64 per step, at most 2 per micro-batch: gradient accumulation is exercised.
-  const CommandResult made = make_plan(model_, plan, 64, 256, precision, 2);
-  ASSERT_EQ(made.exit_code, 0) << made.output;
+  const Command made = make_plan(model_, plan, 64, 256, precision, 2);
+  ASSERT_EQ(made.exit_code, 0) << show(made);
   const std::string data = dir_->file("data");
   const std::string straight = dir_->file("straight-" + precision), split = dir_->file("split-" + precision);
   const std::string common = plan + " --data " + data + " --threads 1";
 
-  CommandResult r = run_command(moeplan_command("run " + common + " --out " + straight + " --steps 20"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = run_command(moeplan_command("run " + common + " --out " + split + " --steps 10 --checkpoint-every 10"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = run_command(moeplan_command("run " + common + " --out " + split + " --steps 20 --resume"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  Command r = run_moeplan(("run " + common + " --out " + straight + " --steps 20"));
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  r = run_moeplan(("run " + common + " --out " + split + " --steps 10 --checkpoint-every 10"));
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  r = run_moeplan(("run " + common + " --out " + split + " --steps 20 --resume"));
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  EXPECT_NE(r.all().find("resumed from"), std::string::npos) << show(r);
 
   const std::vector<Json> a = read_metrics(straight), b = read_metrics(split);
   ASSERT_EQ(a.size(), 20u);
@@ -73,16 +73,16 @@ TEST(Run, RefusesToOverwriteARunWithoutResume) {
   ASSERT_EQ(prepare_data(files, dir.file("data"), 512, 64).exit_code, 0);
   const std::string model = write_small_model(dir, 512), plan = dir.file("plan.json");
   ASSERT_EQ(make_plan(model, plan, 64, 128, "fp32", 2).exit_code, 0);
-  const std::string run = moeplan_command("run " + plan + " --data " + dir.file("data") + " --out " +
+  const std::string run = ("run " + plan + " --data " + dir.file("data") + " --out " +
                                           dir.file("out") + " --threads 1 --steps 1");
-  ASSERT_EQ(run_command(run).exit_code, 0);
-  const CommandResult again = run_command(run);
+  ASSERT_EQ(run_moeplan(run).exit_code, 0);
+  const Command again = run_moeplan(run);
   EXPECT_EQ(again.exit_code, 2);
-  EXPECT_NE(again.output.find("--resume"), std::string::npos) << again.output;
+  EXPECT_NE(again.all().find("--resume"), std::string::npos) << show(again);
   // --resume without any checkpoint is an error too, not a silent fresh start.
-  const CommandResult resume = run_command(run + " --resume");
+  const Command resume = run_moeplan(run + " --resume");
   EXPECT_EQ(resume.exit_code, 2);
-  EXPECT_NE(resume.output.find("no complete checkpoint"), std::string::npos) << resume.output;
+  EXPECT_NE(resume.all().find("no complete checkpoint"), std::string::npos) << show(resume);
   EXPECT_EQ(read_metrics(dir.file("out")).size(), 1u);
 }
 

@@ -23,7 +23,7 @@ struct RunOptions {
   int64_t stop_after_step = 0;   // 0: the plan's training.steps (the schedule always uses those)
   int64_t checkpoint_every = 0;  // 0: no checkpoints
   bool resume = false;           // continue from the newest complete checkpoint in out_dir
-  int threads = 0;               // intra-op threads; 0: every core
+  int threads = 0;               // intra-op threads; 0: one (see docs/performance.md)
   std::ostream* progress = nullptr;
 };
 
