@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
 #include <malloc.h>
+#include <signal.h>
 
 namespace moeplan::executor {
 
@@ -20,5 +21,7 @@ void keep_freed_memory() {
   ::mallopt(M_TOP_PAD, 64 << 20);            // grow the heap in 64 MiB steps
 #endif
 }
+
+void ignore_broken_pipes() { ::signal(SIGPIPE, SIG_IGN); }
 
 }  // namespace moeplan::executor

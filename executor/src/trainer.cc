@@ -295,6 +295,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   check_plan(plan, data, o);
   set_compute_threads(o.threads > 0 ? o.threads : 1);
   keep_freed_memory();
+  ignore_broken_pipes();
 
   fs::create_directories(o.out_dir);
   const std::string metrics_path = o.out_dir + "/metrics.jsonl";

@@ -14,4 +14,8 @@ void set_compute_threads(int threads);
 // pages the kernel zero-fills again, step after step (a quarter of the step time here).
 void keep_freed_memory();
 
+// Writing to a peer that died raises SIGPIPE, whose default action kills this rank silently.
+// Ignored, the write fails instead and the collective reports which operation and group it was.
+void ignore_broken_pipes();
+
 }  // namespace moeplan::executor

@@ -1,0 +1,69 @@
+#pragma once
+// The collectives a rank uses, over one c10d process group, with what gloo 1.13 lacks built
+// from what it has:
+// - reduce-scatter: an all-to-all of the equal chunks, then a local sum (the same bytes on the
+//   wire as a ring reduce-scatter);
+// - all-gather into one tensor: the list form of all-gather, then a concatenation;
+// - bf16: moved as fp16 bit patterns where only bytes move (all-gather, all-to-all; gloo has
+//   no 16-bit integer type), summed in fp32 where values are added (all-reduce,
+//   reduce-scatter).
+// Every failure, a timeout included, becomes a CollectiveError that names the operation, the
+// group and the rank.
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace moeplan::executor {
+
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Communicator {
+ public:
+  // name: for messages, e.g. "expert group 1".
+  Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name);
+
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+  // In place: every rank ends with the sum.
+  void all_reduce_sum(torch::Tensor& t);
+  // The shards of every rank concatenated along dimension 0, in rank order.
+  torch::Tensor all_gather(const torch::Tensor& shard);
+  // full: [size * n, ...]. Returns this rank's chunk [n, ...] summed over the ranks.
+  torch::Tensor reduce_scatter_sum(const torch::Tensor& full);
+  // Rows of input go to ranks in order, send_rows[r] to rank r; recv_rows[r] rows arrive from
+  // rank r. Returns the received rows in rank order.
+  torch::Tensor all_to_all(const torch::Tensor& input, const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows);
+  void broadcast(torch::Tensor& t, int64_t root);
+  void barrier();
+
+ private:
+  template <class F>
+  void run(const char* op, F&& f);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::string name_;
+  int64_t rank_ = 0, size_ = 1;
+};
+
+// A gloo process group of `size` ranks over a shared store; every member calls this with the
+// same prefix (which keeps the store keys of different groups apart). `address` is this rank's
+// own address, which its peers connect to.
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       const std::string& prefix, int rank, int size,
+                                                       std::chrono::milliseconds timeout,
+                                                       const std::string& address = "127.0.0.1");
+
+}  // namespace moeplan::executor

@@ -1,0 +1,123 @@
+#include "moeplan/executor/collectives.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <cassert>
+#include <numeric>
+
+namespace moeplan::executor {
+
+namespace {
+
+// gloo 1.13 knows neither bf16 nor int16; where it only moves bytes, bf16 travels as fp16 bit
+// patterns (copied, never converted or added).
+torch::Tensor as_movable(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+}
+
+torch::Tensor from_movable(const torch::Tensor& t, torch::ScalarType type) {
+  return type == torch::kBFloat16 ? t.view(torch::kBFloat16) : t;
+}
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+}  // namespace
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name)
+    : group_(std::move(group)), name_(std::move(name)), rank_(group_->getRank()), size_(group_->getSize()) {}
+
+template <class F>
+void Communicator::run(const char* op, F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    throw CollectiveError(std::string(op) + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
+                          std::to_string(size_) + ") failed: " + first_line(e.what()));
+  }
+}
+
+void Communicator::all_reduce_sum(torch::Tensor& t) {
+  run("all-reduce", [&] {
+    const bool widen = t.scalar_type() == torch::kBFloat16;
+    std::vector<torch::Tensor> tensors{widen ? t.to(torch::kFloat) : t.contiguous()};
+    group_->allreduce(tensors)->wait();
+    if (widen || !t.is_contiguous()) t.copy_(tensors[0]);
+  });
+}
+
+torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
+  torch::Tensor result;
+  run("all-gather", [&] {
+    std::vector<torch::Tensor> inputs{as_movable(shard.contiguous())};
+    std::vector<std::vector<torch::Tensor>> outputs(1);
+    for (int64_t r = 0; r < size_; ++r) outputs[0].push_back(torch::empty_like(inputs[0]));
+    group_->allgather(outputs, inputs)->wait();
+    result = from_movable(torch::cat(outputs[0], 0), shard.scalar_type());
+  });
+  return result;
+}
+
+torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
+  if (full.size(0) % size_ != 0)
+    throw CollectiveError("reduce-scatter on " + name_ + ": " + std::to_string(full.size(0)) +
+                          " rows do not split into " + std::to_string(size_) + " equal chunks");
+  torch::Tensor result;
+  run("reduce-scatter", [&] {
+    torch::Tensor input = as_movable(full.contiguous());
+    torch::Tensor output = torch::empty_like(input);
+    std::vector<int64_t> out_equal, in_equal;  // empty split lists: equal chunks
+    group_->alltoall_base(output, input, out_equal, in_equal)->wait();
+    // Chunk r of the output is rank r's contribution to this rank's chunk: add them up (in fp32
+    // for bf16, rounding once).
+    const torch::Tensor received = from_movable(output, full.scalar_type());
+    std::vector<int64_t> shape = full.sizes().vec();
+    shape[0] /= size_;
+    shape.insert(shape.begin(), size_);
+    const torch::ScalarType sum_type = full.scalar_type() == torch::kBFloat16 ? torch::kFloat : full.scalar_type();
+    result = received.view(shape).to(sum_type).sum(0).to(full.scalar_type());
+  });
+  return result;
+}
+
+torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::vector<int64_t>& send_rows,
+                                       const std::vector<int64_t>& recv_rows) {
+  assert(static_cast<int64_t>(send_rows.size()) == size_ && static_cast<int64_t>(recv_rows.size()) == size_ &&
+         "one split per rank");
+  torch::Tensor result;
+  run("all-to-all", [&] {
+    std::vector<int64_t> send = send_rows, recv = recv_rows;
+    torch::Tensor in = as_movable(input.contiguous());
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape[0] = std::accumulate(recv.begin(), recv.end(), int64_t{0});
+    torch::Tensor out = torch::empty(shape, in.options());
+    group_->alltoall_base(out, in, recv, send)->wait();
+    result = from_movable(out, input.scalar_type());
+  });
+  return result;
+}
+
+void Communicator::broadcast(torch::Tensor& t, int64_t root) {
+  run("broadcast", [&] {
+    std::vector<torch::Tensor> tensors{as_movable(t.contiguous())};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    group_->broadcast(tensors, options)->wait();
+    if (!t.is_contiguous()) t.copy_(from_movable(tensors[0], t.scalar_type()));
+  });
+}
+
+void Communicator::barrier() {
+  run("barrier", [&] { group_->barrier()->wait(); });
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       const std::string& prefix, int rank, int size,
+                                                       std::chrono::milliseconds timeout, const std::string& address) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+}
+
+}  // namespace moeplan::executor
