@@ -55,6 +55,8 @@ struct RunArgs {
   int64_t checkpoint_every = 0;
   bool resume = false;
   int threads = 0;
+  int64_t timeout_seconds = 60;
+  std::vector<std::string> argv;  // the whole command line, to start local ranks with
 };
 
 int run_search(const SearchArgs& args);

@@ -87,6 +87,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   run_cmd->add_flag("--resume", run.resume, "Continue from the newest complete checkpoint in --out");
   run_cmd->add_option("--threads", run.threads, "Intra-op threads per rank (default: 1)")->check(CLI::Range(1, 1024));
+  run_cmd->add_option("--timeout", run.timeout_seconds, "Seconds a collective may wait for a peer")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{3600}));
 
   try {
     app.parse(argc, argv);
@@ -99,6 +102,9 @@ int main(int argc, char** argv) {
   if (check_cmd->parsed()) return run_check(check);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
-  if (run_cmd->parsed()) return run_run(run);
+  if (run_cmd->parsed()) {
+    run.argv.assign(argv, argv + argc);
+    return run_run(run);
+  }
   return kExitBadInput;
 }

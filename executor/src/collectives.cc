@@ -25,12 +25,19 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 }  // namespace
 
 Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name)
-    : group_(std::move(group)), name_(std::move(name)), rank_(group_->getRank()), size_(group_->getSize()) {}
+    : group_(std::move(group)), name_(std::move(name)) {
+  if (group_) {
+    rank_ = group_->getRank();
+    size_ = group_->getSize();
+  }
+}
 
 template <class F>
-void Communicator::run(const char* op, F&& f) {
+void Communicator::run(const char* op, int64_t bytes, F&& f) {
+  const auto start = std::chrono::steady_clock::now();
   try {
     f();
+    if (observer_) observer_(op, bytes, start, std::chrono::steady_clock::now());
   } catch (const std::exception& e) {
     throw CollectiveError(std::string(op) + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
                           std::to_string(size_) + ") failed: " + first_line(e.what()));
@@ -38,7 +45,8 @@ void Communicator::run(const char* op, F&& f) {
 }
 
 void Communicator::all_reduce_sum(torch::Tensor& t) {
-  run("all-reduce", [&] {
+  if (size_ == 1) return;
+  run("all-reduce", static_cast<int64_t>(t.nbytes()), [&] {
     const bool widen = t.scalar_type() == torch::kBFloat16;
     std::vector<torch::Tensor> tensors{widen ? t.to(torch::kFloat) : t.contiguous()};
     group_->allreduce(tensors)->wait();
@@ -47,8 +55,9 @@ void Communicator::all_reduce_sum(torch::Tensor& t) {
 }
 
 torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
+  if (size_ == 1) return shard.clone();
   torch::Tensor result;
-  run("all-gather", [&] {
+  run("all-gather", static_cast<int64_t>(shard.nbytes()) * size_, [&] {
     std::vector<torch::Tensor> inputs{as_movable(shard.contiguous())};
     std::vector<std::vector<torch::Tensor>> outputs(1);
     for (int64_t r = 0; r < size_; ++r) outputs[0].push_back(torch::empty_like(inputs[0]));
@@ -62,8 +71,9 @@ torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
   if (full.size(0) % size_ != 0)
     throw CollectiveError("reduce-scatter on " + name_ + ": " + std::to_string(full.size(0)) +
                           " rows do not split into " + std::to_string(size_) + " equal chunks");
+  if (size_ == 1) return full.clone();
   torch::Tensor result;
-  run("reduce-scatter", [&] {
+  run("reduce-scatter", static_cast<int64_t>(full.nbytes()), [&] {
     torch::Tensor input = as_movable(full.contiguous());
     torch::Tensor output = torch::empty_like(input);
     std::vector<int64_t> out_equal, in_equal;  // empty split lists: equal chunks
@@ -84,8 +94,9 @@ torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::ve
                                        const std::vector<int64_t>& recv_rows) {
   assert(static_cast<int64_t>(send_rows.size()) == size_ && static_cast<int64_t>(recv_rows.size()) == size_ &&
          "one split per rank");
+  if (size_ == 1) return input.clone();
   torch::Tensor result;
-  run("all-to-all", [&] {
+  run("all-to-all", static_cast<int64_t>(input.nbytes()), [&] {
     std::vector<int64_t> send = send_rows, recv = recv_rows;
     torch::Tensor in = as_movable(input.contiguous());
     std::vector<int64_t> shape = in.sizes().vec();
@@ -98,7 +109,8 @@ torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::ve
 }
 
 void Communicator::broadcast(torch::Tensor& t, int64_t root) {
-  run("broadcast", [&] {
+  if (size_ == 1) return;
+  run("broadcast", static_cast<int64_t>(t.nbytes()), [&] {
     std::vector<torch::Tensor> tensors{as_movable(t.contiguous())};
     c10d::BroadcastOptions options;
     options.rootRank = root;
@@ -108,7 +120,8 @@ void Communicator::broadcast(torch::Tensor& t, int64_t root) {
 }
 
 void Communicator::barrier() {
-  run("barrier", [&] { group_->barrier()->wait(); });
+  if (size_ == 1) return;
+  run("barrier", 0, [&] { group_->barrier()->wait(); });
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,

@@ -147,8 +147,6 @@ MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<tor
   return w;
 }
 
-namespace {
-
 using torch::indexing::Slice;
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -157,14 +155,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return weight * normed.to(x.scalar_type());
 }
 
+namespace {
 torch::Tensor rotate_half(const torch::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return torch::cat({-x.index({"...", Slice(half, torch::indexing::None)}), x.index({"...", Slice(0, half)})}, -1);
 }
 
-struct Rope {
-  torch::Tensor cos, sin;  // [T, head_dim], compute dtype
-};
+}  // namespace
 
 Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype) {
   const int64_t d = spec.head_dim;
@@ -208,6 +205,13 @@ torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::Scala
   return torch::zeros({t, t}, dtype).masked_fill(masked, -std::numeric_limits<float>::infinity());
 }
 
+torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
+                         const torch::Tensor& w3) {
+  return torch::matmul(torch::silu(torch::matmul(in, w1.t())) * torch::matmul(in, w3.t()), w2.t());
+}
+
+namespace {
+
 torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x,
                          LoadBalancing balancing, torch::Tensor& router_logits, torch::Tensor counts) {
   const int64_t h = x.size(-1);
@@ -231,9 +235,7 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   for (int64_t e = 0; e < spec.num_experts; ++e) {
     const int64_t n = per_expert[e];
     if (n == 0) continue;
-    const torch::Tensor in = gathered.narrow(0, begin, n);
-    const torch::Tensor act = torch::silu(torch::matmul(in, w.w1[e].t())) * torch::matmul(in, w.w3[e].t());
-    outputs.push_back(torch::matmul(act, w.w2[e].t()));
+    outputs.push_back(expert_ffn(gathered.narrow(0, begin, n), w.w1[e], w.w2[e], w.w3[e]));
     begin += n;
   }
   if (outputs.empty()) return torch::zeros_like(x);

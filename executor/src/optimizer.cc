@@ -16,6 +16,15 @@ AdamW::AdamW(std::vector<torch::Tensor> params, std::vector<bool> decay, AdamWSe
   }
 }
 
+AdamW AdamW::with_decay_masks(std::vector<torch::Tensor> params, std::vector<torch::Tensor> masks,
+                              AdamWSettings settings) {
+  assert(masks.size() == params.size() && "one decay mask per parameter");
+  const size_t n = params.size();
+  AdamW adam(std::move(params), std::vector<bool>(n, false), settings);
+  adam.masks_ = std::move(masks);
+  return adam;
+}
+
 void AdamW::step(const std::vector<torch::Tensor>& grads, double lr) {
   assert(grads.size() == params_.size() && "one gradient per parameter");
   torch::NoGradGuard no_grad;
@@ -28,6 +37,9 @@ void AdamW::step(const std::vector<torch::Tensor>& grads, double lr) {
     torch::Tensor& p = params_[i];
     const torch::Tensor g = grads[i].to(p.scalar_type());
     if (decay_[i] && settings_.weight_decay != 0) p.mul_(1 - lr * settings_.weight_decay);
+    // The same factor, rounded the same way, where the mask is set; exactly 1 elsewhere.
+    if (!masks_.empty() && settings_.weight_decay != 0)
+      p.mul_(torch::where(masks_[i], 1 - lr * settings_.weight_decay, 1.0));
     exp_avg_[i].mul_(settings_.beta1).add_(g, 1 - settings_.beta1);
     exp_avg_sq_[i].mul_(settings_.beta2).addcmul_(g, g, 1 - settings_.beta2);
     const torch::Tensor denom = (exp_avg_sq_[i].sqrt() / bias_correction2_sqrt).add_(settings_.eps);

@@ -14,6 +14,7 @@
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/parallel_trainer.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
 
@@ -148,11 +149,15 @@ void ModelTrainer::load_state(const NamedTensors& tensors, int64_t step, int64_t
     take("exp_avg/" + name, optimizer_->exp_avg()[i]);
     take("exp_avg_sq/" + name, optimizer_->exp_avg_sq()[i]);
   }
+  // A sharded run's checkpoint has no generator state (training draws no random numbers).
   torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
-  take("rng/cpu", rng);
+  const bool has_rng = by_name.count("rng/cpu") != 0;
+  if (has_rng) take("rng/cpu", rng);
   if (!d.empty()) return;
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  generator.set_state(rng);
+  if (has_rng) {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(rng);
+  }
   step_ = step;
   optimizer_->set_step_count(optimizer_step);
 }
@@ -236,11 +241,22 @@ class Run {
       d.error("state.samples_consumed", "missing");
     if (!s.contains("optimizer_step") || !s["optimizer_step"].is_number_integer())
       d.error("state.optimizer_step", "missing");
-    if (c.files.size() != 1) d.error("files", "a one-rank checkpoint has one shard");
+    if (c.files.empty()) d.error("files", "the checkpoint lists no shard");
     d.throw_if_any(step_dir + "/manifest.json");
-    const TensorFile shard = read_checkpoint_shard(c, c.files.front().name);
-    model_.load_state(shard.tensors, c.step, s["optimizer_step"].get<int64_t>(), d);
-    d.throw_if_any(step_dir + "/" + c.files.front().name);
+    // Shards of any layout: whole tensors of a one-rank run or slices of a sharded one.
+    SlicedState sliced;
+    for (const CheckpointFile& f : c.files) sliced.add(read_checkpoint_shard(c, f.name).tensors);
+    NamedTensors tensors;
+    const std::string rng = "rng/cpu";
+    for (const ParamInfo& info : model_.parameters().infos())
+      for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
+        const torch::Tensor t = sliced.whole(prefix + info.name, info.shape, d);
+        if (t.defined()) tensors.emplace_back(prefix + info.name, t);
+      }
+    if (sliced.contains(rng)) tensors.emplace_back(rng, sliced.whole(rng, {at::detail::getDefaultCPUGenerator().get_state().numel()}, d));
+    d.throw_if_any(step_dir);
+    model_.load_state(tensors, c.step, s["optimizer_step"].get<int64_t>(), d);
+    d.throw_if_any(step_dir);
     samples_ = s["samples_consumed"].get<int64_t>();
   }
 

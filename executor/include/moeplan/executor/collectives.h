@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,8 +30,10 @@ class CollectiveError : public std::runtime_error {
 
 class Communicator {
  public:
-  // name: for messages, e.g. "expert group 1".
+  // name: for messages, e.g. "expert group 1". A null group is a group of this rank alone,
+  // where every collective is a copy (or nothing).
   Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name);
+  Communicator() = default;
 
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
@@ -49,13 +52,20 @@ class Communicator {
   void broadcast(torch::Tensor& t, int64_t root);
   void barrier();
 
+  // Called after every collective that moved data: the operation, the bytes this rank put in,
+  // and when it started and ended (for the measured trace).
+  using Observer = std::function<void(const char* op, int64_t bytes, std::chrono::steady_clock::time_point start,
+                                      std::chrono::steady_clock::time_point end)>;
+  void set_observer(Observer observer) { observer_ = std::move(observer); }
+
  private:
   template <class F>
-  void run(const char* op, F&& f);
+  void run(const char* op, int64_t bytes, F&& f);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  std::string name_;
+  std::string name_ = "this rank";
   int64_t rank_ = 0, size_ = 1;
+  Observer observer_;
 };
 
 // A gloo process group of `size` ranks over a shared store; every member calls this with the

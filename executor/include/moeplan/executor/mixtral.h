@@ -95,6 +95,21 @@ struct LossTerms {
   torch::Tensor z;      // router z-loss
 };
 
+// Building blocks of the forward pass, shared by the sharded model.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+struct Rope {
+  torch::Tensor cos, sin;  // [T, head_dim], compute dtype
+};
+Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype);
+// 0 where attention is allowed, -inf in the future and beyond the sliding window: [T, T].
+torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype);
+// Self-attention of x [B, T, hidden] with the q/k/v/o projections of w (no norm, no residual).
+torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                        const torch::Tensor& mask_bias);
+// One SwiGLU expert on rows [n, hidden]: w2(silu(w1 x) * w3 x).
+torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
+                         const torch::Tensor& w3);
+
 // Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
                        const torch::Tensor& input_ids);

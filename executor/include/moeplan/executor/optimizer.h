@@ -23,6 +23,10 @@ struct AdamWSettings {
 class AdamW {
  public:
   AdamW(std::vector<torch::Tensor> params, std::vector<bool> decay, AdamWSettings settings);
+  // Per-element decay: masks[i] (bool, shaped like params[i]) is true where weight decay applies
+  // (flat parameters mix matrices and norms).
+  static AdamW with_decay_masks(std::vector<torch::Tensor> params, std::vector<torch::Tensor> masks,
+                                AdamWSettings settings);
   void step(const std::vector<torch::Tensor>& grads, double lr);
 
   int64_t step_count() const { return step_count_; }
@@ -33,6 +37,7 @@ class AdamW {
  private:
   std::vector<torch::Tensor> params_;
   std::vector<bool> decay_;
+  std::vector<torch::Tensor> masks_;
   AdamWSettings settings_;
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_;
   int64_t step_count_ = 0;

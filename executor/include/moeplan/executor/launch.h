@@ -1,0 +1,30 @@
+#pragma once
+// Starting the ranks of a run. `moeplan run` spawns the plan's ranks on this machine itself;
+// under torchrun (--no-python), SLURM (srun) or Open MPI (mpirun) each process reads its rank
+// from their environment variables and joins.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moeplan/executor/parallel_trainer.h"
+
+namespace moeplan::executor {
+
+// The rank of this process from the environment, or nothing when no launcher set one:
+//   moeplan (MOEPLAN_RANK, MOEPLAN_WORLD_SIZE, MOEPLAN_STORE_ADDR, MOEPLAN_STORE_PORT),
+//   torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+//   SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR, MASTER_PORT),
+//   Open MPI (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK;
+//   MASTER_ADDR, MASTER_PORT).
+// Throws InputError naming the variable when one is missing or malformed.
+std::optional<RankEnv> rank_env_from_environment();
+
+// Runs `argv` (this program's arguments) as `world_size` local ranks: hosts the rendezvous
+// store, starts /proc/self/exe once per rank with the moeplan variables set, and waits. When a
+// rank fails, the others get `grace_seconds` to exit on their own (their collectives time out
+// and name the lost rank) before they are killed. Returns 0 when every rank succeeded.
+int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t grace_seconds);
+
+}  // namespace moeplan::executor

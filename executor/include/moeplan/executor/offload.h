@@ -1,0 +1,53 @@
+#pragma once
+// Offloaded activations. On a GPU they would go to host memory; a CPU rank's "device" memory is
+// its host memory, so here they go to a file (in the page cache or on disk, outside the rank's
+// resident set) and the saving is real and measurable. Reads can be started ahead of use, which
+// is how the backward pass prefetches `activation_loading_horizon` blocks ahead.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <future>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace moeplan::executor {
+
+class ActivationStore {
+ public:
+  // Creates (truncates) the file at path; it is removed when the store is destroyed.
+  explicit ActivationStore(std::string path);
+  ~ActivationStore();
+  ActivationStore(const ActivationStore&) = delete;
+  ActivationStore& operator=(const ActivationStore&) = delete;
+
+  // Writes t under key (replacing an earlier entry of the same key).
+  void put(int64_t key, const torch::Tensor& t);
+  // Starts reading key in the background, if it is stored and not already on its way.
+  void prefetch(int64_t key);
+  // The tensor of key (waits for a prefetch); the entry is dropped afterwards.
+  torch::Tensor take(int64_t key);
+  // Forgets every entry and starts the file over (at the start of a step).
+  void clear();
+
+  int64_t bytes_written() const { return bytes_written_; }
+  int64_t bytes_read() const { return bytes_read_; }
+
+ private:
+  struct Entry {
+    int64_t offset = 0;
+    std::vector<int64_t> shape;
+    torch::ScalarType dtype = torch::kFloat;
+    std::shared_future<torch::Tensor> loading;
+  };
+  torch::Tensor read(const Entry& e) const;
+
+  std::string path_;
+  int fd_ = -1;
+  int64_t end_ = 0;
+  std::map<int64_t, Entry> entries_;
+  int64_t bytes_written_ = 0, bytes_read_ = 0;
+};
+
+}  // namespace moeplan::executor

@@ -1,0 +1,103 @@
+#pragma once
+// Training on many ranks: the sharded model, gradient reduction over the mesh, sharded AdamW,
+// clipping that counts every parameter once, checkpoints that re-shard, and the measured step
+// (phase timers as a trace, peak memory, tokens per expert).
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+#include "moeplan/core/trace.h"
+#include "moeplan/executor/mesh.h"
+#include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/sharded_model.h"
+#include "moeplan/executor/tensor_file.h"
+#include "moeplan/executor/trainer.h"
+
+namespace moeplan::executor {
+
+// What one rank records of a step: spans per phase, as trace events of this rank.
+class PhaseClock {
+ public:
+  using Clock = std::chrono::steady_clock;
+  void start_step() {
+    events_.clear();
+    origin_ = Clock::now();
+  }
+  void add(std::string name, std::string category, TraceStream stream, Clock::time_point start, Clock::time_point end,
+           double bytes = 0);
+  const std::vector<TraceEvent>& events() const { return events_; }
+  void set_rank(int64_t rank) { rank_ = rank; }
+
+ private:
+  std::vector<TraceEvent> events_;
+  Clock::time_point origin_ = Clock::now();
+  int64_t rank_ = 0;
+};
+
+class ShardedTrainer {
+ public:
+  ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationStore* offload);
+
+  // One optimizer step over this rank's micro-batches [micro_batch_size, seq_len]. Loss, norm
+  // and counts in the record are of the whole world.
+  StepRecord step(const std::vector<torch::Tensor>& micro_batches);
+  int64_t step_count() const { return step_; }
+
+  // This rank's part of the model and optimizer state: slices of parameters by global name,
+  // "param/<name>@<first element>" (and exp_avg/, exp_avg_sq/), for the units this rank owns.
+  NamedTensors state() const;
+  // Takes this rank's shards out of any layout's slices (see SlicedState).
+  void load_state(const class SlicedState& state, int64_t step, Diagnostics& d);
+
+  const PhaseClock& clock() const { return clock_; }
+  ShardedModel& model() { return model_; }
+
+ private:
+  const Plan& plan_;
+  DeviceMesh& mesh_;
+  ShardedModel model_;
+  std::unique_ptr<AdamW> optimizer_;
+  int64_t step_ = 0;
+  PhaseClock clock_;
+};
+
+// Checkpoint tensors of any layout, by parameter: a whole tensor "param/<name>" or slices
+// "param/<name>@<first element>" of its flattened values.
+class SlicedState {
+ public:
+  void add(const NamedTensors& tensors);
+  // Elements [begin, end) of the flattened tensor `key` ("param/<name>", ...), in the stored
+  // type; reports into d (and returns an undefined tensor) when the slices do not cover the
+  // range exactly once or their types differ.
+  torch::Tensor range(const std::string& key, int64_t begin, int64_t end, Diagnostics& d) const;
+  // The whole tensor, shaped.
+  torch::Tensor whole(const std::string& key, const std::vector<int64_t>& shape, Diagnostics& d) const;
+  bool contains(const std::string& key) const { return slices_.count(key) != 0; }
+
+ private:
+  std::map<std::string, std::map<int64_t, torch::Tensor>> slices_;  // key -> first element -> values
+};
+
+// Where a rank of a multi-rank run comes from.
+struct RankEnv {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 0;
+  bool store_hosted_elsewhere = false;  // the moeplan launcher hosts the store; else rank 0 does
+  std::string launcher;                 // "moeplan", "torchrun", "slurm", "mpirun"
+};
+
+// One rank of a multi-rank run: joins the others, trains, writes its part of checkpoints, the
+// trace and the report. Throws InputError for bad input, CollectiveError when a peer is lost.
+RunResult run_rank(const Plan& plan, const RunOptions& options, const RankEnv& env);
+
+}  // namespace moeplan::executor

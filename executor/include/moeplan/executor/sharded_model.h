@@ -1,0 +1,115 @@
+#pragma once
+// Mixtral spread over a device mesh (design.md sections 2 and 5): experts partitioned over the
+// expert group, model states sharded over the shard group as flat parameters, tokens moved to
+// their experts by all-to-all or all-gather, activation checkpointing and offloading.
+//
+// Flat parameters (the planner's memory model counts the same units): the embedding; per
+// decoder layer its dense part and, separately, its local experts (they are summed over
+// different replica groups); the final norm with the lm head. Each is padded to a multiple of
+// S and split into S equal shards; a rank keeps only its shard (the fp32 master, or bf16 in
+// bf16 mode) and its AdamW moments. Before a unit is used its shards are all-gathered in the
+// compute type; the gathered copy is freed after the unit's forward and gathered again for its
+// backward, whose gradient is reduce-scattered back to the shards.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+#include "moeplan/executor/mesh.h"
+#include "moeplan/executor/mixtral.h"
+#include "moeplan/executor/offload.h"
+
+namespace moeplan::executor {
+
+struct FlatUnit {
+  std::string name;  // "embed", "layers.3.dense", "layers.3.experts", "head"
+  int64_t block = 0;
+  bool experts = false;
+  std::vector<int64_t> params;   // indices into the model's parameter list
+  std::vector<int64_t> offsets;  // of each parameter in the flat tensor
+  int64_t numel = 0;             // without padding
+  int64_t shard_numel = 0;       // ceil(numel / S)
+};
+
+// The units of a rank at expert coordinate `expert_rank` (it holds experts
+// [expert_rank * n, (expert_rank + 1) * n), n = num_experts / E).
+std::vector<FlatUnit> flat_units(const ModelSpec& spec, const std::vector<ParamInfo>& infos, int64_t expert_degree,
+                                 int64_t expert_rank, int64_t shard_degree);
+
+class ShardedModel {
+ public:
+  // Builds the parameter list on the meta device, then materialises and initialises only this
+  // rank's shards; the values are those of the one-rank model, whatever the layout.
+  ShardedModel(const Plan& plan, DeviceMesh& mesh);
+
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  const std::vector<FlatUnit>& units() const { return units_; }
+  // Master shards, one per unit, leaves that receive the reduce-scattered gradients.
+  std::vector<torch::Tensor>& shards() { return shards_; }
+  // true where an element of a shard takes weight decay (matrices, not norms or padding).
+  const std::vector<torch::Tensor>& decay_masks() const { return decay_masks_; }
+  // The group a unit's shard gradients are summed over after the reduce-scatter.
+  Communicator& replica_group(const FlatUnit& unit);
+  // Whether this rank counts the unit in a global sum (the gradient norm) or writes it to a
+  // checkpoint: exactly one rank of its replicas does.
+  bool owns(const FlatUnit& unit) const;
+  // Where shard s of unit u starts in the flat tensor.
+  int64_t shard_begin(const FlatUnit& unit) const { return mesh_.coords().s * unit.shard_numel; }
+
+  // Activations saved for backward at checkpoints go to `store` (nullptr: kept in memory).
+  void set_offload(ActivationStore* store, int64_t horizon) {
+    offload_ = store;
+    horizon_ = horizon;
+  }
+
+  // One micro-batch [B, T] of this rank. shuffle_seed seeds the global token shuffle (the same on
+  // every rank of an expert group). Router counts are of this rank's tokens.
+  ForwardResult forward(const torch::Tensor& input_ids, uint64_t shuffle_seed);
+
+ private:
+  struct Gathered {
+    size_t unit = 0;
+    torch::Tensor flat;                 // the whole unit in the compute type
+    std::vector<torch::Tensor> params;  // views of flat, shaped like the parameters
+    bool releasable = false;            // false when flat is the master shard itself
+  };
+  using BlockFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&, bool recompute)>;
+
+  Gathered gather(size_t unit);
+  void release(const Gathered& g);
+  torch::Tensor regather_in_backward(const torch::Tensor& y, const std::vector<Gathered>& units);
+  std::vector<torch::Tensor> checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs, int64_t offload_key);
+  torch::Tensor block(int64_t layer, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed);
+  torch::Tensor moe(int64_t layer, const torch::Tensor& x, const torch::Tensor& router, const Gathered& experts,
+                    bool count, torch::Tensor& router_logits, uint64_t shuffle_seed);
+  torch::Tensor dispatch_all_to_all(const torch::Tensor& tokens, const torch::Tensor& experts,
+                                    const torch::Tensor& weights, const Gathered& local);
+  torch::Tensor dispatch_all_gather(const torch::Tensor& tokens, const torch::Tensor& experts,
+                                    const torch::Tensor& weights, const Gathered& local);
+  torch::Tensor local_experts(const torch::Tensor& rows, const std::vector<int64_t>& rows_per_expert,
+                              const Gathered& local);
+  LayerWeights dense_weights(const Gathered& dense) const;
+
+  const Plan& plan_;
+  DeviceMesh& mesh_;
+  torch::ScalarType master_type_, compute_type_;
+  std::vector<ParamInfo> infos_;
+  std::vector<FlatUnit> units_;
+  std::vector<torch::Tensor> shards_, decay_masks_;
+  int64_t experts_per_rank_ = 0, first_expert_ = 0;
+  Rope rope_;
+  torch::Tensor mask_;
+  ActivationStore* offload_ = nullptr;
+  int64_t horizon_ = 1;
+  torch::Tensor tokens_per_expert_;  // of the forward in progress
+};
+
+// The master and compute types of a precision.
+torch::ScalarType master_type(Precision p);
+torch::ScalarType compute_type(Precision p);
+
+}  // namespace moeplan::executor

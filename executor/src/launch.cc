@@ -1,0 +1,150 @@
+#include "moeplan/executor/launch.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char** environ;
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "moeplan/core/errors.h"
+
+namespace moeplan::executor {
+
+namespace {
+
+struct Names {
+  const char* launcher;
+  const char *rank, *world, *local, *addr, *port;
+};
+
+constexpr Names kLaunchers[] = {
+    {"moeplan", "MOEPLAN_RANK", "MOEPLAN_WORLD_SIZE", "MOEPLAN_LOCAL_RANK", "MOEPLAN_STORE_ADDR", "MOEPLAN_STORE_PORT"},
+    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"},
+    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"},
+    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_ADDR",
+     "MASTER_PORT"},
+};
+
+int64_t integer(const char* name, int64_t lo, int64_t hi, Diagnostics& d) {
+  const char* v = std::getenv(name);
+  if (!v) {
+    d.error(name, "is not set");
+    return 0;
+  }
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v, &end, 10);
+  if (errno || end == v || *end || x < lo || x > hi) {
+    d.error(name, std::string("= \"") + v + "\" is not an integer in " + std::to_string(lo) + ".." + std::to_string(hi));
+    return 0;
+  }
+  return x;
+}
+
+}  // namespace
+
+std::optional<RankEnv> rank_env_from_environment() {
+  for (const Names& n : kLaunchers) {
+    if (!std::getenv(n.rank)) continue;
+    Diagnostics d;
+    RankEnv env;
+    env.launcher = n.launcher;
+    env.world_size = integer(n.world, 1, 1 << 20, d);
+    env.rank = integer(n.rank, 0, std::max<int64_t>(0, env.world_size - 1), d);
+    env.local_rank = std::getenv(n.local) ? integer(n.local, 0, 1 << 20, d) : 0;
+    const char* addr = std::getenv(n.addr);
+    if (!addr || !*addr)
+      d.error(n.addr, "is not set: the address of the rank-0 host");
+    else
+      env.master_addr = addr;
+    env.master_port = integer(n.port, 1, 65535, d);
+    env.store_hosted_elsewhere = env.launcher == "moeplan";
+    d.throw_if_any(std::string(n.launcher) + " environment");
+    return env;
+  }
+  return std::nullopt;
+}
+
+int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t grace_seconds) {
+  // The store lives in this process, so it outlives any rank (a lost rank 0 included).
+  c10d::TCPStoreOptions so;
+  so.port = 0;  // any free port
+  so.isServer = true;
+  so.waitWorkers = false;
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const std::string port = std::to_string(store->getPort());
+
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::map<pid_t, int64_t> children;
+  for (int64_t rank = 0; rank < world_size; ++rank) {
+    // Built before fork: the child only calls execve (this process has threads).
+    std::vector<std::string> vars;
+    for (char** e = environ; *e; ++e)
+      if (std::strncmp(*e, "MOEPLAN_", 8) != 0) vars.emplace_back(*e);
+    vars.push_back("MOEPLAN_RANK=" + std::to_string(rank));
+    vars.push_back("MOEPLAN_WORLD_SIZE=" + std::to_string(world_size));
+    vars.push_back("MOEPLAN_LOCAL_RANK=" + std::to_string(rank));
+    vars.push_back("MOEPLAN_STORE_ADDR=127.0.0.1");
+    vars.push_back("MOEPLAN_STORE_PORT=" + port);
+    std::vector<char*> envp;
+    for (std::string& v : vars) envp.push_back(v.data());
+    envp.push_back(nullptr);
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      std::perror("moeplan: fork");
+      for (const auto& [p, r] : children) ::kill(p, SIGKILL);
+      return 1;
+    }
+    if (pid == 0) {
+      ::execve("/proc/self/exe", args.data(), envp.data());
+      ::_exit(127);
+    }
+    children[pid] = rank;
+  }
+
+  int exit_code = 0;
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  while (!children.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, deadline ? WNOHANG : 0);
+    if (pid < 0) break;
+    if (pid == 0) {  // ranks still running after a failure
+      if (std::chrono::steady_clock::now() > *deadline) {
+        for (const auto& [p, r] : children) {
+          std::fprintf(stderr, "moeplan: error: rank %lld did not exit %lld s after a failure: killed\n",
+                       static_cast<long long>(r), static_cast<long long>(grace_seconds));
+          ::kill(p, SIGKILL);
+        }
+        deadline.reset();
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      continue;
+    }
+    const auto it = children.find(pid);
+    if (it == children.end()) continue;
+    const int64_t rank = it->second;
+    children.erase(it);
+    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (ok) continue;
+    if (WIFSIGNALED(status))
+      std::fprintf(stderr, "moeplan: error: rank %lld was killed by signal %d (%s)\n", static_cast<long long>(rank),
+                   WTERMSIG(status), strsignal(WTERMSIG(status)));
+    if (exit_code == 0) exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+    if (!deadline) deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds);
+  }
+  return exit_code;
+}
+
+}  // namespace moeplan::executor

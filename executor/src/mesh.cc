@@ -1,0 +1,75 @@
+#include "moeplan/executor/mesh.h"
+
+#include <algorithm>
+
+namespace moeplan::executor {
+
+MeshLayout::MeshLayout(const ParallelConfig& parallel) : parallel_(parallel), world_size_(parallel.world_size) {}
+
+MeshCoords MeshLayout::coords(int64_t rank) const {
+  MeshCoords c;
+  for (const MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert}) {
+    const int64_t v = (rank / parallel_.stride(d)) % parallel_.degree(d);
+    (d == MeshDim::kReplica ? c.r : d == MeshDim::kShard ? c.s : c.e) = v;
+  }
+  return c;
+}
+
+int64_t MeshLayout::rank_of(const MeshCoords& c) const {
+  int64_t rank = 0;
+  for (const MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert}) rank += c.of(d) * parallel_.stride(d);
+  return rank;
+}
+
+std::vector<int64_t> MeshLayout::group(int64_t rank, const std::vector<MeshDim>& varying) const {
+  const MeshCoords mine = coords(rank);
+  std::vector<int64_t> ranks;
+  for (int64_t other = 0; other < world_size_; ++other) {
+    const MeshCoords c = coords(other);
+    bool same = true;
+    for (const MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert})
+      if (std::find(varying.begin(), varying.end(), d) == varying.end() && c.of(d) != mine.of(d)) same = false;
+    if (same) ranks.push_back(other);
+  }
+  return ranks;
+}
+
+namespace {
+
+std::string join(const std::vector<int64_t>& ranks) {
+  std::string s;
+  for (const int64_t r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
+// A group's members call this with the same ranks; a group of one needs no process group.
+Communicator make_group(const std::string& kind, const std::vector<int64_t>& ranks, int64_t rank,
+                        const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout,
+                        const std::string& address) {
+  const std::string name = kind + " {" + join(ranks) + "}";
+  if (ranks.size() == 1) return Communicator(c10::intrusive_ptr<c10d::ProcessGroup>(), name);
+  const auto me = std::find(ranks.begin(), ranks.end(), rank) - ranks.begin();
+  return Communicator(make_gloo_group(store, "group/" + kind + "/" + join(ranks) + "/", static_cast<int>(me),
+                                      static_cast<int>(ranks.size()), timeout, address),
+                      name);
+}
+
+}  // namespace
+
+DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::intrusive_ptr<c10d::Store>& store,
+                       std::chrono::milliseconds timeout, const std::string& address)
+    : layout_(parallel), rank_(rank), coords_(layout_.coords(rank)) {
+  using D = MeshDim;
+  // Every rank creates its groups in the same order, so that no rank waits on a group its peer
+  // has not reached.
+  world = make_group("world", layout_.group(rank, {D::kReplica, D::kShard, D::kExpert}), rank, store, timeout, address);
+  shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address);
+  expert = make_group("expert", layout_.group(rank, {D::kExpert}), rank, store, timeout, address);
+  dense_replicas =
+      make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert}), rank, store, timeout, address);
+  expert_replicas = make_group("expert-replica", layout_.group(rank, {D::kReplica}), rank, store, timeout, address);
+}
+
+DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}
+
+}  // namespace moeplan::executor

@@ -1,0 +1,340 @@
+// One rank of a multi-rank run: rendezvous, the data slice of each rank, checkpoints written by
+// every rank and committed by rank 0, heartbeats that name a lost rank, and the measured trace
+// and report.
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+#include <thread>
+
+#include "moeplan/core/checksum.h"
+#include "moeplan/core/errors.h"
+#include "moeplan/core/rules.h"
+#include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/parallel_trainer.h"
+#include "moeplan/executor/runtime.h"
+#include "moeplan/executor/tokens.h"
+
+namespace moeplan::executor {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+
+// Every rank bumps its counter in the store twice a second; a rank whose counter stops, and
+// which did not report an error itself, is lost.
+class Heartbeat {
+ public:
+  Heartbeat(c10::intrusive_ptr<c10d::Store> store, int64_t rank) : store_(std::move(store)), rank_(rank) {
+    thread_ = std::thread([this] {
+      int64_t beat = 0;
+      while (!stop_) {
+        try {
+          store_->set("beat/" + std::to_string(rank_), bytes_of(std::to_string(++beat)));
+        } catch (const std::exception&) {
+          return;  // the store is gone; the collectives will say so
+        }
+        for (int i = 0; i < 5 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  }
+  ~Heartbeat() {
+    stop_ = true;
+    thread_.join();
+  }
+
+  // The ranks that stopped beating without reporting an error, or a note that the store is gone.
+  std::string lost(int64_t world) {
+    try {
+      store_->set("error/" + std::to_string(rank_), bytes_of("1"));
+      auto read = [&] {
+        std::vector<std::string> beats;
+        for (int64_t r = 0; r < world; ++r) {
+          const std::string key = "beat/" + std::to_string(r);
+          beats.push_back(store_->check({key}) ? std::string(store_->get(key).begin(), store_->get(key).end()) : "");
+        }
+        return beats;
+      };
+      const std::vector<std::string> before = read();
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      const std::vector<std::string> after = read();
+      std::string names;
+      for (int64_t r = 0; r < world; ++r)
+        if (before[static_cast<size_t>(r)] == after[static_cast<size_t>(r)] &&
+            !store_->check({"error/" + std::to_string(r)}))
+          names += (names.empty() ? "" : ", ") + std::to_string(r);
+      return names.empty() ? "" : "lost rank " + names + " (no heartbeat for 2 s)";
+    } catch (const std::exception&) {
+      return "the rendezvous store is gone (its host, rank 0 or the launcher, was lost)";
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int64_t rank_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o, const RankEnv& env) {
+  Diagnostics d;
+  if (plan.parallel.world_size != env.world_size)
+    d.error("parallel.world_size", std::to_string(plan.parallel.world_size) + " ranks, but " + env.launcher +
+                                       " started " + std::to_string(env.world_size));
+  for (const Violation& v : validate({plan.model, plan.cluster, plan.parallel, plan.moe, plan.training}))
+    d.error(v.field, v.message);
+  if (data.vocab_size() != plan.model.vocab_size)
+    d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
+                                    data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");
+  if (data.block_size() != plan.training.seq_len)
+    d.error("training.seq_len", std::to_string(plan.training.seq_len) + " does not match the block size of " +
+                                    data.dir() + " (" + std::to_string(data.block_size()) + ")");
+  if (o.stop_after_step < 0 || o.stop_after_step > plan.training.steps)
+    d.error("--steps", std::to_string(o.stop_after_step) + " is outside 1.." + std::to_string(plan.training.steps));
+  if (o.checkpoint_every < 0) d.error("--checkpoint-every", "must not be negative");
+  d.throw_if_any("run");
+}
+
+OrderedJson to_json(const TraceEvent& e) {
+  OrderedJson j;
+  j["name"] = e.name;
+  j["cat"] = e.category;
+  j["start_ns"] = e.start_ns;
+  j["dur_ns"] = e.duration_ns;
+  j["stream"] = static_cast<int>(e.stream);
+  j["bytes"] = e.bytes;
+  return j;
+}
+
+std::string step_folder(const std::string& checkpoints, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return checkpoints + "/" + name;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double relative_error(double measured, double predicted) {
+  return predicted > 0 ? (measured - predicted) / predicted : 0.0;
+}
+
+}  // namespace
+
+RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
+  TokenDataset data = TokenDataset::open(o.data_dir);
+  check_plan(plan, data, o, env);
+  set_compute_threads(o.threads > 0 ? o.threads : 1);
+  keep_freed_memory();
+  ignore_broken_pipes();
+  const auto timeout = std::chrono::milliseconds(1000 * o.timeout_seconds);
+
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = env.rank == 0 && !env.store_hosted_elsewhere;
+  so.numWorkers = c10::nullopt;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  Heartbeat heartbeat(store, env.rank);
+  const bool leader = env.rank == 0;
+  try {
+    DeviceMesh mesh(plan.parallel, env.rank, store, timeout);
+    const ParallelConfig& p = plan.parallel;
+    fs::create_directories(o.out_dir);
+    const std::string metrics_path = o.out_dir + "/metrics.jsonl";
+    const std::string checkpoints = o.out_dir + "/checkpoints";
+    std::string resume_from;
+    if (o.resume) {
+      resume_from = latest_checkpoint(checkpoints);
+      if (resume_from.empty()) throw InputError("--resume", {{"", "no complete checkpoint in " + checkpoints}});
+    } else if (fs::exists(metrics_path) || !latest_checkpoint(checkpoints).empty()) {
+      throw InputError("--out", {{"", o.out_dir + " already holds a run; pass --resume to continue it or choose another folder"}});
+    }
+    mesh.world.barrier();  // every rank has looked at the folder before anyone writes to it
+
+    std::unique_ptr<ActivationStore> offload;
+    if (p.activation_offloading)
+      offload = std::make_unique<ActivationStore>(o.out_dir + "/.offload-rank-" + std::to_string(env.rank));
+    ShardedTrainer trainer(plan, mesh, offload.get());
+    BlockOrder order(data.num_blocks(), static_cast<uint64_t>(plan.training.seed));
+    int64_t samples = 0;  // of the whole world
+    if (!resume_from.empty()) {
+      const LoadedCheckpoint c = open_checkpoint(resume_from);
+      Diagnostics d;
+      const OrderedJson& s = c.state;
+      if (!s.is_object() || !s.contains("model") || s["model"] != to_json(plan.model))
+        d.error("state.model", "the checkpoint's model differs from the plan's model");
+      if (!s.contains("precision") || s["precision"] != name_of(kPrecisionNames, plan.training.precision))
+        d.error("state.precision", "the checkpoint was saved with another precision");
+      if (!s.contains("samples_consumed") || !s["samples_consumed"].is_number_integer())
+        d.error("state.samples_consumed", "missing");
+      d.throw_if_any(resume_from + "/manifest.json");
+      SlicedState sliced;
+      for (const CheckpointFile& f : c.files) sliced.add(read_checkpoint_shard(c, f.name).tensors);
+      trainer.load_state(sliced, c.step, d);
+      d.throw_if_any(resume_from);
+      samples = s["samples_consumed"].get<int64_t>();
+      if (leader && o.progress) *o.progress << "resumed from " << resume_from << " at step " << c.step << "\n";
+    }
+    if (leader && !resume_from.empty()) {
+      // Keep the metrics of the steps up to the checkpoint.
+      std::ifstream in(metrics_path);
+      std::string line, kept;
+      while (std::getline(in, line)) {
+        if (line.empty()) continue;
+        Json j;
+        try {
+          j = Json::parse(line);
+        } catch (const Json::parse_error&) {
+          break;
+        }
+        if (!j.contains("step") || !j["step"].is_number_integer() || j["step"].get<int64_t>() > trainer.step_count())
+          break;
+        kept += line + '\n';
+      }
+      write_file_atomic(metrics_path, kept);
+    }
+
+    const int64_t last_step = o.stop_after_step > 0 ? o.stop_after_step : plan.training.steps;
+    RunResult result;
+    result.first_step = trainer.step_count() + 1;
+    std::ofstream metrics;
+    if (leader) {
+      metrics.open(metrics_path, std::ios::app);
+      if (!metrics) throw InputError(metrics_path, {{"", "cannot write"}});
+    }
+    const int64_t ga = p.gradient_accumulation_steps, mbs = p.micro_batch_size;
+    while (trainer.step_count() < last_step) {
+      // Rank r's micro-batch m holds what a one-rank run with r * ga + m micro-batches before it
+      // would train on.
+      std::vector<torch::Tensor> micro_batches;
+      for (int64_t m = 0; m < ga; ++m) {
+        std::vector<int64_t> blocks;
+        for (int64_t i = 0; i < mbs; ++i) blocks.push_back(order.block_of(samples + (env.rank * ga + m) * mbs + i));
+        micro_batches.push_back(data.blocks(blocks));
+      }
+      samples += env.world_size * ga * mbs;
+      StepRecord r = trainer.step(micro_batches);
+      if (leader) {
+        metrics << to_json_line(r) << '\n' << std::flush;
+        if (o.progress) {
+          char line[200];
+          std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  %.3f s",
+                        static_cast<long long>(r.step), static_cast<long long>(last_step), r.loss, r.learning_rate,
+                        r.grad_norm, r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0, r.seconds);
+          *o.progress << line << std::endl;
+        }
+      }
+      if (o.checkpoint_every > 0 && (r.step % o.checkpoint_every == 0 || r.step == last_step)) {
+        // Rank 0 prepares the folder (and unpublishes an older save of this step) first.
+        if (leader) begin_checkpoint(checkpoints, r.step);
+        mesh.world.barrier();
+        const std::string dir = step_folder(checkpoints, r.step);
+        const NamedTensors mine = trainer.state();
+        if (!mine.empty()) write_checkpoint_shard(dir, env.rank, mine);
+        mesh.world.barrier();
+        if (leader) {
+          std::vector<CheckpointFile> files;
+          for (int64_t rank = 0; rank < env.world_size; ++rank) {
+            char name[40];
+            std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank));
+            const std::string path = dir + "/" + name;
+            if (fs::exists(path))
+              files.push_back({name, static_cast<int64_t>(fs::file_size(path)), crc32_file(path)});
+          }
+          OrderedJson state;
+          state["samples_consumed"] = samples;
+          state["optimizer_step"] = r.step;
+          state["precision"] = name_of(kPrecisionNames, plan.training.precision);
+          state["seed"] = plan.training.seed;
+          state["model"] = to_json(plan.model);
+          state["parallel"] = to_json(plan.parallel);
+          state["data"] = {{"dir", data.dir()}, {"blocks", data.num_blocks()}, {"block_size", data.block_size()}};
+          commit_checkpoint(dir, r.step, state, files);
+          if (o.progress) *o.progress << "saved " << dir << std::endl;
+        }
+        mesh.world.barrier();
+        result.last_checkpoint = dir;
+      }
+      result.steps.push_back(std::move(r));
+    }
+    result.last_step = trainer.step_count();
+    result.peak_rss_bytes = peak_rss_bytes();
+
+    // The measured trace of the last step and the report: every rank writes its part, rank 0
+    // joins them.
+    {
+      OrderedJson part;
+      part["rank"] = env.rank;
+      part["peak_rss_bytes"] = result.peak_rss_bytes;
+      part["events"] = OrderedJson::array();
+      for (const TraceEvent& e : trainer.clock().events()) part["events"].push_back(to_json(e));
+      write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", part.dump());
+    }
+    mesh.world.barrier();
+    if (leader) {
+      Trace trace;
+      trace.source = "measured";
+      trace.ranks = env.world_size;
+      std::vector<int64_t> peaks;
+      for (int64_t rank = 0; rank < env.world_size; ++rank) {
+        const std::string path = o.out_dir + "/.trace-rank-" + std::to_string(rank) + ".json";
+        const Json part = read_json_file(path);
+        peaks.push_back(part["peak_rss_bytes"].get<int64_t>());
+        for (const Json& e : part["events"]) {
+          TraceEvent t;
+          t.name = e["name"].get<std::string>();
+          t.category = e["cat"].get<std::string>();
+          t.start_ns = e["start_ns"].get<int64_t>();
+          t.duration_ns = e["dur_ns"].get<int64_t>();
+          t.rank = rank;
+          t.stream = static_cast<TraceStream>(e["stream"].get<int>());
+          t.bytes = e["bytes"].get<double>();
+          trace.events.push_back(std::move(t));
+        }
+        fs::remove(path);
+      }
+      write_file_atomic(o.out_dir + "/trace.json", to_json(trace).dump(1) + "\n");
+      std::vector<double> seconds;
+      for (size_t i = result.steps.size() > 1 ? 1 : 0; i < result.steps.size(); ++i)
+        seconds.push_back(result.steps[i].seconds);
+      const double step_s = median(seconds);
+      const double tokens = result.steps.empty() ? 0 : static_cast<double>(result.steps.back().tokens);
+      const int64_t peak = peaks.empty() ? 0 : *std::max_element(peaks.begin(), peaks.end());
+      OrderedJson report;
+      report["schema_version"] = 1;
+      report["plan"] = {{"parallel", describe(plan.parallel)}, {"profile", plan.cluster.name}};
+      report["measured"] = {{"where", "CPU ranks of this machine (gloo)"},
+                            {"steps", static_cast<int64_t>(result.steps.size())},
+                            {"step_time_s", step_s},
+                            {"tokens_per_s", step_s > 0 ? tokens / step_s : 0.0},
+                            {"peak_rss_bytes_per_rank", peaks},
+                            {"peak_rss_bytes", peak}};
+      report["predicted"] = {{"step_time_s", plan.prediction.step_time_s},
+                             {"tokens_per_s", plan.prediction.tokens_per_s},
+                             {"device_bytes_per_rank", plan.prediction.memory.device_total_bytes}};
+      report["relative_error"] = {
+          {"step_time", relative_error(step_s, plan.prediction.step_time_s)},
+          {"tokens_per_s", relative_error(step_s > 0 ? tokens / step_s : 0.0, plan.prediction.tokens_per_s)},
+          {"peak_memory", relative_error(static_cast<double>(peak),
+                                         static_cast<double>(plan.prediction.memory.device_total_bytes))}};
+      write_file_atomic(o.out_dir + "/report.json", report.dump(2) + "\n");
+    }
+    mesh.world.barrier();
+    return result;
+  } catch (const CollectiveError& e) {
+    const std::string lost = heartbeat.lost(env.world_size);
+    throw CollectiveError("rank " + std::to_string(env.rank) + ": " + e.what() + (lost.empty() ? "" : "; " + lost));
+  }
+}
+
+}  // namespace moeplan::executor
