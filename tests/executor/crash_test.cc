@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <thread>
@@ -69,12 +70,15 @@ TEST(Crash, SaveKilledAtRandomMomentsNeverLeavesALoadableBrokenCheckpoint) {
 
   std::mt19937_64 rng(20261122);
   int attempts = 0, during_save = 0, before_save = 0, after_commit = 0;
-  while (during_save < 20 && attempts < 120) {
+  // The kill moment is drawn from [lo, hi] (fractions of the run), a window that closes in on
+  // the save: a kill after the commit lowers hi, one before the save raises lo. The run's time
+  // varies from one start to the next, so a window grown too narrow opens again.
+  double lo = 0.5, hi = 1.0;
+  while (during_save < 20 && attempts < 200) {
     ++attempts;
     fs::remove_all(step2);
-    // Kill somewhere in the last part of the run, where the save is (it starts at about 80% of
-    // the run on this machine; the attempts that land before or after it are counted too).
-    const double at_s = std::uniform_real_distribution<double>(0.7 * full_s, 1.0 * full_s)(rng);
+    const double fraction = std::uniform_real_distribution<double>(lo, hi)(rng);
+    const double at_s = fraction * full_s;
     const pid_t pid = spawn(with({"--resume", "--steps", "2", "--checkpoint-every", "1"}));
     std::this_thread::sleep_for(std::chrono::duration<double>(at_s));
     ::kill(pid, SIGKILL);
@@ -82,10 +86,16 @@ TEST(Crash, SaveKilledAtRandomMomentsNeverLeavesALoadableBrokenCheckpoint) {
     const bool has_dir = fs::exists(step2), has_manifest = fs::exists(step2 + "/manifest.json");
     if (!has_dir) {
       ++before_save;
+      lo = fraction;
     } else if (has_manifest) {
       ++after_commit;
+      hi = fraction;
     } else {
       ++during_save;
+    }
+    if (hi - lo < 0.01) {
+      lo = std::max(0.3, lo - 0.1);
+      hi = std::min(1.2, hi + 0.1);
     }
     if (has_manifest) {
       // Committed: it must be whole.
