@@ -30,12 +30,21 @@ std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()
 // which did not report an error itself, is lost.
 class Heartbeat {
  public:
-  Heartbeat(c10::intrusive_ptr<c10d::Store> store, int64_t rank) : store_(std::move(store)), rank_(rank) {
+  // `store` answers lost(); the beats go through a connection of their own (a store client is
+  // not shared between threads).
+  Heartbeat(c10::intrusive_ptr<c10d::Store> store, const RankEnv& env, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), rank_(env.rank) {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(env.master_port);
+    so.isServer = false;
+    so.waitWorkers = false;
+    so.timeout = timeout;
+    beats_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     thread_ = std::thread([this] {
       int64_t beat = 0;
       while (!stop_) {
         try {
-          store_->set("beat/" + std::to_string(rank_), bytes_of(std::to_string(++beat)));
+          beats_->set("beat/" + std::to_string(rank_), bytes_of(std::to_string(++beat)));
         } catch (const std::exception&) {
           return;  // the store is gone; the collectives will say so
         }
@@ -69,13 +78,14 @@ class Heartbeat {
             !store_->check({"error/" + std::to_string(r)}))
           names += (names.empty() ? "" : ", ") + std::to_string(r);
       return names.empty() ? "" : "lost rank " + names + " (no heartbeat for 2 s)";
-    } catch (const std::exception&) {
-      return "the rendezvous store is gone (its host, rank 0 or the launcher, was lost)";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      return "the heartbeats could not be read (" + what.substr(0, what.find('\n')) + ")";
     }
   }
 
  private:
-  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Store> store_, beats_;
   int64_t rank_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
@@ -144,7 +154,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   so.waitWorkers = false;
   so.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-  Heartbeat heartbeat(store, env.rank);
+  Heartbeat heartbeat(store, env, timeout);
   const bool leader = env.rank == 0;
   try {
     DeviceMesh mesh(plan.parallel, env.rank, store, timeout);
