@@ -181,12 +181,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       const LoadedCheckpoint c = open_checkpoint(resume_from);
       Diagnostics d;
       const OrderedJson& s = c.state;
-      if (!s.is_object() || !s.contains("model") || s["model"] != to_json(plan.model))
-        d.error("state.model", "the checkpoint's model differs from the plan's model");
-      if (!s.contains("precision") || s["precision"] != name_of(kPrecisionNames, plan.training.precision))
-        d.error("state.precision", "the checkpoint was saved with another precision");
-      if (!s.contains("samples_consumed") || !s["samples_consumed"].is_number_integer())
-        d.error("state.samples_consumed", "missing");
+      check_checkpoint_state(plan, s, d);
       d.throw_if_any(resume_from + "/manifest.json");
       SlicedState sliced;
       for (const CheckpointFile& f : c.files) sliced.add(read_checkpoint_shard(c, f.name).tensors);
@@ -195,24 +190,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       samples = s["samples_consumed"].get<int64_t>();
       if (leader && o.progress) *o.progress << "resumed from " << resume_from << " at step " << c.step << "\n";
     }
-    if (leader && !resume_from.empty()) {
-      // Keep the metrics of the steps up to the checkpoint.
-      std::ifstream in(metrics_path);
-      std::string line, kept;
-      while (std::getline(in, line)) {
-        if (line.empty()) continue;
-        Json j;
-        try {
-          j = Json::parse(line);
-        } catch (const Json::parse_error&) {
-          break;
-        }
-        if (!j.contains("step") || !j["step"].is_number_integer() || j["step"].get<int64_t>() > trainer.step_count())
-          break;
-        kept += line + '\n';
-      }
-      write_file_atomic(metrics_path, kept);
-    }
+    if (leader && !resume_from.empty()) truncate_metrics(metrics_path, trainer.step_count());
 
     const int64_t last_step = o.stop_after_step > 0 ? o.stop_after_step : plan.training.steps;
     RunResult result;

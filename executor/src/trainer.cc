@@ -80,7 +80,8 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
   d.throw_if_any("run");
 }
 
-// Keeps the metrics lines of steps up to `last_step` (a resumed run rewrites the rest).
+}  // namespace
+
 void truncate_metrics(const std::string& path, int64_t last_step) {
   std::ifstream in(path);
   std::string line, kept;
@@ -97,6 +98,19 @@ void truncate_metrics(const std::string& path, int64_t last_step) {
   }
   write_file_atomic(path, kept);
 }
+
+void check_checkpoint_state(const Plan& plan, const OrderedJson& s, Diagnostics& d) {
+  if (!s.is_object() || !s.contains("model") || s["model"] != to_json(plan.model))
+    d.error("state.model", "the checkpoint's model differs from the plan's model");
+  if (!s.contains("precision") || s["precision"] != name_of(kPrecisionNames, plan.training.precision))
+    d.error("state.precision", "the checkpoint was saved with another precision");
+  if (!s.contains("samples_consumed") || !s["samples_consumed"].is_number_integer())
+    d.error("state.samples_consumed", "missing");
+  if (!s.contains("optimizer_step") || !s["optimizer_step"].is_number_integer())
+    d.error("state.optimizer_step", "missing");
+}
+
+namespace {
 
 }  // namespace
 
@@ -233,14 +247,7 @@ class Run {
     const LoadedCheckpoint c = open_checkpoint(step_dir);
     Diagnostics d;
     const OrderedJson& s = c.state;
-    if (!s.is_object() || !s.contains("model") || s["model"] != to_json(plan_.model))
-      d.error("state.model", "the checkpoint's model differs from the plan's model");
-    if (!s.contains("precision") || s["precision"] != name_of(kPrecisionNames, plan_.training.precision))
-      d.error("state.precision", "the checkpoint was saved with another precision");
-    if (!s.contains("samples_consumed") || !s["samples_consumed"].is_number_integer())
-      d.error("state.samples_consumed", "missing");
-    if (!s.contains("optimizer_step") || !s["optimizer_step"].is_number_integer())
-      d.error("state.optimizer_step", "missing");
+    check_checkpoint_state(plan_, s, d);
     if (c.files.empty()) d.error("files", "the checkpoint lists no shard");
     d.throw_if_any(step_dir + "/manifest.json");
     // Shards of any layout: whole tensors of a one-rank run or slices of a sharded one.

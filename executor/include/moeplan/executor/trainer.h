@@ -77,6 +77,13 @@ struct RunResult {
 // Throws InputError for a plan, data folder or checkpoint that does not fit.
 RunResult run_training(const Plan& plan, const RunOptions& options);
 
+// Keeps the metrics.jsonl lines of steps up to `last_step` (a resumed run rewrites the rest).
+void truncate_metrics(const std::string& path, int64_t last_step);
+
+// Reports into d what in a checkpoint's state does not fit the plan (model, precision, data
+// position, optimizer step).
+void check_checkpoint_state(const Plan& plan, const OrderedJson& state, Diagnostics& d);
+
 // One metrics.jsonl line (no newline).
 std::string to_json_line(const StepRecord& record);
 
