@@ -98,15 +98,7 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o,
                                        " started " + std::to_string(env.world_size));
   for (const Violation& v : validate({plan.model, plan.cluster, plan.parallel, plan.moe, plan.training}))
     d.error(v.field, v.message);
-  if (data.vocab_size() != plan.model.vocab_size)
-    d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
-                                    data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");
-  if (data.block_size() != plan.training.seq_len)
-    d.error("training.seq_len", std::to_string(plan.training.seq_len) + " does not match the block size of " +
-                                    data.dir() + " (" + std::to_string(data.block_size()) + ")");
-  if (o.stop_after_step < 0 || o.stop_after_step > plan.training.steps)
-    d.error("--steps", std::to_string(o.stop_after_step) + " is outside 1.." + std::to_string(plan.training.steps));
-  if (o.checkpoint_every < 0) d.error("--checkpoint-every", "must not be negative");
+  check_run_inputs(plan, data, o, d);
   d.throw_if_any("run");
 }
 

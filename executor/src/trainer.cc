@@ -45,6 +45,21 @@ std::string to_json_line(const StepRecord& r) {
   return j.dump();
 }
 
+void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptions& o, Diagnostics& d) {
+  if (data.vocab_size() != plan.model.vocab_size)
+    d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
+                                    data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");
+  if (data.block_size() != plan.training.seq_len)
+    d.error("training.seq_len", std::to_string(plan.training.seq_len) + " does not match the block size of " +
+                                    data.dir() + " (" + std::to_string(data.block_size()) + ")");
+  if (plan.training.seq_len > plan.model.max_position_embeddings)
+    d.error("training.seq_len", "exceeds model.max_position_embeddings");
+  if (o.stop_after_step < 0 || o.stop_after_step > plan.training.steps)
+    d.error("--steps", std::to_string(o.stop_after_step) + " is outside 1.." + std::to_string(plan.training.steps) +
+                           " (training.steps of the plan)");
+  if (o.checkpoint_every < 0) d.error("--checkpoint-every", "must not be negative");
+}
+
 namespace {
 
 struct Precisions {
@@ -65,18 +80,7 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
   if (plan.parallel.world_size != 1)
     d.error("parallel.world_size", std::to_string(plan.parallel.world_size) +
                                        " ranks: this executor trains on one rank; plan with --gpus 1");
-  if (data.vocab_size() != plan.model.vocab_size)
-    d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
-                                    data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");
-  if (data.block_size() != plan.training.seq_len)
-    d.error("training.seq_len", std::to_string(plan.training.seq_len) + " does not match the block size of " +
-                                    data.dir() + " (" + std::to_string(data.block_size()) + ")");
-  if (plan.training.seq_len > plan.model.max_position_embeddings)
-    d.error("training.seq_len", "exceeds model.max_position_embeddings");
-  if (o.stop_after_step < 0 || o.stop_after_step > plan.training.steps)
-    d.error("--steps", std::to_string(o.stop_after_step) + " is outside 1.." + std::to_string(plan.training.steps) +
-                           " (training.steps of the plan)");
-  if (o.checkpoint_every < 0) d.error("--checkpoint-every", "must not be negative");
+  check_run_inputs(plan, data, o, d);
   d.throw_if_any("run");
 }
 

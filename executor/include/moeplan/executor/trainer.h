@@ -77,6 +77,10 @@ struct RunResult {
 // Throws InputError for a plan, data folder or checkpoint that does not fit.
 RunResult run_training(const Plan& plan, const RunOptions& options);
 
+class TokenDataset;
+// Reports into d what in the data folder or the options does not fit the plan.
+void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptions& options, Diagnostics& d);
+
 // Keeps the metrics.jsonl lines of steps up to `last_step` (a resumed run rewrites the rest).
 void truncate_metrics(const std::string& path, int64_t last_step);
 
