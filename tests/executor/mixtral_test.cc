@@ -275,13 +275,30 @@ TEST(Mixtral, Bf16ForwardStaysCloseToFp32) {
   const ParameterSet p32 = random_model(s, 21);
   std::vector<torch::Tensor> p16;
   for (const torch::Tensor& t : p32.tensors()) p16.push_back(t.to(torch::kBFloat16));
+  torch::manual_seed(21);
   const torch::Tensor ids = torch::randint(s.vocab_size, {2, 7}, torch::kLong);
   const auto a = mixtral_forward(s, MixtralWeights::bind(s, p32.tensors()), ids, LoadBalancing::kNone);
   const auto b = mixtral_forward(s, MixtralWeights::bind(s, p16), ids, LoadBalancing::kNone);
   EXPECT_EQ(b.router_logits[0].scalar_type(), torch::kBFloat16);
   EXPECT_EQ(b.logits.scalar_type(), torch::kFloat);
-  const double scale = a.logits.abs().max().item<double>();
-  EXPECT_LT((a.logits - b.logits).abs().max().item<double>(), 0.05 * scale);
+  // bf16 rounding may flip a near-tie in the router to another expert, which legitimately
+  // changes that token's output: compare the tokens routed alike in every layer, and require
+  // that most are.
+  torch::Tensor same = torch::ones({ids.numel()}, torch::kBool);
+  for (size_t l = 0; l < a.router_logits.size(); ++l) {
+    const auto top = [&](const torch::Tensor& logits) {
+      return std::get<0>(torch::sort(std::get<1>(logits.to(torch::kFloat).topk(s.experts_per_token, -1)), -1));
+    };
+    same &= (top(a.router_logits[l]) == top(b.router_logits[l])).all(-1);
+  }
+  EXPECT_GE(same.sum().item<int64_t>(), ids.numel() * 8 / 10) << "most tokens keep their experts in bf16";
+  const torch::Tensor la = a.logits.reshape({ids.numel(), -1}).index({same});
+  const torch::Tensor lb = b.logits.reshape({ids.numel(), -1}).index({same});
+  // Relative error of the whole logit matrix (bf16 keeps about 3 significant digits per op).
+  const double error = ((la - lb).norm() / la.norm()).item<double>();
+  std::printf("bf16 vs fp32 logits: relative error %.4f over %lld tokens\n", error,
+              static_cast<long long>(same.sum().item<int64_t>()));
+  EXPECT_LT(error, 0.05);
 }
 
 TEST(Mixtral, LossIsHuggingFaceShiftedCrossEntropy) {
