@@ -1,5 +1,4 @@
 // `moeplan data prepare` and `moeplan run`: hand the arguments to the executor.
-#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -42,20 +41,7 @@ int run_run(const RunArgs& args) {
     if (multi && env->rank != 0) o.progress = nullptr;
     const executor::RunResult r = multi ? executor::run_rank(plan, o, *env) : executor::run_training(plan, o);
     if (multi && env->rank != 0) return kExitOk;
-    if (!r.steps.empty()) {
-      std::vector<double> seconds;
-      for (const auto& s : r.steps) seconds.push_back(s.seconds);
-      std::sort(seconds.begin(), seconds.end());
-      const double median = seconds[seconds.size() / 2];
-      std::printf("run: steps %lld-%lld, final loss %.4f, median step %.3f s (%.0f tok/s), peak RSS %.1f MiB\n",
-                  static_cast<long long>(r.first_step), static_cast<long long>(r.last_step), r.steps.back().loss,
-                  median, static_cast<double>(r.steps.back().tokens) / median,
-                  static_cast<double>(r.peak_rss_bytes) / (1 << 20));
-      const double predicted = plan.prediction.step_time_s;
-      if (predicted > 0)
-        std::printf("run: predicted step %.3f s (%s profile), measured median %.3f s: %+.0f%%\n", predicted,
-                    plan.cluster.name.c_str(), median, 100.0 * (median - predicted) / predicted);
-    }
+    if (r.report) std::fputs(executor::format_summary(*r.report).c_str(), stdout);
     return kExitOk;
   } catch (const InputError& e) {
     print_error(e);

@@ -67,7 +67,10 @@ std::optional<RankEnv> rank_env_from_environment() {
     else
       env.master_addr = addr;
     env.master_port = integer(n.port, 1, 65535, d);
-    env.store_hosted_elsewhere = env.launcher == "moeplan";
+    // torchrun's agent hosts the store its workers use and says so; otherwise rank 0 hosts it.
+    const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    env.store_hosted_elsewhere =
+        env.launcher == "moeplan" || (env.launcher == "torchrun" && agent_store && std::string(agent_store) == "True");
     d.throw_if_any(std::string(n.launcher) + " environment");
     return env;
   }

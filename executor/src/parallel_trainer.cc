@@ -18,19 +18,6 @@
 namespace moeplan::executor {
 namespace fs = std::filesystem;
 
-void PhaseClock::add(std::string name, std::string category, TraceStream stream, Clock::time_point start,
-                     Clock::time_point end, double bytes) {
-  TraceEvent e;
-  e.name = std::move(name);
-  e.category = std::move(category);
-  e.start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - origin_).count();
-  e.duration_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
-  e.rank = rank_;
-  e.stream = stream;
-  e.bytes = bytes;
-  events_.push_back(std::move(e));
-}
-
 // ---------------------------------------------------------------------------------------------
 // Checkpoint slices.
 

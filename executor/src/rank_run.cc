@@ -65,7 +65,12 @@ class Heartbeat {
         std::vector<std::string> beats;
         for (int64_t r = 0; r < world; ++r) {
           const std::string key = "beat/" + std::to_string(r);
-          beats.push_back(store_->check({key}) ? std::string(store_->get(key).begin(), store_->get(key).end()) : "");
+          std::string value;
+          if (store_->check({key})) {
+            const std::vector<uint8_t> bytes = store_->get(key);
+            value.assign(bytes.begin(), bytes.end());
+          }
+          beats.push_back(std::move(value));
         }
         return beats;
       };
@@ -102,31 +107,10 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o,
   d.throw_if_any("run");
 }
 
-OrderedJson to_json(const TraceEvent& e) {
-  OrderedJson j;
-  j["name"] = e.name;
-  j["cat"] = e.category;
-  j["start_ns"] = e.start_ns;
-  j["dur_ns"] = e.duration_ns;
-  j["stream"] = static_cast<int>(e.stream);
-  j["bytes"] = e.bytes;
-  return j;
-}
-
 std::string step_folder(const std::string& checkpoints, int64_t step) {
   char name[32];
   std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
   return checkpoints + "/" + name;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double relative_error(double measured, double predicted) {
-  return predicted > 0 ? (measured - predicted) / predicted : 0.0;
 }
 
 }  // namespace
@@ -166,6 +150,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     std::unique_ptr<ActivationStore> offload;
     if (p.activation_offloading)
       offload = std::make_unique<ActivationStore>(o.out_dir + "/.offload-rank-" + std::to_string(env.rank));
+    const int64_t baseline_rss = current_rss_bytes();
     ShardedTrainer trainer(plan, mesh, offload.get());
     BlockOrder order(data.num_blocks(), static_cast<uint64_t>(plan.training.seed));
     int64_t samples = 0;  // of the whole world
@@ -253,61 +238,23 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     // The measured trace of the last step and the report: every rank writes its part, rank 0
     // joins them.
     {
-      OrderedJson part;
-      part["rank"] = env.rank;
-      part["peak_rss_bytes"] = result.peak_rss_bytes;
-      part["events"] = OrderedJson::array();
-      for (const TraceEvent& e : trainer.clock().events()) part["events"].push_back(to_json(e));
-      write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", part.dump());
+      RankMeasurement m;
+      m.rank = env.rank;
+      m.peak_rss_bytes = result.peak_rss_bytes;
+      m.baseline_rss_bytes = baseline_rss;
+      m.events = trainer.clock().events();
+      write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", to_json(m).dump());
     }
     mesh.world.barrier();
-    if (leader) {
-      Trace trace;
-      trace.source = "measured";
-      trace.ranks = env.world_size;
-      std::vector<int64_t> peaks;
+    if (leader && !result.steps.empty()) {
+      std::vector<RankMeasurement> ranks;
       for (int64_t rank = 0; rank < env.world_size; ++rank) {
         const std::string path = o.out_dir + "/.trace-rank-" + std::to_string(rank) + ".json";
-        const Json part = read_json_file(path);
-        peaks.push_back(part["peak_rss_bytes"].get<int64_t>());
-        for (const Json& e : part["events"]) {
-          TraceEvent t;
-          t.name = e["name"].get<std::string>();
-          t.category = e["cat"].get<std::string>();
-          t.start_ns = e["start_ns"].get<int64_t>();
-          t.duration_ns = e["dur_ns"].get<int64_t>();
-          t.rank = rank;
-          t.stream = static_cast<TraceStream>(e["stream"].get<int>());
-          t.bytes = e["bytes"].get<double>();
-          trace.events.push_back(std::move(t));
-        }
+        ranks.push_back(rank_measurement_from_json(read_json_file(path)));
         fs::remove(path);
       }
-      write_file_atomic(o.out_dir + "/trace.json", to_json(trace).dump(1) + "\n");
-      std::vector<double> seconds;
-      for (size_t i = result.steps.size() > 1 ? 1 : 0; i < result.steps.size(); ++i)
-        seconds.push_back(result.steps[i].seconds);
-      const double step_s = median(seconds);
-      const double tokens = result.steps.empty() ? 0 : static_cast<double>(result.steps.back().tokens);
-      const int64_t peak = peaks.empty() ? 0 : *std::max_element(peaks.begin(), peaks.end());
-      OrderedJson report;
-      report["schema_version"] = 1;
-      report["plan"] = {{"parallel", describe(plan.parallel)}, {"profile", plan.cluster.name}};
-      report["measured"] = {{"where", "CPU ranks of this machine (gloo)"},
-                            {"steps", static_cast<int64_t>(result.steps.size())},
-                            {"step_time_s", step_s},
-                            {"tokens_per_s", step_s > 0 ? tokens / step_s : 0.0},
-                            {"peak_rss_bytes_per_rank", peaks},
-                            {"peak_rss_bytes", peak}};
-      report["predicted"] = {{"step_time_s", plan.prediction.step_time_s},
-                             {"tokens_per_s", plan.prediction.tokens_per_s},
-                             {"device_bytes_per_rank", plan.prediction.memory.device_total_bytes}};
-      report["relative_error"] = {
-          {"step_time", relative_error(step_s, plan.prediction.step_time_s)},
-          {"tokens_per_s", relative_error(step_s > 0 ? tokens / step_s : 0.0, plan.prediction.tokens_per_s)},
-          {"peak_memory", relative_error(static_cast<double>(peak),
-                                         static_cast<double>(plan.prediction.memory.device_total_bytes))}};
-      write_file_atomic(o.out_dir + "/report.json", report.dump(2) + "\n");
+      result.report = write_run_outputs(plan, o.out_dir, result.steps, ranks,
+                                        "CPU ranks (gloo, started by " + env.launcher + ")");
     }
     mesh.world.barrier();
     return result;

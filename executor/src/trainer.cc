@@ -21,14 +21,6 @@
 namespace moeplan::executor {
 namespace fs = std::filesystem;
 
-int64_t peak_rss_bytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // reported in kB
-  return 0;
-}
-
 std::string to_json_line(const StepRecord& r) {
   OrderedJson j;
   j["step"] = r.step;
@@ -181,7 +173,9 @@ void ModelTrainer::load_state(const NamedTensors& tensors, int64_t step, int64_t
 }
 
 StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
-  const auto start = std::chrono::steady_clock::now();
+  using Clock = PhaseClock::Clock;
+  const auto start = Clock::now();
+  clock_.start_step();
   const int64_t ga = static_cast<int64_t>(micro_batches.size());
   const ModelSpec& spec = plan_.model;
   StepRecord r;
@@ -202,9 +196,13 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     } else {
       compute = params_.tensors();
     }
+    const auto f0 = Clock::now();
     const ForwardResult out = mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
+    const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();
+    clock_.add("forward", "compute", TraceStream::kCompute, f0, f1);
+    clock_.add("backward", "compute", TraceStream::kCompute, f1, Clock::now());
     if (mixed)
       for (size_t i = 0; i < compute.size(); ++i)
         if (compute[i].grad().defined()) master_grads[i].add_(compute[i].grad().to(master_type_));
@@ -215,6 +213,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     total += terms.total.item<double>();
     r.tokens += ids.numel();
   }
+  const auto o0 = Clock::now();
   std::vector<torch::Tensor> grads;
   if (mixed) {
     grads = master_grads;
@@ -224,12 +223,13 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
   optimizer_->step(grads, r.learning_rate);
   for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
+  clock_.add("optimizer", "compute", TraceStream::kCompute, o0, Clock::now());
   const double n = static_cast<double>(ga);
   r.loss = loss / n;
   r.aux_loss = aux / n;
   r.z_loss = z / n;
   r.total_loss = total / n;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   for (int64_t l = 0; l < spec.num_layers; ++l) {
     std::vector<int64_t> row;
     for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(counts[l][e].item<int64_t>());
@@ -297,6 +297,7 @@ class Run {
   }
 
   int64_t step() const { return model_.step_count(); }
+  const PhaseClock& clock() const { return model_.clock(); }
 
  private:
   const Plan& plan_;
@@ -336,6 +337,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
     throw InputError("--out", {{"", o.out_dir + " already holds a run; pass --resume to continue it or choose another folder"}});
   }
 
+  const int64_t baseline_rss = current_rss_bytes();
   Run trainer(plan, o, std::move(data));
   if (!resume_from.empty()) {
     trainer.resume(resume_from);
@@ -359,6 +361,13 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   }
   result.last_step = trainer.step();
   result.peak_rss_bytes = peak_rss_bytes();
+  if (!result.steps.empty()) {
+    RankMeasurement m;
+    m.peak_rss_bytes = result.peak_rss_bytes;
+    m.baseline_rss_bytes = baseline_rss;
+    m.events = trainer.clock().events();
+    result.report = write_run_outputs(plan, o.out_dir, result.steps, {m}, "CPU rank");
+  }
   return result;
 }
 

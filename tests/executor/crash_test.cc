@@ -19,23 +19,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Starts `moeplan args...` with output discarded; returns the child's pid.
-pid_t spawn(const std::vector<std::string>& args) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    std::vector<std::string> storage{MOEPLAN_BINARY};
-    storage.insert(storage.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (std::string& s : storage) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    std::freopen("/dev/null", "w", stdout);
-    std::freopen("/dev/null", "w", stderr);
-    ::execv(MOEPLAN_BINARY, argv.data());
-    ::_exit(127);
-  }
-  return pid;
-}
-
 TEST(Crash, SaveKilledAtRandomMomentsNeverLeavesALoadableBrokenCheckpoint) {
   TempDir dir;
   const auto files = fortune_files({"fortunes", "wisdom", "science"});
@@ -57,14 +40,14 @@ TEST(Crash, SaveKilledAtRandomMomentsNeverLeavesALoadableBrokenCheckpoint) {
   };
 
   // Step 1 with a complete checkpoint: the one every killed save must leave intact.
-  ASSERT_EQ(wait_exit(spawn(with({"--steps", "1", "--checkpoint-every", "1"}))), 0);
+  ASSERT_EQ(wait_exit(spawn_moeplan(with({"--steps", "1", "--checkpoint-every", "1"}))), 0);
   const std::string checkpoints = out + "/checkpoints", step1 = checkpoints + "/step-00000001",
                     step2 = checkpoints + "/step-00000002";
   ASSERT_EQ(executor::latest_checkpoint(checkpoints), step1);
 
   // How long a resume + one step + a save takes, to aim the kills at the save.
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(wait_exit(spawn(with({"--resume", "--steps", "2", "--checkpoint-every", "1"}))), 0);
+  ASSERT_EQ(wait_exit(spawn_moeplan(with({"--resume", "--steps", "2", "--checkpoint-every", "1"}))), 0);
   const double full_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_EQ(executor::latest_checkpoint(checkpoints), step2);
 
@@ -79,7 +62,7 @@ TEST(Crash, SaveKilledAtRandomMomentsNeverLeavesALoadableBrokenCheckpoint) {
     fs::remove_all(step2);
     const double fraction = std::uniform_real_distribution<double>(lo, hi)(rng);
     const double at_s = fraction * full_s;
-    const pid_t pid = spawn(with({"--resume", "--steps", "2", "--checkpoint-every", "1"}));
+    const pid_t pid = spawn_moeplan(with({"--resume", "--steps", "2", "--checkpoint-every", "1"}));
     std::this_thread::sleep_for(std::chrono::duration<double>(at_s));
     ::kill(pid, SIGKILL);
     wait_exit(pid);

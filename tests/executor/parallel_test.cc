@@ -4,8 +4,14 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "moeplan/core/trace.h"
 #include "run_fixture.h"
 
 namespace moeplan::test {
@@ -93,9 +99,20 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
     EXPECT_EQ(m[i]["tokens_per_expert"], reference_[i]["tokens_per_expert"]) << "step " << i + 1;
     EXPECT_EQ(m[i]["tokens"], reference_[i]["tokens"]);
   }
-  // The run leaves its measured trace and report.
-  EXPECT_TRUE(std::filesystem::exists(out + "/trace.json"));
-  EXPECT_TRUE(std::filesystem::exists(out + "/report.json"));
+  // The run leaves its measured trace (every rank's phases) and report, and prints the comparison.
+  const Trace trace = trace_from_json(read_json_file(out + "/trace.json"), "trace.json");
+  EXPECT_EQ(trace.source, "measured");
+  ASSERT_EQ(trace.ranks, 4);
+  for (int64_t rank = 0; rank < 4; ++rank)
+    for (const char* phase : {"forward", "backward", "optimizer"})
+      EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
+                              [&](const TraceEvent& e) { return e.rank == rank && e.name == phase; }))
+          << "rank " << rank << " " << phase;
+  const Json report = read_json_file(out + "/report.json");
+  EXPECT_EQ(report["measured"]["steps"], kSteps);
+  ASSERT_EQ(report["measured"]["peak_rss_bytes_per_rank"].size(), 4u);
+  for (const Json& peak : report["measured"]["peak_rss_bytes_per_rank"]) EXPECT_GT(peak.get<int64_t>(), 0);
+  EXPECT_NE(r.out.find("peak memory per rank"), std::string::npos) << show(r);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -111,6 +128,139 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E2S1R2_full_offload", 2, 1, "full", true},
                       Layout{"E4S1R1_allgather", 4, 1, "none", false, "allgather"}),
     layout_name);
+
+// Steps `from`..`to` of a run's metrics against the one-rank reference.
+void expect_reference_losses(const std::vector<Json>& m, const std::vector<Json>& reference, size_t from, size_t to,
+                             const std::string& what) {
+  ASSERT_GE(m.size(), to) << what;
+  for (size_t i = from - 1; i < to; ++i) {
+    EXPECT_EQ(m[i]["step"].get<int64_t>(), static_cast<int64_t>(i + 1)) << what;
+    const double a = reference[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
+    EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a)) << what << " step " << i + 1 << ": one rank " << a << ", here " << b;
+  }
+}
+
+// A checkpoint of (E2 S2) resumes under (E4 S1) and under one rank, and the losses go on as if
+// one rank had trained straight through.
+TEST_F(Parallel, CheckpointMovesBetweenLayouts) {
+  namespace fs = std::filesystem;
+  const std::string data = dir_->file("data"), saved = dir_->file("reshard-E2S2");
+  Command r = run_moeplan("run " + plan_for({"reshard-E2S2R1", 2, 2, "none", false}) + " --data " + data + " --out " +
+                          saved + " --steps 6 --checkpoint-every 6");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  const std::vector<std::pair<std::string, std::string>> targets{
+      {"E4S1R1", plan_for({"reshard-E4S1R1", 4, 1, "none", false})}, {"one rank", reference_plan_}};
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const auto& [name, plan] = targets[i];
+    const std::string out = dir_->file("reshard-to-" + std::to_string(i));
+    fs::copy(saved, out, fs::copy_options::recursive);
+    r = run_moeplan("run " + plan + " --data " + data + " --out " + out + " --steps 12 --resume");
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << show(r);
+    EXPECT_NE(r.out.find("at step 6"), std::string::npos) << show(r);
+    expect_reference_losses(read_metrics(out), reference_, 1, 12, "E2S2 then " + name);
+  }
+}
+
+// The process ids of `parent`'s children whose environment holds `entry`.
+std::vector<pid_t> children_with(pid_t parent, const std::string& entry) {
+  std::vector<pid_t> found;
+  for (const auto& p : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = p.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(p.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid != parent) continue;
+    std::ifstream environ(p.path() / "environ", std::ios::binary);
+    std::string var;
+    while (std::getline(environ, var, '\0'))
+      if (var == entry) found.push_back(static_cast<pid_t>(std::stoi(name)));
+  }
+  return found;
+}
+
+// SIGKILL of one rank during training: every other rank stops with an error naming it, well
+// within the collective timeout; --resume then goes on from the last checkpoint with the same
+// losses.
+TEST_F(Parallel, AKilledRankStopsTheRunAndResumeContinues) {
+  const std::string plan = plan_for({"kill-E2S2R1", 2, 2, "none", false});
+  const std::string out = dir_->file("killed"), err = dir_->file("killed.err");
+  constexpr int kTimeout = 30;
+  const pid_t launcher =
+      spawn_moeplan({"run", plan, "--data", dir_->file("data"), "--out", out, "--steps", "20", "--checkpoint-every",
+                     "2", "--timeout", std::to_string(kTimeout)},
+                    {}, "/dev/null", err);
+  // Wait for step 3 (a checkpoint of step 2 is there), then kill rank 1.
+  const auto start = std::chrono::steady_clock::now();
+  while (read_metrics(out).size() < 3 && std::chrono::steady_clock::now() - start < std::chrono::seconds(120))
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const size_t steps_before = read_metrics(out).size();
+  ASSERT_GE(steps_before, 3u) << read_text(err);
+  ASSERT_LT(steps_before, 20u) << "the run ended before the kill";
+  const std::vector<pid_t> rank1 = children_with(launcher, "MOEPLAN_RANK=1");
+  ASSERT_EQ(rank1.size(), 1u);
+  ASSERT_EQ(::kill(rank1[0], SIGKILL), 0);
+  const auto killed = std::chrono::steady_clock::now();
+  const int code = wait_moeplan(launcher, kTimeout + 30);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  const std::string said = read_text(err);
+  EXPECT_NE(code, 0) << said;
+  EXPECT_NE(code, -2) << "still running after " << seconds << " s\n" << said;
+  EXPECT_LT(seconds, kTimeout) << said;
+  EXPECT_NE(said.find("rank 1 was killed by signal 9"), std::string::npos) << said;
+  EXPECT_NE(said.find("lost rank 1"), std::string::npos) << said;
+  EXPECT_TRUE(children_with(launcher, "MOEPLAN_RANK=0").empty());
+
+  const Command r = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + out +
+                                " --steps 20 --resume --timeout 60");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  EXPECT_NE(r.out.find("resumed from"), std::string::npos) << show(r);
+  const std::vector<Json> m = read_metrics(out);
+  ASSERT_EQ(m.size(), static_cast<size_t>(kSteps));
+  expect_reference_losses(m, reference_, 1, kSteps, "killed and resumed");
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Four ranks started by hand as torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK,
+// MASTER_ADDR, MASTER_PORT; rank 0 hosts the store) train together.
+TEST_F(Parallel, RanksStartedWithTorchrunVariablesTrainTogether) {
+  const std::string plan = plan_for({"torchrun-E2S2R1", 2, 2, "none", false});
+  const std::string out = dir_->file("torchrun");
+  const std::string port = std::to_string(free_port());
+  std::vector<pid_t> ranks;
+  for (int rank = 0; rank < 4; ++rank)
+    ranks.push_back(spawn_moeplan({"run", plan, "--data", dir_->file("data"), "--out", out, "--steps", "10"},
+                                  {"RANK=" + std::to_string(rank), "LOCAL_RANK=" + std::to_string(rank), "WORLD_SIZE=4",
+                                   "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port},
+                                  dir_->file("torchrun-" + std::to_string(rank) + ".out"),
+                                  dir_->file("torchrun-" + std::to_string(rank) + ".err")));
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_EQ(wait_moeplan(ranks[static_cast<size_t>(rank)], 120), 0)
+        << "rank " << rank << ": " << read_text(dir_->file("torchrun-" + std::to_string(rank) + ".err"));
+  expect_reference_losses(read_metrics(out), reference_, 1, 10, "torchrun variables");
+  const Json report = read_json_file(out + "/report.json");
+  EXPECT_NE(report["measured"]["where"].get<std::string>().find("torchrun"), std::string::npos);
+  // Only rank 0 prints.
+  EXPECT_NE(read_text(dir_->file("torchrun-0.out")).find("step 10/10"), std::string::npos);
+  EXPECT_EQ(read_text(dir_->file("torchrun-1.out")), "");
+}
 
 }  // namespace
 }  // namespace moeplan::test

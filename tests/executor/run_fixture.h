@@ -2,9 +2,13 @@
 // from Debian's fortunes package, a tokenizer trained on it, and a one-rank plan.
 #pragma once
 
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
+#include <chrono>
+#include <thread>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -41,6 +45,41 @@ inline Command run_moeplan(const std::string& args) {
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.err = read_text(err_path);
   return r;
+}
+
+// Starts `moeplan args...` in the background, with `env` ("NAME=value") added to the
+// environment and stdout and stderr written to the given files; returns the child's pid.
+inline pid_t spawn_moeplan(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
+                           const std::string& out = "/dev/null", const std::string& err = "/dev/null") {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    std::vector<std::string> storage{MOEPLAN_BINARY};
+    storage.insert(storage.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& s : storage) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    for (const std::string& e : env) ::putenv(const_cast<char*>(e.c_str()));
+    if (!std::freopen(out.c_str(), "w", stdout) || !std::freopen(err.c_str(), "w", stderr)) ::_exit(126);
+    ::execv(MOEPLAN_BINARY, argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Waits for a spawned child at most `seconds`: its exit code, -1 if a signal ended it, or -2 if
+// it was still running (it is killed then).
+inline int wait_moeplan(pid_t pid, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -2;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 // For failure messages.

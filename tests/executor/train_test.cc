@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include "moeplan/core/trace.h"
 #include "run_fixture.h"
 
 namespace moeplan::test {
@@ -65,6 +66,50 @@ TEST_P(Resume, TwentyStepsEqualTenPlusCheckpointPlusTen) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, Resume, ::testing::Values("fp32", "mixed"));
+
+// A one-rank run writes its report and measured trace and prints predicted against measured.
+TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
+  TempDir dir;
+  const auto files = fortune_files({"wisdom"});
+  if (files.empty()) GTEST_SKIP() << "needs Debian's fortunes package";
+  ASSERT_EQ(prepare_data(files, dir.file("data"), 512, 64).exit_code, 0);
+  const std::string model = write_small_model(dir, 512), plan = dir.file("plan.json");
+  ASSERT_EQ(make_plan(model, plan, 64, 256, "fp32", 2).exit_code, 0);
+  const Json planned = read_json_file(plan);
+  const Command r = run_moeplan("run " + plan + " --data " + dir.file("data") + " --out " + dir.file("out") +
+                                " --threads 1 --steps 3");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  for (const char* line : {"step time (median)", "tokens/s", "peak memory per rank", "last step of rank 0"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << show(r);
+
+  const Json report = read_json_file(dir.file("out/report.json"));
+  EXPECT_EQ(report["measured"]["steps"], 3);
+  EXPECT_EQ(report["measured"]["ranks"], 1);
+  EXPECT_EQ(report["predicted"]["step_time_s"], planned["prediction"]["step_time_s"]);
+  const double step = report["measured"]["step_time_s"].get<double>();
+  EXPECT_GT(step, 0);
+  EXPECT_DOUBLE_EQ(report["relative_error"]["step_time"].get<double>(),
+                   step / planned["prediction"]["step_time_s"].get<double>() - 1);
+  const int64_t peak = report["measured"]["peak_rss_bytes"].get<int64_t>();
+  const int64_t baseline = report["measured"]["baseline_rss_bytes_per_rank"][0].get<int64_t>();
+  EXPECT_GT(baseline, 0);
+  EXPECT_GT(peak, baseline);
+  // The tokens per expert of the last step: top-2 of every token, per layer.
+  const Json& load = report["measured"]["tokens_per_expert"];
+  ASSERT_EQ(load.size(), 4u);
+  int64_t slots = 0;
+  for (const Json& n : load[0]) slots += n.get<int64_t>();
+  EXPECT_EQ(slots, 2 * 256);
+
+  // The last step as a trace: a forward and a backward per micro-batch, then the optimizer.
+  const Trace trace = trace_from_json(read_json_file(dir.file("out/trace.json")), "trace.json");
+  EXPECT_EQ(trace.source, "measured");
+  std::vector<std::string> names;
+  for (const TraceEvent& e : trace.events) names.push_back(e.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"forward", "backward", "forward", "backward", "optimizer"}));
+  for (size_t i = 1; i < trace.events.size(); ++i)
+    EXPECT_GE(trace.events[i].start_ns, trace.events[i - 1].start_ns + trace.events[i - 1].duration_ns);
+}
 
 TEST(Run, RefusesToOverwriteARunWithoutResume) {
   TempDir dir;

@@ -5,7 +5,6 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -16,30 +15,12 @@
 #include "moeplan/core/trace.h"
 #include "moeplan/executor/mesh.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/run_report.h"
 #include "moeplan/executor/sharded_model.h"
 #include "moeplan/executor/tensor_file.h"
 #include "moeplan/executor/trainer.h"
 
 namespace moeplan::executor {
-
-// What one rank records of a step: spans per phase, as trace events of this rank.
-class PhaseClock {
- public:
-  using Clock = std::chrono::steady_clock;
-  void start_step() {
-    events_.clear();
-    origin_ = Clock::now();
-  }
-  void add(std::string name, std::string category, TraceStream stream, Clock::time_point start, Clock::time_point end,
-           double bytes = 0);
-  const std::vector<TraceEvent>& events() const { return events_; }
-  void set_rank(int64_t rank) { rank_ = rank; }
-
- private:
-  std::vector<TraceEvent> events_;
-  Clock::time_point origin_ = Clock::now();
-  int64_t rank_ = 0;
-};
 
 class ShardedTrainer {
  public:

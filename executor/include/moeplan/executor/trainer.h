@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/run_report.h"
 #include "moeplan/executor/tensor_file.h"
 
 namespace moeplan::executor {
@@ -57,6 +59,7 @@ class ModelTrainer {
   // Restores what state() returned; every missing or mismatched tensor is reported into d.
   void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
   const ParameterSet& parameters() const { return params_; }
+  const PhaseClock& clock() const { return clock_; }
 
  private:
   const Plan& plan_;
@@ -64,6 +67,7 @@ class ModelTrainer {
   ParameterSet params_;
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
+  PhaseClock clock_;
 };
 
 struct RunResult {
@@ -72,6 +76,7 @@ struct RunResult {
   std::vector<StepRecord> steps;
   int64_t peak_rss_bytes = 0;  // VmHWM of this process
   std::string last_checkpoint;
+  std::optional<RunReport> report;  // on rank 0, when the run trained at least one step
 };
 
 // Throws InputError for a plan, data folder or checkpoint that does not fit.
@@ -91,7 +96,5 @@ void check_checkpoint_state(const Plan& plan, const OrderedJson& state, Diagnost
 // One metrics.jsonl line (no newline).
 std::string to_json_line(const StepRecord& record);
 
-// Peak resident set of this process (VmHWM), in bytes; 0 where /proc is missing.
-int64_t peak_rss_bytes();
 
 }  // namespace moeplan::executor

@@ -1,0 +1,78 @@
+#pragma once
+// What a run measures and how it is compared with the plan: phase spans of a step as trace
+// events, peak memory per rank, the measured trace (trace.json), the report (report.json) and
+// the one-screen summary printed at the end of a run.
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/json_reader.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/core/trace.h"
+
+namespace moeplan::executor {
+
+// What one rank records of a step: spans per phase, as trace events of this rank.
+class PhaseClock {
+ public:
+  using Clock = std::chrono::steady_clock;
+  void start_step() {
+    events_.clear();
+    origin_ = Clock::now();
+  }
+  void add(std::string name, std::string category, TraceStream stream, Clock::time_point start, Clock::time_point end,
+           double bytes = 0);
+  const std::vector<TraceEvent>& events() const { return events_; }
+  void set_rank(int64_t rank) { rank_ = rank; }
+
+ private:
+  std::vector<TraceEvent> events_;
+  Clock::time_point origin_ = Clock::now();
+  int64_t rank_ = 0;
+};
+
+// Resident set of this process now (VmRSS) and at its peak (VmHWM), in bytes; 0 where /proc is
+// missing.
+int64_t current_rss_bytes();
+int64_t peak_rss_bytes();
+
+// One rank's share of the measurement.
+struct RankMeasurement {
+  int64_t rank = 0;
+  int64_t peak_rss_bytes = 0;
+  int64_t baseline_rss_bytes = 0;  // before the model was built: the runtime and its libraries
+  std::vector<TraceEvent> events;  // of the last step
+};
+OrderedJson to_json(const RankMeasurement& m);
+RankMeasurement rank_measurement_from_json(const Json& j);
+
+// The measured figures of a run against the plan's prediction.
+struct RunReport {
+  std::string parallel;  // "E2 S1 R1 RSE ckpt=none mbs=8 ga=2"
+  std::string profile;
+  std::string where;     // what measured it
+  int64_t ranks = 1;
+  int64_t steps = 0;
+  double step_time_s = 0;  // median over the steps, the first (warm-up) one left out when there are more
+  double tokens_per_s = 0;
+  std::vector<int64_t> peak_rss_bytes_per_rank, baseline_rss_bytes_per_rank;
+  int64_t peak_rss_bytes = 0;  // the largest rank's
+  double predicted_step_time_s = 0, predicted_tokens_per_s = 0;
+  int64_t predicted_bytes_per_rank = 0;
+  std::vector<std::vector<int64_t>> tokens_per_expert;  // of the last step, [layer][expert]
+  std::vector<std::pair<std::string, double>> phase_seconds;  // rank 0's last step, per event name
+
+  OrderedJson to_json() const;
+};
+
+struct StepRecord;
+// Joins the ranks' measurements into trace.json and report.json in out_dir and returns the report.
+RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const std::vector<StepRecord>& steps,
+                            const std::vector<RankMeasurement>& ranks, const std::string& where);
+
+// The one-screen summary: predicted against measured, the phases of a step, the expert load.
+std::string format_summary(const RunReport& report);
+
+}  // namespace moeplan::executor

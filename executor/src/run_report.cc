@@ -1,0 +1,219 @@
+#include "moeplan/executor/run_report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "moeplan/executor/trainer.h"
+
+namespace moeplan::executor {
+
+void PhaseClock::add(std::string name, std::string category, TraceStream stream, Clock::time_point start,
+                     Clock::time_point end, double bytes) {
+  TraceEvent e;
+  e.name = std::move(name);
+  e.category = std::move(category);
+  e.start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - origin_).count();
+  e.duration_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
+  e.rank = rank_;
+  e.stream = stream;
+  e.bytes = bytes;
+  events_.push_back(std::move(e));
+}
+
+namespace {
+
+int64_t status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string prefix = field;
+  while (std::getline(in, line))
+    if (line.rfind(prefix, 0) == 0) return std::stoll(line.substr(prefix.size())) * 1024;  // reported in kB
+  return 0;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double relative_error(double measured, double predicted) {
+  return predicted > 0 ? (measured - predicted) / predicted : 0.0;
+}
+
+OrderedJson event_json(const TraceEvent& e) {
+  OrderedJson j;
+  j["name"] = e.name;
+  j["cat"] = e.category;
+  j["start_ns"] = e.start_ns;
+  j["dur_ns"] = e.duration_ns;
+  j["stream"] = static_cast<int>(e.stream);
+  j["bytes"] = e.bytes;
+  return j;
+}
+
+std::string mib(double bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.0f MiB", bytes / (1 << 20));
+  return s;
+}
+
+std::string percent(double measured, double predicted) {
+  if (predicted <= 0) return "-";
+  char s[32];
+  std::snprintf(s, sizeof s, "%+.0f%%", 100.0 * relative_error(measured, predicted));
+  return s;
+}
+
+}  // namespace
+
+int64_t current_rss_bytes() { return status_bytes("VmRSS:"); }
+int64_t peak_rss_bytes() { return status_bytes("VmHWM:"); }
+
+OrderedJson to_json(const RankMeasurement& m) {
+  OrderedJson j;
+  j["rank"] = m.rank;
+  j["peak_rss_bytes"] = m.peak_rss_bytes;
+  j["baseline_rss_bytes"] = m.baseline_rss_bytes;
+  j["events"] = OrderedJson::array();
+  for (const TraceEvent& e : m.events) j["events"].push_back(event_json(e));
+  return j;
+}
+
+RankMeasurement rank_measurement_from_json(const Json& j) {
+  RankMeasurement m;
+  m.rank = j.at("rank").get<int64_t>();
+  m.peak_rss_bytes = j.at("peak_rss_bytes").get<int64_t>();
+  m.baseline_rss_bytes = j.at("baseline_rss_bytes").get<int64_t>();
+  for (const Json& e : j.at("events")) {
+    TraceEvent t;
+    t.name = e.at("name").get<std::string>();
+    t.category = e.at("cat").get<std::string>();
+    t.start_ns = e.at("start_ns").get<int64_t>();
+    t.duration_ns = e.at("dur_ns").get<int64_t>();
+    t.rank = m.rank;
+    t.stream = static_cast<TraceStream>(e.at("stream").get<int>());
+    t.bytes = e.at("bytes").get<double>();
+    m.events.push_back(std::move(t));
+  }
+  return m;
+}
+
+OrderedJson RunReport::to_json() const {
+  OrderedJson report;
+  report["schema_version"] = 1;
+  report["plan"] = {{"parallel", parallel}, {"profile", profile}};
+  OrderedJson phases = OrderedJson::object();
+  for (const auto& [name, seconds] : phase_seconds) phases[name] = seconds;
+  report["measured"] = {{"where", where},
+                        {"ranks", ranks},
+                        {"steps", steps},
+                        {"step_time_s", step_time_s},
+                        {"tokens_per_s", tokens_per_s},
+                        {"peak_rss_bytes_per_rank", peak_rss_bytes_per_rank},
+                        {"baseline_rss_bytes_per_rank", baseline_rss_bytes_per_rank},
+                        {"peak_rss_bytes", peak_rss_bytes},
+                        {"phase_seconds_rank0", phases},
+                        {"tokens_per_expert", tokens_per_expert}};
+  report["predicted"] = {{"step_time_s", predicted_step_time_s},
+                         {"tokens_per_s", predicted_tokens_per_s},
+                         {"device_bytes_per_rank", predicted_bytes_per_rank}};
+  report["relative_error"] = {
+      {"step_time", relative_error(step_time_s, predicted_step_time_s)},
+      {"tokens_per_s", relative_error(tokens_per_s, predicted_tokens_per_s)},
+      {"peak_memory", relative_error(static_cast<double>(peak_rss_bytes), static_cast<double>(predicted_bytes_per_rank))}};
+  return report;
+}
+
+RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const std::vector<StepRecord>& steps,
+                            const std::vector<RankMeasurement>& ranks, const std::string& where) {
+  Trace trace;
+  trace.source = "measured";
+  trace.ranks = static_cast<int64_t>(ranks.size());
+  RunReport r;
+  r.parallel = describe(plan.parallel);
+  r.profile = plan.cluster.name;
+  r.where = where;
+  r.ranks = trace.ranks;
+  for (const RankMeasurement& m : ranks) {
+    trace.events.insert(trace.events.end(), m.events.begin(), m.events.end());
+    r.peak_rss_bytes_per_rank.push_back(m.peak_rss_bytes);
+    r.baseline_rss_bytes_per_rank.push_back(m.baseline_rss_bytes);
+    r.peak_rss_bytes = std::max(r.peak_rss_bytes, m.peak_rss_bytes);
+  }
+  write_file_atomic(out_dir + "/trace.json", moeplan::to_json(trace).dump(1) + "\n");
+
+  std::vector<double> seconds;
+  for (size_t i = steps.size() > 1 ? 1 : 0; i < steps.size(); ++i) seconds.push_back(steps[i].seconds);
+  r.steps = static_cast<int64_t>(steps.size());
+  r.step_time_s = median(seconds);
+  const double tokens = steps.empty() ? 0 : static_cast<double>(steps.back().tokens);
+  r.tokens_per_s = r.step_time_s > 0 ? tokens / r.step_time_s : 0.0;
+  if (!steps.empty()) r.tokens_per_expert = steps.back().tokens_per_expert;
+  r.predicted_step_time_s = plan.prediction.step_time_s;
+  r.predicted_tokens_per_s = plan.prediction.tokens_per_s;
+  r.predicted_bytes_per_rank = plan.prediction.memory.device_total_bytes;
+  if (!ranks.empty()) {
+    std::map<std::string, double> by_name;
+    std::vector<std::string> order;
+    for (const TraceEvent& e : ranks.front().events) {
+      if (!by_name.count(e.name)) order.push_back(e.name);
+      by_name[e.name] += 1e-9 * static_cast<double>(e.duration_ns);
+    }
+    for (const std::string& name : order) r.phase_seconds.emplace_back(name, by_name[name]);
+  }
+  write_file_atomic(out_dir + "/report.json", r.to_json().dump(2) + "\n");
+  return r;
+}
+
+std::string format_summary(const RunReport& r) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line, "run: %s, profile %s; measured: %lld %s, %lld steps\n", r.parallel.c_str(),
+                r.profile.c_str(), static_cast<long long>(r.ranks), r.where.c_str(), static_cast<long long>(r.steps));
+  out += line;
+  std::snprintf(line, sizeof line, "  %-22s %14s %14s %8s\n", "", "predicted", "measured", "error");
+  out += line;
+  std::snprintf(line, sizeof line, "  %-22s %12.3f s %12.3f s %8s\n", "step time (median)", r.predicted_step_time_s,
+                r.step_time_s, percent(r.step_time_s, r.predicted_step_time_s).c_str());
+  out += line;
+  std::snprintf(line, sizeof line, "  %-22s %14.0f %14.0f %8s\n", "tokens/s", r.predicted_tokens_per_s, r.tokens_per_s,
+                percent(r.tokens_per_s, r.predicted_tokens_per_s).c_str());
+  out += line;
+  std::snprintf(line, sizeof line, "  %-22s %14s %14s %8s\n", "peak memory per rank",
+                mib(static_cast<double>(r.predicted_bytes_per_rank)).c_str(),
+                mib(static_cast<double>(r.peak_rss_bytes)).c_str(),
+                percent(static_cast<double>(r.peak_rss_bytes), static_cast<double>(r.predicted_bytes_per_rank)).c_str());
+  out += line;
+  if (!r.phase_seconds.empty()) {
+    // Phases of one name summed; the largest first, up to a line's worth.
+    std::vector<std::pair<std::string, double>> phases = r.phase_seconds;
+    std::stable_sort(phases.begin(), phases.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    std::string text = "  last step of rank 0:";
+    for (size_t i = 0; i < phases.size() && i < 6; ++i) {
+      std::snprintf(line, sizeof line, "%s %s %.3f s", i ? "," : "", phases[i].first.c_str(), phases[i].second);
+      text += line;
+    }
+    out += text + "\n";
+  }
+  if (!r.tokens_per_expert.empty()) {
+    // The expert load of the last step: the busiest expert against the mean, per layer.
+    std::string text = "  expert load (max/mean) per layer:";
+    for (const std::vector<int64_t>& layer : r.tokens_per_expert) {
+      int64_t sum = 0, top = 0;
+      for (const int64_t n : layer) {
+        sum += n;
+        top = std::max(top, n);
+      }
+      const double mean = layer.empty() ? 0 : static_cast<double>(sum) / static_cast<double>(layer.size());
+      std::snprintf(line, sizeof line, " %.2f", mean > 0 ? static_cast<double>(top) / mean : 0.0);
+      text += line;
+    }
+    out += text + "\n";
+  }
+  return out;
+}
+
+}  // namespace moeplan::executor
