@@ -94,6 +94,15 @@ int run_search(const SearchArgs& args) {
     options.max_micro_batch = args.max_micro_batch;
     options.estimator = args.estimator == "analytic" ? planner::Estimator::kAnalytic : planner::Estimator::kSimulator;
     options.keep = static_cast<size_t>(std::max<int64_t>(args.top, 5));
+    planner::SearchOptions::Pins& pin = options.pins;
+    if (args.expert_parallel_degree > 0) pin.expert_parallel_degree = args.expert_parallel_degree;
+    if (args.hybrid_shard_degree > 0) pin.hybrid_shard_degree = args.hybrid_shard_degree;
+    if (args.micro_batch_size > 0) pin.micro_batch_size = args.micro_batch_size;
+    if (args.loading_horizon > 0) pin.loading_horizon = args.loading_horizon;
+    if (!args.offloading.empty()) pin.offloading = args.offloading == "on";
+    if (!args.placement.empty()) pin.placement = args.placement;
+    for (const auto& [name, value] : kCheckpointingNames)
+      if (name == args.checkpointing) pin.checkpointing = value;
 
     const int64_t unit = args.gpus * args.seq_len;
     if (options.training.global_batch_tokens % unit != 0)

@@ -34,6 +34,9 @@ struct SearchArgs {
   std::string out = "plan.json";
   std::string estimator = "simulator";
   std::string command;  // the command line, recorded in the plan
+  // Fixed choices (0 or empty: searched).
+  int64_t expert_parallel_degree = 0, hybrid_shard_degree = 0, micro_batch_size = 0, loading_horizon = 0;
+  std::string checkpointing, offloading, placement;
 };
 
 struct CheckArgs {

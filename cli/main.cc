@@ -47,6 +47,19 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0.0, 10.0));
   search_cmd->add_option("--warmup-steps", search.warmup_steps, "Linear warmup steps")
       ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  search_cmd->add_option("--expert-parallel-degree", search.expert_parallel_degree, "Fix E instead of searching it")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_option("--hybrid-shard-degree", search.hybrid_shard_degree, "Fix S instead of searching it")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_option("--placement", search.placement, "Fix the placement (RSE, RES, SRE, SER, ERS, ESR)")
+      ->check(CLI::IsMember({"RSE", "RES", "SRE", "SER", "ERS", "ESR"}));
+  search_cmd->add_option("--checkpointing", search.checkpointing, "Fix activation checkpointing")
+      ->check(CLI::IsMember({"none", "selective", "full"}));
+  search_cmd->add_option("--offload", search.offloading, "Fix activation offloading")->check(CLI::IsMember({"on", "off"}));
+  search_cmd->add_option("--loading-horizon", search.loading_horizon, "Fix the offload loading horizon")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 10));
+  search_cmd->add_option("--micro-batch", search.micro_batch_size, "Fix the micro-batch size")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   search_cmd->add_option("--expert-load-imbalance", search.expert_load_imbalance,
                          "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));

@@ -103,7 +103,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   for (int64_t e : divisors(model.num_experts)) expert_degrees.push_back(e);
   std::sort(expert_degrees.begin(), expert_degrees.end());
   expert_degrees.erase(std::unique(expert_degrees.begin(), expert_degrees.end()), expert_degrees.end());
-  const std::vector<int64_t> shard_degrees = divisors(w);
+  std::vector<int64_t> shard_degrees = divisors(w);
   std::vector<int64_t> micro_batches;
   for (int64_t b = 1; b <= options.max_micro_batch; ++b) {
     const bool power_of_two = (b & (b - 1)) == 0;
@@ -115,15 +115,31 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   };
   std::vector<OffloadOption> offloads = {{false, 1}};
   for (int64_t h : options.loading_horizons) offloads.push_back({true, h});
-  constexpr std::array kCheckpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
-  const int64_t inner = static_cast<int64_t>(kCheckpointing.size() * offloads.size() * micro_batches.size());
+  std::vector<Checkpointing> checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
+  std::vector<const char*> placements(kPlacements.begin(), kPlacements.end());
+  // What the user fixed: the one value, even where the search would not have tried it (the
+  // rules then say why it cannot work).
+  const SearchOptions::Pins& pin = options.pins;
+  if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
+  if (pin.hybrid_shard_degree) shard_degrees = {*pin.hybrid_shard_degree};
+  if (pin.micro_batch_size) micro_batches = {*pin.micro_batch_size};
+  if (pin.checkpointing) checkpointing = {*pin.checkpointing};
+  if (pin.offloading) {
+    if (!*pin.offloading) offloads = {{false, 1}};
+    else if (pin.loading_horizon) offloads = {{true, *pin.loading_horizon}};
+    else offloads.erase(offloads.begin());
+  } else if (pin.loading_horizon) {
+    offloads = {{false, 1}, {true, *pin.loading_horizon}};
+  }
+  if (pin.placement) placements = {pin.placement->c_str()};
+  const int64_t inner = static_cast<int64_t>(checkpointing.size() * offloads.size() * micro_batches.size());
 
   std::vector<Candidate> fitting;
   int64_t index = 0;
   for (int64_t e : expert_degrees) {
     for (int64_t s : shard_degrees) {
       std::set<std::array<int64_t, 3>> layouts;
-      for (const char* placement : kPlacements) {
+      for (const char* placement : placements) {
         ParallelConfig p;
         p.world_size = w;
         p.expert_parallel_degree = e;
@@ -142,7 +158,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
           }
         }
         const sim::LayoutShapes shapes = sim::layout_shapes(cluster, p);
-        for (Checkpointing ckpt : kCheckpointing) {
+        for (Checkpointing ckpt : checkpointing) {
           p.activation_checkpointing = ckpt;
           for (const OffloadOption& offload : offloads) {
             p.activation_offloading = offload.on;

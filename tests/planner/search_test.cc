@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "test_support.h"
 
 namespace moeplan::planner {
@@ -32,6 +34,33 @@ TEST(Search, SixteenA100sGiveAValidPlanThatFits) {
   EXPECT_EQ(plan.parallel.world_size, 16);
   EXPECT_GT(plan.prediction.tokens_per_s, 0);
   EXPECT_LT(plan.prediction.mfu, 1.0);
+}
+
+TEST(Search, PinnedChoicesAreKeptAndTheRestSearched) {
+  SearchOptions options = test::search_options(16);
+  options.pins.expert_parallel_degree = 4;
+  options.pins.checkpointing = Checkpointing::kFull;
+  options.pins.offloading = true;
+  options.pins.loading_horizon = 2;
+  options.pins.placement = "RES";
+  const SearchResult r = search(mixtral(), p4d(16), options);
+  ASSERT_FALSE(r.ranked.empty());
+  std::set<int64_t> shard_degrees;
+  for (const Candidate& c : r.ranked) {
+    EXPECT_EQ(c.parallel.expert_parallel_degree, 4);
+    EXPECT_EQ(c.parallel.activation_checkpointing, Checkpointing::kFull);
+    EXPECT_TRUE(c.parallel.activation_offloading);
+    EXPECT_EQ(c.parallel.activation_loading_horizon, 2);
+    EXPECT_EQ(c.parallel.placement.to_string(), "RES");
+    shard_degrees.insert(c.parallel.hybrid_shard_degree);
+  }
+  EXPECT_EQ(r.stats.enumerated, r.stats.duplicate_placements + r.stats.rule_rejected + r.stats.rule_valid);
+  // A pinned value the rules forbid leaves nothing, and the rule says why.
+  options.pins.expert_parallel_degree = 3;
+  const SearchResult none = search(mixtral(), p4d(16), options);
+  EXPECT_TRUE(none.ranked.empty());
+  EXPECT_EQ(none.stats.rule_valid, 0);
+  EXPECT_GT(none.stats.rejected_by_rule[static_cast<size_t>(Rule::kExpertDegreeDividesExperts)], 0);
 }
 
 TEST(Search, EveryCandidateIsAccountedFor) {

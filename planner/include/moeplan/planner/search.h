@@ -30,6 +30,13 @@ struct SearchOptions {
   // rank's compute) prunes them, and the discrete-event simulator ranks the rest.
   Estimator estimator = Estimator::kSimulator;
   bool prune = true;  // false: simulate every candidate that fits (to check the bound)
+  // Choices the user fixed (SMP's knobs); unset ones are searched.
+  struct Pins {
+    std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
+    std::optional<Checkpointing> checkpointing;
+    std::optional<bool> offloading;
+    std::optional<std::string> placement;
+  } pins;
 };
 
 struct Candidate {
