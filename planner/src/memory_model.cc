@@ -110,13 +110,19 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
       working_set = block.full();
       break;
   }
+  // What offloading moves is the checkpointed input (the block input, which is also the MoE
+  // sub-block's input under selective checkpointing); attention's activations stay.
+  const int64_t offloadable = p.activation_checkpointing == Checkpointing::kNone ? 0 : block.block_input;
+  const int64_t resident = stored_per_block - offloadable;
   int64_t blocks_on_device = m.num_layers;
-  if (p.activation_offloading) {
+  if (p.activation_offloading && offloadable > 0) {
     // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.
     blocks_on_device = std::min(m.num_layers, p.activation_loading_horizon + 1);
-    out.offloaded_activations = to_bytes(static_cast<double>(m.num_layers) * static_cast<double>(stored_per_block));
+    out.offloaded_activations = to_bytes(static_cast<double>(m.num_layers) * static_cast<double>(offloadable));
   }
-  out.activations = to_bytes(static_cast<double>(blocks_on_device) * static_cast<double>(stored_per_block) +
+  const double layers = static_cast<double>(m.num_layers);
+  out.activations = to_bytes(layers * static_cast<double>(resident) +
+                             static_cast<double>(blocks_on_device) * static_cast<double>(offloadable) +
                              static_cast<double>(working_set));
 
   const double t = static_cast<double>(tokens);

@@ -114,6 +114,18 @@ TEST(MemoryModel, OffloadMovesBlockInputsToTheHost) {
   EXPECT_EQ(m.offloaded_activations, 32 * 16'777'216);
 }
 
+// Selective checkpointing offloads the MoE sub-block's input (block-input sized); attention's
+// activations stay for all 32 blocks: 32 x 75,759,616 + 3 x 16,777,216 + one MoE sub-block
+// (453,050,368) on the device, 32 block inputs on the host.
+TEST(MemoryModel, SelectiveOffloadKeepsAttentionOnTheDevice) {
+  Layout x = layout(8, 2, Checkpointing::kSelective);
+  x.parallel.activation_offloading = true;
+  x.parallel.activation_loading_horizon = 2;
+  const MemoryEstimate m = x.estimate();
+  EXPECT_EQ(m.activations, 32 * 75'759'616LL + 3 * 16'777'216LL + 453'050'368LL);
+  EXPECT_EQ(m.offloaded_activations, 32 * 16'777'216);
+}
+
 // Expert imbalance: the busiest rank gets 1.5 x the mean of 4096 slots = 6144, so the expert
 // activations and the receive buffer grow by half.
 TEST(MemoryModel, ImbalanceGrowsExpertActivationsAndDispatchBuffers) {

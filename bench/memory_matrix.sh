@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Peak memory per rank, measured against the planner's memory model, for layouts of 4 CPU ranks
+# on this machine (docs/memory-model.md, "Measured on CPU ranks").
+# Usage: bench/memory_matrix.sh DATA_DIR [WORK_DIR]
+#   DATA_DIR: a `moeplan data prepare` folder with vocabulary 4096 and block size 256.
+# Each layout is planned with its choices fixed (`moeplan search` with --expert-parallel-degree,
+# --hybrid-shard-degree, ...), run for 3 steps, and its report.json read.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+moeplan="$root/build/cli/moeplan"
+data="$1"
+work="${2:-$(mktemp -d)}"
+mkdir -p "$work"
+# mixtral-tiny widened so that model states and activations outweigh the runtime's own memory.
+python3 - "$root/profiles/models/mixtral-tiny.json" "$work/model.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m.update(name="mixtral-tiny-wide", hidden_size=256, intermediate_size=1024, num_attention_heads=8,
+         num_key_value_heads=4, head_dim=32)
+json.dump(m, open(sys.argv[2], "w"), indent=1)
+PY
+printf '%-16s %5s %10s %10s %7s  %s\n' layout mbs predicted measured error "per rank (MiB), before the model"
+run() {  # name gpus E S checkpointing offload micro-batch
+  local name=$1 gpus=$2 e=$3 s=$4 ckpt=$5 off=$6 mbs=$7
+  "$moeplan" search --gpus "$gpus" --instance local-cpu --model "$work/model.json" --seq-len 256 \
+    --global-batch-tokens $((gpus * mbs * 256)) --precision fp32 --expert-parallel-degree "$e" \
+    --hybrid-shard-degree "$s" --checkpointing "$ckpt" --offload "$off" --micro-batch "$mbs" --placement RSE \
+    --out "$work/$name.json" >/dev/null
+  rm -rf "$work/run-$name"
+  "$moeplan" run "$work/$name.json" --data "$data" --out "$work/run-$name" --steps 3 >"$work/$name.log" 2>&1
+  python3 - "$work/run-$name/report.json" "$name" "$mbs" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1])); m = r["measured"]; MiB = 2**20
+print(f"{sys.argv[2]:16s} {sys.argv[3]:>5s} {r['predicted']['device_bytes_per_rank']/MiB:7.0f} MiB"
+      f" {m['peak_rss_bytes']/MiB:6.0f} MiB {100*r['relative_error']['peak_memory']:+6.0f}%"
+      f"  {[round(x/MiB) for x in m['peak_rss_bytes_per_rank']]}, {round(m['baseline_rss_bytes_per_rank'][0]/MiB)}")
+PY
+}
+run E1S1R4 4 1 1 none off 4
+run E1S1R4 4 1 1 none off 1
+run E1S2R2 4 1 2 none off 4
+run E1S4R1 4 1 4 none off 4
+run E1S4R1-full 4 1 4 full off 4
+run E4S1R1 4 4 1 none off 4
+run E4S1R1 4 4 1 none off 2
+run E4S1R1 4 4 1 none off 1
+run E2S2R1 4 2 2 none off 4
+run E2S2R1-sel 4 2 2 selective off 4
+run E2S2R1-sel-off 4 2 2 selective on 4
+run E2S2R1-full 4 2 2 full off 4
+run E2S2R1-full-off 4 2 2 full on 4
