@@ -19,7 +19,10 @@ m.update(name="mixtral-tiny-wide", hidden_size=256, intermediate_size=1024, num_
          num_key_value_heads=4, head_dim=32)
 json.dump(m, open(sys.argv[2], "w"), indent=1)
 PY
-printf '%-16s %5s %10s %10s %7s  %s\n' layout mbs predicted measured error "per rank (MiB), before the model"
+# predicted/measured: whole rank (model total; peak RSS of the largest rank). tensors: the model
+# without framework overhead and fragmentation; the largest live-tensor peak of the ranks.
+printf '%-16s %4s %9s %9s %6s %9s %9s %6s  %s\n' layout mbs predicted measured error tensors: measured error \
+  "peak RSS per rank, before the model (MiB)"
 run() {  # name gpus E S checkpointing offload micro-batch
   local name=$1 gpus=$2 e=$3 s=$4 ckpt=$5 off=$6 mbs=$7
   "$moeplan" search --gpus "$gpus" --instance local-cpu --model "$work/model.json" --seq-len 256 \
@@ -28,11 +31,15 @@ run() {  # name gpus E S checkpointing offload micro-batch
     --out "$work/$name.json" >/dev/null
   rm -rf "$work/run-$name"
   "$moeplan" run "$work/$name.json" --data "$data" --out "$work/run-$name" --steps 3 >"$work/$name.log" 2>&1
-  python3 - "$work/run-$name/report.json" "$name" "$mbs" <<'PY'
+  python3 - "$work/run-$name/report.json" "$work/$name.json" "$name" "$mbs" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1])); m = r["measured"]; MiB = 2**20
-print(f"{sys.argv[2]:16s} {sys.argv[3]:>5s} {r['predicted']['device_bytes_per_rank']/MiB:7.0f} MiB"
-      f" {m['peak_rss_bytes']/MiB:6.0f} MiB {100*r['relative_error']['peak_memory']:+6.0f}%"
+items = json.load(open(sys.argv[2]))["prediction"]["memory"]["device"]
+tensors = r["predicted"]["device_bytes_per_rank"] - items["framework_overhead"] - items["fragmentation"]
+live = max(m["peak_tensor_bytes_per_rank"])
+print(f"{sys.argv[3]:16s} {sys.argv[4]:>4s} {r['predicted']['device_bytes_per_rank']/MiB:5.0f} MiB"
+      f" {m['peak_rss_bytes']/MiB:5.0f} MiB {100*r['relative_error']['peak_memory']:+5.0f}%"
+      f" {tensors/MiB:5.0f} MiB {live/MiB:5.0f} MiB {100*(live/tensors-1):+5.0f}%"
       f"  {[round(x/MiB) for x in m['peak_rss_bytes_per_rank']]}, {round(m['baseline_rss_bytes_per_rank'][0]/MiB)}")
 PY
 }

@@ -120,6 +120,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   check_plan(plan, data, o, env);
   set_compute_threads(o.threads > 0 ? o.threads : 1);
   keep_freed_memory();
+  count_tensor_bytes();
   ignore_broken_pipes();
   const auto timeout = std::chrono::milliseconds(1000 * o.timeout_seconds);
 
@@ -242,6 +243,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       m.rank = env.rank;
       m.peak_rss_bytes = result.peak_rss_bytes;
       m.baseline_rss_bytes = baseline_rss;
+      m.peak_tensor_bytes = tensor_bytes().peak;
       m.events = trainer.clock().events();
       write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", to_json(m).dump());
     }

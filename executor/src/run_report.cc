@@ -77,6 +77,7 @@ OrderedJson to_json(const RankMeasurement& m) {
   j["rank"] = m.rank;
   j["peak_rss_bytes"] = m.peak_rss_bytes;
   j["baseline_rss_bytes"] = m.baseline_rss_bytes;
+  j["peak_tensor_bytes"] = m.peak_tensor_bytes;
   j["events"] = OrderedJson::array();
   for (const TraceEvent& e : m.events) j["events"].push_back(event_json(e));
   return j;
@@ -87,6 +88,7 @@ RankMeasurement rank_measurement_from_json(const Json& j) {
   m.rank = j.at("rank").get<int64_t>();
   m.peak_rss_bytes = j.at("peak_rss_bytes").get<int64_t>();
   m.baseline_rss_bytes = j.at("baseline_rss_bytes").get<int64_t>();
+  m.peak_tensor_bytes = j.at("peak_tensor_bytes").get<int64_t>();
   for (const Json& e : j.at("events")) {
     TraceEvent t;
     t.name = e.at("name").get<std::string>();
@@ -114,6 +116,7 @@ OrderedJson RunReport::to_json() const {
                         {"tokens_per_s", tokens_per_s},
                         {"peak_rss_bytes_per_rank", peak_rss_bytes_per_rank},
                         {"baseline_rss_bytes_per_rank", baseline_rss_bytes_per_rank},
+                        {"peak_tensor_bytes_per_rank", peak_tensor_bytes_per_rank},
                         {"peak_rss_bytes", peak_rss_bytes},
                         {"phase_seconds_rank0", phases},
                         {"tokens_per_expert", tokens_per_expert}};
@@ -141,6 +144,7 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
     trace.events.insert(trace.events.end(), m.events.begin(), m.events.end());
     r.peak_rss_bytes_per_rank.push_back(m.peak_rss_bytes);
     r.baseline_rss_bytes_per_rank.push_back(m.baseline_rss_bytes);
+    r.peak_tensor_bytes_per_rank.push_back(m.peak_tensor_bytes);
     r.peak_rss_bytes = std::max(r.peak_rss_bytes, m.peak_rss_bytes);
   }
   write_file_atomic(out_dir + "/trace.json", moeplan::to_json(trace).dump(1) + "\n");
@@ -187,6 +191,14 @@ std::string format_summary(const RunReport& r) {
                 mib(static_cast<double>(r.peak_rss_bytes)).c_str(),
                 percent(static_cast<double>(r.peak_rss_bytes), static_cast<double>(r.predicted_bytes_per_rank)).c_str());
   out += line;
+  for (size_t i = 0; i < r.peak_rss_bytes_per_rank.size(); ++i) {
+    if (r.peak_rss_bytes_per_rank[i] != r.peak_rss_bytes) continue;
+    std::snprintf(line, sizeof line, "  %-22s rank %zu: %s before the model, live tensors at most %s\n", "", i,
+                  mib(static_cast<double>(r.baseline_rss_bytes_per_rank[i])).c_str(),
+                  mib(static_cast<double>(r.peak_tensor_bytes_per_rank[i])).c_str());
+    out += line;
+    break;
+  }
   if (!r.phase_seconds.empty()) {
     // Phases of one name summed; the largest first, up to a line's worth.
     std::vector<std::pair<std::string, double>> phases = r.phase_seconds;

@@ -323,6 +323,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   check_plan(plan, data, o);
   set_compute_threads(o.threads > 0 ? o.threads : 1);
   keep_freed_memory();
+  count_tensor_bytes();
   ignore_broken_pipes();
 
   fs::create_directories(o.out_dir);
@@ -365,6 +366,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
     RankMeasurement m;
     m.peak_rss_bytes = result.peak_rss_bytes;
     m.baseline_rss_bytes = baseline_rss;
+    m.peak_tensor_bytes = tensor_bytes().peak;
     m.events = trainer.clock().events();
     result.report = write_run_outputs(plan, o.out_dir, result.steps, {m}, "CPU rank");
   }

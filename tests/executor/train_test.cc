@@ -94,6 +94,9 @@ TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
   const int64_t baseline = report["measured"]["baseline_rss_bytes_per_rank"][0].get<int64_t>();
   EXPECT_GT(baseline, 0);
   EXPECT_GT(peak, baseline);
+  const int64_t tensors = report["measured"]["peak_tensor_bytes_per_rank"][0].get<int64_t>();
+  EXPECT_GT(tensors, 0);
+  EXPECT_LT(tensors, peak);
   // The tokens per expert of the last step: top-2 of every token, per layer.
   const Json& load = report["measured"]["tokens_per_expert"];
   ASSERT_EQ(load.size(), 4u);
