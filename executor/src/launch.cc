@@ -1,6 +1,10 @@
 #include "moeplan/executor/launch.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -50,6 +54,44 @@ int64_t integer(const char* name, int64_t lo, int64_t hi, Diagnostics& d) {
   return x;
 }
 
+// The IPv4 address of interface `name`, or "" when it has none.
+std::string interface_address(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  std::string found;
+  for (const ifaddrs* a = list; a != nullptr && found.empty(); a = a->ifa_next)
+    if (a->ifa_addr != nullptr && a->ifa_addr->sa_family == AF_INET && name == a->ifa_name) {
+      char text[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof text);
+      found = text;
+    }
+  ::freeifaddrs(list);
+  return found;
+}
+
+// The local address this host uses to reach `host` (a UDP socket's route, nothing is sent), or
+// "" when there is no route.
+std::string address_towards(const std::string& host, int64_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) return "";
+  std::string address;
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t n = sizeof local;
+    char text[INET_ADDRSTRLEN] = {};
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &n) == 0 &&
+        ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text) != nullptr)
+      address = text;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(found);
+  return address;
+}
+
 }  // namespace
 
 std::optional<RankEnv> rank_env_from_environment() {
@@ -71,6 +113,15 @@ std::optional<RankEnv> rank_env_from_environment() {
     const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
     env.store_hosted_elsewhere =
         env.launcher == "moeplan" || (env.launcher == "torchrun" && agent_store && std::string(agent_store) == "True");
+    // Gloo listens where the peers can reach it: the interface GLOO_SOCKET_IFNAME names (as
+    // in PyTorch), else the one that routes to the rank-0 host (loopback on one machine).
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+      env.bind_address = interface_address(ifname);
+      if (env.bind_address.empty()) d.error("GLOO_SOCKET_IFNAME", std::string("\"") + ifname + "\" has no IPv4 address");
+    } else if (d.empty()) {
+      env.bind_address = address_towards(env.master_addr, env.master_port);
+      if (env.bind_address.empty()) d.error(n.addr, "= \"" + env.master_addr + "\" cannot be reached from this host");
+    }
     d.throw_if_any(std::string(n.launcher) + " environment");
     return env;
   }

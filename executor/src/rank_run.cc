@@ -134,7 +134,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   Heartbeat heartbeat(store, env, timeout);
   const bool leader = env.rank == 0;
   try {
-    DeviceMesh mesh(plan.parallel, env.rank, store, timeout);
+    DeviceMesh mesh(plan.parallel, env.rank, store, timeout, env.bind_address);
     const ParallelConfig& p = plan.parallel;
     fs::create_directories(o.out_dir);
     const std::string metrics_path = o.out_dir + "/metrics.jsonl";

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -260,6 +261,56 @@ TEST_F(Parallel, RanksStartedWithTorchrunVariablesTrainTogether) {
   // Only rank 0 prints.
   EXPECT_NE(read_text(dir_->file("torchrun-0.out")).find("step 10/10"), std::string::npos);
   EXPECT_EQ(read_text(dir_->file("torchrun-1.out")), "");
+}
+
+// Two network namespaces joined by a veth pair, acting as two hosts; removed again at the end.
+class TwoHosts {
+ public:
+  TwoHosts() : a_("moeplan-a-" + std::to_string(::getpid())), b_("moeplan-b-" + std::to_string(::getpid())) {
+    const std::string veth = "mp" + std::to_string(::getpid() % 100000);
+    ok_ = run("ip netns add " + a_) && run("ip netns add " + b_) &&
+          run("ip link add " + veth + "a type veth peer name " + veth + "b") &&
+          run("ip link set " + veth + "a netns " + a_) && run("ip link set " + veth + "b netns " + b_) &&
+          run("ip -n " + a_ + " addr add 10.231.0.1/24 dev " + veth + "a") &&
+          run("ip -n " + b_ + " addr add 10.231.0.2/24 dev " + veth + "b") &&
+          run("ip -n " + a_ + " link set " + veth + "a up") && run("ip -n " + b_ + " link set " + veth + "b up") &&
+          run("ip -n " + a_ + " link set lo up") && run("ip -n " + b_ + " link set lo up");
+  }
+  ~TwoHosts() {
+    // A veth end is deleted with its namespace, and the pair with either end.
+    run("ip netns delete " + a_);
+    run("ip netns delete " + b_);
+  }
+  bool ok() const { return ok_; }
+  const std::string& host(int i) const { return i == 0 ? a_ : b_; }
+  static constexpr char kFirstAddress[] = "10.231.0.1";
+
+ private:
+  static bool run(const std::string& command) { return std::system((command + " 2>/dev/null").c_str()) == 0; }
+  std::string a_, b_;
+  bool ok_ = false;
+};
+
+// Ranks 0-1 on one "host" and 2-3 on another (network namespaces: their gloo connections cross a
+// veth pair, not loopback) train together to the one-rank losses.
+TEST_F(Parallel, RanksOnTwoHostsTrainTogether) {
+  if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  const TwoHosts hosts;
+  if (!hosts.ok()) GTEST_SKIP() << "could not create network namespaces (ip netns and veth, CAP_NET_ADMIN)";
+  const std::string plan = plan_for({"hosts-E2S2R1", 2, 2, "none", false});
+  const std::string out = dir_->file("two-hosts");
+  std::vector<pid_t> ranks;
+  for (int rank = 0; rank < 4; ++rank)
+    ranks.push_back(spawn_moeplan({"run", plan, "--data", dir_->file("data"), "--out", out, "--steps", "10"},
+                                  {"RANK=" + std::to_string(rank), "LOCAL_RANK=" + std::to_string(rank % 2),
+                                   "WORLD_SIZE=4", std::string("MASTER_ADDR=") + TwoHosts::kFirstAddress,
+                                   "MASTER_PORT=29500"},
+                                  "/dev/null", dir_->file("hosts-" + std::to_string(rank) + ".err"),
+                                  {"ip", "netns", "exec", hosts.host(rank / 2)}));
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_EQ(wait_moeplan(ranks[static_cast<size_t>(rank)], 120), 0)
+        << "rank " << rank << ": " << read_text(dir_->file("hosts-" + std::to_string(rank) + ".err"));
+  expect_reference_losses(read_metrics(out), reference_, 1, 10, "two hosts");
 }
 
 }  // namespace

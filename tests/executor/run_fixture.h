@@ -49,18 +49,21 @@ inline Command run_moeplan(const std::string& args) {
 
 // Starts `moeplan args...` in the background, with `env` ("NAME=value") added to the
 // environment and stdout and stderr written to the given files; returns the child's pid.
+// `wrapper` runs before the binary (e.g. {"ip", "netns", "exec", "h1"}).
 inline pid_t spawn_moeplan(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
-                           const std::string& out = "/dev/null", const std::string& err = "/dev/null") {
+                           const std::string& out = "/dev/null", const std::string& err = "/dev/null",
+                           const std::vector<std::string>& wrapper = {}) {
   const pid_t pid = ::fork();
   if (pid == 0) {
-    std::vector<std::string> storage{MOEPLAN_BINARY};
+    std::vector<std::string> storage = wrapper;
+    storage.push_back(MOEPLAN_BINARY);
     storage.insert(storage.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (std::string& s : storage) argv.push_back(s.data());
     argv.push_back(nullptr);
     for (const std::string& e : env) ::putenv(const_cast<char*>(e.c_str()));
     if (!std::freopen(out.c_str(), "w", stdout) || !std::freopen(err.c_str(), "w", stderr)) ::_exit(126);
-    ::execv(MOEPLAN_BINARY, argv.data());
+    ::execvp(argv[0], argv.data());
     ::_exit(127);
   }
   return pid;

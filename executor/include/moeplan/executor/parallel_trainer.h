@@ -75,6 +75,7 @@ struct RankEnv {
   int64_t master_port = 0;
   bool store_hosted_elsewhere = false;  // the moeplan launcher hosts the store; else rank 0 does
   std::string launcher;                 // "moeplan", "torchrun", "slurm", "mpirun"
+  std::string bind_address = "127.0.0.1";  // where this rank's gloo connections listen
 };
 
 // One rank of a multi-rank run: joins the others, trains, writes its part of checkpoints, the
