@@ -59,10 +59,14 @@ torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
   torch::Tensor result;
   run("all-gather", static_cast<int64_t>(shard.nbytes()) * size_, [&] {
     std::vector<torch::Tensor> inputs{as_movable(shard.contiguous())};
-    std::vector<std::vector<torch::Tensor>> outputs(1);
-    for (int64_t r = 0; r < size_; ++r) outputs[0].push_back(torch::empty_like(inputs[0]));
+    // The rank parts are views of one result tensor: gloo copies each part into place, with no
+    // concatenation (and no second full-size tensor) afterwards.
+    std::vector<int64_t> shape = inputs[0].sizes().vec();
+    shape[0] *= size_;
+    torch::Tensor gathered = torch::empty(shape, inputs[0].options());
+    std::vector<std::vector<torch::Tensor>> outputs{gathered.chunk(size_, 0)};
     group_->allgather(outputs, inputs)->wait();
-    result = from_movable(torch::cat(outputs[0], 0), shard.scalar_type());
+    result = from_movable(gathered, shard.scalar_type());
   });
   return result;
 }
