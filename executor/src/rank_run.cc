@@ -252,7 +252,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       std::vector<RankMeasurement> ranks;
       for (int64_t rank = 0; rank < env.world_size; ++rank) {
         const std::string path = o.out_dir + "/.trace-rank-" + std::to_string(rank) + ".json";
-        ranks.push_back(rank_measurement_from_json(read_json_file(path)));
+        ranks.push_back(rank_measurement_from_json(read_json_file(path), path));
         fs::remove(path);
       }
       result.report = write_run_outputs(plan, o.out_dir, result.steps, ranks,

@@ -43,17 +43,6 @@ double relative_error(double measured, double predicted) {
   return predicted > 0 ? (measured - predicted) / predicted : 0.0;
 }
 
-OrderedJson event_json(const TraceEvent& e) {
-  OrderedJson j;
-  j["name"] = e.name;
-  j["cat"] = e.category;
-  j["start_ns"] = e.start_ns;
-  j["dur_ns"] = e.duration_ns;
-  j["stream"] = static_cast<int>(e.stream);
-  j["bytes"] = e.bytes;
-  return j;
-}
-
 std::string mib(double bytes) {
   char s[32];
   std::snprintf(s, sizeof s, "%.0f MiB", bytes / (1 << 20));
@@ -78,28 +67,21 @@ OrderedJson to_json(const RankMeasurement& m) {
   j["peak_rss_bytes"] = m.peak_rss_bytes;
   j["baseline_rss_bytes"] = m.baseline_rss_bytes;
   j["peak_tensor_bytes"] = m.peak_tensor_bytes;
-  j["events"] = OrderedJson::array();
-  for (const TraceEvent& e : m.events) j["events"].push_back(event_json(e));
+  Trace trace;
+  trace.source = "measured";
+  trace.ranks = m.rank + 1;
+  trace.events = m.events;
+  j["trace"] = moeplan::to_json(trace);
   return j;
 }
 
-RankMeasurement rank_measurement_from_json(const Json& j) {
+RankMeasurement rank_measurement_from_json(const Json& j, const std::string& origin) {
   RankMeasurement m;
   m.rank = j.at("rank").get<int64_t>();
   m.peak_rss_bytes = j.at("peak_rss_bytes").get<int64_t>();
   m.baseline_rss_bytes = j.at("baseline_rss_bytes").get<int64_t>();
   m.peak_tensor_bytes = j.at("peak_tensor_bytes").get<int64_t>();
-  for (const Json& e : j.at("events")) {
-    TraceEvent t;
-    t.name = e.at("name").get<std::string>();
-    t.category = e.at("cat").get<std::string>();
-    t.start_ns = e.at("start_ns").get<int64_t>();
-    t.duration_ns = e.at("dur_ns").get<int64_t>();
-    t.rank = m.rank;
-    t.stream = static_cast<TraceStream>(e.at("stream").get<int>());
-    t.bytes = e.at("bytes").get<double>();
-    m.events.push_back(std::move(t));
-  }
+  m.events = trace_from_json(j.at("trace"), origin).events;
   return m;
 }
 

@@ -47,7 +47,7 @@ struct RankMeasurement {
   std::vector<TraceEvent> events;  // of the last step
 };
 OrderedJson to_json(const RankMeasurement& m);
-RankMeasurement rank_measurement_from_json(const Json& j);
+RankMeasurement rank_measurement_from_json(const Json& j, const std::string& origin);
 
 // The measured figures of a run against the plan's prediction.
 struct RunReport {
