@@ -248,15 +248,16 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", to_json(m).dump());
     }
     mesh.world.barrier();
-    if (leader && !result.steps.empty()) {
+    if (leader) {
       std::vector<RankMeasurement> ranks;
       for (int64_t rank = 0; rank < env.world_size; ++rank) {
         const std::string path = o.out_dir + "/.trace-rank-" + std::to_string(rank) + ".json";
         ranks.push_back(rank_measurement_from_json(read_json_file(path), path));
         fs::remove(path);
       }
-      result.report = write_run_outputs(plan, o.out_dir, result.steps, ranks,
-                                        "CPU ranks (gloo, started by " + env.launcher + ")");
+      if (!result.steps.empty())
+        result.report = write_run_outputs(plan, o.out_dir, result.steps, ranks,
+                                          "CPU ranks (gloo, started by " + env.launcher + ")");
     }
     mesh.world.barrier();
     return result;

@@ -96,5 +96,4 @@ void check_checkpoint_state(const Plan& plan, const OrderedJson& state, Diagnost
 // One metrics.jsonl line (no newline).
 std::string to_json_line(const StepRecord& record);
 
-
 }  // namespace moeplan::executor
