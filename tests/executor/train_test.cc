@@ -88,8 +88,8 @@ TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
   EXPECT_EQ(report["predicted"]["step_time_s"], planned["prediction"]["step_time_s"]);
   const double step = report["measured"]["step_time_s"].get<double>();
   EXPECT_GT(step, 0);
-  EXPECT_DOUBLE_EQ(report["relative_error"]["step_time"].get<double>(),
-                   step / planned["prediction"]["step_time_s"].get<double>() - 1);
+  EXPECT_NEAR(report["relative_error"]["step_time"].get<double>(),
+              step / planned["prediction"]["step_time_s"].get<double>() - 1, 1e-12);
   const int64_t peak = report["measured"]["peak_rss_bytes"].get<int64_t>();
   const int64_t baseline = report["measured"]["baseline_rss_bytes_per_rank"][0].get<int64_t>();
   EXPECT_GT(baseline, 0);
