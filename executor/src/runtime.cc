@@ -28,37 +28,48 @@ void keep_freed_memory() {
 
 namespace {
 
+// Each block carries its size in a header one alignment unit wide in front of the tensor data, so
+// the data pointer is its own context: LibTorch's raw_allocate (used by some kernels) requires that.
 class CountingAllocator final : public c10::Allocator {
  public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {
+    base_free_ = base->raw_deleter();
+    TORCH_CHECK(base_free_ != nullptr, "the CPU allocator has no raw deleter");
+  }
 
   c10::DataPtr allocate(size_t n) const override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
+    c10::DataPtr inner = base_->allocate(n + kHeader);
     const c10::Device device = inner.device();
-    auto* context = new Context{std::move(inner), static_cast<int64_t>(n)};
-    const int64_t live = live_.fetch_add(context->bytes) + context->bytes;
+    void* block = inner.get();
+    if (block == nullptr) return {nullptr, nullptr, &CountingAllocator::free, device};
+    TORCH_CHECK(inner.get_context() == block && inner.release_context() == block,
+                "the CPU allocator's blocks are not their own context");
+    *static_cast<int64_t*>(block) = static_cast<int64_t>(n);
+    void* data = static_cast<char*>(block) + kHeader;
+    const int64_t live = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t peak = peak_.load();
     while (live > peak && !peak_.compare_exchange_weak(peak, live)) {
     }
-    return {data, context, &CountingAllocator::free, device};
+    return {data, data, &CountingAllocator::free, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::free; }
 
   TensorBytes bytes() const { return {live_.load(), peak_.load()}; }
   void reset_peak() const { peak_.store(live_.load()); }
 
  private:
-  struct Context {
-    c10::DataPtr inner;  // frees the memory when the context is deleted
-    int64_t bytes;
-  };
-  static void free(void* p) {
-    auto* context = static_cast<Context*>(p);
-    live_.fetch_sub(context->bytes);
-    delete context;
+  static constexpr size_t kHeader = c10::gAlignment;  // keeps the data as aligned as the block
+
+  static void free(void* data) {
+    if (data == nullptr) return;
+    void* block = static_cast<char*>(data) - kHeader;
+    live_.fetch_sub(*static_cast<int64_t*>(block));
+    base_free_(block);
   }
 
   c10::Allocator* base_;
+  static inline c10::DeleterFnPtr base_free_ = nullptr;
   static std::atomic<int64_t> live_, peak_;
 };
 

@@ -3,6 +3,7 @@
 #include "moeplan/executor/runtime.h"
 
 #include <gtest/gtest.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
 namespace moeplan::executor {
@@ -27,6 +28,22 @@ TEST(TensorBytes, CountsLiveTensorsAndKeepsThePeak) {
   EXPECT_GE(after.peak - before.live, 2 * kBytes);
   reset_peak_tensor_bytes();
   EXPECT_EQ(tensor_bytes().peak, tensor_bytes().live);
+}
+
+// Some kernels take raw memory from the CPU allocator (raw_allocate), which requires the data
+// pointer to be its own context; the counter must serve them and count them.
+TEST(TensorBytes, ServesRawAllocations) {
+  count_tensor_bytes();
+  c10::Allocator* allocator = c10::GetCPUAllocator();
+  const int64_t before = tensor_bytes().live;
+  void* p = allocator->raw_allocate(1 << 20);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % c10::gAlignment, 0u);
+  static_cast<char*>(p)[0] = 1;
+  static_cast<char*>(p)[(1 << 20) - 1] = 2;
+  EXPECT_EQ(tensor_bytes().live - before, 1 << 20);
+  allocator->raw_deallocate(p);
+  EXPECT_EQ(tensor_bytes().live, before);
 }
 
 }  // namespace
