@@ -46,6 +46,7 @@ void BM_TrainStep(benchmark::State& state) {
   const Precision precision = state.range(1) == 0 ? Precision::kFp32 : state.range(1) == 1 ? Precision::kMixed : Precision::kBf16;
   executor::set_compute_threads(threads);
   executor::keep_freed_memory();
+  executor::install_tensor_allocator();  // as a rank does
   const Plan plan = tiny_plan(precision);
   executor::ModelTrainer trainer(plan);
   torch::manual_seed(1);

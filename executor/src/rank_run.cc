@@ -120,7 +120,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   check_plan(plan, data, o, env);
   set_compute_threads(o.threads > 0 ? o.threads : 1);
   keep_freed_memory();
-  count_tensor_bytes();
+  install_tensor_allocator();
   ignore_broken_pipes();
   const auto timeout = std::chrono::milliseconds(1000 * o.timeout_seconds);
 

@@ -5,6 +5,7 @@
 #include <malloc.h>
 #include <c10/core/CPUAllocator.h>
 #include <signal.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,32 +29,50 @@ void keep_freed_memory() {
 
 namespace {
 
-// Each block carries its size in a header one alignment unit wide in front of the tensor data, so
-// the data pointer is its own context: LibTorch's raw_allocate (used by some kernels) requires that.
-class CountingAllocator final : public c10::Allocator {
+// The CPU tensor allocator of a rank. Blocks of at least 2 MiB get a mapping of their own, backed
+// by huge pages where the kernel allows (transparent huge pages, madvise mode) and returned to the
+// kernel when freed; smaller ones come from the C heap. In glibc's heap, big blocks freed between
+// long-lived activations leave holes that keep the heap's extent, and so the resident set, up to
+// twice the live tensor bytes; mapped, the resident set stays within a few percent of them, and
+// huge pages make the fresh memory cheap to fault in (docs/memory-model.md).
+//
+// Each block carries its size, and its mapping's length, in a header one alignment unit wide in
+// front of the tensor data, so the data pointer is its own context: LibTorch's raw_allocate (used
+// by some kernels) requires that.
+class TensorAllocator final : public c10::Allocator {
  public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {
+  explicit TensorAllocator(c10::Allocator* base) : base_(base) {
     base_free_ = base->raw_deleter();
     TORCH_CHECK(base_free_ != nullptr, "the CPU allocator has no raw deleter");
   }
 
   c10::DataPtr allocate(size_t n) const override {
-    c10::DataPtr inner = base_->allocate(n + kHeader);
-    const c10::Device device = inner.device();
-    void* block = inner.get();
-    if (block == nullptr) return {nullptr, nullptr, &CountingAllocator::free, device};
-    TORCH_CHECK(inner.get_context() == block && inner.release_context() == block,
-                "the CPU allocator's blocks are not their own context");
-    *static_cast<int64_t*>(block) = static_cast<int64_t>(n);
+    void* block = nullptr;
+    int64_t mapped = 0;
+    c10::Device device(c10::kCPU);
+    if (n >= kLarge) {
+      mapped = static_cast<int64_t>(round_up(n + kHeader, kPage));
+      block = map(static_cast<size_t>(mapped));
+    } else {
+      c10::DataPtr inner = base_->allocate(n + kHeader);
+      device = inner.device();
+      block = inner.get();
+      if (block == nullptr) return {nullptr, nullptr, &TensorAllocator::free, device};
+      TORCH_CHECK(inner.get_context() == block && inner.release_context() == block,
+                  "the CPU allocator's blocks are not their own context");
+    }
+    auto* header = static_cast<int64_t*>(block);
+    header[0] = static_cast<int64_t>(n);
+    header[1] = mapped;
     void* data = static_cast<char*>(block) + kHeader;
     const int64_t live = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t peak = peak_.load();
     while (live > peak && !peak_.compare_exchange_weak(peak, live)) {
     }
-    return {data, data, &CountingAllocator::free, device};
+    return {data, data, &TensorAllocator::free, device};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::free; }
+  c10::DeleterFnPtr raw_deleter() const override { return &TensorAllocator::free; }
 
   TensorBytes bytes() const { return {live_.load(), peak_.load()}; }
   void reset_peak() const { peak_.store(live_.load()); }
@@ -61,11 +80,35 @@ class CountingAllocator final : public c10::Allocator {
  private:
   static constexpr size_t kHeader = c10::gAlignment;  // keeps the data as aligned as the block
 
+  static constexpr size_t kPage = 4096;
+  static constexpr size_t kHugePage = size_t{2} << 20;
+  static constexpr size_t kLarge = kHugePage;
+  static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+  // A mapping of its own for a large block, starting at a huge-page boundary so that the kernel
+  // can back it with huge pages.
+  static void* map(size_t bytes) {
+    const size_t reserve = bytes + kHugePage;
+    void* raw = ::mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(raw != MAP_FAILED, "out of memory: could not map ", bytes, " bytes for a tensor");
+    const auto begin = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = round_up(begin, kHugePage);
+    if (aligned > begin) ::munmap(raw, aligned - begin);
+    const uintptr_t end = begin + reserve, used_end = aligned + bytes;
+    if (end > used_end) ::munmap(reinterpret_cast<void*>(used_end), end - used_end);
+    ::madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);  // a hint: may be refused
+    return reinterpret_cast<void*>(aligned);
+  }
+
   static void free(void* data) {
     if (data == nullptr) return;
     void* block = static_cast<char*>(data) - kHeader;
-    live_.fetch_sub(*static_cast<int64_t*>(block));
-    base_free_(block);
+    const auto* header = static_cast<const int64_t*>(block);
+    live_.fetch_sub(header[0]);
+    if (header[1] > 0)
+      ::munmap(block, static_cast<size_t>(header[1]));
+    else
+      base_free_(block);
   }
 
   c10::Allocator* base_;
@@ -73,23 +116,23 @@ class CountingAllocator final : public c10::Allocator {
   static std::atomic<int64_t> live_, peak_;
 };
 
-std::atomic<int64_t> CountingAllocator::live_{0};
-std::atomic<int64_t> CountingAllocator::peak_{0};
+std::atomic<int64_t> TensorAllocator::live_{0};
+std::atomic<int64_t> TensorAllocator::peak_{0};
 
-CountingAllocator* counting = nullptr;
+TensorAllocator* installed = nullptr;
 
 }  // namespace
 
-void count_tensor_bytes() {
-  if (counting != nullptr) return;
-  counting = new CountingAllocator(c10::GetCPUAllocator());  // lives as long as the process
-  c10::SetCPUAllocator(counting, /*priority=*/1);
+void install_tensor_allocator() {
+  if (installed != nullptr) return;
+  installed = new TensorAllocator(c10::GetCPUAllocator());  // lives as long as the process
+  c10::SetCPUAllocator(installed, /*priority=*/1);
 }
 
-TensorBytes tensor_bytes() { return counting != nullptr ? counting->bytes() : TensorBytes{}; }
+TensorBytes tensor_bytes() { return installed != nullptr ? installed->bytes() : TensorBytes{}; }
 
 void reset_peak_tensor_bytes() {
-  if (counting != nullptr) counting->reset_peak();
+  if (installed != nullptr) installed->reset_peak();
 }
 
 void ignore_broken_pipes() { ::signal(SIGPIPE, SIG_IGN); }

@@ -323,7 +323,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   check_plan(plan, data, o);
   set_compute_threads(o.threads > 0 ? o.threads : 1);
   keep_freed_memory();
-  count_tensor_bytes();
+  install_tensor_allocator();
   ignore_broken_pipes();
 
   fs::create_directories(o.out_dir);

@@ -2,16 +2,19 @@
 
 #include "moeplan/executor/runtime.h"
 
-#include <gtest/gtest.h>
 #include <c10/core/CPUAllocator.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <fstream>
+#include <string>
 
 namespace moeplan::executor {
 namespace {
 
 TEST(TensorBytes, CountsLiveTensorsAndKeepsThePeak) {
-  count_tensor_bytes();
-  count_tensor_bytes();  // a second call changes nothing
+  install_tensor_allocator();
+  install_tensor_allocator();  // a second call changes nothing
   reset_peak_tensor_bytes();
   const TensorBytes before = tensor_bytes();
   constexpr int64_t kBytes = 4 << 20;
@@ -33,7 +36,7 @@ TEST(TensorBytes, CountsLiveTensorsAndKeepsThePeak) {
 // Some kernels take raw memory from the CPU allocator (raw_allocate), which requires the data
 // pointer to be its own context; the counter must serve them and count them.
 TEST(TensorBytes, ServesRawAllocations) {
-  count_tensor_bytes();
+  install_tensor_allocator();
   c10::Allocator* allocator = c10::GetCPUAllocator();
   const int64_t before = tensor_bytes().live;
   void* p = allocator->raw_allocate(1 << 20);
@@ -44,6 +47,41 @@ TEST(TensorBytes, ServesRawAllocations) {
   EXPECT_EQ(tensor_bytes().live - before, 1 << 20);
   allocator->raw_deallocate(p);
   EXPECT_EQ(tensor_bytes().live, before);
+}
+
+namespace {
+// Whether an address lies in one of the process's mappings (/proc/self/maps).
+bool mapped(const void* p) {
+  std::ifstream maps("/proc/self/maps");
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  while (std::getline(maps, line)) {
+    const size_t dash = line.find('-');
+    const uintptr_t begin = std::stoull(line.substr(0, dash), nullptr, 16);
+    const uintptr_t end = std::stoull(line.substr(dash + 1), nullptr, 16);
+    if (a >= begin && a < end) return true;
+  }
+  return false;
+}
+}  // namespace
+
+// Large blocks live in mappings of their own that are returned to the kernel when the tensor is
+// freed; small ones stay in the heap.
+TEST(TensorAllocator, MapsLargeBlocksAndUnmapsThemWhenFreed) {
+  install_tensor_allocator();
+  const int64_t before = tensor_bytes().live;
+  const void* address = nullptr;
+  {
+    torch::Tensor big = torch::arange(3 << 20, torch::kFloat);  // 12 MiB
+    address = big.data_ptr();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(address) % c10::gAlignment, 0u);
+    EXPECT_EQ(tensor_bytes().live - before, int64_t{12} << 20);
+    EXPECT_TRUE(mapped(address));
+    EXPECT_EQ(big[(3 << 20) - 1].item<float>(), static_cast<float>((3 << 20) - 1));
+    EXPECT_DOUBLE_EQ(big.sum().item<double>(), 3.0 * (1 << 20) * ((3 << 20) - 1) / 2);
+  }
+  EXPECT_EQ(tensor_bytes().live, before);
+  EXPECT_FALSE(mapped(address)) << "the freed block's mapping is still there";
 }
 
 }  // namespace

@@ -43,7 +43,7 @@ struct RankMeasurement {
   int64_t rank = 0;
   int64_t peak_rss_bytes = 0;
   int64_t baseline_rss_bytes = 0;  // before the model was built: the runtime and its libraries
-  int64_t peak_tensor_bytes = 0;   // live tensors at their peak (count_tensor_bytes)
+  int64_t peak_tensor_bytes = 0;   // live tensors at their peak (install_tensor_allocator)
   std::vector<TraceEvent> events;  // of the last step
 };
 OrderedJson to_json(const RankMeasurement& m);

@@ -12,18 +12,20 @@ namespace moeplan::executor {
 void set_compute_threads(int threads);
 
 // Keeps freed memory in the heap for reuse instead of returning it to the kernel, like the CUDA
-// caching allocator does on a GPU. Without it every large activation is a fresh mmap whose
-// pages the kernel zero-fills again, step after step (a quarter of the step time here).
+// caching allocator does on a GPU. Without it every block above glibc's mmap threshold is a
+// fresh mapping of small pages that the kernel faults in and zero-fills again, step after step.
+// Blocks of 2 MiB and more bypass the heap (install_tensor_allocator).
 void keep_freed_memory();
 
-// Counts the bytes of live CPU tensors by wrapping LibTorch's CPU allocator: what a rank's
-// tensors hold, apart from what the heap keeps around them (fragmentation, freed blocks kept by
-// keep_freed_memory) and the runtime's own memory. Installed once; tensors allocated before are
-// not counted.
-void count_tensor_bytes();
+// Installs the rank's CPU tensor allocator (LibTorch's, wrapped): blocks of 2 MiB and more are
+// mapped on their own with huge pages and unmapped when freed, smaller ones come from the heap
+// kept by keep_freed_memory; and the bytes of live tensors are counted, apart from what the heap
+// keeps around them and the runtime's own memory. Installed once; tensors allocated before are
+// neither counted nor mapped.
+void install_tensor_allocator();
 struct TensorBytes {
   int64_t live = 0;
-  int64_t peak = 0;  // since count_tensor_bytes() or the last reset
+  int64_t peak = 0;  // since install_tensor_allocator() or the last reset
 };
 TensorBytes tensor_bytes();
 void reset_peak_tensor_bytes();
