@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moeplan/core/parallel_config.h"
+
 namespace moeplan {
 
 namespace {
@@ -95,6 +97,7 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
   if (auto fw = r.object("framework")) {
     c.framework_overhead_bytes = fw->integer("overhead_bytes", 0, kMaxBytes);
     c.fragmentation_factor = fw->number("fragmentation_factor", 1.0, 4.0);
+    c.kernels = fw->choice<Kernels>("kernels", kKernelNames, Kernels::kFused);
     c.memory_headroom_bytes = fw->integer("headroom_bytes", 0, kMaxBytes);
     fw->finish();
   }
@@ -183,6 +186,7 @@ OrderedJson to_json(const ClusterSpec& c) {
   OrderedJson fw;
   fw["overhead_bytes"] = sourced("framework.overhead_bytes", c.framework_overhead_bytes);
   fw["fragmentation_factor"] = sourced("framework.fragmentation_factor", c.fragmentation_factor);
+  fw["kernels"] = sourced("framework.kernels", std::string(name_of(kKernelNames, c.kernels)));
   fw["headroom_bytes"] = sourced("framework.headroom_bytes", c.memory_headroom_bytes);
   j["framework"] = fw;
   return j;

@@ -20,22 +20,40 @@ int64_t to_bytes(double bytes) {
 }
 }  // namespace
 
-BlockActivations block_activations(const ModelSpec& m, int64_t tokens, int64_t slots, int64_t a) {
-  const double t = static_cast<double>(tokens);
+BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int64_t seq_len, int64_t slots,
+                                   int64_t a, Kernels kernels) {
+  const double t = static_cast<double>(micro_batch * seq_len);
   const double bytes = static_cast<double>(a);
   const double h = static_cast<double>(m.hidden_size);
+  const double f = static_cast<double>(m.intermediate_size);
   const double q = static_cast<double>(m.num_attention_heads * m.head_dim);
   const double kv = static_cast<double>(m.num_key_value_heads * m.head_dim);
+  const double heads = static_cast<double>(m.num_attention_heads);
+  const double routed = static_cast<double>(slots);
   BlockActivations out;
   out.block_input = to_bytes(t * h * bytes);
-  // RMSNorm input, its output (the q/k/v input), q, k, v after RoPE, the attention output
-  // (o_proj input), and the fp32 log-sum-exp per head that flash attention keeps.
-  out.attention = to_bytes(t * (2 * h + 2 * q + 2 * kv) * bytes +
-                           t * static_cast<double>(m.num_attention_heads) * kBytesFp32);
-  // RMSNorm input and output, fp32 router probabilities, then per token-expert slot: the
-  // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output.
-  out.moe = to_bytes(t * 2 * h * bytes + t * static_cast<double>(m.num_experts) * kBytesFp32 +
-                     static_cast<double>(slots) * (2 * h + 3 * static_cast<double>(m.intermediate_size)) * bytes);
+  if (kernels == Kernels::kFused) {
+    // RMSNorm input, its output (the q/k/v input), q, k, v after RoPE, the attention output
+    // (o_proj input), and the fp32 log-sum-exp per head that flash attention keeps.
+    out.attention = to_bytes(t * (2 * h + 2 * q + 2 * kv) * bytes + t * heads * kBytesFp32);
+    // RMSNorm input and output, fp32 router probabilities, then per token-expert slot: the
+    // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output.
+    out.moe = to_bytes(t * 2 * h * bytes + t * static_cast<double>(m.num_experts) * kBytesFp32 +
+                       routed * (2 * h + 3 * f) * bytes);
+    return out;
+  }
+  // Eager: each RMSNorm also keeps its normalised rows (and, below fp32, the fp32 copy of its
+  // input); keys and values are kept repeated to every query head; the softmax keeps its fp32
+  // T x T probabilities per head (and their copy in the compute type below fp32); SiLU keeps its
+  // output beside w1's; the expert output returns to the token's rank, k rows per token, where it
+  // is kept for the weighted sum.
+  const double k = static_cast<double>(m.experts_per_token);
+  const double norm_copy = a < kBytesFp32 ? t * h * kBytesFp32 : 0.0;
+  const double probabilities = static_cast<double>(micro_batch) * heads * static_cast<double>(seq_len) *
+                               static_cast<double>(seq_len) * (kBytesFp32 + (a < kBytesFp32 ? bytes : 0.0));
+  out.attention = to_bytes(t * (3 * h + 4 * q) * bytes + norm_copy + probabilities);
+  out.moe = to_bytes(t * 3 * h * bytes + norm_copy + t * static_cast<double>(m.num_experts) * kBytesFp32 +
+                     routed * (h + 4 * f) * bytes + k * t * h * bytes);
   return out;
 }
 
@@ -96,7 +114,8 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   const auto slots = static_cast<int64_t>(
       std::ceil(static_cast<double>(m.experts_per_token * tokens) *
                 busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree)));
-  const BlockActivations block = block_activations(m, tokens, slots, a);
+  const BlockActivations block =
+      block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a, c.cluster.kernels);
   int64_t stored_per_block = 0;  // kept from forward to backward
   int64_t working_set = 0;       // one block recomputed during backward
   switch (p.activation_checkpointing) {
@@ -135,8 +154,14 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
     out.moe_dispatch_buffers =
         to_bytes((sent + static_cast<double>(slots)) * static_cast<double>(m.hidden_size * a));
   }
-  // Logits in the compute dtype and the fp32 log-probabilities the loss keeps.
-  out.logits = to_bytes(t * static_cast<double>(m.vocab_size) * static_cast<double>(a + kBytesFp32));
+  // Logits in the compute dtype and the fp32 log-probabilities the loss keeps. They are freed
+  // when the lm head has run backward, before any block does: the peak is either at the loss
+  // (kept activations + logits) or in a block's backward (kept activations + its recompute
+  // working set, gathered units, gradient buffers and dispatch buffers). Only what the logits add
+  // over the second is counted.
+  const int64_t loss_bytes = to_bytes(t * static_cast<double>(m.vocab_size) * static_cast<double>(a + kBytesFp32));
+  const int64_t block_backward = working_set + out.gathered_parameters + out.gradient_buffers + out.moe_dispatch_buffers;
+  out.logits = std::max<int64_t>(0, loss_bytes - block_backward);
   out.framework_overhead = c.cluster.framework_overhead_bytes;
   const int64_t transient = out.gathered_parameters + out.gradient_buffers + out.activations +
                             out.moe_dispatch_buffers + out.logits;

@@ -283,7 +283,12 @@ TEST(HardwareProfile, ShippedProfilesReadAndRoundTrip) {
     EXPECT_EQ(c.gpus_per_node, 8);
     EXPECT_FALSE(c.sources.empty());
     EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c) << name;
+    EXPECT_EQ(c.kernels, Kernels::kFused) << name;
   }
+  // The CPU profile describes moeplan's own executor, which runs eager kernels.
+  const ClusterSpec cpu = read_cluster_file(profile_path("hardware/local-cpu.json"));
+  EXPECT_EQ(cpu.kernels, Kernels::kEager);
+  EXPECT_EQ(cluster_from_json(Json::parse(to_json(cpu).dump()), "again"), cpu);
 }
 
 struct ProfileEdit {
@@ -305,6 +310,7 @@ TEST(HardwareProfile, OneProblemEachFromAFile) {
       {"/inter_node/bandwidth_bytes_per_s", "fast", "inter_node.bandwidth_bytes_per_s",
        "expected a number, got string \"fast\""},
       {"/framework/fragmentation_factor/value", 0.9, "framework.fragmentation_factor", "must be in [1, 4], got 0.9"},
+      {"/framework/kernels/value", "flash", "framework.kernels", "expected one of \"fused\", \"eager\", got string \"flash\""},
       {"/gpu/memory_byte", 1, "gpu.memory_byte", "unknown field"},
       {"/gpu/matmul_efficiency/points/2", Json::array({1e9, 0.5}), "gpu.matmul_efficiency.points[2]",
        "flops must increase from one point to the next"},

@@ -87,11 +87,28 @@ TEST(MemoryModel, FlatParametersArePaddedToTheShardDegree) {
 //   moe           2048 x 2x4096 x 2 + 2048 x 8 x 4 + 4096 x (2x4096 + 3x14336) x 2
 //                 = 33,554,432 + 65,536 + 419,430,400                    = 453,050,368
 TEST(MemoryModel, ActivationsPerBlock) {
-  const BlockActivations b = block_activations(mixtral(), 2048, 4096, 2);
+  const BlockActivations b = block_activations(mixtral(), 1, 2048, 4096, 2);
   EXPECT_EQ(b.block_input, 16'777'216);
   EXPECT_EQ(b.attention, 75'759'616);
   EXPECT_EQ(b.moe, 453'050'368);
   EXPECT_EQ(b.full(), 528'809'984);
+}
+
+// The same block run by eager kernels (moeplan's executor), bf16:
+//   fp32 copy of an RMSNorm input   2048 x 4096 x 4                        =  33,554,432
+//   probabilities, fp32 and bf16    1 x 32 x 2048 x 2048 x (4 + 2)         = 805,306,368
+//   attention   2048 x (3x4096 + 4x4096) x 2 + 33,554,432 + 805,306,368   = 956,301,312
+//   moe         2048 x 3x4096 x 2 + 33,554,432 + 2048 x 8 x 4
+//               + 4096 x (4096 + 4x14336) x 2 + 2 x 2048 x 4096 x 2       = 620,822,528
+TEST(MemoryModel, ActivationsPerBlockWithEagerKernels) {
+  const BlockActivations b = block_activations(mixtral(), 1, 2048, 4096, 2, Kernels::kEager);
+  EXPECT_EQ(b.block_input, 16'777'216);
+  EXPECT_EQ(b.attention, 956'301'312);
+  EXPECT_EQ(b.moe, 620'822'528);
+  // In fp32 nothing is copied to fp32 and the probabilities are kept once: 2 micro-batch
+  // sequences of 1024 tokens, 2 x 32 x 1024 x 1024 x 4 = 268,435,456.
+  const BlockActivations fp32 = block_activations(mixtral(), 2, 1024, 4096, 4, Kernels::kEager);
+  EXPECT_EQ(fp32.attention, 2048 * (3 * 4096 + 4 * 4096) * 4 + 268'435'456);
 }
 
 // 32 blocks: none keeps every block (32 x 528,809,984); full keeps block inputs and recomputes
@@ -143,22 +160,33 @@ TEST(MemoryModel, ImbalanceGrowsExpertActivationsAndDispatchBuffers) {
 //   gathered: 2 units of the largest flat parameter (a block: 41,984,000 + 176,160,768 =
 //     218,144,768) in bf16 = 872,579,072; gradient buffer: one unit = 436,289,536
 //   activations 1,065,680,896; dispatch (4096 sent + 4096 received) x 4096 x 2 = 67,108,864
-//   logits 2048 x 32000 x (2 + 4) = 393,216,000; framework 1,610,612,736 (profile)
-//   fragmentation 0.1 x (872,579,072 + 436,289,536 + 1,065,680,896 + 67,108,864 + 393,216,000)
-//     = 0.1 x 2,834,874,368 = 283,487,437 (rounded)
-//   total 33,700,097,229
+//   logits 2048 x 32000 x (2 + 4) = 393,216,000 are freed before a block's backward, whose
+//     recompute (528,809,984), gathered units, gradient buffer and dispatch buffers hold more:
+//     they add 0; framework 1,610,612,736 (profile)
+//   fragmentation 0.1 x (872,579,072 + 436,289,536 + 1,065,680,896 + 67,108,864)
+//     = 0.1 x 2,441,658,368 = 244,165,837 (rounded)
+//   total 33,267,559,629
 TEST(MemoryModel, DeviceTotalIsTheSumOfItems) {
   const MemoryEstimate m = layout(8, 2, Checkpointing::kFull).estimate();
   EXPECT_EQ(m.gathered_parameters, 872'579'072);
   EXPECT_EQ(m.gradient_buffers, 436'289'536);
   EXPECT_EQ(m.moe_dispatch_buffers, 67'108'864);
-  EXPECT_EQ(m.logits, 393'216'000);
+  EXPECT_EQ(m.logits, 0);
   EXPECT_EQ(m.framework_overhead, 1'610'612'736);
-  EXPECT_EQ(m.fragmentation, 283'487'437);
-  EXPECT_EQ(m.device_total, 33'700'097'229);
+  EXPECT_EQ(m.fragmentation, 244'165'837);
+  EXPECT_EQ(m.device_total, 33'267'559'629);
   int64_t sum = 0;
   for (const MemoryItem& item : m.device_items()) sum += item.bytes;
   EXPECT_EQ(sum, m.device_total);
+}
+
+// The logits count where they outweigh a block's backward: without checkpointing, sharding or
+// expert parallelism a block's backward holds nothing beyond the kept activations, so all
+// 2048 x 32000 x (2 + 4) bytes count; with full checkpointing the recomputed block
+// (528,809,984 bytes) holds more, and they count nothing.
+TEST(MemoryModel, LogitsCountOnlyOverABlocksBackward) {
+  EXPECT_EQ(layout(1, 1, Checkpointing::kNone).estimate().logits, 393'216'000);
+  EXPECT_EQ(layout(1, 1, Checkpointing::kFull).estimate().logits, 0);
 }
 
 // Without sharding nothing is gathered: the rank holds its whole share.

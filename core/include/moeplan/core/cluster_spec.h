@@ -2,8 +2,11 @@
 // The cluster: a number of identical nodes, each with GPUs on an intra-node fabric (NVSwitch)
 // and a network card shared by the node's GPUs (EFA). Numbers are per GPU unless named per node.
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "moeplan/core/json_reader.h"
@@ -16,6 +19,16 @@ struct EfficiencyPoint {
   double efficiency = 0;  // achieved / peak, in (0, 1]
   bool operator==(const EfficiencyPoint&) const = default;
 };
+
+// How the training framework runs a transformer block, which decides what it keeps for backward
+// (docs/memory-model.md). kFused: flash attention (a log-sum-exp per head, not the T x T
+// probabilities) and fused RMSNorm and SwiGLU kernels, as Megatron, SMP and torchtitan run on
+// GPUs. kEager: one LibTorch operation after another, as moeplan's executor runs: the softmax
+// probabilities, the normalised rows inside each RMSNorm, SiLU's output and GQA's repeated keys
+// and values are kept too.
+enum class Kernels : uint8_t { kFused, kEager };
+inline constexpr std::array<std::pair<std::string_view, Kernels>, 2> kKernelNames{
+    {{"fused", Kernels::kFused}, {"eager", Kernels::kEager}}};
 
 struct ClusterSpec {
   std::string name;  // instance type, e.g. "p4d.24xlarge"
@@ -42,6 +55,7 @@ struct ClusterSpec {
 
   int64_t framework_overhead_bytes = 0;  // CUDA context, communicator buffers, kernels
   double fragmentation_factor = 1.0;     // allocator overhead on dynamic allocations
+  Kernels kernels = Kernels::kFused;
   int64_t memory_headroom_bytes = 0;     // kept free on purpose
 
   SourceMap sources;  // field path -> public source of the number

@@ -18,10 +18,11 @@ struct BlockActivations {
   int64_t full() const { return attention + moe; }
 };
 
-// `tokens` tokens of one micro-batch; `expert_token_slots` token-expert pairs processed on the
-// rank (k x tokens x imbalance).
-BlockActivations block_activations(const ModelSpec& model, int64_t tokens, int64_t expert_token_slots,
-                                   int64_t element_bytes);
+// A micro-batch of `micro_batch` sequences of `seq_len` tokens; `expert_token_slots` token-expert
+// pairs processed on the rank (k x tokens x imbalance); what the framework's kernels keep.
+BlockActivations block_activations(const ModelSpec& model, int64_t micro_batch, int64_t seq_len,
+                                   int64_t expert_token_slots, int64_t element_bytes,
+                                   Kernels kernels = Kernels::kFused);
 
 struct MemoryEstimate {
   // Model states.
