@@ -25,13 +25,14 @@ printf '%-16s %4s %9s %9s %6s %9s %9s %6s  %s\n' layout mbs predicted measured e
   "peak RSS per rank, before the model (MiB)"
 run() {  # name gpus E S checkpointing offload micro-batch
   local name=$1 gpus=$2 e=$3 s=$4 ckpt=$5 off=$6 mbs=$7
+  local file="$name-mbs$mbs"
   "$moeplan" search --gpus "$gpus" --instance local-cpu --model "$work/model.json" --seq-len 256 \
     --global-batch-tokens $((gpus * mbs * 256)) --precision fp32 --expert-parallel-degree "$e" \
     --hybrid-shard-degree "$s" --checkpointing "$ckpt" --offload "$off" --micro-batch "$mbs" --placement RSE \
-    --out "$work/$name.json" >/dev/null
-  rm -rf "$work/run-$name"
-  "$moeplan" run "$work/$name.json" --data "$data" --out "$work/run-$name" --steps 3 >"$work/$name.log" 2>&1
-  python3 - "$work/run-$name/report.json" "$work/$name.json" "$name" "$mbs" <<'PY'
+    --out "$work/$file.json" >/dev/null
+  rm -rf "$work/run-$file"
+  "$moeplan" run "$work/$file.json" --data "$data" --out "$work/run-$file" --steps 3 >"$work/$file.log" 2>&1
+  python3 - "$work/run-$file/report.json" "$work/$file.json" "$name" "$mbs" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1])); m = r["measured"]; MiB = 2**20
 items = json.load(open(sys.argv[2]))["prediction"]["memory"]["device"]
