@@ -33,11 +33,11 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::st
 }
 
 template <class F>
-void Communicator::run(const char* op, int64_t bytes, F&& f) {
+void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe) {
   const auto start = std::chrono::steady_clock::now();
   try {
     f();
-    if (observer_) observer_(op, bytes, start, std::chrono::steady_clock::now());
+    if (observe && observer_) observer_(op, bytes, start, std::chrono::steady_clock::now());
   } catch (const std::exception& e) {
     throw CollectiveError(std::string(op) + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
                           std::to_string(size_) + ") failed: " + first_line(e.what()));
@@ -55,20 +55,41 @@ void Communicator::all_reduce_sum(torch::Tensor& t) {
 }
 
 torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
-  if (size_ == 1) return shard.clone();
-  torch::Tensor result;
-  run("all-gather", static_cast<int64_t>(shard.nbytes()) * size_, [&] {
-    std::vector<torch::Tensor> inputs{as_movable(shard.contiguous())};
+  PendingGather pending = start_all_gather(shard);
+  return finish_all_gather(pending);
+}
+
+Communicator::PendingGather Communicator::start_all_gather(const torch::Tensor& shard) {
+  PendingGather p;
+  p.type = shard.scalar_type();
+  p.start = std::chrono::steady_clock::now();
+  if (size_ == 1) {
+    p.gathered = shard.clone();
+    return p;
+  }
+  run("all-gather", 0, [&] {
+    p.input = as_movable(shard.contiguous());
     // The rank parts are views of one result tensor: gloo copies each part into place, with no
     // concatenation (and no second full-size tensor) afterwards.
-    std::vector<int64_t> shape = inputs[0].sizes().vec();
+    std::vector<int64_t> shape = p.input.sizes().vec();
     shape[0] *= size_;
-    torch::Tensor gathered = torch::empty(shape, inputs[0].options());
-    std::vector<std::vector<torch::Tensor>> outputs{gathered.chunk(size_, 0)};
-    group_->allgather(outputs, inputs)->wait();
-    result = from_movable(gathered, shard.scalar_type());
-  });
-  return result;
+    p.gathered = torch::empty(shape, p.input.options());
+    std::vector<std::vector<torch::Tensor>> outputs{p.gathered.chunk(size_, 0)};
+    std::vector<torch::Tensor> inputs{p.input};
+    p.work = group_->allgather(outputs, inputs);
+  }, /*observe=*/false);
+  return p;
+}
+
+torch::Tensor Communicator::finish_all_gather(PendingGather& p) {
+  if (p.work) {
+    const auto start = p.start;
+    run("all-gather", static_cast<int64_t>(p.gathered.nbytes()), [&] { p.work->wait(); }, /*observe=*/false);
+    if (observer_) observer_("all-gather", static_cast<int64_t>(p.gathered.nbytes()), start, std::chrono::steady_clock::now());
+    p.work.reset();
+  }
+  p.input = torch::Tensor();
+  return from_movable(p.gathered, p.type);
 }
 
 torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {

@@ -100,7 +100,13 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
     g.flat = shard;  // nothing to gather or convert: compute on the master itself
   } else {
     Communicator& comm = mesh_.shard;
-    std::vector<torch::Tensor> out{comm.all_gather(shard.detach().to(compute_type_))};
+    std::vector<torch::Tensor> out;
+    if (auto it = prefetched_.find(index); it != prefetched_.end()) {
+      out.push_back(comm.finish_all_gather(it->second));
+      prefetched_.erase(it);
+    } else {
+      out.push_back(comm.all_gather(shard.detach().to(compute_type_)));
+    }
     const torch::ScalarType master = master_type_;
     attach_backward({shard}, out, "GatherUnitBackward", [&comm, master, n = out[0].numel(),
                                                           type = compute_type_](std::vector<torch::Tensor>&& grads) {
@@ -117,6 +123,20 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
   for (size_t j = 0; j < u.params.size(); ++j)
     g.params.push_back(pieces[j].view(infos_[static_cast<size_t>(u.params[j])].shape));
   return g;
+}
+
+void ShardedModel::prefetch(size_t index) {
+  if (mesh_.shard.size() == 1 || prefetched_.count(index) != 0) return;  // nothing to move
+  prefetched_.emplace(index, mesh_.shard.start_all_gather(shards_[index].detach().to(compute_type_)));
+}
+
+void ShardedModel::prefetch_block(int64_t layer) {
+  if (layer >= plan_.model.num_layers) {
+    prefetch(units_.size() - 1);  // the final norm and lm head
+    return;
+  }
+  prefetch(static_cast<size_t>(1 + 2 * layer));  // dense
+  prefetch(static_cast<size_t>(2 + 2 * layer));  // experts
 }
 
 // Frees the gathered copy's memory. The views that autograd saved keep pointing at the same
@@ -226,7 +246,12 @@ ForwardResult ShardedModel::forward(const torch::Tensor& input_ids, uint64_t shu
   ForwardResult out;
   out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
   torch::Tensor x;
+  // Gathers started by a forward that failed half-way are finished before new ones start.
+  for (auto& [unit, pending] : prefetched_) mesh_.shard.finish_all_gather(pending);
+  prefetched_.clear();
   {
+    prefetch(0);
+    prefetch_block(0);  // moves while the embedding is looked up
     const Gathered embed = gather(0);
     x = torch::embedding(embed.params[0], input_ids);  // its backward needs only the ids
     release(embed);
@@ -246,6 +271,8 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
   const ModelSpec& spec = plan_.model;
   const size_t dense_unit = static_cast<size_t>(1 + 2 * l), expert_unit = dense_unit + 1;
   torch::Tensor counts = out.tokens_per_expert[l];
+  // This block's units were started by the one before; the next block's move while it computes.
+  prefetch_block(l + 1);
   switch (plan_.parallel.activation_checkpointing) {
     case Checkpointing::kNone: {
       const Gathered dense = gather(dense_unit), experts = gather(expert_unit);

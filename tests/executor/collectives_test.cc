@@ -109,6 +109,26 @@ TEST(Collectives, AllGatherConcatenatesInRankOrder) {
   }));
 }
 
+// Two gathers in flight while the rank does other work (here another collective on the same
+// group), finished later: each lands whole and in rank order.
+TEST(Collectives, StartedAllGathersFinishWithTheirOwnData) {
+  expect_all_ok(run_ranks(3, [](int rank, Communicator& comm) {
+    Communicator::PendingGather first = comm.start_all_gather(rank_rows(rank, 2, 4, torch::kFloat));
+    Communicator::PendingGather second = comm.start_all_gather(rank_rows(10 + rank, 3, 4, torch::kBFloat16));
+    torch::Tensor sum = torch::full({5}, static_cast<float>(rank + 1));
+    comm.all_reduce_sum(sum);
+    check_equal(sum, torch::full({5}, 6.0f), "all-reduce between the gathers");
+    check_equal(comm.finish_all_gather(first),
+                torch::cat({rank_rows(0, 2, 4, torch::kFloat), rank_rows(1, 2, 4, torch::kFloat),
+                            rank_rows(2, 2, 4, torch::kFloat)}),
+                "first gather");
+    check_equal(comm.finish_all_gather(second),
+                torch::cat({rank_rows(10, 3, 4, torch::kBFloat16), rank_rows(11, 3, 4, torch::kBFloat16),
+                            rank_rows(12, 3, 4, torch::kBFloat16)}),
+                "second gather");
+  }));
+}
+
 TEST(Collectives, ReduceScatterEmulationGivesEachRankItsSummedChunk) {
   expect_all_ok(run_ranks(4, [](int rank, Communicator& comm) {
     for (const auto type : {torch::kFloat, torch::kBFloat16}) {

@@ -12,6 +12,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -43,6 +44,17 @@ class Communicator {
   void all_reduce_sum(torch::Tensor& t);
   // The shards of every rank concatenated along dimension 0, in rank order.
   torch::Tensor all_gather(const torch::Tensor& shard);
+  // The same all-gather started now and finished by finish_all_gather, so that the caller
+  // computes meanwhile (gloo moves the bytes on its own threads). Every rank starts the same
+  // gathers in the same order; a started gather must be finished, once.
+  struct PendingGather {
+    c10::intrusive_ptr<c10d::Work> work;  // null in a group of one
+    torch::Tensor input, gathered;
+    torch::ScalarType type = torch::kFloat;
+    std::chrono::steady_clock::time_point start;
+  };
+  PendingGather start_all_gather(const torch::Tensor& shard);
+  torch::Tensor finish_all_gather(PendingGather& pending);
   // full: [size * n, ...]. Returns this rank's chunk [n, ...] summed over the ranks.
   torch::Tensor reduce_scatter_sum(const torch::Tensor& full);
   // Rows of input go to ranks in order, send_rows[r] to rank r; recv_rows[r] rows arrive from
@@ -60,7 +72,7 @@ class Communicator {
 
  private:
   template <class F>
-  void run(const char* op, int64_t bytes, F&& f);
+  void run(const char* op, int64_t bytes, F&& f, bool observe = true);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string name_ = "this rank";

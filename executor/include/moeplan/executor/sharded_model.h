@@ -8,13 +8,15 @@
 // different replica groups); the final norm with the lm head. Each is padded to a multiple of
 // S and split into S equal shards; a rank keeps only its shard (the fp32 master, or bf16 in
 // bf16 mode) and its AdamW moments. Before a unit is used its shards are all-gathered in the
-// compute type; the gathered copy is freed after the unit's forward and gathered again for its
-// backward, whose gradient is reduce-scattered back to the shards.
+// compute type (in forward the next block's units while a block computes); the gathered copy is
+// freed after the unit's forward and gathered again for its backward, whose gradient is
+// reduce-scattered back to the shards.
 
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -80,6 +82,10 @@ class ShardedModel {
   using BlockFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&, bool recompute)>;
 
   Gathered gather(size_t unit);
+  // Starts a unit's all-gather, which gather(unit) then finishes: during forward the next
+  // block's units move while a block computes (in backward they are gathered when needed).
+  void prefetch(size_t unit);
+  void prefetch_block(int64_t layer);  // layer == num_layers: the head
   void release(const Gathered& g);
   torch::Tensor regather_in_backward(const torch::Tensor& y, const std::vector<Gathered>& units);
   std::vector<torch::Tensor> checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs, int64_t offload_key);
@@ -106,6 +112,7 @@ class ShardedModel {
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
   torch::Tensor tokens_per_expert_;  // of the forward in progress
+  std::map<size_t, Communicator::PendingGather> prefetched_;  // by unit
 };
 
 // The master and compute types of a precision.
