@@ -131,6 +131,7 @@ void ShardedModel::prefetch(size_t index) {
 }
 
 void ShardedModel::prefetch_block(int64_t layer) {
+  if (layer < 0) return;  // the embedding needs no weights in backward
   if (layer >= plan_.model.num_layers) {
     prefetch(units_.size() - 1);  // the final norm and lm head
     return;
@@ -157,15 +158,29 @@ torch::Tensor ShardedModel::regather_in_backward(const torch::Tensor& y, const s
   attach_backward({y}, out, "RegatherBackward", [this, again](std::vector<torch::Tensor>&& grads) {
     torch::NoGradGuard no_grad;
     for (const Gathered& g : again) {
+      torch::Tensor values;
+      if (auto it = prefetched_.find(g.unit); it != prefetched_.end()) {
+        values = mesh_.shard.finish_all_gather(it->second);
+        prefetched_.erase(it);
+      } else {
+        values = mesh_.shard.all_gather(shards_[g.unit].detach().to(compute_type_));
+      }
       // Written below autograd (no version bump): the saved views see the same values as in
-      // forward.
-      const torch::Tensor values = mesh_.shard.all_gather(shards_[g.unit].detach().to(compute_type_));
+      // forward. The gathered memory itself moves into the unit's storage when it is all of it.
       c10::StorageImpl* storage = g.flat.storage().unsafeGetStorageImpl();
+      c10::StorageImpl* gathered = values.storage().unsafeGetStorageImpl();
       const size_t bytes = values.nbytes();
-      storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
+      if (values.storage_offset() == 0 && gathered->nbytes() == bytes) {
+        storage->set_data_ptr_noswap(gathered->set_data_ptr(at::DataPtr(nullptr, values.device())));
+        gathered->set_nbytes(0);
+      } else {
+        storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
+        std::memcpy(storage->data(), values.data_ptr(), bytes);
+      }
       storage->set_nbytes(bytes);
-      std::memcpy(storage->data(), values.data_ptr(), bytes);
     }
+    // The block before this one runs backward next: its units move while this one computes.
+    prefetch_block(units_[again.front().unit].block - 2);
     return std::vector<torch::Tensor>{grads[0]};
   });
   return out[0];
@@ -176,7 +191,7 @@ torch::Tensor ShardedModel::regather_in_backward(const torch::Tensor& y, const s
 // Input 0 (the activation) may be offloaded; other inputs are parameter views kept as they are.
 
 std::vector<torch::Tensor> ShardedModel::checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs,
-                                                    int64_t offload_key) {
+                                                    int64_t layer) {
   std::vector<torch::Tensor> outputs;
   {
     torch::NoGradGuard no_grad;
@@ -187,20 +202,21 @@ std::vector<torch::Tensor> ShardedModel::checkpoint(BlockFn fn, const std::vecto
   for (const torch::Tensor& t : inputs) saved.push_back(t.detach());
   const bool offloaded = offload_ != nullptr;
   if (offloaded) {
-    offload_->put(offload_key, saved[0]);
+    offload_->put(layer, saved[0]);
     saved[0] = torch::Tensor();
   }
   std::vector<bool> needs_grad;
   for (const torch::Tensor& t : inputs) needs_grad.push_back(t.requires_grad());
   attach_backward(inputs, outputs, "CheckpointBackward",
-                  [this, fn, saved, offloaded, offload_key, needs_grad](std::vector<torch::Tensor>&& grads) {
+                  [this, fn, saved, offloaded, layer, needs_grad](std::vector<torch::Tensor>&& grads) {
                     std::vector<torch::Tensor> in;
                     for (size_t i = 0; i < saved.size(); ++i) {
-                      torch::Tensor t = i == 0 && offloaded ? offload_->take(offload_key) : saved[i];
+                      torch::Tensor t = i == 0 && offloaded ? offload_->take(layer) : saved[i];
                       in.push_back(t.detach().requires_grad_(needs_grad[i]));
                     }
                     if (offloaded)
-                      for (int64_t k = 1; k <= horizon_; ++k) offload_->prefetch(offload_key - k);
+                      for (int64_t k = 1; k <= horizon_; ++k) offload_->prefetch(layer - k);
+                    prefetch_block(layer - 1);  // the next block to run backward
                     std::vector<torch::Tensor> again;
                     {
                       torch::AutoGradMode enable(true);

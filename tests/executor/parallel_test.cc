@@ -109,21 +109,31 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
       EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
                               [&](const TraceEvent& e) { return e.rank == rank && e.name == phase; }))
           << "rank " << rank << " " << phase;
-  // With S > 1 the next block's units are all-gathered while a block computes: a gather starts
-  // before the one before it has been waited for, so their spans overlap. Without prefetch they
-  // follow one another.
+  // With S > 1 the next block's units are all-gathered while a block computes: in forward and in
+  // backward, a gather is in flight while the rank starts other collectives (the next gather,
+  // the block's reduce-scatters). Without prefetch every collective waits for the one before.
   if (l.s > 1)
-    for (int64_t rank = 0; rank < 4; ++rank) {
-      std::vector<const TraceEvent*> gathers;
-      for (const TraceEvent& e : trace.events)
-        if (e.rank == rank && e.category == "all_gather") gathers.push_back(&e);
-      const bool overlap = std::any_of(gathers.begin(), gathers.end(), [&](const TraceEvent* a) {
-        return std::any_of(gathers.begin(), gathers.end(), [&](const TraceEvent* b) {
-          return a != b && b->start_ns > a->start_ns && b->start_ns < a->start_ns + a->duration_ns;
+    for (int64_t rank = 0; rank < 4; ++rank)
+      for (const char* phase : {"forward", "backward"}) {
+        std::vector<const TraceEvent*> spans, comms;
+        for (const TraceEvent& e : trace.events)
+          if (e.rank == rank && e.name == phase) spans.push_back(&e);
+        auto within = [&](const TraceEvent& e) {
+          return std::any_of(spans.begin(), spans.end(), [&](const TraceEvent* p) {
+            return e.start_ns >= p->start_ns && e.start_ns < p->start_ns + p->duration_ns;
+          });
+        };
+        for (const TraceEvent& e : trace.events)
+          if (e.rank == rank && (e.category == "all_gather" || e.category == "reduce_scatter") && within(e))
+            comms.push_back(&e);
+        const bool overlap = std::any_of(comms.begin(), comms.end(), [&](const TraceEvent* a) {
+          return a->category == "all_gather" && std::any_of(comms.begin(), comms.end(), [&](const TraceEvent* b) {
+                   return a != b && b->start_ns > a->start_ns && b->start_ns < a->start_ns + a->duration_ns;
+                 });
         });
-      });
-      EXPECT_TRUE(overlap) << "rank " << rank << ": no all-gather started while another was in flight";
-    }
+        EXPECT_TRUE(overlap) << "rank " << rank << ": no collective started during " << phase
+                             << " while an all-gather was in flight";
+      }
   const Json report = read_json_file(out + "/report.json");
   EXPECT_EQ(report["measured"]["steps"], kSteps);
   ASSERT_EQ(report["measured"]["peak_rss_bytes_per_rank"].size(), 4u);

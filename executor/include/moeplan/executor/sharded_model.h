@@ -8,7 +8,7 @@
 // different replica groups); the final norm with the lm head. Each is padded to a multiple of
 // S and split into S equal shards; a rank keeps only its shard (the fp32 master, or bf16 in
 // bf16 mode) and its AdamW moments. Before a unit is used its shards are all-gathered in the
-// compute type (in forward the next block's units while a block computes); the gathered copy is
+// compute type (the next block's units move while a block computes); the gathered copy is
 // freed after the unit's forward and gathered again for its backward, whose gradient is
 // reduce-scattered back to the shards.
 
@@ -83,12 +83,12 @@ class ShardedModel {
 
   Gathered gather(size_t unit);
   // Starts a unit's all-gather, which gather(unit) then finishes: during forward the next
-  // block's units move while a block computes (in backward they are gathered when needed).
+  // block's units move while a block computes, in forward and in backward.
   void prefetch(size_t unit);
   void prefetch_block(int64_t layer);  // layer == num_layers: the head
   void release(const Gathered& g);
   torch::Tensor regather_in_backward(const torch::Tensor& y, const std::vector<Gathered>& units);
-  std::vector<torch::Tensor> checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs, int64_t offload_key);
+  std::vector<torch::Tensor> checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs, int64_t layer);
   torch::Tensor block(int64_t layer, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed);
   torch::Tensor moe(int64_t layer, const torch::Tensor& x, const torch::Tensor& router, const Gathered& experts,
                     bool count, torch::Tensor& router_logits, uint64_t shuffle_seed);
