@@ -168,19 +168,20 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
   }
 
   int exit_code = 0;
-  std::optional<std::chrono::steady_clock::time_point> deadline;
+  constexpr auto kNone = std::chrono::steady_clock::time_point::max();
+  auto deadline = kNone;  // set when a rank failed: the others have until then to exit
   while (!children.empty()) {
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, deadline ? WNOHANG : 0);
+    const pid_t pid = ::waitpid(-1, &status, deadline != kNone ? WNOHANG : 0);
     if (pid < 0) break;
     if (pid == 0) {  // ranks still running after a failure
-      if (std::chrono::steady_clock::now() > *deadline) {
+      if (std::chrono::steady_clock::now() > deadline) {
         for (const auto& [p, r] : children) {
           std::fprintf(stderr, "moeplan: error: rank %lld did not exit %lld s after a failure: killed\n",
                        static_cast<long long>(r), static_cast<long long>(grace_seconds));
           ::kill(p, SIGKILL);
         }
-        deadline.reset();
+        deadline = kNone;
       } else {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
@@ -196,7 +197,7 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
       std::fprintf(stderr, "moeplan: error: rank %lld was killed by signal %d (%s)\n", static_cast<long long>(rank),
                    WTERMSIG(status), strsignal(WTERMSIG(status)));
     if (exit_code == 0) exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
-    if (!deadline) deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds);
+    if (deadline == kNone) deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds);
   }
   return exit_code;
 }

@@ -30,6 +30,7 @@ ActivationStore::~ActivationStore() {
 }
 
 void ActivationStore::put(int64_t key, const torch::Tensor& t) {
+  const auto start = std::chrono::steady_clock::now();
   const torch::Tensor c = t.detach().contiguous();
   const auto* data = static_cast<const char*>(c.data_ptr());
   const int64_t n = static_cast<int64_t>(c.nbytes());
@@ -41,9 +42,10 @@ void ActivationStore::put(int64_t key, const torch::Tensor& t) {
     }
     done += w;
   }
-  entries_[key] = Entry{end_, c.sizes().vec(), c.scalar_type(), {}};
+  entries_[key] = Entry{end_, c.sizes().vec(), c.scalar_type(), {}, {}};
   end_ += n;
   bytes_written_ += n;
+  if (observer_) observer_("offload", n, start, std::chrono::steady_clock::now());
 }
 
 torch::Tensor ActivationStore::read(const Entry& e) const {
@@ -63,14 +65,18 @@ void ActivationStore::prefetch(int64_t key) {
   const auto it = entries_.find(key);
   if (it == entries_.end() || it->second.loading.valid()) return;
   const Entry entry = it->second;
+  it->second.loading_since = std::chrono::steady_clock::now();
   it->second.loading = std::async(std::launch::async, [this, entry] { return read(entry); }).share();
 }
 
 torch::Tensor ActivationStore::take(int64_t key) {
   const auto it = entries_.find(key);
   if (it == entries_.end()) throw std::logic_error("activation " + std::to_string(key) + " was never offloaded");
-  torch::Tensor t = it->second.loading.valid() ? it->second.loading.get() : read(it->second);
+  const bool prefetched = it->second.loading.valid();
+  const auto start = prefetched ? it->second.loading_since : std::chrono::steady_clock::now();
+  torch::Tensor t = prefetched ? it->second.loading.get() : read(it->second);
   bytes_read_ += static_cast<int64_t>(t.nbytes());
+  if (observer_) observer_("reload", static_cast<int64_t>(t.nbytes()), start, std::chrono::steady_clock::now());
   entries_.erase(it);
   if (entries_.empty()) end_ = 0;  // every entry was read back: reuse the file from its start
   return t;

@@ -109,7 +109,13 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   optimizer_ = std::make_unique<AdamW>(AdamW::with_decay_masks(
       model_.shards(), model_.decay_masks(),
       AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay}));
-  if (offload) model_.set_offload(offload, plan.parallel.activation_loading_horizon);
+  if (offload) {
+    model_.set_offload(offload, plan.parallel.activation_loading_horizon);
+    offload->set_observer([this](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,
+                                 PhaseClock::Clock::time_point end) {
+      clock_.add(op, "copy", TraceStream::kCopy, start, end, static_cast<double>(bytes));
+    });
+  }
   clock_.set_rank(mesh.rank());
   auto observe = [this](Communicator& comm, const std::string& group, TraceStream stream) {
     comm.set_observer([this, group, stream](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,

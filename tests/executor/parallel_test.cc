@@ -109,6 +109,17 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
       EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
                               [&](const TraceEvent& e) { return e.rank == rank && e.name == phase; }))
           << "rank " << rank << " " << phase;
+  // Offloaded block inputs are timed going out and coming back.
+  if (l.offload) {
+    for (int64_t rank = 0; rank < 4; ++rank)
+      for (const char* op : {"offload", "reload"}) {
+        EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
+                                [&](const TraceEvent& e) {
+                                  return e.rank == rank && e.name == op && e.category == "copy" && e.bytes > 0;
+                                }))
+            << "rank " << rank << " " << op;
+      }
+  }
   // With S > 1 the next block's units are all-gathered while a block computes: in forward and in
   // backward, a gather is in flight while the rank starts other collectives (the next gather,
   // the block's reduce-scatters). Without prefetch every collective waits for the one before.

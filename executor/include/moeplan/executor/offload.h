@@ -6,7 +6,9 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -31,6 +33,12 @@ class ActivationStore {
   // Forgets every entry and starts the file over (at the start of a step).
   void clear();
 
+  // Called after each write ("offload") and each read back ("reload": from the start of the
+  // read, or of its prefetch, to when the tensor was handed over), for the measured trace.
+  using Observer = std::function<void(const char* op, int64_t bytes, std::chrono::steady_clock::time_point start,
+                                      std::chrono::steady_clock::time_point end)>;
+  void set_observer(Observer observer) { observer_ = std::move(observer); }
+
   int64_t bytes_written() const { return bytes_written_; }
   int64_t bytes_read() const { return bytes_read_; }
 
@@ -40,6 +48,7 @@ class ActivationStore {
     std::vector<int64_t> shape;
     torch::ScalarType dtype = torch::kFloat;
     std::shared_future<torch::Tensor> loading;
+    std::chrono::steady_clock::time_point loading_since;
   };
   torch::Tensor read(const Entry& e) const;
 
@@ -48,6 +57,7 @@ class ActivationStore {
   int64_t end_ = 0;
   std::map<int64_t, Entry> entries_;
   int64_t bytes_written_ = 0, bytes_read_ = 0;
+  Observer observer_;
 };
 
 }  // namespace moeplan::executor
