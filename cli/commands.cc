@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <map>
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
@@ -54,6 +55,81 @@ void print_explain(const planner::SearchStats& s) {
   std::printf("  %-40s %10lld\n", "limit host memory (offload)", static_cast<long long>(s.over_host_memory));
   std::printf("  %-40s %10lld\n", "fit in memory", static_cast<long long>(s.fitting));
   std::printf("  %-40s %10lld\n", "simulated (others pruned by a lower bound)", static_cast<long long>(s.simulated));
+}
+
+// What a run measured, from its report.json (executor/run_report.h).
+struct Measured {
+  double step_time_s = 0;
+  std::vector<double> tokens_per_expert;  // summed over layers
+  std::map<std::string, double> phases;   // rank 0's last step, by the simulator's phase names
+};
+
+Measured read_measured(const std::string& path, const Plan& plan) {
+  const Json j = read_json_file(path);
+  Measured m;
+  Diagnostics d;
+  const Json* measured = j.contains("measured") && j["measured"].is_object() ? &j["measured"] : nullptr;
+  if (measured == nullptr) {
+    d.error("measured", "missing: not a run report");
+    d.throw_if_any(path);
+  }
+  if (!measured->contains("step_time_s") || !(*measured)["step_time_s"].is_number())
+    d.error("measured.step_time_s", "missing or not a number");
+  else
+    m.step_time_s = (*measured)["step_time_s"].get<double>();
+  if (measured->contains("tokens_per_expert")) {
+    const Json& layers = (*measured)["tokens_per_expert"];
+    for (size_t l = 0; layers.is_array() && l < layers.size(); ++l) {
+      const Json& row = layers[l];
+      if (!row.is_array() || static_cast<int64_t>(row.size()) != plan.model.num_experts) {
+        d.error("measured.tokens_per_expert[" + std::to_string(l) + "]",
+                "expected " + std::to_string(plan.model.num_experts) + " counts (the plan's num_experts)");
+        break;
+      }
+      m.tokens_per_expert.resize(row.size(), 0.0);
+      for (size_t e = 0; e < row.size(); ++e) m.tokens_per_expert[e] += row[e].is_number() ? row[e].get<double>() : 0.0;
+    }
+  }
+  if (measured->contains("phase_seconds_rank0") && (*measured)["phase_seconds_rank0"].is_object()) {
+    for (const auto& [name, seconds] : (*measured)["phase_seconds_rank0"].items()) {
+      if (!seconds.is_number()) continue;
+      // "forward", "backward", "optimizer"; collectives as "<group>.<kind>"; copies as
+      // "offload" and "reload".
+      std::string key = name.substr(name.find('.') == std::string::npos ? 0 : name.find('.') + 1);
+      if (key == "offload" || key == "reload") key = "copy";
+      m.phases[key] += seconds.get<double>();
+    }
+  }
+  d.throw_if_any(path);
+  return m;
+}
+
+void print_phase_comparison(const sim::StepSimulation& s, const Measured& m, const Plan& plan, const RunConfig& config) {
+  std::printf("\nsimulated with the measured expert load");
+  if (!config.moe.tokens_per_expert.empty()) {
+    double sum = 0, top = 0;
+    for (double v : config.moe.tokens_per_expert) {
+      sum += v;
+      top = std::max(top, v);
+    }
+    std::printf(" (busiest expert %.2f x the mean)", top * static_cast<double>(config.moe.tokens_per_expert.size()) / sum);
+  }
+  std::printf(", rank 0, the whole step:\n  %-16s %12s %12s %10s\n", "phase", "simulated", "measured", "measured/sim");
+  auto row = [](const std::string& name, double simulated, double measured) {
+    char ratio[32] = "-";
+    if (simulated > 0) std::snprintf(ratio, sizeof ratio, "%.2f", measured / simulated);
+    std::printf("  %-16s %10.3f s %10.3f s %10s\n", name.c_str(), simulated, measured, ratio);
+  };
+  for (const auto& [name, seconds] : sim::phase_seconds(s, 0)) {
+    const auto it = m.phases.find(name);
+    const double measured = it == m.phases.end() ? 0.0 : it->second;
+    if (seconds == 0 && measured == 0) continue;
+    row(name, seconds, measured);
+  }
+  row("step", s.estimate.step_time_s, m.step_time_s);
+  (void)plan;
+  std::printf("  (forward and backward include the waits for collectives inside them; the collectives' rows are the "
+              "time spent inside each kind)\n");
 }
 
 void print_error(const InputError& e) {
@@ -190,10 +266,16 @@ int run_check(const CheckArgs& args) {
 int run_simulate(const SimulateArgs& args) {
   try {
     const Plan plan = read_plan_file(args.plan);
-    const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
+    Measured measured;
+    MoeConfig moe = plan.moe;
+    if (!args.measured.empty()) {
+      measured = read_measured(args.measured, plan);
+      if (!measured.tokens_per_expert.empty()) moe.tokens_per_expert = measured.tokens_per_expert;
+    }
+    const RunConfig config{plan.model, plan.cluster, plan.parallel, moe, plan.training};
     sim::StepSimOptions options;
     options.all_ranks = args.all_ranks;
-    options.all_micro_batches = args.all_micro_batches;
+    options.all_micro_batches = args.all_micro_batches || !args.measured.empty();
     const sim::StepSimulation s = sim::simulate_step(config, options);
     const sim::StepEstimate& e = s.estimate;
     std::printf("%s: %s on %lld x %s\n", args.plan.c_str(), describe(plan.parallel).c_str(),
@@ -209,6 +291,7 @@ int run_simulate(const SimulateArgs& args) {
     if (plan.cluster.num_nodes > 1)
       std::printf("node 0 network card busy %.3f s (%.0f%% of the step)\n", s.nic_busy_s,
                   100.0 * s.nic_busy_s / e.step_time_s);
+    if (!args.measured.empty()) print_phase_comparison(s, measured, plan, config);
     if (!args.trace.empty()) {
       write_file_atomic(args.trace, to_json(sim::step_trace(s)).dump() + "\n");
       std::printf("wrote %s\n", args.trace.c_str());

@@ -48,6 +48,7 @@ struct SimulateArgs {
   std::string trace;  // Chrome trace to write; empty: none
   bool all_ranks = false;
   bool all_micro_batches = false;
+  std::string measured;  // a run's report.json: simulate with its expert load, compare phases
 };
 
 struct RunArgs {
@@ -62,7 +63,41 @@ struct RunArgs {
   std::vector<std::string> argv;  // the whole command line, to start local ranks with
 };
 
+struct CalibrateArgs {
+  int64_t ranks = 2;
+  std::string model = "mixtral-tiny";
+  std::string base = "local-cpu";  // the profile whose unmeasured numbers (and policies) are kept
+  std::string profiles;
+  std::string name;  // default: local-<host name>
+  std::string out;   // default: <name>.json
+  int64_t seq_len = 256;
+  std::string precision = "fp32";
+  std::string load_balancing = "sinkhorn";
+  int64_t max_micro_batch = 8;
+  bool quick = false;
+  int64_t timeout_seconds = 120;
+  std::string command;
+  std::vector<std::string> argv;
+};
+
+struct ValidateArgs {
+  std::string profile;  // a hardware profile file, usually written by `moeplan calibrate`
+  std::string model = "mixtral-tiny";
+  std::string profiles;
+  std::string data;
+  std::string out = "validation";
+  int64_t ranks = 0;  // 0: the profile's gpus_per_node
+  int64_t steps = 8;
+  int64_t seq_len = 256;
+  int64_t global_batch_tokens = 4096;
+  std::string precision = "fp32";
+  bool quick = false;
+  bool check = false;
+  double max_median_error = 0.10, max_worst_error = 0.20, max_memory_error = 0.15, min_kendall = 0.8;
+};
+
 int run_search(const SearchArgs& args);
+int run_validate(const ValidateArgs& args);
 int run_simulate(const SimulateArgs& args);
 int run_check(const CheckArgs& args);
 // Executor commands; without the executor built they say so and fail.
@@ -70,5 +105,6 @@ int run_check(const CheckArgs& args);
 // same arguments.
 int run_data(const std::vector<std::string>& args, const char* argv0);
 int run_run(const RunArgs& args);
+int run_calibrate(const CalibrateArgs& args);
 
 }  // namespace moeplan::cli

@@ -3,7 +3,17 @@
 #include <iostream>
 #include <optional>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
+
+#include <ctime>
+#include <fstream>
+
 #include "commands.h"
+#include "profiles.h"
+#include "moeplan/core/checksum.h"
+#include "moeplan/executor/calibrate.h"
+#include "moeplan/executor/runtime.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/collectives.h"
@@ -56,6 +66,146 @@ int run_run(const RunArgs& args) {
     return kExitBadInput;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeplan: error: run: %s\n", e.what());
+    return 1;
+  }
+}
+
+namespace {
+
+// CLI11 has checked the name already.
+template <class Enum, size_t N>
+Enum parse_choice(const std::array<std::pair<std::string_view, Enum>, N>& names, const std::string& text) {
+  for (const auto& [name, value] : names)
+    if (name == text) return value;
+  return names.front().second;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "host";
+  return name;
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%d %H:%M UTC", &tm);
+  return text;
+}
+
+std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line, "calibrated %s: %lld ranks in %.0f s (slowest rank %.2f x the fastest)\n",
+                p.name.c_str(), static_cast<long long>(c.ranks), c.seconds, c.rank_spread);
+  out += line;
+  std::snprintf(line, sizeof line, "  matrix multiply: peak %.1f GFLOP/s per rank (efficiency %.2f to %.2f)\n",
+                c.peak_flops / 1e9, c.efficiency.empty() ? 0.0 : c.efficiency.front().efficiency,
+                c.efficiency.empty() ? 0.0 : c.efficiency.back().efficiency);
+  out += line;
+  const OpTimes& t = c.op_times;
+  std::snprintf(line, sizeof line,
+                "  per micro-batch of %.0f tokens: attention %.2f + %.2f ms, router %.2f + %.2f ms, head %.2f ms "
+                "(forward + backward)\n",
+                t.attention_forward.front().first, 1e3 * t.attention_forward.front().second,
+                1e3 * t.attention_backward.front().second, 1e3 * t.router_forward.front().second,
+                1e3 * t.router_backward.front().second, 1e3 * t.head.front().second);
+  out += line;
+  for (const executor::CollectiveSweep& s : c.collectives) {
+    const CollectiveFit f = executor::fit_collective(s, c.ranks);
+    std::snprintf(line, sizeof line, "  %-15s latency %7.1f us  bandwidth %6.2f GB/s  (R^2 %.3f)\n", s.name.c_str(),
+                  1e6 * f.latency_s, f.bandwidth_bytes_per_s / 1e9, s.r_squared);
+    out += line;
+  }
+  std::snprintf(line, sizeof line, "  memory copy %.1f GB/s; offload file write %.2f GB/s, read %.2f GB/s\n",
+                c.copy_bandwidth_bytes_per_s / 1e9, c.offload_write_bytes_per_s / 1e9,
+                c.offload_read_bytes_per_s / 1e9);
+  out += line;
+  std::snprintf(line, sizeof line, "  framework overhead %.0f MiB (%.0f MiB before any tensor work)\n",
+                static_cast<double>(c.overhead_bytes) / (1 << 20), static_cast<double>(c.baseline_rss_bytes) / (1 << 20));
+  out += line;
+  return out;
+}
+
+}  // namespace
+
+int run_calibrate(const CalibrateArgs& args) {
+  try {
+    const std::string dir = profile_dir(args.profiles);
+    executor::CalibrateOptions o;
+    o.model = load_model(args.model, dir);
+    const ClusterSpec base = load_hardware(args.base, dir);
+    o.seq_len = args.seq_len;
+    o.precision = parse_choice(kPrecisionNames, args.precision);
+    o.load_balancing = parse_choice(kLoadBalancingNames, args.load_balancing);
+    o.max_micro_batch = args.max_micro_batch;
+    o.quick = args.quick;
+    o.progress = &std::cout;
+    const std::string name = args.name.empty() ? "local-" + host_name() : args.name;
+    const std::string out = args.out.empty() ? name + ".json" : args.out;
+    {
+      // Fail before measuring, not after.
+      std::ofstream probe(out + ".tmp");
+      if (!probe) throw InputError("--out", {{"", "cannot write " + out}});
+    }
+    std::remove((out + ".tmp").c_str());
+    const std::optional<executor::RankEnv> env = executor::rank_env_from_environment();
+    if (!env && args.ranks > 1) return executor::spawn_local_ranks(args.argv, args.ranks, args.timeout_seconds + 15);
+    if (env && env->world_size != args.ranks)
+      throw InputError("--ranks", {{"", std::to_string(args.ranks) + ", but " + env->launcher + " started " +
+                                            std::to_string(env->world_size) + " ranks"}});
+    executor::set_compute_threads(1);
+    executor::keep_freed_memory();
+    executor::install_tensor_allocator();
+    executor::ignore_broken_pipes();
+    const int64_t rank = env ? env->rank : 0;
+    if (rank != 0) o.progress = nullptr;
+    executor::Communicator world;
+    c10::intrusive_ptr<c10d::Store> store;
+    if (env) {
+      const auto timeout = std::chrono::milliseconds(1000 * args.timeout_seconds);
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<uint16_t>(env->master_port);
+      so.isServer = env->rank == 0 && !env->store_hosted_elsewhere;
+      so.waitWorkers = false;
+      so.timeout = timeout;
+      store = c10::make_intrusive<c10d::TCPStore>(env->master_addr, so);
+      world = executor::Communicator(
+          executor::make_gloo_group(store, "calibrate/", static_cast<int>(env->rank), static_cast<int>(env->world_size),
+                                    timeout, env->bind_address),
+          "world");
+    }
+    const executor::Calibration c = executor::calibrate(o, world);
+    if (rank != 0) return kExitOk;
+    const std::string how = "moeplan calibrate on " + host_name() + ", " + utc_now() + " (`" + args.command + "`)";
+    const ClusterSpec profile = executor::calibrated_cluster(base, c, o, name, how);
+    OrderedJson j;
+    j["schema_version"] = 1;
+    const OrderedJson body = to_json(profile);
+    for (const auto& [key, value] : body.items()) j[key] = value;
+    write_file_atomic(out, j.dump(2) + "\n");
+    // The raw measurements beside it: out.json -> out.measured.json.
+    const std::string raw = (out.size() > 5 && out.ends_with(".json") ? out.substr(0, out.size() - 5) : out) + ".measured.json";
+    OrderedJson record = executor::to_json(c);
+    record["command"] = args.command;
+    write_file_atomic(raw, record.dump(1) + "\n");
+    std::fputs(summary(c, profile).c_str(), stdout);
+    std::printf("wrote %s and %s\n", out.c_str(), raw.c_str());
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  } catch (const executor::CollectiveError& e) {
+    std::fprintf(stderr, "moeplan: error: %s\n", e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    std::fprintf(stderr, "moeplan: error: calibrate: LibTorch: %s\n", what.substr(0, what.find('\n')).c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeplan: error: calibrate: %s\n", e.what());
     return 1;
   }
 }

@@ -85,6 +85,8 @@ int main(int argc, char** argv) {
   simulate_cmd->add_option("--trace", simulate.trace, "Write the step as a Chrome trace (Perfetto, chrome://tracing)");
   simulate_cmd->add_flag("--all-ranks", simulate.all_ranks, "Simulate every rank, not one node");
   simulate_cmd->add_flag("--all-micro-batches", simulate.all_micro_batches, "Simulate every micro-batch, not two");
+  simulate_cmd->add_option("--measured", simulate.measured,
+                           "A run's report.json: simulate with its measured expert load and compare phase by phase");
 
   CLI::App* data_cmd = app.add_subcommand("data", "Prepare training data: `moeplan data prepare --help`");
   data_cmd->prefix_command();  // everything after `data` goes to moeplan-data
@@ -104,6 +106,59 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{3600}));
 
+  CalibrateArgs calibrate;
+  calibrate.command = command_line(argc, argv);
+  CLI::App* calibrate_cmd =
+      app.add_subcommand("calibrate", "Measure this machine as a cluster of CPU ranks and write a hardware profile");
+  calibrate_cmd->add_option("--ranks", calibrate.ranks, "Ranks (processes) measured together")
+      ->capture_default_str()->check(CLI::Range(1, 64));
+  calibrate_cmd->add_option("--model", calibrate.model, "Model whose shapes are measured (profile name or file)")
+      ->capture_default_str();
+  calibrate_cmd->add_option("--base", calibrate.base, "Hardware profile whose other numbers are kept")
+      ->capture_default_str();
+  calibrate_cmd->add_option("--profiles", calibrate.profiles, "Folder with hardware/ and models/ profiles");
+  calibrate_cmd->add_option("--name", calibrate.name, "Name of the new profile (default: local-<host name>)");
+  calibrate_cmd->add_option("--out", calibrate.out, "Profile file to write (default: <name>.json)");
+  calibrate_cmd->add_option("--seq-len", calibrate.seq_len, "Sequence length measured")
+      ->capture_default_str()->check(CLI::Range(2, 1 << 16));
+  calibrate_cmd->add_option("--precision", calibrate.precision, "bf16, mixed or fp32")
+      ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
+  calibrate_cmd->add_option("--load-balancing", calibrate.load_balancing, "Routing measured")
+      ->capture_default_str()->check(CLI::IsMember({"sinkhorn", "balanced", "aux_loss", "none"}));
+  calibrate_cmd->add_option("--max-micro-batch", calibrate.max_micro_batch, "Largest micro-batch measured")
+      ->capture_default_str()->check(CLI::Range(1, 256));
+  calibrate_cmd->add_flag("--quick", calibrate.quick, "Fewer sizes and repeats");
+  calibrate_cmd->add_option("--timeout", calibrate.timeout_seconds, "Seconds a collective may wait for a peer")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600}));
+
+  ValidateArgs validate;
+  CLI::App* validate_cmd =
+      app.add_subcommand("validate", "Plan, run and compare a matrix of configurations: how right are the predictions?");
+  validate_cmd->add_option("--profile", validate.profile, "Hardware profile file (from moeplan calibrate)")->required();
+  validate_cmd->add_option("--model", validate.model, "Model profile name or file")->capture_default_str();
+  validate_cmd->add_option("--profiles", validate.profiles, "Folder with hardware/ and models/ profiles");
+  validate_cmd->add_option("--data", validate.data, "Folder written by `moeplan data prepare`")->required();
+  validate_cmd->add_option("--out", validate.out, "Folder for the runs, the table and the plot")->capture_default_str();
+  validate_cmd->add_option("--ranks", validate.ranks, "Ranks per run (default: the profile's gpus_per_node)")
+      ->check(CLI::Range(1, 64));
+  validate_cmd->add_option("--steps", validate.steps, "Training steps per run (the first is not timed)")
+      ->capture_default_str()->check(CLI::Range(2, 10000));
+  validate_cmd->add_option("--seq-len", validate.seq_len, "Sequence length")->capture_default_str()->check(CLI::Range(2, 1 << 16));
+  validate_cmd->add_option("--global-batch-tokens", validate.global_batch_tokens, "Tokens per step")
+      ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
+  validate_cmd->add_option("--precision", validate.precision, "bf16, mixed or fp32")
+      ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
+  validate_cmd->add_flag("--quick", validate.quick, "Four configurations instead of ten");
+  validate_cmd->add_flag("--check", validate.check, "Exit 1 when an error bound below is broken");
+  validate_cmd->add_option("--max-median-error", validate.max_median_error, "Bound on the median |step-time error|")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  validate_cmd->add_option("--max-worst-error", validate.max_worst_error, "Bound on the worst |step-time error|")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  validate_cmd->add_option("--max-memory-error", validate.max_memory_error, "Bound on the worst |peak-memory error|")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  validate_cmd->add_option("--min-kendall", validate.min_kendall, "Least Kendall tau of predicted vs measured order")
+      ->capture_default_str()->check(CLI::Range(-1.0, 1.0));
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -115,6 +170,11 @@ int main(int argc, char** argv) {
   if (check_cmd->parsed()) return run_check(check);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
+  if (validate_cmd->parsed()) return run_validate(validate);
+  if (calibrate_cmd->parsed()) {
+    calibrate.argv.assign(argv, argv + argc);
+    return run_calibrate(calibrate);
+  }
   if (run_cmd->parsed()) {
     run.argv.assign(argv, argv + argc);
     return run_run(run);

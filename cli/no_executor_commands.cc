@@ -18,5 +18,6 @@ int not_built(const char* command) {
 }  // namespace
 
 int run_run(const RunArgs&) { return not_built("run"); }
+int run_calibrate(const CalibrateArgs&) { return not_built("calibrate"); }
 
 }  // namespace moeplan::cli

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "moeplan/core/parallel_config.h"
 
@@ -25,6 +26,117 @@ double ClusterSpec::efficiency_at(double flops) const {
   const double t = (std::log(flops) - std::log(lo->flops)) / (std::log(hi->flops) - std::log(lo->flops));
   return lo->efficiency + t * (hi->efficiency - lo->efficiency);
 }
+
+double CollectiveFit::measured_at(double bytes) const {
+  for (const auto& [b, seconds] : points)
+    if (std::abs(b - bytes) <= 0.01 * b) return seconds;
+  return -1;
+}
+
+CurvePoints& op_time_curve(OpTimes& t, std::string_view name) {
+  CurvePoints* curves[] = {&t.attention_forward, &t.attention_backward, &t.router_forward, &t.router_backward,
+                           &t.expert_forward,    &t.expert_backward,    &t.head,           &t.optimizer};
+  for (size_t i = 0; i < kOpTimeCurves.size(); ++i)
+    if (kOpTimeCurves[i] == name) return *curves[i];
+  throw std::logic_error("no op-time curve named " + std::string(name));
+}
+
+const CurvePoints& op_time_curve(const OpTimes& t, std::string_view name) {
+  return op_time_curve(const_cast<OpTimes&>(t), name);
+}
+
+namespace {
+
+// A plain string "source" inside an object whose numbers are not wrapped one by one.
+void read_plain_source(ObjectReader& o, const std::string& key_for) {
+  const Json* source = o.child("source", true);
+  if (source == nullptr) return;
+  if (!source->is_string())
+    o.diagnostics().error(o.path_of("source"), "expected a string, got " + describe_json(*source));
+  else if (o.sources() != nullptr && !source->get<std::string>().empty())
+    (*o.sources())[key_for] = source->get<std::string>();
+}
+
+void read_collective_fits(ObjectReader& c, const std::string& own_path, ClusterSpec& spec) {
+  read_plain_source(c, own_path);
+  const std::pair<const char*, CollectiveFit*> fits[] = {{"all_gather", &spec.all_gather_fit},
+                                                         {"reduce_scatter", &spec.reduce_scatter_fit},
+                                                         {"all_reduce", &spec.all_reduce_fit},
+                                                         {"all_to_all", &spec.all_to_all_fit}};
+  for (const auto& [name, fit] : fits) {
+    if (auto f = c.object(name, true)) {
+      fit->latency_s = f->number("latency_s", 0.0, 1.0);
+      fit->bandwidth_bytes_per_s = f->number("bandwidth_bytes_per_s", 1.0, kMaxRate);
+      if (const Json* points = f->child("points", true)) {
+        const std::string path = f->path_of("points");
+        if (!points->is_array() || points->size() > 64) {
+          c.diagnostics().error(path, "expected an array of up to 64 [bytes, seconds] pairs");
+        } else {
+          for (size_t i = 0; i < points->size(); ++i) {
+            const Json& q = (*points)[i];
+            const std::string at = path + "[" + std::to_string(i) + "]";
+            if (!q.is_array() || q.size() != 2 || !q[0].is_number() || !q[1].is_number() || !(q[0].get<double>() >= 1) ||
+                !(q[1].get<double>() >= 0) || q[1].get<double>() > 1e6)
+              c.diagnostics().error(at, "expected [bytes >= 1, seconds >= 0], got " + describe_json(q));
+            else
+              fit->points.emplace_back(q[0].get<double>(), q[1].get<double>());
+          }
+        }
+      }
+      f->finish();
+    }
+  }
+  c.finish();
+}
+
+void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
+  read_plain_source(o, own_path);
+  if (auto s = o.object("shapes")) {
+    t.hidden_size = s->integer("hidden_size", 1, int64_t{1} << 20);
+    t.intermediate_size = s->integer("intermediate_size", 1, int64_t{1} << 22);
+    t.num_attention_heads = s->integer("num_attention_heads", 1, 4096);
+    t.num_key_value_heads = s->integer("num_key_value_heads", 1, 4096);
+    t.head_dim = s->integer("head_dim", 1, 1 << 16);
+    t.num_experts = s->integer("num_experts", 1, 1 << 16);
+    t.experts_per_token = s->integer("experts_per_token", 1, 1 << 16);
+    t.vocab_size = s->integer("vocab_size", 1, int64_t{1} << 24);
+    t.seq_len = s->integer("seq_len", 1, int64_t{1} << 24);
+    t.precision = s->string("precision");
+    if (t.precision != "bf16" && t.precision != "mixed" && t.precision != "fp32")
+      o.diagnostics().error(s->path_of("precision"), "expected \"bf16\", \"mixed\" or \"fp32\", got \"" + t.precision + "\"");
+    s->finish();
+  }
+  for (std::string_view name : kOpTimeCurves) {
+    const Json* points = o.child(name);
+    if (points == nullptr) continue;
+    const std::string path = o.path_of(name);
+    if (!points->is_array() || points->empty() || points->size() > 64) {
+      o.diagnostics().error(path, "expected an array of 1 to 64 [x, seconds] pairs");
+      continue;
+    }
+    CurvePoints& curve = op_time_curve(t, name);
+    for (size_t i = 0; i < points->size(); ++i) {
+      const Json& p = (*points)[i];
+      const std::string at = path + "[" + std::to_string(i) + "]";
+      if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number()) {
+        o.diagnostics().error(at, "expected [x, seconds], got " + describe_json(p));
+        continue;
+      }
+      const double x = p[0].get<double>(), sec = p[1].get<double>();
+      if (!(x >= 1.0 && x <= 1e18))
+        o.diagnostics().error(at, "x must be in [1, 1e18], got " + p[0].dump());
+      else if (!(sec >= 0.0 && sec <= 1e6))
+        o.diagnostics().error(at, "seconds must be in [0, 1e6], got " + p[1].dump());
+      else if (!curve.empty() && x <= curve.back().first)
+        o.diagnostics().error(at, "x must increase from one point to the next");
+      else
+        curve.emplace_back(x, sec);
+    }
+  }
+  o.finish();
+}
+
+}  // namespace
 
 static ClusterSpec read_cluster_fields(ObjectReader& r) {
   ClusterSpec c;
@@ -81,6 +193,7 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.intra_node_fabric = intra->string("fabric");
     c.intra_node_bandwidth_bytes_per_s = intra->number("bandwidth_bytes_per_s", 1.0, kMaxRate);
     c.intra_node_latency_s = intra->number("latency_s", 0.0, 1.0);
+    if (auto fits = intra->object("collectives", true)) read_collective_fits(*fits, intra->path_of("collectives"), c);
     intra->finish();
   }
   if (auto inter = r.object("inter_node")) {
@@ -99,6 +212,8 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.fragmentation_factor = fw->number("fragmentation_factor", 1.0, 4.0);
     c.kernels = fw->choice<Kernels>("kernels", kKernelNames, Kernels::kFused);
     c.memory_headroom_bytes = fw->integer("headroom_bytes", 0, kMaxBytes);
+    c.comm_overlaps_compute = fw->boolean("comm_overlaps_compute", true);
+    if (auto times = fw->object("op_times", true)) read_op_times(*times, fw->path_of("op_times"), c.op_times);
     fw->finish();
   }
   r.finish();
@@ -173,6 +288,24 @@ OrderedJson to_json(const ClusterSpec& c) {
   intra["fabric"] = sourced("intra_node.fabric", c.intra_node_fabric);
   intra["bandwidth_bytes_per_s"] = sourced("intra_node.bandwidth_bytes_per_s", c.intra_node_bandwidth_bytes_per_s);
   intra["latency_s"] = sourced("intra_node.latency_s", c.intra_node_latency_s);
+  const std::pair<const char*, const CollectiveFit*> fits[] = {{"all_gather", &c.all_gather_fit},
+                                                               {"reduce_scatter", &c.reduce_scatter_fit},
+                                                               {"all_reduce", &c.all_reduce_fit},
+                                                               {"all_to_all", &c.all_to_all_fit}};
+  OrderedJson collectives;
+  if (auto it = c.sources.find("intra_node.collectives"); it != c.sources.end()) collectives["source"] = it->second;
+  for (const auto& [name, fit] : fits)
+    if (fit->given()) {
+      collectives[name] = {{"latency_s", fit->latency_s}, {"bandwidth_bytes_per_s", fit->bandwidth_bytes_per_s}};
+      if (!fit->points.empty()) {
+        OrderedJson measured = OrderedJson::array();
+        for (const auto& [b, seconds] : fit->points) measured.push_back({b, seconds});
+        collectives[name]["points"] = measured;
+      }
+    }
+  if (collectives.contains("all_gather") || collectives.contains("all_to_all") || collectives.contains("all_reduce") ||
+      collectives.contains("reduce_scatter"))
+    intra["collectives"] = collectives;
   j["intra_node"] = intra;
   OrderedJson inter;
   inter["fabric"] = sourced("inter_node.fabric", c.inter_node_fabric);
@@ -188,6 +321,28 @@ OrderedJson to_json(const ClusterSpec& c) {
   fw["fragmentation_factor"] = sourced("framework.fragmentation_factor", c.fragmentation_factor);
   fw["kernels"] = sourced("framework.kernels", std::string(name_of(kKernelNames, c.kernels)));
   fw["headroom_bytes"] = sourced("framework.headroom_bytes", c.memory_headroom_bytes);
+  fw["comm_overlaps_compute"] = sourced("framework.comm_overlaps_compute", c.comm_overlaps_compute);
+  if (!c.op_times.empty()) {
+    const OpTimes& t = c.op_times;
+    OrderedJson times;
+    if (auto it = c.sources.find("framework.op_times"); it != c.sources.end()) times["source"] = it->second;
+    times["shapes"] = {{"hidden_size", t.hidden_size},
+                       {"intermediate_size", t.intermediate_size},
+                       {"num_attention_heads", t.num_attention_heads},
+                       {"num_key_value_heads", t.num_key_value_heads},
+                       {"head_dim", t.head_dim},
+                       {"num_experts", t.num_experts},
+                       {"experts_per_token", t.experts_per_token},
+                       {"vocab_size", t.vocab_size},
+                       {"seq_len", t.seq_len},
+                       {"precision", t.precision}};
+    for (std::string_view name : kOpTimeCurves) {
+      OrderedJson curve = OrderedJson::array();
+      for (const auto& [x, sec] : op_time_curve(t, name)) curve.push_back({x, sec});
+      if (!curve.empty()) times[std::string(name)] = curve;
+    }
+    fw["op_times"] = times;
+  }
   j["framework"] = fw;
   return j;
 }

@@ -22,8 +22,9 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
 
   // The busiest expert's rank sets the pace of every block.
-  const double forward = layers * (o.attention_forward_s + o.moe_forward_busiest_s) + o.head_forward_s;
-  const double compute = 3.0 * forward;  // backward is twice the forward
+  const double compute =
+      layers * (o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s) +
+      o.head_s;
   double recompute = 0;
   if (p.activation_checkpointing == Checkpointing::kFull)
     recompute = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
@@ -65,7 +66,7 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
     const double gather = cost.all_gather_seconds(o.unit_bytes, shapes.shard);
     const double scatter = cost.reduce_scatter_seconds(o.unit_bytes, shapes.shard);
     const double per_block_comm = 2.0 * gather + scatter;
-    const double per_block_compute = (compute + recompute - 3.0 * o.head_forward_s) / layers;
+    const double per_block_compute = (compute + recompute - o.head_s) / layers;
     // The first gather has nothing to hide behind; the rest overlap block by block.
     shard_comm_exposed = gather + layers * std::max(0.0, per_block_comm - per_block_compute);
     // The gather stream runs 2 L gathers per micro-batch, the gradient stream L reduce-scatters.

@@ -37,10 +37,29 @@ double CostModel::seconds(const CollectiveCost& c, const GroupShape& g) const {
   return c.latency_s + std::max(c.intra_s, nic);
 }
 
+namespace {
+
+// A calibrated collective inside one node: measured at this size, or its own line.
+// (The points were measured with a whole node in the group.)
+bool calibrated(const CollectiveFit& fit, const GroupShape& g, int64_t node_ranks, double bytes, double steps,
+                double share, CollectiveCost& c) {
+  if (!fit.given() || g.crosses_nodes()) return false;
+  if (const double measured = g.size == node_ranks ? fit.measured_at(bytes) : -1.0; measured >= 0) {
+    c.intra_s = measured;
+    return true;
+  }
+  c.latency_s = steps * fit.latency_s;
+  c.intra_s = share * bytes / fit.bandwidth_bytes_per_s;
+  return true;
+}
+
+}  // namespace
+
 CollectiveCost CostModel::all_gather_cost(double output_bytes, const GroupShape& g) const {
   CollectiveCost c;
   if (g.size <= 1 || output_bytes <= 0) return c;
   const double n = static_cast<double>(g.size);
+  if (calibrated(cluster_->all_gather_fit, g, cluster_->gpus_per_node, output_bytes, n - 1, (n - 1) / n, c)) return c;
   c.latency_s = (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
   c.intra_s = (n - 1) / n * output_bytes / cluster_->intra_node_bandwidth_bytes_per_s;
   if (g.crosses_nodes()) {
@@ -54,10 +73,20 @@ CollectiveCost CostModel::all_gather_cost(double output_bytes, const GroupShape&
 
 CollectiveCost CostModel::reduce_scatter_cost(double input_bytes, const GroupShape& g) const {
   // The mirror image of the all-gather: the same chunks travel the same links.
+  CollectiveCost c;
+  const double n = static_cast<double>(g.size);
+  if (g.size > 1 && input_bytes > 0 &&
+      calibrated(cluster_->reduce_scatter_fit, g, cluster_->gpus_per_node, input_bytes, n - 1, (n - 1) / n, c))
+    return c;
   return all_gather_cost(input_bytes, g);
 }
 
 CollectiveCost CostModel::all_reduce_cost(double bytes, const GroupShape& g) const {
+  const double n = static_cast<double>(g.size);
+  CollectiveCost calibrated_cost;
+  if (g.size > 1 && bytes > 0 &&
+      calibrated(cluster_->all_reduce_fit, g, cluster_->gpus_per_node, bytes, 2 * (n - 1), 2 * (n - 1) / n, calibrated_cost))
+    return calibrated_cost;
   CollectiveCost c = all_gather_cost(bytes, g);
   c.latency_s *= 2;
   c.intra_s *= 2;
@@ -70,6 +99,7 @@ CollectiveCost CostModel::all_to_all_cost(double send_bytes, const GroupShape& g
   if (g.size <= 1 || send_bytes <= 0) return c;
   const double n = static_cast<double>(g.size);
   const double m = static_cast<double>(g.per_node);
+  if (calibrated(cluster_->all_to_all_fit, g, cluster_->gpus_per_node, send_bytes, n - 1, (m - 1) / n, c)) return c;
   c.latency_s = (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
   c.intra_s = send_bytes * (m - 1) / n / cluster_->intra_node_bandwidth_bytes_per_s;
   // Each of the group's m members on a node sends (n - m)/n of its buffer off the node.

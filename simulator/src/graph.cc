@@ -138,8 +138,9 @@ class Runner {
     uint64_t generation = 0;
   };
 
-  static size_t stream_of(const Op& op) {
-    return static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(op.stream);
+  size_t stream_of(const Op& op) const {
+    const TraceStream stream = g_.serial_streams() ? TraceStream::kCompute : op.stream;
+    return static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(stream);
   }
 
   void try_start(size_t s) {

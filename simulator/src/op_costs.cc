@@ -1,11 +1,44 @@
 #include "moeplan/simulator/op_costs.h"
 
+#include <cmath>
+
 #include "moeplan/core/moe_load.h"
 #include "moeplan/core/units.h"
+#include "moeplan/core/fit.h"
 
 namespace moeplan::sim {
 
+bool op_times_apply(const RunConfig& c) {
+  const OpTimes& t = c.cluster.op_times;
+  const ModelSpec& m = c.model;
+  return !t.empty() && t.hidden_size == m.hidden_size && t.intermediate_size == m.intermediate_size &&
+         t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
+         t.head_dim == m.head_dim && t.num_experts == m.num_experts && t.experts_per_token == m.experts_per_token &&
+         t.vocab_size == m.vocab_size && t.seq_len == c.training.seq_len &&
+         t.precision == name_of(kPrecisionNames, c.training.precision);
+}
+
+namespace {
+
+// Router (and dispatch bookkeeping) plus each local expert on its share of the rank's slots,
+// from measured times.
+double measured_moe_seconds(const RunConfig& c, double load, bool backward) {
+  const OpTimes& t = c.cluster.op_times;
+  const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
+  const double local = static_cast<double>(c.model.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
+  const double rows = static_cast<double>(c.model.experts_per_token) * tokens * load / local;
+  return curve_at(backward ? t.router_backward : t.router_forward, tokens) +
+         local * curve_at(backward ? t.expert_backward : t.expert_forward, rows);
+}
+
+}  // namespace
+
+double moe_backward_seconds(const RunConfig& c, double load) {
+  return op_times_apply(c) ? measured_moe_seconds(c, load, true) : 2.0 * moe_forward_seconds(c, load);
+}
+
 double moe_forward_seconds(const RunConfig& c, double load) {
+  if (op_times_apply(c)) return measured_moe_seconds(c, load, false);
   const ModelSpec& m = c.model;
   const CostModel cost(c.cluster);
   const bool fp32 = c.training.precision == Precision::kFp32;
@@ -59,10 +92,27 @@ OpCosts op_costs(const RunConfig& c) {
   o.attention_flops = proj_flops + core_flops;
   o.moe_flops = router_flops + expert_flops(mean_slots);
   o.head_flops = 2.0 * tokens * vocab * h;
+  const double busiest_load = busiest_slots / mean_slots;
+  o.attention_backward_s = 2.0 * o.attention_forward_s;
+  o.moe_backward_busiest_s = moe_backward_seconds(c, busiest_load);
+  o.head_s = 3.0 * o.head_forward_s;
+  if (op_times_apply(c)) {
+    const OpTimes& t = c.cluster.op_times;
+    o.measured = true;
+    o.attention_forward_s = curve_at(t.attention_forward, tokens);
+    o.attention_backward_s = curve_at(t.attention_backward, tokens);
+    o.head_s = curve_at(t.head, tokens);
+    o.head_forward_s = o.head_s / 3.0;
+  }
 
   o.dispatch_send_bytes = busiest_slots * h * a;
   o.unit_bytes = (static_cast<double>(params.dense_per_layer()) +
                   static_cast<double>(m.num_experts * params.expert) / e) * a;
+  auto gathered = [&](double numel) { return std::ceil(numel / s) * s * a; };
+  o.dense_unit_bytes = gathered(static_cast<double>(params.dense_per_layer()));
+  o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
+  o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
+  o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head));
   o.offload_bytes = tokens * h * a;  // the block input
   if (p.activation_checkpointing == Checkpointing::kSelective)
     o.offload_bytes += tokens * (3.0 * h + 2.0 * q_width + 2.0 * kv_width) * a;
@@ -77,7 +127,8 @@ OpCosts op_costs(const RunConfig& c) {
     case Precision::kMixed: state_bytes = 2 + 4 + 4 + 4 + 4; break;
     case Precision::kFp32: state_bytes = 4 + 4 + 4 + 4; break;
   }
-  o.optimizer_s = cost.memory_bound_seconds(2.0 * shard_params * state_bytes);
+  o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
+                             : cost.memory_bound_seconds(2.0 * shard_params * state_bytes);
   o.forward_flops_per_token = forward_flops_per_token(m, c.training.seq_len);
   return o;
 }

@@ -93,7 +93,9 @@ class Builder {
         layers_(static_cast<int>(c.model.num_layers)) {
     for (int64_t rank : layout.ranks()) {
       const int64_t e = layout.coord(rank, MeshDim::kExpert);
-      moe_by_rank_.push_back(moe_forward_seconds(c, expert_rank_load(c.model, c.moe, p_.expert_parallel_degree, e)));
+      const double load = expert_rank_load(c.model, c.moe, p_.expert_parallel_degree, e);
+      moe_by_rank_.push_back(moe_forward_seconds(c, load));
+      moe_backward_by_rank_.push_back(moe_backward_seconds(c, load));
     }
   }
 
@@ -110,22 +112,41 @@ class Builder {
     }
     for (int64_t mb = 0; mb < micro_batches_; ++mb) {
       for (int l = 0; l < layers_; ++l) forward_layer(state, static_cast<int16_t>(mb), l);
+      std::vector<OpId> head_gathered(n, kNoOp);
+      if (p_.hybrid_shard_degree > 1) {
+        // The final norm and lm head, gathered for forward and again for backward.
+        for (size_t r = 0; r < n; ++r) head_gathered[r] = layers_ >= 2 ? state[r].fwd_done[static_cast<size_t>(layers_ - 2)] : kNoOp;
+        for (int pass = 0; pass < 2; ++pass) gather(head_gathered, OpKind::kGatherForward, -1, mb, o_.head_unit_bytes);
+      }
       for (size_t r = 0; r < n; ++r) {
-        Op head = compute(r, OpKind::kHeadForwardBackward, -1, mb, 3.0 * o_.head_forward_s, 3.0 * o_.head_flops);
+        Op head = compute(r, OpKind::kHeadForwardBackward, -1, mb, o_.head_s, 3.0 * o_.head_flops);
         state[r].last = graph_.add_op(head);
         graph_.depend(state[r].last, state[r].layer_out);
+        graph_.depend(state[r].last, head_gathered[r]);
       }
+      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.head_unit_bytes, nullptr);
       for (int l = layers_ - 1; l >= 0; --l) backward_layer(state, static_cast<int16_t>(mb), l);
+      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.embed_unit_bytes, nullptr);
     }
     // Gradients across replicas once per step: dense over E then R, experts over R.
     std::vector<OpId> synced(n, kNoOp);
     for (size_t r = 0; r < n; ++r) synced[r] = state[r].last_grad;
-    const double e = static_cast<double>(p_.expert_parallel_degree);
-    collective_round(synced, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
-                     cost_.all_reduce_cost(o_.dense_shard_bytes, shapes_.expert), o_.dense_shard_bytes, true);
-    collective_round(synced, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
-                     cost_.all_reduce_cost(o_.dense_shard_bytes / e + o_.expert_shard_bytes, shapes_.replica),
-                     o_.dense_shard_bytes / e + o_.expert_shard_bytes, true);
+    // Unit by unit, as the executor does: a dense unit's shard over E then R, an expert unit's
+    // over R.
+    const double sh = static_cast<double>(p_.hybrid_shard_degree);
+    auto sync = [&](double shard_bytes, bool dense) {
+      if (dense)
+        collective_round(synced, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                         cost_.all_reduce_cost(shard_bytes, shapes_.expert), shard_bytes, true);
+      collective_round(synced, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                       cost_.all_reduce_cost(shard_bytes, shapes_.replica), shard_bytes, true);
+    };
+    sync(o_.embed_unit_bytes / sh, true);
+    for (int l = 0; l < layers_; ++l) {
+      sync(o_.dense_unit_bytes / sh, true);
+      sync(o_.expert_unit_bytes / sh, false);
+    }
+    sync(o_.head_unit_bytes / sh, true);
     for (size_t r = 0; r < n; ++r) {
       const OpId opt = graph_.add_op(compute(r, OpKind::kOptimizer, -1, -1, o_.optimizer_s, 0));
       graph_.depend(opt, state[r].last);
@@ -190,6 +211,21 @@ class Builder {
     }
   }
 
+  // A gather of `bytes` along the shard dimension after `after[r]`, which it replaces.
+  void gather(std::vector<OpId>& after, OpKind kind, int layer, int64_t mb, double bytes) {
+    collective_round(after, MeshDim::kShard, kind, TraceStream::kShardGather, layer, mb,
+                     cost_.all_gather_cost(bytes, shapes_.shard), bytes, false);
+  }
+
+  // A gradient reduce-scatter of `bytes` after the rank's latest compute (or `after`).
+  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double bytes, const std::vector<OpId>* after) {
+    std::vector<OpId> chain(state.size());
+    for (size_t r = 0; r < state.size(); ++r) chain[r] = after != nullptr ? (*after)[r] : state[r].last;
+    collective_round(chain, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, layer, mb,
+                     cost_.reduce_scatter_cost(bytes, shapes_.shard), bytes, false);
+    for (size_t r = 0; r < state.size(); ++r) state[r].last_grad = chain[r];
+  }
+
   // A token exchange inside the expert group, on the compute chain (the experts wait for it).
   void exchange(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb) {
     std::vector<OpId> after(state.size());
@@ -218,8 +254,9 @@ class Builder {
       // Two buffers: the block in use and the one prefetched; a gather waits for the block
       // two back to be freed.
       for (size_t r = 0; r < n; ++r) gathered[r] = l >= 2 ? state[r].fwd_done[static_cast<size_t>(l - 2)] : kNoOp;
-      collective_round(gathered, MeshDim::kShard, OpKind::kGatherForward, TraceStream::kShardGather, l, mb,
-                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, false);
+      if (l == 0) gather(gathered, OpKind::kGatherForward, -1, mb, o_.embed_unit_bytes);
+      gather(gathered, OpKind::kGatherForward, l, mb, o_.dense_unit_bytes);
+      gather(gathered, OpKind::kGatherForward, l, mb, o_.expert_unit_bytes);
     }
     for (size_t r = 0; r < n; ++r) {
       chain(state, r, compute(r, OpKind::kAttentionForward, l, mb, o_.attention_forward_s, o_.attention_flops));
@@ -247,8 +284,8 @@ class Builder {
     std::vector<OpId> gathered(n, kNoOp);
     if (sharded) {
       for (size_t r = 0; r < n; ++r) gathered[r] = l + 2 < layers_ ? state[r].bwd_done[at + 2] : kNoOp;
-      collective_round(gathered, MeshDim::kShard, OpKind::kGatherBackward, TraceStream::kShardGather, l, mb,
-                       cost_.all_gather_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, false);
+      gather(gathered, OpKind::kGatherBackward, l, mb, o_.dense_unit_bytes);
+      gather(gathered, OpKind::kGatherBackward, l, mb, o_.expert_unit_bytes);
     }
     std::vector<OpId> reloaded(n, kNoOp);
     if (p_.activation_offloading) {
@@ -290,19 +327,16 @@ class Builder {
       gate_first();
     }
     for (size_t r = 0; r < n; ++r)
-      chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, 2.0 * moe_seconds(r), 2.0 * o_.moe_flops));
+      chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, moe_backward_by_rank_[r], 2.0 * o_.moe_flops));
     gate_first();
+    if (sharded) reduce_scatter(state, l, mb, o_.expert_unit_bytes, nullptr);  // the experts' gradients are complete
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
     for (size_t r = 0; r < n; ++r) {
-      chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, 2.0 * o_.attention_forward_s, 2.0 * o_.attention_flops));
+      chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, o_.attention_backward_s, 2.0 * o_.attention_flops));
       state[r].bwd_done[at] = state[r].last;
     }
     if (sharded) {
-      std::vector<OpId> after(n);
-      for (size_t r = 0; r < n; ++r) after[r] = state[r].last;
-      collective_round(after, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, l, mb,
-                       cost_.reduce_scatter_cost(o_.unit_bytes, shapes_.shard), o_.unit_bytes, false);
-      for (size_t r = 0; r < n; ++r) state[r].last_grad = after[r];
+      reduce_scatter(state, l, mb, o_.dense_unit_bytes, nullptr);
     } else {
       for (size_t r = 0; r < n; ++r) state[r].last_grad = state[r].last;
     }
@@ -318,6 +352,7 @@ class Builder {
   int64_t micro_batches_;
   int layers_;
   std::vector<double> moe_by_rank_;  // MoE forward seconds of each simulated rank
+  std::vector<double> moe_backward_by_rank_;
 };
 
 // When the last op of each micro-batch ended: its compute, its copies and its gradient
@@ -350,7 +385,8 @@ SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t m
         card_bytes += col.nic_bytes_per_node;
       counted[c] = true;
     }
-    stream[static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(op.stream)] += t.end[i] - begin;
+    const TraceStream on = g.serial_streams() ? TraceStream::kCompute : op.stream;
+    stream[static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(on)] += t.end[i] - begin;
   }
   SimTime most = *std::max_element(stream.begin(), stream.end());
   return std::max(most, SimTime(static_cast<int64_t>(std::ceil(card_bytes / card_bytes_per_s * 1e9))));
@@ -366,6 +402,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   sim.micro_batches = options.all_micro_batches ? p.gradient_accumulation_steps
                                                 : std::min<int64_t>(kSimulatedMicroBatches, p.gradient_accumulation_steps);
   sim.graph = Builder(c, layout, sim.micro_batches).build();
+  sim.graph.set_serial_streams(!c.cluster.comm_overlaps_compute);
   sim.times = run_graph(sim.graph, c.cluster.inter_node_bandwidth_bytes_per_s);
   if (sim.times.finished != sim.graph.ops().size())
     throw std::logic_error("step simulation deadlocked: " +
@@ -416,6 +453,40 @@ Trace step_trace(const StepSimulation& sim) {
   Trace t = to_trace(sim.graph, sim.times);
   for (TraceEvent& e : t.events) e.rank = sim.ranks[static_cast<size_t>(e.rank)];
   return t;
+}
+
+std::vector<std::pair<std::string, double>> phase_seconds(const StepSimulation& sim, int32_t rank) {
+  const StepGraph& g = sim.graph;
+  const GraphTimes& t = sim.times;
+  const auto mbs = static_cast<size_t>(sim.micro_batches);
+  std::vector<SimTime> first(mbs, SimTime::max()), last(mbs, SimTime(0)), loss(mbs, SimTime(0));
+  SimTime update_begin = SimTime::max(), update_end(0);
+  std::map<std::string, double> inside;
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    if (op.rank != rank) continue;
+    const std::string category(op_category(op.kind));
+    if (category != "compute") inside[category] += to_seconds(t.end[i] - t.start[i]);
+    if (op.micro_batch < 0) {
+      update_begin = std::min(update_begin, t.start[i]);
+      update_end = std::max(update_end, t.end[i]);
+      continue;
+    }
+    const auto mb = static_cast<size_t>(op.micro_batch);
+    first[mb] = std::min(first[mb], t.start[i]);
+    last[mb] = std::max(last[mb], t.end[i]);
+    if (op.kind == OpKind::kHeadForwardBackward) loss[mb] = t.start[i] + (t.end[i] - t.start[i]) / 3;
+  }
+  double forward = 0, backward = 0;
+  for (size_t mb = 0; mb < mbs; ++mb) {
+    if (first[mb] == SimTime::max()) continue;
+    forward += to_seconds(loss[mb] - first[mb]);
+    backward += to_seconds(last[mb] - loss[mb]);
+  }
+  std::vector<std::pair<std::string, double>> out{{"forward", forward}, {"backward", backward}};
+  out.emplace_back("optimizer", update_begin == SimTime::max() ? 0.0 : to_seconds(update_end - update_begin));
+  for (const char* c : {"all_to_all", "all_gather", "reduce_scatter", "all_reduce", "copy"}) out.emplace_back(c, inside[c]);
+  return out;
 }
 
 }  // namespace moeplan::sim

@@ -291,6 +291,82 @@ TEST(HardwareProfile, ShippedProfilesReadAndRoundTrip) {
   EXPECT_EQ(cluster_from_json(Json::parse(to_json(cpu).dump()), "again"), cpu);
 }
 
+struct ProfileEditPair {
+  const char* pointer;
+  Json value;
+  const char* path;
+  const char* message;
+};
+
+// A calibrated CPU profile: measured op times and per-collective fits read back as written.
+Json calibrated_json() {
+  Json json = Json::parse(read_text(profile_path("hardware/local-cpu.json")));
+  json["intra_node"]["collectives"] = {
+      {"source", "measured"},
+      {"all_gather", {{"latency_s", 3e-4}, {"bandwidth_bytes_per_s", 7e8}, {"points", {{201728, 5e-4}, {3145728, 0.015}}}}},
+      {"all_to_all", {{"latency_s", 2e-4}, {"bandwidth_bytes_per_s", 1e9}}}};
+  json["framework"]["comm_overlaps_compute"] = false;
+  json["framework"]["op_times"] = {
+      {"source", "measured"},
+      {"shapes",
+       {{"hidden_size", 128}, {"intermediate_size", 256}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+        {"head_dim", 32}, {"num_experts", 8}, {"experts_per_token", 2}, {"vocab_size", 4096}, {"seq_len", 256},
+        {"precision", "fp32"}}},
+      {"attention_forward", {{256, 0.0015}, {512, 0.0035}}},
+      {"attention_backward", {{256, 0.004}, {512, 0.006}}},
+      {"router_forward", {{256, 0.0003}}},
+      {"router_backward", {{256, 0.0003}}},
+      {"expert_forward", {{16, 6e-5}, {4096, 0.0115}}},
+      {"expert_backward", {{16, 1.5e-4}, {4096, 0.024}}},
+      {"head", {{256, 0.04}, {512, 0.07}}},
+      {"optimizer", {{549520, 0.0014}, {4396160, 0.069}}}};
+  return json;
+}
+
+TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
+  const ClusterSpec c = cluster_from_json(calibrated_json(), "calibrated.json");
+  EXPECT_FALSE(c.comm_overlaps_compute);
+  EXPECT_DOUBLE_EQ(c.all_gather_fit.bandwidth_bytes_per_s, 7e8);
+  EXPECT_DOUBLE_EQ(c.all_gather_fit.measured_at(3145728), 0.015);
+  EXPECT_DOUBLE_EQ(c.all_gather_fit.measured_at(3145728 * 1.005), 0.015);  // within 1%
+  EXPECT_LT(c.all_gather_fit.measured_at(4194304), 0);                     // not measured there
+  EXPECT_FALSE(c.reduce_scatter_fit.given());
+  EXPECT_EQ(c.op_times.seq_len, 256);
+  EXPECT_EQ(c.op_times.expert_backward.size(), 2u);
+  EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
+  EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
+  EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c);
+  // The shipped CPU profile overlaps nothing it does not say.
+  EXPECT_TRUE(read_cluster_file(profile_path("hardware/local-cpu.json")).comm_overlaps_compute);
+}
+
+TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
+  const std::vector<ProfileEditPair> edits = {
+      {"/framework/op_times/head/1", Json::array({128, 0.07}), "framework.op_times.head[1]",
+       "x must increase from one point to the next"},
+      {"/framework/op_times/attention_forward/0", Json::array({256, -1}), "framework.op_times.attention_forward[0]",
+       "seconds must be in [0, 1e6], got -1"},
+      {"/framework/op_times/shapes/precision", "fp8", "framework.op_times.shapes.precision",
+       "expected \"bf16\", \"mixed\" or \"fp32\", got \"fp8\""},
+      {"/framework/op_times/optimiser", Json::array(), "framework.op_times.optimiser", "unknown field"},
+      {"/intra_node/collectives/all_gather/points/0", Json::array({-5, 1}), "intra_node.collectives.all_gather.points[0]",
+       "expected [bytes >= 1, seconds >= 0], got an array"},
+      {"/intra_node/collectives/all_to_all/bandwidth_bytes_per_s", 0, "intra_node.collectives.all_to_all.bandwidth_bytes_per_s",
+       "must be in [1, 1e+18], got 0"},
+      {"/framework/comm_overlaps_compute", "no", "framework.comm_overlaps_compute", "expected true or false, got string \"no\""},
+  };
+  TempDir dir;
+  for (const ProfileEditPair& edit : edits) {
+    Json json = calibrated_json();
+    json[Json::json_pointer(edit.pointer)] = edit.value;
+    const std::string path = dir.write("cal.json", json);
+    const auto problems = problems_of([&] { read_cluster_file(path); }, path);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+  }
+}
+
 struct ProfileEdit {
   const char* pointer;
   Json value;

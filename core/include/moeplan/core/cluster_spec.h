@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
 
 namespace moeplan {
@@ -30,6 +31,42 @@ enum class Kernels : uint8_t { kFused, kEager };
 inline constexpr std::array<std::pair<std::string_view, Kernels>, 2> kKernelNames{
     {{"fused", Kernels::kFused}, {"eager", Kernels::kEager}}};
 
+// A collective's own alpha-beta pair, fitted on measured times (moeplan calibrate); it replaces
+// the level's latency and bandwidth for that collective. Zero: not measured.
+struct CollectiveFit {
+  double latency_s = 0;              // per step of the algorithm, as the cost model counts them
+  double bandwidth_bytes_per_s = 0;  // of the bytes the cost model counts for it
+  // Times measured at the exact message sizes a model uses (bytes as the cost model is given
+  // them: all-gather output, others input), which win over the line at those sizes: transports
+  // have sizes they handle worse than their neighbours.
+  CurvePoints points;
+  bool given() const { return bandwidth_bytes_per_s > 0; }
+  // The measured seconds at `bytes` (within 1%), or a negative number.
+  double measured_at(double bytes) const;
+  bool operator==(const CollectiveFit&) const = default;
+};
+
+// Measured times of the executor's own operations at one model's shapes (moeplan calibrate),
+// with every rank of a node busy at once. Where the plan's model has these shapes they replace
+// the FLOP-based estimate of those operations; for other shapes the FLOP model applies.
+struct OpTimes {
+  // The shapes measured.
+  int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0,
+          num_experts = 0, experts_per_token = 0, vocab_size = 0, seq_len = 0;
+  std::string precision;  // "bf16", "mixed" or "fp32"
+  // Seconds against tokens of a micro-batch (attention, router, head: norm, lm head, loss and
+  // embedding, forward and backward together), rows of one expert (expert), parameters of a
+  // rank's shard (optimizer: clipping and AdamW).
+  CurvePoints attention_forward, attention_backward, router_forward, router_backward, expert_forward,
+      expert_backward, head, optimizer;
+
+  bool empty() const { return attention_forward.empty(); }
+  bool operator==(const OpTimes&) const = default;
+};
+inline constexpr std::array<std::string_view, 8> kOpTimeCurves{
+    "attention_forward", "attention_backward", "router_forward", "router_backward",
+    "expert_forward",    "expert_backward",    "head",           "optimizer"};
+
 struct ClusterSpec {
   std::string name;  // instance type, e.g. "p4d.24xlarge"
   std::string description;
@@ -46,6 +83,8 @@ struct ClusterSpec {
   std::string intra_node_fabric;
   double intra_node_bandwidth_bytes_per_s = 0;  // per GPU, one direction
   double intra_node_latency_s = 0;
+  // Measured per collective on the intra-node level (empty on profiles that are not calibrated).
+  CollectiveFit all_gather_fit, reduce_scatter_fit, all_reduce_fit, all_to_all_fit;
   std::string inter_node_fabric;
   double inter_node_bandwidth_bytes_per_s = 0;  // per node, one direction, shared by its GPUs
   double inter_node_latency_s = 0;
@@ -56,6 +95,11 @@ struct ClusterSpec {
   int64_t framework_overhead_bytes = 0;  // CUDA context, communicator buffers, kernels
   double fragmentation_factor = 1.0;     // allocator overhead on dynamic allocations
   Kernels kernels = Kernels::kFused;
+  // Whether collectives and copies run beside compute. True on GPUs (their own engines and
+  // streams); false where they take the same processor as compute, like CPU ranks with as
+  // many ranks as cores: there a collective's time adds to the compute's.
+  bool comm_overlaps_compute = true;
+  OpTimes op_times;
   int64_t memory_headroom_bytes = 0;     // kept free on purpose
 
   SourceMap sources;  // field path -> public source of the number
@@ -68,6 +112,10 @@ struct ClusterSpec {
 
   bool operator==(const ClusterSpec&) const = default;
 };
+
+// The curve of `op_times` named `name` (one of kOpTimeCurves).
+CurvePoints& op_time_curve(OpTimes& t, std::string_view name);
+const CurvePoints& op_time_curve(const OpTimes& t, std::string_view name);
 
 // Hardware profile (profiles/hardware/*.json). Every number may be written as
 // {"value": x, "source": "..."}; shipped profiles do so for every number.

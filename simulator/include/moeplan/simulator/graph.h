@@ -82,6 +82,10 @@ class StepGraph {
 
   int32_t ranks() const { return ranks_; }
   int32_t nodes() const { return nodes_; }
+  // Collectives and copies run in the compute stream's FIFO, in issue order, instead of
+  // beside it (ClusterSpec::comm_overlaps_compute false). The trace still shows their stream.
+  void set_serial_streams(bool serial) { serial_streams_ = serial; }
+  bool serial_streams() const { return serial_streams_; }
   const std::vector<Op>& ops() const { return ops_; }
   const std::vector<Collective>& collectives() const { return collectives_; }
   const std::vector<int32_t>& collective_nodes() const { return collective_nodes_; }
@@ -90,6 +94,7 @@ class StepGraph {
  private:
   int32_t ranks_;
   int32_t nodes_;
+  bool serial_streams_ = false;
   std::vector<Op> ops_;
   std::vector<Collective> collectives_;
   std::vector<int32_t> collective_nodes_;

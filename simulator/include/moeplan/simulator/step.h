@@ -37,4 +37,11 @@ StepSimulation simulate_step(const RunConfig& config, const StepSimOptions& opti
 // The simulated step as a trace (pid = global rank).
 Trace step_trace(const StepSimulation& simulation);
 
+// Seconds of one simulated rank's step in the phases the executor measures (run report):
+// forward (each micro-batch from its first op to the loss, a third of the head op), backward
+// (from there to its last op), optimizer (gradient all-reduces and the update), and the time
+// inside each kind of collective (all_to_all, all_gather, reduce_scatter, all_reduce) and
+// copy. Meaningful when every micro-batch was simulated.
+std::vector<std::pair<std::string, double>> phase_seconds(const StepSimulation& simulation, int32_t rank);
+
 }  // namespace moeplan::sim

@@ -1,0 +1,34 @@
+#pragma once
+// Small statistics shared by calibration and validation: least-squares lines, piecewise-linear
+// curves of measured points, medians and Kendall's rank correlation.
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace moeplan {
+
+// y = intercept + slope * x, fitted by least squares.
+struct LineFit {
+  double intercept = 0;
+  double slope = 0;
+  double r_squared = 0;  // 1 - residual / total sum of squares; 1 when y does not vary
+  int64_t points = 0;
+};
+
+// Least squares over (x[i], y[i]); needs at least two points with different x (else slope 0
+// and intercept the mean). Solved with Eigen's QR, which stays accurate when x spans decades.
+LineFit fit_line(const std::vector<double>& x, const std::vector<double>& y);
+
+// A measured curve: y at increasing x, read in between by linear interpolation and beyond the
+// ends by extending the first or last segment (never below zero). One point: a constant.
+using CurvePoints = std::vector<std::pair<double, double>>;
+double curve_at(const CurvePoints& points, double x);
+
+double median(std::vector<double> values);
+
+// Kendall's tau-b between two rankings of the same items (ties counted as neither concordant
+// nor discordant); 0 when fewer than two items or either side is constant.
+double kendall_tau(const std::vector<double>& a, const std::vector<double>& b);
+
+}  // namespace moeplan

@@ -1,0 +1,75 @@
+#include "moeplan/core/fit.h"
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+
+namespace moeplan {
+
+LineFit fit_line(const std::vector<double>& x, const std::vector<double>& y) {
+  LineFit f;
+  const auto n = static_cast<Eigen::Index>(std::min(x.size(), y.size()));
+  f.points = n;
+  if (n == 0) return f;
+  Eigen::MatrixXd a(n, 2);
+  Eigen::VectorXd b(n);
+  for (Eigen::Index i = 0; i < n; ++i) {
+    a(i, 0) = 1.0;
+    a(i, 1) = x[static_cast<size_t>(i)];
+    b(i) = y[static_cast<size_t>(i)];
+  }
+  const double mean = b.mean();
+  const bool x_varies = (a.col(1).array() != a(0, 1)).any();
+  if (!x_varies) {
+    f.intercept = mean;
+  } else {
+    const Eigen::Vector2d c = a.colPivHouseholderQr().solve(b);
+    f.intercept = c(0);
+    f.slope = c(1);
+  }
+  const double total = (b.array() - mean).square().sum();
+  const double residual = (b - (a.col(0) * f.intercept + a.col(1) * f.slope)).squaredNorm();
+  f.r_squared = total > 0 ? 1.0 - residual / total : 1.0;
+  return f;
+}
+
+double curve_at(const CurvePoints& p, double x) {
+  if (p.empty()) return 0;
+  if (p.size() == 1) return p.front().second;
+  size_t hi = 1;
+  while (hi + 1 < p.size() && x > p[hi].first) ++hi;
+  const auto& [x0, y0] = p[hi - 1];
+  const auto& [x1, y1] = p[hi];
+  const double t = x1 > x0 ? (x - x0) / (x1 - x0) : 0.0;
+  return std::max(0.0, y0 + t * (y1 - y0));
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+double kendall_tau(const std::vector<double>& a, const std::vector<double>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  double concordant = 0, discordant = 0, ties_a = 0, ties_b = 0;
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = i + 1; j < n; ++j) {
+      const double da = a[i] - a[j], db = b[i] - b[j];
+      if (da == 0 && db == 0) continue;
+      if (da == 0) {
+        ++ties_a;
+      } else if (db == 0) {
+        ++ties_b;
+      } else if ((da > 0) == (db > 0)) {
+        ++concordant;
+      } else {
+        ++discordant;
+      }
+    }
+  const double denom = std::sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b));
+  return denom > 0 ? (concordant - discordant) / denom : 0.0;
+}
+
+}  // namespace moeplan

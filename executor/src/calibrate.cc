@@ -1,0 +1,538 @@
+#include "moeplan/executor/calibrate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "moeplan/core/fit.h"
+#include "moeplan/executor/mixtral.h"
+#include "moeplan/executor/offload.h"
+#include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/routing.h"
+#include "moeplan/executor/run_report.h"
+#include "moeplan/executor/runtime.h"
+#include "moeplan/executor/sharded_model.h"
+
+namespace moeplan::executor {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Short operations are repeated more, so that each measurement spans about 0.1 s.
+int repeats_for(int reps, double one_call_s) {
+  const double wanted = 0.1 / std::max(one_call_s, 1e-6);
+  return std::clamp(static_cast<int>(wanted), reps, 60);
+}
+
+// Times of the calls after one warm-up call; the median. Collectives pass `adapt` false: every
+// rank must make the same number of calls.
+template <class F>
+double time_median(int reps, F&& f, bool adapt = true) {
+  const auto warm = Clock::now();
+  f();
+  if (adapt) reps = repeats_for(reps, seconds_since(warm));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = Clock::now();
+    f();
+    t.push_back(seconds_since(start));
+  }
+  return median(t);
+}
+
+// A forward and its backward, timed apart; medians over `reps` after a warm-up.
+template <class Forward>
+std::pair<double, double> time_forward_backward(int reps, Forward&& forward) {
+  std::vector<double> fwd, bwd;
+  for (int i = 0; i <= reps; ++i) {
+    auto start = Clock::now();
+    const torch::Tensor y = forward();
+    const double f = seconds_since(start);
+    start = Clock::now();
+    y.backward(torch::ones_like(y));
+    const double b = seconds_since(start);
+    if (i == 0) {  // warm-up
+      reps = repeats_for(reps, f + b);
+      continue;
+    }
+    fwd.push_back(f);
+    bwd.push_back(b);
+  }
+  return {median(fwd), median(bwd)};
+}
+
+torch::Tensor weight(std::vector<int64_t> shape, torch::ScalarType type, double scale = 0.02) {
+  return (torch::randn(shape) * scale).to(type).requires_grad_(true);
+}
+
+// Progress lines on rank 0.
+class Progress {
+ public:
+  Progress(std::ostream* out, bool leader) : out_(leader ? out : nullptr), start_(Clock::now()) {}
+  void say(const std::string& what) {
+    if (out_ == nullptr) return;
+    char line[256];
+    std::snprintf(line, sizeof line, "calibrate [%5.1f s] %s", seconds_since(start_), what.c_str());
+    *out_ << line << std::endl;
+  }
+
+ private:
+  std::ostream* out_;
+  Clock::time_point start_;
+};
+
+// The largest resident set beyond live tensors seen at the sample points.
+class OverheadProbe {
+ public:
+  void sample() { most_ = std::max(most_, current_rss_bytes() - tensor_bytes().live); }
+  int64_t most() const { return most_; }
+
+ private:
+  int64_t most_ = 0;
+};
+
+std::vector<int64_t> micro_batches(int64_t max_micro_batch) {
+  std::vector<int64_t> m;
+  for (int64_t b = 1; b <= max_micro_batch; b *= 2) m.push_back(b);
+  return m;
+}
+
+}  // namespace
+
+CollectiveFit fit_collective(const CollectiveSweep& sweep, int64_t ranks) {
+  // The cost model (simulator/cost_model.cc) on one node of n ranks:
+  //   all-gather, reduce-scatter: (n-1) latency + (n-1)/n bytes / bandwidth
+  //   all-reduce: 2 (n-1) latency + 2 (n-1)/n bytes / bandwidth
+  //   all-to-all: (n-1) latency + (n-1)/n bytes / bandwidth
+  const double n = static_cast<double>(ranks);
+  double steps = n - 1, share = (n - 1) / n;
+  if (sweep.name == "all_reduce") {
+    steps *= 2;
+    share *= 2;
+  }
+  std::vector<double> x;
+  for (double b : sweep.bytes) x.push_back(share * b);
+  const LineFit f = fit_line(x, sweep.seconds);
+  CollectiveFit c;
+  c.latency_s = std::max(0.0, f.intercept) / std::max(1.0, steps);
+  c.bandwidth_bytes_per_s = f.slope > 0 ? 1.0 / f.slope : 0.0;
+  return c;
+}
+
+Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
+  const auto started = Clock::now();
+  const bool leader = world.rank() == 0;
+  Progress progress(o.progress, leader);
+  torch::manual_seed(1234 + static_cast<uint64_t>(world.rank()));
+  torch::NoGradGuard outer_no_grad;  // enabled again where a backward is timed
+  const ModelSpec& m = o.model;
+  const torch::ScalarType type = compute_type(o.precision);
+  const int64_t h = m.hidden_size, t = o.seq_len;
+  const int reps = o.quick ? 3 : 7;
+  OverheadProbe overhead;
+  Calibration cal;
+  cal.ranks = world.size();
+  cal.baseline_rss_bytes = current_rss_bytes();
+  // Every measurement in one list, in the same order on every rank, averaged at the end.
+  std::vector<double> values;
+
+  // -- Matrix multiplies at the model's shapes.
+  progress.say("matrix multiplies at the shapes of " + m.name);
+  const std::vector<int64_t> mbs = micro_batches(o.max_micro_batch);
+  std::vector<int64_t> expert_rows;
+  for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
+  struct Gemm {
+    int64_t rows, inner, cols;
+  };
+  std::vector<Gemm> gemms;
+  for (int64_t b : mbs) {
+    gemms.push_back({b * t, h, m.num_attention_heads * m.head_dim});  // q projection
+    gemms.push_back({b * t, h, m.vocab_size});                        // lm head
+  }
+  for (int64_t r : expert_rows) {
+    gemms.push_back({r, h, m.intermediate_size});  // w1, w3
+    gemms.push_back({r, m.intermediate_size, h});  // w2
+  }
+  world.barrier();
+  for (const Gemm& g : gemms) {
+    const torch::Tensor a = torch::randn({g.rows, g.inner}).to(type), b = torch::randn({g.inner, g.cols}).to(type);
+    values.push_back(time_median(reps, [&] { (void)torch::mm(a, b); }));
+    overhead.sample();
+  }
+
+  // -- The executor's operations, forward and backward.
+  progress.say("attention, router and experts, head and loss, forward and backward");
+  torch::autograd::GradMode::set_enabled(true);
+  const Rope rope = rope_tables(m, t, type);
+  const torch::Tensor mask = attention_mask_bias(m, t, type);
+  LayerWeights w;
+  w.input_norm = torch::ones({h}).to(type).requires_grad_(true);
+  w.post_attention_norm = torch::ones({h}).to(type).requires_grad_(true);
+  w.q_proj = weight({m.num_attention_heads * m.head_dim, h}, type);
+  w.k_proj = weight({m.num_key_value_heads * m.head_dim, h}, type);
+  w.v_proj = weight({m.num_key_value_heads * m.head_dim, h}, type);
+  w.o_proj = weight({h, m.num_attention_heads * m.head_dim}, type);
+  w.router = weight({m.num_experts, h}, type);
+  const torch::Tensor w1 = weight({m.intermediate_size, h}, type), w2 = weight({h, m.intermediate_size}, type),
+                      w3 = weight({m.intermediate_size, h}, type);
+  const torch::Tensor embed = weight({m.vocab_size, h}, type), norm = torch::ones({h}).to(type).requires_grad_(true),
+                      lm_head = weight({m.vocab_size, h}, type);
+  MoeConfig moe;
+  moe.load_balancing = o.load_balancing;
+  world.barrier();
+  for (int64_t b : mbs) {
+    const torch::Tensor x = torch::randn({b, t, h}).to(type).requires_grad_(true);
+    // Attention sub-block: norm, attention, residual.
+    auto [af, ab] = time_forward_backward(reps, [&] {
+      return x + attention(m, w, rms_norm(x, w.input_norm, m.rms_norm_eps), rope, mask);
+    });
+    overhead.sample();
+    // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
+    // expert and the weighted combine back, residual.
+    auto [rf, rb] = time_forward_backward(reps, [&] {
+      const torch::Tensor tokens = x.reshape({-1, h});
+      const torch::Tensor xn = rms_norm(tokens, w.post_attention_norm, m.rms_norm_eps);
+      const torch::Tensor logits = torch::matmul(xn, w.router.t());
+      const Routing r = route(logits, m.experts_per_token, o.load_balancing);
+      const torch::Tensor slots = r.experts.flatten();
+      (void)torch::bincount(slots, {}, m.num_experts);
+      const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
+      const torch::Tensor token_of = torch::div(order, m.experts_per_token, "floor");
+      const torch::Tensor sorted = xn.index_select(0, token_of);
+      const torch::Tensor slot_weights = r.weights.to(type).flatten().index_select(0, order).unsqueeze(-1);
+      return tokens + torch::zeros_like(xn).index_add(0, token_of, sorted * slot_weights);
+    });
+    overhead.sample();
+    // Head: embedding, final norm, lm head, loss (with the router losses of every layer).
+    const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
+    std::vector<torch::Tensor> router_logits;
+    for (int64_t l = 0; l < m.num_layers; ++l)
+      router_logits.push_back(torch::randn({b * t, m.num_experts}).to(type).requires_grad_(true));
+    const double head = time_median(reps, [&] {
+      ForwardResult out;
+      const torch::Tensor e = torch::embedding(embed, ids);
+      out.logits = torch::matmul(rms_norm(x + e, norm, m.rms_norm_eps), lm_head.t()).to(torch::kFloat);
+      out.router_logits = router_logits;
+      mixtral_loss(m, moe, out, ids).total.backward();
+    });
+    overhead.sample();
+    values.insert(values.end(), {af, ab, rf, rb, head});
+  }
+  for (int64_t r : expert_rows) {
+    const torch::Tensor rows = torch::randn({r, h}).to(type).requires_grad_(true);
+    auto [ef, eb] = time_forward_backward(reps, [&] { return expert_ffn(rows, w1, w2, w3); });
+    values.insert(values.end(), {ef, eb});
+    overhead.sample();
+  }
+
+  // -- Optimizer: gradient clipping and AdamW on the shards of the model's flat units (the
+  // whole model, then halves, quarters, ... as sharding leaves them).
+  progress.say("optimizer");
+  torch::autograd::GradMode::set_enabled(false);
+  const ParamCounts params = count_parameters(m);
+  std::vector<int64_t> units{params.embedding, params.final_norm + params.lm_head};
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    units.push_back(params.dense_per_layer());
+    units.push_back(m.num_experts * params.expert);
+  }
+  const std::vector<int64_t> divisors = o.quick ? std::vector<int64_t>{2, 1} : std::vector<int64_t>{8, 4, 2, 1};
+  std::vector<int64_t> shard_sizes;
+  const torch::ScalarType master = o.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+  world.barrier();
+  for (int64_t d : divisors) {
+    std::vector<torch::Tensor> shards, grads, masks;
+    int64_t total = 0;
+    for (int64_t numel : units) {
+      const int64_t k = (numel + d - 1) / d;
+      shards.push_back(torch::randn({k}).to(master));
+      grads.push_back((torch::randn({k}) * 1e-3).to(type));
+      masks.push_back(torch::ones({k}, torch::kBool));
+      total += k;
+    }
+    shard_sizes.push_back(total);
+    AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
+    values.push_back(time_median(reps, [&] {
+      clip_grad_norm(grads, 1.0);
+      adam.step(grads, 1e-4);
+    }));
+    overhead.sample();
+  }
+
+  // -- Memory copy and the offload file.
+  progress.say("memory copy and offload file");
+  {
+    const int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
+    const torch::Tensor a = torch::randn({n}), b = torch::empty({n});
+    const double copy = time_median(reps, [&] { b.copy_(a); });
+    values.push_back(2.0 * static_cast<double>(n) * 4 / copy);  // read and written
+    overhead.sample();
+    const std::string dir = o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir;
+    ActivationStore store(dir + "/.calibrate-offload-rank-" + std::to_string(world.rank()));
+    const int64_t block = o.max_micro_batch * t * h;  // one block input of the largest micro-batch
+    const torch::Tensor act = torch::randn({block}).to(type);
+    const int64_t blocks = m.num_layers;
+    double write = 0, read = 0;
+    for (int i = 0; i <= reps; ++i) {
+      auto start = Clock::now();
+      for (int64_t k = 0; k < blocks; ++k) store.put(k, act);
+      const double w_s = seconds_since(start);
+      start = Clock::now();
+      for (int64_t k = blocks - 1; k >= 0; --k) (void)store.take(k);
+      const double r_s = seconds_since(start);
+      store.clear();
+      if (i == 0) continue;
+      write += w_s;
+      read += r_s;
+    }
+    const double bytes = static_cast<double>(blocks * act.nbytes()) * reps;
+    values.push_back(bytes / write);
+    values.push_back(bytes / read);
+  }
+
+  // -- Collectives.
+  const std::vector<std::string> kinds{"all_gather", "all_to_all", "all_reduce", "reduce_scatter"};
+  std::vector<int64_t> sizes;
+  for (int64_t b = int64_t{16} << 10; b <= (o.quick ? int64_t{4} << 20 : int64_t{16} << 20); b *= 2) {
+    sizes.push_back(b);
+    if (b >= (int64_t{1} << 20) && !o.quick) sizes.push_back(b * 3 / 2);
+  }
+  const int64_t n = world.size();
+  // The model's flat units as the executor moves them: gathered and reduce-scattered over a
+  // shard group of every rank (padded to a multiple of it), all-reduced whole over a replica
+  // group of every rank.
+  const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
+  auto padded = [&](int64_t numel, int64_t s) { return (numel + s - 1) / s * s * a; };
+  std::map<std::string, std::vector<int64_t>> unit_sizes;
+  for (const int64_t numel : {params.dense_per_layer(), m.num_experts * params.expert, params.embedding,
+                              params.final_norm + params.lm_head}) {
+    for (const char* kind : {"all_gather", "reduce_scatter"}) unit_sizes[kind].push_back(padded(numel, n));
+    unit_sizes["all_reduce"].push_back(padded(numel, 1));
+  }
+  for (auto& [kind, list] : unit_sizes) {
+    std::sort(list.begin(), list.end());
+    list.erase(std::unique(list.begin(), list.end()), list.end());
+  }
+  if (n > 1) {
+    for (const std::string& kind : kinds) {
+      std::vector<int64_t> all = sizes;
+      all.insert(all.end(), unit_sizes[kind].begin(), unit_sizes[kind].end());
+      progress.say("gloo " + kind + ", " + std::to_string(all.size()) + " sizes");
+      for (int64_t bytes : all) {
+        const int64_t elems = bytes / a / n * n;  // a multiple of the ranks
+        const torch::Tensor full = torch::randn({elems}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
+        const torch::Tensor shard = torch::randn({elems / n}).to(full.scalar_type());
+        const std::vector<int64_t> rows(static_cast<size_t>(n), elems / n);
+        const int r = bytes <= (1 << 20) ? 3 * reps : reps;
+        world.barrier();
+        double s = 0;
+        if (kind == "all_gather") s = time_median(r, [&] { (void)world.all_gather(shard); }, false);
+        if (kind == "all_to_all") s = time_median(r, [&] { (void)world.all_to_all(full.view({elems, 1}), rows, rows); }, false);
+        if (kind == "all_reduce") {
+          torch::Tensor buffer = full.clone();
+          s = time_median(r, [&] { world.all_reduce_sum(buffer); }, false);
+        }
+        if (kind == "reduce_scatter") s = time_median(r, [&] { (void)world.reduce_scatter_sum(full); }, false);
+        values.push_back(s);
+      }
+    }
+  }
+  overhead.sample();
+  values.push_back(static_cast<double>(overhead.most()));
+  values.push_back(static_cast<double>(cal.baseline_rss_bytes));
+
+  // -- Over the ranks: the slowest rank's time (it sets the pace of a step), the lowest
+  // bandwidth, the largest overhead.
+  const torch::Tensor mine = torch::tensor(values, torch::kDouble);
+  const torch::Tensor all = world.all_gather(mine.unsqueeze(0)).to(torch::kDouble);  // [ranks, values]
+  const torch::Tensor slowest = std::get<0>(all.max(0)).contiguous();
+  const torch::Tensor least = std::get<0>(all.min(0)).contiguous();
+  const auto* v = slowest.data_ptr<double>();
+  const auto* low = least.data_ptr<double>();
+  size_t at = 0;
+  for (const Gemm& g : gemms) {
+    const double flops = 2.0 * static_cast<double>(g.rows * g.inner * g.cols);
+    cal.gemm.emplace_back(flops, flops / v[at++]);
+  }
+  OpTimes& times = cal.op_times;
+  times.hidden_size = h;
+  times.intermediate_size = m.intermediate_size;
+  times.num_attention_heads = m.num_attention_heads;
+  times.num_key_value_heads = m.num_key_value_heads;
+  times.head_dim = m.head_dim;
+  times.num_experts = m.num_experts;
+  times.experts_per_token = m.experts_per_token;
+  times.vocab_size = m.vocab_size;
+  times.seq_len = t;
+  times.precision = std::string(name_of(kPrecisionNames, o.precision));
+  for (int64_t b : mbs) {
+    const double tokens = static_cast<double>(b * t);
+    times.attention_forward.emplace_back(tokens, v[at++]);
+    times.attention_backward.emplace_back(tokens, v[at++]);
+    times.router_forward.emplace_back(tokens, v[at++]);
+    times.router_backward.emplace_back(tokens, v[at++]);
+    times.head.emplace_back(tokens, v[at++]);
+  }
+  for (int64_t r : expert_rows) {
+    times.expert_forward.emplace_back(static_cast<double>(r), v[at++]);
+    times.expert_backward.emplace_back(static_cast<double>(r), v[at++]);
+  }
+  for (int64_t s : shard_sizes) times.optimizer.emplace_back(static_cast<double>(s), v[at++]);
+  cal.copy_bandwidth_bytes_per_s = low[at++];
+  cal.offload_write_bytes_per_s = low[at++];
+  cal.offload_read_bytes_per_s = low[at++];
+  if (n > 1) {
+    for (const std::string& kind : kinds) {
+      CollectiveSweep sweep;
+      sweep.name = kind;
+      for (int64_t bytes : sizes) {
+        sweep.bytes.push_back(static_cast<double>(bytes / a / n * n * a));
+        sweep.seconds.push_back(v[at++]);
+      }
+      for (int64_t bytes : unit_sizes[kind]) {
+        sweep.unit_bytes.push_back(static_cast<double>(bytes / a / n * n * a));
+        sweep.unit_seconds.push_back(v[at++]);
+      }
+      const CollectiveFit f = fit_collective(sweep, n);
+      sweep.latency_s = f.latency_s;
+      sweep.bandwidth_bytes_per_s = f.bandwidth_bytes_per_s;
+      std::vector<double> x;
+      for (double b : sweep.bytes) x.push_back(b);
+      sweep.r_squared = fit_line(x, sweep.seconds).r_squared;
+      cal.collectives.push_back(std::move(sweep));
+    }
+  }
+  cal.overhead_bytes = static_cast<int64_t>(v[at++]);
+  cal.baseline_rss_bytes = static_cast<int64_t>(v[at++]);
+  // How far apart the ranks were: the slowest over the fastest, across the compute times.
+  {
+    const torch::Tensor fastest = std::get<0>(all.min(0));
+    const int64_t compute_values = static_cast<int64_t>(gemms.size() + 5 * mbs.size() + 2 * expert_rows.size());
+    cal.rank_spread = (slowest.narrow(0, 0, compute_values) / fastest.narrow(0, 0, compute_values)).median().item<double>();
+  }
+
+  // Peak: the fastest multiply seen; the efficiency curve: each size's rate against it, one
+  // point per distinct size (the median where sizes repeat).
+  for (const auto& [flops, rate] : cal.gemm) cal.peak_flops = std::max(cal.peak_flops, rate);
+  std::map<double, std::vector<double>> by_size;
+  for (const auto& [flops, rate] : cal.gemm) by_size[flops].push_back(rate / cal.peak_flops);
+  for (const auto& [flops, eff] : by_size)
+    if (cal.efficiency.size() < 64) cal.efficiency.push_back({flops, std::clamp(median(eff), 1e-6, 1.0)});
+  cal.seconds = seconds_since(started);
+  progress.say("done");
+  return cal;
+}
+
+OrderedJson to_json(const Calibration& c) {
+  OrderedJson j;
+  j["ranks"] = c.ranks;
+  j["seconds"] = c.seconds;
+  j["rank_spread"] = c.rank_spread;
+  OrderedJson gemm = OrderedJson::array();
+  for (const auto& [flops, rate] : c.gemm) gemm.push_back({{"flops", flops}, {"flops_per_s", rate}});
+  j["matrix_multiplies"] = gemm;
+  OrderedJson sweeps = OrderedJson::array();
+  for (const CollectiveSweep& s : c.collectives) {
+    const CollectiveFit f = fit_collective(s, c.ranks);
+    sweeps.push_back({{"name", s.name},
+                      {"bytes", s.bytes},
+                      {"seconds", s.seconds},
+                      {"latency_s", f.latency_s},
+                      {"bandwidth_bytes_per_s", f.bandwidth_bytes_per_s},
+                      {"r_squared", s.r_squared},
+                      {"unit_bytes", s.unit_bytes},
+                      {"unit_seconds", s.unit_seconds}});
+  }
+  j["collectives"] = sweeps;
+  j["copy_bandwidth_bytes_per_s"] = c.copy_bandwidth_bytes_per_s;
+  j["offload_write_bytes_per_s"] = c.offload_write_bytes_per_s;
+  j["offload_read_bytes_per_s"] = c.offload_read_bytes_per_s;
+  j["overhead_bytes"] = c.overhead_bytes;
+  j["baseline_rss_bytes"] = c.baseline_rss_bytes;
+  return j;
+}
+
+ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, const CalibrateOptions& o,
+                               const std::string& name, const std::string& how) {
+  ClusterSpec p = base;
+  p.name = name;
+  char text[512];
+  auto say = [&](const std::string& field, const std::string& what) { p.sources[field] = what + "; " + how; };
+  std::snprintf(text, sizeof text,
+                "This machine as a cluster of %lld CPU ranks (one process each, gloo over loopback), calibrated "
+                "by moeplan calibrate in %.0f s",
+                static_cast<long long>(c.ranks), c.seconds);
+  p.description = text;
+  p.sources.erase("description");
+  p.gpus_per_node = c.ranks;
+  say("gpus_per_node", "the ranks calibrated together");
+  const bool fp32 = o.precision == Precision::kFp32;
+  (fp32 ? p.peak_fp32_flops : p.peak_bf16_flops) = c.peak_flops;
+  if (fp32) p.peak_bf16_flops = std::max(p.peak_bf16_flops, p.peak_fp32_flops);
+  std::snprintf(text, sizeof text, "measured: the fastest of %zu matrix multiplies at %s's shapes, %lld ranks busy",
+                c.gemm.size(), o.model.name.c_str(), static_cast<long long>(c.ranks));
+  say(fp32 ? "gpu.peak_fp32_flops" : "gpu.peak_bf16_flops", text);
+  p.matmul_efficiency = c.efficiency;
+  say("gpu.matmul_efficiency.points", "measured: each multiply's rate over the fastest");
+  p.hbm_bandwidth_bytes_per_s = c.copy_bandwidth_bytes_per_s;
+  say("gpu.memory_bandwidth_bytes_per_s", "measured: bytes read and written by a 64 MiB tensor copy");
+  p.pcie_bandwidth_bytes_per_s =
+      2.0 / (1.0 / c.offload_write_bytes_per_s + 1.0 / c.offload_read_bytes_per_s);
+  std::snprintf(text, sizeof text,
+                "measured: the activation offload file, written at %.2f GB/s and read at %.2f GB/s (the mean time "
+                "per byte of the two)",
+                c.offload_write_bytes_per_s / 1e9, c.offload_read_bytes_per_s / 1e9);
+  say("host.pcie_bandwidth_bytes_per_s", text);
+  for (const CollectiveSweep& s : c.collectives) {
+    CollectiveFit f = fit_collective(s, c.ranks);
+    for (size_t i = 0; i < s.unit_bytes.size(); ++i) f.points.emplace_back(s.unit_bytes[i], s.unit_seconds[i]);
+    if (s.name == "all_gather") p.all_gather_fit = f;
+    if (s.name == "all_to_all") p.all_to_all_fit = f;
+    if (s.name == "all_reduce") p.all_reduce_fit = f;
+    if (s.name == "reduce_scatter") p.reduce_scatter_fit = f;
+    if (s.name == "all_gather" && f.given()) {
+      p.intra_node_latency_s = f.latency_s;
+      p.intra_node_bandwidth_bytes_per_s = f.bandwidth_bytes_per_s;
+      say("intra_node.latency_s", "measured: the all-gather fit below");
+      say("intra_node.bandwidth_bytes_per_s", "measured: the all-gather fit below");
+    }
+  }
+  if (!c.collectives.empty()) {
+    std::string fits = "measured: gloo collectives from " + std::to_string(static_cast<int64_t>(c.collectives[0].bytes.front())) +
+                       " to " + std::to_string(static_cast<int64_t>(c.collectives[0].bytes.back())) +
+                       " bytes, latency + bytes / bandwidth fitted by least squares, and measured at the sizes of " +
+                       o.model.name + "'s flat units (points) (R^2:";
+    for (const CollectiveSweep& s : c.collectives) {
+      std::snprintf(text, sizeof text, " %s %.3f", s.name.c_str(), s.r_squared);
+      fits += text;
+    }
+    say("intra_node.collectives", fits + ")");
+  }
+  // One process per core: gloo's threads and the compute share the cores.
+  p.comm_overlaps_compute = false;
+  say("framework.comm_overlaps_compute",
+      "moeplan policy for CPU ranks: a collective's threads take the cores the ranks compute on (measured on 2 "
+      "vCPUs: an all-gather of 3 MiB took 30-45 ms prefetched beside compute against 14 ms alone, and the step "
+      "time did not change without prefetching, docs/validation.md)");
+  p.framework_overhead_bytes = c.overhead_bytes;
+  std::snprintf(text, sizeof text,
+                "measured: the largest resident set beyond live tensors while the executor's operations ran "
+                "(%.0f MiB before any tensor work)",
+                static_cast<double>(c.baseline_rss_bytes) / (1 << 20));
+  say("framework.overhead_bytes", text);
+  p.op_times = c.op_times;
+  say("framework.op_times",
+      "measured: medians of the executor's operations at these shapes, every rank busy at once, routing by " +
+          std::string(name_of(kLoadBalancingNames, o.load_balancing)));
+  return p;
+}
+
+}  // namespace moeplan::executor

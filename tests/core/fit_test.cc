@@ -1,0 +1,74 @@
+// Least squares, measured curves, medians and Kendall's tau (core/fit.h).
+#include "moeplan/core/fit.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace moeplan {
+namespace {
+
+TEST(FitLine, RecoversAnExactLine) {
+  // Latency 300 us, 1 GB/s: what a collective sweep fits, over four decades of x.
+  std::vector<double> x, y;
+  for (double b = 1e4; b <= 1e8; b *= 4) {
+    x.push_back(b);
+    y.push_back(3e-4 + b / 1e9);
+  }
+  const LineFit f = fit_line(x, y);
+  EXPECT_NEAR(f.intercept, 3e-4, 1e-12);
+  EXPECT_NEAR(f.slope, 1e-9, 1e-18);
+  EXPECT_NEAR(f.r_squared, 1.0, 1e-12);
+  EXPECT_EQ(f.points, static_cast<int64_t>(x.size()));
+}
+
+TEST(FitLine, MinimisesSquaredResiduals) {
+  // Points (0,0) (1,1) (2,1) (3,3): Sxy = 4.5, Sxx = 5, so slope 0.9 and intercept
+  // 1.25 - 0.9 * 1.5 = -0.1 (normal equations by hand).
+  const LineFit f = fit_line({0, 1, 2, 3}, {0, 1, 1, 3});
+  EXPECT_NEAR(f.slope, 0.9, 1e-12);
+  EXPECT_NEAR(f.intercept, -0.1, 1e-12);
+  // Residuals 0.1, 0.2, -0.7, 0.4 (squares 0.70); total sum of squares 4.75.
+  EXPECT_NEAR(f.r_squared, 1.0 - 0.70 / 4.75, 1e-12);
+}
+
+TEST(FitLine, ConstantXGivesTheMean) {
+  const LineFit f = fit_line({2, 2, 2}, {1, 2, 6});
+  EXPECT_EQ(f.slope, 0.0);
+  EXPECT_DOUBLE_EQ(f.intercept, 3.0);
+  const LineFit none = fit_line({}, {});
+  EXPECT_EQ(none.points, 0);
+}
+
+TEST(CurveAt, InterpolatesAndExtendsTheEndSegments) {
+  const CurvePoints c{{256, 1.0}, {512, 3.0}, {1024, 4.0}};
+  EXPECT_DOUBLE_EQ(curve_at(c, 256), 1.0);
+  EXPECT_DOUBLE_EQ(curve_at(c, 384), 2.0);
+  EXPECT_DOUBLE_EQ(curve_at(c, 768), 3.5);
+  EXPECT_DOUBLE_EQ(curve_at(c, 2048), 6.0);  // the last segment, extended
+  EXPECT_DOUBLE_EQ(curve_at(c, 192), 0.5);   // the first segment, extended
+  EXPECT_DOUBLE_EQ(curve_at(c, 64), 0.0);    // ... and clamped at zero
+  EXPECT_DOUBLE_EQ(curve_at({{10, 7.0}}, 1e6), 7.0);
+  EXPECT_DOUBLE_EQ(curve_at({}, 5), 0.0);
+}
+
+TEST(Median, OddAndEven) {
+  EXPECT_DOUBLE_EQ(median({3, 1, 2}), 2.0);
+  EXPECT_DOUBLE_EQ(median({4, 1, 3, 2}), 2.5);
+  EXPECT_DOUBLE_EQ(median({}), 0.0);
+}
+
+TEST(KendallTau, KnownRankings) {
+  EXPECT_DOUBLE_EQ(kendall_tau({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0);
+  EXPECT_DOUBLE_EQ(kendall_tau({1, 2, 3, 4}, {4, 3, 2, 1}), -1.0);
+  // One adjacent swap among 4 items: 5 concordant, 1 discordant pairs.
+  EXPECT_NEAR(kendall_tau({1, 2, 3, 4}, {1, 3, 2, 4}), 4.0 / 6.0, 1e-12);
+  // tau-b with a tie on one side (the first pair in a): 4 concordant, 1 discordant, 1 tied in
+  // a only: (C - D) / sqrt((C + D + Ta)(C + D + Tb)) = 3 / sqrt(6 * 5).
+  EXPECT_NEAR(kendall_tau({1, 1, 2, 3}, {1, 2, 4, 3}), 3.0 / std::sqrt(30.0), 1e-12);
+  EXPECT_DOUBLE_EQ(kendall_tau({1}, {2}), 0.0);
+  EXPECT_DOUBLE_EQ(kendall_tau({1, 1, 1}, {1, 2, 3}), 0.0);
+}
+
+}  // namespace
+}  // namespace moeplan

@@ -1,0 +1,93 @@
+// The closed loop on this machine: `moeplan calibrate` measures two CPU ranks and writes a
+// profile; `moeplan validate` plans, runs and compares a reduced matrix with it; `moeplan
+// simulate --measured` compares one run phase by phase. Real gloo, real text, the real binary.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "moeplan/core/cluster_spec.h"
+#include "run_fixture.h"
+
+namespace moeplan::test {
+namespace {
+
+TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
+  const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
+  if (files.empty()) GTEST_SKIP() << "needs the fortunes package (real English text)";
+  const TempDir dir;
+  const std::string model = write_small_model(dir, 512);
+  const std::string data = dir.file("data");
+  ASSERT_EQ(prepare_data(files, data, 512, 256).exit_code, 0);
+
+  const std::string profile = dir.file("local-test.json");
+  const Command cal = run_moeplan("calibrate --ranks 2 --quick --model " + model + " --name local-test --out " + profile);
+  ASSERT_EQ(cal.exit_code, 0) << show(cal);
+  EXPECT_NE(cal.out.find("calibrate ["), std::string::npos) << "progress is shown";
+  const ClusterSpec c = read_cluster_file(profile);
+  EXPECT_EQ(c.name, "local-test");
+  EXPECT_EQ(c.gpus_per_node, 2);
+  EXPECT_FALSE(c.comm_overlaps_compute);
+  EXPECT_EQ(c.op_times.vocab_size, 512);
+  EXPECT_EQ(c.op_times.seq_len, 256);
+  EXPECT_EQ(c.op_times.precision, "fp32");
+  for (std::string_view name : kOpTimeCurves) {
+    const CurvePoints& curve = op_time_curve(c.op_times, name);
+    ASSERT_FALSE(curve.empty()) << name;
+    for (const auto& [x, seconds] : curve) EXPECT_GT(seconds, 0) << name << " at " << x;
+  }
+  for (const CollectiveFit* f : {&c.all_gather_fit, &c.all_to_all_fit, &c.all_reduce_fit, &c.reduce_scatter_fit}) {
+    EXPECT_GT(f->bandwidth_bytes_per_s, 1e6);
+    EXPECT_LT(f->latency_s, 0.1);
+  }
+  EXPECT_FALSE(c.all_gather_fit.points.empty()) << "measured at the model's unit sizes";
+  EXPECT_GT(c.peak_fp32_flops, 1e9);
+  EXPECT_NE(c.sources.at("framework.op_times").find("moeplan calibrate"), std::string::npos);
+  const Json raw = read_json_file(dir.file("local-test.measured.json"));
+  EXPECT_EQ(raw.at("collectives").size(), 4u);
+
+  // The reduced matrix. Peak memory is held to the acceptance bound; the step-time bounds are
+  // loose here (docs/validation.md gives the measured errors).
+  const Command val = run_moeplan("validate --profile " + profile + " --model " + model + " --data " + data +
+                                  " --out " + dir.file("val") +
+                                  " --quick --steps 3 --check --max-median-error 1 --max-worst-error 1.5"
+                                  " --max-memory-error 0.15 --min-kendall -1");
+  EXPECT_EQ(val.exit_code, 0) << show(val);
+  const Json v = read_json_file(dir.file("val/validation.json"));
+  ASSERT_EQ(v.at("configurations").size(), 4u);
+  for (const Json& row : v.at("configurations")) {
+    EXPECT_GT(row.at("predicted_step_time_s").get<double>(), 0);
+    EXPECT_GT(row.at("measured_step_time_s").get<double>(), 0);
+  }
+  const double tau = v.at("summary").at("kendall_tau").get<double>();
+  EXPECT_GE(tau, -1.0);
+  EXPECT_LE(tau, 1.0);
+  const std::string svg = read_text(dir.file("val/validation.svg"));
+  size_t circles = 0;
+  for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++circles;
+  EXPECT_EQ(circles, 4u);
+  EXPECT_NE(read_text(dir.file("val/validation.md")).find("Kendall tau"), std::string::npos);
+
+  // Fed back: the first run's report against its plan, phase by phase.
+  const std::string first = dir.file("val/" + v.at("configurations")[0].at("name").get<std::string>());
+  const Command sim = run_moeplan("simulate " + first + "/plan.json --measured " + first + "/run/report.json");
+  ASSERT_EQ(sim.exit_code, 0) << show(sim);
+  for (const char* phase : {"forward", "backward", "optimizer", "step", "measured expert load"})
+    EXPECT_NE(sim.out.find(phase), std::string::npos) << phase << "\n" << sim.out;
+}
+
+TEST(Calibrate, BadInputIsNamed) {
+  const TempDir dir;
+  const Command out = run_moeplan("calibrate --ranks 2 --out /nonexistent-folder/p.json");
+  EXPECT_EQ(out.exit_code, 2) << show(out);
+  EXPECT_NE(out.err.find("--out"), std::string::npos) << show(out);
+  const Command data = run_moeplan("validate --profile " + profile_path("hardware/local-cpu.json") + " --data " +
+                                   dir.file("none") + " --out " + dir.file("val"));
+  EXPECT_EQ(data.exit_code, 2) << show(data);
+  EXPECT_NE(data.err.find("--data"), std::string::npos) << show(data);
+  const Command report = run_moeplan("simulate " + dir.write("plan.json", Json::object()) + " --measured x.json");
+  EXPECT_EQ(report.exit_code, 2) << show(report);
+}
+
+}  // namespace
+}  // namespace moeplan::test
