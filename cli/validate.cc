@@ -99,7 +99,7 @@ std::vector<Config> matrix(int64_t ranks, int64_t experts, bool quick) {
                   static_cast<long long>(s), static_cast<long long>(ranks / (e * s)), v.ckpt, v.offload ? "-offload" : "",
                   static_cast<long long>(v.mbs));
     c.name = name;
-    out.push_back(c);
+    if (std::none_of(out.begin(), out.end(), [&](const Config& o) { return o.name == c.name; })) out.push_back(c);
   }
   return out;
 }

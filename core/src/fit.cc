@@ -33,6 +33,62 @@ LineFit fit_line(const std::vector<double>& x, const std::vector<double>& y) {
   return f;
 }
 
+LineFit fit_line_relative(const std::vector<double>& x, const std::vector<double>& y, double outlier) {
+  std::vector<size_t> kept;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i)
+    if (y[i] > 0) kept.push_back(i);
+  const size_t least = (kept.size() * 3 + 3) / 4;
+  while (true) {
+    const auto n = static_cast<Eigen::Index>(kept.size());
+    if (n < 2) {
+      std::vector<double> kx, ky;
+      for (size_t i : kept) {
+        kx.push_back(x[i]);
+        ky.push_back(y[i]);
+      }
+      return fit_line(kx, ky);
+    }
+    // Rows divided by y: minimises the relative residuals.
+    Eigen::MatrixXd a(n, 2);
+    Eigen::VectorXd b(n);
+    for (Eigen::Index r = 0; r < n; ++r) {
+      const size_t i = kept[static_cast<size_t>(r)];
+      a(r, 0) = 1.0 / y[i];
+      a(r, 1) = x[i] / y[i];
+      b(r) = 1.0;
+    }
+    const Eigen::Vector2d c = a.colPivHouseholderQr().solve(b);
+    size_t worst = 0;
+    double worst_error = -1;
+    for (size_t r = 0; r < kept.size(); ++r) {
+      const size_t i = kept[r];
+      const double e = std::abs(y[i] - c(0) - c(1) * x[i]) / y[i];
+      if (e > worst_error) {
+        worst_error = e;
+        worst = r;
+      }
+    }
+    if (worst_error > outlier && kept.size() > least) {
+      kept.erase(kept.begin() + static_cast<std::ptrdiff_t>(worst));
+      continue;
+    }
+    LineFit f;
+    f.intercept = c(0);
+    f.slope = c(1);
+    f.points = n;
+    double mean = 0;
+    for (size_t i : kept) mean += y[i];
+    mean /= static_cast<double>(n);
+    double total = 0, residual = 0;
+    for (size_t i : kept) {
+      total += (y[i] - mean) * (y[i] - mean);
+      residual += (y[i] - c(0) - c(1) * x[i]) * (y[i] - c(0) - c(1) * x[i]);
+    }
+    f.r_squared = total > 0 ? 1.0 - residual / total : 1.0;
+    return f;
+  }
+}
+
 double curve_at(const CurvePoints& p, double x) {
   if (p.empty()) return 0;
   if (p.size() == 1) return p.front().second;

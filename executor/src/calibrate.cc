@@ -121,7 +121,9 @@ CollectiveFit fit_collective(const CollectiveSweep& sweep, int64_t ranks) {
   }
   std::vector<double> x;
   for (double b : sweep.bytes) x.push_back(share * b);
-  const LineFit f = fit_line(x, sweep.seconds);
+  // Relative residuals, and sizes far off the line left out (a transport may handle some
+  // sizes much worse than its neighbours; the model's own sizes are measured apart).
+  const LineFit f = fit_line_relative(x, sweep.seconds);
   CollectiveFit c;
   c.latency_s = std::max(0.0, f.intercept) / std::max(1.0, steps);
   c.bandwidth_bytes_per_s = f.slope > 0 ? 1.0 / f.slope : 0.0;
@@ -404,9 +406,7 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
       const CollectiveFit f = fit_collective(sweep, n);
       sweep.latency_s = f.latency_s;
       sweep.bandwidth_bytes_per_s = f.bandwidth_bytes_per_s;
-      std::vector<double> x;
-      for (double b : sweep.bytes) x.push_back(b);
-      sweep.r_squared = fit_line(x, sweep.seconds).r_squared;
+      sweep.r_squared = fit_line_relative(sweep.bytes, sweep.seconds).r_squared;
       cal.collectives.push_back(std::move(sweep));
     }
   }

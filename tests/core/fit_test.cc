@@ -72,3 +72,29 @@ TEST(KendallTau, KnownRankings) {
 
 }  // namespace
 }  // namespace moeplan
+
+namespace moeplan {
+namespace {
+
+TEST(FitLineRelative, SmallTimesWeighAsMuchAsLargeOnesAndOutliersGo) {
+  // 300 us + bytes / 1 GB/s over 16 KiB .. 16 MiB, with one size five times slower.
+  std::vector<double> x, y;
+  for (double b = 16384; b <= 16777216; b *= 2) {
+    x.push_back(b);
+    y.push_back(3e-4 + b / 1e9);
+  }
+  y[8] *= 5;  // 4 MiB
+  const LineFit plain = fit_line(x, y);
+  const LineFit robust = fit_line_relative(x, y);
+  EXPECT_EQ(robust.points, static_cast<int64_t>(x.size()) - 1);
+  EXPECT_NEAR(robust.intercept, 3e-4, 1e-9);
+  EXPECT_NEAR(robust.slope, 1e-9, 1e-15);
+  // Plain least squares is pulled by the slow size: its latency is far off.
+  EXPECT_GT(std::abs(plain.intercept - 3e-4), 1e-3);
+  // Without outliers nothing is dropped.
+  y[8] /= 5;
+  EXPECT_EQ(fit_line_relative(x, y).points, static_cast<int64_t>(x.size()));
+}
+
+}  // namespace
+}  // namespace moeplan

@@ -20,6 +20,12 @@ struct LineFit {
 // and intercept the mean). Solved with Eigen's QR, which stays accurate when x spans decades.
 LineFit fit_line(const std::vector<double>& x, const std::vector<double>& y);
 
+// The same line fitted to relative errors, (y - a - b x) / y, which suits times that span
+// decades (a latency-bound small message weighs as much as a large one). Points more than
+// `outlier` (relative) off the line are dropped one at a time, the worst first, while at least
+// three quarters of them remain; `points` counts the ones kept, r_squared is over them.
+LineFit fit_line_relative(const std::vector<double>& x, const std::vector<double>& y, double outlier = 0.5);
+
 // A measured curve: y at increasing x, read in between by linear interpolation and beyond the
 // ends by extending the first or last segment (never below zero). One point: a constant.
 using CurvePoints = std::vector<std::pair<double, double>>;
