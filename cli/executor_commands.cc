@@ -29,6 +29,30 @@ void print_error(const InputError& e) {
   for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
 }
 
+// Called inside a catch block: one line per problem on stderr, and the exit code. Nothing is
+// left to abort the process.
+int report_exception(const char* command, int libtorch_exit) {
+  try {
+    throw;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  } catch (const executor::CollectiveError& e) {
+    std::fprintf(stderr, "moeplan: error: %s\n", e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    std::fprintf(stderr, "moeplan: error: %s: LibTorch: %s\n", command, what.substr(0, what.find('\n')).c_str());
+    return libtorch_exit;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeplan: error: %s: %s\n", command, e.what());
+    return 1;
+  } catch (...) {
+    std::fprintf(stderr, "moeplan: error: %s: an unknown error\n", command);
+    return 1;
+  }
+}
+
 }  // namespace
 
 int run_run(const RunArgs& args) {
@@ -53,20 +77,9 @@ int run_run(const RunArgs& args) {
     if (multi && env->rank != 0) return kExitOk;
     if (r.report) std::fputs(executor::format_summary(*r.report).c_str(), stdout);
     return kExitOk;
-  } catch (const InputError& e) {
-    print_error(e);
-    return kExitBadInput;
-  } catch (const executor::CollectiveError& e) {
-    std::fprintf(stderr, "moeplan: error: %s\n", e.what());
-    return 1;
-  } catch (const c10::Error& e) {
-    // LibTorch refused something the checks above let through: report it, do not abort.
-    const std::string what = e.what_without_backtrace();
-    std::fprintf(stderr, "moeplan: error: run: LibTorch: %s\n", what.substr(0, what.find('\n')).c_str());
-    return kExitBadInput;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "moeplan: error: run: %s\n", e.what());
-    return 1;
+  } catch (...) {
+    // LibTorch refusing something the checks let through is bad input too.
+    return report_exception("run", kExitBadInput);
   }
 }
 
@@ -194,19 +207,8 @@ int run_calibrate(const CalibrateArgs& args) {
     std::fputs(summary(c, profile).c_str(), stdout);
     std::printf("wrote %s and %s\n", out.c_str(), raw.c_str());
     return kExitOk;
-  } catch (const InputError& e) {
-    print_error(e);
-    return kExitBadInput;
-  } catch (const executor::CollectiveError& e) {
-    std::fprintf(stderr, "moeplan: error: %s\n", e.what());
-    return 1;
-  } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    std::fprintf(stderr, "moeplan: error: calibrate: LibTorch: %s\n", what.substr(0, what.find('\n')).c_str());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "moeplan: error: calibrate: %s\n", e.what());
-    return 1;
+  } catch (...) {
+    return report_exception("calibrate", 1);
   }
 }
 
