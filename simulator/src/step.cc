@@ -124,9 +124,9 @@ class Builder {
         graph_.depend(state[r].last, state[r].layer_out);
         graph_.depend(state[r].last, head_gathered[r]);
       }
-      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.head_unit_bytes, nullptr);
+      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.head_unit_bytes);
       for (int l = layers_ - 1; l >= 0; --l) backward_layer(state, static_cast<int16_t>(mb), l);
-      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.embed_unit_bytes, nullptr);
+      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.embed_unit_bytes);
     }
     // Gradients across replicas once per step: dense over E then R, experts over R.
     std::vector<OpId> synced(n, kNoOp);
@@ -217,10 +217,10 @@ class Builder {
                      cost_.all_gather_cost(bytes, shapes_.shard), bytes, false);
   }
 
-  // A gradient reduce-scatter of `bytes` after the rank's latest compute (or `after`).
-  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double bytes, const std::vector<OpId>* after) {
+  // A gradient reduce-scatter of `bytes` after the rank's latest compute.
+  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double bytes) {
     std::vector<OpId> chain(state.size());
-    for (size_t r = 0; r < state.size(); ++r) chain[r] = after != nullptr ? (*after)[r] : state[r].last;
+    for (size_t r = 0; r < state.size(); ++r) chain[r] = state[r].last;
     collective_round(chain, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, layer, mb,
                      cost_.reduce_scatter_cost(bytes, shapes_.shard), bytes, false);
     for (size_t r = 0; r < state.size(); ++r) state[r].last_grad = chain[r];
@@ -329,14 +329,14 @@ class Builder {
     for (size_t r = 0; r < n; ++r)
       chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, moe_backward_by_rank_[r], 2.0 * o_.moe_flops));
     gate_first();
-    if (sharded) reduce_scatter(state, l, mb, o_.expert_unit_bytes, nullptr);  // the experts' gradients are complete
+    if (sharded) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
     for (size_t r = 0; r < n; ++r) {
       chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, o_.attention_backward_s, 2.0 * o_.attention_flops));
       state[r].bwd_done[at] = state[r].last;
     }
     if (sharded) {
-      reduce_scatter(state, l, mb, o_.dense_unit_bytes, nullptr);
+      reduce_scatter(state, l, mb, o_.dense_unit_bytes);
     } else {
       for (size_t r = 0; r < n; ++r) state[r].last_grad = state[r].last;
     }
