@@ -314,26 +314,18 @@ int run_validate(const ValidateArgs& args) {
     std::printf("wrote %s/validation.md, validation.svg, validation.json\n", args.out.c_str());
 
     if (!args.check) return kExitOk;
-    std::vector<std::string> broken;
-    char why[160];
-    if (median_error > args.max_median_error) {
-      std::snprintf(why, sizeof why, "median step-time error %.1f%% > %.1f%%", 100 * median_error, 100 * args.max_median_error);
-      broken.emplace_back(why);
-    }
-    if (worst_error > args.max_worst_error) {
-      std::snprintf(why, sizeof why, "worst step-time error %.1f%% > %.1f%%", 100 * worst_error, 100 * args.max_worst_error);
-      broken.emplace_back(why);
-    }
-    if (worst_memory > args.max_memory_error) {
-      std::snprintf(why, sizeof why, "worst memory error %.1f%% > %.1f%%", 100 * worst_memory, 100 * args.max_memory_error);
-      broken.emplace_back(why);
-    }
-    if (tau < args.min_kendall) {
-      std::snprintf(why, sizeof why, "Kendall tau %.2f < %.2f", tau, args.min_kendall);
-      broken.emplace_back(why);
-    }
-    for (const std::string& b : broken) std::fprintf(stderr, "moeplan: validate: bound broken: %s\n", b.c_str());
-    return broken.empty() ? kExitOk : kExitNoPlan;
+    // Each broken bound gets a line; errors in percent, tau as is.
+    int broken = 0;
+    auto bound = [&](bool ok, const char* what, double value, const char* op, double limit, double scale) {
+      if (ok) return;
+      std::fprintf(stderr, "moeplan: validate: bound broken: %s %.2f %s %.2f\n", what, scale * value, op, scale * limit);
+      ++broken;
+    };
+    bound(median_error <= args.max_median_error, "median step-time error (%)", median_error, ">", args.max_median_error, 100);
+    bound(worst_error <= args.max_worst_error, "worst step-time error (%)", worst_error, ">", args.max_worst_error, 100);
+    bound(worst_memory <= args.max_memory_error, "worst memory error (%)", worst_memory, ">", args.max_memory_error, 100);
+    bound(tau >= args.min_kendall, "Kendall tau", tau, "<", args.min_kendall, 1);
+    return broken == 0 ? kExitOk : kExitNoPlan;
   } catch (const InputError& e) {
     for (const std::string& l : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", l.c_str());
     return kExitBadInput;

@@ -403,9 +403,6 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
         sweep.unit_bytes.push_back(static_cast<double>(bytes / a / n * n * a));
         sweep.unit_seconds.push_back(v[at++]);
       }
-      const CollectiveFit f = fit_collective(sweep, n);
-      sweep.latency_s = f.latency_s;
-      sweep.bandwidth_bytes_per_s = f.bandwidth_bytes_per_s;
       sweep.r_squared = fit_line_relative(sweep.bytes, sweep.seconds).r_squared;
       cal.collectives.push_back(std::move(sweep));
     }

@@ -39,7 +39,7 @@ struct CalibrateOptions {
 struct CollectiveSweep {
   std::string name;  // all_gather, all_to_all, all_reduce, reduce_scatter
   std::vector<double> bytes, seconds;  // bytes: output (all-gather), input (others) per rank
-  double latency_s = 0, bandwidth_bytes_per_s = 0, r_squared = 0;
+  double r_squared = 0;  // of the line fit_collective draws through the sweep
   // At the sizes of the model's flat units (kept apart from the sweep).
   std::vector<double> unit_bytes, unit_seconds;
 };
