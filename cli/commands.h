@@ -75,6 +75,7 @@ struct CalibrateArgs {
   std::string load_balancing = "sinkhorn";
   int64_t max_micro_batch = 8;
   bool quick = false;
+  int passes = 0;
   int64_t timeout_seconds = 120;
   std::string command;
   std::vector<std::string> argv;
@@ -88,6 +89,7 @@ struct ValidateArgs {
   std::string out = "validation";
   int64_t ranks = 0;  // 0: the profile's gpus_per_node
   int64_t steps = 8;
+  int64_t rounds = 0;  // 0: 3, or 1 with quick
   int64_t seq_len = 256;
   int64_t global_batch_tokens = 4096;
   std::string precision = "fp32";
@@ -96,7 +98,23 @@ struct ValidateArgs {
   double max_median_error = 0.10, max_worst_error = 0.20, max_memory_error = 0.15, min_kendall = 0.8;
 };
 
+struct CompareProfilesArgs {
+  std::string first, second;  // hardware profile files
+  std::string model = "mixtral-tiny";
+  std::string profiles;
+  int64_t ranks = 0;  // 0: the first profile's gpus_per_node
+  int64_t seq_len = 256;
+  int64_t global_batch_tokens = 4096;
+  std::string precision = "fp32";
+  bool quick = false;
+  int64_t top = 10;
+  std::string out;  // where the plans go; empty: a temporary folder, removed
+  bool check = false;
+  double max_difference = 0.10;
+};
+
 int run_search(const SearchArgs& args);
+int run_compare_profiles(const CompareProfilesArgs& args);
 int run_validate(const ValidateArgs& args);
 int run_simulate(const SimulateArgs& args);
 int run_check(const CheckArgs& args);

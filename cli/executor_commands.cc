@@ -114,6 +114,15 @@ std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
   std::snprintf(line, sizeof line, "calibrated %s: %lld ranks in %.0f s (slowest rank %.2f x the fastest)\n",
                 p.name.c_str(), static_cast<long long>(c.ranks), c.seconds, c.rank_spread);
   out += line;
+  if (c.passes > 1) {
+    out += "  " + std::to_string(c.passes) + " passes, each one's times over the medians kept (median over compute "
+           "times):";
+    for (double s : c.pass_slowdown) {
+      std::snprintf(line, sizeof line, " %.2f", s);
+      out += line;
+    }
+    out += "\n";
+  }
   std::snprintf(line, sizeof line, "  matrix multiply: peak %.1f GFLOP/s per rank (efficiency %.2f to %.2f)\n",
                 c.peak_flops / 1e9, c.efficiency.empty() ? 0.0 : c.efficiency.front().efficiency,
                 c.efficiency.empty() ? 0.0 : c.efficiency.back().efficiency);
@@ -155,6 +164,7 @@ int run_calibrate(const CalibrateArgs& args) {
     o.load_balancing = parse_choice(kLoadBalancingNames, args.load_balancing);
     o.max_micro_batch = args.max_micro_batch;
     o.quick = args.quick;
+    o.passes = args.passes;
     o.progress = &std::cout;
     const std::string name = args.name.empty() ? "local-" + host_name() : args.name;
     const std::string out = args.out.empty() ? name + ".json" : args.out;

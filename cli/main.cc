@@ -128,6 +128,10 @@ int main(int argc, char** argv) {
   calibrate_cmd->add_option("--max-micro-batch", calibrate.max_micro_batch, "Largest micro-batch measured")
       ->capture_default_str()->check(CLI::Range(1, 256));
   calibrate_cmd->add_flag("--quick", calibrate.quick, "Fewer sizes and repeats");
+  calibrate_cmd->add_option("--passes", calibrate.passes,
+                            "Measure every figure this many times over the calibration and keep the median "
+                            "(default 5, 1 with --quick)")
+      ->check(CLI::Range(1, 20));
   calibrate_cmd->add_option("--timeout", calibrate.timeout_seconds, "Seconds a collective may wait for a peer")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600}));
 
@@ -149,6 +153,10 @@ int main(int argc, char** argv) {
   validate_cmd->add_option("--precision", validate.precision, "bf16, mixed or fp32")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
   validate_cmd->add_flag("--quick", validate.quick, "Four configurations instead of ten");
+  validate_cmd->add_option("--rounds", validate.rounds,
+                           "Runs of every configuration, the matrix in alternating order; the fastest counts "
+                           "(default 3, 1 with --quick)")
+      ->check(CLI::Range(int64_t{1}, int64_t{100}));
   validate_cmd->add_flag("--check", validate.check, "Exit 1 when an error bound below is broken");
   validate_cmd->add_option("--max-median-error", validate.max_median_error, "Bound on the median |step-time error|")
       ->capture_default_str()->check(CLI::Range(0.0, 100.0));
@@ -158,6 +166,28 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0.0, 100.0));
   validate_cmd->add_option("--min-kendall", validate.min_kendall, "Least Kendall tau of predicted vs measured order")
       ->capture_default_str()->check(CLI::Range(-1.0, 1.0));
+
+  CompareProfilesArgs compare;
+  CLI::App* compare_cmd = app.add_subcommand(
+      "compare-profiles", "How far apart two hardware profiles are: figure by figure, and in predicted step times");
+  compare_cmd->add_option("first", compare.first, "Hardware profile file")->required();
+  compare_cmd->add_option("second", compare.second, "Hardware profile file compared with the first")->required();
+  compare_cmd->add_option("--model", compare.model, "Model of the validation matrix")->capture_default_str();
+  compare_cmd->add_option("--profiles", compare.profiles, "Folder with hardware/ and models/ profiles");
+  compare_cmd->add_option("--ranks", compare.ranks, "Ranks (default: the first profile's gpus_per_node)")
+      ->check(CLI::Range(1, 64));
+  compare_cmd->add_option("--seq-len", compare.seq_len, "Sequence length")->capture_default_str()->check(CLI::Range(2, 1 << 16));
+  compare_cmd->add_option("--global-batch-tokens", compare.global_batch_tokens, "Tokens per step")
+      ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
+  compare_cmd->add_option("--precision", compare.precision, "bf16, mixed or fp32")
+      ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
+  compare_cmd->add_flag("--quick", compare.quick, "The reduced matrix (four configurations)");
+  compare_cmd->add_option("--top", compare.top, "Figures listed, the most different first")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{10000}));
+  compare_cmd->add_option("--out", compare.out, "Folder for the plans (default: a temporary one, removed)");
+  compare_cmd->add_flag("--check", compare.check, "Exit 1 when a predicted step time differs by more than the bound");
+  compare_cmd->add_option("--max-difference", compare.max_difference, "Bound on |predicted step time difference|")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
 
   try {
     app.parse(argc, argv);
@@ -171,6 +201,7 @@ int main(int argc, char** argv) {
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
   if (validate_cmd->parsed()) return run_validate(validate);
+  if (compare_cmd->parsed()) return run_compare_profiles(compare);
   if (calibrate_cmd->parsed()) {
     calibrate.argv.assign(argv, argv + argc);
     return run_calibrate(calibrate);

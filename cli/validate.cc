@@ -1,24 +1,20 @@
 // `moeplan validate`: plan, run and compare a matrix of configurations on this machine, and
 // say how far the predictions were from what was measured.
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 
 #include "commands.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "matrix.h"
 #include "profiles.h"
-
-extern char** environ;
 
 namespace moeplan::cli {
 
@@ -26,89 +22,60 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string self_path() {
-  std::string self(4096, '\0');
-  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
-  if (n <= 0) throw std::runtime_error("cannot find this program (/proc/self/exe)");
-  self.resize(static_cast<size_t>(n));
-  return self;
-}
-
-// Runs argv with its output into log; the exit code (or 128 + signal).
-int run_logged(const std::vector<std::string>& argv, const std::string& log) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return 127;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+// How long each processor this process may run on takes for the same fixed integer work,
+// one after another (pinned to each in turn), in seconds. On a shared machine a processor
+// can run much slower for a while (another tenant on its core); the ranks then run slower.
+std::vector<double> processor_probe() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
+  std::vector<double> seconds;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) continue;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (::sched_setaffinity(0, sizeof one, &one) != 0) continue;
+    double best = 1e30;
+    for (int k = 0; k < 3; ++k) {
+      const auto start = std::chrono::steady_clock::now();
+      volatile uint64_t x = 1;
+      for (int i = 0; i < 2'000'000; ++i) x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    seconds.push_back(best);
   }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  ::sched_setaffinity(0, sizeof allowed, &allowed);
+  return seconds;
 }
 
-std::string last_line(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, last;
-  while (std::getline(in, line))
-    if (!line.empty()) last = line;
-  return last;
-}
-
-struct Config {
-  std::string name;
-  int64_t e = 1, s = 1, mbs = 1;
-  std::string checkpointing = "none";
-  bool offload = false;
+// One run of a configuration.
+struct Round {
+  double measured_s = 0, measured_tps = 0, measured_bytes = 0;
+  double slowest_processor = 1;  // the probe before the run: slowest processor / fastest seen
 };
 
-// Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
-// checkpointing, offloading and micro-batch size.
-std::vector<Config> matrix(int64_t ranks, int64_t experts, bool quick) {
-  std::vector<std::pair<int64_t, int64_t>> layouts;  // (E, S)
-  layouts.emplace_back(1, 1);
-  if (ranks > 1 && experts % ranks == 0) layouts.emplace_back(ranks, 1);
-  if (ranks > 1) layouts.emplace_back(1, ranks);
-  if (ranks >= 4 && experts % 2 == 0) layouts.emplace_back(2, ranks / 2);
-  struct Variant {
-    const char* ckpt;
-    bool offload;
-    int64_t mbs;
-  };
-  const std::vector<Variant> variants{{"none", false, 1}, {"none", false, 4},     {"full", false, 2},
-                                      {"selective", true, 2}, {"selective", false, 4}, {"full", true, 2}};
-  std::vector<Config> out;
-  const size_t count = quick ? 4 : 10;
-  for (size_t i = 0; out.size() < count && i < layouts.size() * variants.size(); ++i) {
-    const auto& [e, s] = layouts[i % layouts.size()];
-    const Variant& v = variants[(i + i / layouts.size()) % variants.size()];
-    Config c;
-    c.e = e;
-    c.s = s;
-    c.mbs = v.mbs;
-    c.checkpointing = v.ckpt;
-    c.offload = v.offload;
-    char name[64];
-    std::snprintf(name, sizeof name, "E%lldS%lldR%lld-%s%s-mbs%lld", static_cast<long long>(e),
-                  static_cast<long long>(s), static_cast<long long>(ranks / (e * s)), v.ckpt, v.offload ? "-offload" : "",
-                  static_cast<long long>(v.mbs));
-    c.name = name;
-    if (std::none_of(out.begin(), out.end(), [&](const Config& o) { return o.name == c.name; })) out.push_back(c);
-  }
-  return out;
-}
-
 struct Row {
-  Config config;
+  MatrixConfig config;
   std::string parallel;
-  double predicted_s = 0, measured_s = 0, predicted_tps = 0, measured_tps = 0;
-  double predicted_bytes = 0, measured_bytes = 0;
+  double predicted_s = 0, predicted_tps = 0, predicted_bytes = 0;
+  std::vector<Round> rounds;
+  // Over the rounds: the fastest round's step time and tokens/s (the machine least
+  // disturbed), the median round's step time, the largest peak memory.
+  double measured_s = 0, measured_tps = 0, median_s = 0, measured_bytes = 0;
+  void summarize() {
+    std::vector<double> times;
+    for (const Round& r : rounds) {
+      times.push_back(r.measured_s);
+      if (measured_s == 0 || r.measured_s < measured_s) {
+        measured_s = r.measured_s;
+        measured_tps = r.measured_tps;
+      }
+      measured_bytes = std::max(measured_bytes, r.measured_bytes);
+    }
+    median_s = median(times);
+  }
+  double median_error() const { return (median_s - predicted_s) / predicted_s; }
   double step_error() const { return (measured_s - predicted_s) / predicted_s; }
   double memory_error() const { return (measured_bytes - predicted_bytes) / predicted_bytes; }
 };
@@ -187,71 +154,66 @@ int run_validate(const ValidateArgs& args) {
       ranks = g.is_object() ? g.at("value").get<int64_t>() : g.get<int64_t>();
     }
     const ModelSpec model = load_model(args.model, profile_dir(args.profiles));
-    const std::vector<Config> configs = matrix(ranks, model.num_experts, args.quick);
-    std::vector<Row> rows;
-    std::printf("validate: %zu configurations of %s on %lld ranks, profile %s, %lld steps each\n", configs.size(),
-                args.model.c_str(), static_cast<long long>(ranks), args.profile.c_str(),
-                static_cast<long long>(args.steps));
+    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model.num_experts, args.quick);
+    const MatrixSetting setting{ranks, args.model, args.profiles, args.seq_len, args.global_batch_tokens, args.precision};
+    const int64_t rounds = args.rounds > 0 ? args.rounds : (args.quick ? 1 : 3);
+    std::vector<Row> rows(configs.size());
+    std::printf("validate: %zu configurations of %s on %lld ranks, profile %s, %lld steps each, %lld round%s\n",
+                configs.size(), args.model.c_str(), static_cast<long long>(ranks), args.profile.c_str(),
+                static_cast<long long>(args.steps), static_cast<long long>(rounds), rounds == 1 ? "" : "s");
     for (size_t i = 0; i < configs.size(); ++i) {
-      const Config& c = configs[i];
+      const MatrixConfig& c = configs[i];
+      rows[i].config = c;
       const std::string dir = args.out + "/" + c.name;
       fs::remove_all(dir);
       fs::create_directories(dir);
-      std::vector<std::string> search{self,
-                                      "search",
-                                      "--gpus",
-                                      std::to_string(ranks),
-                                      "--instance",
-                                      args.profile,
-                                      "--model",
-                                      args.model,
-                                      "--seq-len",
-                                      std::to_string(args.seq_len),
-                                      "--global-batch-tokens",
-                                      std::to_string(args.global_batch_tokens),
-                                      "--precision",
-                                      args.precision,
-                                      "--max-micro-batch",
-                                      "64",
-                                      "--expert-parallel-degree",
-                                      std::to_string(c.e),
-                                      "--hybrid-shard-degree",
-                                      std::to_string(c.s),
-                                      "--checkpointing",
-                                      c.checkpointing,
-                                      "--offload",
-                                      c.offload ? "on" : "off",
-                                      "--micro-batch",
-                                      std::to_string(c.mbs),
-                                      "--out",
-                                      dir + "/plan.json"};
-      if (!args.profiles.empty()) search.insert(search.end(), {"--profiles", args.profiles});
+      const std::vector<std::string> search = pinned_search(self, setting, c, args.profile, dir + "/plan.json");
       if (run_logged(search, dir + "/search.log") != 0)
         throw std::runtime_error(c.name + ": search found no plan: " + last_line(dir + "/search.log"));
-      const std::vector<std::string> run{self, "run", dir + "/plan.json", "--data", args.data, "--out", dir + "/run",
-                                         "--steps", std::to_string(args.steps)};
-      if (run_logged(run, dir + "/run.log") != 0)
-        throw std::runtime_error(c.name + ": run failed: " + last_line(dir + "/run.log"));
-      const Json report = read_json_file(dir + "/run/report.json");
-      Row r;
-      r.config = c;
-      r.parallel = report.at("plan").at("parallel").get<std::string>();
-      r.predicted_s = report.at("predicted").at("step_time_s").get<double>();
-      r.measured_s = report.at("measured").at("step_time_s").get<double>();
-      r.predicted_tps = report.at("predicted").at("tokens_per_s").get<double>();
-      r.measured_tps = report.at("measured").at("tokens_per_s").get<double>();
-      r.predicted_bytes = report.at("predicted").at("device_bytes_per_rank").get<double>();
-      r.measured_bytes = report.at("measured").at("peak_rss_bytes").get<double>();
-      rows.push_back(r);
-      std::printf("  [%2zu/%zu] %-34s predicted %7.3f s  measured %7.3f s  %+5.0f%%   memory %+4.0f%%\n", i + 1,
-                  configs.size(), c.name.c_str(), r.predicted_s, r.measured_s, 100 * r.step_error(),
-                  100 * r.memory_error());
-      std::fflush(stdout);
     }
+    // Every round runs the whole matrix, every other round in reverse order, so that a slow
+    // spell of the machine falls on different configurations each time.
+    double fastest_probe = 1e30;
+    for (int64_t round = 1; round <= rounds; ++round) {
+      for (size_t k = 0; k < configs.size(); ++k) {
+        const size_t i = round % 2 == 1 ? k : configs.size() - 1 - k;
+        const MatrixConfig& c = configs[i];
+        Row& row = rows[i];
+        const std::string dir = args.out + "/" + c.name;
+        const std::string out = dir + "/run-" + std::to_string(round);
+        const std::vector<double> probe = processor_probe();
+        Round r;
+        if (!probe.empty()) {
+          fastest_probe = std::min(fastest_probe, *std::min_element(probe.begin(), probe.end()));
+          r.slowest_processor = *std::max_element(probe.begin(), probe.end()) / fastest_probe;
+        }
+        const std::vector<std::string> run{self, "run", dir + "/plan.json", "--data", args.data, "--out", out,
+                                           "--steps", std::to_string(args.steps)};
+        if (run_logged(run, out + ".log") != 0)
+          throw std::runtime_error(c.name + ": run failed: " + last_line(out + ".log"));
+        const Json report = read_json_file(out + "/report.json");
+        row.parallel = report.at("plan").at("parallel").get<std::string>();
+        row.predicted_s = report.at("predicted").at("step_time_s").get<double>();
+        row.predicted_tps = report.at("predicted").at("tokens_per_s").get<double>();
+        row.predicted_bytes = report.at("predicted").at("device_bytes_per_rank").get<double>();
+        r.measured_s = report.at("measured").at("step_time_s").get<double>();
+        r.measured_tps = report.at("measured").at("tokens_per_s").get<double>();
+        r.measured_bytes = report.at("measured").at("peak_rss_bytes").get<double>();
+        row.rounds.push_back(r);
+        std::printf("  round %lld [%2zu/%zu] %-30s predicted %7.3f s  measured %7.3f s  %+5.0f%%   memory %+4.0f%%"
+                    "   slowest processor %.2f\n",
+                    static_cast<long long>(round), k + 1, configs.size(), c.name.c_str(), row.predicted_s,
+                    r.measured_s, 100 * (r.measured_s - row.predicted_s) / row.predicted_s,
+                    100 * (r.measured_bytes - row.predicted_bytes) / row.predicted_bytes, r.slowest_processor);
+        std::fflush(stdout);
+      }
+    }
+    for (Row& row : rows) row.summarize();
 
-    std::vector<double> errors, memory_errors, predicted, measured;
+    std::vector<double> errors, median_errors, memory_errors, predicted, measured;
     for (const Row& r : rows) {
       errors.push_back(std::abs(r.step_error()));
+      median_errors.push_back(std::abs(r.median_error()));
       memory_errors.push_back(std::abs(r.memory_error()));
       predicted.push_back(r.predicted_s);
       measured.push_back(r.measured_s);
@@ -259,28 +221,47 @@ int run_validate(const ValidateArgs& args) {
     const double median_error = median(errors);
     const double worst_error = *std::max_element(errors.begin(), errors.end());
     const double worst_memory = *std::max_element(memory_errors.begin(), memory_errors.end());
+    const double median_round_median_error = median(median_errors);
+    const double median_round_worst_error = *std::max_element(median_errors.begin(), median_errors.end());
     const double tau = kendall_tau(predicted, measured);
     const size_t best_predicted = static_cast<size_t>(std::min_element(predicted.begin(), predicted.end()) - predicted.begin());
     const size_t best_measured = static_cast<size_t>(std::min_element(measured.begin(), measured.end()) - measured.begin());
 
     // The table, as Markdown.
-    std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | predicted tokens/s | "
-                     "measured tokens/s | predicted memory (MiB) | measured peak RSS (MiB) | error |\n"
-                     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
-    char line[512];
+    std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | each round (s) | "
+                     "slowest processor | predicted tokens/s | measured tokens/s | predicted memory (MiB) | "
+                     "measured peak RSS (MiB) | error |\n"
+                     "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
+    char line[1024];
     for (const Row& r : rows) {
-      std::snprintf(line, sizeof line, "| %s | %s | %.3f | %.3f | %+.1f%% | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
+      std::string each, probe;
+      for (const Round& x : r.rounds) {
+        char v[32];
+        std::snprintf(v, sizeof v, "%s%.3f", each.empty() ? "" : " ", x.measured_s);
+        each += v;
+        std::snprintf(v, sizeof v, "%s%.2f", probe.empty() ? "" : " ", x.slowest_processor);
+        probe += v;
+      }
+      std::snprintf(line, sizeof line,
+                    "| %s | %s | %.3f | %.3f | %+.1f%% | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
                     r.config.name.c_str(), r.parallel.c_str(), r.predicted_s, r.measured_s, 100 * r.step_error(),
-                    r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20), r.measured_bytes / (1 << 20),
-                    100 * r.memory_error());
+                    each.c_str(), probe.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
+                    r.measured_bytes / (1 << 20), 100 * r.memory_error());
       md += line;
     }
     std::snprintf(line, sizeof line,
-                  "\nstep time: median |error| %.1f%%, worst %.1f%%; peak memory: worst |error| %.1f%%; Kendall tau "
-                  "(predicted vs measured order) %.2f; best predicted %s, best measured %s\n",
-                  100 * median_error, 100 * worst_error, 100 * worst_memory, tau, rows[best_predicted].config.name.c_str(),
-                  rows[best_measured].config.name.c_str());
+                  "\nstep time (fastest of %lld rounds): median |error| %.1f%%, worst %.1f%%; peak memory: worst "
+                  "|error| %.1f%%; Kendall tau (predicted vs measured order) %.2f; best predicted %s, best measured "
+                  "%s\n",
+                  static_cast<long long>(rounds), 100 * median_error, 100 * worst_error, 100 * worst_memory, tau,
+                  rows[best_predicted].config.name.c_str(), rows[best_measured].config.name.c_str());
     md += line;
+    if (rounds > 1) {
+      char more[256];
+      std::snprintf(more, sizeof more, "step time (median round): median |error| %.1f%%, worst %.1f%%\n",
+                    100 * median_round_median_error, 100 * median_round_worst_error);
+      md += more;
+    }
     write_file_atomic(args.out + "/validation.md", md);
     write_file_atomic(args.out + "/validation.svg",
                       scatter_svg(rows, args.model + " on " + std::to_string(ranks) + " CPU ranks: step time"));
@@ -290,22 +271,35 @@ int run_validate(const ValidateArgs& args) {
     j["model"] = args.model;
     j["ranks"] = ranks;
     j["steps"] = args.steps;
+    j["rounds"] = rounds;
     OrderedJson list = OrderedJson::array();
-    for (const Row& r : rows)
+    for (const Row& r : rows) {
+      OrderedJson each = OrderedJson::array();
+      for (const Round& x : r.rounds)
+        each.push_back({{"measured_step_time_s", x.measured_s},
+                        {"measured_tokens_per_s", x.measured_tps},
+                        {"measured_peak_rss_bytes", x.measured_bytes},
+                        {"slowest_processor", x.slowest_processor}});
       list.push_back({{"name", r.config.name},
                       {"parallel", r.parallel},
                       {"predicted_step_time_s", r.predicted_s},
                       {"measured_step_time_s", r.measured_s},
                       {"step_time_error", r.step_error()},
+                      {"median_round_step_time_s", r.median_s},
+                      {"median_round_step_time_error", r.median_error()},
                       {"predicted_tokens_per_s", r.predicted_tps},
                       {"measured_tokens_per_s", r.measured_tps},
                       {"predicted_bytes_per_rank", r.predicted_bytes},
                       {"measured_peak_rss_bytes", r.measured_bytes},
-                      {"memory_error", r.memory_error()}});
+                      {"memory_error", r.memory_error()},
+                      {"rounds", each}});
+    }
     j["configurations"] = list;
     j["summary"] = {{"median_abs_step_time_error", median_error},
                     {"worst_abs_step_time_error", worst_error},
                     {"worst_abs_memory_error", worst_memory},
+                    {"median_round_median_abs_step_time_error", median_round_median_error},
+                    {"median_round_worst_abs_step_time_error", median_round_worst_error},
                     {"kendall_tau", tau},
                     {"best_predicted", rows[best_predicted].config.name},
                     {"best_measured", rows[best_measured].config.name}};

@@ -21,7 +21,8 @@ endfunction()
 
 # moeplan_add_test(NAME <name> SOURCES ... DEPS ... [LABELS fast|slow] [TIMEOUT s])
 function(moeplan_add_test)
-  cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  # SERIAL: the tests run alone (ctest starts nothing beside them), for tests that time things.
+  cmake_parse_arguments(ARG "SERIAL" "NAME;TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
   set(target test_${ARG_NAME})
   add_executable(${target} ${ARG_SOURCES})
   target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
@@ -37,7 +38,11 @@ function(moeplan_add_test)
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 300)
   endif()
+  set(serial FALSE)
+  if(ARG_SERIAL)
+    set(serial TRUE)
+  endif()
   gtest_discover_tests(${target}
-    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial}
     DISCOVERY_TIMEOUT 60)
 endfunction()

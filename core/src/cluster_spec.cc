@@ -34,8 +34,9 @@ double CollectiveFit::measured_at(double bytes) const {
 }
 
 CurvePoints& op_time_curve(OpTimes& t, std::string_view name) {
-  CurvePoints* curves[] = {&t.attention_forward, &t.attention_backward, &t.router_forward, &t.router_backward,
-                           &t.expert_forward,    &t.expert_backward,    &t.head,           &t.optimizer};
+  CurvePoints* curves[] = {&t.attention_forward,   &t.attention_backward,  &t.router_forward, &t.router_backward,
+                           &t.expert_forward,      &t.expert_backward,     &t.head,           &t.optimizer,
+                           &t.micro_batch_forward, &t.micro_batch_backward};
   for (size_t i = 0; i < kOpTimeCurves.size(); ++i)
     if (kOpTimeCurves[i] == name) return *curves[i];
   throw std::logic_error("no op-time curve named " + std::string(name));
@@ -107,7 +108,7 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
     s->finish();
   }
   for (std::string_view name : kOpTimeCurves) {
-    const Json* points = o.child(name);
+    const Json* points = o.child(name, name.starts_with("micro_batch_"));  // those two are optional
     if (points == nullptr) continue;
     const std::string path = o.path_of(name);
     if (!points->is_array() || points->empty() || points->size() > 64) {

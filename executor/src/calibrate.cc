@@ -93,11 +93,15 @@ class Progress {
 // The largest resident set beyond live tensors seen at the sample points.
 class OverheadProbe {
  public:
-  void sample() { most_ = std::max(most_, current_rss_bytes() - tensor_bytes().live); }
+  void sample() {
+    if (!stopped_) most_ = std::max(most_, current_rss_bytes() - tensor_bytes().live);
+  }
+  void stop() { stopped_ = true; }
   int64_t most() const { return most_; }
 
  private:
   int64_t most_ = 0;
+  bool stopped_ = false;
 };
 
 std::vector<int64_t> micro_batches(int64_t max_micro_batch) {
@@ -140,15 +144,14 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   const torch::ScalarType type = compute_type(o.precision);
   const int64_t h = m.hidden_size, t = o.seq_len;
   const int reps = o.quick ? 3 : 7;
+  const int passes = o.passes > 0 ? o.passes : (o.quick ? 1 : 5);
   OverheadProbe overhead;
   Calibration cal;
   cal.ranks = world.size();
+  cal.passes = passes;
   cal.baseline_rss_bytes = current_rss_bytes();
-  // Every measurement in one list, in the same order on every rank, averaged at the end.
-  std::vector<double> values;
 
-  // -- Matrix multiplies at the model's shapes.
-  progress.say("matrix multiplies at the shapes of " + m.name);
+  // -- What is measured: the shapes and sizes, the same on every rank.
   const std::vector<int64_t> mbs = micro_batches(o.max_micro_batch);
   std::vector<int64_t> expert_rows;
   for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
@@ -164,16 +167,46 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
     gemms.push_back({r, h, m.intermediate_size});  // w1, w3
     gemms.push_back({r, m.intermediate_size, h});  // w2
   }
-  world.barrier();
-  for (const Gemm& g : gemms) {
-    const torch::Tensor a = torch::randn({g.rows, g.inner}).to(type), b = torch::randn({g.inner, g.cols}).to(type);
-    values.push_back(time_median(reps, [&] { (void)torch::mm(a, b); }));
-    overhead.sample();
+  // The optimizer's shards of the model's flat units: the whole model, then halves, quarters,
+  // ... as sharding leaves them.
+  const ParamCounts params = count_parameters(m);
+  std::vector<int64_t> units{params.embedding, params.final_norm + params.lm_head};
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    units.push_back(params.dense_per_layer());
+    units.push_back(m.num_experts * params.expert);
+  }
+  const std::vector<int64_t> divisors = o.quick ? std::vector<int64_t>{2, 1} : std::vector<int64_t>{8, 4, 2, 1};
+  std::vector<int64_t> shard_sizes;
+  for (int64_t d : divisors) {
+    int64_t total = 0;
+    for (int64_t numel : units) total += (numel + d - 1) / d;
+    shard_sizes.push_back(total);
+  }
+  const torch::ScalarType master = o.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+  // Collectives: a sweep of sizes, and the model's flat units as the executor moves them:
+  // gathered and reduce-scattered over a shard group of every rank (padded to a multiple of
+  // it), all-reduced whole over a replica group of every rank.
+  const std::vector<std::string> kinds{"all_gather", "all_to_all", "all_reduce", "reduce_scatter"};
+  std::vector<int64_t> sizes;
+  for (int64_t b = int64_t{16} << 10; b <= (o.quick ? int64_t{4} << 20 : int64_t{16} << 20); b *= 2) {
+    sizes.push_back(b);
+    if (b >= (int64_t{1} << 20) && !o.quick) sizes.push_back(b * 3 / 2);
+  }
+  const int64_t n = world.size();
+  const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
+  auto padded = [&](int64_t numel, int64_t s) { return (numel + s - 1) / s * s * a; };
+  std::map<std::string, std::vector<int64_t>> unit_sizes;
+  for (const int64_t numel : {params.dense_per_layer(), m.num_experts * params.expert, params.embedding,
+                              params.final_norm + params.lm_head}) {
+    for (const char* kind : {"all_gather", "reduce_scatter"}) unit_sizes[kind].push_back(padded(numel, n));
+    unit_sizes["all_reduce"].push_back(padded(numel, 1));
+  }
+  for (auto& [kind, list] : unit_sizes) {
+    std::sort(list.begin(), list.end());
+    list.erase(std::unique(list.begin(), list.end()), list.end());
   }
 
-  // -- The executor's operations, forward and backward.
-  progress.say("attention, router and experts, head and loss, forward and backward");
-  torch::autograd::GradMode::set_enabled(true);
+  // The weights and inputs of the executor's operations.
   const Rope rope = rope_tables(m, t, type);
   const torch::Tensor mask = attention_mask_bias(m, t, type);
   LayerWeights w;
@@ -190,173 +223,205 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
                       lm_head = weight({m.vocab_size, h}, type);
   MoeConfig moe;
   moe.load_balancing = o.load_balancing;
-  world.barrier();
-  for (int64_t b : mbs) {
-    const torch::Tensor x = torch::randn({b, t, h}).to(type).requires_grad_(true);
-    // Attention sub-block: norm, attention, residual.
-    auto [af, ab] = time_forward_backward(reps, [&] {
-      return x + attention(m, w, rms_norm(x, w.input_norm, m.rms_norm_eps), rope, mask);
-    });
-    overhead.sample();
-    // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
-    // expert and the weighted combine back, residual.
-    auto [rf, rb] = time_forward_backward(reps, [&] {
-      const torch::Tensor tokens = x.reshape({-1, h});
-      const torch::Tensor xn = rms_norm(tokens, w.post_attention_norm, m.rms_norm_eps);
-      const torch::Tensor logits = torch::matmul(xn, w.router.t());
-      const Routing r = route(logits, m.experts_per_token, o.load_balancing);
-      const torch::Tensor slots = r.experts.flatten();
-      (void)torch::bincount(slots, {}, m.num_experts);
-      const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
-      const torch::Tensor token_of = torch::div(order, m.experts_per_token, "floor");
-      const torch::Tensor sorted = xn.index_select(0, token_of);
-      const torch::Tensor slot_weights = r.weights.to(type).flatten().index_select(0, order).unsqueeze(-1);
-      return tokens + torch::zeros_like(xn).index_add(0, token_of, sorted * slot_weights);
-    });
-    overhead.sample();
-    // Head: embedding, final norm, lm head, loss (with the router losses of every layer).
-    const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
-    std::vector<torch::Tensor> router_logits;
-    for (int64_t l = 0; l < m.num_layers; ++l)
-      router_logits.push_back(torch::randn({b * t, m.num_experts}).to(type).requires_grad_(true));
-    const double head = time_median(reps, [&] {
-      ForwardResult out;
-      const torch::Tensor e = torch::embedding(embed, ids);
-      out.logits = torch::matmul(rms_norm(x + e, norm, m.rms_norm_eps), lm_head.t()).to(torch::kFloat);
-      out.router_logits = router_logits;
-      mixtral_loss(m, moe, out, ids).total.backward();
-    });
-    overhead.sample();
-    values.insert(values.end(), {af, ab, rf, rb, head});
-  }
-  for (int64_t r : expert_rows) {
-    const torch::Tensor rows = torch::randn({r, h}).to(type).requires_grad_(true);
-    auto [ef, eb] = time_forward_backward(reps, [&] { return expert_ffn(rows, w1, w2, w3); });
-    values.insert(values.end(), {ef, eb});
-    overhead.sample();
-  }
+  // The executor's own model, one rank alone on it (E = S = 1).
+  Plan whole_plan;
+  whole_plan.model = m;
+  whole_plan.training.seq_len = t;
+  whole_plan.training.precision = o.precision;
+  whole_plan.moe = moe;
+  DeviceMesh alone(whole_plan.parallel);
+  ShardedModel whole(whole_plan, alone);
+  const std::string dir = o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir;
+  ActivationStore store(dir + "/.calibrate-offload-rank-" + std::to_string(world.rank()));
 
-  // -- Optimizer: gradient clipping and AdamW on the shards of the model's flat units (the
-  // whole model, then halves, quarters, ... as sharding leaves them).
-  progress.say("optimizer");
-  torch::autograd::GradMode::set_enabled(false);
-  const ParamCounts params = count_parameters(m);
-  std::vector<int64_t> units{params.embedding, params.final_norm + params.lm_head};
-  for (int64_t l = 0; l < m.num_layers; ++l) {
-    units.push_back(params.dense_per_layer());
-    units.push_back(m.num_experts * params.expert);
-  }
-  const std::vector<int64_t> divisors = o.quick ? std::vector<int64_t>{2, 1} : std::vector<int64_t>{8, 4, 2, 1};
-  std::vector<int64_t> shard_sizes;
-  const torch::ScalarType master = o.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
-  world.barrier();
-  for (int64_t d : divisors) {
-    std::vector<torch::Tensor> shards, grads, masks;
-    int64_t total = 0;
-    for (int64_t numel : units) {
-      const int64_t k = (numel + d - 1) / d;
-      shards.push_back(torch::randn({k}).to(master));
-      grads.push_back((torch::randn({k}) * 1e-3).to(type));
-      masks.push_back(torch::ones({k}, torch::kBool));
-      total += k;
+  // Every figure is measured once per pass, in the same order on every rank. A shared machine
+  // has spells in which a core runs far slower (another tenant on it); the passes spread the
+  // measurements over time and each figure keeps its median over them.
+  std::vector<std::vector<double>> pass_values;
+  for (int pass = 1; pass <= passes; ++pass) {
+    const std::string of = passes > 1 ? " (pass " + std::to_string(pass) + " of " + std::to_string(passes) + ")" : "";
+    std::vector<double> values;
+
+    // -- Matrix multiplies at the model's shapes.
+    progress.say("matrix multiplies at the shapes of " + m.name + of);
+    world.barrier();
+    for (const Gemm& g : gemms) {
+      const torch::Tensor a = torch::randn({g.rows, g.inner}).to(type), b = torch::randn({g.inner, g.cols}).to(type);
+      values.push_back(time_median(reps, [&] { (void)torch::mm(a, b); }));
+      overhead.sample();
     }
-    shard_sizes.push_back(total);
-    AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
-    values.push_back(time_median(reps, [&] {
-      clip_grad_norm(grads, 1.0);
-      adam.step(grads, 1e-4);
-    }));
-    overhead.sample();
-  }
 
-  // -- Memory copy and the offload file.
-  progress.say("memory copy and offload file");
-  {
-    const int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
-    const torch::Tensor a = torch::randn({n}), b = torch::empty({n});
-    const double copy = time_median(reps, [&] { b.copy_(a); });
-    values.push_back(2.0 * static_cast<double>(n) * 4 / copy);  // read and written
-    overhead.sample();
-    const std::string dir = o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir;
-    ActivationStore store(dir + "/.calibrate-offload-rank-" + std::to_string(world.rank()));
-    const int64_t block = o.max_micro_batch * t * h;  // one block input of the largest micro-batch
-    const torch::Tensor act = torch::randn({block}).to(type);
-    const int64_t blocks = m.num_layers;
-    double write = 0, read = 0;
-    for (int i = 0; i <= reps; ++i) {
-      auto start = Clock::now();
-      for (int64_t k = 0; k < blocks; ++k) store.put(k, act);
-      const double w_s = seconds_since(start);
-      start = Clock::now();
-      for (int64_t k = blocks - 1; k >= 0; --k) (void)store.take(k);
-      const double r_s = seconds_since(start);
-      store.clear();
-      if (i == 0) continue;
-      write += w_s;
-      read += r_s;
+    // -- The executor's operations, forward and backward.
+    progress.say("attention, router and experts, head and loss, forward and backward" + of);
+    torch::autograd::GradMode::set_enabled(true);
+    world.barrier();
+    for (int64_t b : mbs) {
+      const torch::Tensor x = torch::randn({b, t, h}).to(type).requires_grad_(true);
+      // Attention sub-block: norm, attention, residual.
+      auto [af, ab] = time_forward_backward(reps, [&] {
+        return x + attention(m, w, rms_norm(x, w.input_norm, m.rms_norm_eps), rope, mask);
+      });
+      overhead.sample();
+      // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
+      // expert and the weighted combine back, residual.
+      auto [rf, rb] = time_forward_backward(reps, [&] {
+        const torch::Tensor tokens = x.reshape({-1, h});
+        const torch::Tensor xn = rms_norm(tokens, w.post_attention_norm, m.rms_norm_eps);
+        const torch::Tensor logits = torch::matmul(xn, w.router.t());
+        const Routing r = route(logits, m.experts_per_token, o.load_balancing);
+        const torch::Tensor slots = r.experts.flatten();
+        (void)torch::bincount(slots, {}, m.num_experts);
+        const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
+        const torch::Tensor token_of = torch::div(order, m.experts_per_token, "floor");
+        const torch::Tensor sorted = xn.index_select(0, token_of);
+        const torch::Tensor slot_weights = r.weights.to(type).flatten().index_select(0, order).unsqueeze(-1);
+        return tokens + torch::zeros_like(xn).index_add(0, token_of, sorted * slot_weights);
+      });
+      overhead.sample();
+      // Head: embedding, final norm, lm head, loss (with the router losses of every layer).
+      const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
+      std::vector<torch::Tensor> router_logits;
+      for (int64_t l = 0; l < m.num_layers; ++l)
+        router_logits.push_back(torch::randn({b * t, m.num_experts}).to(type).requires_grad_(true));
+      const double head = time_median(reps, [&] {
+        ForwardResult out;
+        const torch::Tensor e = torch::embedding(embed, ids);
+        out.logits = torch::matmul(rms_norm(x + e, norm, m.rms_norm_eps), lm_head.t()).to(torch::kFloat);
+        out.router_logits = router_logits;
+        mixtral_loss(m, moe, out, ids).total.backward();
+      });
+      overhead.sample();
+      values.insert(values.end(), {af, ab, rf, rb, head});
     }
-    const double bytes = static_cast<double>(blocks * act.nbytes()) * reps;
-    values.push_back(bytes / write);
-    values.push_back(bytes / read);
-  }
+    for (int64_t r : expert_rows) {
+      const torch::Tensor rows = torch::randn({r, h}).to(type).requires_grad_(true);
+      auto [ef, eb] = time_forward_backward(reps, [&] { return expert_ffn(rows, w1, w2, w3); });
+      values.insert(values.end(), {ef, eb});
+      overhead.sample();
+    }
+    // -- Optimizer: gradient clipping and AdamW on the shards of the model's flat units.
+    progress.say("optimizer" + of);
+    torch::autograd::GradMode::set_enabled(false);
+    world.barrier();
+    for (int64_t d : divisors) {
+      std::vector<torch::Tensor> shards, grads, masks;
+      for (int64_t numel : units) {
+        const int64_t k = (numel + d - 1) / d;
+        shards.push_back(torch::randn({k}).to(master));
+        grads.push_back((torch::randn({k}) * 1e-3).to(type));
+        masks.push_back(torch::ones({k}, torch::kBool));
+      }
+      AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
+      values.push_back(time_median(reps, [&] {
+        clip_grad_norm(grads, 1.0);
+        adam.step(grads, 1e-4);
+      }));
+      overhead.sample();
+    }
 
-  // -- Collectives.
-  const std::vector<std::string> kinds{"all_gather", "all_to_all", "all_reduce", "reduce_scatter"};
-  std::vector<int64_t> sizes;
-  for (int64_t b = int64_t{16} << 10; b <= (o.quick ? int64_t{4} << 20 : int64_t{16} << 20); b *= 2) {
-    sizes.push_back(b);
-    if (b >= (int64_t{1} << 20) && !o.quick) sizes.push_back(b * 3 / 2);
-  }
-  const int64_t n = world.size();
-  // The model's flat units as the executor moves them: gathered and reduce-scattered over a
-  // shard group of every rank (padded to a multiple of it), all-reduced whole over a replica
-  // group of every rank.
-  const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
-  auto padded = [&](int64_t numel, int64_t s) { return (numel + s - 1) / s * s * a; };
-  std::map<std::string, std::vector<int64_t>> unit_sizes;
-  for (const int64_t numel : {params.dense_per_layer(), m.num_experts * params.expert, params.embedding,
-                              params.final_norm + params.lm_head}) {
-    for (const char* kind : {"all_gather", "reduce_scatter"}) unit_sizes[kind].push_back(padded(numel, n));
-    unit_sizes["all_reduce"].push_back(padded(numel, 1));
-  }
-  for (auto& [kind, list] : unit_sizes) {
-    std::sort(list.begin(), list.end());
-    list.erase(std::unique(list.begin(), list.end()), list.end());
-  }
-  if (n > 1) {
-    for (const std::string& kind : kinds) {
-      std::vector<int64_t> all = sizes;
-      all.insert(all.end(), unit_sizes[kind].begin(), unit_sizes[kind].end());
-      progress.say("gloo " + kind + ", " + std::to_string(all.size()) + " sizes");
-      for (int64_t bytes : all) {
-        const int64_t elems = bytes / a / n * n;  // a multiple of the ranks
-        const torch::Tensor full = torch::randn({elems}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
-        const torch::Tensor shard = torch::randn({elems / n}).to(full.scalar_type());
-        const std::vector<int64_t> rows(static_cast<size_t>(n), elems / n);
-        const int r = bytes <= (1 << 20) ? 3 * reps : reps;
-        world.barrier();
-        double s = 0;
-        if (kind == "all_gather") s = time_median(r, [&] { (void)world.all_gather(shard); }, false);
-        if (kind == "all_to_all") s = time_median(r, [&] { (void)world.all_to_all(full.view({elems, 1}), rows, rows); }, false);
-        if (kind == "all_reduce") {
-          torch::Tensor buffer = full.clone();
-          s = time_median(r, [&] { world.all_reduce_sum(buffer); }, false);
+    // -- Memory copy and the offload file.
+    progress.say("memory copy and offload file" + of);
+    {
+      const int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
+      const torch::Tensor a = torch::randn({n}), b = torch::empty({n});
+      const double copy = time_median(reps, [&] { b.copy_(a); });
+      values.push_back(2.0 * static_cast<double>(n) * 4 / copy);  // read and written
+      overhead.sample();
+      const int64_t block = o.max_micro_batch * t * h;  // one block input of the largest micro-batch
+      const torch::Tensor act = torch::randn({block}).to(type);
+      const int64_t blocks = m.num_layers;
+      double write = 0, read = 0;
+      for (int i = 0; i <= reps; ++i) {
+        auto start = Clock::now();
+        for (int64_t k = 0; k < blocks; ++k) store.put(k, act);
+        const double w_s = seconds_since(start);
+        start = Clock::now();
+        for (int64_t k = blocks - 1; k >= 0; --k) (void)store.take(k);
+        const double r_s = seconds_since(start);
+        store.clear();
+        if (i == 0) continue;
+        write += w_s;
+        read += r_s;
+      }
+      const double bytes = static_cast<double>(blocks * act.nbytes()) * reps;
+      values.push_back(bytes / write);
+      values.push_back(bytes / read);
+    }
+
+    // -- Collectives.
+    if (n > 1) {
+      for (const std::string& kind : kinds) {
+        std::vector<int64_t> all = sizes;
+        all.insert(all.end(), unit_sizes[kind].begin(), unit_sizes[kind].end());
+        progress.say("gloo " + kind + ", " + std::to_string(all.size()) + " sizes" + of);
+        for (int64_t bytes : all) {
+          const int64_t elems = bytes / a / n * n;  // a multiple of the ranks
+          const torch::Tensor full = torch::randn({elems}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
+          const torch::Tensor shard = torch::randn({elems / n}).to(full.scalar_type());
+          const std::vector<int64_t> rows(static_cast<size_t>(n), elems / n);
+          const int r = bytes <= (1 << 20) ? 3 * reps : reps;
+          world.barrier();
+          double s = 0;
+          if (kind == "all_gather") s = time_median(r, [&] { (void)world.all_gather(shard); }, false);
+          if (kind == "all_to_all")
+            s = time_median(r, [&] { (void)world.all_to_all(full.view({elems, 1}), rows, rows); }, false);
+          if (kind == "all_reduce") {
+            torch::Tensor buffer = full.clone();
+            s = time_median(r, [&] { world.all_reduce_sum(buffer); }, false);
+          }
+          if (kind == "reduce_scatter") s = time_median(r, [&] { (void)world.reduce_scatter_sum(full); }, false);
+          values.push_back(s);
         }
-        if (kind == "reduce_scatter") s = time_median(r, [&] { (void)world.reduce_scatter_sum(full); }, false);
-        values.push_back(s);
       }
     }
-  }
-  overhead.sample();
-  values.push_back(static_cast<double>(overhead.most()));
-  values.push_back(static_cast<double>(cal.baseline_rss_bytes));
+    overhead.sample();
 
-  // -- Over the ranks: the slowest rank's time (it sets the pace of a step), the lowest
-  // bandwidth, the largest overhead.
-  const torch::Tensor mine = torch::tensor(values, torch::kDouble);
-  const torch::Tensor all = world.all_gather(mine.unsqueeze(0)).to(torch::kDouble);  // [ranks, values]
-  const torch::Tensor slowest = std::get<0>(all.max(0)).contiguous();
-  const torch::Tensor least = std::get<0>(all.min(0)).contiguous();
+    // -- The executor's whole micro-batch: forward with the loss, then backward, through its
+    // own model; what the operations above leave out shows here.
+    progress.say("whole micro-batches of the executor's model" + of);
+    torch::AutoGradMode with_grad(true);
+    world.barrier();
+    for (int64_t b : mbs) {
+      const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
+      auto [mf, mb] =
+          time_forward_backward(reps, [&] { return mixtral_loss(m, moe, whole.forward(ids, 1), ids).total; });
+      values.insert(values.end(), {mf, mb});
+    }
+    // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
+    // beyond its tensors before that.
+    overhead.stop();
+    pass_values.push_back(std::move(values));
+  }
+  for (std::vector<double>& values : pass_values) {
+    values.push_back(static_cast<double>(overhead.most()));
+    values.push_back(static_cast<double>(cal.baseline_rss_bytes));
+  }
+
+  // -- Over the ranks: in each pass the slowest rank's time (it sets the pace of a step) and
+  // the lowest bandwidth. Over the passes: the median, which a minority of disturbed passes
+  // (or one collective caught by a hiccup of its peer) does not move. The overheads: the
+  // largest anywhere.
+  const int64_t count = static_cast<int64_t>(pass_values.front().size());
+  torch::Tensor mine = torch::empty({1, passes, count}, torch::kDouble);
+  for (int p = 0; p < passes; ++p)
+    mine[0][p].copy_(torch::tensor(pass_values[static_cast<size_t>(p)], torch::kDouble));
+  const torch::Tensor all = world.all_gather(mine).to(torch::kDouble);  // [ranks, passes, values]
+  const torch::Tensor slowest_rank = std::get<0>(all.max(0));           // [passes, values]
+  const torch::Tensor fastest_rank = std::get<0>(all.min(0));
+  const torch::Tensor largest = std::get<0>(slowest_rank.max(0)).contiguous();
+  // The median of an even count: the mean of the middle two (torch's median takes the lower).
+  auto middle = [](const torch::Tensor& t) {
+    const torch::Tensor sorted = std::get<0>(t.sort(0));
+    const int64_t k = t.size(0);
+    return ((sorted[(k - 1) / 2] + sorted[k / 2]) / 2).contiguous();
+  };
+  const torch::Tensor slowest = middle(slowest_rank);
+  const torch::Tensor least = middle(fastest_rank);
+  // How much slower each pass ran than the figures kept: the median over the compute times.
+  const int64_t compute = static_cast<int64_t>(gemms.size() + 5 * mbs.size() + 2 * expert_rows.size());
+  for (int p = 0; p < passes; ++p)
+    cal.pass_slowdown.push_back(
+        (slowest_rank[p].narrow(0, 0, compute) / slowest.narrow(0, 0, compute)).median().item<double>());
   const auto* v = slowest.data_ptr<double>();
   const auto* low = least.data_ptr<double>();
   size_t at = 0;
@@ -407,14 +472,16 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
       cal.collectives.push_back(std::move(sweep));
     }
   }
-  cal.overhead_bytes = static_cast<int64_t>(v[at++]);
-  cal.baseline_rss_bytes = static_cast<int64_t>(v[at++]);
-  // How far apart the ranks were: the slowest over the fastest, across the compute times.
-  {
-    const torch::Tensor fastest = std::get<0>(all.min(0));
-    const int64_t compute_values = static_cast<int64_t>(gemms.size() + 5 * mbs.size() + 2 * expert_rows.size());
-    cal.rank_spread = (slowest.narrow(0, 0, compute_values) / fastest.narrow(0, 0, compute_values)).median().item<double>();
+  for (int64_t b : mbs) {
+    const double tokens = static_cast<double>(b * t);
+    times.micro_batch_forward.emplace_back(tokens, v[at++]);
+    times.micro_batch_backward.emplace_back(tokens, v[at++]);
   }
+  cal.overhead_bytes = static_cast<int64_t>(largest.data_ptr<double>()[at++]);
+  cal.baseline_rss_bytes = static_cast<int64_t>(largest.data_ptr<double>()[at++]);
+  // How far apart the ranks were: the slowest over the fastest, the median over the compute
+  // times of every pass.
+  cal.rank_spread = (slowest_rank.narrow(1, 0, compute) / fastest_rank.narrow(1, 0, compute)).median().item<double>();
 
   // Peak: the fastest multiply seen; the efficiency curve: each size's rate against it, one
   // point per distinct size (the median where sizes repeat).
@@ -431,6 +498,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
 OrderedJson to_json(const Calibration& c) {
   OrderedJson j;
   j["ranks"] = c.ranks;
+  j["passes"] = c.passes;
+  j["pass_slowdown"] = c.pass_slowdown;
   j["seconds"] = c.seconds;
   j["rank_spread"] = c.rank_spread;
   OrderedJson gemm = OrderedJson::array();
@@ -528,7 +597,8 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
   p.op_times = c.op_times;
   say("framework.op_times",
       "measured: medians of the executor's operations at these shapes, every rank busy at once, routing by " +
-          std::string(name_of(kLoadBalancingNames, o.load_balancing)));
+          std::string(name_of(kLoadBalancingNames, o.load_balancing)) + ", a median within each of " +
+          std::to_string(c.passes) + " passes, the median of the passes kept");
   return p;
 }
 

@@ -1,5 +1,6 @@
 #include "moeplan/simulator/op_costs.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "moeplan/core/moe_load.h"
@@ -103,6 +104,24 @@ OpCosts op_costs(const RunConfig& c) {
     o.attention_backward_s = curve_at(t.attention_backward, tokens);
     o.head_s = curve_at(t.head, tokens);
     o.head_forward_s = o.head_s / 3.0;
+    // What the executor's whole micro-batch took beyond its operations (measured with the
+    // experts on one rank and balanced routing), spread over the blocks: it runs with their
+    // attention, and again where a block is recomputed.
+    if (!t.micro_batch_forward.empty() && !t.micro_batch_backward.empty()) {
+      const double layers = static_cast<double>(m.num_layers);
+      const double experts = static_cast<double>(m.num_experts);
+      const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;
+      const double forward = layers * (o.attention_forward_s + curve_at(t.router_forward, tokens) +
+                                       experts * curve_at(t.expert_forward, rows)) +
+                             o.head_s / 3.0;
+      const double backward = layers * (o.attention_backward_s + curve_at(t.router_backward, tokens) +
+                                        experts * curve_at(t.expert_backward, rows)) +
+                              o.head_s * 2.0 / 3.0;
+      o.framework_forward_s = std::max(0.0, curve_at(t.micro_batch_forward, tokens) - forward) / layers;
+      o.framework_backward_s = std::max(0.0, curve_at(t.micro_batch_backward, tokens) - backward) / layers;
+      o.attention_forward_s += o.framework_forward_s;
+      o.attention_backward_s += o.framework_backward_s;
+    }
   }
 
   o.dispatch_send_bytes = busiest_slots * h * a;

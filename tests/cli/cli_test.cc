@@ -285,6 +285,39 @@ namespace {
 
 // A plan written to something that is not a regular file (a pipe here; /dev/stdout or
 // /dev/null in use) goes through it: renaming a temporary file over it would replace it.
+TEST_F(Cli, CompareProfilesFindsTheFigureThatMovedAndWhatItPredicts) {
+  Workdir dir;
+  const std::string base = test::profile_path("hardware/local-cpu.json");
+  Json faster = read_json_file(base);
+  for (const char* peak : {"peak_fp32_flops", "peak_bf16_flops"})
+    faster["gpu"][peak]["value"] = 2 * faster["gpu"][peak]["value"].get<double>();
+  std::ofstream(dir / "faster.json") << faster.dump(2);
+
+  const Outcome same = dir.moeplan("compare-profiles " + base + " " + base + " --quick --check --max-difference 0");
+  ASSERT_EQ(same.exit_code, 0) << show(same);
+  EXPECT_NE(same.out.find("predicted step time: median |difference| 0.0%, worst +0.0%"), std::string::npos)
+      << show(same);
+
+  const Outcome moved = dir.moeplan("compare-profiles " + base + " faster.json --quick --check");
+  EXPECT_EQ(moved.exit_code, 1) << show(moved);
+  EXPECT_NE(moved.out.find("+100.0%  peak fp32 FLOP/s"), std::string::npos) << show(moved);
+  // Twice the multiply rate: every fp32 step of the matrix predicted faster, none by more than half.
+  size_t rows = 0;
+  for (const std::string& line : lines_of(moved.out)) {
+    if (line.rfind("  E", 0) != 0) continue;
+    ++rows;
+    const double difference = std::stod(line.substr(line.rfind(' ') + 1));
+    EXPECT_LT(difference, 0) << line;
+    EXPECT_GE(difference, -50) << line;
+  }
+  EXPECT_EQ(rows, 4u) << show(moved);
+  EXPECT_NE(moved.err.find("bound broken: predicted step time of E"), std::string::npos) << show(moved);
+
+  const Outcome missing = dir.moeplan("compare-profiles " + base + " none.json");
+  EXPECT_EQ(missing.exit_code, 2) << show(missing);
+  EXPECT_NE(missing.err.find("none.json"), std::string::npos) << show(missing);
+}
+
 TEST(CliWrite, PlanToAPipeGoesThroughThePipe) {
   const test::TempDir dir;
   const std::string fifo = dir.file("plan.fifo");

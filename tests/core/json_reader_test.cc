@@ -319,7 +319,9 @@ Json calibrated_json() {
       {"expert_forward", {{16, 6e-5}, {4096, 0.0115}}},
       {"expert_backward", {{16, 1.5e-4}, {4096, 0.024}}},
       {"head", {{256, 0.04}, {512, 0.07}}},
-      {"optimizer", {{549520, 0.0014}, {4396160, 0.069}}}};
+      {"optimizer", {{549520, 0.0014}, {4396160, 0.069}}},
+      {"micro_batch_forward", {{256, 0.027}, {512, 0.054}}},
+      {"micro_batch_backward", {{256, 0.072}, {512, 0.108}}}};
   return json;
 }
 
@@ -333,6 +335,7 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_FALSE(c.reduce_scatter_fit.given());
   EXPECT_EQ(c.op_times.seq_len, 256);
   EXPECT_EQ(c.op_times.expert_backward.size(), 2u);
+  EXPECT_EQ(c.op_times.micro_batch_backward.size(), 2u);
   EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
   EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
   EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c);

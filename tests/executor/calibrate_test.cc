@@ -3,7 +3,9 @@
 // simulate --measured` compares one run phase by phase. Real gloo, real text, the real binary.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <iostream>
 #include <string>
 
 #include "moeplan/core/cluster_spec.h"
@@ -21,7 +23,7 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   ASSERT_EQ(prepare_data(files, data, 512, 256).exit_code, 0);
 
   const std::string profile = dir.file("local-test.json");
-  const Command cal = run_moeplan("calibrate --ranks 2 --quick --model " + model + " --name local-test --out " + profile);
+  const Command cal = run_moeplan("calibrate --ranks 2 --quick --passes 2 --model " + model + " --name local-test --out " + profile);
   ASSERT_EQ(cal.exit_code, 0) << show(cal);
   EXPECT_NE(cal.out.find("calibrate ["), std::string::npos) << "progress is shown";
   const ClusterSpec c = read_cluster_file(profile);
@@ -45,19 +47,39 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   EXPECT_NE(c.sources.at("framework.op_times").find("moeplan calibrate"), std::string::npos);
   const Json raw = read_json_file(dir.file("local-test.measured.json"));
   EXPECT_EQ(raw.at("collectives").size(), 4u);
+  // Each figure is the median of its passes (of two: their mean), so in each figure one pass
+  // ran at least as fast as the figure kept: so did one pass in the median of the figures.
+  ASSERT_EQ(raw.at("passes").get<int>(), 2);
+  const Json& slowdown = raw.at("pass_slowdown");
+  ASSERT_EQ(slowdown.size(), 2u);
+  const double a = slowdown[0].get<double>(), b = slowdown[1].get<double>();
+  EXPECT_GT(a, 0);
+  EXPECT_GT(b, 0);
+  EXPECT_LE(std::min(a, b), 1.0 + 1e-9);
 
-  // The reduced matrix. Peak memory is held to the acceptance bound; the step-time bounds are
-  // loose here (docs/validation.md gives the measured errors).
+  // The reduced matrix, held to bounds: peak memory to the acceptance bound (15%), step time
+  // to median 35% and worst 50%, and the predicted order mostly kept. Two calibration passes,
+  // three steps and two rounds on a shared machine are noisier than the full matrix; measured
+  // here: median 5 to 15%, worst 16 to 21%, memory 8 to 9%, Kendall tau 1 (docs/validation.md).
   const Command val = run_moeplan("validate --profile " + profile + " --model " + model + " --data " + data +
                                   " --out " + dir.file("val") +
-                                  " --quick --steps 3 --check --max-median-error 1 --max-worst-error 1.5"
-                                  " --max-memory-error 0.15 --min-kendall -1");
+                                  " --quick --steps 3 --rounds 2 --check --max-median-error 0.35 --max-worst-error 0.5"
+                                  " --max-memory-error 0.15 --min-kendall 0.3");
   EXPECT_EQ(val.exit_code, 0) << show(val);
   const Json v = read_json_file(dir.file("val/validation.json"));
+  std::cout << "reduced matrix: " << v.at("summary").dump() << "\n";
   ASSERT_EQ(v.at("configurations").size(), 4u);
   for (const Json& row : v.at("configurations")) {
     EXPECT_GT(row.at("predicted_step_time_s").get<double>(), 0);
-    EXPECT_GT(row.at("measured_step_time_s").get<double>(), 0);
+    // The fastest of the two rounds counts; the median round is reported beside it.
+    const Json& rounds = row.at("rounds");
+    ASSERT_EQ(rounds.size(), 2u);
+    const double fastest = std::min(rounds[0].at("measured_step_time_s").get<double>(),
+                                    rounds[1].at("measured_step_time_s").get<double>());
+    EXPECT_GT(fastest, 0);
+    EXPECT_EQ(row.at("measured_step_time_s").get<double>(), fastest);
+    EXPECT_GE(row.at("median_round_step_time_s").get<double>(), fastest);
+    for (const Json& r : rounds) EXPECT_GE(r.at("slowest_processor").get<double>(), 1.0);
   }
   const double tau = v.at("summary").at("kendall_tau").get<double>();
   EXPECT_GE(tau, -1.0);
@@ -70,7 +92,7 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
 
   // Fed back: the first run's report against its plan, phase by phase.
   const std::string first = dir.file("val/" + v.at("configurations")[0].at("name").get<std::string>());
-  const Command sim = run_moeplan("simulate " + first + "/plan.json --measured " + first + "/run/report.json");
+  const Command sim = run_moeplan("simulate " + first + "/plan.json --measured " + first + "/run-1/report.json");
   ASSERT_EQ(sim.exit_code, 0) << show(sim);
   for (const char* phase : {"forward", "backward", "optimizer", "step", "measured expert load"})
     EXPECT_NE(sim.out.find(phase), std::string::npos) << phase << "\n" << sim.out;

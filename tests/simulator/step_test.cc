@@ -529,6 +529,30 @@ TEST(CalibratedProfile, MeasuredOpTimesReplaceTheFlopModel) {
   EXPECT_FALSE(op_costs(other.config()).measured);
 }
 
+TEST(CalibratedProfile, WholeMicroBatchAddsWhatTheOperationsLeaveOut) {
+  Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
+  const double layers = static_cast<double>(c.model.num_layers);
+  const StepSimulation before = simulate_step(c.config(), {false, true});
+  // The operations of a micro-batch of 512 tokens: per block attention, router and 8 experts
+  // on 128 rows each; the head's forward third and backward two thirds.
+  const double forward = layers * (0.004 + 0.001 + 8 * 0.0008) + 0.08 / 3;
+  const double backward = layers * (0.010 + 0.001 + 8 * 0.0016) + 0.08 * 2 / 3;
+  c.cluster.op_times.micro_batch_forward = {{512, forward + layers * 0.002}};
+  c.cluster.op_times.micro_batch_backward = {{512, backward - 0.01}};  // less than the operations: nothing
+  const OpCosts o = op_costs(c.config());
+  EXPECT_NEAR(o.framework_forward_s, 0.002, 1e-12);
+  EXPECT_DOUBLE_EQ(o.framework_backward_s, 0);
+  EXPECT_NEAR(o.attention_forward_s, 0.006, 1e-12);
+  EXPECT_DOUBLE_EQ(o.attention_backward_s, 0.010);
+  // Every block of every micro-batch runs it.
+  const StepSimulation after = simulate_step(c.config(), {false, true});
+  const double added = static_cast<double>(c.parallel.gradient_accumulation_steps) * layers * 0.002;
+  EXPECT_NEAR(after.estimate.step_time_s - before.estimate.step_time_s, added, 1e-6);
+  // A profile without the whole micro-batch adds nothing.
+  c.cluster.op_times.micro_batch_forward.clear();
+  EXPECT_DOUBLE_EQ(op_costs(c.config()).attention_forward_s, 0.004);
+}
+
 TEST(CalibratedProfile, SerialStreamsAddCommunicationToCompute) {
   for (const auto& [e, s] : {std::pair<int64_t, int64_t>{1, 2}, {2, 1}}) {
     Scenario overlapped = calibrated_cpu(e, s, Checkpointing::kNone, 1);

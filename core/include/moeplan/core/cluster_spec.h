@@ -59,13 +59,18 @@ struct OpTimes {
   // rank's shard (optimizer: clipping and AdamW).
   CurvePoints attention_forward, attention_backward, router_forward, router_backward, expert_forward,
       expert_backward, head, optimizer;
+  // The executor's whole micro-batch against its tokens (its own model on one rank, E = S = 1,
+  // balanced routing): forward with the loss, and backward. What it takes beyond the
+  // operations above (tensor allocation, gradient assembly into the flat units, bookkeeping)
+  // the simulator adds to every block. Optional.
+  CurvePoints micro_batch_forward, micro_batch_backward;
 
   bool empty() const { return attention_forward.empty(); }
   bool operator==(const OpTimes&) const = default;
 };
-inline constexpr std::array<std::string_view, 8> kOpTimeCurves{
-    "attention_forward", "attention_backward", "router_forward", "router_backward",
-    "expert_forward",    "expert_backward",    "head",           "optimizer"};
+inline constexpr std::array<std::string_view, 10> kOpTimeCurves{
+    "attention_forward", "attention_backward", "router_forward",      "router_backward",     "expert_forward",
+    "expert_backward",   "head",               "optimizer",           "micro_batch_forward", "micro_batch_backward"};
 
 struct ClusterSpec {
   std::string name;  // instance type, e.g. "p4d.24xlarge"

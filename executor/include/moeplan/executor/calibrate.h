@@ -31,6 +31,7 @@ struct CalibrateOptions {
   LoadBalancing load_balancing = LoadBalancing::kSinkhorn;
   int64_t max_micro_batch = 8;
   bool quick = false;        // fewer sizes and repeats (tests)
+  int passes = 0;            // times every figure is measured, the median kept; 0: 5 (1 with quick)
   std::string scratch_dir;   // where the offload file is written
   std::ostream* progress = nullptr;
 };
@@ -44,10 +45,13 @@ struct CollectiveSweep {
   std::vector<double> unit_bytes, unit_seconds;
 };
 
-// What the ranks measured: each time the slowest rank's (it sets a step's pace), each
-// bandwidth the lowest.
+// What the ranks measured: in each pass each time the slowest rank's (it sets a step's pace),
+// each bandwidth the lowest; over the passes the median.
 struct Calibration {
   int64_t ranks = 1;
+  int passes = 1;  // every figure measured this many times over the calibration
+  // Per pass: the median over the compute times of its time over the one kept.
+  std::vector<double> pass_slowdown;
   std::vector<std::pair<double, double>> gemm;  // (FLOPs of one GEMM, FLOP/s achieved)
   double peak_flops = 0;
   std::vector<EfficiencyPoint> efficiency;

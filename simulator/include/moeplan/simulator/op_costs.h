@@ -20,6 +20,9 @@ struct OpCosts {
   double head_forward_s = 0;       // lm head and loss
   double head_s = 0;               // lm head and loss, forward and backward, and the embedding
   bool measured = false;           // times from the profile's op_times
+  // Per block: what the executor's measured whole micro-batch took beyond its operations,
+  // forward and backward (included in the attention times above); 0 where not measured.
+  double framework_forward_s = 0, framework_backward_s = 0;
   double attention_flops = 0;
   double moe_flops = 0;  // at the mean load
   double head_flops = 0;

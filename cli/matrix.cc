@@ -1,0 +1,123 @@
+#include "matrix.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+
+extern char** environ;
+
+namespace moeplan::cli {
+
+std::string self_path() {
+  std::string self(4096, '\0');
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
+  if (n <= 0) throw std::runtime_error("cannot find this program (/proc/self/exe)");
+  self.resize(static_cast<size_t>(n));
+  return self;
+}
+
+// Runs argv with its output into log; the exit code (or 128 + signal).
+int run_logged(const std::vector<std::string>& argv, const std::string& log) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return 127;
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string last_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty()) last = line;
+  return last;
+}
+
+// Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
+// checkpointing, offloading and micro-batch size.
+std::vector<MatrixConfig> validation_matrix(int64_t ranks, int64_t experts, bool quick) {
+  std::vector<std::pair<int64_t, int64_t>> layouts;  // (E, S)
+  layouts.emplace_back(1, 1);
+  if (ranks > 1 && experts % ranks == 0) layouts.emplace_back(ranks, 1);
+  if (ranks > 1) layouts.emplace_back(1, ranks);
+  if (ranks >= 4 && experts % 2 == 0) layouts.emplace_back(2, ranks / 2);
+  struct Variant {
+    const char* ckpt;
+    bool offload;
+    int64_t mbs;
+  };
+  const std::vector<Variant> variants{{"none", false, 1}, {"none", false, 4},     {"full", false, 2},
+                                      {"selective", true, 2}, {"selective", false, 4}, {"full", true, 2}};
+  std::vector<MatrixConfig> out;
+  const size_t count = quick ? 4 : 10;
+  for (size_t i = 0; out.size() < count && i < layouts.size() * variants.size(); ++i) {
+    const auto& [e, s] = layouts[i % layouts.size()];
+    const Variant& v = variants[(i + i / layouts.size()) % variants.size()];
+    MatrixConfig c;
+    c.e = e;
+    c.s = s;
+    c.mbs = v.mbs;
+    c.checkpointing = v.ckpt;
+    c.offload = v.offload;
+    char name[64];
+    std::snprintf(name, sizeof name, "E%lldS%lldR%lld-%s%s-mbs%lld", static_cast<long long>(e),
+                  static_cast<long long>(s), static_cast<long long>(ranks / (e * s)), v.ckpt, v.offload ? "-offload" : "",
+                  static_cast<long long>(v.mbs));
+    c.name = name;
+    if (std::none_of(out.begin(), out.end(), [&](const MatrixConfig& o) { return o.name == c.name; })) out.push_back(c);
+  }
+  return out;
+}
+
+std::vector<std::string> pinned_search(const std::string& self, const MatrixSetting& setting, const MatrixConfig& c,
+                                       const std::string& profile, const std::string& plan) {
+  std::vector<std::string> argv{self,
+                                "search",
+                                "--gpus",
+                                std::to_string(setting.ranks),
+                                "--instance",
+                                profile,
+                                "--model",
+                                setting.model,
+                                "--seq-len",
+                                std::to_string(setting.seq_len),
+                                "--global-batch-tokens",
+                                std::to_string(setting.global_batch_tokens),
+                                "--precision",
+                                setting.precision,
+                                "--max-micro-batch",
+                                "64",
+                                "--expert-parallel-degree",
+                                std::to_string(c.e),
+                                "--hybrid-shard-degree",
+                                std::to_string(c.s),
+                                "--checkpointing",
+                                c.checkpointing,
+                                "--offload",
+                                c.offload ? "on" : "off",
+                                "--micro-batch",
+                                std::to_string(c.mbs),
+                                "--out",
+                                plan};
+  if (!setting.profiles.empty()) argv.insert(argv.end(), {"--profiles", setting.profiles});
+  return argv;
+}
+
+}  // namespace moeplan::cli

@@ -1,0 +1,42 @@
+#pragma once
+// The matrix `moeplan validate` runs and `moeplan compare-profiles` predicts: configurations
+// of one node's ranks, each planned by `moeplan search` with its choices fixed, and the helpers
+// that run this program's subcommands as child processes.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moeplan::cli {
+
+struct MatrixConfig {
+  std::string name;  // e.g. E2S1R1-full-offload-mbs2
+  int64_t e = 1, s = 1, mbs = 1;
+  std::string checkpointing = "none";
+  bool offload = false;
+};
+
+// What every configuration shares.
+struct MatrixSetting {
+  int64_t ranks = 2;
+  std::string model, profiles;  // profiles: folder with hardware/ and models/; empty: the default
+  int64_t seq_len = 256, global_batch_tokens = 4096;
+  std::string precision = "fp32";
+};
+
+// Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
+// checkpointing, offloading and micro-batch size: 10 configurations, 4 when quick.
+std::vector<MatrixConfig> validation_matrix(int64_t ranks, int64_t experts, bool quick);
+
+// The command line of `moeplan search` with c's choices fixed, on `profile`, writing `plan`.
+std::vector<std::string> pinned_search(const std::string& self, const MatrixSetting& setting, const MatrixConfig& c,
+                                       const std::string& profile, const std::string& plan);
+
+// This program's path.
+std::string self_path();
+// Runs argv with its output into log; the exit code (or 128 + signal).
+int run_logged(const std::vector<std::string>& argv, const std::string& log);
+// The last line of a file that is not empty.
+std::string last_line(const std::string& path);
+
+}  // namespace moeplan::cli
