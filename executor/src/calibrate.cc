@@ -129,8 +129,19 @@ CollectiveFit fit_collective(const CollectiveSweep& sweep, int64_t ranks) {
   // sizes much worse than its neighbours; the model's own sizes are measured apart).
   const LineFit f = fit_line_relative(x, sweep.seconds);
   CollectiveFit c;
-  c.latency_s = std::max(0.0, f.intercept) / std::max(1.0, steps);
-  c.bandwidth_bytes_per_s = f.slope > 0 ? 1.0 / f.slope : 0.0;
+  if (f.slope > 0) {
+    c.latency_s = std::max(0.0, f.intercept) / std::max(1.0, steps);
+    c.bandwidth_bytes_per_s = 1.0 / f.slope;
+    return c;
+  }
+  // Times that do not rise with the size (a short sweep whose middle sizes the transport
+  // handles worse than its largest): the smallest message's time as the latency, the largest
+  // message's rate as the bandwidth.
+  if (x.empty()) return c;
+  const size_t small = static_cast<size_t>(std::min_element(x.begin(), x.end()) - x.begin());
+  const size_t large = static_cast<size_t>(std::max_element(x.begin(), x.end()) - x.begin());
+  c.latency_s = sweep.seconds[small] / std::max(1.0, steps);
+  c.bandwidth_bytes_per_s = sweep.seconds[large] > 0 ? x[large] / sweep.seconds[large] : 0.0;
   return c;
 }
 

@@ -12,6 +12,7 @@
 #include <functional>
 #include <thread>
 
+#include "moeplan/executor/calibrate.h"
 #include "moeplan/executor/collectives.h"
 #include "moeplan/executor/runtime.h"
 #include "test_support.h"
@@ -86,6 +87,33 @@ void expect_all_ok(const std::vector<int>& codes) {
 // Rank r's test data: distinct values per rank, row and column.
 torch::Tensor rank_rows(int rank, int64_t rows, int64_t cols, torch::ScalarType type = torch::kFloat) {
   return (torch::arange(rows * cols, torch::kFloat).view({rows, cols}) + 100.0 * rank).to(type);
+}
+
+// The fit in the cost model's terms: on 2 ranks an all-gather counts 1 step of latency and half
+// its output bytes.
+TEST(FitCollective, RecoversLatencyAndBandwidthOfTheCostModel) {
+  executor::CollectiveSweep sweep;
+  sweep.name = "all_gather";
+  for (double bytes : {1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22}) {
+    sweep.bytes.push_back(bytes);
+    sweep.seconds.push_back(2e-4 + 0.5 * bytes / 1e9);
+  }
+  const CollectiveFit f = executor::fit_collective(sweep, 2);
+  EXPECT_NEAR(f.latency_s, 2e-4, 1e-9);
+  EXPECT_NEAR(f.bandwidth_bytes_per_s, 1e9, 1e3);
+}
+
+// A sweep whose times fall with the size (a transport that handled its small and middle sizes
+// worse than its largest) still gives a fit: a profile without one loses its measured points.
+TEST(FitCollective, TimesThatFallWithSizeStillGiveABandwidth) {
+  executor::CollectiveSweep sweep;
+  sweep.name = "all_gather";
+  sweep.bytes = {1 << 14, 1 << 18, 1 << 20, 1 << 22};
+  sweep.seconds = {4e-3, 3e-3, 2e-3, 1e-3};
+  const CollectiveFit f = executor::fit_collective(sweep, 2);
+  EXPECT_TRUE(f.given());
+  EXPECT_NEAR(f.latency_s, 4e-3, 1e-12);                           // the smallest message
+  EXPECT_NEAR(f.bandwidth_bytes_per_s, 0.5 * (1 << 22) / 1e-3, 1);  // the largest one's rate
 }
 
 TEST(Collectives, AllReduceSumsOverRanks) {
