@@ -115,7 +115,7 @@ std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
                 p.name.c_str(), static_cast<long long>(c.ranks), c.seconds, c.rank_spread);
   out += line;
   if (c.passes > 1) {
-    out += "  " + std::to_string(c.passes) + " passes, each one's times over the medians kept (median over compute "
+    out += "  " + std::to_string(c.passes) + " passes, each one's times over the figures kept (median over compute "
            "times):";
     for (double s : c.pass_slowdown) {
       std::snprintf(line, sizeof line, " %.2f", s);

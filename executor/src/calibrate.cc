@@ -110,6 +110,13 @@ std::vector<int64_t> micro_batches(int64_t max_micro_batch) {
   return m;
 }
 
+// Per column of [passes, values], the lower quartile of the passes (the smaller of two, the
+// second smallest of five); with `higher_is_better`, the upper quartile.
+torch::Tensor undisturbed_quartile(const torch::Tensor& per_pass, bool higher_is_better) {
+  const torch::Tensor sorted = std::get<0>(per_pass.sort(0, higher_is_better));
+  return sorted[(per_pass.size(0) - 1) / 4].contiguous();
+}
+
 }  // namespace
 
 CollectiveFit fit_collective(const CollectiveSweep& sweep, int64_t ranks) {
@@ -247,7 +254,7 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
 
   // Every figure is measured once per pass, in the same order on every rank. A shared machine
   // has spells in which a core runs far slower (another tenant on it); the passes spread the
-  // measurements over time and each figure keeps its median over them.
+  // measurements over time and each figure keeps its lower quartile over them (below).
   std::vector<std::vector<double>> pass_values;
   for (int pass = 1; pass <= passes; ++pass) {
     const std::string of = passes > 1 ? " (pass " + std::to_string(pass) + " of " + std::to_string(passes) + ")" : "";
@@ -409,9 +416,11 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   }
 
   // -- Over the ranks: in each pass the slowest rank's time (it sets the pace of a step) and
-  // the lowest bandwidth. Over the passes: the median, which a minority of disturbed passes
-  // (or one collective caught by a hiccup of its peer) does not move. The overheads: the
-  // largest anywhere.
+  // the lowest bandwidth. Over the passes: the lower quartile of the times (the upper of the
+  // bandwidths), the machine as it runs when no other tenant slows it: a shared machine only
+  // ever adds to a time, and the validation keeps each configuration's least disturbed run
+  // just as well. The quartile, not the fastest pass, so that no single lucky measurement
+  // decides. The overheads: the largest anywhere.
   const int64_t count = static_cast<int64_t>(pass_values.front().size());
   torch::Tensor mine = torch::empty({1, passes, count}, torch::kDouble);
   for (int p = 0; p < passes; ++p)
@@ -420,14 +429,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   const torch::Tensor slowest_rank = std::get<0>(all.max(0));           // [passes, values]
   const torch::Tensor fastest_rank = std::get<0>(all.min(0));
   const torch::Tensor largest = std::get<0>(slowest_rank.max(0)).contiguous();
-  // The median of an even count: the mean of the middle two (torch's median takes the lower).
-  auto middle = [](const torch::Tensor& t) {
-    const torch::Tensor sorted = std::get<0>(t.sort(0));
-    const int64_t k = t.size(0);
-    return ((sorted[(k - 1) / 2] + sorted[k / 2]) / 2).contiguous();
-  };
-  const torch::Tensor slowest = middle(slowest_rank);
-  const torch::Tensor least = middle(fastest_rank);
+  const torch::Tensor slowest = undisturbed_quartile(slowest_rank, false);
+  const torch::Tensor least = undisturbed_quartile(fastest_rank, true);
   // How much slower each pass ran than the figures kept: the median over the compute times.
   const int64_t compute = static_cast<int64_t>(gemms.size() + 5 * mbs.size() + 2 * expert_rows.size());
   for (int p = 0; p < passes; ++p)
@@ -609,7 +612,7 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
   say("framework.op_times",
       "measured: medians of the executor's operations at these shapes, every rank busy at once, routing by " +
           std::string(name_of(kLoadBalancingNames, o.load_balancing)) + ", a median within each of " +
-          std::to_string(c.passes) + " passes, the median of the passes kept");
+          std::to_string(c.passes) + " passes, the lower quartile of the passes kept");
   return p;
 }
 

@@ -271,9 +271,14 @@ LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const Forwar
                        const torch::Tensor& input_ids) {
   const int64_t vocab = out.logits.size(-1);
   LossTerms loss;
-  const torch::Tensor shift_logits = out.logits.index({Slice(), Slice(0, -1)}).reshape({-1, vocab});
-  const torch::Tensor shift_labels = input_ids.index({Slice(), Slice(1, torch::indexing::None)}).reshape({-1});
-  loss.lm = torch::nn::functional::cross_entropy(shift_logits, shift_labels);
+  // Each position predicts the next token; the last position has none and is ignored. The
+  // logits are read in place (a slice of them would be copied by the reshape).
+  constexpr int64_t kIgnore = -100;
+  torch::Tensor labels = torch::full_like(input_ids, kIgnore);
+  labels.index_put_({Slice(), Slice(0, -1)}, input_ids.index({Slice(), Slice(1, torch::indexing::None)}));
+  loss.lm = torch::nn::functional::cross_entropy(
+      out.logits.reshape({-1, vocab}), labels.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnore));
   loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token);
   loss.z = router_z_loss(out.router_logits);
   loss.total = loss.lm;

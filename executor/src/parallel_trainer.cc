@@ -145,8 +145,9 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   for (int64_t m = 0; m < ga; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
     const auto f0 = Clock::now();
-    const ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
+    ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
+    out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();
     const auto f2 = Clock::now();

@@ -197,8 +197,9 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
       compute = params_.tensors();
     }
     const auto f0 = Clock::now();
-    const ForwardResult out = mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
+    ForwardResult out = mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
+    out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();
     clock_.add("forward", "compute", TraceStream::kCompute, f0, f1);

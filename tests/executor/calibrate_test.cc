@@ -47,15 +47,14 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   EXPECT_NE(c.sources.at("framework.op_times").find("moeplan calibrate"), std::string::npos);
   const Json raw = read_json_file(dir.file("local-test.measured.json"));
   EXPECT_EQ(raw.at("collectives").size(), 4u);
-  // Each figure is the median of its passes (of two: their mean), so in each figure one pass
-  // ran at least as fast as the figure kept: so did one pass in the median of the figures.
+  // Each time is the lower quartile of its passes (of two: the faster), so no pass ran any
+  // figure faster than the one kept, and neither pass is faster in the median of the figures.
   ASSERT_EQ(raw.at("passes").get<int>(), 2);
   const Json& slowdown = raw.at("pass_slowdown");
   ASSERT_EQ(slowdown.size(), 2u);
   const double a = slowdown[0].get<double>(), b = slowdown[1].get<double>();
-  EXPECT_GT(a, 0);
-  EXPECT_GT(b, 0);
-  EXPECT_LE(std::min(a, b), 1.0 + 1e-9);
+  EXPECT_GE(a, 1.0 - 1e-9);
+  EXPECT_GE(b, 1.0 - 1e-9);
 
   // The reduced matrix, held to bounds: peak memory to the acceptance bound (15%), step time
   // to median 35% and worst 50%, and the predicted order mostly kept. Two calibration passes,

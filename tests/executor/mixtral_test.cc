@@ -164,8 +164,10 @@ ModelSpec small_spec() {
 ParameterSet random_model(const ModelSpec& s, uint64_t seed, torch::ScalarType dtype = torch::kFloat) {
   ParameterSet p = ParameterSet::on_meta(mixtral_parameters(s));
   p.materialize(seed, dtype);
-  // Norm weights start at one; make them differ so a wrong norm is visible.
+  // Norm weights start at one; make them differ so a wrong norm is visible (from the same seed,
+  // so that a test sees the same model in every run).
   torch::NoGradGuard no_grad;
+  torch::manual_seed(seed);
   for (size_t i = 0; i < p.infos().size(); ++i)
     if (p.infos()[i].init == InitKind::kOnes) p.tensors()[i].uniform_(0.5, 1.5);
   return p;
@@ -216,9 +218,14 @@ TEST(Mixtral, ReferenceSeesAWrongModel) {
   const torch::Tensor ids = torch::arange(6, torch::kLong).view({1, 6});
   std::vector<int64_t> seq(ids[0].data_ptr<int64_t>(), ids[0].data_ptr<int64_t>() + 6);
   const Reference before = reference_forward(s, p.tensors(), seq);
+  // An expert of the last layer that some token is routed to.
+  const std::vector<int64_t>& load = before.expert_load[1];
+  const int64_t used = std::max_element(load.begin(), load.end()) - load.begin();
+  ASSERT_GT(load[static_cast<size_t>(used)], 0);
   {
     torch::NoGradGuard no_grad;
-    p.tensors()[static_cast<size_t>(p.find("model.layers.1.block_sparse_moe.experts.2.w2.weight"))].add_(0.05);
+    const std::string name = "model.layers.1.block_sparse_moe.experts." + std::to_string(used) + ".w2.weight";
+    p.tensors()[static_cast<size_t>(p.find(name))].add_(0.05);
   }
   const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
   double worst = 0;

@@ -31,7 +31,7 @@ struct CalibrateOptions {
   LoadBalancing load_balancing = LoadBalancing::kSinkhorn;
   int64_t max_micro_batch = 8;
   bool quick = false;        // fewer sizes and repeats (tests)
-  int passes = 0;            // times every figure is measured, the median kept; 0: 5 (1 with quick)
+  int passes = 0;            // times every figure is measured, the lower quartile kept; 0: 5 (1 with quick)
   std::string scratch_dir;   // where the offload file is written
   std::ostream* progress = nullptr;
 };
@@ -46,7 +46,8 @@ struct CollectiveSweep {
 };
 
 // What the ranks measured: in each pass each time the slowest rank's (it sets a step's pace),
-// each bandwidth the lowest; over the passes the median.
+// each bandwidth the lowest; over the passes the lower quartile of the times (the upper of the
+// bandwidths): the machine when no other tenant slows it.
 struct Calibration {
   int64_t ranks = 1;
   int passes = 1;  // every figure measured this many times over the calibration
