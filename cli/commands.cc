@@ -12,6 +12,7 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/core/units.h"
+#include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/step.h"
 #include "profiles.h"
@@ -293,7 +294,12 @@ int run_simulate(const SimulateArgs& args) {
                   100.0 * s.nic_busy_s / e.step_time_s);
     if (!args.measured.empty()) print_phase_comparison(s, measured, plan, config);
     if (!args.trace.empty()) {
-      write_file_atomic(args.trace, to_json(sim::step_trace(s)).dump() + "\n");
+      // The memory curve: what the memory model says a rank holds throughout the step, plus
+      // the activations the simulated blocks keep.
+      const planner::MemoryEstimate m = planner::estimate_memory(config);
+      const double resident = static_cast<double>(m.model_states() + m.gathered_parameters + m.gradient_buffers +
+                                                  m.moe_dispatch_buffers + m.framework_overhead);
+      write_file_atomic(args.trace, to_json(sim::step_trace(s, resident)).dump() + "\n");
       std::printf("wrote %s\n", args.trace.c_str());
     }
     return kExitOk;
@@ -307,13 +313,16 @@ int run_simulate(const SimulateArgs& args) {
 
 namespace moeplan::cli {
 
-int run_data(const std::vector<std::string>& args, const char* argv0) {
-  // The sibling executable: next to the real path of this one.
+namespace {
+
+// Runs a sibling executable (next to the real path of this one) in this process's place.
+int exec_sibling(const char* name, const char* command, const char* built_with, const std::vector<std::string>& args,
+                 const char* argv0) {
   std::string self(4096, '\0');
   const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
   self = n > 0 ? self.substr(0, static_cast<size_t>(n)) : std::string(argv0);
   const auto slash = self.rfind('/');
-  const std::string tool = (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/moeplan-data";
+  const std::string tool = (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/" + name;
   std::vector<std::string> storage{tool};
   storage.insert(storage.end(), args.begin(), args.end());
   std::vector<char*> argv;
@@ -321,9 +330,19 @@ int run_data(const std::vector<std::string>& args, const char* argv0) {
   argv.push_back(nullptr);
   std::fflush(stdout);
   ::execv(tool.c_str(), argv.data());
-  std::fprintf(stderr, "moeplan: error: data: cannot run %s (%s); it is built with the executor\n", tool.c_str(),
-               std::strerror(errno));
+  std::fprintf(stderr, "moeplan: error: %s: cannot run %s (%s); it is built with %s\n", command, tool.c_str(),
+               std::strerror(errno), built_with);
   return kExitBadInput;
+}
+
+}  // namespace
+
+int run_data(const std::vector<std::string>& args, const char* argv0) {
+  return exec_sibling("moeplan-data", "data", "the executor", args, argv0);
+}
+
+int run_view(const std::vector<std::string>& args, const char* argv0) {
+  return exec_sibling("moeplan-view", "view", "the viewer (Qt6: apt-get install qt6-base-dev)", args, argv0);
 }
 
 }  // namespace moeplan::cli

@@ -122,6 +122,8 @@ int run_check(const CheckArgs& args);
 // `moeplan data ...` replaces this process by moeplan-data (next to this executable) with the
 // same arguments.
 int run_data(const std::vector<std::string>& args, const char* argv0);
+// `moeplan view`: the timeline viewer, a separate executable with Qt (moeplan-view).
+int run_view(const std::vector<std::string>& args, const char* argv0);
 int run_run(const RunArgs& args);
 int run_calibrate(const CalibrateArgs& args);
 

@@ -91,6 +91,10 @@ int main(int argc, char** argv) {
   CLI::App* data_cmd = app.add_subcommand("data", "Prepare training data: `moeplan data prepare --help`");
   data_cmd->prefix_command();  // everything after `data` goes to moeplan-data
 
+  CLI::App* view_cmd = app.add_subcommand(
+      "view", "Show a step's timeline, simulated and measured (`moeplan view trace.json [measured.json] [--png F]`)");
+  view_cmd->prefix_command();  // everything after `view` goes to moeplan-view
+
   RunArgs run;
   CLI::App* run_cmd = app.add_subcommand("run", "Train with a plan and compare with its prediction");
   run_cmd->add_option("plan", run.plan, "plan.json")->required();
@@ -129,7 +133,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(1, 256));
   calibrate_cmd->add_flag("--quick", calibrate.quick, "Fewer sizes and repeats");
   calibrate_cmd->add_option("--passes", calibrate.passes,
-                            "Measure every figure this many times over the calibration and keep the median "
+                            "Measure every figure this many times over the calibration and keep the lower quartile "
                             "(default 5, 1 with --quick)")
       ->check(CLI::Range(1, 20));
   calibrate_cmd->add_option("--timeout", calibrate.timeout_seconds, "Seconds a collective may wait for a peer")
@@ -200,6 +204,7 @@ int main(int argc, char** argv) {
   if (check_cmd->parsed()) return run_check(check);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
+  if (view_cmd->parsed()) return run_view(view_cmd->remaining(), argv[0]);
   if (validate_cmd->parsed()) return run_validate(validate);
   if (compare_cmd->parsed()) return run_compare_profiles(compare);
   if (calibrate_cmd->parsed()) {

@@ -1,7 +1,13 @@
 #include "moeplan/core/trace.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string_view>
 
 namespace moeplan {
 
@@ -39,6 +45,15 @@ OrderedJson to_json(const Trace& trace) {
     j["args"] = args;
     events.push_back(std::move(j));
   }
+  for (const MemorySample& m : trace.memory) {
+    OrderedJson j;
+    j["name"] = "memory";
+    j["ph"] = "C";
+    j["ts"] = to_us(m.time_ns);
+    j["pid"] = m.rank;
+    j["args"] = {{"bytes", m.bytes}, {"time_ns", m.time_ns}};
+    events.push_back(std::move(j));
+  }
   OrderedJson out;
   out["traceEvents"] = std::move(events);
   out["displayTimeUnit"] = "ns";
@@ -66,6 +81,22 @@ Trace trace_from_json(const Json& json, const std::string& origin) {
         ObjectReader e((*events)[i], at, d);
         if (!e.ok()) continue;
         const std::string ph = e.string("ph");
+        const auto name = (*events)[i].find("name");
+        if (ph == "C" && name != (*events)[i].end() && name->is_string() && *name == "memory") {
+          MemorySample m;
+          e.string("name");
+          m.rank = e.integer("pid", 0, int64_t{1} << 24);
+          m.time_ns = std::llround(e.number("ts", 0.0, 1e15) * 1000.0);
+          if (auto args = e.object("args")) {
+            m.bytes = args->number("bytes", 0.0, 1e30);
+            m.time_ns = args->integer("time_ns", 0, int64_t{1} << 60, m.time_ns);
+            args->finish();
+          }
+          e.finish();
+          if (m.rank >= trace.ranks) trace.ranks = m.rank + 1;
+          trace.memory.push_back(m);
+          continue;
+        }
         if (ph != "X") {  // metadata and other phases carry nothing the timeline needs
           for (auto it = (*events)[i].begin(); it != (*events)[i].end(); ++it) e.ignore(it.key());
           continue;
@@ -95,6 +126,534 @@ Trace trace_from_json(const Json& json, const std::string& origin) {
   }
   d.throw_if_any(origin);
   return trace;
+}
+
+// -- Streaming reader -------------------------------------------------------------------------
+
+namespace {
+
+using SaxJson = nlohmann::json;
+
+// One JSON scalar as the SAX parser hands it over.
+struct Scalar {
+  enum class Kind : uint8_t { kNull, kBool, kInteger, kFloat, kString } kind = Kind::kNull;
+  double number = 0;
+  int64_t integer = 0;
+  std::string text;
+  bool boolean = false;
+
+  std::string describe() const {
+    switch (kind) {
+      case Kind::kNull: return "null";
+      case Kind::kBool: return boolean ? "true" : "false";
+      case Kind::kInteger: return "number " + std::to_string(integer);
+      case Kind::kFloat: {
+        std::ostringstream out;
+        out << "number " << number;
+        return out.str();
+      }
+      case Kind::kString: return "string \"" + (text.size() > 40 ? text.substr(0, 40) + "..." : text) + "\"";
+    }
+    return "a value";
+  }
+};
+
+// The fields of one trace event as read, checked once the event is complete.
+struct RawEvent {
+  std::optional<std::string> name, cat, ph;
+  std::optional<double> ts, dur;
+  std::optional<int64_t> pid, tid;
+  std::optional<int64_t> start_ns, duration_ns, time_ns;
+  std::optional<double> flops, bytes;
+  bool has_args = false;
+  std::vector<std::pair<std::string, std::string>> problems;  // field, message
+  void clear() { *this = RawEvent{}; }
+};
+
+class TraceSax final : public nlohmann::json_sax<SaxJson> {
+ public:
+  TraceSax(Trace& trace, Diagnostics& d, const std::function<void(const TraceReadProgress&)>& progress,
+           int64_t file_bytes)
+      : trace_(trace), d_(d), progress_(progress), file_bytes_(file_bytes) {}
+
+  bool null() override { return scalar(Scalar{}); }
+  bool boolean(bool v) override {
+    Scalar s;
+    s.kind = Scalar::Kind::kBool;
+    s.boolean = v;
+    return scalar(s);
+  }
+  bool number_integer(number_integer_t v) override {
+    Scalar s;
+    s.kind = Scalar::Kind::kInteger;
+    s.integer = v;
+    s.number = static_cast<double>(v);
+    return scalar(s);
+  }
+  bool number_unsigned(number_unsigned_t v) override {
+    Scalar s;
+    s.kind = v > static_cast<uint64_t>(INT64_MAX) ? Scalar::Kind::kFloat : Scalar::Kind::kInteger;
+    s.integer = static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX));
+    s.number = static_cast<double>(v);
+    return scalar(s);
+  }
+  bool number_float(number_float_t v, const string_t&) override {
+    Scalar s;
+    s.kind = Scalar::Kind::kFloat;
+    s.number = v;
+    return scalar(s);
+  }
+  bool string(string_t& v) override {
+    Scalar s;
+    s.kind = Scalar::Kind::kString;
+    s.text = std::move(v);
+    return scalar(s);
+  }
+  bool binary(binary_t&) override { return scalar(Scalar{}); }
+
+  bool key(string_t& k) override {
+    key_ = std::move(k);
+    return true;
+  }
+
+  bool start_object(std::size_t) override {
+    if (stack_.empty()) {
+      stack_.push_back(Ctx::kTop);
+      return true;
+    }
+    switch (stack_.back()) {
+      case Ctx::kTop:
+        if (key_ == "otherData") {
+          stack_.push_back(Ctx::kOther);
+          return true;
+        }
+        top_value_is_container();
+        break;
+      case Ctx::kEvents:
+        event_.clear();
+        stack_.push_back(Ctx::kEvent);
+        return true;
+      case Ctx::kEvent:
+        if (key_ == "args") {
+          event_.has_args = true;
+          stack_.push_back(Ctx::kArgs);
+          return true;
+        }
+        event_problem(key_, "expected a scalar, got an object");
+        break;
+      case Ctx::kArgs: event_problem("args." + key_, "expected a scalar, got an object"); break;
+      case Ctx::kOther: error("otherData." + key_, "expected a scalar, got an object"); break;
+      case Ctx::kSkip: break;
+    }
+    stack_.push_back(Ctx::kSkip);
+    return keep_going();
+  }
+
+  bool start_array(std::size_t) override {
+    if (stack_.empty()) {
+      error("", "expected an object, got an array");
+      return false;
+    }
+    switch (stack_.back()) {
+      case Ctx::kTop:
+        if (key_ == "traceEvents") {
+          seen_events_ = true;
+          stack_.push_back(Ctx::kEvents);
+          return true;
+        }
+        top_value_is_container();
+        break;
+      case Ctx::kEvents: error(event_path(), "expected an object, got an array"); break;
+      case Ctx::kEvent: event_problem(key_, "expected a scalar, got an array"); break;
+      case Ctx::kArgs: event_problem("args." + key_, "expected a scalar, got an array"); break;
+      case Ctx::kOther: error("otherData." + key_, "expected a scalar, got an array"); break;
+      case Ctx::kSkip: break;
+    }
+    stack_.push_back(Ctx::kSkip);
+    return keep_going();
+  }
+
+  bool end_object() override {
+    const Ctx done = stack_.back();
+    stack_.pop_back();
+    if (done == Ctx::kEvent) {
+      finish_event();
+      ++index_;
+      if (progress_ && (index_ & 0xFFFF) == 0) progress_({index_, file_bytes_});
+    }
+    if (done == Ctx::kTop && !seen_events_) error("traceEvents", "missing");
+    return keep_going();
+  }
+  bool end_array() override {
+    stack_.pop_back();
+    return keep_going();
+  }
+
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) override {
+    std::string what = e.what();
+    if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
+    d_.error("", "not valid JSON at byte " + std::to_string(position) + " (" + what + ")");
+    return false;
+  }
+
+ private:
+  enum class Ctx : uint8_t { kTop, kOther, kEvents, kEvent, kArgs, kSkip };
+
+  bool keep_going() const { return d_.items().size() < 20; }
+  void error(const std::string& path, const std::string& message) { d_.error(path, message); }
+  std::string event_path() const { return "traceEvents[" + std::to_string(index_) + "]"; }
+  void event_problem(const std::string& field, const std::string& message) {
+    event_.problems.emplace_back(field, message);
+  }
+  void top_value_is_container() {
+    if (key_ == "displayTimeUnit") error(key_, "expected a string");
+    else if (key_ == "traceEvents") error(key_, "expected an array");
+    else if (key_ == "otherData") error(key_, "expected an object");
+    else error(key_, "unknown field");
+  }
+
+  bool scalar(Scalar s) {
+    if (stack_.empty()) {
+      error("", "expected an object, got " + s.describe());
+      return false;
+    }
+    switch (stack_.back()) {
+      case Ctx::kTop: top_scalar(s); break;
+      case Ctx::kOther: other_scalar(s); break;
+      case Ctx::kEvents: error(event_path(), "expected an object, got " + s.describe()); break;
+      case Ctx::kEvent: event_scalar(s); break;
+      case Ctx::kArgs: args_scalar(s); break;
+      case Ctx::kSkip: break;
+    }
+    return keep_going();
+  }
+
+  void top_scalar(const Scalar& s) {
+    if (key_ == "displayTimeUnit") {
+      if (s.kind != Scalar::Kind::kString) error(key_, "expected a string, got " + s.describe());
+    } else if (key_ == "traceEvents") {
+      error(key_, "expected an array, got " + s.describe());
+    } else if (key_ == "otherData") {
+      error(key_, "expected an object, got " + s.describe());
+    } else {
+      error(key_, "unknown field");
+    }
+  }
+
+  void other_scalar(const Scalar& s) {
+    const std::string path = "otherData." + key_;
+    if (key_ == "source") {
+      if (s.kind == Scalar::Kind::kString) trace_.source = s.text;
+      else error(path, "expected a string, got " + s.describe());
+    } else if (key_ == "ranks") {
+      if (auto v = integer(s, path, 0, int64_t{1} << 24)) trace_.ranks = std::max(trace_.ranks, *v);
+    } else if (key_ == "moeplan_trace_version") {
+      integer(s, path, 1, 1);
+    } else {
+      error(path, "unknown field");
+    }
+  }
+
+  std::optional<int64_t> integer(const Scalar& s, const std::string& path, int64_t min, int64_t max) {
+    int64_t v = s.integer;
+    if (s.kind == Scalar::Kind::kFloat && std::floor(s.number) == s.number && std::abs(s.number) < 9e18) {
+      v = static_cast<int64_t>(s.number);
+    } else if (s.kind != Scalar::Kind::kInteger) {
+      error(path, "expected an integer, got " + s.describe());
+      return std::nullopt;
+    }
+    if (v < min || v > max) {
+      error(path, "must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " + std::to_string(v));
+      return std::nullopt;
+    }
+    return v;
+  }
+
+  static std::optional<double> as_number(const Scalar& s) {
+    if (s.kind == Scalar::Kind::kInteger || s.kind == Scalar::Kind::kFloat) return s.number;
+    return std::nullopt;
+  }
+  static std::optional<int64_t> as_integer(const Scalar& s) {
+    if (s.kind == Scalar::Kind::kInteger) return s.integer;
+    if (s.kind == Scalar::Kind::kFloat && std::floor(s.number) == s.number && std::abs(s.number) < 9e18)
+      return static_cast<int64_t>(s.number);
+    return std::nullopt;
+  }
+
+  template <class T>
+  void take(std::optional<T>& field, std::optional<T> value, const std::string& name, const char* expected,
+            const Scalar& s) {
+    if (value) field = value;
+    else event_problem(name, std::string("expected ") + expected + ", got " + s.describe());
+  }
+
+  void event_scalar(Scalar& s) {
+    const bool text = s.kind == Scalar::Kind::kString;
+    if (key_ == "name" || key_ == "cat" || key_ == "ph") {
+      std::optional<std::string>& field = key_ == "name" ? event_.name : key_ == "cat" ? event_.cat : event_.ph;
+      if (text) field = std::move(s.text);
+      else event_problem(key_, "expected a string, got " + s.describe());
+    } else if (key_ == "ts") {
+      take(event_.ts, as_number(s), key_, "a number", s);
+    } else if (key_ == "dur") {
+      take(event_.dur, as_number(s), key_, "a number", s);
+    } else if (key_ == "pid") {
+      take(event_.pid, as_integer(s), key_, "an integer", s);
+    } else if (key_ == "tid") {
+      take(event_.tid, as_integer(s), key_, "an integer", s);
+    } else {
+      event_problem(key_, "unknown field");
+    }
+  }
+
+  void args_scalar(const Scalar& s) {
+    const std::string path = "args." + key_;
+    if (key_ == "start_ns") take(event_.start_ns, as_integer(s), path, "an integer", s);
+    else if (key_ == "duration_ns") take(event_.duration_ns, as_integer(s), path, "an integer", s);
+    else if (key_ == "time_ns") take(event_.time_ns, as_integer(s), path, "an integer", s);
+    else if (key_ == "flops") take(event_.flops, as_number(s), path, "a number", s);
+    else if (key_ == "bytes") take(event_.bytes, as_number(s), path, "a number", s);
+    else event_problem(path, "unknown field");
+  }
+
+  // Checks a value against its range; reports it under the event's path.
+  template <class T>
+  bool in_range(const std::optional<T>& v, const char* field, T min, T max, bool required) {
+    const std::string path = event_path() + "." + field;
+    if (!v) {
+      if (required) error(path, "missing");
+      return false;
+    }
+    if (*v < min || *v > max) {
+      std::ostringstream range;
+      range << "must be in [" << min << ", " << max << "], got " << *v;
+      error(path, range.str());
+      return false;
+    }
+    return true;
+  }
+
+  void finish_event() {
+    RawEvent& e = event_;
+    if (!e.ph) {
+      error(event_path() + ".ph", "missing");
+      return;
+    }
+    const bool complete = *e.ph == "X";
+    const bool memory = *e.ph == "C" && e.name && *e.name == "memory";
+    if (!complete && !memory) return;  // metadata and other phases carry nothing the timeline needs
+    for (const auto& [field, message] : e.problems) error(event_path() + "." + field, message);
+    if (!e.problems.empty()) return;
+    constexpr int64_t kMaxRank = int64_t{1} << 24;
+    constexpr int64_t kMaxNs = int64_t{1} << 60;
+    if (memory) {
+      bool ok = in_range(e.pid, "pid", int64_t{0}, kMaxRank, true);
+      ok = in_range(e.ts, "ts", 0.0, 1e15, true) && ok;
+      if (!e.has_args) error(event_path() + ".args", "missing");
+      ok = in_range(e.bytes, "args.bytes", 0.0, 1e30, e.has_args) && ok;
+      if (e.time_ns) ok = in_range(e.time_ns, "args.time_ns", int64_t{0}, kMaxNs, false) && ok;
+      if (e.dur || e.cat || e.tid || e.flops || e.start_ns || e.duration_ns)
+        error(event_path(), "a memory counter has only name, ph, ts, pid and args.bytes");
+      if (!ok || !e.has_args) return;
+      MemorySample m;
+      m.rank = *e.pid;
+      m.time_ns = e.time_ns ? *e.time_ns : std::llround(*e.ts * 1000.0);
+      m.bytes = *e.bytes;
+      trace_.ranks = std::max(trace_.ranks, m.rank + 1);
+      trace_.memory.push_back(m);
+      return;
+    }
+    bool ok = e.name.has_value();
+    if (!e.name) error(event_path() + ".name", "missing");
+    ok = in_range(e.ts, "ts", 0.0, 1e15, true) && ok;
+    ok = in_range(e.dur, "dur", 0.0, 1e15, true) && ok;
+    ok = in_range(e.pid, "pid", int64_t{0}, kMaxRank, true) && ok;
+    if (e.tid) ok = in_range(e.tid, "tid", int64_t{0}, int64_t{kTraceStreamCount - 1}, false) && ok;
+    if (e.start_ns) ok = in_range(e.start_ns, "args.start_ns", int64_t{0}, kMaxNs, false) && ok;
+    if (e.duration_ns) ok = in_range(e.duration_ns, "args.duration_ns", int64_t{0}, kMaxNs, false) && ok;
+    if (e.flops) ok = in_range(e.flops, "args.flops", 0.0, 1e30, false) && ok;
+    if (e.bytes) ok = in_range(e.bytes, "args.bytes", 0.0, 1e30, false) && ok;
+    if (e.time_ns) {
+      error(event_path() + ".args.time_ns", "unknown field");
+      ok = false;
+    }
+    if (!ok) return;
+    TraceEvent ev;
+    ev.name = std::move(*e.name);
+    ev.category = e.cat ? std::move(*e.cat) : std::string();
+    ev.rank = *e.pid;
+    ev.stream = static_cast<TraceStream>(e.tid.value_or(0));
+    ev.start_ns = e.start_ns ? *e.start_ns : std::llround(*e.ts * 1000.0);
+    ev.duration_ns = e.duration_ns ? *e.duration_ns : std::llround(*e.dur * 1000.0);
+    ev.flops = e.flops.value_or(0.0);
+    ev.bytes = e.bytes.value_or(0.0);
+    trace_.ranks = std::max(trace_.ranks, ev.rank + 1);
+    trace_.events.push_back(std::move(ev));
+  }
+
+  Trace& trace_;
+  Diagnostics& d_;
+  const std::function<void(const TraceReadProgress&)>& progress_;
+  int64_t file_bytes_ = 0;
+  std::vector<Ctx> stack_;
+  std::string key_;
+  RawEvent event_;
+  int64_t index_ = 0;
+  bool seen_events_ = false;
+};
+
+}  // namespace
+
+Trace read_trace_file(const std::string& path, const std::function<void(const TraceReadProgress&)>& progress) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw InputError(path, {{"", "cannot open file"}});
+  const std::streamoff size = in.tellg();
+  if (size < 0) throw InputError(path, {{"", "cannot read file"}});
+  std::string text(static_cast<size_t>(size), '\0');
+  in.seekg(0);
+  if (!in.read(text.data(), size)) throw InputError(path, {{"", "cannot read file"}});
+  in.close();
+
+  Trace trace;
+  Diagnostics d;
+  TraceSax sax(trace, d, progress, static_cast<int64_t>(size));
+  const bool ok = SaxJson::sax_parse(text.data(), text.data() + text.size(), &sax);
+  if (!ok && d.empty()) d.error("", "not valid JSON");
+  d.throw_if_any(path);
+  if (progress) progress({static_cast<int64_t>(trace.events.size()), static_cast<int64_t>(size)});
+  return trace;
+}
+
+// -- Phases ---------------------------------------------------------------------------------------
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view tail) {
+  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+}
+
+// "mb<k>." at the start of a simulated op's name: k, and the rest of the name.
+std::optional<std::pair<int64_t, std::string_view>> micro_batch_of(std::string_view name) {
+  if (name.size() < 4 || name.substr(0, 2) != "mb") return std::nullopt;
+  size_t i = 2;
+  int64_t k = 0;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9' && i < 12) k = k * 10 + (name[i++] - '0');
+  if (i == 2 || i >= name.size() || name[i] != '.') return std::nullopt;
+  return std::make_pair(k, name.substr(i + 1));
+}
+
+struct Span {
+  int64_t start = INT64_MAX;
+  int64_t end = INT64_MIN;
+  void add(int64_t a, int64_t b) {
+    start = std::min(start, a);
+    end = std::max(end, b);
+  }
+};
+
+std::string forward_phase(int64_t k) { return "mb" + std::to_string(k) + " forward"; }
+std::string backward_phase(int64_t k) { return "mb" + std::to_string(k) + " backward"; }
+
+// Phases of every rank at once: [rank] -> name -> span.
+std::vector<std::map<std::string, Span>> all_phases(const Trace& trace) {
+  std::vector<std::map<std::string, Span>> out(static_cast<size_t>(std::max<int64_t>(trace.ranks, 0)));
+  std::vector<int64_t> forwards(out.size(), 0), backwards(out.size(), 0);
+  for (const TraceEvent& e : trace.events) {
+    if (e.stream != TraceStream::kCompute || e.rank < 0 || e.rank >= trace.ranks) continue;
+    auto& phases = out[static_cast<size_t>(e.rank)];
+    const int64_t end = e.start_ns + e.duration_ns;
+    if (e.name == "forward") {
+      phases[forward_phase(forwards[static_cast<size_t>(e.rank)]++)].add(e.start_ns, end);
+    } else if (e.name == "backward") {
+      phases[backward_phase(backwards[static_cast<size_t>(e.rank)]++)].add(e.start_ns, end);
+    } else if (e.name == "optimizer") {
+      phases["optimizer"].add(e.start_ns, end);
+    } else if (auto mb = micro_batch_of(e.name)) {
+      const auto [k, op] = *mb;
+      if (op == "head_fwd_bwd") {
+        const int64_t loss = e.start_ns + e.duration_ns / 3;
+        phases[forward_phase(k)].add(e.start_ns, loss);
+        phases[backward_phase(k)].add(loss, end);
+      } else if (ends_with(op, "_fwd")) {
+        phases[forward_phase(k)].add(e.start_ns, end);
+      } else if (ends_with(op, "_bwd") || ends_with(op, "_recompute")) {
+        phases[backward_phase(k)].add(e.start_ns, end);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<TracePhase> in_order(const std::map<std::string, Span>& phases) {
+  std::vector<TracePhase> out;
+  for (const auto& [name, span] : phases) out.push_back({name, span.start, span.end});
+  std::sort(out.begin(), out.end(), [](const TracePhase& a, const TracePhase& b) {
+    return a.start_ns != b.start_ns ? a.start_ns < b.start_ns : a.name < b.name;
+  });
+  return out;
+}
+
+}  // namespace
+
+std::vector<TracePhase> step_phases(const Trace& trace, int64_t rank) {
+  if (rank < 0 || rank >= trace.ranks) return {};
+  return in_order(all_phases(trace)[static_cast<size_t>(rank)]);
+}
+
+std::vector<PhaseDifference> compare_phases(const Trace& first, const Trace& second) {
+  const auto a = all_phases(first), b = all_phases(second);
+  // The ranks both traces have phases for; all of them if they share none.
+  std::vector<size_t> common;
+  for (size_t r = 0; r < std::min(a.size(), b.size()); ++r)
+    if (!a[r].empty() && !b[r].empty()) common.push_back(r);
+  auto longest = [&](const std::vector<std::map<std::string, Span>>& phases, bool only_common) {
+    std::map<std::string, int64_t> out;
+    for (size_t r = 0; r < phases.size(); ++r) {
+      if (only_common && !std::binary_search(common.begin(), common.end(), r)) continue;
+      for (const auto& [name, span] : phases[r]) out[name] = std::max(out[name], span.end - span.start);
+    }
+    return out;
+  };
+  const auto la = longest(a, !common.empty()), lb = longest(b, !common.empty());
+  std::vector<PhaseDifference> out;
+  for (const auto& [name, ns] : la)
+    if (auto it = lb.find(name); it != lb.end()) out.push_back({name, ns * 1e-9, it->second * 1e-9});
+  std::stable_sort(out.begin(), out.end(), [](const PhaseDifference& x, const PhaseDifference& y) {
+    return std::abs(x.second_s - x.first_s) > std::abs(y.second_s - y.first_s);
+  });
+  return out;
+}
+
+Trace align_phases(const Trace& moved, const Trace& reference) {
+  const auto mine = all_phases(moved), theirs = all_phases(reference);
+  // Per rank: phase starts in `moved` and the shift of each, a phase absent from `reference`
+  // taking the shift of the phase before it.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> shifts(mine.size());
+  for (size_t r = 0; r < mine.size(); ++r) {
+    if (r >= theirs.size() || theirs[r].empty()) continue;
+    std::optional<int64_t> shift;
+    for (const TracePhase& p : in_order(mine[r])) {
+      if (auto it = theirs[r].find(p.name); it != theirs[r].end()) {
+        // Phases before the first matched one take its shift.
+        if (!shift)
+          for (auto& earlier : shifts[r]) earlier.second = it->second.start - p.start_ns;
+        shift = it->second.start - p.start_ns;
+      }
+      shifts[r].emplace_back(p.start_ns, shift.value_or(0));
+    }
+    if (!shift) shifts[r].clear();
+  }
+  auto shift_at = [&](int64_t rank, int64_t t) -> int64_t {
+    if (rank < 0 || static_cast<size_t>(rank) >= shifts.size()) return 0;
+    const auto& s = shifts[static_cast<size_t>(rank)];
+    if (s.empty()) return 0;
+    auto it = std::upper_bound(s.begin(), s.end(), std::make_pair(t, INT64_MAX));
+    return it == s.begin() ? s.front().second : std::prev(it)->second;
+  };
+  Trace out = moved;
+  for (TraceEvent& e : out.events) e.start_ns = std::max<int64_t>(0, e.start_ns + shift_at(e.rank, e.start_ns));
+  for (MemorySample& m : out.memory) m.time_ns = std::max<int64_t>(0, m.time_ns + shift_at(m.rank, m.time_ns));
+  return out;
 }
 
 }  // namespace moeplan

@@ -245,6 +245,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       m.baseline_rss_bytes = baseline_rss;
       m.peak_tensor_bytes = tensor_bytes().peak;
       m.events = trainer.clock().events();
+      m.memory = trainer.clock().memory();
       write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", to_json(m).dump());
     }
     mesh.world.barrier();

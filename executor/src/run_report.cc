@@ -5,9 +5,27 @@
 #include <fstream>
 #include <map>
 
+#include "moeplan/executor/runtime.h"
 #include "moeplan/executor/trainer.h"
 
 namespace moeplan::executor {
+
+void PhaseClock::start_step() {
+  events_.clear();
+  memory_.clear();
+  origin_ = Clock::now();
+  sample_memory(origin_);
+}
+
+void PhaseClock::sample_memory(Clock::time_point at) {
+  const TensorBytes bytes = tensor_bytes();
+  if (bytes.peak == 0) return;  // tensors are not counted in this process
+  MemorySample m;
+  m.rank = rank_;
+  m.time_ns = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(at - origin_).count());
+  m.bytes = static_cast<double>(bytes.live);
+  memory_.push_back(m);
+}
 
 void PhaseClock::add(std::string name, std::string category, TraceStream stream, Clock::time_point start,
                      Clock::time_point end, double bytes) {
@@ -20,6 +38,7 @@ void PhaseClock::add(std::string name, std::string category, TraceStream stream,
   e.stream = stream;
   e.bytes = bytes;
   events_.push_back(std::move(e));
+  sample_memory(end);
 }
 
 namespace {
@@ -71,6 +90,7 @@ OrderedJson to_json(const RankMeasurement& m) {
   trace.source = "measured";
   trace.ranks = m.rank + 1;
   trace.events = m.events;
+  trace.memory = m.memory;
   j["trace"] = moeplan::to_json(trace);
   return j;
 }
@@ -81,7 +101,9 @@ RankMeasurement rank_measurement_from_json(const Json& j, const std::string& ori
   m.peak_rss_bytes = j.at("peak_rss_bytes").get<int64_t>();
   m.baseline_rss_bytes = j.at("baseline_rss_bytes").get<int64_t>();
   m.peak_tensor_bytes = j.at("peak_tensor_bytes").get<int64_t>();
-  m.events = trace_from_json(j.at("trace"), origin).events;
+  Trace trace = trace_from_json(j.at("trace"), origin);
+  m.events = std::move(trace.events);
+  m.memory = std::move(trace.memory);
   return m;
 }
 
@@ -124,6 +146,7 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
   r.ranks = trace.ranks;
   for (const RankMeasurement& m : ranks) {
     trace.events.insert(trace.events.end(), m.events.begin(), m.events.end());
+    trace.memory.insert(trace.memory.end(), m.memory.begin(), m.memory.end());
     r.peak_rss_bytes_per_rank.push_back(m.peak_rss_bytes);
     r.baseline_rss_bytes_per_rank.push_back(m.baseline_rss_bytes);
     r.peak_tensor_bytes_per_rank.push_back(m.peak_tensor_bytes);

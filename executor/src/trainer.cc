@@ -369,6 +369,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
     m.baseline_rss_bytes = baseline_rss;
     m.peak_tensor_bytes = tensor_bytes().peak;
     m.events = trainer.clock().events();
+    m.memory = trainer.clock().memory();
     result.report = write_run_outputs(plan, o.out_dir, result.steps, {m}, "CPU rank");
   }
   return result;

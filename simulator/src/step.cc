@@ -402,6 +402,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   sim.micro_batches = options.all_micro_batches ? p.gradient_accumulation_steps
                                                 : std::min<int64_t>(kSimulatedMicroBatches, p.gradient_accumulation_steps);
   sim.graph = Builder(c, layout, sim.micro_batches).build();
+  sim.block_activation_bytes = op_costs(c).offload_bytes;
   sim.graph.set_serial_streams(!c.cluster.comm_overlaps_compute);
   sim.times = run_graph(sim.graph, c.cluster.inter_node_bandwidth_bytes_per_s);
   if (sim.times.finished != sim.graph.ops().size())
@@ -452,6 +453,41 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
 Trace step_trace(const StepSimulation& sim) {
   Trace t = to_trace(sim.graph, sim.times);
   for (TraceEvent& e : t.events) e.rank = sim.ranks[static_cast<size_t>(e.rank)];
+  return t;
+}
+
+Trace step_trace(const StepSimulation& sim, double resident_bytes) {
+  Trace t = step_trace(sim);
+  const double a = sim.block_activation_bytes;
+  // Per simulated rank: (time, change in bytes).
+  std::vector<std::vector<std::pair<int64_t, double>>> changes(sim.ranks.size());
+  const StepGraph& g = sim.graph;
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    if (op.layer < 0 || op.micro_batch < 0) continue;
+    auto& c = changes[static_cast<size_t>(op.rank)];
+    const int64_t start = sim.times.start[i].count(), end = sim.times.end[i].count();
+    switch (op.kind) {
+      case OpKind::kExpertForward: c.emplace_back(end, a); break;
+      case OpKind::kOffload: c.emplace_back(end, -a); break;
+      case OpKind::kReload: c.emplace_back(start, a); break;
+      case OpKind::kAttentionBackward: c.emplace_back(end, -a); break;
+      default: break;
+    }
+  }
+  for (size_t r = 0; r < changes.size(); ++r) {
+    auto& c = changes[r];
+    std::stable_sort(c.begin(), c.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    const int64_t rank = sim.ranks[r];
+    double bytes = resident_bytes;
+    t.memory.push_back({rank, 0, bytes});
+    for (size_t i = 0; i < c.size(); ++i) {
+      bytes += c[i].second;
+      if (i + 1 < c.size() && c[i + 1].first == c[i].first) continue;  // one sample per moment
+      if (t.memory.back().time_ns == c[i].first) t.memory.back().bytes = std::max(0.0, bytes);
+      else t.memory.push_back({rank, c[i].first, std::max(0.0, bytes)});
+    }
+  }
   return t;
 }
 

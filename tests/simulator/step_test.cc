@@ -359,6 +359,13 @@ void expect_trace_structure(const Json& j, int64_t world) {
       else ADD_FAILURE() << "unexpected metadata event " << e.dump();
       continue;
     }
+    if (ph == "C") {  // a rank's memory curve
+      ASSERT_EQ(e.value("name", ""), "memory") << e.dump();
+      ASSERT_TRUE(e.contains("pid") && e["pid"].is_number_integer()) << e.dump();
+      ASSERT_TRUE(e.contains("args") && e["args"].contains("bytes") && e["args"]["bytes"].is_number()) << e.dump();
+      EXPECT_GE(e["args"]["bytes"].get<double>(), 0.0);
+      continue;
+    }
     ASSERT_EQ(ph, "X") << e.dump();
     ++complete;
     ASSERT_TRUE(e.contains("name") && e["name"].is_string()) << e.dump();
@@ -434,6 +441,38 @@ TEST(StepTrace, StructureAndRoundTrip) {
     EXPECT_EQ(trace.events.size(), s.graph.ops().size());
     EXPECT_EQ(trace_from_json(parsed, "trace"), trace);
   }
+}
+
+// The memory curve: the resident bytes, plus each block's kept activations from the end of its
+// forward to the end of its backward (on the host while offloaded).
+TEST(StepTrace, MemoryCurveHoldsEachBlocksActivationsUntilItsBackward) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "ESR", Checkpointing::kFull, 1, 2);
+  constexpr double kResident = 5e9;
+  const auto curve_of = [&](bool offload) {
+    c.parallel.activation_offloading = offload;
+    const StepSimulation s = simulate_step(c.config());
+    EXPECT_GT(s.block_activation_bytes, 0);
+    const Trace t = step_trace(s, kResident);
+    std::map<int64_t, std::vector<MemorySample>> by_rank;
+    for (const MemorySample& m : t.memory) by_rank[m.rank].push_back(m);
+    EXPECT_EQ(by_rank.size(), s.ranks.size());
+    double peak = 0;
+    for (const auto& [rank, samples] : by_rank) {
+      EXPECT_DOUBLE_EQ(samples.front().bytes, kResident) << rank;
+      EXPECT_NEAR(samples.back().bytes, kResident, 1.0) << rank;  // every block's backward has run
+      for (size_t i = 1; i < samples.size(); ++i) EXPECT_LT(samples[i - 1].time_ns, samples[i].time_ns);
+      for (const MemorySample& m : samples) peak = std::max(peak, m.bytes);
+    }
+    return std::make_pair(peak, s.block_activation_bytes);
+  };
+  // Without offloading, micro-batches one after the other: every block of one micro-batch at
+  // the end of its forward.
+  const auto [kept, block] = curve_of(false);
+  EXPECT_NEAR(kept, kResident + static_cast<double>(c.model.num_layers) * block, 1.0);
+  // Offloaded, the device holds a few blocks at a time.
+  const auto [offloaded, block2] = curve_of(true);
+  EXPECT_LT(offloaded, kResident + 0.5 * static_cast<double>(c.model.num_layers) * block2);
+  EXPECT_GE(offloaded, kResident + block2 - 1.0);
 }
 
 // The trace file of the real command line, from a plan the real search wrote.

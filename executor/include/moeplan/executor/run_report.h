@@ -14,21 +14,24 @@
 
 namespace moeplan::executor {
 
-// What one rank records of a step: spans per phase, as trace events of this rank.
+// What one rank records of a step: spans per phase, as trace events of this rank, and the bytes
+// of live tensors at the start of the step and at the end of every span (the trace's memory
+// curve; none where tensors are not counted, see install_tensor_allocator).
 class PhaseClock {
  public:
   using Clock = std::chrono::steady_clock;
-  void start_step() {
-    events_.clear();
-    origin_ = Clock::now();
-  }
+  void start_step();
   void add(std::string name, std::string category, TraceStream stream, Clock::time_point start, Clock::time_point end,
            double bytes = 0);
   const std::vector<TraceEvent>& events() const { return events_; }
+  const std::vector<MemorySample>& memory() const { return memory_; }
   void set_rank(int64_t rank) { rank_ = rank; }
 
  private:
+  void sample_memory(Clock::time_point at);
+
   std::vector<TraceEvent> events_;
+  std::vector<MemorySample> memory_;
   Clock::time_point origin_ = Clock::now();
   int64_t rank_ = 0;
 };
@@ -45,6 +48,7 @@ struct RankMeasurement {
   int64_t baseline_rss_bytes = 0;  // before the model was built: the runtime and its libraries
   int64_t peak_tensor_bytes = 0;   // live tensors at their peak (install_tensor_allocator)
   std::vector<TraceEvent> events;  // of the last step
+  std::vector<MemorySample> memory;
 };
 OrderedJson to_json(const RankMeasurement& m);
 RankMeasurement rank_measurement_from_json(const Json& j, const std::string& origin);

@@ -30,12 +30,18 @@ struct StepSimulation {
   std::vector<int64_t> ranks;  // global rank of each simulated rank
   int64_t micro_batches = 0;   // simulated micro-batches
   double nic_busy_s = 0;       // time node 0's card carried traffic (extrapolated)
+  double block_activation_bytes = 0;  // what one block keeps for backward, per micro-batch
 };
 
 StepSimulation simulate_step(const RunConfig& config, const StepSimOptions& options = {});
 
 // The simulated step as a trace (pid = global rank).
 Trace step_trace(const StepSimulation& simulation);
+// With each rank's memory curve: `resident_bytes` held throughout the step (model states,
+// working buffers, the runtime; from the memory model) plus the activations each block keeps
+// from the end of its forward to the end of its backward, less those offloaded from the end
+// of their offload to the start of their reload.
+Trace step_trace(const StepSimulation& simulation, double resident_bytes);
 
 // Seconds of one simulated rank's step in the phases the executor measures (run report):
 // forward (each micro-batch from its first op to the loss, a third of the head op), backward

@@ -1,0 +1,128 @@
+// moeplan-view: `moeplan view` runs here, in a process with Qt and nothing of LibTorch.
+//
+//   moeplan view trace.json                      the window
+//   moeplan view sim.json measured.json          both, the second aligned phase by phase
+//   moeplan view trace.json --png out.png        the whole step as a picture, without a display
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <QApplication>
+#include <QGuiApplication>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/trace.h"
+#include "moeplan/viewer/render.h"
+#include "moeplan/viewer/timeline.h"
+#include "moeplan/viewer/viewer_window.h"
+
+namespace {
+
+constexpr int kExitBadInput = 2;
+
+bool has_display() {
+  for (const char* name : {"DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0') return true;
+  }
+  return false;
+}
+
+// Reads the traces, saying how far it got for large files.
+std::vector<moeplan::Trace> read_traces(const std::vector<std::string>& paths) {
+  std::vector<moeplan::Trace> traces;
+  for (const std::string& path : paths) {
+    bool said = false;
+    traces.push_back(moeplan::read_trace_file(path, [&](const moeplan::TraceReadProgress& p) {
+      if (p.file_bytes < (int64_t{16} << 20)) return;  // read in a blink
+      std::fprintf(stderr, "\rview: %s: %lld events read (%.0f MB)", path.c_str(), static_cast<long long>(p.events),
+                   static_cast<double>(p.file_bytes) / 1e6);
+      said = true;
+    }));
+    if (said) std::fprintf(stderr, "\n");
+  }
+  return traces;
+}
+
+void print_differences(const moeplan::viewer::Timeline& timeline) {
+  if (timeline.sources() < 2) return;
+  const auto& d = timeline.differences();
+  if (d.empty()) {
+    std::printf("the traces share no phase (mb<k> forward/backward, optimizer)\n");
+    return;
+  }
+  std::printf("phases that differ most (%s against %s, slowest rank):\n", std::string(timeline.source_name(1)).c_str(),
+              std::string(timeline.source_name(0)).c_str());
+  for (size_t i = 0; i < d.size() && i < 10; ++i)
+    std::printf("  %-16s %10s %10s  %+8.1f%%\n", d[i].phase.c_str(),
+                moeplan::viewer::format_duration(std::llround(d[i].first_s * 1e9)).c_str(),
+                moeplan::viewer::format_duration(std::llround(d[i].second_s * 1e9)).c_str(),
+                d[i].first_s > 0 ? 100.0 * (d[i].second_s - d[i].first_s) / d[i].first_s : 0.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moeplan view: a step's timeline, simulated and measured"};
+  app.name("moeplan view");
+  std::vector<std::string> paths;
+  std::string png;
+  int width = 1600, height = 0;
+  app.add_option("traces", paths, "trace.json, or a simulated and a measured trace of the same plan")
+      ->required()->expected(1, 2);
+  app.add_option("--png", png, "Draw the whole step into this PNG file instead of opening a window");
+  app.add_option("--width", width, "Picture width in pixels")->capture_default_str()->check(CLI::Range(200, 32768));
+  app.add_option("--height", height, "Picture height in pixels (default: every lane, at most 8192)")
+      ->check(CLI::Range(0, 32768));
+  CLI11_PARSE(app, argc, argv);
+
+  std::vector<moeplan::Trace> traces;
+  try {
+    traces = read_traces(paths);
+  } catch (const moeplan::InputError& e) {
+    for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
+    return kExitBadInput;
+  }
+  for (size_t i = 0; i < traces.size(); ++i) {
+    if (traces[i].events.empty()) {
+      std::fprintf(stderr, "moeplan: error: %s: traceEvents: no complete (\"ph\": \"X\") events to show\n",
+                   paths[i].c_str());
+      return kExitBadInput;
+    }
+  }
+  std::optional<moeplan::Trace> second;
+  if (traces.size() > 1) second = std::move(traces[1]);
+  const moeplan::viewer::Timeline timeline(std::move(traces[0]), std::move(second));
+  print_differences(timeline);
+
+  if (!png.empty()) {
+    // No display needed: Qt's offscreen platform, unless the caller chose one.
+    if (std::getenv("QT_QPA_PLATFORM") == nullptr) qputenv("QT_QPA_PLATFORM", "offscreen");
+    QGuiApplication gui(argc, argv);
+    const QImage image = moeplan::viewer::render_image(timeline, width, height);
+    if (!image.save(QString::fromStdString(png), "PNG")) {
+      std::fprintf(stderr, "moeplan: error: --png: cannot write %s\n", png.c_str());
+      return kExitBadInput;
+    }
+    std::printf("wrote %s (%d x %d)\n", png.c_str(), image.width(), image.height());
+    return 0;
+  }
+
+  if (!has_display()) {
+    std::fprintf(stderr,
+                 "moeplan: error: view: no display (DISPLAY is not set); draw a picture with --png out.png, "
+                 "or set QT_QPA_PLATFORM\n");
+    return kExitBadInput;
+  }
+  QApplication qt(argc, argv);
+  std::string title = "moeplan view: " + paths[0];
+  if (paths.size() > 1) title += " and " + paths[1];
+  moeplan::viewer::ViewerWindow window(timeline, QString::fromStdString(title));
+  window.resize(1400, 800);
+  window.show();
+  return QApplication::exec();
+}
