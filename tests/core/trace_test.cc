@@ -11,17 +11,7 @@ namespace moeplan {
 namespace {
 
 using test::TempDir;
-
-TraceEvent op(std::string name, std::string category, int64_t rank, TraceStream stream, int64_t start, int64_t duration) {
-  TraceEvent e;
-  e.name = std::move(name);
-  e.category = std::move(category);
-  e.rank = rank;
-  e.stream = stream;
-  e.start_ns = start;
-  e.duration_ns = duration;
-  return e;
-}
+constexpr auto op = test::trace_op;
 
 // A measured step of two micro-batches on two ranks, with a gather and a memory curve.
 Trace measured_step() {

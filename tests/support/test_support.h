@@ -19,6 +19,7 @@
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/model_spec.h"
+#include "moeplan/core/trace.h"
 #include "moeplan/planner/search.h"
 
 namespace moeplan::test {
@@ -75,6 +76,19 @@ inline std::string read_text(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// One op of a trace, as the simulator or the executor records it.
+inline TraceEvent trace_op(std::string name, std::string category, int64_t rank, TraceStream stream, int64_t start_ns,
+                           int64_t duration_ns) {
+  TraceEvent e;
+  e.name = std::move(name);
+  e.category = std::move(category);
+  e.rank = rank;
+  e.stream = stream;
+  e.start_ns = start_ns;
+  e.duration_ns = duration_ns;
+  return e;
 }
 
 // A folder under the system temp dir, removed with everything in it.

@@ -28,19 +28,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::TempDir;
+constexpr auto op = test::trace_op;
 
 constexpr int64_t kMs = 1'000'000;
-
-TraceEvent op(std::string name, std::string category, int64_t rank, TraceStream stream, int64_t start, int64_t duration) {
-  TraceEvent e;
-  e.name = std::move(name);
-  e.category = std::move(category);
-  e.rank = rank;
-  e.stream = stream;
-  e.start_ns = start;
-  e.duration_ns = duration;
-  return e;
-}
 
 // Two ranks: rank 0 computes from 1 to 3 ms and all-reduces from 3 to 4 ms; rank 1 exchanges
 // tokens from 0 to 2 ms. Rank 0's memory: 1 MB, 4 MB from 2 ms, 1 MB from 3 ms.

@@ -210,7 +210,11 @@ void Renderer::paint_ops(QPainter& p, const Lane& lane, int y, int width, const 
 
 void Renderer::paint_memory(QPainter& p, const Lane& lane, int y, int width, const View& view) const {
   const int h = layout_.memory_height;
-  const double scale = timeline_.largest_memory_bytes() > 0 ? (h - 3) / timeline_.largest_memory_bytes() : 0.0;
+  // Each lane from its least (a fifth of the height) to its peak, so that what changes in a
+  // step shows beside what is held throughout; a curve that hardly moves is drawn from zero.
+  const double low = lane.peak_bytes - lane.low_bytes < 0.01 * lane.peak_bytes ? 0.0 : lane.low_bytes;
+  const double floor_px = low > 0 ? 0.2 * (h - 3) : 0.0;
+  const double scale = lane.peak_bytes > low ? (h - 3 - floor_px) / (lane.peak_bytes - low) : 0.0;
   const double bottom = y + h - 1;
   // The samples that show: from the last one before the window to the first after it, one
   // point per pixel column (its largest value).
@@ -224,7 +228,7 @@ void Renderer::paint_memory(QPainter& p, const Lane& lane, int y, int width, con
   for (; it != m.end(); ++it) {
     const double x = std::max<double>(layout_.label_width - 1, x_of(it->first, view, width));
     const auto column = static_cast<int>(std::floor(x));
-    const double v = bottom - it->second * scale;
+    const double v = bottom - floor_px - (it->second - low) * scale;
     if (column == last_column) {
       // Same pixel column: keep the highest point of the two.
       QPointF& top = curve.last();
@@ -245,8 +249,10 @@ void Renderer::paint_memory(QPainter& p, const Lane& lane, int y, int width, con
   if (h >= 14) {
     p.setPen(kText);
     p.setFont(small_font(10));
-    p.drawText(QRect(layout_.label_width + 4, y + 1, 200, 12), Qt::AlignLeft | Qt::AlignTop,
-               QString::fromStdString("peak " + format_bytes(lane.peak_bytes)));
+    const std::string range = low > 0 ? format_bytes(low) + " to " + format_bytes(lane.peak_bytes)
+                                      : "peak " + format_bytes(lane.peak_bytes);
+    p.drawText(QRect(layout_.label_width + 4, y + 1, 300, 12), Qt::AlignLeft | Qt::AlignTop,
+               QString::fromStdString(range));
   }
 }
 

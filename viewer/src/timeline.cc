@@ -106,7 +106,11 @@ void Timeline::add_lanes(int source, int64_t rank, const std::vector<std::vector
     lane.memory = memory;
     std::stable_sort(lane.memory.begin(), lane.memory.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (const auto& [time, bytes] : lane.memory) lane.peak_bytes = std::max(lane.peak_bytes, bytes);
+    lane.low_bytes = lane.memory.front().second;
+    for (const auto& [time, bytes] : lane.memory) {
+      lane.peak_bytes = std::max(lane.peak_bytes, bytes);
+      lane.low_bytes = std::min(lane.low_bytes, bytes);
+    }
     largest_memory_ = std::max(largest_memory_, lane.peak_bytes);
     lanes_.push_back(std::move(lane));
   }

@@ -39,6 +39,7 @@ struct Lane {
   int64_t longest_ns = 0;      // the longest box: how far before a window a box may start and reach in
   std::vector<std::pair<int64_t, double>> memory;  // (time, bytes), by time
   double peak_bytes = 0;
+  double low_bytes = 0;  // the least in use
 };
 
 class Timeline {
