@@ -509,6 +509,10 @@ Trace read_trace_file(const std::string& path, const std::function<void(const Tr
   if (!in) throw InputError(path, {{"", "cannot open file"}});
   const std::streamoff size = in.tellg();
   if (size < 0) throw InputError(path, {{"", "cannot read file"}});
+  // The file is read whole, and the events take about as much again.
+  if (size > kMaxTraceFileBytes)
+    throw InputError(path, {{"", "too large (" + std::to_string(size >> 20) + " MiB; traces are read up to " +
+                                     std::to_string(kMaxTraceFileBytes >> 20) + " MiB)"}});
   std::string text(static_cast<size_t>(size), '\0');
   in.seekg(0);
   if (!in.read(text.data(), size)) throw InputError(path, {{"", "cannot read file"}});

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <QApplication>
@@ -345,6 +346,9 @@ TEST_F(ViewCommand, DrawsAPictureOfTwoTracesAndListsTheirPhases) {
   QImage image(QString::fromStdString(dir.file("out.png")));
   ASSERT_FALSE(image.isNull());
   EXPECT_EQ(image.width(), 900);
+  // The file holds the picture drawn here, whose pixels the tests above check.
+  const QImage here = render_image(Timeline(simulated(), measured()), 900);
+  EXPECT_TRUE(image.convertToFormat(QImage::Format_RGB32) == here.convertToFormat(QImage::Format_RGB32));
 }
 
 TEST_F(ViewCommand, MalformedTraceIsAClearErrorNamingTheEvent) {
@@ -364,6 +368,17 @@ TEST_F(ViewCommand, MalformedTraceIsAClearErrorNamingTheEvent) {
   const Outcome empty = moeplan(dir, "view empty.json --png out.png");
   EXPECT_EQ(empty.exit_code, 2);
   EXPECT_NE(empty.err.find("no complete"), std::string::npos) << empty.err;
+
+  // Larger than the reader takes: refused before anything is read (a sparse file, no disk used).
+  {
+    std::ofstream huge(dir.file("huge.json"));
+    huge.seekp(kMaxTraceFileBytes + 1);
+    huge.put('}');
+  }
+  const Outcome huge = moeplan(dir, "view huge.json --png out.png");
+  EXPECT_EQ(huge.exit_code, 2);
+  EXPECT_NE(huge.err.find("huge.json: too large"), std::string::npos) << huge.err;
+  fs::remove(dir.file("huge.json"));
 
   const Outcome missing = moeplan(dir, "view nothing.json --png out.png");
   EXPECT_EQ(missing.exit_code, 2);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,9 @@ int main(int argc, char** argv) {
     traces = read_traces(paths);
   } catch (const moeplan::InputError& e) {
     for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
+    return kExitBadInput;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "moeplan: error: view: not enough memory to hold the traces\n");
     return kExitBadInput;
   }
   for (size_t i = 0; i < traces.size(); ++i) {

@@ -56,6 +56,8 @@ struct TraceReadProgress {
   int64_t events = 0;
   int64_t file_bytes = 0;
 };
+// Files larger than kMaxTraceFileBytes are refused (a simulated step of 1,024 ranks is 91 MB).
+inline constexpr int64_t kMaxTraceFileBytes = int64_t{4} << 30;
 Trace read_trace_file(const std::string& path, const std::function<void(const TraceReadProgress&)>& progress = {});
 
 // -- Phases: the parts of a step that a simulated and a measured trace of the same plan share.
