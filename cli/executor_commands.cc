@@ -141,6 +141,17 @@ std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
                   1e6 * f.latency_s, f.bandwidth_bytes_per_s / 1e9, s.r_squared);
     out += line;
   }
+  for (std::string_view kind : kAfterComputeKinds) {
+    const CurvePoints& curve = *c.after_compute.of(kind);
+    if (curve.empty()) continue;
+    std::snprintf(line, sizeof line, "  %-15s after compute:", std::string(kind).c_str());
+    out += line;
+    for (const auto& [seconds, extra] : curve) {
+      std::snprintf(line, sizeof line, " +%.2f ms after %.1f ms", 1e3 * extra, 1e3 * seconds);
+      out += line;
+    }
+    out += "\n";
+  }
   std::snprintf(line, sizeof line, "  memory copy %.1f GB/s; offload file write %.2f GB/s, read %.2f GB/s\n",
                 c.copy_bandwidth_bytes_per_s / 1e9, c.offload_write_bytes_per_s / 1e9,
                 c.offload_read_bytes_per_s / 1e9);

@@ -33,6 +33,22 @@ double CollectiveFit::measured_at(double bytes) const {
   return -1;
 }
 
+const CurvePoints* AfterCompute::of(std::string_view category) const {
+  if (category == "all_reduce") return &all_reduce;
+  if (category == "all_gather") return &all_gather;
+  if (category == "all_to_all" || category == "reduce_scatter") return &all_to_all;
+  return nullptr;
+}
+
+double after_compute_seconds(const CurvePoints& curve, double compute_s) {
+  if (curve.empty() || compute_s <= 0) return 0;
+  const auto& [first_x, first_y] = curve.front();
+  const auto& [last_x, last_y] = curve.back();
+  if (compute_s <= first_x) return first_y * compute_s / first_x;
+  if (compute_s >= last_x) return last_y * compute_s / last_x;
+  return curve_at(curve, compute_s);
+}
+
 CurvePoints& op_time_curve(OpTimes& t, std::string_view name) {
   CurvePoints* curves[] = {&t.attention_forward,   &t.attention_backward,  &t.router_forward, &t.router_backward,
                            &t.expert_forward,      &t.expert_backward,     &t.head,           &t.optimizer,
@@ -137,6 +153,38 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
   o.finish();
 }
 
+// framework.collective_after_compute: {"source": "...", "<kind>": [[seconds, extra seconds], ...]}.
+void read_after_compute(ObjectReader& o, const std::string& own_path, AfterCompute& after) {
+  read_plain_source(o, own_path);
+  for (std::string_view kind : kAfterComputeKinds) {
+    const Json* points = o.child(kind, true);
+    if (points == nullptr) continue;
+    const std::string path = o.path_of(kind);
+    if (!points->is_array() || points->empty() || points->size() > 64) {
+      o.diagnostics().error(path, "expected an array of 1 to 64 [compute seconds, extra seconds] pairs");
+      continue;
+    }
+    CurvePoints& curve = kind == "all_reduce" ? after.all_reduce : kind == "all_gather" ? after.all_gather : after.all_to_all;
+    for (size_t i = 0; i < points->size(); ++i) {
+      const Json& p = (*points)[i];
+      const std::string at = path + "[" + std::to_string(i) + "]";
+      if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number()) {
+        o.diagnostics().error(at, "expected [compute seconds, extra seconds], got " + describe_json(p));
+        continue;
+      }
+      const double x = p[0].get<double>(), extra = p[1].get<double>();
+      if (!(x > 0.0 && x <= 1e6))
+        o.diagnostics().error(at, "compute seconds must be in (0, 1e6], got " + p[0].dump());
+      else if (!(extra >= 0.0 && extra <= 1e6))
+        o.diagnostics().error(at, "extra seconds must be in [0, 1e6], got " + p[1].dump());
+      else if (!curve.empty() && x <= curve.back().first)
+        o.diagnostics().error(at, "compute seconds must increase from one point to the next");
+      else
+        curve.emplace_back(x, extra);
+    }
+  }
+}
+
 }  // namespace
 
 static ClusterSpec read_cluster_fields(ObjectReader& r) {
@@ -215,6 +263,10 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.memory_headroom_bytes = fw->integer("headroom_bytes", 0, kMaxBytes);
     c.comm_overlaps_compute = fw->boolean("comm_overlaps_compute", true);
     if (auto times = fw->object("op_times", true)) read_op_times(*times, fw->path_of("op_times"), c.op_times);
+    if (auto after = fw->object("collective_after_compute", true)) {
+      read_after_compute(*after, fw->path_of("collective_after_compute"), c.after_compute);
+      after->finish();
+    }
     fw->finish();
   }
   r.finish();
@@ -343,6 +395,16 @@ OrderedJson to_json(const ClusterSpec& c) {
       if (!curve.empty()) times[std::string(name)] = curve;
     }
     fw["op_times"] = times;
+  }
+  if (!c.after_compute.empty()) {
+    OrderedJson after;
+    if (auto it = c.sources.find("framework.collective_after_compute"); it != c.sources.end()) after["source"] = it->second;
+    for (std::string_view kind : kAfterComputeKinds) {
+      OrderedJson curve = OrderedJson::array();
+      for (const auto& [seconds, extra] : *c.after_compute.of(kind)) curve.push_back({seconds, extra});
+      if (!curve.empty()) after[std::string(kind)] = curve;
+    }
+    fw["collective_after_compute"] = after;
   }
   j["framework"] = fw;
   return j;

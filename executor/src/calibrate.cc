@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "moeplan/core/fit.h"
@@ -249,6 +250,31 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   whole_plan.moe = moe;
   DeviceMesh alone(whole_plan.parallel);
   ShardedModel whole(whole_plan, alone);
+  // Collectives after compute: the kinds as the executor uses them small (a gradient
+  // all-reduce's wait, the tokens-per-expert all-gather before a dispatch, a dispatch of one
+  // sequence), and stretches from a router's forward to a whole micro-batch's forward and
+  // backward; as many lockstep calls on every rank.
+  torch::Tensor token = torch::zeros({1});
+  const torch::Tensor expert_counts = torch::zeros({1, m.num_experts}, torch::kLong);
+  const int64_t dispatch_rows = m.experts_per_token * t / n * n;
+  const torch::Tensor dispatch = torch::randn({dispatch_rows, h}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
+  const std::vector<int64_t> dispatch_split(static_cast<size_t>(n), dispatch_rows / n);
+  const std::vector<std::pair<std::string, std::function<void()>>> after_collectives{
+      {"all_reduce", [&] { world.all_reduce_sum(token); }},
+      {"all_gather", [&] { (void)world.all_gather(expert_counts); }},
+      {"all_to_all", [&] { (void)world.all_to_all(dispatch, dispatch_split, dispatch_split); }}};
+  struct Stretch {
+    std::function<void()> work;
+    int calls;
+  };
+  const torch::Tensor stretch_x = torch::randn({1, t, h}).to(type);
+  const torch::Tensor stretch_ids = torch::randint(m.vocab_size, {1, t}, torch::kLong);
+  const int few = o.quick ? 2 : 1;  // quick: half the calls
+  const std::vector<Stretch> stretches{
+      {[&] { (void)torch::matmul(stretch_x, w.router.t()).softmax(-1).topk(m.experts_per_token); }, 80 / few},
+      {[&] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
+      {[&] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 16 / few},
+      {[&] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 8 / few}};
   const std::string dir = o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir;
   ActivationStore store(dir + "/.calibrate-offload-rank-" + std::to_string(world.rank()));
 
@@ -408,6 +434,42 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
     // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
     // beyond its tensors before that.
     overhead.stop();
+
+    // -- Collectives after compute: each kind back to back, then after stretches of compute of
+    // a few lengths in lockstep. What the pair takes beyond the stretch alone and the
+    // collective alone is what a collective costs in a step for following compute: the
+    // communication threads have to be woken, and the rank that fell behind waited for.
+    if (n > 1) {
+      progress.say("collectives after compute" + of);
+      for (const auto& [kind, collective] : after_collectives) {
+        world.barrier();
+        const double alone = time_median(3 * reps, collective, false);
+        for (const Stretch& stretch : stretches) {
+          // Each call's stretch and collective timed apart on every rank, then gathered: a
+          // call's slowest stretch and its collective's shortest part (the rank that came last
+          // waited for nobody) make the time a step pays for them.
+          std::vector<double> times(static_cast<size_t>(2 * stretch.calls + 1));
+          world.barrier();
+          for (int i = 0; i <= stretch.calls; ++i) {
+            auto start = Clock::now();
+            stretch.work();
+            const double work_s = seconds_since(start);
+            start = Clock::now();
+            collective();
+            if (i == 0) continue;  // warm-up
+            times[static_cast<size_t>(i - 1)] = work_s;
+            times[static_cast<size_t>(stretch.calls + i - 1)] = seconds_since(start);
+          }
+          times.back() = alone;
+          const torch::Tensor all = world.all_gather(torch::tensor(times, torch::kDouble).unsqueeze(0));
+          const int64_t calls = stretch.calls;
+          const torch::Tensor work = all.narrow(1, 0, calls), after = all.narrow(1, calls, calls);
+          const double paced = (std::get<0>(work.max(0)) + std::get<0>(after.min(0))).median().item<double>();
+          const double own = std::get<0>(work.median(1)).max().item<double>();
+          values.insert(values.end(), {own, paced - own - all.select(1, 2 * calls).max().item<double>()});
+        }
+      }
+    }
     pass_values.push_back(std::move(values));
   }
   for (std::vector<double>& values : pass_values) {
@@ -491,6 +553,28 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
     times.micro_batch_forward.emplace_back(tokens, v[at++]);
     times.micro_batch_backward.emplace_back(tokens, v[at++]);
   }
+  if (n > 1) {
+    // Per pass: what a collective took after a stretch beyond the two alone; over the passes
+    // the lower quartile, like every time here, at the stretch's own time (its lower quartile).
+    const auto kinds_n = static_cast<int64_t>(after_collectives.size()), stretches_n = static_cast<int64_t>(stretches.size());
+    const torch::Tensor pairs =
+        slowest_rank.narrow(1, static_cast<int64_t>(at), 2 * kinds_n * stretches_n).reshape({passes, kinds_n, stretches_n, 2});
+    const torch::Tensor own = pairs.select(3, 0), extra = pairs.select(3, 1);  // [passes, kinds, stretches]
+    const torch::Tensor kept = undisturbed_quartile(extra.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
+    const torch::Tensor own_kept = undisturbed_quartile(own.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
+    for (int64_t k = 0; k < kinds_n; ++k) {
+      CurvePoints& curve = k == 0 ? cal.after_compute.all_reduce : k == 1 ? cal.after_compute.all_gather : cal.after_compute.all_to_all;
+      for (int64_t i = 0; i < stretches_n; ++i) {
+        const double x = own_kept[k][i].item<double>();
+        if (curve.empty() || x > curve.back().first) curve.emplace_back(x, std::max(0.0, kept[k][i].item<double>()));
+      }
+    }
+    for (int p = 0; p < passes; ++p) {
+      const torch::Tensor row = extra[p].reshape({-1}).contiguous();
+      cal.after_compute_per_pass.emplace_back(row.data_ptr<double>(), row.data_ptr<double>() + row.numel());
+    }
+    at += static_cast<size_t>(2 * kinds_n * stretches_n);
+  }
   cal.overhead_bytes = static_cast<int64_t>(largest.data_ptr<double>()[at++]);
   cal.baseline_rss_bytes = static_cast<int64_t>(largest.data_ptr<double>()[at++]);
   // How far apart the ranks were: the slowest over the fastest, the median over the compute
@@ -535,6 +619,14 @@ OrderedJson to_json(const Calibration& c) {
   j["copy_bandwidth_bytes_per_s"] = c.copy_bandwidth_bytes_per_s;
   j["offload_write_bytes_per_s"] = c.offload_write_bytes_per_s;
   j["offload_read_bytes_per_s"] = c.offload_read_bytes_per_s;
+  OrderedJson after;
+  for (std::string_view kind : kAfterComputeKinds) {
+    OrderedJson points = OrderedJson::array();
+    for (const auto& [seconds, extra] : *c.after_compute.of(kind)) points.push_back({seconds, extra});
+    after[std::string(kind)] = points;
+  }
+  j["collective_after_compute"] = after;
+  j["collective_after_compute_per_pass"] = c.after_compute_per_pass;
   j["overhead_bytes"] = c.overhead_bytes;
   j["baseline_rss_bytes"] = c.baseline_rss_bytes;
   return j;
@@ -602,6 +694,13 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
       "moeplan policy for CPU ranks: a collective's threads take the cores the ranks compute on (measured on 2 "
       "vCPUs: an all-gather of 3 MiB took 30-45 ms prefetched beside compute against 14 ms alone, and the step "
       "time did not change without prefetching, docs/validation.md)");
+  p.after_compute = c.after_compute;
+  if (!c.after_compute.empty())
+    say("framework.collective_after_compute",
+        "measured: a one-element all-reduce, a tokens-per-expert all-gather and a one-sequence dispatch all-to-all, "
+        "each after stretches of compute (a router forward, an attention forward, a micro-batch forward, forward "
+        "and backward) on every rank in lockstep, less the stretch alone (slowest rank) and the collective back to "
+        "back; the lower quartile of " + std::to_string(c.passes) + " passes");
   p.framework_overhead_bytes = c.overhead_bytes;
   std::snprintf(text, sizeof text,
                 "measured: the largest resident set beyond live tensors while the executor's operations ran "

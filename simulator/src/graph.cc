@@ -13,7 +13,8 @@ constexpr std::array<std::string_view, static_cast<size_t>(OpKind::kCount)> kKin
     "attn_fwd",     "experts_fwd",     "head_fwd_bwd",    "attn_bwd",         "experts_bwd",
     "attn_recompute", "experts_recompute", "optimizer",   "dispatch",         "combine",
     "dispatch_bwd", "combine_bwd",     "dispatch_recompute", "combine_recompute", "gather_fwd",
-    "gather_bwd",   "reduce_scatter",  "grad_all_reduce", "offload",          "reload"};
+    "gather_bwd",   "reduce_scatter",  "grad_all_reduce", "offload",          "reload",
+    "dispatch_counts"};
 
 enum EventKind : uint32_t { kOpDone, kCollectiveFlowsStart, kCollectiveDone, kNicCheck };
 
@@ -30,7 +31,8 @@ std::string_view op_category(OpKind kind) {
     case OpKind::kDispatchRecompute:
     case OpKind::kCombineRecompute: return "all_to_all";
     case OpKind::kGatherForward:
-    case OpKind::kGatherBackward: return "all_gather";
+    case OpKind::kGatherBackward:
+    case OpKind::kDispatchCounts: return "all_gather";
     case OpKind::kReduceScatter: return "reduce_scatter";
     case OpKind::kGradAllReduce: return "all_reduce";
     case OpKind::kOffload:
@@ -104,6 +106,8 @@ class Runner {
     flows_left_.assign(g.collectives().size(), 0);
     fixed_end_.assign(g.collectives().size(), SimTime(0));
     times_.collective_start.assign(g.collectives().size(), SimTime(0));
+    times_.collective_wait.assign(g.collectives().size(), SimTime(0));
+    unsynced_.assign(static_cast<size_t>(g.ranks()), SimTime(0));
     parts_.assign(g.collectives().size(), {});
     nics_.resize(static_cast<size_t>(g.nodes()));
     times_.nic_busy.assign(static_cast<size_t>(g.nodes()), SimTime(0));
@@ -158,14 +162,27 @@ class Runner {
     const auto c = static_cast<size_t>(op.collective);
     parts_[c].push_back(id);
     if (++arrived_[c] < g_.collectives()[c].parts) return;
-    // The last participant has arrived: the transfer starts now.
+    // The last participant has arrived: the transfer starts now, after what following compute
+    // costs (when the graph says so).
     const Collective& col = g_.collectives()[c];
-    fixed_end_[c] = now_ + col.latency + col.intra;
+    SimTime wait{0};
+    if (!g_.after_compute().empty()) {
+      SimTime most{0};
+      for (OpId part : parts_[c]) {
+        SimTime& unsynced = unsynced_[static_cast<size_t>(g_.ops()[static_cast<size_t>(part)].rank)];
+        most = std::max(most, unsynced);
+        unsynced = SimTime(0);
+      }
+      const CurvePoints* curve = g_.after_compute().of(op_category(g_.ops()[static_cast<size_t>(id)].kind));
+      if (curve != nullptr) wait = to_sim_time(after_compute_seconds(*curve, to_seconds(most)));
+    }
+    times_.collective_wait[c] = wait;
+    fixed_end_[c] = now_ + wait + col.latency + col.intra;
     times_.collective_start[c] = now_;
     if (col.node_count == 0) {
       queue_.schedule(fixed_end_[c], kCollectiveDone, static_cast<uint32_t>(c));
     } else {
-      queue_.schedule(now_ + col.latency, kCollectiveFlowsStart, static_cast<uint32_t>(c));
+      queue_.schedule(now_ + wait + col.latency, kCollectiveFlowsStart, static_cast<uint32_t>(c));
     }
   }
 
@@ -174,6 +191,8 @@ class Runner {
     const size_t s = stream_of(op);
     times_.end[static_cast<size_t>(id)] = now_;
     ++times_.finished;
+    if (op.collective < 0 && op.stream == TraceStream::kCompute)
+      unsynced_[static_cast<size_t>(op.rank)] += now_ - times_.start[static_cast<size_t>(id)];
     times_.stream_busy[s] += now_ - times_.start[static_cast<size_t>(id)];
     stream_busy_[s] = false;
     for (int32_t i = succ_begin_[static_cast<size_t>(id)]; i < succ_begin_[static_cast<size_t>(id) + 1]; ++i) {
@@ -259,6 +278,7 @@ class Runner {
   std::vector<int32_t> flows_left_;
   std::vector<SimTime> fixed_end_;
   std::vector<std::vector<OpId>> parts_;
+  std::vector<SimTime> unsynced_;  // per rank: compute since its last collective
   std::vector<Nic> nics_;
 };
 

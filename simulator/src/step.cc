@@ -227,9 +227,16 @@ class Builder {
   }
 
   // A token exchange inside the expert group, on the compute chain (the experts wait for it).
+  // Before a dispatch (forward or recomputed) the ranks all-gather how many tokens each sends
+  // to each expert, which sets the exchange's split sizes.
   void exchange(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb) {
     std::vector<OpId> after(state.size());
     for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
+    if (c_.moe.dispatcher == Dispatcher::kAllToAll && (kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute)) {
+      const double counts = static_cast<double>(p_.expert_parallel_degree * c_.model.num_experts) * 8;  // int64
+      collective_round(after, MeshDim::kExpert, OpKind::kDispatchCounts, TraceStream::kExpertComm, layer, mb,
+                       cost_.all_gather_cost(counts, shapes_.expert), counts, false);
+    }
     collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb,
                      cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.expert), o_.dispatch_send_bytes, false);
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
@@ -392,6 +399,30 @@ SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t m
   return std::max(most, SimTime(static_cast<int64_t>(std::ceil(card_bytes / card_bytes_per_s * 1e9))));
 }
 
+// What a repeated micro-batch adds to the step's collectives but the period leaves out: a
+// micro-batch with no collective on a rank (pure data parallelism between its gradient
+// all-reduces) hands its compute on to the gradient all-reduce after the simulated
+// micro-batches. That all-reduce then follows the whole step's compute; each repeated
+// micro-batch adds its share of what that costs. A micro-batch with collectives pays inside
+// the period.
+SimTime unsynced_after_compute(const StepGraph& g, const GraphTimes& t, int64_t micro_batches) {
+  const CurvePoints& curve = g.after_compute().all_reduce;
+  if (curve.empty()) return SimTime(0);
+  std::vector<SimTime> compute(static_cast<size_t>(g.ranks()), SimTime(0));
+  std::vector<bool> synced(static_cast<size_t>(g.ranks()), false);
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    if (op.micro_batch != 1) continue;
+    if (op.collective >= 0) synced[static_cast<size_t>(op.rank)] = true;
+    else if (op.stream == TraceStream::kCompute) compute[static_cast<size_t>(op.rank)] += t.end[i] - t.start[i];
+  }
+  double most = 0;
+  for (size_t r = 0; r < compute.size(); ++r)
+    if (!synced[r]) most = std::max(most, to_seconds(compute[r]));
+  const double whole = most * static_cast<double>(micro_batches);
+  return to_sim_time(whole > 0 ? after_compute_seconds(curve, whole) / whole * most : 0.0);
+}
+
 }  // namespace
 
 StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) {
@@ -404,6 +435,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   sim.graph = Builder(c, layout, sim.micro_batches).build();
   sim.block_activation_bytes = op_costs(c).offload_bytes;
   sim.graph.set_serial_streams(!c.cluster.comm_overlaps_compute);
+  sim.graph.set_after_compute(c.cluster.after_compute);
   sim.times = run_graph(sim.graph, c.cluster.inter_node_bandwidth_bytes_per_s);
   if (sim.times.finished != sim.graph.ops().size())
     throw std::logic_error("step simulation deadlocked: " +
@@ -420,6 +452,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
     const std::vector<SimTime> ends = micro_batch_ends(sim.graph, sim.times, sim.micro_batches);
     period = ends[1] - ends[0];
     period = std::max(period, busiest_resource_work(sim.graph, sim.times, 1, c.cluster.inter_node_bandwidth_bytes_per_s));
+    period += unsynced_after_compute(sim.graph, sim.times, p.gradient_accumulation_steps);
   }
   const double step = to_seconds(sim.times.makespan + period * repeats);
   const double scale = static_cast<double>(p.gradient_accumulation_steps) / static_cast<double>(sim.micro_batches);

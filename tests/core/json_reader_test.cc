@@ -306,6 +306,8 @@ Json calibrated_json() {
       {"all_gather", {{"latency_s", 3e-4}, {"bandwidth_bytes_per_s", 7e8}, {"points", {{201728, 5e-4}, {3145728, 0.015}}}}},
       {"all_to_all", {{"latency_s", 2e-4}, {"bandwidth_bytes_per_s", 1e9}}}};
   json["framework"]["comm_overlaps_compute"] = false;
+  json["framework"]["collective_after_compute"] = {
+      {"source", "measured in lockstep"}, {"all_gather", {{0.0001, 1e-4}, {0.001, 1e-3}}}, {"all_to_all", {{0.06, 0.002}}}};
   json["framework"]["op_times"] = {
       {"source", "measured"},
       {"shapes",
@@ -338,6 +340,10 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.op_times.micro_batch_backward.size(), 2u);
   EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
   EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
+  EXPECT_EQ(c.after_compute.all_gather, (CurvePoints{{0.0001, 1e-4}, {0.001, 1e-3}}));
+  EXPECT_EQ(c.after_compute.all_to_all, (CurvePoints{{0.06, 0.002}}));
+  EXPECT_TRUE(c.after_compute.all_reduce.empty());
+  EXPECT_EQ(c.sources.at("framework.collective_after_compute"), "measured in lockstep");
   EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c);
   // The shipped CPU profile overlaps nothing it does not say.
   EXPECT_TRUE(read_cluster_file(profile_path("hardware/local-cpu.json")).comm_overlaps_compute);
@@ -356,6 +362,12 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
        "expected [bytes >= 1, seconds >= 0], got an array"},
       {"/intra_node/collectives/all_to_all/bandwidth_bytes_per_s", 0, "intra_node.collectives.all_to_all.bandwidth_bytes_per_s",
        "must be in [1, 1e+18], got 0"},
+      {"/framework/collective_after_compute/all_gather/1", Json::array({0.0001, 0.1}),
+       "framework.collective_after_compute.all_gather[1]", "compute seconds must increase from one point to the next"},
+      {"/framework/collective_after_compute/all_to_all/0", Json::array({0.06, -0.1}),
+       "framework.collective_after_compute.all_to_all[0]", "extra seconds must be in [0, 1e6], got -0.1"},
+      {"/framework/collective_after_compute/all_to_al", Json::array(), "framework.collective_after_compute.all_to_al",
+       "unknown field"},
       {"/framework/comm_overlaps_compute", "no", "framework.comm_overlaps_compute", "expected true or false, got string \"no\""},
   };
   TempDir dir;

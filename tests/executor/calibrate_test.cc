@@ -43,6 +43,18 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     EXPECT_LT(f->latency_s, 0.1);
   }
   EXPECT_FALSE(c.all_gather_fit.points.empty()) << "measured at the model's unit sizes";
+  // Each kind after four stretches of compute, longer and longer, costing nothing negative.
+  for (std::string_view kind : kAfterComputeKinds) {
+    const CurvePoints& curve = *c.after_compute.of(kind);
+    EXPECT_GE(curve.size(), 3u) << kind;
+    for (size_t i = 0; i < curve.size(); ++i) {
+      EXPECT_GE(curve[i].second, 0) << kind;
+      if (i > 0) {
+        EXPECT_GT(curve[i].first, curve[i - 1].first) << kind;
+      }
+    }
+  }
+  EXPECT_NE(c.sources.at("framework.collective_after_compute").find("lockstep"), std::string::npos);
   EXPECT_GT(c.peak_fp32_flops, 1e9);
   EXPECT_NE(c.sources.at("framework.op_times").find("moeplan calibrate"), std::string::npos);
   const Json raw = read_json_file(dir.file("local-test.measured.json"));

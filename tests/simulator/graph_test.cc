@@ -71,6 +71,54 @@ TEST(Graph, CollectiveWaitsForTheLastMember) {
   EXPECT_EQ(t.end[p1], SimTime(1'300));
 }
 
+// A collective after compute takes longer: here an all-to-all 100 ns after 1,000 ns of compute,
+// 200 ns after 4,000 (read linearly between), 5% of the compute beyond. Rank 0 computes
+// 1,000 ns, rank 1 3,000 ns; the first exchange (200 + 800 ns) starts at 3,000 when rank 1
+// arrives, takes 100 + 100 x 2/3 ns more for rank 1's 3,000 ns (the most), and ends at
+// 4,000 + 167. The second follows no compute: 1,000 ns. After rank 0's 8,000 ns the third
+// takes 400 more.
+TEST(Graph, CollectiveAfterComputeTakesLonger) {
+  StepGraph g(2, 1);
+  AfterCompute after;
+  after.all_to_all = {{1e-6, 100e-9}, {4e-6, 200e-9}};
+  g.set_after_compute(after);
+  const int32_t first = g.add_collective(SimTime(200), SimTime(800), 0, {}, 2);
+  const int32_t second = g.add_collective(SimTime(200), SimTime(800), 0, {}, 2);
+  const int32_t third = g.add_collective(SimTime(200), SimTime(800), 0, {}, 2);
+  g.add_op(compute(0, 1'000));
+  g.add_op(compute(1, 3'000));
+  const OpId a0 = g.add_op(part(0, first, TraceStream::kCompute));
+  const OpId a1 = g.add_op(part(1, first, TraceStream::kCompute));
+  const OpId b0 = g.add_op(part(0, second, TraceStream::kCompute));
+  g.add_op(part(1, second, TraceStream::kCompute));
+  g.add_op(compute(0, 8'000));
+  const OpId c0 = g.add_op(part(0, third, TraceStream::kCompute));
+  g.add_op(part(1, third, TraceStream::kCompute));
+  const GraphTimes t = run_graph(g, kNic);
+  EXPECT_EQ(t.start[a0], SimTime(1'000));
+  EXPECT_EQ(t.end[a0], SimTime(4'167));
+  EXPECT_EQ(t.end[a1], SimTime(4'167));
+  EXPECT_EQ(t.collective_wait[static_cast<size_t>(first)], SimTime(167));
+  EXPECT_EQ(t.end[b0], SimTime(5'167));
+  EXPECT_EQ(t.collective_wait[static_cast<size_t>(second)], SimTime(0));
+  EXPECT_EQ(t.end[c0], SimTime(5'167 + 8'000 + 400 + 1'000));
+  // Only the curve of the collective's kind counts; without one, the last member alone.
+  StepGraph other_kind = g;
+  after.all_gather = after.all_to_all;
+  after.all_to_all.clear();
+  other_kind.set_after_compute(after);
+  EXPECT_EQ(run_graph(other_kind, kNic).end[a0], SimTime(4'000));
+}
+
+TEST(Graph, AfterComputeCurveIsReadAsASharePastItsEnds) {
+  const CurvePoints curve{{1e-3, 1e-3}, {2e-2, 2e-3}};
+  EXPECT_DOUBLE_EQ(after_compute_seconds(curve, 0), 0);
+  EXPECT_DOUBLE_EQ(after_compute_seconds(curve, 0.5e-3), 0.5e-3);  // the first point's share
+  EXPECT_NEAR(after_compute_seconds(curve, 10.5e-3), 1.5e-3, 1e-15);  // between
+  EXPECT_NEAR(after_compute_seconds(curve, 0.2), 0.02, 1e-15);  // the last point's share: 10%
+  EXPECT_DOUBLE_EQ(after_compute_seconds({}, 1.0), 0);
+}
+
 // All-to-all over two nodes of two ranks each (n = 4, m = 2), 1 MB sent per rank, 100 GB/s
 // inside a node, 10 GB/s card, 10 us latency per step:
 //   latency 3 x 10,000 = 30,000 ns; intra 1e6 x 1/4 / 100e9 = 2,500 ns;

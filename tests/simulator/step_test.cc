@@ -244,11 +244,13 @@ void expect_recompute_cost(Scenario c) {
   const int64_t blocks = c.parallel.gradient_accumulation_steps * c.model.num_layers;
   const int64_t attention_ns = to_sim_time(o.attention_forward_s).count();
   const int64_t moe_ns = to_sim_time(o.moe_forward_busiest_s).count();
-  // The recompute's token exchanges (dispatch and combine) take 0 ns inside a node, but a
-  // transfer through a node's card is rounded up to whole nanoseconds (graph.cc reschedule:
-  // "a flow never finishes before its last byte"), so an expert group that spans nodes pays
-  // 1 ns per exchange even with an infinitely fast card.
-  const int64_t exchanges_ns = group_shape(c.cluster, c.parallel, MeshDim::kExpert).crosses_nodes() ? 2 : 0;
+  // The recompute's token exchanges (dispatch and combine, and the all-gather of tokens per
+  // expert that sizes the dispatch) take 0 ns inside a node, but a transfer through a node's
+  // card is rounded up to whole nanoseconds (graph.cc reschedule: "a flow never finishes
+  // before its last byte"), so an expert group that spans nodes pays 1 ns per exchange even
+  // with an infinitely fast card.
+  const int64_t exchanges = c.moe.dispatcher == Dispatcher::kAllToAll ? 3 : 2;
+  const int64_t exchanges_ns = group_shape(c.cluster, c.parallel, MeshDim::kExpert).crosses_nodes() ? exchanges : 0;
   EXPECT_EQ(full - none, blocks * (attention_ns + moe_ns + exchanges_ns)) << c.describe();
   EXPECT_EQ(selective - none, blocks * (moe_ns + exchanges_ns)) << c.describe();
 }
@@ -612,6 +614,49 @@ TEST(CalibratedProfile, SerialStreamsAddCommunicationToCompute) {
       EXPECT_GE(b.estimate.step_time_s, a.estimate.step_time_s) << e << s;
     EXPECT_GE(b.estimate.step_time_s + 1e-9, b.estimate.compute_s + b.estimate.optimizer_s + comm) << e << s;
   }
+}
+
+// When every collective after compute takes a share d of that compute more, every stretch of
+// compute on a rank is followed by a collective that costs d times it: the step grows by d
+// times its compute, whatever the layout (data parallel, whose micro-batches between the
+// simulated ones have no collective of their own, sharded, or expert parallel).
+TEST(CalibratedProfile, CollectivesAfterComputeAddAShareOfIt) {
+  for (const auto& [e, s] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {2, 1}}) {
+    Scenario c = calibrated_cpu(e, s, Checkpointing::kNone, 1);
+    c.cluster.comm_overlaps_compute = false;
+    c.training.global_batch_tokens *= 4;  // 8 micro-batches: 5 of them repeated
+    const Scenario a = c;
+    const CurvePoints share{{1e-3, 1e-4}, {1.0, 0.1}};
+    c.cluster.after_compute = {share, share, share};
+    const StepSimulation before = simulate_step(a.config(), {});
+    const StepSimulation after = simulate_step(c.config(), {});
+    ASSERT_GT(c.parallel.gradient_accumulation_steps, 3) << e << s;
+    EXPECT_NEAR(after.estimate.step_time_s - before.estimate.step_time_s, 0.1 * before.estimate.compute_s,
+                0.02 * 0.1 * before.estimate.compute_s)
+        << e << s;
+    double waited = 0;
+    for (SimTime w : after.times.collective_wait) waited += to_seconds(w);
+    EXPECT_GT(waited, 0) << e << s;
+  }
+}
+
+// Before each dispatch, forward and recomputed, the expert group all-gathers its tokens per
+// expert (as the executor does to size the exchange); backward reuses the sizes.
+TEST(CalibratedProfile, DispatchIsSizedByAnAllGatherOfTokensPerExpert) {
+  const Scenario c = calibrated_cpu(2, 1, Checkpointing::kFull, 1);
+  const StepSimulation sim = simulate_step(c.config(), {false, true});
+  int counts = 0, dispatches = 0;
+  for (const Op& op : sim.graph.ops()) {
+    if (op.rank != 0) continue;
+    if (op.kind == OpKind::kDispatchCounts) {
+      ++counts;
+      EXPECT_EQ(op.bytes, 2 * 8 * 8);  // 2 ranks x 8 experts x int64
+      EXPECT_EQ(op_category(op.kind), "all_gather");
+    }
+    if (op.kind == OpKind::kDispatch || op.kind == OpKind::kDispatchRecompute) ++dispatches;
+  }
+  EXPECT_EQ(counts, dispatches);
+  EXPECT_EQ(counts, static_cast<int>(2 * c.model.num_layers * c.parallel.gradient_accumulation_steps));
 }
 
 TEST(CalibratedProfile, CollectivesUseTheirOwnFitAndMeasuredSizes) {

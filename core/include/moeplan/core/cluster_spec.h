@@ -49,6 +49,26 @@ struct CollectiveFit {
 // Measured times of the executor's own operations at one model's shapes (moeplan calibrate),
 // with every rank of a node busy at once. Where the plan's model has these shapes they replace
 // the FLOP-based estimate of those operations; for other shapes the FLOP model applies.
+// The time a collective takes beyond its back-to-back time when the ranks computed before it:
+// waking the communication threads, and waiting for the rank that fell behind (cores of a
+// shared machine do not all run at one pace). Per kind, (seconds of compute a rank did since its
+// previous collective, extra seconds), at increasing compute.
+struct AfterCompute {
+  CurvePoints all_reduce, all_gather, all_to_all;
+
+  bool empty() const { return all_reduce.empty() && all_gather.empty() && all_to_all.empty(); }
+  // The curve of a trace category (all_reduce, all_gather, all_to_all, reduce_scatter: gloo
+  // builds it from an all-to-all); nullptr for others.
+  const CurvePoints* of(std::string_view category) const;
+  bool operator==(const AfterCompute&) const = default;
+};
+inline constexpr std::array<std::string_view, 3> kAfterComputeKinds = {"all_reduce", "all_gather", "all_to_all"};
+
+// A curve of AfterCompute at `compute_s`: 0 without compute; below the first point the first
+// point's share of its compute; between points read linearly; beyond the last point its share
+// of its compute, times compute_s (the wait for a rank that falls behind grows with the work).
+double after_compute_seconds(const CurvePoints& curve, double compute_s);
+
 struct OpTimes {
   // The shapes measured.
   int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0,
@@ -105,6 +125,9 @@ struct ClusterSpec {
   // many ranks as cores: there a collective's time adds to the compute's.
   bool comm_overlaps_compute = true;
   OpTimes op_times;
+  // What a collective takes beyond its own time when it follows compute (measured on CPU ranks;
+  // empty elsewhere).
+  AfterCompute after_compute;
   int64_t memory_headroom_bytes = 0;     // kept free on purpose
 
   SourceMap sources;  // field path -> public source of the number

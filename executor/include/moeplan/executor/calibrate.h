@@ -64,6 +64,10 @@ struct Calibration {
   int64_t baseline_rss_bytes = 0;    // before any tensor work
   double seconds = 0;                // how long calibration took
   double rank_spread = 1;            // median over compute times of slowest / fastest rank
+  // More than one rank: what each kind of collective takes beyond its back-to-back time after
+  // stretches of compute, and per pass [kind x stretch] the figures before the quartile.
+  AfterCompute after_compute;
+  std::vector<std::vector<double>> after_compute_per_pass;
 };
 
 // Measures on this rank while every rank of `world` does the same; a collective call: every

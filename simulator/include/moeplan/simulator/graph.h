@@ -42,6 +42,7 @@ enum class OpKind : uint8_t {
   kGradAllReduce,
   kOffload,
   kReload,
+  kDispatchCounts,  // each rank's tokens per expert, all-gathered before a dispatch
   kCount
 };
 std::string_view op_kind_name(OpKind kind);
@@ -86,6 +87,11 @@ class StepGraph {
   // beside it (ClusterSpec::comm_overlaps_compute false). The trace still shows their stream.
   void set_serial_streams(bool serial) { serial_streams_ = serial; }
   bool serial_streams() const { return serial_streams_; }
+  // Collectives that follow compute take longer (ClusterSpec::after_compute): a collective
+  // starts when its last member arrives and then takes, beyond its own time, the curve of its
+  // kind at the most compute any member did since that member's previous collective.
+  void set_after_compute(AfterCompute after) { after_compute_ = std::move(after); }
+  const AfterCompute& after_compute() const { return after_compute_; }
   const std::vector<Op>& ops() const { return ops_; }
   const std::vector<Collective>& collectives() const { return collectives_; }
   const std::vector<int32_t>& collective_nodes() const { return collective_nodes_; }
@@ -95,6 +101,7 @@ class StepGraph {
   int32_t ranks_;
   int32_t nodes_;
   bool serial_streams_ = false;
+  AfterCompute after_compute_;
   std::vector<Op> ops_;
   std::vector<Collective> collectives_;
   std::vector<int32_t> collective_nodes_;
@@ -110,6 +117,7 @@ struct GraphTimes {
   std::vector<SimTime> stream_busy;  // [rank * kTraceStreamCount + stream]
   std::vector<SimTime> nic_busy;     // per node: time with at least one transfer
   std::vector<SimTime> collective_start;  // per collective: when its last member arrived
+  std::vector<SimTime> collective_wait;   // per collective: what it took for following compute
 };
 
 // Runs the graph. `nic_bandwidth_bytes_per_s` is each node's card.
