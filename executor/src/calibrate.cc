@@ -50,6 +50,17 @@ double time_median(int reps, F&& f, bool adapt = true) {
   return median(t);
 }
 
+// The mean time of `calls` calls after one warm-up call, every rank making as many. For
+// collectives: their times have a long tail here (a tenth of the calls take 3 to 6 ms where
+// the median takes 0.2), and what a step pays for many of them is their mean.
+template <class F>
+double time_mean(int calls, F&& f) {
+  f();
+  const auto start = Clock::now();
+  for (int i = 0; i < calls; ++i) f();
+  return seconds_since(start) / calls;
+}
+
 // A forward and its backward, timed apart; medians over `reps` after a warm-up.
 template <class Forward>
 std::pair<double, double> time_forward_backward(int reps, Forward&& forward) {
@@ -273,8 +284,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   const std::vector<Stretch> stretches{
       {[&] { (void)torch::matmul(stretch_x, w.router.t()).softmax(-1).topk(m.experts_per_token); }, 80 / few},
       {[&] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
-      {[&] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 16 / few},
-      {[&] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 8 / few}};
+      {[&] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 24 / few},
+      {[&] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 16 / few}};
   const std::string dir = o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir;
   ActivationStore store(dir + "/.calibrate-offload-rank-" + std::to_string(world.rank()));
 
@@ -403,17 +414,18 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
           const torch::Tensor full = torch::randn({elems}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
           const torch::Tensor shard = torch::randn({elems / n}).to(full.scalar_type());
           const std::vector<int64_t> rows(static_cast<size_t>(n), elems / n);
-          const int r = bytes <= (1 << 20) ? 3 * reps : reps;
+          // Many calls: the mean has to see the tail.
+          const int r = bytes <= (1 << 20) ? 60 / (o.quick ? 2 : 1) : 15 / (o.quick ? 2 : 1);
           world.barrier();
           double s = 0;
-          if (kind == "all_gather") s = time_median(r, [&] { (void)world.all_gather(shard); }, false);
+          if (kind == "all_gather") s = time_mean(r, [&] { (void)world.all_gather(shard); });
           if (kind == "all_to_all")
-            s = time_median(r, [&] { (void)world.all_to_all(full.view({elems, 1}), rows, rows); }, false);
+            s = time_mean(r, [&] { (void)world.all_to_all(full.view({elems, 1}), rows, rows); });
           if (kind == "all_reduce") {
             torch::Tensor buffer = full.clone();
-            s = time_median(r, [&] { world.all_reduce_sum(buffer); }, false);
+            s = time_mean(r, [&] { world.all_reduce_sum(buffer); });
           }
-          if (kind == "reduce_scatter") s = time_median(r, [&] { (void)world.reduce_scatter_sum(full); }, false);
+          if (kind == "reduce_scatter") s = time_mean(r, [&] { (void)world.reduce_scatter_sum(full); });
           values.push_back(s);
         }
       }
@@ -443,11 +455,13 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
       progress.say("collectives after compute" + of);
       for (const auto& [kind, collective] : after_collectives) {
         world.barrier();
-        const double alone = time_median(3 * reps, collective, false);
+        const double alone = time_mean(60 / few, collective);
         for (const Stretch& stretch : stretches) {
-          // Each call's stretch and collective timed apart on every rank, then gathered: a
-          // call's slowest stretch and its collective's shortest part (the rank that came last
-          // waited for nobody) make the time a step pays for them.
+          // Each call's stretch and collective timed apart on every rank, then gathered. A
+          // step pays, beyond the stretch's own time and the collective back to back, how far
+          // the slowest rank's stretch runs past it (the median over the calls) and how far
+          // the collective on the rank that came last (it waited for nobody) runs past its
+          // back-to-back time (the mean: the tail counts).
           std::vector<double> times(static_cast<size_t>(2 * stretch.calls + 1));
           world.barrier();
           for (int i = 0; i <= stretch.calls; ++i) {
@@ -464,9 +478,10 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
           const torch::Tensor all = world.all_gather(torch::tensor(times, torch::kDouble).unsqueeze(0));
           const int64_t calls = stretch.calls;
           const torch::Tensor work = all.narrow(1, 0, calls), after = all.narrow(1, calls, calls);
-          const double paced = (std::get<0>(work.max(0)) + std::get<0>(after.min(0))).median().item<double>();
           const double own = std::get<0>(work.median(1)).max().item<double>();
-          values.insert(values.end(), {own, paced - own - all.select(1, 2 * calls).max().item<double>()});
+          const double behind = std::get<0>(work.max(0)).median().item<double>() - own;
+          const double longer = std::get<0>(after.min(0)).mean().item<double>() - all.select(1, 2 * calls).max().item<double>();
+          values.insert(values.end(), {own, behind + longer});
         }
       }
     }
@@ -680,7 +695,8 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
   if (!c.collectives.empty()) {
     std::string fits = "measured: gloo collectives from " + std::to_string(static_cast<int64_t>(c.collectives[0].bytes.front())) +
                        " to " + std::to_string(static_cast<int64_t>(c.collectives[0].bytes.back())) +
-                       " bytes, latency + bytes / bandwidth fitted by least squares, and measured at the sizes of " +
+                       " bytes (each the mean time of many calls, its tail included), latency + bytes / bandwidth "
+                       "fitted by least squares, and measured at the sizes of " +
                        o.model.name + "'s flat units (points) (R^2:";
     for (const CollectiveSweep& s : c.collectives) {
       std::snprintf(text, sizeof text, " %s %.3f", s.name.c_str(), s.r_squared);
@@ -699,8 +715,9 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
     say("framework.collective_after_compute",
         "measured: a one-element all-reduce, a tokens-per-expert all-gather and a one-sequence dispatch all-to-all, "
         "each after stretches of compute (a router forward, an attention forward, a micro-batch forward, forward "
-        "and backward) on every rank in lockstep, less the stretch alone (slowest rank) and the collective back to "
-        "back; the lower quartile of " + std::to_string(c.passes) + " passes");
+        "and backward) on every rank in lockstep: how far the slowest rank's stretch ran past its median (median "
+        "over the calls) plus how far the collective on the rank that came last ran past its back-to-back mean "
+        "(mean over the calls); the lower quartile of " + std::to_string(c.passes) + " passes");
   p.framework_overhead_bytes = c.overhead_bytes;
   std::snprintf(text, sizeof text,
                 "measured: the largest resident set beyond live tensors while the executor's operations ran "

@@ -69,12 +69,13 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   EXPECT_GE(b, 1.0 - 1e-9);
 
   // The reduced matrix, held to bounds: peak memory to the acceptance bound (15%), step time
-  // to median 35% and worst 50%, and the predicted order mostly kept. Two calibration passes,
+  // to median 25% and worst 40%, and the predicted order mostly kept. Two calibration passes,
   // three steps and two rounds on a shared machine are noisier than the full matrix; measured
-  // here: median 5 to 15%, worst 16 to 21%, memory 8 to 9%, Kendall tau 1 (docs/validation.md).
+  // here: median 5 to 15%, worst 16 to 21%, memory 8 to 9%, Kendall tau 0.67 to 1
+  // (docs/validation.md).
   const Command val = run_moeplan("validate --profile " + profile + " --model " + model + " --data " + data +
                                   " --out " + dir.file("val") +
-                                  " --quick --steps 3 --rounds 2 --check --max-median-error 0.35 --max-worst-error 0.5"
+                                  " --quick --steps 3 --rounds 2 --check --max-median-error 0.25 --max-worst-error 0.4"
                                   " --max-memory-error 0.15 --min-kendall 0.3");
   EXPECT_EQ(val.exit_code, 0) << show(val);
   const Json v = read_json_file(dir.file("val/validation.json"));
