@@ -25,8 +25,8 @@ ParamCounts count_parameters(const ModelSpec& m) {
   // q: hidden -> heads*head_dim, k and v: hidden -> kv_heads*head_dim, o: heads*head_dim -> hidden.
   p.attention_per_layer = 2 * m.hidden_size * q_width + 2 * m.hidden_size * kv_width;
   p.norms_per_layer = 2 * m.hidden_size;
-  p.router_per_layer = m.hidden_size * m.num_experts;
-  p.expert = 3 * m.hidden_size * m.intermediate_size;
+  p.router_per_layer = m.hidden_size * m.router_width();
+  p.expert = m.mlp_matrices() * m.hidden_size * m.intermediate_size;
   p.num_layers = m.num_layers;
   p.num_experts = m.num_experts;
   p.experts_per_token = m.experts_per_token;
@@ -85,6 +85,7 @@ ModelSpec read_model(ObjectReader& r) {
   m.initializer_range = r.number("initializer_range", 0.0, 10.0, 0.02);
   m.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
+  m.mlp = r.choice<Mlp>("mlp", kMlpNames, Mlp::kSwiGlu);
   return m;
 }
 
@@ -113,31 +114,45 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
   ModelSpec m;
   if (r.ok()) {
     const std::string type = r.string("model_type");
-    if (!type.empty() && type != "mixtral")
-      d.error("model_type", "expected \"mixtral\", got \"" + type + "\"");
-    m.name = r.string("_name_or_path", "hf-mixtral");
-    if (m.name.empty()) m.name = "hf-mixtral";
+    if (!type.empty() && type != "mixtral" && type != "llama")
+      d.error("model_type", "expected \"mixtral\" or \"llama\", got \"" + type + "\"");
+    // LlamaConfig: a dense model, and its own defaults (transformers' LlamaConfig).
+    const bool llama = type == "llama";
+    m.name = r.string("_name_or_path", llama ? "hf-llama" : "hf-mixtral");
+    if (m.name.empty()) m.name = llama ? "hf-llama" : "hf-mixtral";
     m.source = "Hugging Face config.json (" + origin + ")";
     m.vocab_size = r.integer("vocab_size", 1, kMaxDim, 32000);
     m.hidden_size = r.integer("hidden_size", 1, kMaxDim, 4096);
-    m.intermediate_size = r.integer("intermediate_size", 1, kMaxDim, 14336);
+    m.intermediate_size = r.integer("intermediate_size", 1, kMaxDim, llama ? 11008 : 14336);
     m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, 32);
     m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim, 32);
-    m.num_key_value_heads = r.integer("num_key_value_heads", 1, kMaxDim, 8);
+    // LlamaConfig: no num_key_value_heads (or null) means one per query head.
+    const auto kv_heads = r.nullable_integer("num_key_value_heads", 1, kMaxDim);
+    m.num_key_value_heads = kv_heads ? *kv_heads : (llama ? m.num_attention_heads : 8);
     // Newer transformers versions write head_dim explicitly (sometimes as null).
     auto head_dim = r.nullable_integer("head_dim", 1, kMaxDim);
     m.head_dim = head_dim ? *head_dim : derived_head_dim(m, r, "num_attention_heads");
-    m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
-    m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
-    m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 4096 * 32);
-    m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e6);
-    m.sliding_window = r.nullable_integer("sliding_window", 1, kMaxPositions);
-    m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-5);
+    if (llama) {
+      m.num_experts = 1;
+      m.experts_per_token = 1;
+      m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 2048);
+      m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
+      m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
+      r.ignore("pretraining_tp");
+      r.ignore("mlp_bias");
+    } else {
+      m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
+      m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
+      m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 4096 * 32);
+      m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e6);
+      m.sliding_window = r.nullable_integer("sliding_window", 1, kMaxPositions);
+      m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-5);
+    }
     m.initializer_range = r.number("initializer_range", 0.0, 10.0, 0.02);
     m.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-    m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
+    if (!llama) m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
     const std::string act = r.string("hidden_act", "silu");
-    if (act != "silu") d.error("hidden_act", "only \"silu\" (SwiGLU experts) is supported, got \"" + act + "\"");
+    if (act != "silu") d.error("hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"" + act + "\"");
     // Fields of MixtralConfig and PretrainedConfig that do not change the model's shape or
     // cost. Anything else is reported: a misspelt field would otherwise silently take its
     // default.
@@ -191,6 +206,7 @@ OrderedJson to_json(const ModelSpec& m) {
   j["initializer_range"] = m.initializer_range;
   j["tie_word_embeddings"] = m.tie_word_embeddings;
   j["router_aux_loss_coef"] = m.router_aux_loss_coef;
+  j["mlp"] = std::string(name_of(kMlpNames, m.mlp));
   return j;
 }
 

@@ -38,6 +38,14 @@ std::string to_json_line(const StepRecord& r) {
 }
 
 void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptions& o, Diagnostics& d) {
+  // The executor builds Mixtral; dense models (one feed-forward layer, no router) and GELU
+  // feed-forward layers are planned and simulated only.
+  if (plan.model.dense())
+    d.error("model.num_experts", "= 1 (a dense model): the executor trains Mixture-of-Experts models; dense models "
+                                 "are planned and simulated only");
+  if (plan.model.mlp != Mlp::kSwiGlu)
+    d.error("model.mlp", "= \"" + std::string(name_of(kMlpNames, plan.model.mlp)) +
+                             "\": the executor trains SwiGLU feed-forward layers only");
   if (data.vocab_size() != plan.model.vocab_size)
     d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
                                     data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");

@@ -30,6 +30,10 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double kv = static_cast<double>(m.num_key_value_heads * m.head_dim);
   const double heads = static_cast<double>(m.num_attention_heads);
   const double routed = static_cast<double>(slots);
+  const double router = static_cast<double>(m.router_width());
+  // Intermediate-width tensors kept per slot: SwiGLU w1 and w3 outputs and their product; GELU
+  // fc1's output and its GELU.
+  const double mlp_kept = m.mlp == Mlp::kGelu ? 2.0 : 3.0;
   BlockActivations out;
   out.block_input = to_bytes(t * h * bytes);
   if (kernels == Kernels::kFused) {
@@ -37,9 +41,9 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
     // (o_proj input), and the fp32 log-sum-exp per head that flash attention keeps.
     out.attention = to_bytes(t * (2 * h + 2 * q + 2 * kv) * bytes + t * heads * kBytesFp32);
     // RMSNorm input and output, fp32 router probabilities, then per token-expert slot: the
-    // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output.
-    out.moe = to_bytes(t * 2 * h * bytes + t * static_cast<double>(m.num_experts) * kBytesFp32 +
-                       routed * (2 * h + 3 * f) * bytes);
+    // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output
+    // (GELU: fc1's output and its GELU, the fc2 input).
+    out.moe = to_bytes(t * 2 * h * bytes + t * router * kBytesFp32 + routed * (2 * h + mlp_kept * f) * bytes);
     return out;
   }
   // Eager: each RMSNorm also keeps its normalised rows (and, below fp32, the fp32 copy of its
@@ -52,8 +56,8 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double probabilities = static_cast<double>(micro_batch) * heads * static_cast<double>(seq_len) *
                                static_cast<double>(seq_len) * (kBytesFp32 + (a < kBytesFp32 ? bytes : 0.0));
   out.attention = to_bytes(t * (3 * h + 4 * q) * bytes + norm_copy + probabilities);
-  out.moe = to_bytes(t * 3 * h * bytes + norm_copy + t * static_cast<double>(m.num_experts) * kBytesFp32 +
-                     routed * (h + 4 * f) * bytes + k * t * h * bytes);
+  out.moe = to_bytes(t * 3 * h * bytes + norm_copy + t * router * kBytesFp32 + routed * (h + (mlp_kept + 1) * f) * bytes +
+                     k * t * h * bytes);
   return out;
 }
 

@@ -48,10 +48,12 @@ double moe_forward_seconds(const RunConfig& c, double load) {
   const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
   const double slots = static_cast<double>(m.experts_per_token) * tokens * load;
   const double local_experts = static_cast<double>(m.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
-  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.num_experts);
-  // Each local expert runs its three GEMMs on its share of the rank's slots.
-  return cost.matmul_seconds(router_flops, router_flops, fp32) +
-         cost.matmul_seconds(2.0 * slots * 3.0 * h * ffn, 2.0 * slots / local_experts * h * ffn, fp32);
+  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.router_width());
+  const double matrices = static_cast<double>(m.mlp_matrices());
+  // Each local expert runs its GEMMs (three for SwiGLU, two for GELU) on its share of the
+  // rank's slots.
+  return (router_flops > 0 ? cost.matmul_seconds(router_flops, router_flops, fp32) : 0.0) +
+         cost.matmul_seconds(2.0 * slots * matrices * h * ffn, 2.0 * slots / local_experts * h * ffn, fp32);
 }
 
 OpCosts op_costs(const RunConfig& c) {
@@ -79,8 +81,8 @@ OpCosts op_costs(const RunConfig& c) {
   if (m.sliding_window && *m.sliding_window < c.training.seq_len) context = static_cast<double>(*m.sliding_window);
   const double proj_flops = 2.0 * tokens * static_cast<double>(params.attention_per_layer);
   const double core_flops = 4.0 * tokens * q_width * context;
-  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.num_experts);
-  auto expert_flops = [&](double slots) { return 2.0 * slots * 3.0 * h * ffn; };
+  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.router_width());
+  auto expert_flops = [&](double slots) { return 2.0 * slots * static_cast<double>(m.mlp_matrices()) * h * ffn; };
   auto moe_seconds = [&](double slots) { return moe_forward_seconds(c, slots / mean_slots); };
 
   OpCosts o;

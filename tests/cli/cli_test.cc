@@ -120,6 +120,24 @@ TEST_F(Cli, SearchWritesAPlanThatCheckAccepts) {
     EXPECT_EQ(entry.path().filename(), "plan.json");
 }
 
+// Dense models are planned like Mixtral, with one expert: no expert parallelism, no router.
+TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
+  Workdir dir;
+  for (const char* model : {"llama-3-8b", "llama-2-70b", "gpt3-175b"}) {
+    const Outcome search = dir.moeplan(std::string("search --gpus 64 --model ") + model);
+    ASSERT_EQ(search.exit_code, 0) << model << show(search);
+    const Plan plan = read_plan_file((dir / "plan.json").string());
+    EXPECT_EQ(plan.model.name, model);
+    EXPECT_EQ(plan.parallel.expert_parallel_degree, 1) << model;
+    EXPECT_GT(plan.prediction.tokens_per_s, 0) << model;
+    const Outcome check = dir.moeplan("check plan.json");
+    EXPECT_EQ(check.exit_code, 0) << model << show(check);
+  }
+  // A Hugging Face LlamaConfig too.
+  const Outcome hf = dir.moeplan("search --gpus 64 --model " + test::data_path("hf/llama-2-70b/config.json"));
+  EXPECT_EQ(hf.exit_code, 0) << show(hf);
+}
+
 TEST_F(Cli, SameCommandGivesTheSameBytesInAnotherFolder) {
   Workdir first;
   Workdir second;

@@ -57,8 +57,85 @@ TEST(ModelSpec, HuggingFaceConfigRejectsMisspeltField) {
 }
 
 TEST(ModelSpec, HuggingFaceConfigRejectsOtherArchitectures) {
-  const Json config = Json::parse(R"({"model_type": "llama"})");
-  EXPECT_THROW(model_from_hf_config(config, "config.json"), InputError);
+  const Json config = Json::parse(R"({"model_type": "gpt2"})");
+  try {
+    model_from_hf_config(config, "config.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    ASSERT_GE(e.diagnostics().size(), 1u);
+    EXPECT_EQ(e.diagnostics()[0].path, "model_type");
+    EXPECT_EQ(e.diagnostics()[0].message, "expected \"mixtral\" or \"llama\", got \"gpt2\"");
+  }
+}
+
+// Dense models count their parameters as published: Llama 3 8B and Llama 2 70B to the
+// parameter (the sums of the tensors of their Hugging Face checkpoints: 8,030,261,248 and
+// 68,976,648,192); GPT-3 175B to its rounded 175.0B, less what moeplan leaves out (position
+// embeddings and biases, about 0.4B):
+//   Llama 3 8B: 2 * 128256 * 4096 + 4096 + 32 * (2*4096*4096 + 2*4096*1024 + 2*4096 + 3*4096*14336)
+//   GPT-3: 50257 * 12288 (tied) + 12288 + 96 * (4 * 12288^2 + 2 * 12288 + 2 * 12288 * 49152)
+TEST(ModelSpec, DenseModelsHaveTheirPublishedParameterCounts) {
+  const ParamCounts llama3 = count_parameters(test::model("llama-3-8b"));
+  EXPECT_EQ(llama3.total(), 8'030'261'248);
+  EXPECT_EQ(llama3.router_per_layer, 0);
+  EXPECT_EQ(llama3.active(), llama3.total());
+  EXPECT_EQ(count_parameters(test::model("llama-2-70b")).total(), 68'976'648'192);
+  const ModelSpec gpt3 = test::model("gpt3-175b");
+  EXPECT_TRUE(gpt3.dense());
+  EXPECT_EQ(gpt3.mlp, Mlp::kGelu);
+  const ParamCounts g = count_parameters(gpt3);
+  EXPECT_EQ(g.expert, 2 * 12288 * 49152);  // fc1 and fc2
+  EXPECT_EQ(g.lm_head, 0);                 // tied to the embedding
+  EXPECT_EQ(g.total(), 174'566'105'088);
+  EXPECT_NEAR(static_cast<double>(g.total()) / 175.0e9, 1.0, 0.003);
+  // Forward FLOPs per token: 2 per weight a token passes through (the tied head once more as
+  // the lm head's GEMM), plus attention's scores and weighted sum.
+  const double weights = 96.0 * (4.0 * 12288 * 12288 + 2.0 * 12288 * 49152) + 50257.0 * 12288;
+  EXPECT_DOUBLE_EQ(forward_flops_per_token(gpt3, 2048), 2.0 * weights + 4.0 * 12288 * 1024 * 96);
+}
+
+TEST(ModelSpec, HuggingFaceLlamaConfigIsADenseModel) {
+  // meta-llama/Llama-2-70b-hf config.json.
+  const ModelSpec hf = model_from_hf_config(read_json_file(test::data_path("hf/llama-2-70b/config.json")), "config.json");
+  EXPECT_EQ(hf.name, "meta-llama/Llama-2-70b-hf");
+  EXPECT_TRUE(hf.dense());
+  EXPECT_EQ(hf.experts_per_token, 1);
+  EXPECT_EQ(hf.mlp, Mlp::kSwiGlu);
+  EXPECT_EQ(hf.num_key_value_heads, 8);
+  EXPECT_DOUBLE_EQ(hf.rope_theta, 1e4);  // LlamaConfig's default
+  EXPECT_EQ(count_parameters(hf).total(), count_parameters(test::model("llama-2-70b")).total());
+  // Without num_key_value_heads, LlamaConfig gives every query head its own.
+  const ModelSpec mha = model_from_hf_config(Json::parse(R"({"model_type": "llama", "num_attention_heads": 16,
+      "hidden_size": 2048})"), "config.json");
+  EXPECT_EQ(mha.num_key_value_heads, 16);
+  EXPECT_EQ(mha.head_dim, 128);
+  // A Mixtral field in a Llama config is a mistake, and so named.
+  try {
+    model_from_hf_config(Json::parse(R"({"model_type": "llama", "num_local_experts": 8})"), "config.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    ASSERT_EQ(e.diagnostics().size(), 1u);
+    EXPECT_EQ(e.diagnostics()[0].path, "num_local_experts");
+    EXPECT_EQ(e.diagnostics()[0].message, "unknown field");
+  }
+}
+
+TEST(ModelSpec, FeedForwardKindIsReadAndWritten) {
+  ModelSpec m = test::model("gpt3-175b");
+  EXPECT_EQ(model_from_json(Json::parse(to_json(m).dump()), "round trip"), m);
+  Json bad = Json::parse(to_json(m).dump());
+  bad["mlp"] = "relu";
+  try {
+    model_from_json(bad, "bad.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    ASSERT_EQ(e.diagnostics().size(), 1u);
+    EXPECT_EQ(e.diagnostics()[0].path, "mlp");
+  }
+  // A profile without the field has SwiGLU, as Mixtral does.
+  Json old = Json::parse(to_json(test::model("mixtral-8x7b")).dump());
+  old.erase("mlp");
+  EXPECT_EQ(model_from_json(old, "old.json").mlp, Mlp::kSwiGlu);
 }
 
 TEST(ModelSpec, Mixtral8x22bIsAbout141BillionParameters) {

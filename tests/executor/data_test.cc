@@ -367,20 +367,41 @@ TEST_F(PreparedData, PrepareWithABlockLongerThanTheCorpusFails) {
   EXPECT_TRUE(contains(open_error(tmp.file("out")), "no manifest.json"));
 }
 
-TEST_F(PreparedData, RunWithAModelOfAnotherVocabularyFails) {
-  const test::TempDir tmp;
+// Plans `model` for one CPU rank on blocks of the prepared data (4 sequences per step, 2 per
+// micro-batch) and runs one step of it into tmp/run, which must fail as bad input: the run's
+// error output.
+std::string run_refused(const test::TempDir& tmp, const std::string& model, const std::string& data) {
   const std::string plan = tmp.file("plan.json");
-  // mixtral-tiny has 4096 pieces; the data has 512. 4 sequences per step, 2 per micro-batch.
-  const Command made = run_moeplan("search --gpus 1 --instance local-cpu --model mixtral-tiny --seq-len " +
+  const Command made = run_moeplan("search --gpus 1 --instance local-cpu --model " + model + " --seq-len " +
                                    std::to_string(kBlock) + " --global-batch-tokens " + std::to_string(4 * kBlock) +
                                    " --precision fp32 --max-micro-batch 2 --out " + plan);
-  ASSERT_EQ(made.exit_code, 0) << show(made);
+  EXPECT_EQ(made.exit_code, 0) << show(made);
   const std::string out = tmp.file("run");
-  const Command r = run_moeplan("run " + plan + " --data " + data() + " --out " + out + " --steps 1 --threads 1");
+  const Command r = run_moeplan("run " + plan + " --data " + data + " --out " + out + " --steps 1 --threads 1");
   EXPECT_EQ(r.exit_code, 2) << show(r);
-  EXPECT_TRUE(contains(r.err, "moeplan: error: run: model.vocab_size: 4096 does not match the tokenizer of " + data()))
-      << show(r);
   EXPECT_FALSE(fs::exists(out + "/metrics.jsonl"));
+  return r.err;
+}
+
+TEST_F(PreparedData, RunWithAModelOfAnotherVocabularyFails) {
+  // mixtral-tiny has 4096 pieces; the data has 512.
+  const std::string err = run_refused(test::TempDir(), "mixtral-tiny", data());
+  EXPECT_TRUE(contains(err, "moeplan: error: run: model.vocab_size: 4096 does not match the tokenizer of " + data()))
+      << err;
+}
+
+TEST_F(PreparedData, RunOfADenseModelIsRefusedNamingTheField) {
+  const test::TempDir tmp;
+  // mixtral-tiny with one expert: a dense model, planned like any other.
+  Json model = read_json_file(test::profile_path("models/mixtral-tiny.json"));
+  model["name"] = "dense-tiny";
+  model["vocab_size"] = kVocab;
+  model["num_experts"] = 1;
+  model["experts_per_token"] = 1;
+  const std::string err = run_refused(tmp, tmp.write("dense-tiny.json", model.dump()), data());
+  EXPECT_TRUE(contains(err, "moeplan: error: run: model.num_experts: = 1 (a dense model): the executor trains "
+                            "Mixture-of-Experts models"))
+      << err;
 }
 
 }  // namespace

@@ -659,6 +659,20 @@ TEST(CalibratedProfile, DispatchIsSizedByAnAllGatherOfTokensPerExpert) {
   EXPECT_EQ(counts, static_cast<int>(2 * c.model.num_layers * c.parallel.gradient_accumulation_steps));
 }
 
+// A dense model's feed-forward layer has no router; GPT-3's GELU layer two matrices where
+// SwiGLU has three: per micro-batch of 2,048 tokens, 2 x 2048 x 2 x 12288 x 49152 FLOPs.
+TEST(DenseModel, FeedForwardFlopsFollowItsMatrices) {
+  Scenario c = make_scenario("gpt3-175b", "p4d.24xlarge", 64, 1, 64, "RSE", Checkpointing::kFull, 1, 4, 2048);
+  const OpCosts gelu = op_costs(c.config());
+  EXPECT_DOUBLE_EQ(gelu.moe_flops, 2.0 * 2048 * 2 * 12288 * 49152.0);
+  c.model.mlp = Mlp::kSwiGlu;
+  EXPECT_DOUBLE_EQ(op_costs(c.config()).moe_flops, 1.5 * gelu.moe_flops);
+  c.model.mlp = Mlp::kGelu;
+  const StepSimulation sim = simulate_step(c.config(), {});
+  EXPECT_GT(sim.estimate.step_time_s, 0);
+  for (const Op& op : sim.graph.ops()) EXPECT_NE(op_category(op.kind), "all_to_all") << "no experts to exchange";
+}
+
 TEST(CalibratedProfile, CollectivesUseTheirOwnFitAndMeasuredSizes) {
   Scenario c = calibrated_cpu(1, 2, Checkpointing::kNone, 1);
   const CostModel plain(c.cluster);

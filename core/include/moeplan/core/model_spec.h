@@ -1,20 +1,28 @@
 #pragma once
 // The model being trained: a Mixtral-style decoder (Hugging Face MixtralConfig semantics).
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "moeplan/core/json_reader.h"
 
 namespace moeplan {
+
+// The feed-forward layer of a block (of each expert): SwiGLU, w2(silu(w1 x) * w3 x) as in
+// Mixtral and Llama, or a plain two-matrix MLP, fc2(gelu(fc1 x)) as in GPT-3.
+enum class Mlp : uint8_t { kSwiGlu, kGelu };
+inline constexpr std::array<std::pair<std::string_view, Mlp>, 2> kMlpNames{{{"swiglu", Mlp::kSwiGlu}, {"gelu", Mlp::kGelu}}};
 
 struct ModelSpec {
   std::string name;
   std::string source;  // where the figures come from (model card, config.json)
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;  // per expert (SwiGLU width)
+  int64_t intermediate_size = 0;  // per expert (the feed-forward width)
   int64_t num_layers = 0;
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
@@ -28,6 +36,13 @@ struct ModelSpec {
   double initializer_range = 0.02;
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0.001;
+  Mlp mlp = Mlp::kSwiGlu;
+
+  // One expert is a dense model: its feed-forward layer takes every token and has no router.
+  bool dense() const { return num_experts == 1; }
+  int64_t router_width() const { return dense() ? 0 : num_experts; }
+  // Weight matrices of one feed-forward layer, each hidden x intermediate.
+  int64_t mlp_matrices() const { return mlp == Mlp::kGelu ? 2 : 3; }
 
   bool operator==(const ModelSpec&) const = default;
 };
@@ -40,8 +55,8 @@ struct ParamCounts {
   int64_t final_norm = 0;           // hidden
   int64_t attention_per_layer = 0;  // q, k, v, o projections (no biases)
   int64_t norms_per_layer = 0;      // two RMSNorm weights
-  int64_t router_per_layer = 0;     // hidden x num_experts, no bias
-  int64_t expert = 0;               // one expert of one layer: w1, w2, w3
+  int64_t router_per_layer = 0;     // hidden x num_experts, no bias (none in a dense model)
+  int64_t expert = 0;               // one expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)
   int64_t num_layers = 0;
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
@@ -63,7 +78,7 @@ double forward_flops_per_token(const ModelSpec& model, int64_t seq_len);
 
 // moeplan model profile (profiles/models/*.json).
 ModelSpec model_from_json(const Json& json, const std::string& origin);
-// Hugging Face MixtralConfig config.json.
+// Hugging Face config.json: MixtralConfig, or LlamaConfig (a dense model).
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin);
 // Reads either format from a file: a "model_type" field marks a Hugging Face config.
 ModelSpec read_model_file(const std::string& path);
