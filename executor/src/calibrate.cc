@@ -261,9 +261,9 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   whole_plan.moe = moe;
   DeviceMesh alone(whole_plan.parallel);
   ShardedModel whole(whole_plan, alone);
-  // Collectives after compute: the kinds as the executor uses them small (a gradient
-  // all-reduce's wait, the tokens-per-expert all-gather before a dispatch, a dispatch of one
-  // sequence), and stretches from a router's forward to a whole micro-batch's forward and
+  // Collectives after compute: each kind as the executor uses it, small (a one-element
+  // all-reduce, the tokens-per-expert all-gather before a dispatch, a dispatch of one
+  // sequence), after stretches from a router's forward to a whole micro-batch's forward and
   // backward; as many lockstep calls on every rank.
   torch::Tensor token = torch::zeros({1});
   const torch::Tensor expert_counts = torch::zeros({1, m.num_experts}, torch::kLong);
@@ -449,8 +449,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
 
     // -- Collectives after compute: each kind back to back, then after stretches of compute of
     // a few lengths in lockstep. What the pair takes beyond the stretch alone and the
-    // collective alone is what a collective costs in a step for following compute: the
-    // communication threads have to be woken, and the rank that fell behind waited for.
+    // collective alone is what a collective costs in a step for following compute: a longer
+    // tail (its threads have to be woken), and the wait for the rank that fell behind.
     if (n > 1) {
       progress.say("collectives after compute" + of);
       for (const auto& [kind, collective] : after_collectives) {
@@ -578,7 +578,10 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
     const torch::Tensor kept = undisturbed_quartile(extra.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
     const torch::Tensor own_kept = undisturbed_quartile(own.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
     for (int64_t k = 0; k < kinds_n; ++k) {
-      CurvePoints& curve = k == 0 ? cal.after_compute.all_reduce : k == 1 ? cal.after_compute.all_gather : cal.after_compute.all_to_all;
+      const std::string& kind = after_collectives[static_cast<size_t>(k)].first;
+      CurvePoints& curve = kind == "all_reduce"   ? cal.after_compute.all_reduce
+                           : kind == "all_gather" ? cal.after_compute.all_gather
+                                                  : cal.after_compute.all_to_all;
       for (int64_t i = 0; i < stretches_n; ++i) {
         const double x = own_kept[k][i].item<double>();
         if (curve.empty() || x > curve.back().first) curve.emplace_back(x, std::max(0.0, kept[k][i].item<double>()));
