@@ -14,7 +14,7 @@ constexpr std::array<std::string_view, static_cast<size_t>(OpKind::kCount)> kKin
     "attn_recompute", "experts_recompute", "optimizer",   "dispatch",         "combine",
     "dispatch_bwd", "combine_bwd",     "dispatch_recompute", "combine_recompute", "gather_fwd",
     "gather_bwd",   "reduce_scatter",  "grad_all_reduce", "offload",          "reload",
-    "dispatch_counts"};
+    "dispatch_counts", "stage_fwd",       "stage_bwd",       "send_activations", "send_gradients"};
 
 enum EventKind : uint32_t { kOpDone, kCollectiveFlowsStart, kCollectiveDone, kNicCheck };
 
@@ -37,6 +37,8 @@ std::string_view op_category(OpKind kind) {
     case OpKind::kGradAllReduce: return "all_reduce";
     case OpKind::kOffload:
     case OpKind::kReload: return "copy";
+    case OpKind::kSendActivations:
+    case OpKind::kSendGradients: return "send_recv";
     default: return "compute";
   }
 }

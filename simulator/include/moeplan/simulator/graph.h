@@ -43,6 +43,10 @@ enum class OpKind : uint8_t {
   kOffload,
   kReload,
   kDispatchCounts,  // each rank's tokens per expert, all-gathered before a dispatch
+  kStageForward,    // a pipeline stage's forward of one micro-batch
+  kStageBackward,
+  kSendActivations,  // to the next stage (point to point)
+  kSendGradients,    // to the previous stage
   kCount
 };
 std::string_view op_kind_name(OpKind kind);

@@ -1,0 +1,36 @@
+#pragma once
+// A pipeline of P stages running m micro-batches with the 1F1B schedule (Narayanan et al.,
+// "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21,
+// section 2.2): stage s runs min(P - 1 - s, m) forwards first, then alternates one forward
+// and one backward, then runs the backwards left. A micro-batch's forward on stage s waits
+// for its forward on stage s - 1 and the transfer of its activations; its backward on stage
+// s for its backward on stage s + 1 and the transfer of the gradients. Executed on the
+// step-graph engine: one simulated rank per stage, its compute stream in schedule order,
+// activations arriving on its copy stream and gradients on its gradient stream.
+
+#include <cstdint>
+#include <vector>
+
+#include "moeplan/simulator/graph.h"
+
+namespace moeplan::sim {
+
+struct PipelineStage {
+  double forward_s = 0;   // one micro-batch through the stage's layers
+  double backward_s = 0;  // and back (with any recompute)
+};
+
+struct PipelineSimulation {
+  StepGraph graph{1, 1};
+  GraphTimes times;
+  double step_s = 0;  // from the first forward to the last backward
+  // The share of the step the busiest stage is idle: (P - 1) / (m + P - 1) for equal stages
+  // and free transfers.
+  double bubble_fraction = 0;
+};
+
+// `p2p_s`: one transfer of a micro-batch's activations (or their gradients) between two
+// neighbouring stages. Stages must be non-empty and micro_batches >= 1.
+PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s);
+
+}  // namespace moeplan::sim

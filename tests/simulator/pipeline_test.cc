@@ -1,0 +1,83 @@
+#include "moeplan/simulator/pipeline.h"
+
+#include <gtest/gtest.h>
+
+namespace moeplan::sim {
+namespace {
+
+// Four equal stages, 8 micro-batches, forward 1 ms and backward 2 ms, free transfers: 1F1B
+// takes (m + P - 1)(f + b) = 11 x 3 ms = 33 ms, and every stage idles (P - 1)(f + b) = 9 ms
+// of it: the bubble is (P - 1) / (m + P - 1) = 3 / 11.
+TEST(Pipeline, EqualStagesTakeTheBubbleOfTheTextbook) {
+  const PipelineSimulation sim = simulate_pipeline(std::vector<PipelineStage>(4, {1e-3, 2e-3}), 8, 0);
+  EXPECT_NEAR(sim.step_s, 33e-3, 1e-9);
+  EXPECT_NEAR(sim.bubble_fraction, 3.0 / 11.0, 1e-6);
+  // One stage is no pipeline: m (f + b).
+  EXPECT_NEAR(simulate_pipeline({{1e-3, 2e-3}}, 8, 0).step_s, 24e-3, 1e-9);
+  EXPECT_NEAR(simulate_pipeline({{1e-3, 2e-3}}, 8, 0).bubble_fraction, 0, 1e-9);
+}
+
+// Two stages, 2 micro-batches, f = 1, b = 2, transfers of 0.5 (all in ms), worked by hand:
+//   stage 0: F0 0-1, F1 1-2;            activations reach stage 1 at 1.5 and 2.5
+//   stage 1: F0 1.5-2.5, B0 2.5-4.5, F1 4.5-5.5, B1 5.5-7.5
+//   gradients reach stage 0 at 5 and 8: B0 5-7, B1 8-10.
+// 10 ms = (m + P - 1)(f + b) + 2 (P - 1) x transfer = 9 + 1.
+TEST(Pipeline, TransfersLengthenTheFirstRoundTrip) {
+  const PipelineSimulation sim = simulate_pipeline({{1e-3, 2e-3}, {1e-3, 2e-3}}, 2, 0.5e-3);
+  EXPECT_NEAR(sim.step_s, 10e-3, 1e-9);
+  const StepGraph& g = sim.graph;
+  int checked = 0;
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    const double start = to_seconds(sim.times.start[i]) * 1e3, end = to_seconds(sim.times.end[i]) * 1e3;
+    if (op.rank == 1 && op.kind == OpKind::kStageForward && op.micro_batch == 1) {
+      EXPECT_NEAR(start, 4.5, 1e-6);  // after B0: one forward, one backward
+      ++checked;
+    }
+    if (op.rank == 0 && op.kind == OpKind::kStageBackward && op.micro_batch == 0) {
+      EXPECT_NEAR(start, 5.0, 1e-6);
+      EXPECT_NEAR(end, 7.0, 1e-6);
+      ++checked;
+    }
+    if (op.kind == OpKind::kSendGradients) {
+      EXPECT_EQ(op_category(op.kind), "send_recv");
+    }
+  }
+  EXPECT_EQ(checked, 2);
+}
+
+// The slowest stage sets the pace. Two stages, 2 micro-batches, stage 1 twice as slow
+// (f = 2, b = 4) as stage 0 (f = 1, b = 2), free transfers:
+//   stage 1: F0 1-3, B0 3-7, F1 7-9, B1 9-13; stage 0: F0 0-1, F1 1-2, B0 7-9, B1 13-15.
+// 15 ms = m (f + b) of stage 1 + f and b of stage 0.
+TEST(Pipeline, TheSlowestStageSetsThePace) {
+  const PipelineSimulation sim = simulate_pipeline({{1e-3, 2e-3}, {2e-3, 4e-3}}, 2, 0);
+  EXPECT_NEAR(sim.step_s, 15e-3, 1e-9);
+  EXPECT_NEAR(sim.bubble_fraction, 1.0 - 12.0 / 15.0, 1e-6);
+}
+
+// A stage never holds more than P - s micro-batches' activations: stage s starts the
+// backward of micro-batch i before the forward of micro-batch i + P - s.
+TEST(Pipeline, EachStageKeepsAtMostItsWarmupPlusOneInFlight) {
+  const int64_t p = 4, m = 8;
+  const PipelineSimulation sim = simulate_pipeline(std::vector<PipelineStage>(p, {1e-3, 2e-3}), m, 0.1e-3);
+  for (int64_t s = 0; s < p; ++s) {
+    std::vector<SimTime> fwd_start(m), bwd_start(m);
+    for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+      const Op& op = sim.graph.ops()[i];
+      if (op.rank != s) continue;
+      if (op.kind == OpKind::kStageForward) fwd_start[static_cast<size_t>(op.micro_batch)] = sim.times.start[i];
+      if (op.kind == OpKind::kStageBackward) bwd_start[static_cast<size_t>(op.micro_batch)] = sim.times.start[i];
+    }
+    for (int64_t i = 0; i + (p - s) < m; ++i)
+      EXPECT_LT(bwd_start[static_cast<size_t>(i)], fwd_start[static_cast<size_t>(i + p - s)]) << "stage " << s << " mb " << i;
+  }
+}
+
+TEST(Pipeline, EmptyInputIsRefused) {
+  EXPECT_THROW(simulate_pipeline({}, 4, 0), std::invalid_argument);
+  EXPECT_THROW(simulate_pipeline({{1, 1}}, 0, 0), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moeplan::sim
