@@ -537,8 +537,8 @@ TEST(HfConfig, ProblemsFromAFile) {
       {"/sliding_window", 0, "sliding_window", "must be in [1, 16777216], got 0"},
       {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
       {"/num_local_expert", 16, "num_local_expert", "unknown field"},
-      {"/model_type", "llama", "model_type", "expected \"mixtral\", got \"llama\""},
-      {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU experts) is supported, got \"gelu\""},
+      {"/model_type", "gpt2", "model_type", "expected \"mixtral\" or \"llama\", got \"gpt2\""},
+      {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"gelu\""},
       {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
   };
   TempDir dir;
