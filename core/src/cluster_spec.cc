@@ -106,6 +106,42 @@ void read_collective_fits(ObjectReader& c, const std::string& own_path, ClusterS
   c.finish();
 }
 
+// A measured curve at `path`: 1 to 64 [x, y] pairs, x increasing. `x_ok` and `y_ok` say
+// whether a value is in range; `x_range` and `y_range` how the error says the range.
+struct CurveField {
+  const char* x_name;
+  const char* y_name;
+  bool (*x_ok)(double);
+  const char* x_range;
+  bool (*y_ok)(double);
+  const char* y_range;
+};
+
+void read_curve(Diagnostics& d, const Json& points, const std::string& path, const CurveField& f, CurvePoints& curve) {
+  const std::string pair = std::string("[") + f.x_name + ", " + f.y_name + "]";
+  if (!points.is_array() || points.empty() || points.size() > 64) {
+    d.error(path, "expected an array of 1 to 64 " + pair + " pairs");
+    return;
+  }
+  for (size_t i = 0; i < points.size(); ++i) {
+    const Json& p = points[i];
+    const std::string at = path + "[" + std::to_string(i) + "]";
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number()) {
+      d.error(at, "expected " + pair + ", got " + describe_json(p));
+      continue;
+    }
+    const double x = p[0].get<double>(), y = p[1].get<double>();
+    if (!f.x_ok(x))
+      d.error(at, std::string(f.x_name) + " must be in " + f.x_range + ", got " + p[0].dump());
+    else if (!f.y_ok(y))
+      d.error(at, std::string(f.y_name) + " must be in " + f.y_range + ", got " + p[1].dump());
+    else if (!curve.empty() && x <= curve.back().first)
+      d.error(at, std::string(f.x_name) + " must increase from one point to the next");
+    else
+      curve.emplace_back(x, y);
+  }
+}
+
 void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
   read_plain_source(o, own_path);
   if (auto s = o.object("shapes")) {
@@ -126,29 +162,9 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
   for (std::string_view name : kOpTimeCurves) {
     const Json* points = o.child(name, name.starts_with("micro_batch_"));  // those two are optional
     if (points == nullptr) continue;
-    const std::string path = o.path_of(name);
-    if (!points->is_array() || points->empty() || points->size() > 64) {
-      o.diagnostics().error(path, "expected an array of 1 to 64 [x, seconds] pairs");
-      continue;
-    }
-    CurvePoints& curve = op_time_curve(t, name);
-    for (size_t i = 0; i < points->size(); ++i) {
-      const Json& p = (*points)[i];
-      const std::string at = path + "[" + std::to_string(i) + "]";
-      if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number()) {
-        o.diagnostics().error(at, "expected [x, seconds], got " + describe_json(p));
-        continue;
-      }
-      const double x = p[0].get<double>(), sec = p[1].get<double>();
-      if (!(x >= 1.0 && x <= 1e18))
-        o.diagnostics().error(at, "x must be in [1, 1e18], got " + p[0].dump());
-      else if (!(sec >= 0.0 && sec <= 1e6))
-        o.diagnostics().error(at, "seconds must be in [0, 1e6], got " + p[1].dump());
-      else if (!curve.empty() && x <= curve.back().first)
-        o.diagnostics().error(at, "x must increase from one point to the next");
-      else
-        curve.emplace_back(x, sec);
-    }
+    static constexpr CurveField kField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
+                                       [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
+    read_curve(o.diagnostics(), *points, o.path_of(name), kField, op_time_curve(t, name));
   }
   o.finish();
 }
@@ -159,29 +175,10 @@ void read_after_compute(ObjectReader& o, const std::string& own_path, AfterCompu
   for (std::string_view kind : kAfterComputeKinds) {
     const Json* points = o.child(kind, true);
     if (points == nullptr) continue;
-    const std::string path = o.path_of(kind);
-    if (!points->is_array() || points->empty() || points->size() > 64) {
-      o.diagnostics().error(path, "expected an array of 1 to 64 [compute seconds, extra seconds] pairs");
-      continue;
-    }
-    CurvePoints& curve = kind == "all_reduce" ? after.all_reduce : kind == "all_gather" ? after.all_gather : after.all_to_all;
-    for (size_t i = 0; i < points->size(); ++i) {
-      const Json& p = (*points)[i];
-      const std::string at = path + "[" + std::to_string(i) + "]";
-      if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number()) {
-        o.diagnostics().error(at, "expected [compute seconds, extra seconds], got " + describe_json(p));
-        continue;
-      }
-      const double x = p[0].get<double>(), extra = p[1].get<double>();
-      if (!(x > 0.0 && x <= 1e6))
-        o.diagnostics().error(at, "compute seconds must be in (0, 1e6], got " + p[0].dump());
-      else if (!(extra >= 0.0 && extra <= 1e6))
-        o.diagnostics().error(at, "extra seconds must be in [0, 1e6], got " + p[1].dump());
-      else if (!curve.empty() && x <= curve.back().first)
-        o.diagnostics().error(at, "compute seconds must increase from one point to the next");
-      else
-        curve.emplace_back(x, extra);
-    }
+    CurvePoints& curve = const_cast<CurvePoints&>(*after.of(kind));
+    static constexpr CurveField kField{"compute seconds", "extra seconds", [](double x) { return x > 0.0 && x <= 1e6; },
+                                       "(0, 1e6]", [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
+    read_curve(o.diagnostics(), *points, o.path_of(kind), kField, curve);
   }
 }
 

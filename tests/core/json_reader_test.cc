@@ -9,6 +9,7 @@
 
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/model_spec.h"
+#include "problems.h"
 #include "test_support.h"
 
 namespace moeplan {
@@ -18,6 +19,7 @@ using test::profile_path;
 using test::read_text;
 using test::data_path;
 using test::TempDir;
+using test::problems_of;
 
 std::string describe(const std::vector<Diagnostic>& diagnostics) {
   std::string text;
@@ -25,22 +27,6 @@ std::string describe(const std::vector<Diagnostic>& diagnostics) {
   return text;
 }
 
-// Runs read(), which must throw InputError from `origin`; returns its diagnostics.
-template <class F>
-std::vector<Diagnostic> problems_of(F&& read, const std::string& origin) {
-  try {
-    read();
-  } catch (const InputError& e) {
-    EXPECT_EQ(e.origin(), origin);
-    EXPECT_FALSE(e.diagnostics().empty());
-    return e.diagnostics();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a non-InputError: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "accepted the input from " << origin;
-  return {};
-}
 
 // ---------------------------------------------------------------------------------------------
 // parse_json_text and read_json_file
