@@ -1,5 +1,8 @@
 #include "moeplan/core/parallel_config.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace moeplan {
 
 namespace {
@@ -12,39 +15,54 @@ char letter(MeshDim d) {
     case MeshDim::kReplica: return 'R';
     case MeshDim::kShard: return 'S';
     case MeshDim::kExpert: return 'E';
+    case MeshDim::kTensor: return 'T';
+    case MeshDim::kPipeline: return 'P';
   }
   return '?';
 }
 }  // namespace
 
 std::string Placement::to_string() const {
+  const bool short_form = outer_to_inner.front() == MeshDim::kPipeline && outer_to_inner.back() == MeshDim::kTensor;
   std::string s;
-  for (MeshDim d : outer_to_inner) s += letter(d);
+  for (MeshDim d : outer_to_inner)
+    if (!short_form || (d != MeshDim::kPipeline && d != MeshDim::kTensor)) s += letter(d);
   return s;
 }
 
 std::optional<Placement> Placement::parse(std::string_view text) {
-  if (text.size() != 3) return std::nullopt;
-  Placement p;
-  bool seen[3] = {false, false, false};
-  for (size_t i = 0; i < 3; ++i) {
-    MeshDim d;
-    switch (text[i]) {
-      case 'R': d = MeshDim::kReplica; break;
-      case 'S': d = MeshDim::kShard; break;
-      case 'E': d = MeshDim::kExpert; break;
+  // SMP v1's names (its docs: "spread" is "TPD", "cluster" is "DPT").
+  if (text == "cluster") text = "DPT";
+  else if (text == "spread") text = "TPD";
+  std::vector<MeshDim> dims;
+  for (char c : text) {
+    switch (c) {
+      case 'R': dims.push_back(MeshDim::kReplica); break;
+      case 'S': dims.push_back(MeshDim::kShard); break;
+      case 'E': dims.push_back(MeshDim::kExpert); break;
+      case 'T': dims.push_back(MeshDim::kTensor); break;
+      case 'P': dims.push_back(MeshDim::kPipeline); break;
+      case 'D': dims.insert(dims.end(), {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert}); break;
       default: return std::nullopt;
     }
-    if (seen[static_cast<int>(d)]) return std::nullopt;
-    seen[static_cast<int>(d)] = true;
-    p.outer_to_inner[i] = d;
+    if (dims.size() > kMeshDims) return std::nullopt;
   }
+  std::array<int, kMeshDims> seen{};
+  for (MeshDim d : dims) ++seen[static_cast<size_t>(d)];
+  for (MeshDim d : kAllMeshDims) {
+    const bool optional = d == MeshDim::kTensor || d == MeshDim::kPipeline;
+    if (seen[static_cast<size_t>(d)] > 1 || (!optional && seen[static_cast<size_t>(d)] == 0)) return std::nullopt;
+  }
+  if (seen[static_cast<size_t>(MeshDim::kPipeline)] == 0) dims.insert(dims.begin(), MeshDim::kPipeline);
+  if (seen[static_cast<size_t>(MeshDim::kTensor)] == 0) dims.push_back(MeshDim::kTensor);
+  Placement p;
+  std::copy(dims.begin(), dims.end(), p.outer_to_inner.begin());
   return p;
 }
 
 int64_t ParallelConfig::stride(MeshDim d) const {
   int64_t s = 1;
-  for (int i = 2; i >= 0; --i) {
+  for (size_t i = kMeshDims; i-- > 0;) {
     if (placement.outer_to_inner[i] == d) return s;
     s *= degree(placement.outer_to_inner[i]);
   }
@@ -61,13 +79,16 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
   p.hybrid_shard_degree = r.integer("hybrid_shard_degree", 0, kMaxDegree);
   p.tensor_parallel_degree = r.integer("tensor_parallel_degree", 1, kMaxDegree, 1);
   p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
+  p.sequence_parallel = r.boolean("sequence_parallel", false);
   const bool degrees_read = d.items().size() == problems_before;
   const std::string placement = r.string("placement", "RSE");
   if (auto parsed = Placement::parse(placement)) {
     p.placement = *parsed;
   } else {
     d.error(r.path_of("placement"),
-            "expected the letters R, S and E once each, outermost first (e.g. \"RSE\"), got \"" +
+            "expected the letters R, S and E once each and P and T at most once, outermost first "
+            "(e.g. \"RSE\" or \"PRSET\"; \"D\" stands for \"RSE\"; or SMP's \"cluster\" or "
+            "\"spread\"), got \"" +
                 placement.substr(0, 16) + "\"");
   }
   p.activation_checkpointing = r.choice<Checkpointing>("activation_checkpointing", kCheckpointingNames);
@@ -79,11 +100,14 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
   // (Only when the degrees themselves were read: a fallback would make it look wrong.)
   if (r.has("replica_degree")) {
     const int64_t written = r.integer("replica_degree", 1, kMaxDegree);
-    const int64_t se = p.expert_parallel_degree * p.hybrid_shard_degree;
-    if (degrees_read && se > 0 && p.world_size % se == 0 && written != p.world_size / se)
+    const int64_t rest = p.expert_parallel_degree * p.hybrid_shard_degree * p.tensor_parallel_degree *
+                         p.pipeline_parallel_degree;
+    if (degrees_read && rest > 0 && p.world_size % rest == 0 && written != p.world_size / rest)
       d.error(r.path_of("replica_degree"),
-              std::to_string(written) + " does not equal world_size / (expert_parallel_degree * "
-              "hybrid_shard_degree) = " + std::to_string(p.world_size / se));
+              std::to_string(written) + " does not equal world_size / (expert_parallel_degree * hybrid_shard_degree" +
+                  (p.tensor_parallel_degree != 1 ? " * tensor_parallel_degree" : "") +
+                  (p.pipeline_parallel_degree != 1 ? " * pipeline_parallel_degree" : "") +
+                  ") = " + std::to_string(p.world_size / rest));
   }
   r.finish();
   return p;
@@ -147,6 +171,7 @@ OrderedJson to_json(const ParallelConfig& p) {
   j["replica_degree"] = p.replica_degree();
   j["tensor_parallel_degree"] = p.tensor_parallel_degree;
   j["pipeline_parallel_degree"] = p.pipeline_parallel_degree;
+  j["sequence_parallel"] = p.sequence_parallel;
   j["placement"] = p.placement.to_string();
   j["activation_checkpointing"] = name_of(kCheckpointingNames, p.activation_checkpointing);
   j["activation_offloading"] = p.activation_offloading;
@@ -188,9 +213,10 @@ OrderedJson to_json(const TrainingConfig& t) {
 
 std::string describe(const ParallelConfig& p) {
   std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" +
-                  std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) +
-                  " " + p.placement.to_string() + " ckpt=" +
-                  std::string(name_of(kCheckpointingNames, p.activation_checkpointing));
+                  std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree());
+  if (p.tensor_parallel_degree > 1) s += " T" + std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? " sp" : "");
+  if (p.pipeline_parallel_degree > 1) s += " P" + std::to_string(p.pipeline_parallel_degree);
+  s += " " + p.placement.to_string() + " ckpt=" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing));
   if (p.activation_offloading) s += " offload=h" + std::to_string(p.activation_loading_horizon);
   s += " mbs=" + std::to_string(p.micro_batch_size) + " ga=" + std::to_string(p.gradient_accumulation_steps);
   return s;

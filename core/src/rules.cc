@@ -18,8 +18,12 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "expert_degree_divides_world",
     "shard_degree_resolved",
     "shard_expert_divides_world",
-    "tensor_parallel_unsupported",
-    "pipeline_parallel_unsupported",
+    "tensor_degree_divides_heads",
+    "tensor_degree_divides_intermediate",
+    "sequence_parallel_needs_tensor",
+    "expert_tensor_needs_sequence_parallel",
+    "smp_expert_with_tensor",
+    "pipeline_degree_divides_layers",
     "seq_len_within_positions",
     "micro_batch_tokens",
     "global_batch_matches",
@@ -117,23 +121,52 @@ void check_config(const RunConfig& c, Sink& sink) {
     sink(Rule::kExpertDegreeDividesWorld, "parallel.expert_parallel_degree", [&] {
       return "= " + str(e) + " does not divide world_size = " + str(w);
     });
+  const int64_t tp = p.tensor_parallel_degree;
+  const int64_t pp = p.pipeline_parallel_degree;
   if (s < 1)
     sink(Rule::kShardDegreeResolved, "parallel.hybrid_shard_degree", [&] {
       return "= " + str(s) + " must be a resolved degree of at least 1 (0, full sharding, is "
              "written as world_size / expert_parallel_degree)";
     });
-  else if (e >= 1 && w % (s * e) != 0)
+  else if (e >= 1 && tp >= 1 && pp >= 1 && w % (s * e * tp * pp) != 0)
     sink(Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree", [&] {
-      return "= " + str(s) + " times expert_parallel_degree = " + str(e) +
-             " does not divide world_size = " + str(w);
+      std::string degrees = "expert_parallel_degree = " + str(e);
+      if (tp != 1) degrees += ", tensor_parallel_degree = " + str(tp);
+      if (pp != 1) degrees += ", pipeline_parallel_degree = " + str(pp);
+      return "= " + str(s) + " times " + degrees + " does not divide world_size = " + str(w);
     });
-  if (p.tensor_parallel_degree != 1)
-    sink(Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree", [&] {
-      return "= " + str(p.tensor_parallel_degree) + ": tensor parallelism is not supported yet (use 1)";
+  // Megatron's split: attention by key-value head groups (each rank keeps whole groups), the
+  // MLP (and every expert) by intermediate columns; the vocabulary is padded to a multiple of T.
+  if (tp < 1 || m.num_key_value_heads % tp != 0 || m.num_attention_heads % tp != 0)
+    sink(Rule::kTensorDividesHeads, "parallel.tensor_parallel_degree", [&] {
+      return "= " + str(tp) + " must be at least 1 and divide num_key_value_heads = " + str(m.num_key_value_heads) +
+             " (and num_attention_heads = " + str(m.num_attention_heads) + ")";
     });
-  if (p.pipeline_parallel_degree != 1)
-    sink(Rule::kPipelineParallelUnsupported, "parallel.pipeline_parallel_degree", [&] {
-      return "= " + str(p.pipeline_parallel_degree) + ": pipeline parallelism is not supported yet (use 1)";
+  if (tp >= 1 && m.intermediate_size % tp != 0)
+    sink(Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree", [&] {
+      return "= " + str(tp) + " does not divide intermediate_size = " + str(m.intermediate_size);
+    });
+  if (p.sequence_parallel && tp == 1)
+    sink(Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel", [&] {
+      return std::string("= true needs tensor_parallel_degree > 1 (it splits along the sequence over the "
+                         "tensor-parallel ranks)");
+    });
+  // As in Megatron-Core: MoE layers under tensor parallelism take their tokens split along
+  // the sequence, so that each rank routes only its share.
+  if (!m.dense() && tp > 1 && !p.sequence_parallel)
+    sink(Rule::kExpertTensorNeedsSequenceParallel, "parallel.sequence_parallel", [&] {
+      return "= false with tensor_parallel_degree = " + str(tp) +
+             " and an MoE model: the tokens are routed per rank, so sequence parallelism is needed";
+    });
+  if (c.smp_mode && e > 1 && tp > 1)
+    sink(Rule::kSmpExpertWithTensor, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(e) + " with tensor_parallel_degree = " + str(tp) +
+             ": SMP does not combine expert and tensor parallelism (moeplan's simulator does)";
+    });
+  if (pp < 1 || m.num_layers % pp != 0)
+    sink(Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree", [&] {
+      return "= " + str(pp) + " must be at least 1 and divide num_layers = " + str(m.num_layers) +
+             " (equal stages)";
     });
 
   if (t.seq_len > m.max_position_embeddings)
@@ -147,14 +180,19 @@ void check_config(const RunConfig& c, Sink& sink) {
              " exceeds the supported " + str(static_cast<int64_t>(kMaxMicroBatchTokens)) +
              " tokens per micro-batch";
     });
-  // Every rank reads its own micro-batch (data parallel over all W ranks).
-  const double step_tokens = static_cast<double>(w) * static_cast<double>(p.micro_batch_size) *
+  // Every rank reads its own micro-batch, except that the T ranks of a tensor-parallel group
+  // share one and the P stages of a pipeline pass it on: W / (T * P) ranks read data.
+  const int64_t readers = w / (std::max<int64_t>(1, tp) * std::max<int64_t>(1, pp));
+  const double step_tokens = static_cast<double>(readers) * static_cast<double>(p.micro_batch_size) *
                              static_cast<double>(p.gradient_accumulation_steps) *
                              static_cast<double>(t.seq_len);
   if (step_tokens != static_cast<double>(t.global_batch_tokens))
     sink(Rule::kGlobalBatchMatches, "training.global_batch_tokens", [&] {
-      return "= " + str(t.global_batch_tokens) + " does not equal world_size x micro_batch_size x "
-             "gradient_accumulation_steps x seq_len = " + str(w) + " x " + str(p.micro_batch_size) +
+      const std::string ranks = readers == w ? std::string("world_size")
+                                             : "world_size / (tensor_parallel_degree x pipeline_parallel_degree)";
+      return "= " + str(t.global_batch_tokens) + " does not equal " + ranks +
+             " x micro_batch_size x gradient_accumulation_steps x seq_len = " + str(readers) + " x " +
+             str(p.micro_batch_size) +
              " x " + str(p.gradient_accumulation_steps) + " x " + str(t.seq_len) + " = " +
              str(step_tokens);
     });

@@ -46,6 +46,15 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
   if (plan.model.mlp != Mlp::kSwiGlu)
     d.error("model.mlp", "= \"" + std::string(name_of(kMlpNames, plan.model.mlp)) +
                              "\": the executor trains SwiGLU feed-forward layers only");
+  // Tensor and pipeline parallelism are planned and simulated; the executor's mesh is [R, S, E].
+  if (plan.parallel.tensor_parallel_degree != 1)
+    d.error("parallel.tensor_parallel_degree", "= " + std::to_string(plan.parallel.tensor_parallel_degree) +
+                                                   ": the executor runs without tensor parallelism (use 1); such "
+                                                   "plans are simulated only");
+  if (plan.parallel.pipeline_parallel_degree != 1)
+    d.error("parallel.pipeline_parallel_degree", "= " + std::to_string(plan.parallel.pipeline_parallel_degree) +
+                                                     ": the executor runs without pipeline stages (use 1); such "
+                                                     "plans are simulated only");
   if (data.vocab_size() != plan.model.vocab_size)
     d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
                                     data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");

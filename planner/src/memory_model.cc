@@ -21,7 +21,7 @@ int64_t to_bytes(double bytes) {
 }  // namespace
 
 BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int64_t seq_len, int64_t slots,
-                                   int64_t a, Kernels kernels) {
+                                   int64_t a, Kernels kernels, TensorSplit split) {
   const double t = static_cast<double>(micro_batch * seq_len);
   const double bytes = static_cast<double>(a);
   const double h = static_cast<double>(m.hidden_size);
@@ -31,19 +31,25 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double heads = static_cast<double>(m.num_attention_heads);
   const double routed = static_cast<double>(slots);
   const double router = static_cast<double>(m.router_width());
+  // Under tensor parallelism a rank keeps 1/T of what lies inside the split regions (heads,
+  // intermediate columns) and, with sequence parallelism, 1/T of the rest too (Korthikanti et
+  // al. 2022, "Reducing Activation Recomputation in Large Transformer Models", table 2).
+  const double inside = 1.0 / static_cast<double>(std::max<int64_t>(1, split.degree));
+  const double outside = split.sequence ? inside : 1.0;
   // Intermediate-width tensors kept per slot: SwiGLU w1 and w3 outputs and their product; GELU
   // fc1's output and its GELU.
   const double mlp_kept = m.mlp == Mlp::kGelu ? 2.0 : 3.0;
   BlockActivations out;
-  out.block_input = to_bytes(t * h * bytes);
+  out.block_input = to_bytes(t * h * bytes * outside);
   if (kernels == Kernels::kFused) {
     // RMSNorm input, its output (the q/k/v input), q, k, v after RoPE, the attention output
     // (o_proj input), and the fp32 log-sum-exp per head that flash attention keeps.
-    out.attention = to_bytes(t * (2 * h + 2 * q + 2 * kv) * bytes + t * heads * kBytesFp32);
+    out.attention = to_bytes(t * 2 * h * bytes * outside + (t * (2 * q + 2 * kv) * bytes + t * heads * kBytesFp32) * inside);
     // RMSNorm input and output, fp32 router probabilities, then per token-expert slot: the
     // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output
     // (GELU: fc1's output and its GELU, the fc2 input).
-    out.moe = to_bytes(t * 2 * h * bytes + t * router * kBytesFp32 + routed * (2 * h + mlp_kept * f) * bytes);
+    out.moe = to_bytes((t * 2 * h * bytes + t * router * kBytesFp32 + routed * 2 * h * bytes) * outside +
+                       routed * mlp_kept * f * bytes * inside);
     return out;
   }
   // Eager: each RMSNorm also keeps its normalised rows (and, below fp32, the fp32 copy of its
@@ -55,25 +61,31 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double norm_copy = a < kBytesFp32 ? t * h * kBytesFp32 : 0.0;
   const double probabilities = static_cast<double>(micro_batch) * heads * static_cast<double>(seq_len) *
                                static_cast<double>(seq_len) * (kBytesFp32 + (a < kBytesFp32 ? bytes : 0.0));
-  out.attention = to_bytes(t * (3 * h + 4 * q) * bytes + norm_copy + probabilities);
-  out.moe = to_bytes(t * 3 * h * bytes + norm_copy + t * router * kBytesFp32 + routed * (h + (mlp_kept + 1) * f) * bytes +
-                     k * t * h * bytes);
+  out.attention = to_bytes((t * 3 * h * bytes + norm_copy) * outside + (t * 4 * q * bytes + probabilities) * inside);
+  out.moe = to_bytes((t * 3 * h * bytes + norm_copy + t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes) * outside +
+                     routed * (mlp_kept + 1) * f * bytes * inside);
   return out;
 }
 
-ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s) {
-  const ParamCounts p = count_parameters(model);
-  const int64_t experts_per_layer = model.num_experts / e * p.expert;
+ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s, int64_t t, int64_t p) {
+  const ParamCounts c = count_parameters(model);
+  t = std::max<int64_t>(1, t);
+  const int64_t layers = model.num_layers / std::max<int64_t>(1, p);
+  const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, t);
+  const int64_t dense_per_layer = ceil_div(c.dense_per_layer(), t);
+  const int64_t embedding = ceil_div(c.embedding, t);
+  const int64_t head = ceil_div(c.final_norm + c.lm_head, t);
+  // The first stage holds the embedding, the last the head; with one stage, both.
+  const int64_t ends = p > 1 ? std::max(embedding, head) : embedding + head;
   ShardSizes out;
-  out.local_params = p.dense() + model.num_layers * experts_per_layer;
+  out.local_params = ends + layers * (dense_per_layer + experts_per_layer);
   // Flat parameters (FSDP units): the embedding; per block its dense part and its experts
   // (they reduce over different groups); the final norm with the lm head. Each is padded to
   // a multiple of S before it is split.
-  const int64_t head = p.final_norm + p.lm_head;
-  out.shard_params = ceil_div(p.embedding, s) +
-                     model.num_layers * (ceil_div(p.dense_per_layer(), s) + ceil_div(experts_per_layer, s)) +
-                     ceil_div(head, s);
-  out.largest_unit_params = std::max({p.embedding, head, p.dense_per_layer() + experts_per_layer});
+  const int64_t ends_shard = p > 1 ? std::max(ceil_div(embedding, s), ceil_div(head, s))
+                                   : ceil_div(embedding, s) + ceil_div(head, s);
+  out.shard_params = ends_shard + layers * (ceil_div(dense_per_layer, s) + ceil_div(experts_per_layer, s));
+  out.largest_unit_params = std::max({embedding, head, dense_per_layer + experts_per_layer});
   return out;
 }
 
@@ -87,7 +99,9 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;
   const Precision precision = c.training.precision;
   const int64_t a = precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree);
+  const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree, p.tensor_parallel_degree,
+                                       p.pipeline_parallel_degree);
+  const TensorSplit split{p.tensor_parallel_degree, p.sequence_parallel};
   const int64_t shard = sizes.shard_params;
 
   MemoryEstimate out;
@@ -119,7 +133,7 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
       std::ceil(static_cast<double>(m.experts_per_token * tokens) *
                 busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree)));
   const BlockActivations block =
-      block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a, c.cluster.kernels);
+      block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a, c.cluster.kernels, split);
   int64_t stored_per_block = 0;  // kept from forward to backward
   int64_t working_set = 0;       // one block recomputed during backward
   switch (p.activation_checkpointing) {
@@ -137,18 +151,27 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   // sub-block's input under selective checkpointing); attention's activations stay.
   const int64_t offloadable = p.activation_checkpointing == Checkpointing::kNone ? 0 : block.block_input;
   const int64_t resident = stored_per_block - offloadable;
-  int64_t blocks_on_device = m.num_layers;
+  // A pipeline stage keeps its blocks' activations for every micro-batch in flight: under 1F1B
+  // the first stage runs P forwards before its first backward.
+  const int64_t stage_layers = m.num_layers / std::max<int64_t>(1, p.pipeline_parallel_degree);
+  const double in_flight = static_cast<double>(std::min(p.pipeline_parallel_degree, p.gradient_accumulation_steps));
+  int64_t blocks_on_device = stage_layers;
   if (p.activation_offloading && offloadable > 0) {
     // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.
-    blocks_on_device = std::min(m.num_layers, p.activation_loading_horizon + 1);
-    out.offloaded_activations = to_bytes(static_cast<double>(m.num_layers) * static_cast<double>(offloadable));
+    blocks_on_device = std::min(stage_layers, p.activation_loading_horizon + 1);
+    out.offloaded_activations =
+        to_bytes(in_flight * static_cast<double>(stage_layers) * static_cast<double>(offloadable));
   }
-  const double layers = static_cast<double>(m.num_layers);
-  out.activations = to_bytes(layers * static_cast<double>(resident) +
-                             static_cast<double>(blocks_on_device) * static_cast<double>(offloadable) +
-                             static_cast<double>(working_set));
+  const double layers = static_cast<double>(stage_layers);
+  const double offloadable_on_device =
+      p.activation_offloading ? static_cast<double>(blocks_on_device) : in_flight * layers;
+  out.activations = to_bytes(in_flight * layers * static_cast<double>(resident) +
+                             offloadable_on_device * static_cast<double>(offloadable) + static_cast<double>(working_set));
 
-  const double t = static_cast<double>(tokens);
+  // With sequence parallelism a rank routes (and dispatches) its 1/T of the tokens.
+  const double sequence_share =
+      p.sequence_parallel ? static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree)) : 1.0;
+  const double t = static_cast<double>(tokens) / sequence_share;
   if (p.expert_parallel_degree > 1) {
     // All-to-all: the k copies of each local token going out, and the slots coming in.
     // All-gather: every token of the expert group, and the slots computed here.
@@ -156,14 +179,17 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
                             ? static_cast<double>(m.experts_per_token) * t
                             : static_cast<double>(p.expert_parallel_degree) * t;
     out.moe_dispatch_buffers =
-        to_bytes((sent + static_cast<double>(slots)) * static_cast<double>(m.hidden_size * a));
+        to_bytes((sent + static_cast<double>(slots) / sequence_share) * static_cast<double>(m.hidden_size * a));
   }
   // Logits in the compute dtype and the fp32 log-probabilities the loss keeps. They are freed
   // when the lm head has run backward, before any block does: the peak is either at the loss
   // (kept activations + logits) or in a block's backward (kept activations + its recompute
   // working set, gathered units, gradient buffers and dispatch buffers). Only what the logits add
   // over the second is counted.
-  const int64_t loss_bytes = to_bytes(t * static_cast<double>(m.vocab_size) * static_cast<double>(a + kBytesFp32));
+  // The vocabulary is split over the tensor-parallel ranks (padded to a multiple of T).
+  const double vocab_share = static_cast<double>(ceil_div(m.vocab_size, std::max<int64_t>(1, p.tensor_parallel_degree)));
+  const int64_t loss_bytes =
+      to_bytes(static_cast<double>(tokens) * vocab_share * static_cast<double>(a + kBytesFp32));
   const int64_t block_backward = working_set + out.gathered_parameters + out.gradient_buffers + out.moe_dispatch_buffers;
   out.logits = std::max<int64_t>(0, loss_bytes - block_backward);
   out.framework_overhead = c.cluster.framework_overhead_bytes;

@@ -11,10 +11,13 @@ namespace moeplan::sim {
 LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& parallel) {
   return {group_shape(cluster, parallel, MeshDim::kExpert),
           group_shape(cluster, parallel, MeshDim::kShard),
-          group_shape(cluster, parallel, MeshDim::kReplica)};
+          group_shape(cluster, parallel, MeshDim::kReplica), group_shape(cluster, parallel, MeshDim::kTensor),
+          group_shape(cluster, parallel, MeshDim::kPipeline)};
 }
 
-StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
+namespace {
+
+StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes) {
   const ParallelConfig& p = c.parallel;
   const CostModel cost(c.cluster);
   const OpCosts o = op_costs(c);
@@ -57,6 +60,18 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
     }
   }
 
+  // Tensor parallelism: two all-reduces per block in forward, two in backward, and those of
+  // what is recomputed, on the compute chain.
+  double tensor_comm = 0;
+  if (p.tensor_parallel_degree > 1) {
+    const double attention = cost.all_reduce_seconds(o.tensor_bytes, shapes.tensor);
+    const double moe = cost.all_reduce_seconds(o.tensor_moe_bytes, shapes.tensor);
+    double per_layer = 2.0 * (attention + moe);
+    if (p.activation_checkpointing == Checkpointing::kFull) per_layer += attention + moe;
+    if (p.activation_checkpointing == Checkpointing::kSelective) per_layer += moe;
+    tensor_comm = layers * per_layer;
+  }
+
   // Sharded model states: each block's unit is gathered for forward and again for backward,
   // and its gradient reduce-scattered, behind the compute of the neighbouring block.
   double shard_comm_exposed = 0;
@@ -94,7 +109,7 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   StepEstimate out;
   out.compute_s = accum * compute;
   out.recompute_s = accum * recompute;
-  out.expert_comm_s = accum * expert_comm;
+  out.expert_comm_s = accum * (expert_comm + tensor_comm);
   out.shard_comm_exposed_s = accum * shard_comm_exposed;
   out.offload_exposed_s = accum * offload_exposed;
   out.grad_sync_s = grad_sync;
@@ -107,6 +122,31 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   out.exposed_comm_s = out.expert_comm_s + out.shard_comm_exposed_s + out.offload_exposed_s + out.grad_sync_s;
   out.step_time_s = out.compute_s + out.recompute_s + out.exposed_comm_s + out.optimizer_s;
   fill_rates(c, o, out);
+  return out;
+}
+
+}  // namespace
+
+StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
+  const ParallelConfig& p = c.parallel;
+  if (p.pipeline_parallel_degree <= 1) return estimate_stage(c, shapes);
+  // The last stage (its blocks and the head) and the 1F1B bubble: the other P - 1 stages'
+  // micro-batch time (no head), and a transfer each way per stage boundary.
+  ModelSpec stage_model = c.model;
+  stage_model.num_layers = c.model.num_layers / p.pipeline_parallel_degree;
+  const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
+  StepEstimate out = estimate_stage(stage, shapes);
+  const OpCosts o = op_costs(stage);
+  const double accum = static_cast<double>(p.gradient_accumulation_steps);
+  const double stages = static_cast<double>(p.pipeline_parallel_degree);
+  const double per_micro_batch = (out.step_time_s - out.optimizer_s - out.grad_sync_s) / accum;
+  const double busy_per_micro_batch = (out.compute_s + out.recompute_s) / accum;
+  const double send = CostModel(c.cluster).send_seconds(o.stage_send_bytes, shapes.pipeline);
+  out.pipeline_bubble_s = (stages - 1) * (std::max(0.0, per_micro_batch - o.head_s) + 2.0 * send);
+  out.exposed_comm_s += out.pipeline_bubble_s;
+  out.step_time_s += out.pipeline_bubble_s;
+  out.lower_bound_s += (stages - 1) * std::max(0.0, busy_per_micro_batch - o.head_s);
+  fill_rates(c, op_costs(c), out);
   return out;
 }
 

@@ -123,6 +123,14 @@ double CostModel::all_to_all_seconds(double send_bytes, const GroupShape& g) con
   return seconds(all_to_all_cost(send_bytes, g), g);
 }
 
+double CostModel::send_seconds(double bytes, const GroupShape& g) const {
+  if (g.size <= 1 || bytes <= 0) return 0;
+  // The slowest hop sets the pace: one that leaves the node when the group spans nodes.
+  if (!g.crosses_nodes()) return cluster_->intra_node_latency_s + bytes / cluster_->intra_node_bandwidth_bytes_per_s;
+  const double sharing = static_cast<double>(g.groups_per_node);
+  return cluster_->inter_node_latency_s + bytes * sharing / cluster_->inter_node_bandwidth_bytes_per_s;
+}
+
 double CostModel::pcie_seconds(double bytes) const {
   return bytes / cluster_->pcie_bandwidth_bytes_per_s;
 }

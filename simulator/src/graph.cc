@@ -14,7 +14,8 @@ constexpr std::array<std::string_view, static_cast<size_t>(OpKind::kCount)> kKin
     "attn_recompute", "experts_recompute", "optimizer",   "dispatch",         "combine",
     "dispatch_bwd", "combine_bwd",     "dispatch_recompute", "combine_recompute", "gather_fwd",
     "gather_bwd",   "reduce_scatter",  "grad_all_reduce", "offload",          "reload",
-    "dispatch_counts", "stage_fwd",       "stage_bwd",       "send_activations", "send_gradients"};
+    "dispatch_counts", "stage_fwd",       "stage_bwd",       "send_activations", "send_gradients",
+    "tp_fwd",       "tp_bwd",          "tp_recompute"};
 
 enum EventKind : uint32_t { kOpDone, kCollectiveFlowsStart, kCollectiveDone, kNicCheck };
 
@@ -34,7 +35,10 @@ std::string_view op_category(OpKind kind) {
     case OpKind::kGatherBackward:
     case OpKind::kDispatchCounts: return "all_gather";
     case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kGradAllReduce: return "all_reduce";
+    case OpKind::kGradAllReduce:
+    case OpKind::kTensorForward:
+    case OpKind::kTensorBackward:
+    case OpKind::kTensorRecompute: return "all_reduce";
     case OpKind::kOffload:
     case OpKind::kReload: return "copy";
     case OpKind::kSendActivations:

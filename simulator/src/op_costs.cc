@@ -16,7 +16,7 @@ bool op_times_apply(const RunConfig& c) {
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
          t.head_dim == m.head_dim && t.num_experts == m.num_experts && t.experts_per_token == m.experts_per_token &&
          t.vocab_size == m.vocab_size && t.seq_len == c.training.seq_len &&
-         t.precision == name_of(kPrecisionNames, c.training.precision);
+         t.precision == name_of(kPrecisionNames, c.training.precision) && c.parallel.tensor_parallel_degree == 1;
 }
 
 namespace {
@@ -41,12 +41,18 @@ double moe_backward_seconds(const RunConfig& c, double load) {
 double moe_forward_seconds(const RunConfig& c, double load) {
   if (op_times_apply(c)) return measured_moe_seconds(c, load, false);
   const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
   const CostModel cost(c.cluster);
   const bool fp32 = c.training.precision == Precision::kFp32;
   const double h = static_cast<double>(m.hidden_size);
-  const double ffn = static_cast<double>(m.intermediate_size);
-  const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
-  const double slots = static_cast<double>(m.experts_per_token) * tokens * load;
+  // Under tensor parallelism each expert's columns are split over the T ranks, which all see
+  // every slot (gathered); the router runs on the rank's share of the tokens (sequence parallel).
+  const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
+  const double ffn = static_cast<double>(m.intermediate_size) / tp;
+  const double slots = static_cast<double>(m.experts_per_token) * static_cast<double>(p.micro_batch_size) *
+                       static_cast<double>(c.training.seq_len) * load;
+  const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(c.training.seq_len) /
+                        (p.sequence_parallel ? tp : 1.0);
   const double local_experts = static_cast<double>(m.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
   const double router_flops = 2.0 * tokens * h * static_cast<double>(m.router_width());
   const double matrices = static_cast<double>(m.mlp_matrices());
@@ -67,7 +73,11 @@ OpCosts op_costs(const RunConfig& c) {
   const double s = static_cast<double>(p.hybrid_shard_degree);
   const double h = static_cast<double>(m.hidden_size);
   const double ffn = static_cast<double>(m.intermediate_size);
-  const double vocab = static_cast<double>(m.vocab_size);
+  // Tensor parallelism splits heads, intermediate columns and the (padded) vocabulary over T
+  // ranks; sequence parallelism splits the tokens between those regions.
+  const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
+  const double sp = p.sequence_parallel ? tp : 1.0;
+  const double vocab = std::ceil(static_cast<double>(m.vocab_size) / tp);
   const double seq = static_cast<double>(c.training.seq_len);
   const double tokens = static_cast<double>(p.micro_batch_size) * seq;
   // Token-expert pairs per rank: each rank routes k per token and the E ranks of the group
@@ -79,14 +89,14 @@ OpCosts op_costs(const RunConfig& c) {
   const double kv_width = static_cast<double>(m.num_key_value_heads * m.head_dim);
   double context = seq / 2.0;  // causal: a token sees half the sequence on average
   if (m.sliding_window && *m.sliding_window < c.training.seq_len) context = static_cast<double>(*m.sliding_window);
-  const double proj_flops = 2.0 * tokens * static_cast<double>(params.attention_per_layer);
-  const double core_flops = 4.0 * tokens * q_width * context;
-  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.router_width());
-  auto expert_flops = [&](double slots) { return 2.0 * slots * static_cast<double>(m.mlp_matrices()) * h * ffn; };
+  const double proj_flops = 2.0 * tokens * static_cast<double>(params.attention_per_layer) / tp;
+  const double core_flops = 4.0 * tokens * q_width * context / tp;
+  const double router_flops = 2.0 * tokens / sp * h * static_cast<double>(m.router_width());
+  auto expert_flops = [&](double slots) { return 2.0 * slots * static_cast<double>(m.mlp_matrices()) * h * ffn / tp; };
   auto moe_seconds = [&](double slots) { return moe_forward_seconds(c, slots / mean_slots); };
 
   OpCosts o;
-  o.attention_forward_s = cost.matmul_seconds(proj_flops, 2.0 * tokens * h * h, fp32) +
+  o.attention_forward_s = cost.matmul_seconds(proj_flops, 2.0 * tokens * h * h / tp, fp32) +
                           cost.matmul_seconds(core_flops, 4.0 * seq * static_cast<double>(m.head_dim) * context, fp32);
   o.moe_forward_s = moe_seconds(mean_slots);
   o.moe_forward_busiest_s = moe_seconds(busiest_slots);
@@ -126,22 +136,31 @@ OpCosts op_costs(const RunConfig& c) {
     }
   }
 
-  o.dispatch_send_bytes = busiest_slots * h * a;
+  o.dispatch_send_bytes = busiest_slots / sp * h * a;
+  // Each tensor-parallel region ends in an all-reduce of its output (sequence parallel: a
+  // reduce-scatter, and an all-gather where the next begins), attention's over the tokens,
+  // the experts' over the slots they computed.
+  if (p.tensor_parallel_degree > 1) {
+    o.tensor_bytes = tokens * h * a;
+    o.tensor_moe_bytes = busiest_slots * h * a;
+  }
+  o.stage_send_bytes = tokens / sp * h * a;
   o.unit_bytes = (static_cast<double>(params.dense_per_layer()) +
-                  static_cast<double>(m.num_experts * params.expert) / e) * a;
-  auto gathered = [&](double numel) { return std::ceil(numel / s) * s * a; };
+                  static_cast<double>(m.num_experts * params.expert) / e) / tp * a;
+  auto gathered = [&](double numel) { return std::ceil(numel / tp / s) * s * a; };
   o.dense_unit_bytes = gathered(static_cast<double>(params.dense_per_layer()));
   o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
   o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head));
-  o.offload_bytes = tokens * h * a;  // the block input
+  o.offload_bytes = tokens / sp * h * a;  // the block input
   if (p.activation_checkpointing == Checkpointing::kSelective)
-    o.offload_bytes += tokens * (3.0 * h + 2.0 * q_width + 2.0 * kv_width) * a;
-  o.dense_shard_bytes = static_cast<double>(params.dense()) / s * a;
-  o.expert_shard_bytes = static_cast<double>(params.experts()) / e / s * a;
+    o.offload_bytes += tokens * (3.0 * h / sp + (2.0 * q_width + 2.0 * kv_width) / tp) * a;
+  o.dense_shard_bytes = static_cast<double>(params.dense()) / tp / s * a;
+  o.expert_shard_bytes = static_cast<double>(params.experts()) / e / tp / s * a;
 
   // AdamW reads and writes parameter, gradient and both moments (and the fp32 master).
-  const double shard_params = static_cast<double>(params.dense()) / s + static_cast<double>(params.experts()) / e / s;
+  const double shard_params =
+      (static_cast<double>(params.dense()) / s + static_cast<double>(params.experts()) / e / s) / tp;
   double state_bytes = 0;
   switch (c.training.precision) {
     case Precision::kBf16: state_bytes = 2 + 2 + 2 + 2; break;

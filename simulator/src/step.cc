@@ -8,6 +8,8 @@
 
 #include "moeplan/core/moe_load.h"
 #include "moeplan/core/units.h"
+#include "moeplan/simulator/op_costs.h"
+#include "moeplan/simulator/pipeline.h"
 
 namespace moeplan::sim {
 
@@ -27,8 +29,7 @@ class Layout {
     for (int64_t r = 0; r < count; ++r) ranks_.push_back(r);
     nodes_ = all_ranks ? static_cast<int32_t>((p.world_size + node_ranks - 1) / node_ranks) : 1;
     node_ranks_ = node_ranks;
-    for (MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert})
-      groups_[static_cast<size_t>(d)] = find_groups(d);
+    for (MeshDim d : kAllMeshDims) groups_[static_cast<size_t>(d)] = find_groups(d);
   }
 
   const std::vector<int64_t>& ranks() const { return ranks_; }
@@ -76,7 +77,7 @@ class Layout {
   std::vector<int64_t> ranks_;
   int32_t nodes_ = 1;
   int64_t node_ranks_ = 1;
-  std::array<Groups, 3> groups_;
+  std::array<Groups, kMeshDims> groups_;
 };
 
 class Builder {
@@ -242,6 +243,18 @@ class Builder {
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
+  // The all-reduce ending a tensor-parallel region (with sequence parallelism its
+  // reduce-scatter and the next region's all-gather, the same bytes over the same ring), on
+  // the compute chain: the next op needs its result.
+  void tensor(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb, double bytes) {
+    if (p_.tensor_parallel_degree <= 1) return;
+    std::vector<OpId> after(state.size());
+    for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
+    collective_round(after, MeshDim::kTensor, kind, TraceStream::kExpertComm, layer, mb,
+                     cost_.all_reduce_cost(bytes, shapes_.tensor), bytes, true);
+    for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
+  }
+
   void chain(std::vector<RankState>& state, size_t r, const Op& op) {
     const OpId id = graph_.add_op(op);
     graph_.depend(id, state[r].last);
@@ -269,8 +282,10 @@ class Builder {
       chain(state, r, compute(r, OpKind::kAttentionForward, l, mb, o_.attention_forward_s, o_.attention_flops));
       graph_.depend(state[r].last, gathered[r]);
     }
+    tensor(state, OpKind::kTensorForward, l, mb, o_.tensor_bytes);
     if (experts) exchange(state, OpKind::kDispatch, l, mb);
     for (size_t r = 0; r < n; ++r) chain(state, r, compute(r, OpKind::kExpertForward, l, mb, moe_seconds(r), o_.moe_flops));
+    tensor(state, OpKind::kTensorForward, l, mb, o_.tensor_moe_bytes);
     if (experts) exchange(state, OpKind::kCombine, l, mb);
     for (size_t r = 0; r < n; ++r) {
       state[r].layer_out = state[r].last;
@@ -319,6 +334,7 @@ class Builder {
       for (size_t r = 0; r < n; ++r)
         chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.attention_forward_s, o_.attention_flops));
       gate_first();
+      tensor(state, OpKind::kTensorRecompute, l, mb, o_.tensor_bytes);
     }
     if (p_.activation_checkpointing != Checkpointing::kNone) {
       if (experts) {
@@ -327,6 +343,7 @@ class Builder {
       }
       for (size_t r = 0; r < n; ++r) chain(state, r, compute(r, OpKind::kExpertRecompute, l, mb, moe_seconds(r), o_.moe_flops));
       gate_first();
+      tensor(state, OpKind::kTensorRecompute, l, mb, o_.tensor_moe_bytes);
       if (experts) exchange(state, OpKind::kCombineRecompute, l, mb);
     }
     if (experts) {
@@ -337,11 +354,12 @@ class Builder {
       chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, moe_backward_by_rank_[r], 2.0 * o_.moe_flops));
     gate_first();
     if (sharded) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
+    tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_moe_bytes);
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
-    for (size_t r = 0; r < n; ++r) {
+    for (size_t r = 0; r < n; ++r)
       chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, o_.attention_backward_s, 2.0 * o_.attention_flops));
-      state[r].bwd_done[at] = state[r].last;
-    }
+    tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_bytes);
+    for (size_t r = 0; r < n; ++r) state[r].bwd_done[at] = state[r].last;
     if (sharded) {
       reduce_scatter(state, l, mb, o_.dense_unit_bytes);
     } else {
@@ -423,9 +441,9 @@ SimTime unsynced_after_compute(const StepGraph& g, const GraphTimes& t, int64_t 
   return to_sim_time(whole > 0 ? after_compute_seconds(curve, whole) / whole * most : 0.0);
 }
 
-}  // namespace
-
-StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) {
+// One pipeline stage's step (the whole step without pipeline parallelism): every micro-batch
+// through the stage's blocks and the head, the gradient sync and the update.
+StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options) {
   const ParallelConfig& p = c.parallel;
   StepSimulation sim;
   const Layout layout(c, options.all_ranks);
@@ -448,13 +466,14 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   // backlog.
   const int64_t repeats = p.gradient_accumulation_steps - sim.micro_batches;
   SimTime period{0};
-  if (repeats > 0) {
-    const std::vector<SimTime> ends = micro_batch_ends(sim.graph, sim.times, sim.micro_batches);
+  const std::vector<SimTime> ends = micro_batch_ends(sim.graph, sim.times, sim.micro_batches);
+  if (sim.micro_batches >= 2) {
     period = ends[1] - ends[0];
     period = std::max(period, busiest_resource_work(sim.graph, sim.times, 1, c.cluster.inter_node_bandwidth_bytes_per_s));
-    period += unsynced_after_compute(sim.graph, sim.times, p.gradient_accumulation_steps);
+    if (repeats > 0) period += unsynced_after_compute(sim.graph, sim.times, p.gradient_accumulation_steps);
   }
-  const double step = to_seconds(sim.times.makespan + period * repeats);
+  sim.micro_batch_s = to_seconds(sim.micro_batches >= 2 ? period : ends[0]);
+  const double step = to_seconds(sim.times.makespan + (repeats > 0 ? period * repeats : SimTime(0)));
   const double scale = static_cast<double>(p.gradient_accumulation_steps) / static_cast<double>(sim.micro_batches);
 
   // Busy time per kind on the busiest rank's compute stream.
@@ -480,6 +499,45 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   est.exposed_comm_s = std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s);
   sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]) * scale;
   fill_rates(c, o, est);
+  return sim;
+}
+
+}  // namespace
+
+StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) {
+  const ParallelConfig& p = c.parallel;
+  if (p.pipeline_parallel_degree <= 1) return simulate_stage(c, options);
+  // A pipeline: one stage's step (its blocks, with the head, every micro-batch, the gradient
+  // sync and the update), then the 1F1B schedule of the P stages around it. The stages are
+  // equal but for the head, which only the last runs; the first stage's embedding lookup is
+  // free. The step is the schedule's makespan plus what the stage's step spends after its
+  // micro-batches (gradient sync, update).
+  ModelSpec stage_model = c.model;
+  stage_model.num_layers = c.model.num_layers / p.pipeline_parallel_degree;
+  const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
+  StepSimulation sim = simulate_stage(stage, options);
+  const OpCosts o = op_costs(stage);
+  const double layers = static_cast<double>(stage_model.num_layers);
+  double forward = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
+  double backward = layers * (o.attention_backward_s + o.moe_backward_busiest_s);
+  if (p.activation_checkpointing == Checkpointing::kFull) backward += forward;
+  if (p.activation_checkpointing == Checkpointing::kSelective) backward += layers * o.moe_forward_busiest_s;
+  const double forward_share = forward + backward > 0 ? forward / (forward + backward) : 1.0 / 3.0;
+  const double last = sim.micro_batch_s;
+  const double other = std::max(0.0, last - o.head_s);
+  std::vector<PipelineStage> stages(static_cast<size_t>(p.pipeline_parallel_degree),
+                                    {other * forward_share, other * (1 - forward_share)});
+  stages.back() = {last * forward_share, last * (1 - forward_share)};
+  const CostModel cost(c.cluster);
+  const double send = cost.send_seconds(o.stage_send_bytes, group_shape(c.cluster, p, MeshDim::kPipeline));
+  const PipelineSimulation pipe = simulate_pipeline(stages, p.gradient_accumulation_steps, send);
+  const double m = static_cast<double>(p.gradient_accumulation_steps);
+  const double after_micro_batches = std::max(0.0, sim.estimate.step_time_s - m * last);
+  StepEstimate& est = sim.estimate;
+  est.step_time_s = pipe.step_s + after_micro_batches;
+  est.pipeline_bubble_s = std::max(0.0, pipe.step_s - m * last);
+  est.exposed_comm_s = std::max(0.0, est.step_time_s - est.compute_s - est.recompute_s - est.optimizer_s);
+  fill_rates(c, op_costs(c), est);
   return sim;
 }
 

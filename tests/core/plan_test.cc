@@ -168,11 +168,14 @@ std::vector<PlanEdit> plan_edits() {
       {"UnknownDispatcher", "/moe/dispatcher", "alltoallv", "moe.dispatcher",
        "expected one of \"alltoall\", \"allgather\", got string \"alltoallv\""},
       {"PlacementRepeatsALetter", "/parallel/placement", "RRE", "parallel.placement",
-       "expected the letters R, S and E once each, outermost first (e.g. \"RSE\"), got \"RRE\""},
+       "expected the letters R, S and E once each and P and T at most once, outermost first (e.g. \"RSE\" or "
+       "\"PRSET\"; \"D\" stands for \"RSE\"; or SMP's \"cluster\" or \"spread\"), got \"RRE\""},
       {"PlacementTooLong", "/parallel/placement", "RSEX", "parallel.placement",
-       "expected the letters R, S and E once each, outermost first (e.g. \"RSE\"), got \"RSEX\""},
+       "expected the letters R, S and E once each and P and T at most once, outermost first (e.g. \"RSE\" or "
+       "\"PRSET\"; \"D\" stands for \"RSE\"; or SMP's \"cluster\" or \"spread\"), got \"RSEX\""},
       {"PlacementLowerCase", "/parallel/placement", "rse", "parallel.placement",
-       "expected the letters R, S and E once each, outermost first (e.g. \"RSE\"), got \"rse\""},
+       "expected the letters R, S and E once each and P and T at most once, outermost first (e.g. \"RSE\" or "
+       "\"PRSET\"; \"D\" stands for \"RSE\"; or SMP's \"cluster\" or \"spread\"), got \"rse\""},
       {"PlacementAsNumber", "/parallel/placement", 3, "parallel.placement", "expected a string, got number 3"},
       {"SourcedBytesAsString", "/cluster/gpu/memory_bytes/value", "40GB", "cluster.gpu.memory_bytes",
        "expected an integer, got string \"40GB\""},

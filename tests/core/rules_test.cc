@@ -105,15 +105,77 @@ const RuleCase kCases[] = {
     {"ShardTimesExpertsOverWorld", [](Scenario& s) { s.parallel.hybrid_shard_degree = 16; },
      Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree",
      "= 16 times expert_parallel_degree = 2 does not divide world_size = 16", "16"},
-    {"TensorParallelTwo", [](Scenario& s) { s.parallel.tensor_parallel_degree = 2; },
-     Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree",
-     "= 2: tensor parallelism is not supported yet (use 1)", "2"},
+    // Tensor and pipeline parallelism: T = 2 (or P = 2) over S = 4 keeps S x E x T x P = 16;
+    // only 8 ranks then read data, so the batch takes 256 micro-batches.
+    {"TensorDoesNotDivideKvHeads",
+     [](Scenario& s) {
+       s.model.num_key_value_heads = 1;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kTensorDividesHeads, "parallel.tensor_parallel_degree",
+     "= 2 must be at least 1 and divide num_key_value_heads = 1 (and num_attention_heads = 32)", "1"},
     {"TensorParallelZero", [](Scenario& s) { s.parallel.tensor_parallel_degree = 0; },
-     Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree",
-     "= 0: tensor parallelism is not supported yet (use 1)", "0"},
-    {"PipelineParallelFour", [](Scenario& s) { s.parallel.pipeline_parallel_degree = 4; },
-     Rule::kPipelineParallelUnsupported, "parallel.pipeline_parallel_degree",
-     "= 4: pipeline parallelism is not supported yet (use 1)", "4"},
+     Rule::kTensorDividesHeads, "parallel.tensor_parallel_degree",
+     "= 0 must be at least 1 and divide num_key_value_heads = 8 (and num_attention_heads = 32)", "0"},
+    {"TensorDoesNotDivideIntermediate",
+     [](Scenario& s) {
+       s.model.intermediate_size = 14335;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree",
+     "= 2 does not divide intermediate_size = 14335", "14335"},
+    {"SequenceParallelWithoutTensor", [](Scenario& s) { s.parallel.sequence_parallel = true; },
+     Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel",
+     "= true needs tensor_parallel_degree > 1 (it splits along the sequence over the tensor-parallel ranks)",
+     "true"},
+    {"ExpertsUnderTensorWithoutSequenceParallel",
+     [](Scenario& s) {
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kExpertTensorNeedsSequenceParallel, "parallel.sequence_parallel",
+     "= false with tensor_parallel_degree = 2 and an MoE model: the tokens are routed per rank, so sequence "
+     "parallelism is needed",
+     "false"},
+    {"SmpModeExpertsWithTensor",
+     [](Scenario& s) {
+       s.smp_mode = true;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kSmpExpertWithTensor, "parallel.expert_parallel_degree",
+     "= 2 with tensor_parallel_degree = 2: SMP does not combine expert and tensor parallelism (moeplan's "
+     "simulator does)",
+     "2"},
+    {"PipelineDoesNotDivideLayers",
+     [](Scenario& s) {
+       s.model.num_layers = 31;
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree",
+     "= 2 must be at least 1 and divide num_layers = 31 (equal stages)", "31"},
+    {"PipelineParallelZero", [](Scenario& s) { s.parallel.pipeline_parallel_degree = 0; },
+     Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree",
+     "= 0 must be at least 1 and divide num_layers = 32 (equal stages)", "0"},
+    {"ShardTimesTensorOverWorld",
+     [](Scenario& s) {
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree",
+     "= 8 times expert_parallel_degree = 2, tensor_parallel_degree = 2 does not divide world_size = 16", "8"},
     {"ShortPositionTable", [](Scenario& s) { s.model.max_position_embeddings = 1024; },
      Rule::kSeqLenWithinPositions, "training.seq_len",
      "= 2048 exceeds the model's max_position_embeddings = 1024", "1024"},
@@ -283,7 +345,7 @@ TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
   Scenario s = base();
   s.model.num_key_value_heads = 5;
   s.parallel.expert_parallel_degree = 3;  // divides neither 8 experts nor 16 ranks, nor does 8 x 3
-  s.parallel.tensor_parallel_degree = 2;
+  s.parallel.sequence_parallel = true;  // without tensor parallelism
   s.parallel.activation_offloading = true;
   s.parallel.activation_checkpointing = Checkpointing::kNone;
   s.training.warmup_steps = 200;
@@ -293,7 +355,7 @@ TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
       {Rule::kExpertDegreeDividesExperts, "parallel.expert_parallel_degree"},
       {Rule::kExpertDegreeDividesWorld, "parallel.expert_parallel_degree"},
       {Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree"},
-      {Rule::kTensorParallelUnsupported, "parallel.tensor_parallel_degree"},
+      {Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel"},
       {Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading"},
       {Rule::kWarmupWithinSteps, "training.warmup_steps"},
   };

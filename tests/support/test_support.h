@@ -130,8 +130,9 @@ struct Scenario {
   ParallelConfig parallel;
   MoeConfig moe;
   TrainingConfig training;
+  bool smp_mode = false;
 
-  RunConfig config() const { return {model, cluster, parallel, moe, training}; }
+  RunConfig config() const { return {model, cluster, parallel, moe, training, smp_mode}; }
   std::string describe() const {
     std::ostringstream out;
     out << model.name << " on " << parallel.world_size << " x " << cluster.name << ": "

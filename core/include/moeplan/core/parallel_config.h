@@ -14,15 +14,28 @@
 
 namespace moeplan {
 
-// The three dimensions of the device mesh [R, S, E].
-enum class MeshDim : uint8_t { kReplica, kShard, kExpert };
+// The dimensions of the device mesh [P, R, S, E, T]: pipeline stages, replicas, shards,
+// experts, tensor-parallel ranks.
+enum class MeshDim : uint8_t { kReplica, kShard, kExpert, kTensor, kPipeline };
+inline constexpr size_t kMeshDims = 5;
+inline constexpr std::array<MeshDim, kMeshDims> kAllMeshDims{MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert,
+                                                             MeshDim::kTensor, MeshDim::kPipeline};
 
 // Order of the mesh dimensions from outermost to innermost, like a row-major mesh shape: in
 // "RSE" the expert dimension varies fastest, so an expert group occupies consecutive ranks
 // (inside one node when it is small enough).
+//
+// Written with the letters P, R, S, E, T, outermost first. R, S and E appear once each; P and
+// T may be left out, and then P is outermost and T innermost (Megatron's order: tensor-parallel
+// ranks share a node, pipeline stages are farthest apart), so the three-letter form of plans
+// without tensor or pipeline parallelism keeps its meaning. SMP v1's strings are read too: "D"
+// (data parallelism) stands for "RSE", "cluster" is "DPT" and "spread" is "TPD"; as in SMP the
+// right-most letter is innermost.
 struct Placement {
-  std::array<MeshDim, 3> outer_to_inner{MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert};
+  std::array<MeshDim, kMeshDims> outer_to_inner{MeshDim::kPipeline, MeshDim::kReplica, MeshDim::kShard,
+                                                MeshDim::kExpert, MeshDim::kTensor};
 
+  // The three-letter form when P is outermost and T innermost, else all five letters.
   std::string to_string() const;
   static std::optional<Placement> parse(std::string_view text);
   bool operator==(const Placement&) const = default;
@@ -54,8 +67,11 @@ struct ParallelConfig {
   int64_t world_size = 1;
   int64_t expert_parallel_degree = 1;   // E: experts partitioned over E ranks
   int64_t hybrid_shard_degree = 1;      // S: model states sharded over S ranks (0 = W/E)
-  int64_t tensor_parallel_degree = 1;   // not searched yet
-  int64_t pipeline_parallel_degree = 1; // not searched yet
+  int64_t tensor_parallel_degree = 1;   // T: each block's matrices split over T ranks (Megatron)
+  int64_t pipeline_parallel_degree = 1; // P: the blocks split into P stages (1F1B schedule)
+  // With T > 1: norms and the tensors between the tensor-parallel regions split along the
+  // sequence over the T ranks (all-gather + reduce-scatter instead of all-reduce).
+  bool sequence_parallel = false;
   Placement placement;
   Checkpointing activation_checkpointing = Checkpointing::kNone;
   bool activation_offloading = false;
@@ -63,16 +79,23 @@ struct ParallelConfig {
   int64_t micro_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
 
-  // R = W / (S * E): replicas of each shard. Only meaningful for a valid config.
+  // R = W / (S * E * T * P): replicas of each shard. Only meaningful for a valid config.
   int64_t replica_degree() const {
-    const int64_t se = expert_parallel_degree * hybrid_shard_degree;
-    return se > 0 ? world_size / se : 0;
+    const int64_t rest = expert_parallel_degree * hybrid_shard_degree * tensor_parallel_degree * pipeline_parallel_degree;
+    return rest > 0 ? world_size / rest : 0;
+  }
+  // Ranks that read different data: R * S * E = W / (T * P).
+  int64_t data_parallel_degree() const {
+    const int64_t tp = tensor_parallel_degree * pipeline_parallel_degree;
+    return tp > 0 ? world_size / tp : 0;
   }
   int64_t degree(MeshDim d) const {
     switch (d) {
       case MeshDim::kReplica: return replica_degree();
       case MeshDim::kShard: return hybrid_shard_degree;
       case MeshDim::kExpert: return expert_parallel_degree;
+      case MeshDim::kTensor: return tensor_parallel_degree;
+      case MeshDim::kPipeline: return pipeline_parallel_degree;
     }
     return 0;
   }
@@ -120,7 +143,8 @@ OrderedJson to_json(const ParallelConfig& p);
 OrderedJson to_json(const MoeConfig& m);
 OrderedJson to_json(const TrainingConfig& t);
 
-// Short form for tables and messages: "E8 S2 R1 RSE ckpt=full offload=h2 mbs=1 ga=8".
+// Short form for tables and messages: "E8 S2 R1 RSE ckpt=full offload=h2 mbs=1 ga=8" (with
+// " T4 sp" or " P8" after R where those are used).
 std::string describe(const ParallelConfig& p);
 
 }  // namespace moeplan

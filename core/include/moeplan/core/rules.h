@@ -28,8 +28,12 @@ enum class Rule : uint8_t {
   kExpertDegreeDividesWorld,
   kShardDegreeResolved,
   kShardExpertDividesWorld,
-  kTensorParallelUnsupported,
-  kPipelineParallelUnsupported,
+  kTensorDividesHeads,
+  kTensorDividesIntermediate,
+  kSequenceParallelNeedsTensor,
+  kExpertTensorNeedsSequenceParallel,
+  kSmpExpertWithTensor,
+  kPipelineDividesLayers,
   // Batch and sequence
   kSeqLenWithinPositions,
   kMicroBatchTokens,
@@ -69,6 +73,9 @@ struct RunConfig {
   const ParallelConfig& parallel;
   const MoeConfig& moe;
   const TrainingConfig& training;
+  // Apply SMP's own restrictions too (expert parallelism not with tensor parallelism), for
+  // plans that must run on SMP rather than on moeplan's executor or Megatron.
+  bool smp_mode = false;
 };
 
 // Every violated rule of the model alone.

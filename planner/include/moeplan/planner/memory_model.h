@@ -18,11 +18,20 @@ struct BlockActivations {
   int64_t full() const { return attention + moe; }
 };
 
+// How a block is split over the ranks of a tensor-parallel group (Megatron): heads and
+// intermediate columns over `degree` ranks; with `sequence`, the hidden-width tensors between
+// the split regions (norms, residual stream) along the sequence too.
+struct TensorSplit {
+  int64_t degree = 1;
+  bool sequence = false;
+};
+
 // A micro-batch of `micro_batch` sequences of `seq_len` tokens; `expert_token_slots` token-expert
-// pairs processed on the rank (k x tokens x imbalance); what the framework's kernels keep.
+// pairs processed on the rank's experts (k x tokens x imbalance, before any tensor split); what
+// the framework's kernels keep; what one rank of a tensor-parallel group keeps of it.
 BlockActivations block_activations(const ModelSpec& model, int64_t micro_batch, int64_t seq_len,
                                    int64_t expert_token_slots, int64_t element_bytes,
-                                   Kernels kernels = Kernels::kFused);
+                                   Kernels kernels = Kernels::kFused, TensorSplit split = {});
 
 struct MemoryEstimate {
   // Model states.
@@ -46,13 +55,16 @@ struct MemoryEstimate {
   std::vector<MemoryItem> host_items() const;
 };
 
-// Parameters held by one rank before and after sharding.
+// Parameters held by one rank before and after sharding: its stage's blocks (the first stage
+// also holds the embedding, the last the final norm and lm head; the larger of the two counts),
+// its experts, and its 1/T of each matrix (norms and the router included, a slight over-count).
 struct ShardSizes {
   int64_t local_params = 0;  // dense + this rank's experts, unsharded
   int64_t shard_params = 0;  // what the rank keeps: each flat parameter padded and split over S
   int64_t largest_unit_params = 0;  // the biggest flat parameter gathered at once
 };
-ShardSizes shard_sizes(const ModelSpec& model, int64_t expert_degree, int64_t shard_degree);
+ShardSizes shard_sizes(const ModelSpec& model, int64_t expert_degree, int64_t shard_degree, int64_t tensor_degree = 1,
+                       int64_t pipeline_degree = 1);
 
 MemoryEstimate estimate_memory(const RunConfig& config);
 

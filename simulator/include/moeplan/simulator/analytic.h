@@ -14,6 +14,8 @@ struct LayoutShapes {
   GroupShape expert;   // E: token dispatch, expert-parameter sharding peers
   GroupShape shard;    // S: all-gather / reduce-scatter of model states
   GroupShape replica;  // R: gradient all-reduce of expert parameters
+  GroupShape tensor;   // T: all-reduces inside each block
+  GroupShape pipeline; // P: activations to the next stage
 };
 LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& parallel);
 
@@ -31,6 +33,7 @@ struct StepEstimate {
   double expert_comm_s = 0;          // token dispatch and combine (on the critical path)
   double shard_comm_exposed_s = 0;   // all-gather / reduce-scatter not hidden behind compute
   double grad_sync_s = 0;            // gradient all-reduce across replicas
+  double pipeline_bubble_s = 0;      // stages idle while the pipeline fills and drains (in exposed_comm_s)
   double offload_exposed_s = 0;      // activation copies not hidden behind compute
   double optimizer_s = 0;            // AdamW update of the local shard
   // The rest of the step: the busiest rank's compute stream waiting on communication.

@@ -63,6 +63,10 @@ class CostModel {
   CollectiveCost all_reduce_cost(double bytes, const GroupShape& g) const;
   CollectiveCost all_to_all_cost(double send_bytes, const GroupShape& g) const;
 
+  // A send of `bytes` from each rank to its neighbour along a pipeline group (every rank sends
+  // at once, so the ranks of a node share its card when the neighbour is on another node).
+  double send_seconds(double bytes, const GroupShape& g) const;
+
   // Host <-> device copy over PCIe of one GPU.
   double pcie_seconds(double bytes) const;
 

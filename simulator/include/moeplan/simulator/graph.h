@@ -47,6 +47,9 @@ enum class OpKind : uint8_t {
   kStageBackward,
   kSendActivations,  // to the next stage (point to point)
   kSendGradients,    // to the previous stage
+  kTensorForward,    // a tensor-parallel all-reduce (or reduce-scatter + all-gather) in forward
+  kTensorBackward,
+  kTensorRecompute,
   kCount
 };
 std::string_view op_kind_name(OpKind kind);

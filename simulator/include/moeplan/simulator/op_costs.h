@@ -28,6 +28,10 @@ struct OpCosts {
   double head_flops = 0;
 
   double dispatch_send_bytes = 0;  // per rank and exchange (busiest rank's share)
+  // Tensor parallelism (T > 1): the all-reduce ending attention (tokens x hidden) and the one
+  // ending the experts or MLP (the busiest rank's slots x hidden); 0 without.
+  double tensor_bytes = 0, tensor_moe_bytes = 0;
+  double stage_send_bytes = 0;     // activations (or their gradients) passed between stages
   double unit_bytes = 0;           // one block's flat parameters, unsharded, in the compute dtype
   // The executor's flat units as gathered (padded to a multiple of S): a block's dense part
   // and its experts apart, the embedding, the final norm with the lm head.

@@ -31,8 +31,15 @@ struct StepSimulation {
   int64_t micro_batches = 0;   // simulated micro-batches
   double nic_busy_s = 0;       // time node 0's card carried traffic (extrapolated)
   double block_activation_bytes = 0;  // what one block keeps for backward, per micro-batch
+  // One micro-batch's share of the step on the simulated stage: the period of the repeated
+  // micro-batches (with one simulated micro-batch, the time to its end).
+  double micro_batch_s = 0;
 };
 
+// With pipeline stages (P > 1) the graph, the trace and the phases are one stage's (the last,
+// which runs the head; every stage's ranks are simulated as that stage) and the estimate is the
+// whole pipeline's: the 1F1B schedule of simulate_pipeline() around the stage's micro-batch
+// period.
 StepSimulation simulate_step(const RunConfig& config, const StepSimOptions& options = {});
 
 // The simulated step as a trace (pid = global rank).

@@ -1,0 +1,142 @@
+// Tensor-parallel collectives and pipeline stages in the step simulator, against figures worked
+// out by hand from the profile's link numbers and the op costs.
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "moeplan/planner/memory_model.h"
+#include "moeplan/simulator/op_costs.h"
+#include "moeplan/simulator/step.h"
+#include "test_support.h"
+
+namespace moeplan::sim {
+namespace {
+
+using test::Scenario;
+
+// Llama 3 8B (dense, 32 blocks, hidden 4096) on one p4d node: W ranks, T tensor-parallel, P
+// stages, no data parallelism beyond what is left.
+Scenario dense(int64_t world, int64_t t, int64_t p, int64_t accumulation, Checkpointing ckpt = Checkpointing::kNone) {
+  Scenario c{test::model("llama-3-8b"), test::hardware("p4d.24xlarge", world), {}, {}, {}};
+  c.parallel.world_size = world;
+  c.parallel.tensor_parallel_degree = t;
+  c.parallel.pipeline_parallel_degree = p;
+  c.parallel.activation_checkpointing = ckpt;
+  c.parallel.micro_batch_size = 1;
+  c.parallel.gradient_accumulation_steps = accumulation;
+  c.training.seq_len = 2048;
+  c.training.global_batch_tokens = world / (t * p) * accumulation * 2048;
+  return c;
+}
+
+Scenario free_communication(Scenario c) {
+  c.cluster.intra_node_bandwidth_bytes_per_s = 1e30;
+  c.cluster.inter_node_bandwidth_bytes_per_s = 1e30;
+  c.cluster.pcie_bandwidth_bytes_per_s = 1e30;
+  c.cluster.intra_node_latency_s = 0;
+  c.cluster.inter_node_latency_s = 0;
+  return c;
+}
+
+// T = 2 on two ranks of a node. Each block ends attention and its MLP with an all-reduce of
+// the micro-batch's activations, 2048 tokens x 4096 x 2 bytes = 16,777,216 bytes, in forward
+// and again (of their gradients) in backward: 4 per block, 128 per micro-batch. A ring
+// all-reduce of n = 2 takes 2 (n - 1) = 2 latencies and moves 2 (n - 1) / n = 1 x the bytes
+// over the NVSwitch link.
+TEST(TensorParallel, AllReducesPerBlockWorkedByHand) {
+  const Scenario c = dense(2, 2, 1, 2);
+  ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+  ASSERT_FALSE(c.cluster.all_reduce_fit.given());
+  const double bytes = 2048.0 * 4096 * 2;
+  const int64_t op_ns = to_sim_time(2 * c.cluster.intra_node_latency_s).count() +
+                        to_sim_time(bytes / c.cluster.intra_node_bandwidth_bytes_per_s).count();
+  const StepSimulation sim = simulate_step(c.config(), {.all_ranks = true, .all_micro_batches = true});
+  std::map<OpKind, int> count;
+  for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+    const Op& op = sim.graph.ops()[i];
+    if (op.rank != 0 || op_category(op.kind) != "all_reduce") continue;
+    ++count[op.kind];
+    EXPECT_EQ(op.bytes, bytes);
+    const auto col = static_cast<size_t>(op.collective);
+    EXPECT_EQ((sim.times.end[i] - sim.times.collective_start[col]).count(), op_ns) << op_kind_name(op.kind);
+  }
+  EXPECT_EQ(count[OpKind::kTensorForward], 2 * 2 * 32);
+  EXPECT_EQ(count[OpKind::kTensorBackward], 2 * 2 * 32);
+  EXPECT_EQ(count[OpKind::kTensorRecompute], 0);
+  EXPECT_EQ(count[OpKind::kGradAllReduce], 0);  // R = 1: nothing to sync
+
+  // They sit on the compute chain: the step is longer by exactly their time.
+  const double with = simulate_step(c.config()).estimate.step_time_s;
+  const double without = simulate_step(free_communication(c).config()).estimate.step_time_s;
+  EXPECT_NEAR(with - without, 2 * 128 * op_ns * 1e-9, 1e-9);
+}
+
+// Recomputed blocks run their all-reduces again: both under full checkpointing, the MLP's
+// under selective.
+TEST(TensorParallel, RecomputeRepeatsTheForwardAllReduces) {
+  for (auto [ckpt, per_block] : {std::pair{Checkpointing::kFull, 2}, std::pair{Checkpointing::kSelective, 1}}) {
+    const Scenario c = dense(2, 2, 1, 1, ckpt);
+    const StepSimulation sim = simulate_step(c.config(), {.all_ranks = true, .all_micro_batches = true});
+    int recomputed = 0;
+    for (const Op& op : sim.graph.ops()) recomputed += op.rank == 0 && op.kind == OpKind::kTensorRecompute;
+    EXPECT_EQ(recomputed, per_block * 32) << c.describe();
+  }
+}
+
+// Each rank runs 1/T of every matrix multiply: heads, MLP columns and the vocabulary.
+TEST(TensorParallel, ComputeSplitsOverTheRanks) {
+  const OpCosts one = op_costs(dense(1, 1, 1, 1).config());
+  const OpCosts four = op_costs(dense(4, 4, 1, 1).config());
+  EXPECT_DOUBLE_EQ(four.attention_flops, one.attention_flops / 4);
+  EXPECT_DOUBLE_EQ(four.moe_flops, one.moe_flops / 4);
+  EXPECT_DOUBLE_EQ(four.head_flops, one.head_flops / 4);  // 128,256 = 4 x 32,064
+  EXPECT_DOUBLE_EQ(four.forward_flops_per_token, one.forward_flops_per_token);
+  EXPECT_DOUBLE_EQ(four.tensor_bytes, 2048.0 * 4096 * 2);
+}
+
+// P = 4 stages of 8 blocks on four ranks, 8 micro-batches, free communication, no data
+// parallelism. Under 1F1B the last stage (its blocks and the head, X_last per micro-batch) is
+// the slowest and never waits after its first micro-batch: the step is the first micro-batch's
+// forward through the three stages before it, the last stage's 8 micro-batches, the last
+// micro-batch's backward through the three before it, and the update:
+//   m X_last + (P - 1) X_mid + optimizer, with X_mid = X_last - head.
+TEST(Pipeline, StepIsTheScheduleAroundTheLastStageWorkedByHand) {
+  const Scenario c = free_communication(dense(4, 1, 4, 8));
+  ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+  ModelSpec stage_model = c.model;
+  stage_model.num_layers = 8;
+  const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training};
+  const OpCosts o = op_costs(stage);
+  auto ns = [](double s) { return to_seconds(to_sim_time(s)); };
+  const double mid = 8 * (ns(o.attention_forward_s) + ns(o.attention_backward_s) + ns(o.moe_forward_busiest_s) +
+                          ns(o.moe_backward_busiest_s));
+  const double last = mid + ns(o.head_s);
+  const double expected = 8 * last + 3 * mid + ns(o.optimizer_s);
+  const StepEstimate e = simulate_step(c.config()).estimate;
+  EXPECT_NEAR(e.step_time_s, expected, 1e-6);
+  EXPECT_NEAR(e.pipeline_bubble_s, 3 * mid, 1e-6);
+  // The closed form agrees, and stays a lower bound.
+  const StepEstimate a = estimate_step(c.config(), layout_shapes(c.cluster, c.parallel));
+  EXPECT_NEAR(a.step_time_s, expected, 1e-6);
+  EXPECT_LE(a.lower_bound_s, e.step_time_s * (1 + 1e-6));  // the search's margin for ns rounding
+}
+
+// Activations under 1F1B: the first stage holds P micro-batches of its L / P blocks, as much
+// as one stage holding all L blocks for one micro-batch; parameters shrink to the stage's.
+TEST(Pipeline, FirstStageHoldsPMicroBatchesOfItsBlocks) {
+  const Scenario one = dense(4, 1, 1, 8);
+  const Scenario four = dense(4, 1, 4, 8);
+  const planner::MemoryEstimate m1 = planner::estimate_memory(one.config());
+  const planner::MemoryEstimate m4 = planner::estimate_memory(four.config());
+  EXPECT_EQ(m4.activations, m1.activations);
+  const ParamCounts p = count_parameters(one.model);
+  EXPECT_EQ(planner::shard_sizes(one.model, 1, 1, 1, 4).local_params,
+            std::max(p.embedding, p.final_norm + p.lm_head) + 8 * p.dense_per_layer() + 8 * p.expert);
+  // Fewer micro-batches than stages: only those are in flight.
+  Scenario short_step = dense(4, 1, 4, 2);
+  EXPECT_EQ(planner::estimate_memory(short_step.config()).activations * 2, m4.activations);
+}
+
+}  // namespace
+}  // namespace moeplan::sim
