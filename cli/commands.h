@@ -36,7 +36,9 @@ struct SearchArgs {
   std::string command;  // the command line, recorded in the plan
   // Fixed choices (0 or empty: searched).
   int64_t expert_parallel_degree = 0, hybrid_shard_degree = 0, micro_batch_size = 0, loading_horizon = 0;
-  std::string checkpointing, offloading, placement;
+  int64_t tensor_parallel_degree = 0, pipeline_parallel_degree = 0;
+  std::string checkpointing, offloading, placement, sequence_parallel;
+  bool smp_mode = false;  // SMP's own restrictions too (no expert with tensor parallelism)
 };
 
 struct CheckArgs {
@@ -113,7 +115,15 @@ struct CompareProfilesArgs {
   double max_difference = 0.10;
 };
 
+struct ComparePublishedArgs {
+  std::string cases;  // JSON list of published runs (docs/validation/published/cases.json)
+  std::string profiles;
+  bool check = false;
+  double max_median_error = 0.25, max_worst_error = 0.5;
+};
+
 int run_search(const SearchArgs& args);
+int run_compare_published(const ComparePublishedArgs& args);
 int run_compare_profiles(const CompareProfilesArgs& args);
 int run_validate(const ValidateArgs& args);
 int run_simulate(const SimulateArgs& args);

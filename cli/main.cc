@@ -51,8 +51,18 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   search_cmd->add_option("--hybrid-shard-degree", search.hybrid_shard_degree, "Fix S instead of searching it")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  search_cmd->add_option("--placement", search.placement, "Fix the placement (RSE, RES, SRE, SER, ERS, ESR)")
-      ->check(CLI::IsMember({"RSE", "RES", "SRE", "SER", "ERS", "ESR"}));
+  search_cmd->add_option("--tensor-parallel-degree", search.tensor_parallel_degree, "Fix T instead of searching it")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_option("--pipeline-parallel-degree", search.pipeline_parallel_degree,
+                         "Fix P instead of searching it")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_option("--sequence-parallel", search.sequence_parallel, "Fix sequence parallelism (with T > 1)")
+      ->check(CLI::IsMember({"on", "off"}));
+  search_cmd->add_option("--placement", search.placement,
+                         "Fix the placement: R, S, E (and P, T) outermost first, e.g. RSE or PRSET; SMP's "
+                         "cluster, spread or D/P/T letters");
+  search_cmd->add_flag("--smp-mode", search.smp_mode,
+                       "Only plans SMP can run: no expert parallelism together with tensor parallelism");
   search_cmd->add_option("--checkpointing", search.checkpointing, "Fix activation checkpointing")
       ->check(CLI::IsMember({"none", "selective", "full"}));
   search_cmd->add_option("--offload", search.offloading, "Fix activation offloading")->check(CLI::IsMember({"on", "off"}));
@@ -171,6 +181,17 @@ int main(int argc, char** argv) {
   validate_cmd->add_option("--min-kendall", validate.min_kendall, "Least Kendall tau of predicted vs measured order")
       ->capture_default_str()->check(CLI::Range(-1.0, 1.0));
 
+  ComparePublishedArgs published;
+  CLI::App* published_cmd = app.add_subcommand(
+      "compare-published", "moeplan's predictions for published training runs in their own layouts, beside the published step");
+  published_cmd->add_option("cases", published.cases, "Cases file (e.g. docs/validation/published/cases.json)")->required();
+  published_cmd->add_option("--profiles", published.profiles, "Folder with hardware/ and models/ profiles");
+  published_cmd->add_flag("--check", published.check, "Exit 1 when an error bound is broken or a case has no plan");
+  published_cmd->add_option("--max-median-error", published.max_median_error, "Largest median |step error|")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  published_cmd->add_option("--max-worst-error", published.max_worst_error, "Largest |step error| of any case")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+
   CompareProfilesArgs compare;
   CLI::App* compare_cmd = app.add_subcommand(
       "compare-profiles", "How far apart two hardware profiles are: figure by figure, and in predicted step times");
@@ -207,6 +228,7 @@ int main(int argc, char** argv) {
   if (view_cmd->parsed()) return run_view(view_cmd->remaining(), argv[0]);
   if (validate_cmd->parsed()) return run_validate(validate);
   if (compare_cmd->parsed()) return run_compare_profiles(compare);
+  if (published_cmd->parsed()) return run_compare_published(published);
   if (calibrate_cmd->parsed()) {
     calibrate.argv.assign(argv, argv + argc);
     return run_calibrate(calibrate);

@@ -108,6 +108,11 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
                                 std::to_string(c.e),
                                 "--hybrid-shard-degree",
                                 std::to_string(c.s),
+                                // The executor runs [R, S, E] meshes.
+                                "--tensor-parallel-degree",
+                                "1",
+                                "--pipeline-parallel-degree",
+                                "1",
                                 "--checkpointing",
                                 c.checkpointing,
                                 "--offload",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <set>
+#include <stdexcept>
 
 #include "moeplan/core/units.h"
 #include "moeplan/simulator/step.h"
@@ -85,6 +86,32 @@ int64_t default_global_batch_tokens(int64_t gpus, int64_t seq_len) {
   return (kTarget + unit - 1) / unit * unit;
 }
 
+namespace {
+
+// Every order of the five mesh dimensions: each order of R, S and E (as SMP v2 writes them),
+// with T first innermost and P first outermost, so that with T = P = 1 the first six are the
+// three-letter placements.
+std::vector<Placement> all_placements() {
+  std::vector<Placement> out;
+  for (const char* rse : kPlacements) {
+    const Placement base = *Placement::parse(rse);  // P outermost, T innermost
+    std::array<MeshDim, 3> middle{base.outer_to_inner[1], base.outer_to_inner[2], base.outer_to_inner[3]};
+    for (size_t t = 4; t-- > 0;) {      // T's position among R, S, E: innermost first
+      for (size_t pp = 0; pp < 5; ++pp) {  // P's position in the result: outermost first
+        std::vector<MeshDim> order(middle.begin(), middle.end());
+        order.insert(order.begin() + static_cast<std::ptrdiff_t>(t), MeshDim::kTensor);
+        order.insert(order.begin() + static_cast<std::ptrdiff_t>(pp), MeshDim::kPipeline);
+        Placement p;
+        std::copy(order.begin(), order.end(), p.outer_to_inner.begin());
+        out.push_back(p);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options) {
   SearchResult result;
   SearchStats& stats = result.stats;
@@ -92,22 +119,21 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   const TrainingConfig& training = options.training;
   const int64_t host_limit = host_limit_bytes(cluster, w);
   const int64_t device_limit = cluster.usable_memory_bytes();
-  const int64_t seqs_per_rank = training.seq_len > 0 && w > 0
-                                    ? training.global_batch_tokens / (training.seq_len * w)
-                                    : 0;
 
   // The raw space: degrees that divide the world size or the expert count (the rules reject
-  // the ones that do not fit both), every placement, every checkpointing and offload option,
-  // power-of-two micro-batches and the divisors of the per-rank batch.
+  // the ones that do not fit both), tensor parallelism inside a node (its all-reduces are on
+  // every block's critical path; Megatron keeps T within NVLink), pipelines of up to one block
+  // per stage, sequence parallelism with T, every placement, every checkpointing and offload
+  // option, power-of-two micro-batches and the divisors of the per-reader batch.
   std::vector<int64_t> expert_degrees = divisors(w);
   for (int64_t e : divisors(model.num_experts)) expert_degrees.push_back(e);
   std::sort(expert_degrees.begin(), expert_degrees.end());
   expert_degrees.erase(std::unique(expert_degrees.begin(), expert_degrees.end()), expert_degrees.end());
   std::vector<int64_t> shard_degrees = divisors(w);
-  std::vector<int64_t> micro_batches;
-  for (int64_t b = 1; b <= options.max_micro_batch; ++b) {
-    const bool power_of_two = (b & (b - 1)) == 0;
-    if (power_of_two || (seqs_per_rank > 0 && seqs_per_rank % b == 0)) micro_batches.push_back(b);
+  std::vector<int64_t> tensor_degrees, pipeline_degrees;
+  for (int64_t d : divisors(w)) {
+    if (d <= cluster.gpus_per_node) tensor_degrees.push_back(d);
+    if (d <= model.num_layers) pipeline_degrees.push_back(d);
   }
   struct OffloadOption {
     bool on;
@@ -116,13 +142,14 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   std::vector<OffloadOption> offloads = {{false, 1}};
   for (int64_t h : options.loading_horizons) offloads.push_back({true, h});
   std::vector<Checkpointing> checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
-  std::vector<const char*> placements(kPlacements.begin(), kPlacements.end());
+  std::vector<Placement> placements = all_placements();
   // What the user fixed: the one value, even where the search would not have tried it (the
   // rules then say why it cannot work).
   const SearchOptions::Pins& pin = options.pins;
   if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
   if (pin.hybrid_shard_degree) shard_degrees = {*pin.hybrid_shard_degree};
-  if (pin.micro_batch_size) micro_batches = {*pin.micro_batch_size};
+  if (pin.tensor_parallel_degree) tensor_degrees = {*pin.tensor_parallel_degree};
+  if (pin.pipeline_parallel_degree) pipeline_degrees = {*pin.pipeline_parallel_degree};
   if (pin.checkpointing) checkpointing = {*pin.checkpointing};
   if (pin.offloading) {
     if (!*pin.offloading) offloads = {{false, 1}};
@@ -131,71 +158,129 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   } else if (pin.loading_horizon) {
     offloads = {{false, 1}, {true, *pin.loading_horizon}};
   }
-  if (pin.placement) placements = {pin.placement->c_str()};
-  const int64_t inner = static_cast<int64_t>(checkpointing.size() * offloads.size() * micro_batches.size());
+  if (pin.placement) {
+    const std::optional<Placement> fixed = Placement::parse(*pin.placement);
+    if (!fixed) throw std::invalid_argument("placement \"" + *pin.placement + "\" is not a placement");
+    placements = {*fixed};
+  }
 
   std::vector<Candidate> fitting;
   int64_t index = 0;
   for (int64_t e : expert_degrees) {
     for (int64_t s : shard_degrees) {
-      std::set<std::array<int64_t, 3>> layouts;
-      for (const char* placement : placements) {
-        ParallelConfig p;
-        p.world_size = w;
-        p.expert_parallel_degree = e;
-        p.hybrid_shard_degree = s;
-        p.placement = *Placement::parse(placement);
-        stats.enumerated += inner;
-        // Placements differ only in the strides of dimensions with more than one member.
-        std::array<int64_t, 3> layout{};
-        if (w % (e * s) == 0) {
-          for (MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert})
-            layout[static_cast<size_t>(d)] = p.degree(d) > 1 ? p.stride(d) : 0;
-          if (!layouts.insert(layout).second) {
-            stats.duplicate_placements += inner;
-            index += inner;
-            continue;
+      for (int64_t t : tensor_degrees) {
+        for (int64_t pp : pipeline_degrees) {
+          ParallelConfig p;
+          p.world_size = w;
+          p.expert_parallel_degree = e;
+          p.hybrid_shard_degree = s;
+          p.tensor_parallel_degree = t;
+          p.pipeline_parallel_degree = pp;
+          // The ranks that read data and the sequences each reads per step.
+          const int64_t readers = t >= 1 && pp >= 1 ? w / (t * pp) : 0;
+          const int64_t seqs_per_reader =
+              training.seq_len > 0 && readers > 0 ? training.global_batch_tokens / (training.seq_len * readers) : 0;
+          std::vector<int64_t> micro_batches;
+          for (int64_t b = 1; b <= options.max_micro_batch; ++b) {
+            const bool power_of_two = (b & (b - 1)) == 0;
+            if (power_of_two || (seqs_per_reader > 0 && seqs_per_reader % b == 0)) micro_batches.push_back(b);
           }
-        }
-        const sim::LayoutShapes shapes = sim::layout_shapes(cluster, p);
-        for (Checkpointing ckpt : checkpointing) {
-          p.activation_checkpointing = ckpt;
-          for (const OffloadOption& offload : offloads) {
-            p.activation_offloading = offload.on;
-            p.activation_loading_horizon = offload.horizon;
-            for (int64_t mbs : micro_batches) {
-              p.micro_batch_size = mbs;
-              p.gradient_accumulation_steps = std::max<int64_t>(1, seqs_per_rank / mbs);
-              const int64_t candidate_index = index++;
-              const RunConfig config{model, cluster, p, options.moe, training};
-              const RuleMask broken = violated_rules(config);
-              if (broken != 0) {
-                ++stats.rule_rejected;
-                for (int r = 0; r < kRuleCount; ++r)
-                  if (broken & (RuleMask{1} << r)) ++stats.rejected_by_rule[static_cast<size_t>(r)];
-                continue;
+          if (pin.micro_batch_size) micro_batches = {*pin.micro_batch_size};
+          std::vector<bool> sequence_options = {false};
+          if (t > 1) sequence_options = {true, false};
+          if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
+          const int64_t inner = static_cast<int64_t>(sequence_options.size() * checkpointing.size() *
+                                                     offloads.size() * micro_batches.size());
+
+          // Placements matter through the shape of each dimension's groups (members per node,
+          // nodes spanned, groups sharing a node's card): two that give every dimension the same
+          // shapes give the same estimate, and the first stands for both. Degrees that do not
+          // divide the world have no layout, and one placement stands for all (the rules
+          // reject them).
+          const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0;
+          std::vector<std::pair<int64_t, Placement>> distinct;  // (position in `placements`, placement)
+          std::vector<sim::LayoutShapes> shapes;
+          std::set<std::array<int64_t, 3 * kMeshDims>> layouts;
+          for (size_t i = 0; i < placements.size(); ++i) {
+            p.placement = placements[i];
+            if (!divides) {
+              if (distinct.empty()) {
+                distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
+                shapes.push_back(sim::layout_shapes(cluster, p));
               }
-              ++stats.rule_valid;
-              Candidate c{p, estimate_memory(config), {}, candidate_index};
-              const bool device_ok = c.memory.device_total <= device_limit;
-              const bool host_ok = c.memory.offloaded_activations <= host_limit;
-              if (!device_ok) {
-                ++stats.over_device_memory;
-                if (!stats.closest_over_device ||
-                    c.memory.device_total < stats.closest_over_device->memory.device_total)
-                  stats.closest_over_device = c;
+              continue;
+            }
+            const sim::LayoutShapes shape = sim::layout_shapes(cluster, p);
+            std::array<int64_t, 3 * kMeshDims> key{};
+            size_t k = 0;
+            for (const sim::GroupShape* g : {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline}) {
+              const bool spread = g->size > 1;
+              key[k++] = spread ? g->per_node : 0;
+              key[k++] = spread ? g->nodes : 0;
+              key[k++] = spread ? g->groups_per_node : 0;
+            }
+            if (!layouts.insert(key).second) continue;
+            distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
+            shapes.push_back(shape);
+          }
+          const auto tried = static_cast<int64_t>(placements.size());
+          const auto kept = static_cast<int64_t>(distinct.size());
+          stats.enumerated += inner * tried;
+          stats.duplicate_placements += inner * (tried - kept);
+          p.placement = distinct.front().second;
+
+          // Rules and memory do not depend on the placement: each is checked once for all.
+          int64_t inner_index = 0;
+          for (bool sequence : sequence_options) {
+            p.sequence_parallel = sequence;
+            for (Checkpointing ckpt : checkpointing) {
+              p.activation_checkpointing = ckpt;
+              for (const OffloadOption& offload : offloads) {
+                p.activation_offloading = offload.on;
+                p.activation_loading_horizon = offload.horizon;
+                for (int64_t mbs : micro_batches) {
+                  p.micro_batch_size = mbs;
+                  p.gradient_accumulation_steps = std::max<int64_t>(1, seqs_per_reader / mbs);
+                  p.placement = distinct.front().second;
+                  const int64_t this_inner = inner_index++;
+                  const RunConfig config{model, cluster, p, options.moe, training, options.smp_mode};
+                  const RuleMask broken = violated_rules(config);
+                  if (broken != 0) {
+                    stats.rule_rejected += kept;
+                    for (int r = 0; r < kRuleCount; ++r)
+                      if (broken & (RuleMask{1} << r)) stats.rejected_by_rule[static_cast<size_t>(r)] += kept;
+                    continue;
+                  }
+                  stats.rule_valid += kept;
+                  const MemoryEstimate memory = estimate_memory(config);
+                  const bool device_ok = memory.device_total <= device_limit;
+                  const bool host_ok = memory.offloaded_activations <= host_limit;
+                  if (!device_ok) {
+                    stats.over_device_memory += kept;
+                    if (!stats.closest_over_device ||
+                        memory.device_total < stats.closest_over_device->memory.device_total)
+                      stats.closest_over_device = Candidate{p, memory, {}, index + this_inner};
+                  }
+                  if (!host_ok) {
+                    stats.over_host_memory += kept;
+                    if (!stats.closest_over_host ||
+                        memory.offloaded_activations < stats.closest_over_host->memory.offloaded_activations)
+                      stats.closest_over_host = Candidate{p, memory, {}, index + this_inner};
+                  }
+                  if (!device_ok || !host_ok) continue;
+                  for (size_t i = 0; i < distinct.size(); ++i) {
+                    p.placement = distinct[i].second;
+                    // Numbered as if the placements were the outer loop, as they are listed.
+                    Candidate c{p, memory, {}, index + distinct[i].first * inner + this_inner};
+                    const RunConfig placed{model, cluster, p, options.moe, training, options.smp_mode};
+                    c.estimate = sim::estimate_step(placed, shapes[i]);
+                    fitting.push_back(c);
+                  }
+                }
               }
-              if (!host_ok) {
-                ++stats.over_host_memory;
-                if (!stats.closest_over_host ||
-                    c.memory.offloaded_activations < stats.closest_over_host->memory.offloaded_activations)
-                  stats.closest_over_host = c;
-              }
-              if (!device_ok || !host_ok) continue;
-              c.estimate = sim::estimate_step(config, shapes);
-              fitting.push_back(c);
             }
           }
+          index += inner * tried;
         }
       }
     }

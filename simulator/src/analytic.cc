@@ -63,13 +63,20 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes) {
   // Tensor parallelism: two all-reduces per block in forward, two in backward, and those of
   // what is recomputed, on the compute chain.
   double tensor_comm = 0;
+  double tensor_chain_min = 0;  // the same, each group alone on the node's card
   if (p.tensor_parallel_degree > 1) {
-    const double attention = cost.all_reduce_seconds(o.tensor_bytes, shapes.tensor);
-    const double moe = cost.all_reduce_seconds(o.tensor_moe_bytes, shapes.tensor);
-    double per_layer = 2.0 * (attention + moe);
-    if (p.activation_checkpointing == Checkpointing::kFull) per_layer += attention + moe;
-    if (p.activation_checkpointing == Checkpointing::kSelective) per_layer += moe;
-    tensor_comm = layers * per_layer;
+    GroupShape alone = shapes.tensor;
+    alone.groups_per_node = 1;
+    auto per_layer = [&](const GroupShape& g) {
+      const double attention = cost.all_reduce_seconds(o.tensor_bytes, g);
+      const double moe = cost.all_reduce_seconds(o.tensor_moe_bytes, g);
+      double all = 2.0 * (attention + moe);
+      if (p.activation_checkpointing == Checkpointing::kFull) all += attention + moe;
+      if (p.activation_checkpointing == Checkpointing::kSelective) all += moe;
+      return all;
+    };
+    tensor_comm = layers * per_layer(shapes.tensor);
+    tensor_chain_min = layers * per_layer(alone);
   }
 
   // Sharded model states: each block's unit is gathered for forward and again for backward,
@@ -117,7 +124,7 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes) {
   // The busiest resource's work: the compute chain, the gather stream, or a node's card
   // (shared fairly, so it never idles while it has bytes to move).
   const double card_s = accum * (nic_bytes + nic_bytes_a2a) / c.cluster.inter_node_bandwidth_bytes_per_s;
-  out.lower_bound_s = std::max({accum * (compute + recompute + expert_chain_min) + o.optimizer_s,
+  out.lower_bound_s = std::max({accum * (compute + recompute + expert_chain_min + tensor_chain_min) + o.optimizer_s,
                                 accum * gather_stream_min, card_s});
   out.exposed_comm_s = out.expert_comm_s + out.shard_comm_exposed_s + out.offload_exposed_s + out.grad_sync_s;
   out.step_time_s = out.compute_s + out.recompute_s + out.exposed_comm_s + out.optimizer_s;

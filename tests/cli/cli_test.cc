@@ -138,6 +138,39 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   EXPECT_EQ(hf.exit_code, 0) << show(hf);
 }
 
+// The published runs of docs/validation.md: every one predicted in its own layout, within the
+// bounds the page states; a case whose published step is moved tenfold breaks them; a bad
+// field is named.
+TEST_F(Cli, PublishedRunsArePredictedInTheirOwnLayouts) {
+  Workdir dir;
+  const std::string cases = test::data_path("../../docs/validation/published/cases.json");
+  const Outcome run = dir.moeplan("compare-published " + quoted(cases) + " --check --max-median-error 0.3 --max-worst-error 0.45");
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  const Json original = read_json_file(cases);
+  const size_t n = original["cases"].size();
+  EXPECT_GE(n, 5u);
+  EXPECT_NE(run.out.find(std::to_string(n) + " cases, " + std::to_string(n) + " predicted"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("| GPT-3 175B, 64 A100, T8 P8, full recompute | T8 P8 E1 S1 R1 full mbs 1 | 18.13 |"),
+            std::string::npos)
+      << run.out;
+
+  Json moved = original;
+  for (Json& c : moved["cases"])
+    if (c["model"].get<std::string>().ends_with(".json"))
+      c["model"] = (fs::path(cases).parent_path() / c["model"].get<std::string>()).string();
+  moved["cases"][0]["published_step_s"] = moved["cases"][0]["published_step_s"].get<double>() * 10;
+  std::ofstream(dir / "moved.json") << moved.dump(2);
+  const Outcome broken = dir.moeplan("compare-published moved.json --check --max-median-error 0.3 --max-worst-error 0.45");
+  EXPECT_EQ(broken.exit_code, 1) << show(broken);
+  EXPECT_NE(broken.err.find("bound broken"), std::string::npos) << show(broken);
+
+  moved["cases"][1]["gpus"] = 0;
+  std::ofstream(dir / "bad.json") << moved.dump(2);
+  const Outcome bad = dir.moeplan("compare-published bad.json");
+  EXPECT_EQ(bad.exit_code, 2) << show(bad);
+  EXPECT_NE(bad.err.find("bad.json: cases[1].gpus"), std::string::npos) << show(bad);
+}
+
 TEST_F(Cli, SameCommandGivesTheSameBytesInAnotherFolder) {
   Workdir first;
   Workdir second;

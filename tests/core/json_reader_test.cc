@@ -392,7 +392,7 @@ TEST(HardwareProfile, OneProblemEachFromAFile) {
       {"/gpu/matmul_efficiency/points/2", Json::array({1e9, 0.5}), "gpu.matmul_efficiency.points[2]",
        "flops must increase from one point to the next"},
       {"/gpu/matmul_efficiency/points/0", Json::array({1e8, 1.5}), "gpu.matmul_efficiency.points[0]",
-       "efficiency must be in (0, 1], got 1.5"},
+       "efficiency must be in [1e-6, 1], got 1.5"},
       {"/gpu/matmul_efficiency/points/1", "1e9", "gpu.matmul_efficiency.points[1]",
        "expected [flops, efficiency], got string \"1e9\""},
       {"/schema_version", 2, "schema_version", "must be in [1, 1], got 2"},

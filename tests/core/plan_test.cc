@@ -25,6 +25,9 @@ const Plan& searched_plan() {
     const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
     planner::SearchOptions options = test::search_options(16);
     options.moe.aux_loss_coef = model.router_aux_loss_coef;
+    // An [R, S, E] plan, which the edits below take apart (tensor_pipeline_plan has T and P).
+    options.pins.tensor_parallel_degree = 1;
+    options.pins.pipeline_parallel_degree = 1;
     const planner::SearchResult result = planner::search(model, cluster, options);
     if (result.ranked.empty()) throw std::runtime_error("no plan for 16 GPUs");
     return planner::make_plan(model, cluster, options, result, "moeplan search --gpus 16");
@@ -95,6 +98,29 @@ TEST(Plan, RoundTripsThroughText) {
   EXPECT_EQ(back.provenance, plan.provenance);
   // Writing what was read gives the same bytes.
   EXPECT_EQ(plan_to_text(back), plan_text());
+}
+
+// T = 2 with sequence parallelism, P = 2, tensor groups across the expert dimension: the
+// fields and a five-letter placement survive the round trip.
+TEST(Plan, TensorAndPipelineParallelPlanRoundTrips) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+  planner::SearchOptions options = test::search_options(16);
+  options.pins.tensor_parallel_degree = 2;
+  options.pins.pipeline_parallel_degree = 2;
+  options.pins.sequence_parallel = true;
+  options.pins.placement = "PRSTE";
+  const planner::SearchResult result = planner::search(model, cluster, options);
+  ASSERT_FALSE(result.ranked.empty());
+  const Plan plan = planner::make_plan(model, cluster, options, result, "moeplan search --gpus 16");
+  const Json json = parse_json_text(plan_to_text(plan), "plan.json");
+  EXPECT_EQ(json["parallel"]["placement"], "PRSTE");
+  EXPECT_EQ(json["parallel"]["sequence_parallel"], true);
+  const Plan back = plan_from_json(json, "plan.json");
+  EXPECT_EQ(back.parallel, plan.parallel);
+  EXPECT_EQ(back.parallel.tensor_parallel_degree, 2);
+  EXPECT_EQ(back.parallel.pipeline_parallel_degree, 2);
+  EXPECT_TRUE(back == plan);
 }
 
 TEST(Plan, RoundTripsThroughAFile) {
@@ -248,9 +274,11 @@ TEST(Plan, ReplicaDegreeMustAgree) {
   const std::vector<Diagnostic> problems = plan_problems(json);
   ASSERT_EQ(problems.size(), 1u) << describe(problems);
   EXPECT_EQ(problems[0].path, "parallel.replica_degree");
-  EXPECT_EQ(problems[0].message, std::to_string(replicas + 1) +
-                                     " does not equal world_size / (expert_parallel_degree * "
-                                     "hybrid_shard_degree) = " + std::to_string(replicas));
+  std::string degrees = "expert_parallel_degree * hybrid_shard_degree";
+  if (plan.parallel.tensor_parallel_degree != 1) degrees += " * tensor_parallel_degree";
+  if (plan.parallel.pipeline_parallel_degree != 1) degrees += " * pipeline_parallel_degree";
+  EXPECT_EQ(problems[0].message,
+            std::to_string(replicas + 1) + " does not equal world_size / (" + degrees + ") = " + std::to_string(replicas));
   // replica_degree is derived, so leaving it out is fine.
   json["parallel"].erase("replica_degree");
   EXPECT_TRUE(plan_from_json(json, "plan.json") == plan);
@@ -344,15 +372,22 @@ TEST(Plan, MissingFields) {
     EXPECT_EQ(problems[0].path, path) << describe(problems);
     EXPECT_EQ(problems[0].message, "missing required field");
   }
-  // Optional parts may go.
+  // Optional parts may go. (Without tensor and pipeline parallelism every rank reads data: the
+  // same batch takes T x P times fewer micro-batches per rank.)
   Json json = plan_json();
   json.erase("alternatives");
   json.erase("provenance");
-  json["parallel"].erase("tensor_parallel_degree");
+  Json& parallel = json["parallel"];
+  const int64_t tp = parallel["tensor_parallel_degree"].get<int64_t>() * parallel["pipeline_parallel_degree"].get<int64_t>();
+  parallel["gradient_accumulation_steps"] = parallel["gradient_accumulation_steps"].get<int64_t>() / tp;
+  for (const char* field : {"tensor_parallel_degree", "pipeline_parallel_degree", "sequence_parallel", "replica_degree"})
+    parallel.erase(field);
   json["moe"].erase("random_seed");
   const Plan plan = plan_from_json(json, "plan.json");
   EXPECT_TRUE(plan.alternatives.empty());
   EXPECT_EQ(plan.parallel.tensor_parallel_degree, 1);
+  EXPECT_EQ(plan.parallel.pipeline_parallel_degree, 1);
+  EXPECT_FALSE(plan.parallel.sequence_parallel);
   EXPECT_EQ(plan.moe.random_seed, 12345);
 }
 

@@ -33,10 +33,13 @@ struct SearchOptions {
   // Choices the user fixed (SMP's knobs); unset ones are searched.
   struct Pins {
     std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
+    std::optional<int64_t> tensor_parallel_degree, pipeline_parallel_degree;
+    std::optional<bool> sequence_parallel;
     std::optional<Checkpointing> checkpointing;
     std::optional<bool> offloading;
-    std::optional<std::string> placement;
+    std::optional<std::string> placement;  // any form Placement::parse reads
   } pins;
+  bool smp_mode = false;  // apply SMP's own restrictions (rules.h RunConfig::smp_mode)
 };
 
 struct Candidate {
@@ -49,7 +52,7 @@ struct Candidate {
 
 struct SearchStats {
   int64_t enumerated = 0;
-  int64_t duplicate_placements = 0;  // placements that give the same rank layout as an earlier one
+  int64_t duplicate_placements = 0;  // placements whose groups have the shapes of an earlier one's
   std::array<int64_t, kRuleCount> rejected_by_rule{};  // a candidate counts once per rule it breaks
   int64_t rule_rejected = 0;  // candidates that break at least one rule
   int64_t rule_valid = 0;     // enumerated = duplicate_placements + rule_rejected + rule_valid
