@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <set>
 
 #include "test_support.h"
@@ -61,6 +62,71 @@ TEST(Search, PinnedChoicesAreKeptAndTheRestSearched) {
   EXPECT_TRUE(none.ranked.empty());
   EXPECT_EQ(none.stats.rule_valid, 0);
   EXPECT_GT(none.stats.rejected_by_rule[static_cast<size_t>(Rule::kExpertDegreeDividesExperts)], 0);
+}
+
+// T, P, E, S and the placement are chosen together: the joint best is at least as fast as the
+// best of each part of the space, and the ranking mixes the degrees.
+TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {
+  SearchOptions options = test::search_options(16);
+  options.keep = 30;
+  const SearchResult joint = search(mixtral(), p4d(16), options);
+  ASSERT_FALSE(joint.ranked.empty());
+  std::set<std::array<int64_t, 4>> degrees;
+  for (const Candidate& c : joint.ranked)
+    degrees.insert({c.parallel.tensor_parallel_degree, c.parallel.pipeline_parallel_degree,
+                    c.parallel.expert_parallel_degree, c.parallel.hybrid_shard_degree});
+  EXPECT_GE(degrees.size(), 5u);
+  const double best = joint.ranked.front().estimate.tokens_per_s;
+  auto best_with = [&](auto pin) {
+    SearchOptions o = test::search_options(16);
+    pin(o.pins);
+    const SearchResult r = search(mixtral(), p4d(16), o);
+    return r.ranked.empty() ? 0.0 : r.ranked.front().estimate.tokens_per_s;
+  };
+  const double rse = best_with([](SearchOptions::Pins& p) {
+    p.tensor_parallel_degree = 1;
+    p.pipeline_parallel_degree = 1;
+  });
+  const double no_experts = best_with([](SearchOptions::Pins& p) { p.expert_parallel_degree = 1; });
+  const double no_pipeline = best_with([](SearchOptions::Pins& p) { p.pipeline_parallel_degree = 1; });
+  EXPECT_GT(rse, 0);
+  EXPECT_GE(best, rse);
+  EXPECT_GE(best, no_experts);
+  EXPECT_GE(best, no_pipeline);
+}
+
+// SMP's rule: no expert parallelism together with tensor parallelism in SMP mode.
+TEST(Search, SmpModeKeepsExpertAndTensorParallelismApart) {
+  SearchOptions options = test::search_options(16);
+  options.keep = 50;
+  options.smp_mode = true;
+  const SearchResult r = search(mixtral(), p4d(16), options);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Candidate& c : r.ranked)
+    EXPECT_FALSE(c.parallel.expert_parallel_degree > 1 && c.parallel.tensor_parallel_degree > 1) << describe(c.parallel);
+  EXPECT_GT(r.stats.rejected_by_rule[static_cast<size_t>(Rule::kSmpExpertWithTensor)], 0);
+}
+
+// Eight tensor-parallel ranks on 8-GPU nodes: the placement the search keeps puts each
+// tensor group inside a node; SMP's "cluster" pins the order R, S, E, P, T.
+TEST(Search, PlacementKeepsTensorGroupsInsideANode) {
+  SearchOptions options = test::search_options(16);
+  options.pins.tensor_parallel_degree = 8;
+  options.pins.pipeline_parallel_degree = 2;
+  const SearchResult r = search(mixtral(), p4d(16), options);
+  ASSERT_FALSE(r.ranked.empty());
+  const Candidate& best = r.ranked.front();
+  EXPECT_FALSE(sim::group_shape(p4d(16), best.parallel, MeshDim::kTensor).crosses_nodes()) << describe(best.parallel);
+  options.pins.placement = "cluster";
+  const SearchResult cluster = search(mixtral(), p4d(16), options);
+  ASSERT_FALSE(cluster.ranked.empty());
+  for (const Candidate& c : cluster.ranked) EXPECT_EQ(c.parallel.placement.to_string(), "RSEPT");
+  // "spread" puts the tensor group farthest apart, across nodes, and is slower.
+  options.pins.placement = "spread";
+  const SearchResult spread = search(mixtral(), p4d(16), options);
+  ASSERT_FALSE(spread.ranked.empty());
+  EXPECT_TRUE(sim::group_shape(p4d(16), spread.ranked.front().parallel, MeshDim::kTensor).crosses_nodes());
+  EXPECT_LT(spread.ranked.front().estimate.tokens_per_s, best.estimate.tokens_per_s);
 }
 
 TEST(Search, EveryCandidateIsAccountedFor) {
