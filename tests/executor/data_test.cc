@@ -370,9 +370,10 @@ TEST_F(PreparedData, PrepareWithABlockLongerThanTheCorpusFails) {
 // Plans `model` for one CPU rank on blocks of the prepared data (4 sequences per step, 2 per
 // micro-batch) and runs one step of it into tmp/run, which must fail as bad input: the run's
 // error output.
-std::string run_refused(const test::TempDir& tmp, const std::string& model, const std::string& data) {
+std::string run_refused(const test::TempDir& tmp, const std::string& model, const std::string& data,
+                        const std::string& layout = "--gpus 1") {
   const std::string plan = tmp.file("plan.json");
-  const Command made = run_moeplan("search --gpus 1 --instance local-cpu --model " + model + " --seq-len " +
+  const Command made = run_moeplan("search " + layout + " --instance local-cpu --model " + model + " --seq-len " +
                                    std::to_string(kBlock) + " --global-batch-tokens " + std::to_string(4 * kBlock) +
                                    " --precision fp32 --max-micro-batch 2 --out " + plan);
   EXPECT_EQ(made.exit_code, 0) << show(made);
@@ -402,6 +403,25 @@ TEST_F(PreparedData, RunOfADenseModelIsRefusedNamingTheField) {
   EXPECT_TRUE(contains(err, "moeplan: error: run: model.num_experts: = 1 (a dense model): the executor trains "
                             "Mixture-of-Experts models"))
       << err;
+}
+
+// Tensor and pipeline parallelism are planned and simulated; the executor says it does not run
+// them before any rank starts.
+TEST_F(PreparedData, RunOfATensorOrPipelineParallelPlanIsRefusedNamingTheField) {
+  const test::TempDir tmp;
+  Json model = read_json_file(test::profile_path("models/mixtral-tiny.json"));
+  model["vocab_size"] = kVocab;
+  const std::string file = tmp.write("tiny.json", model.dump());
+  const std::string tensor = run_refused(
+      tmp, file, data(), "--gpus 2 --tensor-parallel-degree 2 --sequence-parallel on --pipeline-parallel-degree 1");
+  EXPECT_TRUE(contains(tensor, "moeplan: error: run: parallel.tensor_parallel_degree: = 2: the executor runs without "
+                               "tensor parallelism (use 1)"))
+      << tensor;
+  const std::string pipeline =
+      run_refused(tmp, file, data(), "--gpus 2 --tensor-parallel-degree 1 --pipeline-parallel-degree 2");
+  EXPECT_TRUE(contains(pipeline, "moeplan: error: run: parallel.pipeline_parallel_degree: = 2: the executor runs "
+                                 "without pipeline stages (use 1)"))
+      << pipeline;
 }
 
 }  // namespace
