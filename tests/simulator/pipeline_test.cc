@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 namespace moeplan::sim {
 namespace {
 
@@ -77,6 +79,55 @@ TEST(Pipeline, EachStageKeepsAtMostItsWarmupPlusOneInFlight) {
 TEST(Pipeline, EmptyInputIsRefused) {
   EXPECT_THROW(simulate_pipeline({}, 4, 0), std::invalid_argument);
   EXPECT_THROW(simulate_pipeline({{1, 1}}, 0, 0), std::invalid_argument);
+}
+
+// Interleaved: two ranks, two chunks each (virtual stages rank0/c0, rank1/c0, rank0/c1,
+// rank1/c1), 2 micro-batches; each rank's stage takes f = 1 and b = 2 (ms), so a chunk takes
+// 0.5 and 1; free transfers. Worked by hand from Megatron's order (rank 0: F0c0 F1c0 F0c1 F1c1,
+// then B0c1 B1c1 B0c0 B1c0; rank 1: F0c0 F1c0, F0c1 B0c1, F1c1 B1c1, B0c0 B1c0):
+//   rank 0: F0c0 0-0.5, F1c0 0.5-1, F0c1 1-1.5, F1c1 1.5-2, B0c1 3-4, B1c1 4.5-5.5,
+//           B0c0 5.5-6.5, B1c0 6.5-7.5
+//   rank 1: F0c0 0.5-1, F1c0 1-1.5, F0c1 1.5-2, B0c1 2-3, F1c1 3-3.5, B1c1 3.5-4.5,
+//           B0c0 4.5-5.5, B1c0 5.5-6.5
+// 7.5 ms = m (f + b) + (P - 1)(f + b) / v = 6 + 1.5, against 9 without interleaving.
+TEST(Pipeline, InterleavedChunksShrinkTheBubbleWorkedByHand) {
+  const std::vector<PipelineStage> two(2, {1e-3, 2e-3});
+  const PipelineSimulation sim = simulate_pipeline(two, 2, 0, 2);
+  EXPECT_NEAR(sim.step_s, 7.5e-3, 1e-9);
+  EXPECT_NEAR(simulate_pipeline(two, 2, 0).step_s, 9e-3, 1e-9);
+  const StepGraph& g = sim.graph;
+  std::vector<std::pair<double, double>> rank0_backward, rank1_forward;
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    const double start = to_seconds(sim.times.start[i]) * 1e3, end = to_seconds(sim.times.end[i]) * 1e3;
+    if (op.rank == 0 && op.kind == OpKind::kStageBackward) rank0_backward.emplace_back(start, end);
+    if (op.rank == 1 && op.kind == OpKind::kStageForward) rank1_forward.emplace_back(start, end);
+  }
+  const std::vector<std::pair<double, double>> backward0 = {{3, 4}, {4.5, 5.5}, {5.5, 6.5}, {6.5, 7.5}};
+  const std::vector<std::pair<double, double>> forward1 = {{0.5, 1}, {1, 1.5}, {1.5, 2}, {3, 3.5}};
+  ASSERT_EQ(rank0_backward.size(), 4u);
+  ASSERT_EQ(rank1_forward.size(), 4u);
+  std::sort(rank0_backward.begin(), rank0_backward.end());
+  std::sort(rank1_forward.begin(), rank1_forward.end());
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(rank0_backward[i].first, backward0[i].first, 1e-6) << i;
+    EXPECT_NEAR(rank0_backward[i].second, backward0[i].second, 1e-6) << i;
+    EXPECT_NEAR(rank1_forward[i].first, forward1[i].first, 1e-6) << i;
+    EXPECT_NEAR(rank1_forward[i].second, forward1[i].second, 1e-6) << i;
+  }
+  // A micro-batch count that is not whole rounds of the ranks is refused, as Megatron does.
+  EXPECT_THROW(simulate_pipeline(two, 3, 0, 2), std::invalid_argument);
+}
+
+// Four ranks, 8 micro-batches, f = 1 and b = 2: the bubble falls from (P - 1)(f + b) = 9 ms to
+// (P - 1)(f + b) / v = 4.5 ms with two chunks and 3 ms with three, where transfers are free.
+TEST(Pipeline, InterleavedBubbleIsTheTextbooksOverTheChunks) {
+  const std::vector<PipelineStage> four(4, {1e-3, 2e-3});
+  EXPECT_NEAR(simulate_pipeline(four, 8, 0, 1).step_s, 33e-3, 1e-9);
+  EXPECT_NEAR(simulate_pipeline(four, 8, 0, 2).step_s, 28.5e-3, 1e-9);
+  EXPECT_NEAR(simulate_pipeline(four, 8, 0, 3).step_s, 27e-3, 1e-9);
+  // Transfers: a micro-batch crosses P v - 1 boundaries instead of P - 1.
+  EXPECT_GT(simulate_pipeline(four, 8, 0.1e-3, 2).step_s, simulate_pipeline(four, 8, 0, 2).step_s);
 }
 
 }  // namespace

@@ -31,6 +31,14 @@ struct PipelineSimulation {
 
 // `p2p_s`: one transfer of a micro-batch's activations (or their gradients) between two
 // neighbouring stages. Stages must be non-empty and micro_batches >= 1.
-PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s);
+//
+// With `chunks` v > 1, the interleaved schedule of the same paper (section 2.2.2): each rank
+// holds v chunks of its stage (each 1/v of its forward and backward), virtual stage s being
+// chunk s / P of rank s % P, so a micro-batch crosses P v - 1 boundaries; rank r runs
+// 2 (P - r - 1) + (v - 1) P forwards first, and micro-batches go in rounds of P, which must
+// divide m (as Megatron-LM requires). The bubble shrinks to (P - 1) / v of a micro-batch's
+// forward and backward.
+PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s,
+                                     int64_t chunks = 1);
 
 }  // namespace moeplan::sim
