@@ -24,7 +24,7 @@ namespace {
 double gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
 
 void print_table(const planner::SearchResult& result, const ClusterSpec& cluster, size_t top) {
-  std::printf("\n  #   E   S   R   T   P  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
+  std::printf("\n  #   E   S   R   T     P  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
   for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
     const planner::Candidate& c = result.ranked[i];
     const ParallelConfig& p = c.parallel;
@@ -32,10 +32,11 @@ void print_table(const planner::SearchResult& result, const ClusterSpec& cluster
         p.activation_offloading ? "h" + std::to_string(p.activation_loading_horizon) : "-";
     const sim::StepEstimate& e = c.estimate;
     const std::string tensor = std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? "s" : "");
-    std::printf("%3zu %3lld %3lld %3lld %3s %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f %5.1f%% %6.1f/%.1f\n", i + 1,
+    const std::string pipeline = std::to_string(p.pipeline_parallel_degree) +
+                                 (p.virtual_pipeline_degree > 1 ? "x" + std::to_string(p.virtual_pipeline_degree) : "");
+    std::printf("%3zu %3lld %3lld %3lld %3s %5s  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f %5.1f%% %6.1f/%.1f\n", i + 1,
                 static_cast<long long>(p.expert_parallel_degree), static_cast<long long>(p.hybrid_shard_degree),
-                static_cast<long long>(p.replica_degree()), tensor.c_str(),
-                static_cast<long long>(p.pipeline_parallel_degree), p.placement.to_string().c_str(),
+                static_cast<long long>(p.replica_degree()), tensor.c_str(), pipeline.c_str(), p.placement.to_string().c_str(),
                 std::string(name_of(kCheckpointingNames, p.activation_checkpointing)).c_str(), offload.c_str(),
                 static_cast<long long>(p.micro_batch_size), static_cast<long long>(p.gradient_accumulation_steps),
                 e.step_time_s, e.compute_s, e.recompute_s, e.exposed_comm_s, e.tokens_per_s, e.tflops_per_gpu, 100.0 * e.mfu,
@@ -181,6 +182,7 @@ int run_search(const SearchArgs& args) {
     if (!args.offloading.empty()) pin.offloading = args.offloading == "on";
     if (args.tensor_parallel_degree > 0) pin.tensor_parallel_degree = args.tensor_parallel_degree;
     if (args.pipeline_parallel_degree > 0) pin.pipeline_parallel_degree = args.pipeline_parallel_degree;
+    if (args.virtual_pipeline_degree > 0) pin.virtual_pipeline_degree = args.virtual_pipeline_degree;
     if (!args.sequence_parallel.empty()) pin.sequence_parallel = args.sequence_parallel == "on";
     options.smp_mode = args.smp_mode;
     if (!args.placement.empty()) {
@@ -303,10 +305,11 @@ int run_simulate(const SimulateArgs& args) {
     std::printf("busiest rank: compute %.3f s, recompute %.3f s, optimizer %.3f s, waiting on communication %.3f s\n",
                 e.compute_s, e.recompute_s, e.optimizer_s, e.exposed_comm_s);
     if (plan.parallel.pipeline_parallel_degree > 1)
-      std::printf("pipeline: %lld stages of %lld blocks, 1F1B over %lld micro-batches, bubble %.3f s (in the waiting); "
-                  "the ranks and trace are one stage's, the last\n",
+      std::printf("pipeline: %lld stages of %lld blocks (%lld chunks each), 1F1B over %lld micro-batches, bubble %.3f s "
+                  "(in the waiting); the ranks and trace are one stage's, the last\n",
                   static_cast<long long>(plan.parallel.pipeline_parallel_degree),
                   static_cast<long long>(plan.model.num_layers / plan.parallel.pipeline_parallel_degree),
+                  static_cast<long long>(plan.parallel.virtual_pipeline_degree),
                   static_cast<long long>(plan.parallel.gradient_accumulation_steps), e.pipeline_bubble_s);
     if (plan.cluster.num_nodes > 1)
       std::printf("node 0 network card busy %.3f s (%.0f%% of the step)\n", s.nic_busy_s,

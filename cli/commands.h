@@ -36,7 +36,7 @@ struct SearchArgs {
   std::string command;  // the command line, recorded in the plan
   // Fixed choices (0 or empty: searched).
   int64_t expert_parallel_degree = 0, hybrid_shard_degree = 0, micro_batch_size = 0, loading_horizon = 0;
-  int64_t tensor_parallel_degree = 0, pipeline_parallel_degree = 0;
+  int64_t tensor_parallel_degree = 0, pipeline_parallel_degree = 0, virtual_pipeline_degree = 0;
   std::string checkpointing, offloading, placement, sequence_parallel;
   bool smp_mode = false;  // SMP's own restrictions too (no expert with tensor parallelism)
 };

@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
   search_cmd->add_option("--pipeline-parallel-degree", search.pipeline_parallel_degree,
                          "Fix P instead of searching it")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_option("--virtual-pipeline-degree", search.virtual_pipeline_degree,
+                         "Fix the interleaved chunks per pipeline stage (1: plain 1F1B)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   search_cmd->add_option("--sequence-parallel", search.sequence_parallel, "Fix sequence parallelism (with T > 1)")
       ->check(CLI::IsMember({"on", "off"}));
   search_cmd->add_option("--placement", search.placement,

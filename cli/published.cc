@@ -61,6 +61,7 @@ std::vector<PublishedCase> read_cases(const std::string& path) {
           pin("hybrid_shard_degree", c.pins.hybrid_shard_degree);
           pin("tensor_parallel_degree", c.pins.tensor_parallel_degree);
           pin("pipeline_parallel_degree", c.pins.pipeline_parallel_degree);
+          pin("virtual_pipeline_degree", c.pins.virtual_pipeline_degree);
           pin("micro_batch_size", c.pins.micro_batch_size);
           if (layout->has("sequence_parallel")) c.pins.sequence_parallel = layout->boolean("sequence_parallel");
           if (layout->has("placement")) c.pins.placement = layout->string("placement");
@@ -74,6 +75,7 @@ std::vector<PublishedCase> read_cases(const std::string& path) {
         if (!c.pins.sequence_parallel) c.pins.sequence_parallel = false;
         if (!c.pins.tensor_parallel_degree) c.pins.tensor_parallel_degree = 1;
         if (!c.pins.pipeline_parallel_degree) c.pins.pipeline_parallel_degree = 1;
+        if (!c.pins.virtual_pipeline_degree) c.pins.virtual_pipeline_degree = 1;
         r.finish();
         out.push_back(std::move(c));
       }
@@ -85,7 +87,8 @@ std::vector<PublishedCase> read_cases(const std::string& path) {
 
 std::string layout_text(const ParallelConfig& p) {
   std::string s = "T" + std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? "sp" : "") + " P" +
-                  std::to_string(p.pipeline_parallel_degree) + " E" + std::to_string(p.expert_parallel_degree) +
+                  std::to_string(p.pipeline_parallel_degree) +
+                  (p.virtual_pipeline_degree > 1 ? "x" + std::to_string(p.virtual_pipeline_degree) : "") + " E" + std::to_string(p.expert_parallel_degree) +
                   " S" + std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) + " " +
                   std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + " mbs " +
                   std::to_string(p.micro_batch_size);

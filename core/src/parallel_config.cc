@@ -79,6 +79,7 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
   p.hybrid_shard_degree = r.integer("hybrid_shard_degree", 0, kMaxDegree);
   p.tensor_parallel_degree = r.integer("tensor_parallel_degree", 1, kMaxDegree, 1);
   p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
+  p.virtual_pipeline_degree = r.integer("virtual_pipeline_degree", 1, kMaxDegree, 1);
   p.sequence_parallel = r.boolean("sequence_parallel", false);
   const bool degrees_read = d.items().size() == problems_before;
   const std::string placement = r.string("placement", "RSE");
@@ -171,6 +172,7 @@ OrderedJson to_json(const ParallelConfig& p) {
   j["replica_degree"] = p.replica_degree();
   j["tensor_parallel_degree"] = p.tensor_parallel_degree;
   j["pipeline_parallel_degree"] = p.pipeline_parallel_degree;
+  j["virtual_pipeline_degree"] = p.virtual_pipeline_degree;
   j["sequence_parallel"] = p.sequence_parallel;
   j["placement"] = p.placement.to_string();
   j["activation_checkpointing"] = name_of(kCheckpointingNames, p.activation_checkpointing);
@@ -216,6 +218,7 @@ std::string describe(const ParallelConfig& p) {
                   std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree());
   if (p.tensor_parallel_degree > 1) s += " T" + std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? " sp" : "");
   if (p.pipeline_parallel_degree > 1) s += " P" + std::to_string(p.pipeline_parallel_degree);
+  if (p.virtual_pipeline_degree > 1) s += " V" + std::to_string(p.virtual_pipeline_degree);
   s += " " + p.placement.to_string() + " ckpt=" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing));
   if (p.activation_offloading) s += " offload=h" + std::to_string(p.activation_loading_horizon);
   s += " mbs=" + std::to_string(p.micro_batch_size) + " ga=" + std::to_string(p.gradient_accumulation_steps);

@@ -24,6 +24,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "expert_tensor_needs_sequence_parallel",
     "smp_expert_with_tensor",
     "pipeline_degree_divides_layers",
+    "virtual_stages_fit_the_pipeline",
     "seq_len_within_positions",
     "micro_batch_tokens",
     "global_batch_matches",
@@ -167,6 +168,18 @@ void check_config(const RunConfig& c, Sink& sink) {
     sink(Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree", [&] {
       return "= " + str(pp) + " must be at least 1 and divide num_layers = " + str(m.num_layers) +
              " (equal stages)";
+    });
+  // Interleaved stages (Megatron-LM): P > 1, equal chunks, micro-batches in whole rounds of P.
+  const int64_t vp = p.virtual_pipeline_degree;
+  if (vp < 1 || (vp > 1 && (pp <= 1 || m.num_layers % (std::max<int64_t>(1, pp) * vp) != 0 ||
+                            p.gradient_accumulation_steps % std::max<int64_t>(1, pp) != 0)))
+    sink(Rule::kVirtualStagesFitThePipeline, "parallel.virtual_pipeline_degree", [&] {
+      if (vp >= 1 && pp <= 1)
+        return "= " + str(vp) + " needs pipeline_parallel_degree > 1 (it splits pipeline stages into chunks)";
+      return "= " + str(vp) + " must be at least 1 and divide the blocks of a stage (num_layers = " +
+             str(m.num_layers) + " / pipeline_parallel_degree = " + str(pp) +
+             "), with gradient_accumulation_steps = " + str(p.gradient_accumulation_steps) +
+             " a multiple of pipeline_parallel_degree";
     });
 
   if (t.seq_len > m.max_position_embeddings)

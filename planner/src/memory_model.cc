@@ -153,8 +153,16 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   const int64_t resident = stored_per_block - offloadable;
   // A pipeline stage keeps its blocks' activations for every micro-batch in flight: under 1F1B
   // the first stage runs P forwards before its first backward.
+  // Interleaved (V chunks of L / (P V) blocks), rank 0 runs 2 (P - 1) + (V - 1) P chunk
+  // forwards before its first backward, and keeps them and the one in use.
   const int64_t stage_layers = m.num_layers / std::max<int64_t>(1, p.pipeline_parallel_degree);
-  const double in_flight = static_cast<double>(std::min(p.pipeline_parallel_degree, p.gradient_accumulation_steps));
+  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  const int64_t vp = std::max<int64_t>(1, p.virtual_pipeline_degree);
+  double in_flight = static_cast<double>(std::min(pp, p.gradient_accumulation_steps));
+  if (vp > 1) {
+    const int64_t chunks = std::min(2 * (pp - 1) + (vp - 1) * pp + 1, p.gradient_accumulation_steps * vp);
+    in_flight = static_cast<double>(chunks) / static_cast<double>(vp);
+  }
   int64_t blocks_on_device = stage_layers;
   if (p.activation_offloading && offloadable > 0) {
     // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.

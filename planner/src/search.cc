@@ -186,11 +186,18 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
             if (power_of_two || (seqs_per_reader > 0 && seqs_per_reader % b == 0)) micro_batches.push_back(b);
           }
           if (pin.micro_batch_size) micro_batches = {*pin.micro_batch_size};
+          // Interleaved chunks per stage: the divisors of the stage's blocks up to 8, where the
+          // micro-batches come in whole rounds of the stages.
+          std::vector<int64_t> chunk_options = {1};
+          if (pp > 1 && model.num_layers % pp == 0)
+            for (int64_t v = 2; v <= 8 && v <= model.num_layers / pp; ++v)
+              if (model.num_layers / pp % v == 0) chunk_options.push_back(v);
+          if (pin.virtual_pipeline_degree) chunk_options = {*pin.virtual_pipeline_degree};
           std::vector<bool> sequence_options = {false};
           if (t > 1) sequence_options = {true, false};
           if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
-          const int64_t inner = static_cast<int64_t>(sequence_options.size() * checkpointing.size() *
-                                                     offloads.size() * micro_batches.size());
+          const int64_t inner = static_cast<int64_t>(chunk_options.size() * sequence_options.size() *
+                                                     checkpointing.size() * offloads.size() * micro_batches.size());
 
           // Placements matter through the shape of each dimension's groups (members per node,
           // nodes spanned, groups sharing a node's card): two that give every dimension the same
@@ -231,7 +238,12 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
 
           // Rules and memory do not depend on the placement: each is checked once for all.
           int64_t inner_index = 0;
-          for (bool sequence : sequence_options) {
+          // (chunks per stage, sequence parallelism)
+          std::vector<std::pair<int64_t, bool>> variants;
+          for (int64_t chunks : chunk_options)
+            for (bool sequence : sequence_options) variants.emplace_back(chunks, sequence);
+          for (const auto& [chunks, sequence] : variants) {
+            p.virtual_pipeline_degree = chunks;
             p.sequence_parallel = sequence;
             for (Checkpointing ckpt : checkpointing) {
               p.activation_checkpointing = ckpt;

@@ -138,7 +138,8 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   const ParallelConfig& p = c.parallel;
   if (p.pipeline_parallel_degree <= 1) return estimate_stage(c, shapes);
   // The last stage (its blocks and the head) and the 1F1B bubble: the other P - 1 stages'
-  // micro-batch time (no head), and a transfer each way per stage boundary.
+  // micro-batch time (no head), over V with interleaved chunks, and a transfer each way per
+  // stage boundary.
   ModelSpec stage_model = c.model;
   stage_model.num_layers = c.model.num_layers / p.pipeline_parallel_degree;
   const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
@@ -149,10 +150,11 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   const double per_micro_batch = (out.step_time_s - out.optimizer_s - out.grad_sync_s) / accum;
   const double busy_per_micro_batch = (out.compute_s + out.recompute_s) / accum;
   const double send = CostModel(c.cluster).send_seconds(o.stage_send_bytes, shapes.pipeline);
-  out.pipeline_bubble_s = (stages - 1) * (std::max(0.0, per_micro_batch - o.head_s) + 2.0 * send);
+  const double chunks = static_cast<double>(std::max<int64_t>(1, p.virtual_pipeline_degree));
+  out.pipeline_bubble_s = (stages - 1) * (std::max(0.0, per_micro_batch - o.head_s) / chunks + 2.0 * send);
   out.exposed_comm_s += out.pipeline_bubble_s;
   out.step_time_s += out.pipeline_bubble_s;
-  out.lower_bound_s += (stages - 1) * std::max(0.0, busy_per_micro_batch - o.head_s);
+  out.lower_bound_s += (stages - 1) * std::max(0.0, busy_per_micro_batch - o.head_s) / chunks;
   fill_rates(c, op_costs(c), out);
   return out;
 }

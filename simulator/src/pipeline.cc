@@ -117,4 +117,14 @@ PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, i
   return sim;
 }
 
+double pipeline_step_seconds(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s,
+                             int64_t chunks) {
+  const auto p = static_cast<int64_t>(stages.size());
+  const int64_t base = 4 * p;
+  if (p == 0 || micro_batches <= base + p) return simulate_pipeline(stages, micro_batches, p2p_s, chunks).step_s;
+  const double shorter = simulate_pipeline(stages, base, p2p_s, chunks).step_s;
+  const double longer = simulate_pipeline(stages, base + p, p2p_s, chunks).step_s;
+  return longer + (longer - shorter) / static_cast<double>(p) * static_cast<double>(micro_batches - base - p);
+}
+
 }  // namespace moeplan::sim

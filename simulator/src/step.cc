@@ -530,12 +530,13 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   stages.back() = {last * forward_share, last * (1 - forward_share)};
   const CostModel cost(c.cluster);
   const double send = cost.send_seconds(o.stage_send_bytes, group_shape(c.cluster, p, MeshDim::kPipeline));
-  const PipelineSimulation pipe = simulate_pipeline(stages, p.gradient_accumulation_steps, send);
+  const double pipeline_s = pipeline_step_seconds(stages, p.gradient_accumulation_steps, send,
+                                                  std::max<int64_t>(1, p.virtual_pipeline_degree));
   const double m = static_cast<double>(p.gradient_accumulation_steps);
   const double after_micro_batches = std::max(0.0, sim.estimate.step_time_s - m * last);
   StepEstimate& est = sim.estimate;
-  est.step_time_s = pipe.step_s + after_micro_batches;
-  est.pipeline_bubble_s = std::max(0.0, pipe.step_s - m * last);
+  est.step_time_s = pipeline_s + after_micro_batches;
+  est.pipeline_bubble_s = std::max(0.0, pipeline_s - m * last);
   est.exposed_comm_s = std::max(0.0, est.step_time_s - est.compute_s - est.recompute_s - est.optimizer_s);
   fill_rates(c, op_costs(c), est);
   return sim;

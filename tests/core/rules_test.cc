@@ -165,6 +165,21 @@ const RuleCase kCases[] = {
      },
      Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree",
      "= 2 must be at least 1 and divide num_layers = 31 (equal stages)", "31"},
+    {"VirtualStagesDoNotDivideTheStage",
+     [](Scenario& s) {
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.virtual_pipeline_degree = 3;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kVirtualStagesFitThePipeline, "parallel.virtual_pipeline_degree",
+     "= 3 must be at least 1 and divide the blocks of a stage (num_layers = 32 / pipeline_parallel_degree = 2), "
+     "with gradient_accumulation_steps = 256 a multiple of pipeline_parallel_degree",
+     "3"},
+    {"VirtualStagesWithoutAPipeline", [](Scenario& s) { s.parallel.virtual_pipeline_degree = 2; },
+     Rule::kVirtualStagesFitThePipeline, "parallel.virtual_pipeline_degree",
+     "= 2 needs pipeline_parallel_degree > 1 (it splits pipeline stages into chunks)",
+     "2"},
     {"PipelineParallelZero", [](Scenario& s) { s.parallel.pipeline_parallel_degree = 0; },
      Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree",
      "= 0 must be at least 1 and divide num_layers = 32 (equal stages)", "0"},

@@ -130,5 +130,21 @@ TEST(Pipeline, InterleavedBubbleIsTheTextbooksOverTheChunks) {
   EXPECT_GT(simulate_pipeline(four, 8, 0.1e-3, 2).step_s, simulate_pipeline(four, 8, 0, 2).step_s);
 }
 
+// The step of many micro-batches from two short runs equals the whole schedule: equal and
+// unequal stages, with and without transfers and chunks, micro-batch counts just past and
+// far past the short runs.
+TEST(Pipeline, ManyMicroBatchesExtrapolateFromTwoShortRuns) {
+  const std::vector<PipelineStage> equal(4, {1e-3, 2e-3});
+  const std::vector<PipelineStage> uneven = {{1e-3, 2e-3}, {1.2e-3, 2.1e-3}, {0.9e-3, 2e-3}, {1.5e-3, 3e-3}};
+  for (const auto* stages : {&equal, &uneven})
+    for (double send : {0.0, 0.3e-3})
+      for (int64_t chunks : {1, 2})
+        for (int64_t m : {24, 64, 200}) {
+          const double whole = simulate_pipeline(*stages, m, send, chunks).step_s;
+          EXPECT_NEAR(pipeline_step_seconds(*stages, m, send, chunks), whole, 1e-9 * whole)
+              << "m " << m << " chunks " << chunks << " send " << send;
+        }
+}
+
 }  // namespace
 }  // namespace moeplan::sim

@@ -69,6 +69,9 @@ struct ParallelConfig {
   int64_t hybrid_shard_degree = 1;      // S: model states sharded over S ranks (0 = W/E)
   int64_t tensor_parallel_degree = 1;   // T: each block's matrices split over T ranks (Megatron)
   int64_t pipeline_parallel_degree = 1; // P: the blocks split into P stages (1F1B schedule)
+  // V: each stage's blocks in V chunks, run with the interleaved schedule (Megatron's virtual
+  // pipeline); 1 = plain 1F1B.
+  int64_t virtual_pipeline_degree = 1;
   // With T > 1: norms and the tensors between the tensor-parallel regions split along the
   // sequence over the T ranks (all-gather + reduce-scatter instead of all-reduce).
   bool sequence_parallel = false;

@@ -34,6 +34,7 @@ enum class Rule : uint8_t {
   kExpertTensorNeedsSequenceParallel,
   kSmpExpertWithTensor,
   kPipelineDividesLayers,
+  kVirtualStagesFitThePipeline,
   // Batch and sequence
   kSeqLenWithinPositions,
   kMicroBatchTokens,

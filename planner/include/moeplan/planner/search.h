@@ -33,7 +33,7 @@ struct SearchOptions {
   // Choices the user fixed (SMP's knobs); unset ones are searched.
   struct Pins {
     std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
-    std::optional<int64_t> tensor_parallel_degree, pipeline_parallel_degree;
+    std::optional<int64_t> tensor_parallel_degree, pipeline_parallel_degree, virtual_pipeline_degree;
     std::optional<bool> sequence_parallel;
     std::optional<Checkpointing> checkpointing;
     std::optional<bool> offloading;

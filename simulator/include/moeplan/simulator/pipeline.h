@@ -41,4 +41,11 @@ struct PipelineSimulation {
 PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s,
                                      int64_t chunks = 1);
 
+// simulate_pipeline's step_s, for many micro-batches from two short runs: after its warm-up the
+// schedule repeats every round of P micro-batches, so the step grows by the same time per
+// round. Runs 4P and 5P micro-batches and extrapolates when m is larger (tests check it
+// against the whole schedule).
+double pipeline_step_seconds(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s,
+                             int64_t chunks = 1);
+
 }  // namespace moeplan::sim
