@@ -134,7 +134,14 @@ int run_check(const CheckArgs& args);
 int run_data(const std::vector<std::string>& args, const char* argv0);
 // `moeplan view`: the timeline viewer, a separate executable with Qt (moeplan-view).
 int run_view(const std::vector<std::string>& args, const char* argv0);
+struct ExportArgs {
+  std::string checkpoint;  // step folder, checkpoints folder or run folder
+  std::string hf;          // output folder (Hugging Face layout)
+  int64_t max_shard_bytes = int64_t{5} << 30;
+};
+
 int run_run(const RunArgs& args);
+int run_export(const ExportArgs& args);
 int run_calibrate(const CalibrateArgs& args);
 
 }  // namespace moeplan::cli

@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "profiles.h"
 #include "moeplan/core/checksum.h"
+#include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/calibrate.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/core/errors.h"
@@ -163,6 +164,20 @@ std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
 }
 
 }  // namespace
+
+int run_export(const ExportArgs& args) {
+  try {
+    const executor::HfExport e = executor::export_hf_checkpoint(args.checkpoint, args.hf, args.max_shard_bytes);
+    std::printf("exported step %lld of %s to %s: %lld tensors, %.1f MiB in %zu shards (config.json, "
+                "model.safetensors.index.json)\n",
+                static_cast<long long>(e.step), e.checkpoint.c_str(), args.hf.c_str(), static_cast<long long>(e.tensors),
+                static_cast<double>(e.bytes) / (1 << 20), e.files.size() - 2);
+    return kExitOk;
+  } catch (const InputError& e) {
+    for (const std::string& l : e.lines()) std::fprintf(stderr, "moeplan: error: export: %s\n", l.c_str());
+    return kExitBadInput;
+  }
+}
 
 int run_calibrate(const CalibrateArgs& args) {
   try {

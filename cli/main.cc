@@ -184,6 +184,15 @@ int main(int argc, char** argv) {
   validate_cmd->add_option("--min-kendall", validate.min_kendall, "Least Kendall tau of predicted vs measured order")
       ->capture_default_str()->check(CLI::Range(-1.0, 1.0));
 
+  ExportArgs export_args;
+  CLI::App* export_cmd =
+      app.add_subcommand("export", "Write a checkpoint as a Hugging Face folder (config.json + safetensors shards)");
+  export_cmd->add_option("checkpoint", export_args.checkpoint, "Step folder, checkpoints folder or run folder")
+      ->required();
+  export_cmd->add_option("--hf", export_args.hf, "Output folder")->required();
+  export_cmd->add_option("--max-shard-bytes", export_args.max_shard_bytes, "Largest shard file")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
+
   ComparePublishedArgs published;
   CLI::App* published_cmd = app.add_subcommand(
       "compare-published", "moeplan's predictions for published training runs in their own layouts, beside the published step");
@@ -232,6 +241,7 @@ int main(int argc, char** argv) {
   if (validate_cmd->parsed()) return run_validate(validate);
   if (compare_cmd->parsed()) return run_compare_profiles(compare);
   if (published_cmd->parsed()) return run_compare_published(published);
+  if (export_cmd->parsed()) return run_export(export_args);
   if (calibrate_cmd->parsed()) {
     calibrate.argv.assign(argv, argv + argc);
     return run_calibrate(calibrate);

@@ -19,5 +19,6 @@ int not_built(const char* command) {
 
 int run_run(const RunArgs&) { return not_built("run"); }
 int run_calibrate(const CalibrateArgs&) { return not_built("calibrate"); }
+int run_export(const ExportArgs&) { return not_built("export"); }
 
 }  // namespace moeplan::cli

@@ -186,6 +186,44 @@ ModelSpec read_model_file(const std::string& path) {
   return model_from_json(json, path);
 }
 
+namespace {
+
+// The fields both formats name alike.
+void put_positions_and_norms(const ModelSpec& m, OrderedJson& j) {
+  j["max_position_embeddings"] = m.max_position_embeddings;
+  j["rope_theta"] = m.rope_theta;
+  j["sliding_window"] = m.sliding_window ? OrderedJson(*m.sliding_window) : OrderedJson(nullptr);
+  j["rms_norm_eps"] = m.rms_norm_eps;
+  j["initializer_range"] = m.initializer_range;
+  j["tie_word_embeddings"] = m.tie_word_embeddings;
+  j["router_aux_loss_coef"] = m.router_aux_loss_coef;
+}
+
+}  // namespace
+
+OrderedJson to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
+  OrderedJson j;
+  j["_name_or_path"] = m.name;
+  j["architectures"] = {"MixtralForCausalLM"};
+  j["model_type"] = "mixtral";
+  j["vocab_size"] = m.vocab_size;
+  j["hidden_size"] = m.hidden_size;
+  j["intermediate_size"] = m.intermediate_size;
+  j["num_hidden_layers"] = m.num_layers;
+  j["num_attention_heads"] = m.num_attention_heads;
+  j["num_key_value_heads"] = m.num_key_value_heads;
+  j["head_dim"] = m.head_dim;
+  j["num_local_experts"] = m.num_experts;
+  j["num_experts_per_tok"] = m.experts_per_token;
+  put_positions_and_norms(m, j);
+  j["hidden_act"] = "silu";
+  j["attention_dropout"] = 0.0;
+  j["output_router_logits"] = false;
+  j["use_cache"] = true;
+  j["torch_dtype"] = torch_dtype;
+  return j;
+}
+
 OrderedJson to_json(const ModelSpec& m) {
   OrderedJson j;
   j["name"] = m.name;
@@ -199,13 +237,7 @@ OrderedJson to_json(const ModelSpec& m) {
   j["head_dim"] = m.head_dim;
   j["num_experts"] = m.num_experts;
   j["experts_per_token"] = m.experts_per_token;
-  j["max_position_embeddings"] = m.max_position_embeddings;
-  j["rope_theta"] = m.rope_theta;
-  j["sliding_window"] = m.sliding_window ? OrderedJson(*m.sliding_window) : OrderedJson(nullptr);
-  j["rms_norm_eps"] = m.rms_norm_eps;
-  j["initializer_range"] = m.initializer_range;
-  j["tie_word_embeddings"] = m.tie_word_embeddings;
-  j["router_aux_loss_coef"] = m.router_aux_loss_coef;
+  put_positions_and_norms(m, j);
   j["mlp"] = std::string(name_of(kMlpNames, m.mlp));
   return j;
 }

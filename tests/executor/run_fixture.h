@@ -30,13 +30,12 @@ struct Command {
   std::string all() const { return out + err; }
 };
 
-// Runs `moeplan args` with stdout and stderr captured apart, so a test can tell that error
-// lines went to stderr.
-inline Command run_moeplan(const std::string& args) {
+// Runs a shell command with stdout and stderr captured apart.
+inline Command run_command(const std::string& command) {
   const TempDir tmp;
   const std::string err_path = tmp.file("stderr");
   Command r;
-  FILE* pipe = ::popen((std::string(MOEPLAN_BINARY) + " " + args + " 2>" + err_path).c_str(), "r");
+  FILE* pipe = ::popen((command + " 2>" + err_path).c_str(), "r");
   if (pipe == nullptr) return r;
   std::array<char, 4096> buffer{};
   size_t n = 0;
@@ -46,6 +45,10 @@ inline Command run_moeplan(const std::string& args) {
   r.err = read_text(err_path);
   return r;
 }
+
+// Runs `moeplan args` with stdout and stderr captured apart, so a test can tell that error
+// lines went to stderr.
+inline Command run_moeplan(const std::string& args) { return run_command(std::string(MOEPLAN_BINARY) + " " + args); }
 
 // Starts `moeplan args...` in the background, with `env` ("NAME=value") added to the
 // environment and stdout and stderr written to the given files; returns the child's pid.

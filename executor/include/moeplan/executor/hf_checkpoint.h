@@ -1,0 +1,29 @@
+#pragma once
+// Hugging Face checkpoints: a moeplan checkpoint written as the folder transformers loads as
+// MixtralForCausalLM (config.json, safetensors shards named model-0000k-of-0000n.safetensors
+// with "format": "pt" metadata, and model.safetensors.index.json mapping every tensor to its
+// shard). Parameter names and shapes are Hugging Face's already (mixtral.h), so a parameter is
+// its checkpoint slices put back together, in the dtype it was trained in.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moeplan::executor {
+
+struct HfExport {
+  std::string checkpoint;          // the step folder exported
+  int64_t step = 0;
+  std::vector<std::string> files;  // written, relative to the output folder
+  int64_t tensors = 0;
+  int64_t bytes = 0;               // tensor data
+};
+
+// `checkpoint` is a step folder (with manifest.json), a checkpoints folder or a run folder
+// (their newest step). `out_dir` must not hold a checkpoint already. Shards hold whole tensors,
+// in the model's order, up to `max_shard_bytes` each (one larger tensor gets a shard alone).
+// Throws InputError naming the file or the field at fault.
+HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& out_dir,
+                              int64_t max_shard_bytes = int64_t{5} << 30);
+
+}  // namespace moeplan::executor
