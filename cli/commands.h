@@ -60,6 +60,7 @@ struct RunArgs {
   int64_t steps = 0;
   int64_t checkpoint_every = 0;
   bool resume = false;
+  std::string init_from;  // Hugging Face folder to start from
   int threads = 0;
   int64_t timeout_seconds = 60;
   std::vector<std::string> argv;  // the whole command line, to start local ranks with

@@ -65,6 +65,7 @@ int run_run(const RunArgs& args) {
     o.stop_after_step = args.steps;
     o.checkpoint_every = args.checkpoint_every;
     o.resume = args.resume;
+    o.init_from = args.init_from;
     o.threads = args.threads;
     o.timeout_seconds = args.timeout_seconds;
     o.progress = &std::cout;

@@ -118,6 +118,8 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--checkpoint-every", run.checkpoint_every, "Save a checkpoint every N steps and at the end")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   run_cmd->add_flag("--resume", run.resume, "Continue from the newest complete checkpoint in --out");
+  run_cmd->add_option("--init-from", run.init_from,
+                      "Start from a Hugging Face Mixtral folder (config.json + safetensors) instead of random weights");
   run_cmd->add_option("--threads", run.threads, "Intra-op threads per rank (default: 1)")->check(CLI::Range(1, 1024));
   run_cmd->add_option("--timeout", run.timeout_seconds, "Seconds a collective may wait for a peer")
       ->capture_default_str()

@@ -223,6 +223,22 @@ NamedTensors ShardedTrainer::state() const {
   return tensors;
 }
 
+std::set<std::string> ShardedTrainer::held_parameters() const {
+  std::set<std::string> names;
+  auto& model = const_cast<ShardedModel&>(model_);
+  // As load_state reads: every unit this rank keeps a shard of (saving skips the replicated
+  // ones, loading does not).
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    const FlatUnit& unit = model.units()[u];
+    const int64_t begin = model.shard_begin(unit), end = begin + unit.shard_numel;
+    for (size_t j = 0; j < unit.params.size(); ++j) {
+      const ParamInfo& info = model.infos()[static_cast<size_t>(unit.params[j])];
+      if (std::max(begin, unit.offsets[j]) < std::min(end, unit.offsets[j] + info.numel())) names.insert(info.name);
+    }
+  }
+  return names;
+}
+
 void ShardedTrainer::load_state(const SlicedState& state, int64_t step, Diagnostics& d) {
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < model_.units().size(); ++u) {

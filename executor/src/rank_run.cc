@@ -15,6 +15,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/parallel_trainer.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
@@ -167,6 +168,15 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       d.throw_if_any(resume_from);
       samples = s["samples_consumed"].get<int64_t>();
       if (leader && o.progress) *o.progress << "resumed from " << resume_from << " at step " << c.step << "\n";
+    } else if (!o.init_from.empty()) {
+      // Each rank reads the tensors of its own shard and experts only.
+      const std::set<std::string> held = trainer.held_parameters();
+      const torch::ScalarType dtype = plan.training.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+      const SlicedState sliced = read_hf_parameters(o.init_from, plan.model, dtype, &held);
+      Diagnostics d;
+      trainer.load_state(sliced, 0, d);
+      d.throw_if_any(o.init_from);
+      if (leader && o.progress) *o.progress << "started from the Hugging Face model in " << o.init_from << "\n";
     }
     if (leader && !resume_from.empty()) truncate_metrics(metrics_path, trainer.step_count());
 

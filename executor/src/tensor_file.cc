@@ -99,7 +99,7 @@ uint32_t write_tensor_file(const std::string& path, const NamedTensors& tensors,
   return crc;
 }
 
-TensorFile read_tensor_file(const std::string& path) {
+TensorFile read_tensor_file(const std::string& path, const std::set<std::string>* only) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path, {{"", "cannot open the tensor file"}});
   in.seekg(0, std::ios::end);
@@ -205,6 +205,7 @@ TensorFile read_tensor_file(const std::string& path) {
   d.throw_if_any(path);
 
   for (const Entry& e : entries) {
+    if (only != nullptr && only->count(e.name) == 0) continue;
     torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
     in.seekg(static_cast<std::streamoff>(8 + header_bytes + e.begin));
     in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));

@@ -12,6 +12,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
 #include "moeplan/executor/parallel_trainer.h"
@@ -289,6 +290,22 @@ class Run {
     samples_ = s["samples_consumed"].get<int64_t>();
   }
 
+  // Parameters from a Hugging Face folder, fresh optimizer state, step 0.
+  void init_from(const std::string& dir) {
+    const torch::ScalarType dtype = model_.parameters().tensors().front().scalar_type();
+    const SlicedState sliced = read_hf_parameters(dir, plan_.model, dtype);
+    Diagnostics d;
+    NamedTensors tensors;
+    for (const ParamInfo& info : model_.parameters().infos())
+      for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
+        const torch::Tensor t = sliced.whole(prefix + info.name, info.shape, d);
+        if (t.defined()) tensors.emplace_back(prefix + info.name, t);
+      }
+    d.throw_if_any(dir);
+    model_.load_state(tensors, 0, 0, d);
+    d.throw_if_any(dir);
+  }
+
   std::string save() {
     const std::string dir = begin_checkpoint(o_.out_dir + "/checkpoints", model_.step_count());
     const CheckpointFile shard = write_checkpoint_shard(dir, 0, model_.state());
@@ -362,6 +379,9 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
     trainer.resume(resume_from);
     truncate_metrics(metrics_path, trainer.step());
     if (o.progress) *o.progress << "resumed from " << resume_from << " at step " << trainer.step() << "\n";
+  } else if (!o.init_from.empty()) {
+    trainer.init_from(o.init_from);
+    if (o.progress) *o.progress << "started from the Hugging Face model in " << o.init_from << "\n";
   }
   const int64_t last_step = o.stop_after_step > 0 ? o.stop_after_step : plan.training.steps;
   RunResult result;

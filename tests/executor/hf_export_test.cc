@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <array>
 #include <map>
 #include <set>
 #include <string>
@@ -172,6 +174,146 @@ TEST_F(HfExport, ShardedCheckpointBecomesAHuggingFaceFolder) {
   const Command checked = test::run_command("python3 " + script + " " + hf);
   EXPECT_EQ(checked.exit_code, 0) << show(checked);
   EXPECT_TRUE(contains(checked.out, "ok " + std::to_string(params.size()))) << show(checked);
+}
+
+// A folder exported from a real 2-rank checkpoint, made once for the import tests.
+class HfImport : public HfExport {
+ protected:
+  static void SetUpTestSuite() {
+    HfExport::SetUpTestSuite();
+    if (dir_ == nullptr) return;
+    model_ = test::write_small_model(*dir_, 512);
+    const std::string plan = dir_->file("plan2.json");
+    made_ = run_moeplan("search --gpus 2 --instance local-cpu --model " + model_ +
+                        " --seq-len 64 --global-batch-tokens 256 --precision fp32 --max-micro-batch 1"
+                        " --expert-parallel-degree 2 --hybrid-shard-degree 1 --tensor-parallel-degree 1"
+                        " --pipeline-parallel-degree 1 --out " + plan);
+    if (made_.exit_code != 0) return;
+    made_ = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + dir_->file("run2") +
+                        " --steps 1 --checkpoint-every 1 --threads 1");
+    if (made_.exit_code != 0) return;
+    made_ = run_moeplan("export " + dir_->file("run2") + " --hf " + dir_->file("hf2") + " --max-shard-bytes 3000000");
+  }
+  void SetUp() override {
+    HfExport::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_EQ(made_.exit_code, 0) << show(made_);
+  }
+  static std::string hf() { return dir_->file("hf2"); }
+  // A plan of `gpus` ranks with E and S as given, learning rate `lr`, for the tiny model.
+  static std::string plan(const test::TempDir& tmp, int64_t gpus, int64_t e, int64_t s, const std::string& lr) {
+    const std::string path = tmp.file("plan-" + std::to_string(gpus) + ".json");
+    const Command made = run_moeplan("search --gpus " + std::to_string(gpus) + " --instance local-cpu --model " + model_ +
+                                     " --seq-len 64 --global-batch-tokens 256 --precision fp32 --max-micro-batch 1"
+                                     " --expert-parallel-degree " + std::to_string(e) + " --hybrid-shard-degree " +
+                                     std::to_string(s) + " --tensor-parallel-degree 1 --pipeline-parallel-degree 1"
+                                     " --learning-rate " + lr + " --min-learning-rate 0 --out " + path);
+    EXPECT_EQ(made.exit_code, 0) << show(made);
+    return path;
+  }
+  inline static std::string model_;
+  inline static Command made_;
+};
+
+// Export, import, export: with a learning rate of 0 a step changes no weight, so the second
+// export is the first, byte for byte.
+TEST_F(HfImport, RoundTripIsByteIdentical) {
+  const test::TempDir tmp;
+  const std::string run = tmp.file("run");
+  const Command trained = run_moeplan("run " + plan(tmp, 1, 1, 1, "0") + " --data " + dir_->file("data") + " --out " +
+                                      run + " --steps 1 --checkpoint-every 1 --threads 1 --init-from " + hf());
+  ASSERT_EQ(trained.exit_code, 0) << show(trained);
+  EXPECT_TRUE(contains(trained.out, "started from the Hugging Face model in " + hf())) << show(trained);
+  const std::string back = tmp.file("hf-back");
+  ASSERT_EQ(run_moeplan("export " + run + " --hf " + back + " --max-shard-bytes 3000000").exit_code, 0);
+  size_t files = 0;
+  for (const auto& entry : fs::directory_iterator(hf())) {
+    EXPECT_EQ(bytes_of(entry.path()), bytes_of(fs::path(back) / entry.path().filename())) << entry.path();
+    ++files;
+  }
+  EXPECT_GE(files, 4u);  // config, index and at least two shards
+}
+
+// The same weights give the same logits under E2 S2 (4 ranks, each reading only its shard
+// and experts) as on one rank: the first step's loss agrees to float rounding.
+TEST_F(HfImport, FourRanksAndOneRankStartFromTheSameModel) {
+  const test::TempDir tmp;
+  std::vector<double> losses;
+  for (auto [gpus, e, s] : {std::array<int64_t, 3>{1, 1, 1}, std::array<int64_t, 3>{4, 2, 2}}) {
+    const std::string run = tmp.file("run-" + std::to_string(gpus));
+    const Command trained = run_moeplan("run " + plan(tmp, gpus, e, s, "0.001") + " --data " + dir_->file("data") +
+                                        " --out " + run + " --steps 1 --threads 1 --init-from " + hf());
+    ASSERT_EQ(trained.exit_code, 0) << show(trained);
+    const std::vector<Json> metrics = test::read_metrics(run);
+    ASSERT_EQ(metrics.size(), 1u);
+    losses.push_back(metrics[0]["loss"].get<double>());
+  }
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+  // Trained weights, not random ones: the random start's loss is about ln(512) = 6.24.
+  const std::string fresh = tmp.file("fresh");
+  ASSERT_EQ(run_moeplan("run " + plan(tmp, 1, 1, 1, "0.001") + " --data " + dir_->file("data") + " --out " + fresh +
+                        " --steps 1 --threads 1").exit_code, 0);
+  EXPECT_NE(test::read_metrics(fresh)[0]["loss"].get<double>(), losses[0]);
+}
+
+// A copy of the exported folder with one file replaced; the run must refuse it naming what is
+// wrong, before training.
+TEST_F(HfImport, MalformedFoldersAreRefusedNamingTheFault) {
+  const test::TempDir tmp;
+  const Json index = read_json_file(hf() + "/model.safetensors.index.json");
+  const std::string embed = "model.embed_tokens.weight";
+  const std::string embed_file = index["weight_map"][embed].get<std::string>();
+  auto refused = [&](const std::string& name, const std::function<void(const std::string&)>& spoil) {
+    const std::string copy = tmp.file(name);
+    fs::copy(hf(), copy, fs::copy_options::recursive);
+    spoil(copy);
+    const Command r = run_moeplan("run " + plan(tmp, 1, 1, 1, "0.001") + " --data " + dir_->file("data") + " --out " +
+                                  tmp.file("run-" + name) + " --steps 1 --threads 1 --init-from " + copy);
+    EXPECT_EQ(r.exit_code, 2) << name << show(r);
+    EXPECT_FALSE(fs::exists(tmp.file("run-" + name) + "/metrics.jsonl")) << name;
+    return r.err;
+  };
+  // The header length says more bytes than the file has.
+  std::string err = refused("header-length", [&](const std::string& dir) {
+    std::string bytes = bytes_of(fs::path(dir) / embed_file);
+    bytes[6] = '\x7f';
+    std::ofstream(fs::path(dir) / embed_file, std::ios::binary) << bytes;
+  });
+  EXPECT_TRUE(contains(err, embed_file + ": header: length ")) << err;
+  // The embedding's byte range ends past the data; then its dtype is not floating point; then
+  // its shape is transposed.
+  auto rewrite_embedding = [&](const std::string& dir, const std::function<void(Json&)>& edit) {
+    const std::string path = (fs::path(dir) / embed_file).string();
+    const std::string bytes = bytes_of(path);
+    uint64_t n = 0;
+    for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)])) << (8 * i);
+    Json header = Json::parse(bytes.substr(8, n));
+    edit(header[embed]);
+    const std::string text = header.dump();
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+    std::ofstream(path, std::ios::binary) << out << text << bytes.substr(8 + n);
+  };
+  err = refused("offsets", [&](const std::string& dir) {
+    rewrite_embedding(dir, [](Json& e) { e["data_offsets"][1] = e["data_offsets"][1].get<uint64_t>() + (1 << 30); });
+  });
+  EXPECT_TRUE(contains(err, embed_file + ": " + embed + ".data_offsets: [")) << err;
+  err = refused("dtype", [&](const std::string& dir) {
+    rewrite_embedding(dir, [](Json& e) { e["dtype"] = "I32"; });
+  });
+  EXPECT_TRUE(contains(err, embed + ".dtype: I32 is not a floating-point type")) << err;
+  err = refused("shape", [&](const std::string& dir) {
+    rewrite_embedding(dir, [](Json& e) { e["shape"] = Json::array({e["shape"][1], e["shape"][0]}); });
+  });
+  EXPECT_TRUE(contains(err, embed + ".shape: is [128, 512], the model needs [512, 128]")) << err;
+  // A config of another model.
+  err = refused("config", [&](const std::string& dir) {
+    Json config = read_json_file(dir + "/config.json");
+    config["hidden_size"] = 256;
+    config["head_dim"] = 64;
+    std::ofstream(dir + "/config.json") << config.dump(2);
+  });
+  EXPECT_TRUE(contains(err, "config.json: hidden_size: = 256, the plan's model has 128")) << err;
 }
 
 }  // namespace

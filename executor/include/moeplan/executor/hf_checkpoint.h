@@ -6,8 +6,12 @@
 // its checkpoint slices put back together, in the dtype it was trained in.
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
+
+#include "moeplan/core/model_spec.h"
+#include "moeplan/executor/parallel_trainer.h"
 
 namespace moeplan::executor {
 
@@ -25,5 +29,15 @@ struct HfExport {
 // Throws InputError naming the file or the field at fault.
 HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& out_dir,
                               int64_t max_shard_bytes = int64_t{5} << 30);
+
+// The start of a run from a Hugging Face Mixtral folder (`run --init-from DIR`): config.json must
+// describe `model` (every shape field equal), and each parameter in `wanted` (all when null) is
+// read from the shard the index (or the single model.safetensors) names, and only those
+// tensors. Each must have the parameter's shape and a floating dtype (F32, BF16, F16, and the
+// one config.json's torch_dtype names); it is converted to `dtype`. The state holds
+// "param/<name>" and zero AdamW moments "exp_avg/<name>", "exp_avg_sq/<name>" in `dtype`, for
+// the trainers' load_state at step 0. Throws InputError naming the file, tensor or field.
+SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, torch::ScalarType dtype,
+                               const std::set<std::string>* wanted = nullptr);
 
 }  // namespace moeplan::executor

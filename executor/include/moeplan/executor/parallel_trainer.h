@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,9 @@ class ShardedTrainer {
   // This rank's part of the model and optimizer state: slices of parameters by global name,
   // "param/<name>@<first element>" (and exp_avg/, exp_avg_sq/), for the units this rank owns.
   NamedTensors state() const;
+  // The parameters of which this rank keeps a part (its shard of the dense units and of its
+  // experts' units): what it must read to start from a full checkpoint.
+  std::set<std::string> held_parameters() const;
   // Takes this rank's shards out of any layout's slices (see SlicedState).
   void load_state(const class SlicedState& state, int64_t step, Diagnostics& d);
 

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,10 +25,11 @@ struct TensorFile {
 uint32_t write_tensor_file(const std::string& path, const NamedTensors& tensors,
                            const std::map<std::string, std::string>& metadata = {});
 
-// Reads a whole file. Throws InputError naming the file and the tensor on any inconsistency:
-// short file, header length out of range, malformed JSON, unknown dtype, byte range outside
-// the data or not matching dtype x shape, overlapping ranges.
-TensorFile read_tensor_file(const std::string& path);
+// Reads a whole file, or with `only` just those tensors (the header is checked whole either
+// way). Throws InputError naming the file and the tensor on any inconsistency: short file,
+// header length out of range, malformed JSON, unknown dtype, byte range outside the data or not
+// matching dtype x shape, overlapping ranges.
+TensorFile read_tensor_file(const std::string& path, const std::set<std::string>* only = nullptr);
 
 // Safetensors dtype name ("F32", "BF16", ...) of a LibTorch type, and back.
 std::string safetensors_dtype(torch::ScalarType type);

@@ -25,6 +25,7 @@ struct RunOptions {
   int64_t stop_after_step = 0;   // 0: the plan's training.steps (the schedule always uses those)
   int64_t checkpoint_every = 0;  // 0: no checkpoints
   bool resume = false;           // continue from the newest complete checkpoint in out_dir
+  std::string init_from;         // a Hugging Face Mixtral folder to start from (not with a resumed checkpoint)
   int threads = 0;               // intra-op threads; 0: one (see docs/performance.md)
   int64_t timeout_seconds = 60;  // collectives and rendezvous of a multi-rank run
   std::ostream* progress = nullptr;
