@@ -203,67 +203,71 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   return r;
 }
 
-NamedTensors ShardedTrainer::state() const {
-  NamedTensors tensors;
-  auto& model = const_cast<ShardedModel&>(model_);
+namespace {
+
+// A parameter's part of this rank's shard of a flat unit: elements [first, last) of the
+// parameter's flattened values, stored from element `at` of the unit's shard.
+struct HeldSlice {
+  size_t unit;
+  const ParamInfo* info;
+  int64_t first, last, at;
+};
+
+// Every such part, unit by unit (the replicated units included).
+template <class F>
+void for_each_held_slice(ShardedModel& model, F&& f) {
   for (size_t u = 0; u < model.units().size(); ++u) {
     const FlatUnit& unit = model.units()[u];
-    if (!model.owns(unit)) continue;
     const int64_t begin = model.shard_begin(unit), end = begin + unit.shard_numel;
     for (size_t j = 0; j < unit.params.size(); ++j) {
       const ParamInfo& info = model.infos()[static_cast<size_t>(unit.params[j])];
       const int64_t a = std::max(begin, unit.offsets[j]), b = std::min(end, unit.offsets[j] + info.numel());
-      if (a >= b) continue;
-      const std::string suffix = info.name + "@" + std::to_string(a - unit.offsets[j]);
-      tensors.emplace_back("param/" + suffix, model.shards()[u].detach().narrow(0, a - begin, b - a));
-      tensors.emplace_back("exp_avg/" + suffix, optimizer_->exp_avg()[u].narrow(0, a - begin, b - a));
-      tensors.emplace_back("exp_avg_sq/" + suffix, optimizer_->exp_avg_sq()[u].narrow(0, a - begin, b - a));
+      if (a < b) f(HeldSlice{u, &info, a - unit.offsets[j], b - unit.offsets[j], a - begin});
     }
   }
+}
+
+}  // namespace
+
+NamedTensors ShardedTrainer::state() const {
+  NamedTensors tensors;
+  auto& model = const_cast<ShardedModel&>(model_);
+  for_each_held_slice(model, [&](const HeldSlice& h) {
+    if (!model.owns(model.units()[h.unit])) return;  // one replica saves
+    const std::string suffix = h.info->name + "@" + std::to_string(h.first);
+    const int64_t n = h.last - h.first;
+    tensors.emplace_back("param/" + suffix, model.shards()[h.unit].detach().narrow(0, h.at, n));
+    tensors.emplace_back("exp_avg/" + suffix, optimizer_->exp_avg()[h.unit].narrow(0, h.at, n));
+    tensors.emplace_back("exp_avg_sq/" + suffix, optimizer_->exp_avg_sq()[h.unit].narrow(0, h.at, n));
+  });
   return tensors;
 }
 
 std::set<std::string> ShardedTrainer::held_parameters() const {
+  // As load_state reads: every unit this rank keeps a shard of.
   std::set<std::string> names;
-  auto& model = const_cast<ShardedModel&>(model_);
-  // As load_state reads: every unit this rank keeps a shard of (saving skips the replicated
-  // ones, loading does not).
-  for (size_t u = 0; u < model.units().size(); ++u) {
-    const FlatUnit& unit = model.units()[u];
-    const int64_t begin = model.shard_begin(unit), end = begin + unit.shard_numel;
-    for (size_t j = 0; j < unit.params.size(); ++j) {
-      const ParamInfo& info = model.infos()[static_cast<size_t>(unit.params[j])];
-      if (std::max(begin, unit.offsets[j]) < std::min(end, unit.offsets[j] + info.numel())) names.insert(info.name);
-    }
-  }
+  for_each_held_slice(const_cast<ShardedModel&>(model_), [&](const HeldSlice& h) { names.insert(h.info->name); });
   return names;
 }
 
 void ShardedTrainer::load_state(const SlicedState& state, int64_t step, Diagnostics& d) {
   torch::NoGradGuard no_grad;
-  for (size_t u = 0; u < model_.units().size(); ++u) {
-    const FlatUnit& unit = model_.units()[u];
-    const int64_t begin = model_.shard_begin(unit), end = begin + unit.shard_numel;
-    for (size_t j = 0; j < unit.params.size(); ++j) {
-      const ParamInfo& info = model_.infos()[static_cast<size_t>(unit.params[j])];
-      const int64_t a = std::max(begin, unit.offsets[j]), b = std::min(end, unit.offsets[j] + info.numel());
-      if (a >= b) continue;
-      const std::pair<const char*, torch::Tensor> targets[] = {{"param/", model_.shards()[u]},
-                                                                {"exp_avg/", optimizer_->exp_avg()[u]},
-                                                                {"exp_avg_sq/", optimizer_->exp_avg_sq()[u]}};
-      for (const auto& [prefix, into] : targets) {
-        const std::string key = prefix + info.name;
-        const torch::Tensor values = state.range(key, a - unit.offsets[j], b - unit.offsets[j], d);
-        if (!values.defined()) continue;
-        if (values.scalar_type() != into.scalar_type()) {
-          d.error(key, std::string("is ") + c10::toString(values.scalar_type()) + ", this run keeps " +
-                           c10::toString(into.scalar_type()));
-          continue;
-        }
-        into.narrow(0, a - begin, b - a).copy_(values);
+  for_each_held_slice(model_, [&](const HeldSlice& h) {
+    const std::pair<const char*, torch::Tensor> targets[] = {{"param/", model_.shards()[h.unit]},
+                                                              {"exp_avg/", optimizer_->exp_avg()[h.unit]},
+                                                              {"exp_avg_sq/", optimizer_->exp_avg_sq()[h.unit]}};
+    for (const auto& [prefix, into] : targets) {
+      const std::string key = prefix + h.info->name;
+      const torch::Tensor values = state.range(key, h.first, h.last, d);
+      if (!values.defined()) continue;
+      if (values.scalar_type() != into.scalar_type()) {
+        d.error(key, std::string("is ") + c10::toString(values.scalar_type()) + ", this run keeps " +
+                         c10::toString(into.scalar_type()));
+        continue;
       }
+      into.narrow(0, h.at, h.last - h.first).copy_(values);
     }
-  }
+  });
   step_ = step;
   optimizer_->set_step_count(step);
 }

@@ -140,9 +140,8 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes) {
   // The last stage (its blocks and the head) and the 1F1B bubble: the other P - 1 stages'
   // micro-batch time (no head), over V with interleaved chunks, and a transfer each way per
   // stage boundary.
-  ModelSpec stage_model = c.model;
-  stage_model.num_layers = c.model.num_layers / p.pipeline_parallel_degree;
-  const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
+  const ModelSpec blocks = stage_model(c);
+  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
   StepEstimate out = estimate_stage(stage, shapes);
   const OpCosts o = op_costs(stage);
   const double accum = static_cast<double>(p.gradient_accumulation_steps);

@@ -62,6 +62,12 @@ double moe_forward_seconds(const RunConfig& c, double load) {
          cost.matmul_seconds(2.0 * slots * matrices * h * ffn, 2.0 * slots / local_experts * h * ffn, fp32);
 }
 
+ModelSpec stage_model(const RunConfig& c) {
+  ModelSpec m = c.model;
+  m.num_layers = c.model.num_layers / std::max<int64_t>(1, c.parallel.pipeline_parallel_degree);
+  return m;
+}
+
 OpCosts op_costs(const RunConfig& c) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;

@@ -512,12 +512,11 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   // equal but for the head, which only the last runs; the first stage's embedding lookup is
   // free. The step is the schedule's makespan plus what the stage's step spends after its
   // micro-batches (gradient sync, update).
-  ModelSpec stage_model = c.model;
-  stage_model.num_layers = c.model.num_layers / p.pipeline_parallel_degree;
-  const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
+  const ModelSpec blocks = stage_model(c);
+  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
   StepSimulation sim = simulate_stage(stage, options);
   const OpCosts o = op_costs(stage);
-  const double layers = static_cast<double>(stage_model.num_layers);
+  const double layers = static_cast<double>(blocks.num_layers);
   double forward = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
   double backward = layers * (o.attention_backward_s + o.moe_backward_busiest_s);
   if (p.activation_checkpointing == Checkpointing::kFull) backward += forward;

@@ -218,14 +218,7 @@ TEST(StepProperties, StepCoversTheBusiestResource) {
 
 // (d) With free communication, full checkpointing adds exactly one forward of every block on
 // the busiest rank (attention + MoE), selective the MoE part alone.
-Scenario with_free_communication(Scenario c) {
-  c.cluster.intra_node_bandwidth_bytes_per_s = 1e30;
-  c.cluster.inter_node_bandwidth_bytes_per_s = 1e30;
-  c.cluster.pcie_bandwidth_bytes_per_s = 1e30;
-  c.cluster.intra_node_latency_s = 0;
-  c.cluster.inter_node_latency_s = 0;
-  return c;
-}
+using test::with_free_communication;
 
 void expect_recompute_cost(Scenario c) {
   c = with_free_communication(std::move(c));

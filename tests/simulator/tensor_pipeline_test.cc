@@ -30,14 +30,7 @@ Scenario dense(int64_t world, int64_t t, int64_t p, int64_t accumulation, Checkp
   return c;
 }
 
-Scenario free_communication(Scenario c) {
-  c.cluster.intra_node_bandwidth_bytes_per_s = 1e30;
-  c.cluster.inter_node_bandwidth_bytes_per_s = 1e30;
-  c.cluster.pcie_bandwidth_bytes_per_s = 1e30;
-  c.cluster.intra_node_latency_s = 0;
-  c.cluster.inter_node_latency_s = 0;
-  return c;
-}
+using test::with_free_communication;
 
 // T = 2 on two ranks of a node. Each block ends attention and its MLP with an all-reduce of
 // the micro-batch's activations, 2048 tokens x 4096 x 2 bytes = 16,777,216 bytes, in forward
@@ -68,7 +61,7 @@ TEST(TensorParallel, AllReducesPerBlockWorkedByHand) {
 
   // They sit on the compute chain: the step is longer by exactly their time.
   const double with = simulate_step(c.config()).estimate.step_time_s;
-  const double without = simulate_step(free_communication(c).config()).estimate.step_time_s;
+  const double without = simulate_step(with_free_communication(c).config()).estimate.step_time_s;
   EXPECT_NEAR(with - without, 2 * 128 * op_ns * 1e-9, 1e-9);
 }
 
@@ -102,11 +95,11 @@ TEST(TensorParallel, ComputeSplitsOverTheRanks) {
 // micro-batch's backward through the three before it, and the update:
 //   m X_last + (P - 1) X_mid + optimizer, with X_mid = X_last - head.
 TEST(Pipeline, StepIsTheScheduleAroundTheLastStageWorkedByHand) {
-  const Scenario c = free_communication(dense(4, 1, 4, 8));
+  const Scenario c = with_free_communication(dense(4, 1, 4, 8));
   ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
-  ModelSpec stage_model = c.model;
-  stage_model.num_layers = 8;
-  const RunConfig stage{stage_model, c.cluster, c.parallel, c.moe, c.training};
+  ModelSpec blocks = c.model;
+  blocks.num_layers = 8;
+  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training};
   const OpCosts o = op_costs(stage);
   auto ns = [](double s) { return to_seconds(to_sim_time(s)); };
   const double mid = 8 * (ns(o.attention_forward_s) + ns(o.attention_backward_s) + ns(o.moe_forward_busiest_s) +

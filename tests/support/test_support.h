@@ -142,4 +142,14 @@ struct Scenario {
   }
 };
 
+// The same scenario with links that cost nothing: infinite bandwidths, zero latencies.
+inline Scenario with_free_communication(Scenario c) {
+  c.cluster.intra_node_bandwidth_bytes_per_s = 1e30;
+  c.cluster.inter_node_bandwidth_bytes_per_s = 1e30;
+  c.cluster.pcie_bandwidth_bytes_per_s = 1e30;
+  c.cluster.intra_node_latency_s = 0;
+  c.cluster.inter_node_latency_s = 0;
+  return c;
+}
+
 }  // namespace moeplan::test

@@ -45,6 +45,10 @@ struct OpCosts {
 
 OpCosts op_costs(const RunConfig& config);
 
+// The model one pipeline stage runs: num_layers / P blocks (the step simulator and the
+// estimate also give it the embedding and the head).
+ModelSpec stage_model(const RunConfig& config);
+
 // Router and experts forward of one micro-batch on a rank whose experts get `load` times the
 // mean share of routed tokens.
 double moe_forward_seconds(const RunConfig& config, double load);
