@@ -61,6 +61,8 @@ struct RunArgs {
   int64_t checkpoint_every = 0;
   bool resume = false;
   std::string init_from;  // Hugging Face folder to start from
+  bool rehearse = false;  // the plan's layout on local ranks with the model shrunk
+  int64_t shrink_width = 32, shrink_layers = 2;
   int threads = 0;
   int64_t timeout_seconds = 60;
   std::vector<std::string> argv;  // the whole command line, to start local ranks with
@@ -142,6 +144,7 @@ struct ExportArgs {
 };
 
 int run_run(const RunArgs& args);
+int run_rehearse(const RunArgs& args);
 int run_export(const ExportArgs& args);
 int run_calibrate(const CalibrateArgs& args);
 

@@ -58,6 +58,7 @@ int report_exception(const char* command, int libtorch_exit) {
 
 int run_run(const RunArgs& args) {
   try {
+    if (args.rehearse) return run_rehearse(args);
     const Plan plan = read_plan_file(args.plan);
     executor::RunOptions o;
     o.data_dir = args.data;

@@ -120,6 +120,13 @@ int main(int argc, char** argv) {
   run_cmd->add_flag("--resume", run.resume, "Continue from the newest complete checkpoint in --out");
   run_cmd->add_option("--init-from", run.init_from,
                       "Start from a Hugging Face Mixtral folder (config.json + safetensors) instead of random weights");
+  CLI::Option* rehearse = run_cmd->add_flag("--rehearse", run.rehearse,
+                    "Rehearse the plan's layout on local CPU ranks with the model shrunk, against one rank, and "
+                    "give a verdict (--out is the rehearsal's folder)");
+  run_cmd->add_option("--shrink-width", run.shrink_width, "With --rehearse: divide hidden and intermediate sizes by this")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
+  run_cmd->add_option("--shrink-layers", run.shrink_layers, "With --rehearse: layers kept")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
   run_cmd->add_option("--threads", run.threads, "Intra-op threads per rank (default: 1)")->check(CLI::Range(1, 1024));
   run_cmd->add_option("--timeout", run.timeout_seconds, "Seconds a collective may wait for a peer")
       ->capture_default_str()

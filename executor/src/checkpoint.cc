@@ -15,16 +15,16 @@ namespace {
 constexpr int64_t kCheckpointSchemaVersion = 1;
 constexpr char kManifest[] = "manifest.json";
 
-std::string step_folder_name(int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
-  return name;
-}
-
 }  // namespace
 
+std::string step_folder(const std::string& checkpoints_dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return checkpoints_dir + "/" + name;
+}
+
 std::string begin_checkpoint(const std::string& checkpoints_dir, int64_t step) {
-  const std::string dir = checkpoints_dir + "/" + step_folder_name(step);
+  const std::string dir = step_folder(checkpoints_dir, step);
   fs::create_directories(dir);
   if (fs::remove(dir + "/" + kManifest)) fsync_directory(dir);
   fsync_directory(checkpoints_dir);

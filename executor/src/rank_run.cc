@@ -108,12 +108,6 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o,
   d.throw_if_any("run");
 }
 
-std::string step_folder(const std::string& checkpoints, int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
-  return checkpoints + "/" + name;
-}
-
 }  // namespace
 
 RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
@@ -189,6 +183,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       if (!metrics) throw InputError(metrics_path, {{"", "cannot write"}});
     }
     const int64_t ga = p.gradient_accumulation_steps, mbs = p.micro_batch_size;
+    StepPeaks peaks;
     while (trainer.step_count() < last_step) {
       // Rank r's micro-batch m holds what a one-rank run with r * ga + m micro-batches before it
       // would train on.
@@ -199,7 +194,9 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
         micro_batches.push_back(data.blocks(blocks));
       }
       samples += env.world_size * ga * mbs;
+      peaks.begin_step();
       StepRecord r = trainer.step(micro_batches);
+      peaks.end_step();
       if (leader) {
         metrics << to_json_line(r) << '\n' << std::flush;
         if (o.progress) {
@@ -253,7 +250,8 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       m.rank = env.rank;
       m.peak_rss_bytes = result.peak_rss_bytes;
       m.baseline_rss_bytes = baseline_rss;
-      m.peak_tensor_bytes = tensor_bytes().peak;
+      m.peak_tensor_bytes = peaks.whole_run();
+      m.peak_step_tensor_bytes = peaks.steps();
       m.events = trainer.clock().events();
       m.memory = trainer.clock().memory();
       write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", to_json(m).dump());

@@ -135,6 +135,15 @@ void reset_peak_tensor_bytes() {
   if (installed != nullptr) installed->reset_peak();
 }
 
+void StepPeaks::begin_step() {
+  before_ = std::max(before_, tensor_bytes().peak);
+  reset_peak_tensor_bytes();
+}
+
+void StepPeaks::end_step() { steps_ = std::max(steps_, tensor_bytes().peak); }
+
+int64_t StepPeaks::whole_run() const { return std::max(before_, tensor_bytes().peak); }
+
 void ignore_broken_pipes() { ::signal(SIGPIPE, SIG_IGN); }
 
 }  // namespace moeplan::executor

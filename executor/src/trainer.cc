@@ -388,8 +388,11 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   result.first_step = trainer.step() + 1;
   std::ofstream metrics(metrics_path, std::ios::app);
   if (!metrics) throw InputError(metrics_path, {{"", "cannot write"}});
+  StepPeaks peaks;
   while (trainer.step() < last_step) {
+    peaks.begin_step();
     StepRecord r = trainer.train_step();
+    peaks.end_step();
     metrics << to_json_line(r) << '\n' << std::flush;
     if (o.progress) *o.progress << format_progress(r, last_step) << std::endl;
     if (o.checkpoint_every > 0 && (r.step % o.checkpoint_every == 0 || r.step == last_step)) {
@@ -404,7 +407,8 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
     RankMeasurement m;
     m.peak_rss_bytes = result.peak_rss_bytes;
     m.baseline_rss_bytes = baseline_rss;
-    m.peak_tensor_bytes = tensor_bytes().peak;
+    m.peak_tensor_bytes = peaks.whole_run();
+    m.peak_step_tensor_bytes = peaks.steps();
     m.events = trainer.clock().events();
     m.memory = trainer.clock().memory();
     result.report = write_run_outputs(plan, o.out_dir, result.steps, {m}, "CPU rank");

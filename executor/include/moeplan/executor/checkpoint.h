@@ -20,6 +20,9 @@ struct CheckpointFile {
   uint32_t crc32 = 0;
 };
 
+// The folder of a step: CHECKPOINTS/step-00000010.
+std::string step_folder(const std::string& checkpoints_dir, int64_t step);
+
 // Creates (or reopens) the folder of a step and removes any manifest in it, so that the folder
 // is not loadable while it is rewritten. Returns the folder's path.
 std::string begin_checkpoint(const std::string& checkpoints_dir, int64_t step);

@@ -30,6 +30,19 @@ struct TensorBytes {
 TensorBytes tensor_bytes();
 void reset_peak_tensor_bytes();
 
+// Peaks of live tensor bytes inside the training steps alone (building the model, loading and
+// saving checkpoints left out), and over everything since install_tensor_allocator().
+class StepPeaks {
+ public:
+  void begin_step();
+  void end_step();
+  int64_t steps() const { return steps_; }
+  int64_t whole_run() const;
+
+ private:
+  int64_t steps_ = 0, before_ = 0;
+};
+
 // Writing to a peer that died raises SIGPIPE, whose default action kills this rank silently.
 // Ignored, the write fails instead and the collective reports which operation and group it was.
 void ignore_broken_pipes();

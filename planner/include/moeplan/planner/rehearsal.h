@@ -1,0 +1,48 @@
+#pragma once
+// A cluster plan made small enough to rehearse on local CPU ranks (`moeplan run --rehearse`):
+// the same layout (world size; expert, shard and replica degrees; placement; checkpointing;
+// offloading; dispatcher; micro-batch size and count), with a model narrower and shallower that
+// keeps its experts and top-k, on the vocabulary and sequence length of the local data.
+
+#include <cstdint>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+
+namespace moeplan::planner {
+
+struct Shrink {
+  int64_t width = 32;  // hidden and intermediate sizes are divided by this
+  int64_t layers = 2;  // blocks kept
+};
+
+// The model shrunk: hidden and intermediate sizes / width; of the width, the largest factor d
+// with d * d <= width that divides the head counts divides them, head_dim takes the rest (so
+// Mixtral's 32 heads of 128 at width 32 become 8 heads of 16, 2 key-value heads). Experts, top-k,
+// norms, RoPE and the router stay. Throws InputError naming --shrink-width or --shrink-layers
+// when a size does not divide.
+ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t vocab_size, int64_t seq_len);
+
+// The plan to rehearse: `plan`'s cluster and layout with the shrunk model, fp32 (so that losses
+// can be compared with one rank's to 1e-4), `steps` steps without warm-up, the global batch of
+// seq_len-token sequences the layout implies, and the memory model's prediction for it with the
+// executor's eager kernels (cluster.kernels = eager).
+Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, int64_t seq_len, int64_t steps);
+
+// One rank that trains the rehearsal's whole global batch (its micro-batches one after another,
+// no checkpointing or offloading): the losses the layout must reproduce.
+Plan reference_plan(const Plan& rehearsal);
+
+// The rehearsal plan predicted again with the expert loads its run measured ([layer][expert]
+// tokens of a step): the layer whose busiest expert rank is busiest becomes moe.tokens_per_expert.
+// The memory model takes the load as an input; a randomly initialised model routes unevenly.
+Plan with_measured_load(const Plan& rehearsal, const std::vector<std::vector<double>>& tokens_per_expert);
+
+// Bytes of live tensors per CPU rank the memory model predicts for a plan: its device items
+// without the framework's own memory and the caching allocator's fragmentation (a CPU rank counts
+// tensors, not a GPU's reserved memory). gloo has no reduce-scatter and the executor's all-to-all
+// in its place receives a whole unit's gradient, not one shard; it is not counted, because that
+// moment is not the peak (the peak is in a block's backward, before its gradients leave).
+int64_t predicted_cpu_tensor_bytes(const Plan& plan);
+
+}  // namespace moeplan::planner

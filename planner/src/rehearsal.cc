@@ -1,0 +1,121 @@
+#include "moeplan/planner/rehearsal.h"
+
+#include <numeric>
+#include <string>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/moe_load.h"
+#include "moeplan/planner/memory_model.h"
+#include "moeplan/planner/search.h"
+
+namespace moeplan::planner {
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t vocab_size, int64_t seq_len) {
+  Diagnostics d;
+  const int64_t w = shrink.width;
+  if (w < 1) d.error("--shrink-width", "= " + str(w) + " must be at least 1");
+  if (shrink.layers < 1 || shrink.layers > model.num_layers)
+    d.error("--shrink-layers", "= " + str(shrink.layers) + " is outside 1.." + str(model.num_layers) + " (the layers of " +
+                                   model.name + ")");
+  d.throw_if_any("rehearsal");
+  // Heads shrink by the largest d (d * d <= w) dividing both head counts; head_dim by w / d.
+  int64_t heads_by = 1;
+  const int64_t common = std::gcd(model.num_attention_heads, model.num_key_value_heads);
+  for (int64_t f = 1; f * f <= w; ++f)
+    if (w % f == 0 && common % f == 0) heads_by = f;
+  const int64_t dim_by = w / heads_by;
+  auto divides = [&](const char* field, int64_t value, int64_t by) {
+    if (value % by != 0)
+      d.error("--shrink-width", "= " + str(w) + ": " + field + " = " + str(value) + " of " + model.name +
+                                    " is not divisible by " + str(by));
+    return value / by;
+  };
+  ModelSpec m = model;
+  m.hidden_size = divides("hidden_size", model.hidden_size, w);
+  m.intermediate_size = divides("intermediate_size", model.intermediate_size, w);
+  m.head_dim = divides("head_dim", model.head_dim, dim_by);
+  m.num_attention_heads = model.num_attention_heads / heads_by;
+  m.num_key_value_heads = model.num_key_value_heads / heads_by;
+  d.throw_if_any("rehearsal");
+  m.num_layers = shrink.layers;
+  m.vocab_size = vocab_size;
+  m.max_position_embeddings = std::max(model.max_position_embeddings, seq_len);
+  m.name = model.name + "-rehearsal";
+  m.source = model.name + " with hidden, intermediate and head sizes / " + str(w) + ", " + str(shrink.layers) +
+             " of " + str(model.num_layers) + " layers and the local data's " + str(vocab_size) +
+             "-piece vocabulary (moeplan run --rehearse)";
+  return m;
+}
+
+namespace {
+
+// The plan's prediction recomputed for its own model and layout (the closed form: no simulated
+// timeline is needed for a rehearsal).
+void repredict(Plan& p) {
+  p.prediction = predict({p.model, p.cluster, p.parallel, p.moe, p.training}, Estimator::kAnalytic);
+  p.alternatives.clear();
+}
+
+}  // namespace
+
+Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, int64_t seq_len, int64_t steps) {
+  Plan p = plan;
+  p.model = shrink_model(plan.model, shrink, vocab_size, seq_len);
+  const ParallelConfig& q = p.parallel;
+  p.training.seq_len = seq_len;
+  p.training.global_batch_tokens = seq_len * q.micro_batch_size * q.gradient_accumulation_steps * q.data_parallel_degree();
+  p.training.precision = Precision::kFp32;
+  p.training.steps = steps;
+  p.training.warmup_steps = 0;
+  // The executor runs LibTorch operations one by one on the CPU: its activations are eager ones.
+  p.cluster.kernels = Kernels::kEager;
+  p.provenance.command = "moeplan run --rehearse (from " + plan.model.name + " on " + plan.cluster.name + ")";
+  repredict(p);
+  return p;
+}
+
+Plan reference_plan(const Plan& rehearsal) {
+  Plan p = rehearsal;
+  ParallelConfig& q = p.parallel;
+  q.gradient_accumulation_steps *= q.data_parallel_degree();
+  q.world_size = 1;
+  q.expert_parallel_degree = q.hybrid_shard_degree = 1;
+  q.tensor_parallel_degree = q.pipeline_parallel_degree = q.virtual_pipeline_degree = 1;
+  q.sequence_parallel = false;
+  q.activation_checkpointing = Checkpointing::kNone;
+  q.activation_offloading = false;
+  p.cluster = size_cluster(rehearsal.cluster, 1);
+  repredict(p);
+  return p;
+}
+
+Plan with_measured_load(const Plan& rehearsal, const std::vector<std::vector<double>>& tokens_per_expert) {
+  Plan p = rehearsal;
+  double busiest = 0;
+  for (const std::vector<double>& layer : tokens_per_expert) {
+    MoeConfig moe = rehearsal.moe;
+    moe.tokens_per_expert = layer;
+    const double load = busiest_expert_rank_load(p.model, moe, p.parallel.expert_parallel_degree);
+    if (load > busiest) {
+      busiest = load;
+      p.moe.tokens_per_expert = layer;
+    }
+  }
+  repredict(p);
+  return p;
+}
+
+int64_t predicted_cpu_tensor_bytes(const Plan& plan) {
+  int64_t bytes = 0;
+  for (const MemoryItem& item : plan.prediction.memory.device)
+    if (item.name != "framework_overhead" && item.name != "fragmentation") bytes += item.bytes;
+  return bytes;
+}
+
+}  // namespace moeplan::planner
