@@ -1,0 +1,153 @@
+// `moeplan run --rehearse` through the real binary: the 16-GPU plan of `moeplan search` on 16
+// local CPU ranks (real gloo groups, a real tokenizer and text), checked against one rank; a
+// second layout's memory against the memory model; layouts that break a rule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "run_fixture.h"
+
+namespace moeplan::test {
+namespace {
+
+class Rehearse : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
+    if (files.empty()) return;
+    const Command r = prepare_data(files, dir_->file("data"), 512, 64);
+    ASSERT_EQ(r.exit_code, 0) << show(r);
+    // The executor runs [R, S, E] meshes: the search without tensor or pipeline parallelism.
+    const Command s = run_moeplan("search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --out " +
+                                  dir_->file("p16.json"));
+    ASSERT_EQ(s.exit_code, 0) << show(s);
+    data_ = dir_->file("data");
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  void SetUp() override {
+    if (data_.empty()) GTEST_SKIP() << "needs Debian's fortunes package (" << kFortunesDir << ")";
+  }
+
+  // Rehearses `plan` into a folder named `name` once per test suite.
+  static const Json& rehearsal(const std::string& plan, const std::string& name, Command* printed = nullptr) {
+    static std::map<std::string, std::pair<Json, Command>> done;
+    auto it = done.find(name);
+    if (it == done.end()) {
+      const Command r = run_moeplan("run " + plan + " --rehearse --data " + data_ + " --out " + dir_->file(name));
+      Json record;
+      if (std::filesystem::exists(dir_->file(name + "/rehearsal.json")))
+        record = read_json_file(dir_->file(name + "/rehearsal.json"));
+      it = done.emplace(name, std::make_pair(record, r)).first;
+    }
+    if (printed) *printed = it->second.second;
+    return it->second.first;
+  }
+
+  static TempDir* dir_;
+  static std::string data_;
+};
+
+TempDir* Rehearse::dir_ = nullptr;
+std::string Rehearse::data_;
+
+TEST_F(Rehearse, SixteenGpuPlanRehearsesOnSixteenLocalRanks) {
+  Command r;
+  const Json& record = rehearsal(dir_->file("p16.json"), "r16", &r);
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  EXPECT_NE(r.out.find("on 16 local CPU ranks"), std::string::npos) << show(r);
+  EXPECT_NE(r.out.find("verdict: the layout works"), std::string::npos) << show(r);
+  ASSERT_TRUE(record.is_object());
+  EXPECT_TRUE(record["ready"].get<bool>());
+  ASSERT_EQ(record["checks"].size(), 4u);
+  for (const Json& c : record["checks"]) EXPECT_TRUE(c["ok"].get<bool>()) << c.dump();
+  // The layout's own figures: 16 ranks trained, its checkpoint of step 1 is whole, and the
+  // layout's losses are one rank's.
+  const Json plan = read_json_file(dir_->file("p16.json"));
+  const Json report = read_json_file(dir_->file("r16/layout/report.json"));
+  EXPECT_EQ(report["measured"]["ranks"], 16);
+  EXPECT_EQ(report["plan"]["parallel"], record["layout"]);
+  EXPECT_TRUE(std::filesystem::exists(dir_->file("r16/layout/checkpoints/step-00000001/manifest.json")));
+  const Json small = read_json_file(dir_->file("r16/plan.json"));
+  EXPECT_EQ(small["parallel"], plan["parallel"]);
+  EXPECT_EQ(small["model"]["num_experts"], plan["model"]["num_experts"]);
+  EXPECT_LT(small["model"]["hidden_size"].get<int64_t>(), plan["model"]["hidden_size"].get<int64_t>());
+  const std::vector<Json> layout = read_metrics(dir_->file("r16/layout"));
+  const std::vector<Json> one = read_metrics(dir_->file("r16/reference"));
+  ASSERT_EQ(layout.size(), 2u);
+  ASSERT_EQ(one.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_NEAR(layout[i]["loss"].get<double>(), one[i]["loss"].get<double>(), 1e-4 * one[i]["loss"].get<double>());
+    EXPECT_EQ(layout[i]["tokens_per_expert"], one[i]["tokens_per_expert"]);
+  }
+  // The learning rate moved the model: step 2's loss is not step 1's.
+  EXPECT_NE(layout[0]["loss"].get<double>(), layout[1]["loss"].get<double>());
+}
+
+// What the memory model says one layout holds over another, the rehearsal measures, to 15%.
+TEST_F(Rehearse, MemoryRatiosBetweenLayoutsFollowTheMemoryModel) {
+  const Command s = run_moeplan(
+      "search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --expert-parallel-degree 4 "
+      "--hybrid-shard-degree 4 --estimator analytic --out " + dir_->file("p16-e4s4.json"));
+  ASSERT_EQ(s.exit_code, 0) << show(s);
+  Command a, b;
+  const Json& first = rehearsal(dir_->file("p16.json"), "r16", &a);
+  const Json& second = rehearsal(dir_->file("p16-e4s4.json"), "r16-e4s4", &b);
+  ASSERT_TRUE(first.contains("memory")) << show(a);
+  ASSERT_TRUE(second.contains("memory")) << show(b);
+  const double measured = first["memory"]["measured_peak_tensor_bytes"].get<double>() /
+                          second["memory"]["measured_peak_tensor_bytes"].get<double>();
+  const double predicted = first["memory"]["predicted_tensor_bytes"].get<double>() /
+                           second["memory"]["predicted_tensor_bytes"].get<double>();
+  EXPECT_NE(first["layout"], second["layout"]);
+  EXPECT_LE(std::abs(measured / predicted - 1), 0.15)
+      << first["layout"] << " over " << second["layout"] << ": measured " << measured << ", memory model " << predicted;
+}
+
+TEST_F(Rehearse, ImpossibleLayoutFailsWithTheRuleItBreaks) {
+  Json plan = read_json_file(dir_->file("p16.json"));
+  plan["parallel"]["expert_parallel_degree"] = 3;  // 8 experts do not split over 3 ranks
+  const std::string edited = dir_->write("p16-e3.json", plan);
+  const Command r = run_moeplan("run " + edited + " --rehearse --data " + data_ + " --out " + dir_->file("r-e3"));
+  EXPECT_EQ(r.exit_code, 2) << show(r);
+  EXPECT_NE(r.err.find("parallel.expert_parallel_degree"), std::string::npos) << show(r);
+  EXPECT_NE(r.err.find("[expert_degree_divides_experts]"), std::string::npos) << show(r);
+  EXPECT_FALSE(std::filesystem::exists(dir_->file("r-e3")));
+
+  // What the executor cannot run, it cannot rehearse: said, naming the field.
+  const Command tp = run_moeplan("search --gpus 16 --tensor-parallel-degree 2 --pipeline-parallel-degree 1 "
+                                 "--estimator analytic --out " + dir_->file("p16-t2.json"));
+  ASSERT_EQ(tp.exit_code, 0) << show(tp);
+  const Command t = run_moeplan("run " + dir_->file("p16-t2.json") + " --rehearse --data " + data_ + " --out " +
+                                dir_->file("r-t2"));
+  EXPECT_EQ(t.exit_code, 2) << show(t);
+  EXPECT_NE(t.err.find("parallel.tensor_parallel_degree"), std::string::npos) << show(t);
+  EXPECT_FALSE(std::filesystem::exists(dir_->file("r-t2")));
+}
+
+TEST_F(Rehearse, BadRequestsAreRefusedBeforeAnyRankStarts) {
+  std::filesystem::create_directories(dir_->file("used"));
+  dir_->write("used/keep.txt", Json("mine"));
+  const std::string base = "run " + dir_->file("p16.json") + " --rehearse --data " + data_;
+  const Command used = run_moeplan(base + " --out " + dir_->file("used"));
+  EXPECT_EQ(used.exit_code, 2) << show(used);
+  EXPECT_NE(used.err.find("--out"), std::string::npos) << show(used);
+  EXPECT_TRUE(std::filesystem::exists(dir_->file("used/keep.txt")));
+  const Command one = run_moeplan(base + " --out " + dir_->file("r-one") + " --steps 1");
+  EXPECT_EQ(one.exit_code, 2) << show(one);
+  EXPECT_NE(one.err.find("--steps"), std::string::npos) << show(one);
+  const Command width = run_moeplan(base + " --out " + dir_->file("r-w3") + " --shrink-width 3");
+  EXPECT_EQ(width.exit_code, 2) << show(width);
+  EXPECT_NE(width.err.find("--shrink-width"), std::string::npos) << show(width);
+  const Command stray = run_moeplan("run " + dir_->file("p16.json") + " --data " + data_ + " --out " +
+                                    dir_->file("r-stray") + " --shrink-width 16");
+  EXPECT_NE(stray.exit_code, 0) << show(stray);
+  EXPECT_NE(stray.err.find("--rehearse"), std::string::npos) << show(stray);
+}
+
+}  // namespace
+}  // namespace moeplan::test
