@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,9 @@
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/tensor_file.h"
+#include "moeplan/executor/tokens.h"
+#include "moeplan/executor/hf_checkpoint.h"
+#include "moeplan/executor/parallel_trainer.h"
 #include "run_fixture.h"
 #include "test_support.h"
 
@@ -66,6 +70,78 @@ for f in sorted(set(index["weight_map"].values())):
     total += data
 assert total == index["metadata"]["total_size"]
 print("ok", len(index["weight_map"]))
+)PY";
+
+// Mixtral's forward pass as Hugging Face's modeling_mixtral.py defines it, written again in
+// PyTorch from the folder alone (config.json, the index, safetensors parsed here): RMSNorm in
+// fp32, rotate_half RoPE, grouped-query attention with a causal mask, softmax top-k routing
+// renormalised over the k experts, SwiGLU experts w2(silu(w1 x) * w3 x). Prints the largest
+// difference from the logits moeplan computed for the same tokens.
+constexpr char kReferenceMixtral[] = R"PY(
+import json, math, os, struct, sys
+import torch
+d, ids_path, logits_path = sys.argv[1:4]
+cfg = json.load(open(os.path.join(d, "config.json")))
+index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+types = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+W = {}
+for f in sorted(set(index["weight_map"].values())):
+    raw = open(os.path.join(d, f), "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    for name, v in header.items():
+        b, e = v["data_offsets"]
+        W[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]), dtype=types[v["dtype"]]).reshape(v["shape"]).float()
+H, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+hd = cfg.get("head_dim") or H // nh
+eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
+
+def norm(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+def rotate_half(x):
+    return torch.cat((-x[..., hd // 2:], x[..., :hd // 2]), dim=-1)
+
+ids = torch.frombuffer(bytearray(open(ids_path, "rb").read()), dtype=torch.int64)
+expected = torch.frombuffer(bytearray(open(logits_path, "rb").read()), dtype=torch.float32)
+B = int(sys.argv[4]); T = ids.numel() // B
+ids = ids.reshape(B, T)
+inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd))
+freqs = torch.outer(torch.arange(T).float(), inv_freq)
+emb = torch.cat((freqs, freqs), dim=-1)
+cos, sin = emb.cos(), emb.sin()
+mask = torch.full((T, T), float("-inf")).triu(1)
+if cfg.get("sliding_window"):
+    mask = mask.masked_fill(torch.arange(T)[:, None] - torch.arange(T)[None, :] >= cfg["sliding_window"], float("-inf"))
+h = W["model.embed_tokens.weight"][ids]
+for l in range(cfg["num_hidden_layers"]):
+    p = "model.layers.%d." % l
+    x = norm(h, W[p + "input_layernorm.weight"])
+    q = (x @ W[p + "self_attn.q_proj.weight"].T).view(B, T, nh, hd).transpose(1, 2)
+    kk = (x @ W[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd).transpose(1, 2)
+    v = (x @ W[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd).transpose(1, 2)
+    q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
+    kk, v = kk.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    a = torch.softmax(q @ kk.transpose(2, 3) / math.sqrt(hd) + mask, dim=-1) @ v
+    h = h + a.transpose(1, 2).reshape(B, T, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
+    x = norm(h, W[p + "post_attention_layernorm.weight"]).reshape(B * T, H)
+    probs = torch.softmax(x @ W[p + "block_sparse_moe.gate.weight"].T, dim=-1)
+    top, chosen = torch.topk(probs, k, dim=-1)
+    top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for j in range(E):
+        e = p + "block_sparse_moe.experts.%d." % j
+        rows, slot = torch.nonzero(chosen == j, as_tuple=True)
+        y = (torch.nn.functional.silu(x[rows] @ W[e + "w1.weight"].T) * (x[rows] @ W[e + "w3.weight"].T)) @ W[e + "w2.weight"].T
+        out.index_add_(0, rows, y * top[rows, slot, None])
+    h = h + out.view(B, T, H)
+head = W["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else W["lm_head.weight"]
+logits = norm(h, W["model.norm.weight"]) @ head.T
+got = expected.reshape(logits.shape)
+print("max_abs_diff %.3e max_abs_logit %.3e" % ((logits - got).abs().max().item(), logits.abs().max().item()))
 )PY";
 
 class HfExport : public testing::Test {
@@ -254,6 +330,41 @@ TEST_F(HfImport, FourRanksAndOneRankStartFromTheSameModel) {
   ASSERT_EQ(run_moeplan("run " + plan(tmp, 1, 1, 1, "0.001") + " --data " + dir_->file("data") + " --out " + fresh +
                         " --steps 1 --threads 1").exit_code, 0);
   EXPECT_NE(test::read_metrics(fresh)[0]["loss"].get<double>(), losses[0]);
+}
+
+// The exported folder read by an independent Mixtral (kReferenceMixtral, Debian's PyTorch):
+// the logits moeplan computes from the folder for two sequences of real text are its logits.
+TEST_F(HfImport, AnIndependentMixtralGivesTheSameLogits) {
+  // Debian's python3 (a python3 earlier on PATH may not see Debian's packages).
+  const std::string python = fs::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3";
+  if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << "python3 with torch (Debian's python3-torch) is not installed: the reference Mixtral did not run";
+  const test::TempDir tmp;
+  const ModelSpec model = read_model_file(model_);
+  Diagnostics d;
+  const SlicedState state = read_hf_parameters(hf(), model, torch::kFloat);
+  std::vector<torch::Tensor> tensors;
+  for (const ParamInfo& info : mixtral_parameters(model)) tensors.push_back(state.whole("param/" + info.name, info.shape, d));
+  ASSERT_TRUE(d.empty());
+  const torch::Tensor ids = TokenDataset::open(dir_->file("data")).blocks({3, 11});
+  torch::NoGradGuard no_grad;
+  const ForwardResult out =
+      mixtral_forward(model, MixtralWeights::bind(model, tensors), ids, LoadBalancing::kAuxLoss);
+  const torch::Tensor logits = out.logits.contiguous();
+  ASSERT_EQ(logits.scalar_type(), torch::kFloat);
+  auto write = [&](const std::string& name, const torch::Tensor& t) {
+    const std::string path = tmp.file(name);
+    std::ofstream(path, std::ios::binary).write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    return path;
+  };
+  const std::string script = tmp.write("mixtral.py", std::string(kReferenceMixtral));
+  const Command r = test::run_command(python + " " + script + " " + hf() + " " + write("ids", ids.contiguous()) + " " +
+                                      write("logits", logits) + " " + std::to_string(ids.size(0)));
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  double diff = 1, largest = 0;
+  ASSERT_EQ(std::sscanf(r.out.c_str(), "max_abs_diff %lf max_abs_logit %lf", &diff, &largest), 2) << show(r);
+  EXPECT_GT(largest, 0.1) << "logits of a trained model, not zeros";
+  EXPECT_LE(diff, 1e-4 * std::max(1.0, largest)) << show(r);
 }
 
 // A copy of the exported folder with one file replaced; the run must refuse it naming what is
