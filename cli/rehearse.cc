@@ -257,16 +257,19 @@ int run_rehearse(const RunArgs& args) {
     const Json report = read_json_file(out + "/layout/report.json");
     int64_t measured = 0;
     for (const Json& b : report["measured"]["peak_step_tensor_bytes_per_rank"]) measured = std::max(measured, b.get<int64_t>());
-    // The memory model with the expert loads this run measured (the router of a random model is
-    // uneven, and the busiest expert rank holds the most activations).
-    std::vector<std::vector<double>> load;
-    for (const Json& layer : layout.back()["tokens_per_expert"]) load.push_back(layer.get<std::vector<double>>());
+    // The memory model with the expert load this run measured: the most rows one rank's experts
+    // computed in a layer of a micro-batch, over the mean (a random router is uneven, and the
+    // busiest expert rank holds the most activations).
+    int64_t rows = 0;
+    for (const Json& r : report["measured"]["busiest_expert_rows_per_rank"]) rows = std::max(rows, r.get<int64_t>());
+    const double load = static_cast<double>(rows) /
+                        static_cast<double>(m.experts_per_token * p.micro_batch_size * small.training.seq_len);
     const Plan loaded = planner::with_measured_load(small, load);
     const int64_t predicted = planner::predicted_cpu_tensor_bytes(loaded);
     const double ratio = static_cast<double>(measured) / static_cast<double>(predicted);
     record["memory"] = {{"measured_peak_tensor_bytes", measured},
                         {"predicted_tensor_bytes", predicted},
-                        {"tokens_per_expert", loaded.moe.tokens_per_expert},
+                        {"busiest_expert_rank_load", load},
                         {"measured_over_predicted", ratio},
                         {"plan_device_bytes", plan.prediction.memory.device_total_bytes},
                         {"plan_device_limit_bytes", plan.prediction.memory.device_limit_bytes}};

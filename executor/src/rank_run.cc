@@ -184,6 +184,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     }
     const int64_t ga = p.gradient_accumulation_steps, mbs = p.micro_batch_size;
     StepPeaks peaks;
+    int64_t busiest_rows = 0;
     while (trainer.step_count() < last_step) {
       // Rank r's micro-batch m holds what a one-rank run with r * ga + m micro-batches before it
       // would train on.
@@ -197,6 +198,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       peaks.begin_step();
       StepRecord r = trainer.step(micro_batches);
       peaks.end_step();
+      busiest_rows = std::max(busiest_rows, trainer.model().take_busiest_expert_rows());
       if (leader) {
         metrics << to_json_line(r) << '\n' << std::flush;
         if (o.progress) {
@@ -252,6 +254,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       m.baseline_rss_bytes = baseline_rss;
       m.peak_tensor_bytes = peaks.whole_run();
       m.peak_step_tensor_bytes = peaks.steps();
+      m.busiest_expert_rows = busiest_rows;
       m.events = trainer.clock().events();
       m.memory = trainer.clock().memory();
       write_file_atomic(o.out_dir + "/.trace-rank-" + std::to_string(env.rank) + ".json", to_json(m).dump());

@@ -87,6 +87,7 @@ OrderedJson to_json(const RankMeasurement& m) {
   j["baseline_rss_bytes"] = m.baseline_rss_bytes;
   j["peak_tensor_bytes"] = m.peak_tensor_bytes;
   j["peak_step_tensor_bytes"] = m.peak_step_tensor_bytes;
+  j["busiest_expert_rows"] = m.busiest_expert_rows;
   Trace trace;
   trace.source = "measured";
   trace.ranks = m.rank + 1;
@@ -103,6 +104,7 @@ RankMeasurement rank_measurement_from_json(const Json& j, const std::string& ori
   m.baseline_rss_bytes = j.at("baseline_rss_bytes").get<int64_t>();
   m.peak_tensor_bytes = j.at("peak_tensor_bytes").get<int64_t>();
   m.peak_step_tensor_bytes = j.at("peak_step_tensor_bytes").get<int64_t>();
+  m.busiest_expert_rows = j.at("busiest_expert_rows").get<int64_t>();
   Trace trace = trace_from_json(j.at("trace"), origin);
   m.events = std::move(trace.events);
   m.memory = std::move(trace.memory);
@@ -124,6 +126,7 @@ OrderedJson RunReport::to_json() const {
                         {"baseline_rss_bytes_per_rank", baseline_rss_bytes_per_rank},
                         {"peak_tensor_bytes_per_rank", peak_tensor_bytes_per_rank},
                         {"peak_step_tensor_bytes_per_rank", peak_step_tensor_bytes_per_rank},
+                        {"busiest_expert_rows_per_rank", busiest_expert_rows_per_rank},
                         {"peak_rss_bytes", peak_rss_bytes},
                         {"phase_seconds_rank0", phases},
                         {"tokens_per_expert", tokens_per_expert}};
@@ -154,6 +157,7 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
     r.baseline_rss_bytes_per_rank.push_back(m.baseline_rss_bytes);
     r.peak_tensor_bytes_per_rank.push_back(m.peak_tensor_bytes);
     r.peak_step_tensor_bytes_per_rank.push_back(m.peak_step_tensor_bytes);
+    r.busiest_expert_rows_per_rank.push_back(m.busiest_expert_rows);
     r.peak_rss_bytes = std::max(r.peak_rss_bytes, m.peak_rss_bytes);
   }
   write_file_atomic(out_dir + "/trace.json", moeplan::to_json(trace).dump(1) + "\n");

@@ -417,6 +417,7 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
 torch::Tensor ShardedModel::local_experts(const torch::Tensor& rows, const std::vector<int64_t>& rows_per_expert,
                                           const Gathered& local) {
   std::vector<torch::Tensor> outputs;
+  busiest_expert_rows_ = std::max(busiest_expert_rows_, rows.size(0));
   int64_t begin = 0;
   for (int64_t j = 0; j < experts_per_rank_; ++j) {
     const int64_t n = rows_per_expert[static_cast<size_t>(j)];

@@ -1,10 +1,10 @@
 #include "moeplan/planner/rehearsal.h"
 
+#include <algorithm>
 #include <numeric>
 #include <string>
 
 #include "moeplan/core/errors.h"
-#include "moeplan/core/moe_load.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 
@@ -95,18 +95,15 @@ Plan reference_plan(const Plan& rehearsal) {
   return p;
 }
 
-Plan with_measured_load(const Plan& rehearsal, const std::vector<std::vector<double>>& tokens_per_expert) {
+Plan with_measured_load(const Plan& rehearsal, double load) {
   Plan p = rehearsal;
-  double busiest = 0;
-  for (const std::vector<double>& layer : tokens_per_expert) {
-    MoeConfig moe = rehearsal.moe;
-    moe.tokens_per_expert = layer;
-    const double load = busiest_expert_rank_load(p.model, moe, p.parallel.expert_parallel_degree);
-    if (load > busiest) {
-      busiest = load;
-      p.moe.tokens_per_expert = layer;
-    }
-  }
+  const int64_t ranks = p.parallel.expert_parallel_degree, experts = p.model.num_experts;
+  const int64_t local = experts / ranks;
+  // Expert rank 0 at `load` times the mean, the other ranks share the rest evenly.
+  const double busiest = std::clamp(load, 1.0, static_cast<double>(ranks));
+  const double rest = ranks > 1 ? (static_cast<double>(ranks) - busiest) / static_cast<double>(ranks - 1) : 1.0;
+  p.moe.tokens_per_expert.assign(static_cast<size_t>(experts), rest);
+  for (int64_t i = 0; i < local; ++i) p.moe.tokens_per_expert[static_cast<size_t>(i)] = busiest;
   repredict(p);
   return p;
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/moe_load.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
@@ -98,19 +99,23 @@ TEST(Rehearsal, KeepsTheLayoutAndTheOneRankReferenceTrainsTheSameBatch) {
   EXPECT_TRUE(validate({one.model, one.cluster, one.parallel, one.moe, one.training}).empty());
 }
 
-TEST(Rehearsal, MeasuredLoadOfTheBusiestLayerRaisesTheExpertRanksMemory) {
+TEST(Rehearsal, MeasuredLoadOfTheBusiestExpertRankRaisesItsMemory) {
   Plan plan = cluster_plan();
-  plan.parallel.expert_parallel_degree = 8;
-  plan.parallel.hybrid_shard_degree = 2;
+  plan.parallel.expert_parallel_degree = 4;
+  plan.parallel.hybrid_shard_degree = 4;
   const Plan small = rehearsal_plan(plan, {}, 512, 64, 2);
-  // Layer 1 sends a third of its slots to expert 0, which one rank of E = 8 holds alone.
-  const std::vector<std::vector<double>> load{{10, 10, 10, 10, 10, 10, 10, 10}, {40, 10, 10, 10, 10, 10, 10, 20}};
-  const Plan loaded = with_measured_load(small, load);
-  EXPECT_EQ(loaded.moe.tokens_per_expert, load[1]);
+  // One expert rank computed 1.3 times the mean rows: the model sees exactly that rank load.
+  const Plan loaded = with_measured_load(small, 1.3);
+  EXPECT_NEAR(busiest_expert_rank_load(loaded.model, loaded.moe, 4), 1.3, 1e-12);
+  ASSERT_EQ(loaded.moe.tokens_per_expert.size(), 8u);
+  EXPECT_EQ(loaded.moe.tokens_per_expert[0], loaded.moe.tokens_per_expert[1]);  // rank 0's two experts
   EXPECT_GT(predicted_cpu_tensor_bytes(loaded), predicted_cpu_tensor_bytes(small));
-  // Even load: the same figure as none given.
-  const Plan even = with_measured_load(small, {load[0]});
-  EXPECT_EQ(predicted_cpu_tensor_bytes(even), predicted_cpu_tensor_bytes(small));
+  // The mean load is the figure with none given; with E = 1 every rank computes every row.
+  EXPECT_EQ(predicted_cpu_tensor_bytes(with_measured_load(small, 1.0)), predicted_cpu_tensor_bytes(small));
+  plan.parallel.expert_parallel_degree = 1;
+  plan.parallel.hybrid_shard_degree = 16;
+  const Plan one_group = rehearsal_plan(plan, {}, 512, 64, 2);
+  EXPECT_EQ(predicted_cpu_tensor_bytes(with_measured_load(one_group, 1.0)), predicted_cpu_tensor_bytes(one_group));
 }
 
 TEST(Rehearsal, CpuFigureLeavesOutTheGpuFrameworkAndFragmentation) {

@@ -48,6 +48,7 @@ struct RankMeasurement {
   int64_t baseline_rss_bytes = 0;  // before the model was built: the runtime and its libraries
   int64_t peak_tensor_bytes = 0;   // live tensors at their peak (install_tensor_allocator)
   int64_t peak_step_tensor_bytes = 0;  // the same inside training steps only (StepPeaks)
+  int64_t busiest_expert_rows = 0;     // most rows its experts computed in a layer of a micro-batch
   std::vector<TraceEvent> events;  // of the last step
   std::vector<MemorySample> memory;
 };
@@ -64,7 +65,7 @@ struct RunReport {
   double step_time_s = 0;  // median over the steps, the first (warm-up) one left out when there are more
   double tokens_per_s = 0;
   std::vector<int64_t> peak_rss_bytes_per_rank, baseline_rss_bytes_per_rank, peak_tensor_bytes_per_rank,
-      peak_step_tensor_bytes_per_rank;
+      peak_step_tensor_bytes_per_rank, busiest_expert_rows_per_rank;
   int64_t peak_rss_bytes = 0;  // the largest rank's
   double predicted_step_time_s = 0, predicted_tokens_per_s = 0;
   int64_t predicted_bytes_per_rank = 0;

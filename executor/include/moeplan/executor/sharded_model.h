@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moeplan/core/plan.h"
@@ -72,6 +73,10 @@ class ShardedModel {
   // every rank of an expert group). Router counts are of this rank's tokens.
   ForwardResult forward(const torch::Tensor& input_ids, uint64_t shuffle_seed);
 
+  // The most token-expert rows this rank's experts computed in one layer of one micro-batch
+  // since the last call (the load its activations are sized by), and a new count.
+  int64_t take_busiest_expert_rows() { return std::exchange(busiest_expert_rows_, 0); }
+
  private:
   struct Gathered {
     size_t unit = 0;
@@ -112,6 +117,7 @@ class ShardedModel {
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
   torch::Tensor tokens_per_expert_;  // of the forward in progress
+  int64_t busiest_expert_rows_ = 0;
   std::map<size_t, Communicator::PendingGather> prefetched_;  // by unit
 };
 

@@ -33,10 +33,12 @@ Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, 
 // no checkpointing or offloading): the losses the layout must reproduce.
 Plan reference_plan(const Plan& rehearsal);
 
-// The rehearsal plan predicted again with the expert loads its run measured ([layer][expert]
-// tokens of a step): the layer whose busiest expert rank is busiest becomes moe.tokens_per_expert.
-// The memory model takes the load as an input; a randomly initialised model routes unevenly.
-Plan with_measured_load(const Plan& rehearsal, const std::vector<std::vector<double>>& tokens_per_expert);
+// The rehearsal plan predicted again with the expert load its run measured: `load` is the most
+// token-expert rows one rank's experts computed in a layer of a micro-batch, over the mean
+// (k x micro-batch tokens). It becomes moe.tokens_per_expert with the first expert rank that busy
+// and the others even. The memory model takes the load as an input (a plan on a cluster is given
+// one); a randomly initialised router is uneven, and the busiest micro-batch sizes the peak.
+Plan with_measured_load(const Plan& rehearsal, double load);
 
 // Bytes of live tensors per CPU rank the memory model predicts for a plan: its device items
 // without the framework's own memory and the caching allocator's fragmentation (a CPU rank counts
