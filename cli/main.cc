@@ -115,14 +115,15 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--out", run.out, "Run folder: metrics.jsonl, checkpoints/")->capture_default_str();
   run_cmd->add_option("--steps", run.steps, "Stop after this step (default: the plan's training.steps)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  run_cmd->add_option("--checkpoint-every", run.checkpoint_every, "Save a checkpoint every N steps and at the end")
+  CLI::Option* every = run_cmd->add_option("--checkpoint-every", run.checkpoint_every, "Save a checkpoint every N steps and at the end")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  run_cmd->add_flag("--resume", run.resume, "Continue from the newest complete checkpoint in --out");
-  run_cmd->add_option("--init-from", run.init_from,
+  CLI::Option* resume = run_cmd->add_flag("--resume", run.resume, "Continue from the newest complete checkpoint in --out");
+  CLI::Option* init_from = run_cmd->add_option("--init-from", run.init_from,
                       "Start from a Hugging Face Mixtral folder (config.json + safetensors) instead of random weights");
   CLI::Option* rehearse = run_cmd->add_flag("--rehearse", run.rehearse,
                     "Rehearse the plan's layout on local CPU ranks with the model shrunk, against one rank, and "
                     "give a verdict (--out is the rehearsal's folder)");
+  rehearse->excludes(every)->excludes(resume)->excludes(init_from);
   run_cmd->add_option("--shrink-width", run.shrink_width, "With --rehearse: divide hidden and intermediate sizes by this")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
   run_cmd->add_option("--shrink-layers", run.shrink_layers, "With --rehearse: layers kept")

@@ -96,6 +96,15 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
 
 }  // namespace
 
+std::vector<Json> read_metrics(const std::string& run_dir) {
+  std::vector<Json> lines;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) lines.push_back(Json::parse(line));
+  return lines;
+}
+
 void truncate_metrics(const std::string& path, int64_t last_step) {
   std::ifstream in(path);
   std::string line, kept;

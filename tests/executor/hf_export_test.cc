@@ -98,6 +98,7 @@ hd = cfg.get("head_dim") or H // nh
 eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
 E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
 assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
+assert cfg["hidden_act"] == "silu" and not cfg.get("tie_word_embeddings")
 
 def norm(x, w):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))

@@ -17,12 +17,13 @@ class Rehearse : public ::testing::Test {
     dir_ = new TempDir();
     const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
     if (files.empty()) return;
+    have_fortunes_ = true;
     const Command r = prepare_data(files, dir_->file("data"), 512, 64);
-    ASSERT_EQ(r.exit_code, 0) << show(r);
+    if (r.exit_code != 0) setup_ = show(r);
     // The executor runs [R, S, E] meshes: the search without tensor or pipeline parallelism.
     const Command s = run_moeplan("search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --out " +
                                   dir_->file("p16.json"));
-    ASSERT_EQ(s.exit_code, 0) << show(s);
+    if (s.exit_code != 0) setup_ += show(s);
     data_ = dir_->file("data");
   }
   static void TearDownTestSuite() {
@@ -30,7 +31,8 @@ class Rehearse : public ::testing::Test {
     dir_ = nullptr;
   }
   void SetUp() override {
-    if (data_.empty()) GTEST_SKIP() << "needs Debian's fortunes package (" << kFortunesDir << ")";
+    if (!have_fortunes_) GTEST_SKIP() << "needs Debian's fortunes package (" << kFortunesDir << ")";
+    ASSERT_EQ(setup_, "") << "preparing the data or the plan failed";
   }
 
   // Rehearses `plan` into a folder named `name` once per test suite.
@@ -38,7 +40,9 @@ class Rehearse : public ::testing::Test {
     static std::map<std::string, std::pair<Json, Command>> done;
     auto it = done.find(name);
     if (it == done.end()) {
-      const Command r = run_moeplan("run " + plan + " --rehearse --data " + data_ + " --out " + dir_->file(name));
+      // 16 ranks share two cores with whatever else runs: collectives may wait long.
+      const Command r = run_moeplan("run " + plan + " --rehearse --data " + data_ + " --out " + dir_->file(name) +
+                                    " --timeout 300");
       Json record;
       if (std::filesystem::exists(dir_->file(name + "/rehearsal.json")))
         record = read_json_file(dir_->file(name + "/rehearsal.json"));
@@ -50,6 +54,8 @@ class Rehearse : public ::testing::Test {
 
   static TempDir* dir_;
   static std::string data_;
+  inline static bool have_fortunes_ = false;
+  inline static std::string setup_;
 };
 
 TempDir* Rehearse::dir_ = nullptr;

@@ -18,6 +18,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
+#include "moeplan/executor/trainer.h"
 #include "test_support.h"
 
 namespace moeplan::test {
@@ -130,15 +131,7 @@ inline Command prepare_data(const std::vector<std::string>& inputs, const std::s
                                      " --document-separator %"));
 }
 
-// The metrics.jsonl lines of a run, parsed.
-inline std::vector<Json> read_metrics(const std::string& run_dir) {
-  std::vector<Json> lines;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) lines.push_back(Json::parse(line));
-  return lines;
-}
+using executor::read_metrics;  // the metrics.jsonl lines of a run, parsed
 
 // The lines of the InputError `f` throws; a test failure (and "") if it throws nothing or
 // something else.

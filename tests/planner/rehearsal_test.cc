@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <stdexcept>
+
 #include "moeplan/core/errors.h"
 #include "moeplan/core/moe_load.h"
 #include "moeplan/core/rules.h"
@@ -23,7 +25,7 @@ Plan cluster_plan() {
   const ModelSpec& m = test::model("mixtral-8x7b");
   const ClusterSpec c = test::hardware("p4d.24xlarge", 16);
   const SearchResult r = search(m, c, o);
-  EXPECT_FALSE(r.ranked.empty());
+  if (r.ranked.empty()) throw std::runtime_error("no [R, S, E] plan for Mixtral 8x7B on 16 A100s");
   return make_plan(m, c, o, r, "moeplan search --gpus 16");
 }
 
@@ -115,7 +117,7 @@ TEST(Rehearsal, MeasuredLoadOfTheBusiestExpertRankRaisesItsMemory) {
   plan.parallel.expert_parallel_degree = 1;
   plan.parallel.hybrid_shard_degree = 16;
   const Plan one_group = rehearsal_plan(plan, {}, 512, 64, 2);
-  EXPECT_EQ(predicted_cpu_tensor_bytes(with_measured_load(one_group, 1.0)), predicted_cpu_tensor_bytes(one_group));
+  EXPECT_EQ(predicted_cpu_tensor_bytes(with_measured_load(one_group, 1.3)), predicted_cpu_tensor_bytes(one_group));
 }
 
 TEST(Rehearsal, CpuFigureLeavesOutTheGpuFrameworkAndFragmentation) {

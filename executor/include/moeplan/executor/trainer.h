@@ -89,6 +89,8 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
 
 // Keeps the metrics.jsonl lines of steps up to `last_step` (a resumed run rewrites the rest).
 void truncate_metrics(const std::string& path, int64_t last_step);
+// The metrics.jsonl lines of a run folder, parsed (none when the file is missing).
+std::vector<Json> read_metrics(const std::string& run_dir);
 
 // Reports into d what in a checkpoint's state does not fit the plan (model, precision, data
 // position, optimizer step).
