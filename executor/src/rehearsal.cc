@@ -118,7 +118,7 @@ std::pair<double, std::string> state_difference(const std::string& a_dir, const 
       d.throw_if_any(b_dir);
       const double norm = y.to(torch::kDouble).norm().item<double>();
       const double diff = (x.to(torch::kDouble) - y.to(torch::kDouble)).norm().item<double>() / std::max(norm, 1e-30);
-      if (!(diff <= worst)) {  // NaN included
+      if (std::isnan(diff) || diff > worst) {  // a NaN stays
         worst = diff;
         where = key;
       }
@@ -286,7 +286,7 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
       for (size_t i = 0; complete && i < layout.size(); ++i) {
         for (const char* key : {"loss", "aux_loss", "z_loss", "grad_norm"}) {
           const double e = relative(layout[i].at(key).get<double>(), one[i].at(key).get<double>());
-          if (!(e <= worst)) worst = e;
+          if (std::isnan(e) || e > worst) worst = e;  // a NaN stays
         }
         const auto a = layout[i].at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
         const auto b = one[i].at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
@@ -318,7 +318,7 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
       for (const int64_t step : {saved, steps}) {
         const auto [diff, name] = state_difference(step_folder(out + "/layout/checkpoints", step),
                                                    step_folder(out + "/reference/checkpoints", step), m);
-        if (!(diff <= worst)) {
+        if (std::isnan(diff) || diff > worst) {
           worst = diff;
           where = name + " at step " + std::to_string(step);
         }
