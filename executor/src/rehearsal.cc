@@ -33,9 +33,9 @@ namespace {
 
 // Losses of one rank and of the layout agree to this (fp32; sums in another order).
 constexpr double kLossTolerance = 1e-4;
-// Parameters after the checkpointed step: |layout - reference| / |reference|, per tensor. Adam's
-// first steps move an element by about the learning rate whatever its gradient's size, so an
-// element whose gradient is rounding noise may move either way.
+// Parameters and AdamW moments of a checkpoint: |layout - reference| / |reference|, per tensor.
+// Adam's first steps move an element by about the learning rate whatever its gradient's size,
+// so an element whose gradient is rounding noise may move either way.
 constexpr double kParameterTolerance = 1e-3;
 // Measured live tensors per rank over the memory model's figure for the same shrunk layout.
 constexpr double kMemoryTolerance = 0.15;
