@@ -33,6 +33,26 @@ TEST(TensorBytes, CountsLiveTensorsAndKeepsThePeak) {
   EXPECT_EQ(tensor_bytes().peak, tensor_bytes().live);
 }
 
+// report.json's peak_step_tensor_bytes_per_rank: what happens between steps (building the model,
+// saving a checkpoint) counts for the whole run, not for the steps.
+TEST(StepPeaks, LeaveOutWhatHappensBetweenSteps) {
+  install_tensor_allocator();
+  reset_peak_tensor_bytes();
+  const int64_t base = tensor_bytes().live;
+  constexpr int64_t kBig = 16 << 20, kSmall = 4 << 20;
+  StepPeaks peaks;
+  { torch::Tensor setup = torch::ones({kBig / 4}, torch::kFloat); }  // before the first step
+  for (int step = 0; step < 2; ++step) {
+    peaks.begin_step();
+    { torch::Tensor work = torch::ones({kSmall / 4}, torch::kFloat); }
+    peaks.end_step();
+    { torch::Tensor save = torch::ones({kBig / 4}, torch::kFloat); }  // a checkpoint after the step
+  }
+  EXPECT_GE(peaks.steps() - base, kSmall);
+  EXPECT_LT(peaks.steps() - base, kBig);
+  EXPECT_GE(peaks.whole_run() - base, kBig);
+}
+
 // Some kernels take raw memory from the CPU allocator (raw_allocate), which requires the data
 // pointer to be its own context; the counter must serve them and count them.
 TEST(TensorBytes, ServesRawAllocations) {
