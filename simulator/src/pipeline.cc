@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "moeplan/core/pipeline_schedule.h"
+
 namespace moeplan::sim {
 
 PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, int64_t micro_batches, double p2p_s,
@@ -10,8 +12,9 @@ PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, i
   if (stages.empty() || micro_batches < 1) throw std::invalid_argument("a pipeline needs a stage and a micro-batch");
   const auto p = static_cast<int64_t>(stages.size());
   const auto m = micro_batches;
-  if (chunks < 1 || (chunks > 1 && m % p != 0))
-    throw std::invalid_argument("an interleaved pipeline needs its micro-batches in whole rounds of the stages");
+  // Each rank's compute stream, in order (this also checks the chunks against the micro-batches).
+  std::vector<std::vector<PipelineAction>> order;
+  for (int64_t r = 0; r < p; ++r) order.push_back(pipeline_schedule(p, r, m, chunks));
   const int64_t v = chunks;
   const int64_t virtual_stages = p * v;
   PipelineSimulation sim;
@@ -34,37 +37,6 @@ PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, i
   std::vector<std::vector<OpId>> backward = forward;
   std::vector<std::vector<OpId>> arrived = forward;  // activations (forward) at each stage
   std::vector<std::vector<OpId>> returned = forward;  // gradients at each stage
-  // The schedule of each rank: (is forward, micro-batch, chunk) in order.
-  struct Step {
-    bool forward;
-    int64_t mb, chunk;
-  };
-  std::vector<std::vector<Step>> order(static_cast<size_t>(p));
-  for (int64_t r = 0; r < p; ++r) {
-    auto& o = order[static_cast<size_t>(r)];
-    if (v == 1) {
-      const int64_t warmup = std::min(p - 1 - r, m);
-      for (int64_t i = 0; i < warmup; ++i) o.push_back({true, i, 0});
-      for (int64_t i = 0; i < m - warmup; ++i) {
-        o.push_back({true, warmup + i, 0});
-        o.push_back({false, i, 0});
-      }
-      for (int64_t i = m - warmup; i < m; ++i) o.push_back({false, i, 0});
-      continue;
-    }
-    // Megatron-LM's interleaved schedule: the k-th forward of a rank is micro-batch
-    // (k / (P v)) P + k % P in chunk (k / P) % v; backwards run the chunks in reverse.
-    auto micro_batch = [&](int64_t k) { return k / (p * v) * p + k % p; };
-    const int64_t total = m * v;
-    const int64_t warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
-    for (int64_t k = 0; k < warmup; ++k) o.push_back({true, micro_batch(k), k / p % v});
-    for (int64_t i = 0; i < total - warmup; ++i) {
-      const int64_t k = warmup + i;
-      o.push_back({true, micro_batch(k), k / p % v});
-      o.push_back({false, micro_batch(i), v - 1 - i / p % v});
-    }
-    for (int64_t i = total - warmup; i < total; ++i) o.push_back({false, micro_batch(i), v - 1 - i / p % v});
-  }
   // Add ops in an order that respects every dependency: repeatedly walk the ranks and add
   // each one's next op once what it waits for exists.
   std::vector<size_t> next(static_cast<size_t>(p), 0);
@@ -76,26 +48,27 @@ PipelineSimulation simulate_pipeline(const std::vector<PipelineStage>& stages, i
     for (int64_t r = 0; r < p; ++r) {
       auto& at = next[static_cast<size_t>(r)];
       while (at < order[static_cast<size_t>(r)].size()) {
-        const Step step = order[static_cast<size_t>(r)][at];
-        const auto i = static_cast<size_t>(step.mb);
+        const PipelineAction step = order[static_cast<size_t>(r)][at];
+        const int64_t mb = step.micro_batch;
+        const auto i = static_cast<size_t>(mb);
         const int64_t s = step.chunk * p + r;
         const auto st = static_cast<size_t>(s);
         const PipelineStage& stage = stages[static_cast<size_t>(r)];
         if (step.forward) {
           if (s > 0 && forward[st - 1][i] == kNoOp) break;
           if (s > 0) {
-            arrived[st][i] = g.add_op(op(r, OpKind::kSendActivations, TraceStream::kCopy, step.mb, p2p_s));
+            arrived[st][i] = g.add_op(op(r, OpKind::kSendActivations, TraceStream::kCopy, mb, p2p_s));
             g.depend(arrived[st][i], forward[st - 1][i]);
           }
-          forward[st][i] = g.add_op(op(r, OpKind::kStageForward, TraceStream::kCompute, step.mb, stage.forward_s / vd));
+          forward[st][i] = g.add_op(op(r, OpKind::kStageForward, TraceStream::kCompute, mb, stage.forward_s / vd));
           g.depend(forward[st][i], arrived[st][i]);
         } else {
           if (s + 1 < virtual_stages && backward[st + 1][i] == kNoOp) break;
           if (s + 1 < virtual_stages) {
-            returned[st][i] = g.add_op(op(r, OpKind::kSendGradients, TraceStream::kGradComm, step.mb, p2p_s));
+            returned[st][i] = g.add_op(op(r, OpKind::kSendGradients, TraceStream::kGradComm, mb, p2p_s));
             g.depend(returned[st][i], backward[st + 1][i]);
           }
-          backward[st][i] = g.add_op(op(r, OpKind::kStageBackward, TraceStream::kCompute, step.mb, stage.backward_s / vd));
+          backward[st][i] = g.add_op(op(r, OpKind::kStageBackward, TraceStream::kCompute, mb, stage.backward_s / vd));
           g.depend(backward[st][i], returned[st][i]);
           g.depend(backward[st][i], forward[st][i]);
         }

@@ -2,7 +2,8 @@
 // A pipeline of P stages running m micro-batches with the 1F1B schedule (Narayanan et al.,
 // "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21,
 // section 2.2): stage s runs min(P - 1 - s, m) forwards first, then alternates one forward
-// and one backward, then runs the backwards left. A micro-batch's forward on stage s waits
+// and one backward, then runs the backwards left (each rank's order comes from core's
+// pipeline_schedule). A micro-batch's forward on stage s waits
 // for its forward on stage s - 1 and the transfer of its activations; its backward on stage
 // s for its backward on stage s + 1 and the transfer of the gradients. Executed on the
 // step-graph engine: one simulated rank per stage, its compute stream in schedule order,
