@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <cassert>
+#include <limits>
 #include <numeric>
 
 namespace moeplan::executor {
@@ -33,13 +34,13 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::st
 }
 
 template <class F>
-void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe) {
+void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe, const std::string& peer) {
   const auto start = std::chrono::steady_clock::now();
   try {
     f();
     if (observe && observer_) observer_(op, bytes, start, std::chrono::steady_clock::now());
   } catch (const std::exception& e) {
-    throw CollectiveError(std::string(op) + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
+    throw CollectiveError(std::string(op) + peer + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
                           std::to_string(size_) + ") failed: " + first_line(e.what()));
   }
 }
@@ -147,6 +148,71 @@ void Communicator::broadcast(torch::Tensor& t, int64_t root) {
 void Communicator::barrier() {
   if (size_ == 1) return;
   run("barrier", 0, [&] { group_->barrier()->wait(); });
+}
+
+void Communicator::check_peer(const char* op, int64_t peer, int64_t tag) const {
+  const std::string where = std::string(op) + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
+                            std::to_string(size_) + ")";
+  if (size_ == 1) throw std::logic_error(where + ": a group of one has no peer");
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    throw std::logic_error(where + ": rank " + std::to_string(peer) + " is not another rank of the group");
+  if (tag < 0 || tag > std::numeric_limits<int32_t>::max())
+    throw std::logic_error(where + ": tag " + std::to_string(tag) + " is not a non-negative 32-bit integer");
+}
+
+void Communicator::send(const torch::Tensor& t, int64_t dst, int64_t tag) {
+  PendingTransfer pending = start_send(t, dst, tag);
+  finish_transfer(pending);
+}
+
+torch::Tensor Communicator::recv(c10::IntArrayRef shape, torch::ScalarType type, int64_t src, int64_t tag) {
+  PendingTransfer pending = start_recv(shape, type, src, tag);
+  return finish_transfer(pending);
+}
+
+Communicator::PendingTransfer Communicator::start_send(const torch::Tensor& t, int64_t dst, int64_t tag) {
+  check_peer("send", dst, tag);
+  PendingTransfer p;
+  p.type = t.scalar_type();
+  p.peer = dst;
+  p.sending = true;
+  p.start = std::chrono::steady_clock::now();
+  run("send", 0, [&] {
+    p.buffer = as_movable(t.contiguous());
+    std::vector<torch::Tensor> tensors{p.buffer};
+    p.work = group_->send(tensors, static_cast<int>(dst), static_cast<int>(tag));
+  }, /*observe=*/false, " to rank " + std::to_string(dst));
+  return p;
+}
+
+Communicator::PendingTransfer Communicator::start_recv(c10::IntArrayRef shape, torch::ScalarType type, int64_t src,
+                                                       int64_t tag) {
+  check_peer("recv", src, tag);
+  PendingTransfer p;
+  p.type = type;
+  p.peer = src;
+  p.start = std::chrono::steady_clock::now();
+  run("recv", 0, [&] {
+    p.buffer = as_movable(torch::empty(shape, torch::TensorOptions().dtype(type)));
+    std::vector<torch::Tensor> tensors{p.buffer};
+    p.work = group_->recv(tensors, static_cast<int>(src), static_cast<int>(tag));
+  }, /*observe=*/false, " from rank " + std::to_string(src));
+  return p;
+}
+
+torch::Tensor Communicator::finish_transfer(PendingTransfer& p) {
+  const char* op = p.sending ? "send" : "recv";
+  if (p.work) {
+    const int64_t bytes = static_cast<int64_t>(p.buffer.nbytes());
+    // gloo waits as long as the group's timeout, then throws: no hang on a silent peer.
+    const std::string peer = (p.sending ? " to rank " : " from rank ") + std::to_string(p.peer);
+    run(op, bytes, [&] { p.work->wait(); }, /*observe=*/false, peer);
+    if (observer_) observer_(op, bytes, p.start, std::chrono::steady_clock::now());
+    p.work.reset();
+  }
+  torch::Tensor received = p.sending ? torch::Tensor() : from_movable(p.buffer, p.type);
+  p.buffer = torch::Tensor();
+  return received;
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,

@@ -200,6 +200,131 @@ TEST(Collectives, BroadcastFromRoot) {
   }));
 }
 
+// Values no fp16 holds (3e38, 1e-30): bf16 travels as bit patterns, never converted.
+torch::Tensor extreme_bf16() {
+  return torch::tensor({3e38f, -1e-30f, 1.0f / 3.0f, 0.0f, -2.5f, 65504.0f}).view({2, 3}).to(torch::kBFloat16);
+}
+
+// fp32 and bf16 from rank 0 to rank 1 and back changed; a transposed (non-contiguous) tensor
+// arrives in its logical order; the observer sees each transfer with its bytes.
+TEST(PointToPoint, RoundTripsFloatAndBf16BetweenTwoRanks) {
+  expect_all_ok(run_ranks(2, [](int rank, Communicator& comm) {
+    std::vector<std::pair<std::string, int64_t>> seen;
+    comm.set_observer([&](const char* op, int64_t bytes, auto, auto) { seen.emplace_back(op, bytes); });
+    const torch::Tensor f = rank_rows(0, 3, 4);
+    const torch::Tensor b = extreme_bf16();
+    const torch::Tensor transposed = rank_rows(0, 4, 2).t();
+    if (rank == 0) {
+      comm.send(f, 1);
+      comm.send(b, 1);
+      comm.send(transposed, 1);
+      check_equal(comm.recv({3, 4}, torch::kFloat, 1), f + 1, "fp32 back");
+      check_equal(comm.recv({2, 3}, torch::kBFloat16, 1), -b, "bf16 back");
+      const std::vector<std::pair<std::string, int64_t>> want = {
+          {"send", 48}, {"send", 12}, {"send", 32}, {"recv", 48}, {"recv", 12}};
+      if (seen != want) throw Mismatch("observer saw " + std::to_string(seen.size()) + " transfers, not as sent");
+    } else {
+      const torch::Tensor got_f = comm.recv({3, 4}, torch::kFloat, 0);
+      const torch::Tensor got_b = comm.recv({2, 3}, torch::kBFloat16, 0);
+      check_equal(got_f, f, "fp32");
+      check_equal(got_b, b, "bf16");
+      check_equal(comm.recv({2, 4}, torch::kFloat, 0), transposed.contiguous(), "transposed");
+      comm.send(got_f + 1, 0);
+      comm.send(-got_b, 0);
+    }
+  }));
+}
+
+// Rank 0's tensor goes 0 -> 1 -> 2 -> 0, each rank adding 10 x its rank on the way: fp32, then
+// bf16 (values below 64, whose sums stay exact).
+TEST(PointToPoint, PassesATensorAroundARingOfThree) {
+  expect_all_ok(run_ranks(3, [](int rank, Communicator& comm) {
+    const int next = (rank + 1) % 3, previous = (rank + 2) % 3;
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      const torch::Tensor start = rank_rows(0, 2, 5, type);
+      if (rank == 0) {
+        comm.send(start, next);
+        check_equal(comm.recv({2, 5}, type, previous), (start.to(torch::kFloat) + 30).to(type), "around the ring");
+      } else {
+        const torch::Tensor got = comm.recv({2, 5}, type, previous);
+        check_equal(got, (start.to(torch::kFloat) + (rank == 1 ? 0 : 10)).to(type), "on the way");
+        comm.send((got.to(torch::kFloat) + 10.0 * rank).to(type), next);
+      }
+    }
+  }));
+}
+
+// Both ranks send to each other at once, on two tags, and post their receives in the other
+// order: started transfers neither deadlock (a blocking gloo send waits for the peer's
+// receive) nor mix the two streams up.
+TEST(PointToPoint, StartedTransfersBothWaysKeepTheirTags) {
+  expect_all_ok(run_ranks(2, [](int rank, Communicator& comm) {
+    const int peer = 1 - rank;
+    auto activations = [](int r) { return rank_rows(r, 2, 3); };
+    auto gradients = [](int r) { return rank_rows(10 + r, 2, 3, torch::kBFloat16); };
+    Communicator::PendingTransfer send_a = comm.start_send(activations(rank), peer, 0);
+    Communicator::PendingTransfer send_g = comm.start_send(gradients(rank), peer, 1);
+    Communicator::PendingTransfer recv_g = comm.start_recv({2, 3}, torch::kBFloat16, peer, 1);
+    Communicator::PendingTransfer recv_a = comm.start_recv({2, 3}, torch::kFloat, peer, 0);
+    check_equal(comm.finish_transfer(recv_a), activations(peer), "activations");
+    check_equal(comm.finish_transfer(recv_g), gradients(peer), "gradients");
+    if (comm.finish_transfer(send_a).defined() || comm.finish_transfer(send_g).defined())
+      throw Mismatch("a finished send returned a tensor");
+  }));
+}
+
+// The peer is alive but never sends: the receive ends within the timeout (2 s here) with a
+// CollectiveError naming the operation, the peer, the group and the rank.
+TEST(PointToPoint, ARecvFromASilentPeerIsAnErrorWithinTheTimeout) {
+  const std::vector<int> codes = run_ranks(
+      2,
+      [](int rank, Communicator& comm) {
+        comm.barrier();  // both ranks are connected
+        if (rank == 1) {
+          std::this_thread::sleep_for(4s);  // alive past rank 0's timeout, sending nothing
+          return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          comm.recv({4}, torch::kFloat, 1);
+        } catch (const CollectiveError& e) {
+          const auto waited = std::chrono::steady_clock::now() - start;
+          const std::string what = e.what();
+          for (const std::string part : {"recv from rank 1", "test group", "(rank 0 of 2)"})
+            if (what.find(part) == std::string::npos) throw Mismatch("error without '" + part + "': " + what);
+          if (waited < 1s || waited > 5s)
+            throw Mismatch("failed after " + std::to_string(std::chrono::duration<double>(waited).count()) + " s");
+          throw;
+        }
+        throw Mismatch("recv returned without a sender");
+      },
+      2s);
+  EXPECT_EQ(codes[0], 2) << "rank 0 must end with a CollectiveError";
+  EXPECT_EQ(codes[1], 0);
+}
+
+// Transfers need a peer: in a group of one, or to this rank itself, they are bugs.
+TEST(PointToPoint, NoPeerIsALogicError) {
+  Communicator alone;
+  try {
+    alone.send(torch::ones({2}), 0);
+    ADD_FAILURE() << "send in a group of one";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("group of one"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(alone.recv({2}, torch::kFloat, 0), std::logic_error);
+  EXPECT_THROW(alone.start_recv({2}, torch::kFloat, 0), std::logic_error);
+  expect_all_ok(run_ranks(2, [](int rank, Communicator& comm) {
+    for (const int64_t peer : {int64_t{rank}, int64_t{2}, int64_t{-1}}) {
+      try {
+        comm.send(torch::ones({2}), peer);
+        throw Mismatch("send to rank " + std::to_string(peer) + " accepted");
+      } catch (const std::logic_error&) {
+      }
+    }
+  }));
+}
+
 TEST(Collectives, CheckerCatchesAWrongResult) {
   // The harness can fail: a rank expecting the wrong sum exits with 1.
   const std::vector<int> codes = run_ranks(2, [](int rank, Communicator& comm) {

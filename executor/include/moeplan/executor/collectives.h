@@ -4,8 +4,8 @@
 // - reduce-scatter: an all-to-all of the equal chunks, then a local sum (the same bytes on the
 //   wire as a ring reduce-scatter);
 // - all-gather into one tensor: the list form of all-gather, then a concatenation;
-// - bf16: moved as fp16 bit patterns where only bytes move (all-gather, all-to-all; gloo has
-//   no 16-bit integer type), summed in fp32 where values are added (all-reduce,
+// - bf16: moved as fp16 bit patterns where only bytes move (all-gather, all-to-all, send and
+//   recv; gloo has no 16-bit integer type), summed in fp32 where values are added (all-reduce,
 //   reduce-scatter).
 // Every failure, a timeout included, becomes a CollectiveError that names the operation, the
 // group and the rank.
@@ -64,6 +64,32 @@ class Communicator {
   void broadcast(torch::Tensor& t, int64_t root);
   void barrier();
 
+  // Point to point, between pipeline stages: `t` goes to rank `dst` of this group, which takes
+  // it with recv(t's shape, t's type, this rank, the same tag). Between two ranks, transfers
+  // with one tag arrive in the order they were sent; separate tags keep separate streams apart
+  // (activations and gradients between the same two stages). A gloo send returns only once the
+  // peer has posted the matching recv, so two ranks that send to each other first deadlock
+  // until the timeout: start such transfers with start_send / start_recv, then finish them.
+  // After a timeout the link to that peer is closed: the group is done for.
+  // A group of one has no peer: calling these on it, or naming this rank or no rank of the
+  // group as the peer, is a bug (std::logic_error).
+  void send(const torch::Tensor& t, int64_t dst, int64_t tag = 0);
+  torch::Tensor recv(c10::IntArrayRef shape, torch::ScalarType type, int64_t src, int64_t tag = 0);
+  // The same transfers started now and finished by finish_transfer (which returns the received
+  // tensor, or an undefined one for a send). A started transfer must be finished, once; a
+  // started send may read its tensor until then, so the caller leaves it unchanged.
+  struct PendingTransfer {
+    c10::intrusive_ptr<c10d::Work> work;
+    torch::Tensor buffer;  // what travels: sent from, or received into
+    torch::ScalarType type = torch::kFloat;
+    int64_t peer = -1;
+    bool sending = false;
+    std::chrono::steady_clock::time_point start;
+  };
+  PendingTransfer start_send(const torch::Tensor& t, int64_t dst, int64_t tag = 0);
+  PendingTransfer start_recv(c10::IntArrayRef shape, torch::ScalarType type, int64_t src, int64_t tag = 0);
+  torch::Tensor finish_transfer(PendingTransfer& pending);
+
   // Called after every collective that moved data: the operation, the bytes this rank put in,
   // and when it started and ended (for the measured trace).
   using Observer = std::function<void(const char* op, int64_t bytes, std::chrono::steady_clock::time_point start,
@@ -71,8 +97,10 @@ class Communicator {
   void set_observer(Observer observer) { observer_ = std::move(observer); }
 
  private:
+  // `peer`: " to rank 2" or " from rank 0" for a point-to-point transfer, for errors.
   template <class F>
-  void run(const char* op, int64_t bytes, F&& f, bool observe = true);
+  void run(const char* op, int64_t bytes, F&& f, bool observe = true, const std::string& peer = {});
+  void check_peer(const char* op, int64_t peer, int64_t tag) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string name_ = "this rank";
