@@ -75,4 +75,11 @@ torch::Tensor reduce_scatter_autograd(Communicator& comm, const torch::Tensor& i
   return out[0];
 }
 
+torch::Tensor all_reduce_autograd(Communicator& comm, const torch::Tensor& input) {
+  TensorList out{input.detach().clone()};
+  comm.all_reduce_sum(out[0]);
+  attach_backward({input}, out, "AllReduceBackward", [](TensorList&& g) { return TensorList{g[0]}; });
+  return out[0];
+}
+
 }  // namespace moeplan::executor

@@ -4,21 +4,44 @@
 
 namespace moeplan::executor {
 
+int64_t MeshCoords::of(MeshDim d) const { return const_cast<MeshCoords*>(this)->of(d); }
+
+int64_t& MeshCoords::of(MeshDim d) {
+  switch (d) {
+    case MeshDim::kReplica: return r;
+    case MeshDim::kShard: return s;
+    case MeshDim::kExpert: return e;
+    case MeshDim::kTensor: return t;
+    case MeshDim::kPipeline: return p;
+  }
+  return r;
+}
+
 MeshLayout::MeshLayout(const ParallelConfig& parallel) : parallel_(parallel), world_size_(parallel.world_size) {}
 
 MeshCoords MeshLayout::coords(int64_t rank) const {
   MeshCoords c;
-  for (const MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert}) {
-    const int64_t v = (rank / parallel_.stride(d)) % parallel_.degree(d);
-    (d == MeshDim::kReplica ? c.r : d == MeshDim::kShard ? c.s : c.e) = v;
-  }
+  for (const MeshDim d : kAllMeshDims) c.of(d) = (rank / parallel_.stride(d)) % parallel_.degree(d);
   return c;
 }
 
 int64_t MeshLayout::rank_of(const MeshCoords& c) const {
   int64_t rank = 0;
-  for (const MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert}) rank += c.of(d) * parallel_.stride(d);
+  for (const MeshDim d : kAllMeshDims) rank += c.of(d) * parallel_.stride(d);
   return rank;
+}
+
+int64_t MeshLayout::reader(int64_t rank) const {
+  // The readers in rank order: those at t = 0 and p = 0.
+  const MeshCoords mine = coords(rank);
+  int64_t index = 0;
+  for (int64_t other = 0; other < world_size_; ++other) {
+    const MeshCoords c = coords(other);
+    if (c.t != 0 || c.p != 0) continue;
+    if (c.r == mine.r && c.s == mine.s && c.e == mine.e) return index;
+    ++index;
+  }
+  return index;
 }
 
 std::vector<int64_t> MeshLayout::group(int64_t rank, const std::vector<MeshDim>& varying) const {
@@ -27,7 +50,7 @@ std::vector<int64_t> MeshLayout::group(int64_t rank, const std::vector<MeshDim>&
   for (int64_t other = 0; other < world_size_; ++other) {
     const MeshCoords c = coords(other);
     bool same = true;
-    for (const MeshDim d : {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert})
+    for (const MeshDim d : kAllMeshDims)
       if (std::find(varying.begin(), varying.end(), d) == varying.end() && c.of(d) != mine.of(d)) same = false;
     if (same) ranks.push_back(other);
   }
@@ -62,12 +85,15 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
   using D = MeshDim;
   // Every rank creates its groups in the same order, so that no rank waits on a group its peer
   // has not reached.
-  world = make_group("world", layout_.group(rank, {D::kReplica, D::kShard, D::kExpert}), rank, store, timeout, address);
+  world = make_group("world", layout_.group(rank, {kAllMeshDims.begin(), kAllMeshDims.end()}), rank, store, timeout,
+                     address);
   shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address);
   expert = make_group("expert", layout_.group(rank, {D::kExpert}), rank, store, timeout, address);
   dense_replicas =
       make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert}), rank, store, timeout, address);
   expert_replicas = make_group("expert-replica", layout_.group(rank, {D::kReplica}), rank, store, timeout, address);
+  tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address);
+  pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address);
 }
 
 DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}

@@ -5,6 +5,7 @@
 #include <cassert>
 #include <cmath>
 #include <stdexcept>
+#include <string_view>
 
 #include "moeplan/executor/routing.h"
 
@@ -61,6 +62,32 @@ uint64_t mix(uint64_t x) {
 }
 
 }  // namespace
+
+TensorSplit tensor_split(const ParamInfo& info) {
+  auto ends_with = [&](std::string_view suffix) {
+    return info.name.size() >= suffix.size() && info.name.compare(info.name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("q_proj.weight") || ends_with("k_proj.weight") || ends_with("v_proj.weight") ||
+      ends_with("w1.weight") || ends_with("w3.weight") || ends_with("embed_tokens.weight") ||
+      info.name == "lm_head.weight")
+    return TensorSplit::kRows;
+  if (ends_with("o_proj.weight") || ends_with("w2.weight")) return TensorSplit::kColumns;
+  return TensorSplit::kWhole;
+}
+
+torch::Tensor tensor_part(const torch::Tensor& whole, TensorSplit split, int64_t index, int64_t ranks) {
+  if (split == TensorSplit::kWhole || ranks == 1) return whole;
+  const int64_t dim = split == TensorSplit::kRows ? 0 : 1;
+  const int64_t n = whole.size(dim) / ranks;
+  return whole.narrow(dim, index * n, n);
+}
+
+ParamInfo tensor_part_info(const ParamInfo& info, int64_t ranks) {
+  ParamInfo part = info;
+  const TensorSplit split = tensor_split(info);
+  if (split != TensorSplit::kWhole) part.shape[split == TensorSplit::kRows ? 0 : 1] /= ranks;
+  return part;
+}
 
 uint64_t parameter_seed(uint64_t run_seed, const std::string& name) {
   uint64_t h = 0xCBF29CE484222325ULL;  // FNV-1a over the name
@@ -267,18 +294,27 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   return out;
 }
 
+torch::Tensor next_token_labels(const torch::Tensor& input_ids) {
+  torch::Tensor labels = torch::full_like(input_ids, kIgnoreLabel);
+  labels.index_put_({Slice(), Slice(0, -1)}, input_ids.index({Slice(), Slice(1, torch::indexing::None)}));
+  return labels;
+}
+
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
                        const torch::Tensor& input_ids) {
   const int64_t vocab = out.logits.size(-1);
-  LossTerms loss;
   // Each position predicts the next token; the last position has none and is ignored. The
   // logits are read in place (a slice of them would be copied by the reshape).
-  constexpr int64_t kIgnore = -100;
-  torch::Tensor labels = torch::full_like(input_ids, kIgnore);
-  labels.index_put_({Slice(), Slice(0, -1)}, input_ids.index({Slice(), Slice(1, torch::indexing::None)}));
-  loss.lm = torch::nn::functional::cross_entropy(
-      out.logits.reshape({-1, vocab}), labels.reshape({-1}),
-      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnore));
+  const torch::Tensor labels = next_token_labels(input_ids);
+  return mixtral_loss_from_lm(spec, moe, out,
+                      torch::nn::functional::cross_entropy(
+                          out.logits.reshape({-1, vocab}), labels.reshape({-1}),
+                          torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel)));
+}
+
+LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm) {
+  LossTerms loss;
+  loss.lm = std::move(lm);
   loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token);
   loss.z = router_z_loss(out.router_logits);
   loss.total = loss.lm;

@@ -21,6 +21,32 @@ namespace fs = std::filesystem;
 // ---------------------------------------------------------------------------------------------
 // Checkpoint slices.
 
+namespace {
+
+int64_t parse_count(const std::string& text, const std::string& name) {
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(text, &used);
+    if (used == text.size() && v >= 0) return v;
+  } catch (const std::exception&) {
+  }
+  throw InputError(name, {{"", "is not <name>@<first element> or <name>#cols<c0>:<c1>@<first element>"}});
+}
+
+// The values of slices that cover [0, n) exactly once, joined; undefined when they do not.
+torch::Tensor joined(const std::map<int64_t, torch::Tensor>& parts) {
+  std::vector<torch::Tensor> pieces;
+  int64_t at = 0;
+  for (const auto& [first, values] : parts) {
+    if (first != at || (!pieces.empty() && values.scalar_type() != pieces.front().scalar_type())) return {};
+    pieces.push_back(values);
+    at += values.numel();
+  }
+  return pieces.empty() ? torch::Tensor() : torch::cat(pieces);
+}
+
+}  // namespace
+
 void SlicedState::add(const NamedTensors& tensors) {
   for (const auto& [name, t] : tensors) {
     const auto at = name.rfind('@');
@@ -28,23 +54,56 @@ void SlicedState::add(const NamedTensors& tensors) {
     std::string key = name;
     if (at != std::string::npos) {
       key = name.substr(0, at);
-      try {
-        begin = std::stoll(name.substr(at + 1));
-      } catch (const std::exception&) {
-        throw InputError(name, {{"", "is not <name>@<first element>"}});
-      }
+      begin = parse_count(name.substr(at + 1), name);
+    }
+    if (const auto cols = key.find("#cols"); cols != std::string::npos) {
+      const std::string range = key.substr(cols + 5);
+      const auto colon = range.find(':');
+      if (colon == std::string::npos) parse_count("", name);  // throws
+      const int64_t c0 = parse_count(range.substr(0, colon), name), c1 = parse_count(range.substr(colon + 1), name);
+      if (c1 <= c0) parse_count("", name);
+      auto& block = columns_[key.substr(0, cols)][c0];
+      block.first = c1;
+      block.second[begin] = t.flatten();
+      continue;
     }
     slices_[key][begin] = t.flatten();
   }
 }
 
-torch::Tensor SlicedState::range(const std::string& key, int64_t begin, int64_t end, Diagnostics& d) const {
-  const auto it = slices_.find(key);
-  if (it == slices_.end()) {
+const SlicedState::Slices* SlicedState::slices_of(const std::string& key, Diagnostics& d) const {
+  if (const auto it = slices_.find(key); it != slices_.end()) return &it->second;
+  const auto blocks = columns_.find(key);
+  if (blocks == columns_.end()) {
     d.error(key, "missing from the checkpoint");
-    return {};
+    return nullptr;
   }
-  const auto& parts = it->second;
+  // Column blocks [c0, c1) side by side from column 0, each a whole [rows, c1 - c0] matrix.
+  std::vector<torch::Tensor> matrices;
+  int64_t column = 0, rows = -1;
+  for (const auto& [c0, block] : blocks->second) {
+    const int64_t width = block.first - c0;
+    const torch::Tensor values = joined(block.second);
+    if (c0 != column || !values.defined() || values.numel() % width != 0 ||
+        (rows >= 0 && values.numel() / width != rows) ||
+        (!matrices.empty() && values.scalar_type() != matrices.front().scalar_type())) {
+      d.error(key, "columns " + std::to_string(c0) + ".." + std::to_string(block.first) +
+                       " do not fit the other column blocks of the checkpoint");
+      return nullptr;
+    }
+    rows = values.numel() / width;
+    matrices.push_back(values.view({rows, width}));
+    column = block.first;
+  }
+  Slices& whole = slices_[key];
+  whole[0] = torch::cat(matrices, 1).flatten();
+  return &whole;
+}
+
+torch::Tensor SlicedState::range(const std::string& key, int64_t begin, int64_t end, Diagnostics& d) const {
+  const Slices* found = slices_of(key, d);
+  if (found == nullptr) return {};
+  const auto& parts = *found;
   std::vector<torch::Tensor> pieces;
   int64_t at = begin;
   auto p = parts.upper_bound(begin);
@@ -71,9 +130,10 @@ torch::Tensor SlicedState::range(const std::string& key, int64_t begin, int64_t 
 torch::Tensor SlicedState::whole(const std::string& key, const std::vector<int64_t>& shape, Diagnostics& d) const {
   int64_t n = 1;
   for (const int64_t s : shape) n *= s;
-  const auto it = slices_.find(key);
-  if (it != slices_.end() && !it->second.empty()) {
-    const auto& last = *it->second.rbegin();
+  Diagnostics missing;
+  const Slices* found = slices_of(key, missing);
+  if (found != nullptr && !found->empty()) {
+    const auto& last = *found->rbegin();
     if (last.first + last.second.numel() != n) {
       d.error(key, "has " + std::to_string(last.first + last.second.numel()) + " elements, expected " +
                        std::to_string(n) + " " + c10::str(c10::IntArrayRef(shape)));
@@ -128,6 +188,9 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   observe(mesh.dense_replicas, "dense_replicas", TraceStream::kGradComm);
   observe(mesh.expert_replicas, "expert_replicas", TraceStream::kGradComm);
   observe(mesh.world, "world", TraceStream::kGradComm);
+  // The tensor-parallel collectives sit on the compute chain between a block's parts; the
+  // measured trace shows them beside the expert group's.
+  observe(mesh.tensor, "tensor", TraceStream::kExpertComm);
 }
 
 StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
@@ -136,7 +199,11 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   clock_.start_step();
   const ModelSpec& spec = plan_.model;
   const int64_t ga = static_cast<int64_t>(micro_batches.size());
-  const double world = static_cast<double>(mesh_.world.size());
+  // The data readers: the ranks of a tensor-parallel group train on the same micro-batches,
+  // and the first of them counts them.
+  const double readers = static_cast<double>(plan_.parallel.data_parallel_degree());
+  const bool counts_data = mesh_.coords().t == 0;
+  const double tp = static_cast<double>(mesh_.tensor.size());
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
@@ -146,13 +213,17 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
     const auto f0 = Clock::now();
     ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
-    const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
+    const LossTerms terms = model_.loss(out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     const auto f1 = Clock::now();
-    (terms.total / static_cast<double>(ga)).backward();
+    // Every T rank computes the router's losses from the same logits, and the router's gradient
+    // is summed over them: each takes 1/T of those terms, so they count once.
+    const torch::Tensor router_terms = terms.total - terms.lm;
+    ((terms.lm + router_terms / tp) / static_cast<double>(ga)).backward();
     const auto f2 = Clock::now();
     clock_.add("forward", "compute", TraceStream::kCompute, f0, f1);
     clock_.add("backward", "compute", TraceStream::kCompute, f1, f2);
+    if (!counts_data) continue;
     counts += out.tokens_per_expert;
     sums[0] += terms.lm.item<double>();
     sums[1] += terms.aux.item<double>();
@@ -162,21 +233,27 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   }
 
   // Gradients: reduce-scattered over the shard group during backward; now summed over the
-  // replicas and averaged over every rank's tokens.
+  // tensor-parallel group (the parameters its ranks hold whole) and the replicas, and averaged
+  // over every reader's tokens.
   const auto o0 = Clock::now();
   std::vector<torch::Tensor> grads;
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < model_.units().size(); ++u) {
     torch::Tensor& shard = model_.shards()[u];
     torch::Tensor g = shard.grad().defined() ? shard.grad() : torch::zeros_like(shard);
+    model_.sum_whole_parameter_grads(u, g);
     model_.replica_group(model_.units()[u]).all_reduce_sum(g);
-    g.div_(world);
+    g.div_(readers);
     grads.push_back(g);
   }
-  // Global norm: each element counted on exactly one rank.
+  // Global norm: each element counted on exactly one rank (what T ranks hold whole, on the first).
   torch::Tensor square = torch::zeros({1}, torch::kFloat);
-  for (size_t u = 0; u < grads.size(); ++u)
-    if (model_.owns(model_.units()[u])) square += grads[u].to(torch::kFloat).square().sum();
+  for (size_t u = 0; u < grads.size(); ++u) {
+    if (!model_.owns(model_.units()[u])) continue;
+    torch::Tensor g = grads[u].to(torch::kFloat);
+    if (model_.whole_mask(u).defined() && !counts_data) g = g.masked_fill(model_.whole_mask(u), 0);
+    square += g.square().sum();
+  }
   mesh_.world.all_reduce_sum(square);
   r.grad_norm = std::sqrt(square.item<double>());
   const double coef = plan_.training.max_grad_norm / (r.grad_norm + 1e-6);
@@ -188,7 +265,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
 
   mesh_.world.all_reduce_sum(sums);
   mesh_.world.all_reduce_sum(counts);
-  const double n = world * static_cast<double>(ga);
+  const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
   r.aux_loss = sums[1].item<double>() / n;
   r.z_loss = sums[2].item<double>() / n;
@@ -209,7 +286,8 @@ namespace {
 // parameter's flattened values, stored from element `at` of the unit's shard.
 struct HeldSlice {
   size_t unit;
-  const ParamInfo* info;
+  int64_t param;
+  const ParamInfo* info;  // this rank's part of the parameter
   int64_t first, last, at;
 };
 
@@ -222,9 +300,45 @@ void for_each_held_slice(ShardedModel& model, F&& f) {
     for (size_t j = 0; j < unit.params.size(); ++j) {
       const ParamInfo& info = model.infos()[static_cast<size_t>(unit.params[j])];
       const int64_t a = std::max(begin, unit.offsets[j]), b = std::min(end, unit.offsets[j] + info.numel());
-      if (a < b) f(HeldSlice{u, &info, a - unit.offsets[j], b - unit.offsets[j], a - begin});
+      if (a < b) f(HeldSlice{u, unit.params[j], &info, a - unit.offsets[j], b - unit.offsets[j], a - begin});
     }
   }
+}
+
+// Where a held slice lies in the checkpoint's naming of the whole parameter: "<name>@<first>"
+// for a range of its flattened values, or, for a part split by columns over the T ranks,
+// "<name>#cols<c0>:<c1>@<first>", a range of the flattened columns [c0, c1).
+std::string slice_name(const HeldSlice& h, TensorSplit split, int64_t tp_rank, int64_t tp) {
+  switch (tp == 1 ? TensorSplit::kWhole : split) {
+    case TensorSplit::kWhole: return h.info->name + "@" + std::to_string(h.first);
+    case TensorSplit::kRows: return h.info->name + "@" + std::to_string(tp_rank * h.info->numel() + h.first);
+    case TensorSplit::kColumns: {
+      const int64_t columns = h.info->shape[1], c0 = tp_rank * columns;
+      return h.info->name + "#cols" + std::to_string(c0) + ":" + std::to_string(c0 + columns) + "@" +
+             std::to_string(h.first);
+    }
+  }
+  return h.info->name;
+}
+
+// The values of a held slice from a checkpoint of any layout.
+torch::Tensor held_values(const SlicedState& state, const std::string& key, const HeldSlice& h, TensorSplit split,
+                          int64_t tp_rank, int64_t tp, Diagnostics& d) {
+  switch (tp == 1 ? TensorSplit::kWhole : split) {
+    case TensorSplit::kWhole: return state.range(key, h.first, h.last, d);
+    case TensorSplit::kRows: {
+      const int64_t at = tp_rank * h.info->numel();
+      return state.range(key, at + h.first, at + h.last, d);
+    }
+    case TensorSplit::kColumns: {
+      std::vector<int64_t> shape = h.info->shape;
+      shape[1] *= tp;
+      const torch::Tensor whole = state.whole(key, shape, d);
+      if (!whole.defined()) return whole;
+      return tensor_part(whole, split, tp_rank, tp).contiguous().flatten().narrow(0, h.first, h.last - h.first);
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -232,9 +346,12 @@ void for_each_held_slice(ShardedModel& model, F&& f) {
 NamedTensors ShardedTrainer::state() const {
   NamedTensors tensors;
   auto& model = const_cast<ShardedModel&>(model_);
+  const int64_t t = mesh_.coords().t;
   for_each_held_slice(model, [&](const HeldSlice& h) {
     if (!model.owns(model.units()[h.unit])) return;  // one replica saves
-    const std::string suffix = h.info->name + "@" + std::to_string(h.first);
+    const TensorSplit split = model.split_of(h.param);
+    if (split == TensorSplit::kWhole && t != 0) return;  // the first T rank saves what all hold
+    const std::string suffix = slice_name(h, split, t, mesh_.tensor.size());
     const int64_t n = h.last - h.first;
     tensors.emplace_back("param/" + suffix, model.shards()[h.unit].detach().narrow(0, h.at, n));
     tensors.emplace_back("exp_avg/" + suffix, optimizer_->exp_avg()[h.unit].narrow(0, h.at, n));
@@ -258,7 +375,8 @@ void ShardedTrainer::load_state(const SlicedState& state, int64_t step, Diagnost
                                                               {"exp_avg_sq/", optimizer_->exp_avg_sq()[h.unit]}};
     for (const auto& [prefix, into] : targets) {
       const std::string key = prefix + h.info->name;
-      const torch::Tensor values = state.range(key, h.first, h.last, d);
+      const torch::Tensor values =
+          held_values(state, key, h, model_.split_of(h.param), mesh_.coords().t, mesh_.tensor.size(), d);
       if (!values.defined()) continue;
       if (values.scalar_type() != into.scalar_type()) {
         d.error(key, std::string("is ") + c10::toString(values.scalar_type()) + ", this run keeps " +

@@ -185,16 +185,17 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     const int64_t ga = p.gradient_accumulation_steps, mbs = p.micro_batch_size;
     StepPeaks peaks;
     int64_t busiest_rows = 0;
+    const int64_t reader = mesh.layout().reader(env.rank), readers = p.data_parallel_degree();
     while (trainer.step_count() < last_step) {
-      // Rank r's micro-batch m holds what a one-rank run with r * ga + m micro-batches before it
-      // would train on.
+      // Reader r's micro-batch m holds what a one-rank run with r * ga + m micro-batches before
+      // it would train on (the ranks of a tensor-parallel group read the same ones).
       std::vector<torch::Tensor> micro_batches;
       for (int64_t m = 0; m < ga; ++m) {
         std::vector<int64_t> blocks;
-        for (int64_t i = 0; i < mbs; ++i) blocks.push_back(order.block_of(samples + (env.rank * ga + m) * mbs + i));
+        for (int64_t i = 0; i < mbs; ++i) blocks.push_back(order.block_of(samples + (reader * ga + m) * mbs + i));
         micro_batches.push_back(data.blocks(blocks));
       }
-      samples += env.world_size * ga * mbs;
+      samples += readers * ga * mbs;
       peaks.begin_step();
       StepRecord r = trainer.step(micro_batches);
       peaks.end_step();

@@ -79,7 +79,9 @@ std::string describe_groups(const ParallelConfig& p, int64_t gpus_per_node) {
   const Kind kinds[] = {{"shard", {MeshDim::kShard}},
                         {"expert", {MeshDim::kExpert}},
                         {"dense replica", {MeshDim::kReplica, MeshDim::kExpert}},
-                        {"expert replica", {MeshDim::kReplica}}};
+                        {"expert replica", {MeshDim::kReplica}},
+                        {"tensor", {MeshDim::kTensor}},
+                        {"pipeline", {MeshDim::kPipeline}}};
   std::string out;
   for (const Kind& k : kinds) {
     std::set<std::vector<int64_t>> groups;
@@ -146,12 +148,7 @@ std::string tail(const std::string& log, size_t lines) {
 
 void check_rehearsal(const Plan& plan, const RehearsalOptions& o) {
   Diagnostics d;
-  // The executor's mesh is [R, S, E]; what it cannot run, it cannot rehearse.
-  if (plan.parallel.tensor_parallel_degree != 1)
-    d.error("parallel.tensor_parallel_degree",
-            "= " + std::to_string(plan.parallel.tensor_parallel_degree) +
-                ": the executor runs without tensor parallelism, so such plans cannot be rehearsed yet (search "
-                "with --tensor-parallel-degree 1 for a plan it runs)");
+  // The executor runs one pipeline stage; what it cannot run, it cannot rehearse.
   if (plan.parallel.pipeline_parallel_degree != 1)
     d.error("parallel.pipeline_parallel_degree",
             "= " + std::to_string(plan.parallel.pipeline_parallel_degree) +

@@ -46,10 +46,18 @@ std::vector<FlatUnit> flat_units(const ModelSpec& spec, const std::vector<ParamI
 
 ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     : plan_(plan), mesh_(mesh), master_type_(master_type(plan.training.precision)),
-      compute_type_(compute_type(plan.training.precision)), infos_(mixtral_parameters(plan.model)) {
+      compute_type_(compute_type(plan.training.precision)), local_spec_(plan.model),
+      tp_(plan.parallel.tensor_parallel_degree), tp_rank_(mesh.coords().t) {
   const ParallelConfig& p = plan.parallel;
   experts_per_rank_ = plan.model.num_experts / p.expert_parallel_degree;
   first_expert_ = mesh.coords().e * experts_per_rank_;
+  local_spec_.num_attention_heads /= tp_;
+  local_spec_.num_key_value_heads /= tp_;
+  const std::vector<ParamInfo> whole = mixtral_parameters(plan.model);
+  for (const ParamInfo& info : whole) {
+    infos_.push_back(tensor_part_info(info, tp_));
+    splits_.push_back(tensor_split(info));
+  }
   units_ = flat_units(plan.model, infos_, p.expert_parallel_degree, mesh.coords().e, p.hybrid_shard_degree);
 
   // Shapes only until here: the whole model exists on the meta device, no memory is used.
@@ -60,23 +68,36 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     const int64_t begin = shard_begin(u), end = begin + u.shard_numel;
     torch::Tensor shard = torch::zeros({u.shard_numel}, torch::TensorOptions().dtype(master_type_));
     torch::Tensor decay = torch::zeros({u.shard_numel}, torch::kBool);
+    torch::Tensor whole_mask = torch::zeros({u.shard_numel}, torch::kBool);
     for (size_t j = 0; j < u.params.size(); ++j) {
-      const ParamInfo& info = infos_[static_cast<size_t>(u.params[j])];
+      const auto param = static_cast<size_t>(u.params[j]);
+      const ParamInfo& info = infos_[param];
       const int64_t a = std::max(begin, u.offsets[j]), b = std::min(end, u.offsets[j] + info.numel());
       if (a >= b) continue;  // the parameter lies in other ranks' shards: not drawn here
-      // A parameter's values come from one seeded stream, so they are drawn whole and the
-      // shard's part kept.
-      torch::Tensor values = torch::empty(info.shape, torch::TensorOptions().dtype(master_type_));
-      initialize_parameter(values, info, seed);
-      shard.narrow(0, a - begin, b - a).copy_(values.flatten().narrow(0, a - u.offsets[j], b - a));
+      // A parameter's values come from one seeded stream, so they are drawn whole and this
+      // rank's part of them kept.
+      torch::Tensor values = torch::empty(whole[param].shape, torch::TensorOptions().dtype(master_type_));
+      initialize_parameter(values, whole[param], seed);
+      const torch::Tensor part = tensor_part(values, splits_[param], tp_rank_, tp_).contiguous().flatten();
+      shard.narrow(0, a - begin, b - a).copy_(part.narrow(0, a - u.offsets[j], b - a));
       if (info.weight_decay) decay.narrow(0, a - begin, b - a).fill_(true);
+      if (splits_[param] == TensorSplit::kWhole) whole_mask.narrow(0, a - begin, b - a).fill_(true);
     }
     shards_.push_back(shard.requires_grad_(true));
     decay_masks_.push_back(decay);
+    whole_masks_.push_back(tp_ > 1 && whole_mask.any().item<bool>() ? whole_mask : torch::Tensor());
   }
   for (const torch::Tensor& s : shards_)
     if (s.is_meta()) throw std::logic_error("a parameter shard is still on the meta device");
   (void)meta;
+}
+
+void ShardedModel::sum_whole_parameter_grads(size_t unit, torch::Tensor& grad) {
+  const torch::Tensor& mask = whole_masks_[unit];
+  if (!mask.defined()) return;
+  torch::Tensor part = grad.masked_select(mask);
+  mesh_.tensor.all_reduce_sum(part);
+  grad.masked_scatter_(mask, part);
 }
 
 Communicator& ShardedModel::replica_group(const FlatUnit& unit) {
@@ -269,12 +290,12 @@ ForwardResult ShardedModel::forward(const torch::Tensor& input_ids, uint64_t shu
     prefetch(0);
     prefetch_block(0);  // moves while the embedding is looked up
     const Gathered embed = gather(0);
-    x = torch::embedding(embed.params[0], input_ids);  // its backward needs only the ids
+    x = this->embed(embed.params[0], input_ids);  // its backward needs only the ids
     release(embed);
   }
   for (int64_t l = 0; l < spec.num_layers; ++l) x = block(l, x, out, shuffle_seed);
   const Gathered head = gather(units_.size() - 1);
-  x = rms_norm(x, head.params[0], spec.rms_norm_eps);
+  x = gather_sequence(rms_norm(x, head.params[0], spec.rms_norm_eps));
   torch::Tensor logits = torch::matmul(x, head.params[1].t()).to(torch::kFloat);
   release(head);
   out.logits = regather_in_backward(logits, {head});
@@ -293,14 +314,16 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
     case Checkpointing::kNone: {
       const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
       const LayerWeights w = dense_weights(dense);
-      const torch::Tensor h = x + attention(spec, w, rms_norm(x, w.input_norm, spec.rms_norm_eps), rope_, mask_);
+      const torch::Tensor h = x + scatter_sequence(attention(
+                                      local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
+                                      rope_, mask_));
       torch::Tensor router_logits;
       const torch::Tensor moe_out =
-          moe(l, rms_norm(h, w.post_attention_norm, spec.rms_norm_eps), w.router, experts, true, router_logits,
-              shuffle_seed);
+          moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)), w.router, experts, true,
+              router_logits, shuffle_seed);
       out.router_logits.push_back(router_logits);
       counts.copy_(tokens_per_expert_);
-      const torch::Tensor y = h + moe_out;
+      const torch::Tensor y = h + scatter_sequence(moe_out);
       release(dense);
       release(experts);
       return regather_in_backward(y, {dense, experts});
@@ -309,14 +332,16 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       // Attention keeps its activations; the MoE sub-block is recomputed in backward.
       const Gathered dense = gather(dense_unit);
       const LayerWeights w = dense_weights(dense);
-      const torch::Tensor h = x + attention(spec, w, rms_norm(x, w.input_norm, spec.rms_norm_eps), rope_, mask_);
+      const torch::Tensor h = x + scatter_sequence(attention(
+                                      local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
+                                      rope_, mask_));
       BlockFn fn = [this, l, expert_unit, counts, shuffle_seed](const std::vector<torch::Tensor>& in, bool recompute) {
         const Gathered experts = gather(expert_unit);
         torch::Tensor router_logits;
-        const torch::Tensor moe_out = moe(l, rms_norm(in[0], in[1], plan_.model.rms_norm_eps), in[2], experts,
-                                          !recompute, router_logits, shuffle_seed);
+        const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps)), in[2],
+                                          experts, !recompute, router_logits, shuffle_seed);
         if (!recompute) counts.copy_(tokens_per_expert_);
-        return std::vector<torch::Tensor>{in[0] + moe_out, router_logits};
+        return std::vector<torch::Tensor>{in[0] + scatter_sequence(moe_out), router_logits};
       };
       const std::vector<torch::Tensor> outs = checkpoint(fn, {h, w.post_attention_norm, w.router}, l);
       out.router_logits.push_back(outs[1]);
@@ -329,13 +354,15 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
         const ModelSpec& spec = plan_.model;
         const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
         const LayerWeights w = dense_weights(dense);
-        const torch::Tensor h =
-            in[0] + attention(spec, w, rms_norm(in[0], w.input_norm, spec.rms_norm_eps), rope_, mask_);
+        const torch::Tensor h = in[0] + scatter_sequence(attention(
+                                            local_spec_, w,
+                                            gather_sequence(rms_norm(in[0], w.input_norm, spec.rms_norm_eps)), rope_,
+                                            mask_));
         torch::Tensor router_logits;
-        const torch::Tensor moe_out = moe(l, rms_norm(h, w.post_attention_norm, spec.rms_norm_eps), w.router,
-                                          experts, !recompute, router_logits, shuffle_seed);
+        const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)),
+                                          w.router, experts, !recompute, router_logits, shuffle_seed);
         if (!recompute) counts.copy_(tokens_per_expert_);
-        return std::vector<torch::Tensor>{h + moe_out, router_logits};
+        return std::vector<torch::Tensor>{h + scatter_sequence(moe_out), router_logits};
       };
       const std::vector<torch::Tensor> outs = checkpoint(fn, {x}, l);
       out.router_logits.push_back(outs[1]);
@@ -343,6 +370,52 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
     }
   }
   return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor and sequence parallelism.
+
+torch::Tensor ShardedModel::gather_sequence(const torch::Tensor& x) {
+  if (tp_ == 1) return x;
+  // The collectives work along dimension 0: the sequence goes first for the move.
+  return all_gather_autograd(mesh_.tensor, x.transpose(0, 1).contiguous()).transpose(0, 1);
+}
+
+torch::Tensor ShardedModel::scatter_sequence(const torch::Tensor& partial) {
+  if (tp_ == 1) return partial;
+  return reduce_scatter_autograd(mesh_.tensor, partial.transpose(0, 1).contiguous()).transpose(0, 1);
+}
+
+// A vocabulary-parallel lookup: each T rank holds rows [t V / T, (t + 1) V / T) of the table and
+// gives zeros for the other tokens; the reduce-scatter sums the parts and splits the sequence.
+torch::Tensor ShardedModel::embed(const torch::Tensor& table, const torch::Tensor& input_ids) {
+  if (tp_ == 1) return torch::embedding(table, input_ids);
+  const int64_t rows = table.size(0);
+  const torch::Tensor local = input_ids - tp_rank_ * rows;
+  const torch::Tensor inside = ((local >= 0) & (local < rows)).unsqueeze(-1).to(table.scalar_type());
+  return scatter_sequence(torch::embedding(table, local.clamp(0, rows - 1)) * inside);
+}
+
+LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& input_ids) {
+  if (tp_ == 1) return mixtral_loss(plan_.model, plan_.moe, out, input_ids);
+  // Cross entropy over logits split by vocabulary (Megatron-LM's vocab-parallel cross entropy):
+  // the maximum, the sum of exponentials and the label's logit are each combined over the T
+  // ranks, so every rank gets the loss of the whole vocabulary, and each logit its gradient on
+  // the one rank that holds it.
+  const int64_t part = out.logits.size(-1);
+  const torch::Tensor logits = out.logits.reshape({-1, part});
+  const torch::Tensor labels = next_token_labels(input_ids).reshape({-1});
+  torch::Tensor max = std::get<0>(logits.detach().max(-1));
+  max = std::get<0>(mesh_.tensor.all_gather(max.unsqueeze(0)).max(0));
+  const torch::Tensor shifted = logits - max.unsqueeze(-1);
+  const torch::Tensor sum_exp = all_reduce_autograd(mesh_.tensor, shifted.exp().sum(-1));
+  const torch::Tensor local = labels - tp_rank_ * part;
+  const torch::Tensor mine = (local >= 0) & (local < part);
+  const torch::Tensor picked = shifted.gather(1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine;
+  const torch::Tensor label_logit = all_reduce_autograd(mesh_.tensor, picked);
+  const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
+  const torch::Tensor lm = ((sum_exp.log() - label_logit) * counted).sum() / counted.sum();
+  return mixtral_loss_from_lm(plan_.model, plan_.moe, out, lm);
 }
 
 namespace {

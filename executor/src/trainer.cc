@@ -47,15 +47,25 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
   if (plan.model.mlp != Mlp::kSwiGlu)
     d.error("model.mlp", "= \"" + std::string(name_of(kMlpNames, plan.model.mlp)) +
                              "\": the executor trains SwiGLU feed-forward layers only");
-  // Tensor and pipeline parallelism are planned and simulated; the executor's mesh is [R, S, E].
-  if (plan.parallel.tensor_parallel_degree != 1)
-    d.error("parallel.tensor_parallel_degree", "= " + std::to_string(plan.parallel.tensor_parallel_degree) +
-                                                   ": the executor runs without tensor parallelism (use 1); such "
-                                                   "plans are simulated only");
+  // Pipeline stages are planned and simulated; the executor runs one stage.
   if (plan.parallel.pipeline_parallel_degree != 1)
     d.error("parallel.pipeline_parallel_degree", "= " + std::to_string(plan.parallel.pipeline_parallel_degree) +
                                                      ": the executor runs without pipeline stages (use 1); such "
                                                      "plans are simulated only");
+  // Tensor parallelism splits the vocabulary (embedding, lm head) and the sequence over T ranks.
+  if (const int64_t tp = plan.parallel.tensor_parallel_degree; tp > 1) {
+    if (plan.model.vocab_size % tp != 0)
+      d.error("model.vocab_size", "= " + std::to_string(plan.model.vocab_size) +
+                                      " is not divisible by tensor_parallel_degree = " + std::to_string(tp) +
+                                      " (the embedding and lm head are split over the vocabulary)");
+    if (plan.training.seq_len % tp != 0)
+      d.error("training.seq_len", "= " + std::to_string(plan.training.seq_len) +
+                                      " is not divisible by tensor_parallel_degree = " + std::to_string(tp) +
+                                      " (sequence parallelism splits it)");
+    if (!plan.parallel.sequence_parallel)
+      d.error("parallel.sequence_parallel", "= false with tensor_parallel_degree = " + std::to_string(tp) +
+                                                ": the executor runs tensor parallelism with sequence parallelism");
+  }
   if (data.vocab_size() != plan.model.vocab_size)
     d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
                                     data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");

@@ -405,23 +405,24 @@ TEST_F(PreparedData, RunOfADenseModelIsRefusedNamingTheField) {
       << err;
 }
 
-// Tensor and pipeline parallelism are planned and simulated; the executor says it does not run
-// them before any rank starts.
-TEST_F(PreparedData, RunOfATensorOrPipelineParallelPlanIsRefusedNamingTheField) {
+// Pipeline parallelism is planned and simulated; the executor says it does not run it before any
+// rank starts. Tensor parallelism runs where T divides the vocabulary (the embedding and lm head
+// are split over it): a vocabulary it does not divide is refused naming the field.
+TEST_F(PreparedData, RunOfAPipelinePlanOrAnUnevenVocabularySplitIsRefusedNamingTheField) {
   const test::TempDir tmp;
   Json model = read_json_file(test::profile_path("models/mixtral-tiny.json"));
   model["vocab_size"] = kVocab;
   const std::string file = tmp.write("tiny.json", model.dump());
-  const std::string tensor = run_refused(
-      tmp, file, data(), "--gpus 2 --tensor-parallel-degree 2 --sequence-parallel on --pipeline-parallel-degree 1");
-  EXPECT_TRUE(contains(tensor, "moeplan: error: run: parallel.tensor_parallel_degree: = 2: the executor runs without "
-                               "tensor parallelism (use 1)"))
-      << tensor;
   const std::string pipeline =
       run_refused(tmp, file, data(), "--gpus 2 --tensor-parallel-degree 1 --pipeline-parallel-degree 2");
   EXPECT_TRUE(contains(pipeline, "moeplan: error: run: parallel.pipeline_parallel_degree: = 2: the executor runs "
                                  "without pipeline stages (use 1)"))
       << pipeline;
+  model["vocab_size"] = kVocab + 1;
+  const std::string odd = tmp.write("tiny-odd.json", model.dump());
+  const std::string tensor = run_refused(
+      tmp, odd, data(), "--gpus 2 --tensor-parallel-degree 2 --sequence-parallel on --pipeline-parallel-degree 1");
+  EXPECT_TRUE(contains(tensor, "model.vocab_size: = 513 is not divisible by tensor_parallel_degree = 2")) << tensor;
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // Multi-rank training through the real binary, on real gloo process groups between local
-// processes: every layout of 4 ranks trains the same model to the same losses as one rank with
-// the same global batch, and checkpoints move between layouts.
+// processes: every layout of 4 ranks (tensor-parallel ones included) trains the same model to
+// the same losses as one rank with the same global batch, and checkpoints move between layouts.
 
 #include <gtest/gtest.h>
 
@@ -24,6 +24,7 @@ struct Layout {
   std::string checkpointing;
   bool offload;
   std::string dispatcher = "alltoall";
+  int64_t t = 1;  // tensor-parallel degree, with sequence parallelism
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -64,9 +65,12 @@ class Parallel : public ::testing::TestWithParam<Layout> {
     p["world_size"] = 4;
     p["expert_parallel_degree"] = l.e;
     p["hybrid_shard_degree"] = l.s;
-    p["replica_degree"] = 4 / (l.e * l.s);
+    p["tensor_parallel_degree"] = l.t;
+    p["sequence_parallel"] = l.t > 1;
+    p["replica_degree"] = 4 / (l.e * l.s * l.t);
     p["micro_batch_size"] = 1;
-    p["gradient_accumulation_steps"] = 1;
+    // The T ranks of a tensor-parallel group read the same micro-batches: 4 / T readers.
+    p["gradient_accumulation_steps"] = l.t;
     p["activation_checkpointing"] = l.checkpointing;
     p["activation_offloading"] = l.offload;
     plan["moe"]["dispatcher"] = l.dispatcher;
@@ -109,6 +113,14 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
       EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
                               [&](const TraceEvent& e) { return e.rank == rank && e.name == phase; }))
           << "rank " << rank << " " << phase;
+  // Tensor-parallel ranks move the sequence between a block's parts.
+  if (l.t > 1)
+    for (int64_t rank = 0; rank < 4; ++rank)
+      EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
+                              [&](const TraceEvent& e) {
+                                return e.rank == rank && e.name.rfind("tensor.", 0) == 0 && e.bytes > 0;
+                              }))
+          << "rank " << rank << ": no tensor-parallel collective";
   // Offloaded block inputs are timed going out and coming back.
   if (l.offload) {
     for (int64_t rank = 0; rank < 4; ++rank)
@@ -163,7 +175,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E2S2R1_full_offload", 2, 2, "full", true},
                       Layout{"E4S1R1_selective_offload", 4, 1, "selective", true},
                       Layout{"E2S1R2_full_offload", 2, 1, "full", true},
-                      Layout{"E4S1R1_allgather", 4, 1, "none", false, "allgather"}),
+                      Layout{"E4S1R1_allgather", 4, 1, "none", false, "allgather"},
+                      Layout{"E2S1T2", 2, 1, "none", false, "alltoall", 2},
+                      Layout{"E1S2T2_selective", 1, 2, "selective", false, "alltoall", 2},
+                      Layout{"E1S1T2R2_full_offload", 1, 1, "full", true, "alltoall", 2},
+                      Layout{"E2S1T2_allgather", 2, 1, "none", false, "allgather", 2}),
     layout_name);
 
 // Steps `from`..`to` of a run's metrics against the one-rank reference.
@@ -177,25 +193,67 @@ void expect_reference_losses(const std::vector<Json>& m, const std::vector<Json>
   }
 }
 
-// A checkpoint of (E2 S2) resumes under (E4 S1) and under one rank, and the losses go on as if
-// one rank had trained straight through.
-TEST_F(Parallel, CheckpointMovesBetweenLayouts) {
+// Trains the plan `saved` into `folder` for 6 steps with a checkpoint, then resumes a copy of it
+// under each target plan to step 12: the losses go on as if one rank had trained straight through.
+void expect_checkpoint_moves(const std::string& saved, const std::string& folder, const std::string& data,
+                             const std::vector<std::pair<std::string, std::string>>& targets,
+                             const std::vector<Json>& reference) {
   namespace fs = std::filesystem;
-  const std::string data = dir_->file("data"), saved = dir_->file("reshard-E2S2");
-  Command r = run_moeplan("run " + plan_for({"reshard-E2S2R1", 2, 2, "none", false}) + " --data " + data + " --out " +
-                          saved + " --steps 6 --checkpoint-every 6");
+  Command r = run_moeplan("run " + saved + " --data " + data + " --out " + folder + " --steps 6 --checkpoint-every 6");
   ASSERT_EQ(r.exit_code, 0) << show(r);
-  const std::vector<std::pair<std::string, std::string>> targets{
-      {"E4S1R1", plan_for({"reshard-E4S1R1", 4, 1, "none", false})}, {"one rank", reference_plan_}};
-  for (size_t i = 0; i < targets.size(); ++i) {
-    const auto& [name, plan] = targets[i];
-    const std::string out = dir_->file("reshard-to-" + std::to_string(i));
-    fs::copy(saved, out, fs::copy_options::recursive);
+  for (const auto& [name, plan] : targets) {
+    const std::string out = folder + "-to-" + name;
+    fs::copy(folder, out, fs::copy_options::recursive);
     r = run_moeplan("run " + plan + " --data " + data + " --out " + out + " --steps 12 --resume");
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << show(r);
     EXPECT_NE(r.out.find("at step 6"), std::string::npos) << show(r);
-    expect_reference_losses(read_metrics(out), reference_, 1, 12, "E2S2 then " + name);
+    expect_reference_losses(read_metrics(out), reference, 1, 12, folder + " then " + name);
   }
+}
+
+// A checkpoint of (E2 S2) resumes under (E4 S1) and under one rank.
+TEST_F(Parallel, CheckpointMovesBetweenLayouts) {
+  expect_checkpoint_moves(plan_for({"reshard-E2S2R1", 2, 2, "none", false}), dir_->file("reshard-E2S2"),
+                          dir_->file("data"),
+                          {{"E4S1R1", plan_for({"reshard-E4S1R1", 4, 1, "none", false})}, {"one-rank", reference_plan_}},
+                          reference_);
+}
+
+// A checkpoint of (E2 T2), whose o and w2 matrices are saved in column blocks, resumes under
+// one rank and under (E1 S2 T2).
+TEST_F(Parallel, TensorParallelCheckpointMovesBetweenLayouts) {
+  expect_checkpoint_moves(
+      plan_for({"reshard-E2S1T2", 2, 1, "none", false, "alltoall", 2}), dir_->file("reshard-E2T2"), dir_->file("data"),
+      {{"one-rank", reference_plan_}, {"E1S2T2", plan_for({"reshard-E1S2T2", 1, 2, "none", false, "alltoall", 2})}},
+      reference_);
+}
+
+// With the aux-loss balancing and a z-loss in the objective, every T rank computes the router's
+// losses from the same logits: each must count once in the router's gradient, so the losses, the
+// load-balancing terms and the gradient norm stay those of one rank.
+TEST_F(Parallel, TensorParallelRouterLossesCountOnce) {
+  auto with_router_losses = [&](const std::string& plan_file, const std::string& name) {
+    Json plan = read_json_file(plan_file);
+    plan["moe"]["load_balancing"] = "aux_loss";
+    plan["moe"]["aux_loss_coef"] = 0.05;
+    plan["moe"]["z_loss_coef"] = 0.01;
+    return dir_->write(name, plan);
+  };
+  const std::string data = dir_->file("data");
+  const std::string one = with_router_losses(reference_plan_, "plan-aux-1.json");
+  const std::string tp = with_router_losses(plan_for({"aux-E2S1T2", 2, 1, "none", false, "alltoall", 2}), "plan-aux-tp.json");
+  Command r = run_moeplan("run " + one + " --data " + data + " --out " + dir_->file("aux-1") + " --steps 8");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  r = run_moeplan("run " + tp + " --data " + data + " --out " + dir_->file("aux-tp") + " --steps 8");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  const std::vector<Json> a = read_metrics(dir_->file("aux-1")), b = read_metrics(dir_->file("aux-tp"));
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i)
+    for (const char* key : {"loss", "aux_loss", "z_loss", "total_loss", "grad_norm"}) {
+      const double x = a[i][key].get<double>(), y = b[i][key].get<double>();
+      EXPECT_LE(std::abs(y - x), 1e-4 * std::abs(x)) << "step " << i + 1 << " " << key << ": one rank " << x << ", E2 T2 " << y;
+    }
 }
 
 // The process ids of `parent`'s children whose environment holds `entry`.

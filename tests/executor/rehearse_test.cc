@@ -125,14 +125,14 @@ TEST_F(Rehearse, ImpossibleLayoutFailsWithTheRuleItBreaks) {
   EXPECT_FALSE(std::filesystem::exists(dir_->file("r-e3")));
 
   // What the executor cannot run, it cannot rehearse: said, naming the field.
-  const Command tp = run_moeplan("search --gpus 16 --tensor-parallel-degree 2 --pipeline-parallel-degree 1 "
-                                 "--estimator analytic --out " + dir_->file("p16-t2.json"));
-  ASSERT_EQ(tp.exit_code, 0) << show(tp);
-  const Command t = run_moeplan("run " + dir_->file("p16-t2.json") + " --rehearse --data " + data_ + " --out " +
-                                dir_->file("r-t2"));
+  const Command pp = run_moeplan("search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 2 "
+                                 "--estimator analytic --out " + dir_->file("p16-p2.json"));
+  ASSERT_EQ(pp.exit_code, 0) << show(pp);
+  const Command t = run_moeplan("run " + dir_->file("p16-p2.json") + " --rehearse --data " + data_ + " --out " +
+                                dir_->file("r-p2"));
   EXPECT_EQ(t.exit_code, 2) << show(t);
-  EXPECT_NE(t.err.find("parallel.tensor_parallel_degree"), std::string::npos) << show(t);
-  EXPECT_FALSE(std::filesystem::exists(dir_->file("r-t2")));
+  EXPECT_NE(t.err.find("parallel.pipeline_parallel_degree"), std::string::npos) << show(t);
+  EXPECT_FALSE(std::filesystem::exists(dir_->file("r-p2")));
 }
 
 TEST_F(Rehearse, BadRequestsAreRefusedBeforeAnyRankStarts) {

@@ -31,5 +31,9 @@ torch::Tensor all_to_all_autograd(Communicator& comm, const torch::Tensor& input
 torch::Tensor all_gather_autograd(Communicator& comm, const torch::Tensor& input);
 // This rank's chunk of the sum; backward: all-gather of the gradient.
 torch::Tensor reduce_scatter_autograd(Communicator& comm, const torch::Tensor& input);
+// The sum over the ranks; backward: the gradient as it is. Right where every rank goes on to
+// compute the same function of the sum (a loss every rank of a tensor-parallel group computes
+// alike), so each rank's input gets the whole gradient once.
+torch::Tensor all_reduce_autograd(Communicator& comm, const torch::Tensor& input);
 
 }  // namespace moeplan::executor

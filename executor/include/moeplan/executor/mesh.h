@@ -1,14 +1,17 @@
 #pragma once
-// The device mesh [R, S, E] of a plan (design.md section 2): which coordinates a rank has, which
-// ranks form each group, and the process groups themselves.
+// The device mesh [P, R, S, E, T] of a plan (design.md section 2): which coordinates a rank has,
+// which ranks form each group, and the process groups themselves.
 //
-// Groups, for a rank at (r, s, e):
-//   shard group           ranks (r, *, e): model states are sharded over it (all-gather,
+// Groups, for a rank at (p, r, s, e, t); each keeps the coordinates not written as *:
+//   shard group           ranks (p, r, *, e, t): model states are sharded over it (all-gather,
 //                         reduce-scatter);
-//   expert group          ranks (r, s, *): tokens travel inside it (all-to-all, all-gather);
-//   dense replica group   ranks (*, s, *): dense gradients are summed over it after the
+//   expert group          ranks (p, r, s, *, t): tokens travel inside it (all-to-all, all-gather);
+//   dense replica group   ranks (p, *, s, *, t): dense gradients are summed over it after the
 //                         reduce-scatter;
-//   expert replica group  ranks (*, s, e): expert gradients are summed over it;
+//   expert replica group  ranks (p, *, s, e, t): expert gradients are summed over it;
+//   tensor group          ranks (p, r, s, e, *): each block's matrices are split over it, and the
+//                         sequence between them (Megatron's tensor and sequence parallelism);
+//   pipeline group        ranks (*, r, s, e, t): the stages of one pipeline;
 //   world                 every rank: loss, gradient norm, counts.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -24,8 +27,9 @@
 namespace moeplan::executor {
 
 struct MeshCoords {
-  int64_t r = 0, s = 0, e = 0;
-  int64_t of(MeshDim d) const { return d == MeshDim::kReplica ? r : d == MeshDim::kShard ? s : e; }
+  int64_t r = 0, s = 0, e = 0, t = 0, p = 0;
+  int64_t of(MeshDim d) const;
+  int64_t& of(MeshDim d);
   bool operator==(const MeshCoords&) const = default;
 };
 
@@ -39,6 +43,9 @@ class MeshLayout {
   // The ranks that share every coordinate of `rank` except those in `varying`, ascending (so a
   // rank's index in a one-dimension group is its coordinate along that dimension).
   std::vector<int64_t> group(int64_t rank, const std::vector<MeshDim>& varying) const;
+  // Which of the W / (T P) data readers a rank is: the ranks of one tensor-parallel group and of
+  // one pipeline read the same micro-batches. Without T and P it is the rank itself.
+  int64_t reader(int64_t rank) const;
 
  private:
   ParallelConfig parallel_;
@@ -57,7 +64,7 @@ class DeviceMesh {
   int64_t rank() const { return rank_; }
   const MeshCoords& coords() const { return coords_; }
 
-  Communicator world, shard, expert, dense_replicas, expert_replicas;
+  Communicator world, shard, expert, dense_replicas, expert_replicas, tensor, pipeline;
 
  private:
   MeshLayout layout_;

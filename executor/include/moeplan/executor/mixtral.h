@@ -36,6 +36,17 @@ struct ParamInfo {
 // Every parameter of the model in Hugging Face's order.
 std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec);
 
+// How a parameter is split over the T ranks of a tensor-parallel group (Megatron-LM): the
+// column-parallel layers (q, k, v, w1, w3) and the vocabulary-parallel embedding and lm head
+// by rows of their [out, in] weight, the row-parallel ones (o, w2) by columns; norms and the
+// router stay whole on every rank.
+enum class TensorSplit : uint8_t { kWhole, kRows, kColumns };
+TensorSplit tensor_split(const ParamInfo& info);
+// The part of a whole parameter that tensor-parallel rank `index` of `ranks` holds (a view).
+torch::Tensor tensor_part(const torch::Tensor& whole, TensorSplit split, int64_t index, int64_t ranks);
+// The parameter as rank `index` of `ranks` holds it: same name, the shape of its part.
+ParamInfo tensor_part_info(const ParamInfo& info, int64_t ranks);
+
 // The seed of one parameter: a function of the run's seed and the parameter's name only.
 uint64_t parameter_seed(uint64_t run_seed, const std::string& name);
 
@@ -113,5 +124,10 @@ torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const
 // Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
                        const torch::Tensor& input_ids);
+// The same with the lm term computed elsewhere (a vocabulary-parallel cross entropy).
+LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm);
+// Next-token labels of input_ids [B, T]: input_ids[:, 1:], and kIgnoreLabel at the last position.
+inline constexpr int64_t kIgnoreLabel = -100;
+torch::Tensor next_token_labels(const torch::Tensor& input_ids);
 
 }  // namespace moeplan::executor

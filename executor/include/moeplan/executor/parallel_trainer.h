@@ -53,8 +53,10 @@ class ShardedTrainer {
   PhaseClock clock_;
 };
 
-// Checkpoint tensors of any layout, by parameter: a whole tensor "param/<name>" or slices
-// "param/<name>@<first element>" of its flattened values.
+// Checkpoint tensors of any layout, by parameter: a whole tensor "param/<name>", slices
+// "param/<name>@<first element>" of its flattened values, or, for a matrix split by columns
+// over tensor-parallel ranks, slices "param/<name>#cols<c0>:<c1>@<first element>" of its
+// flattened columns [c0, c1). Column blocks are put together when the tensor is first read.
 class SlicedState {
  public:
   void add(const NamedTensors& tensors);
@@ -64,10 +66,16 @@ class SlicedState {
   torch::Tensor range(const std::string& key, int64_t begin, int64_t end, Diagnostics& d) const;
   // The whole tensor, shaped.
   torch::Tensor whole(const std::string& key, const std::vector<int64_t>& shape, Diagnostics& d) const;
-  bool contains(const std::string& key) const { return slices_.count(key) != 0; }
+  bool contains(const std::string& key) const { return slices_.count(key) != 0 || columns_.count(key) != 0; }
 
  private:
-  std::map<std::string, std::map<int64_t, torch::Tensor>> slices_;  // key -> first element -> values
+  using Slices = std::map<int64_t, torch::Tensor>;  // first element -> values
+  // The slices of `key`, its column blocks put together first; nullptr (reported into d) when
+  // there are none or the blocks do not fit together.
+  const Slices* slices_of(const std::string& key, Diagnostics& d) const;
+
+  mutable std::map<std::string, Slices> slices_;
+  std::map<std::string, std::map<int64_t, std::pair<int64_t, Slices>>> columns_;  // key -> c0 -> (c1, slices)
 };
 
 // Where a rank of a multi-rank run comes from.

@@ -11,6 +11,17 @@
 // compute type (the next block's units move while a block computes); the gathered copy is
 // freed after the unit's forward and gathered again for its backward, whose gradient is
 // reduce-scattered back to the shards.
+//
+// Tensor parallelism (T > 1, always with sequence parallelism for MoE models, as Megatron-Core
+// requires): a rank's units hold its part of each matrix (tensor_split), so the flat units
+// above are of those parts. Between blocks the hidden states are split along the sequence
+// over the T ranks; each block all-gathers the normed sequence, runs attention on its heads
+// (q, k, v by rows, o by columns) and reduce-scatters the partial sum back to its part of the
+// sequence, and likewise for the MoE block: every T rank routes the whole gathered sequence
+// alike (so routing, load-balancing losses and counts are exactly those of one rank), its
+// expert group moves the tokens to their experts, whose w1 and w3 are split by rows and w2 by
+// columns, and the partial outputs are reduce-scattered. The embedding and lm head are split
+// over the vocabulary (the loss is a vocabulary-parallel cross entropy).
 
 #include <torch/torch.h>
 
@@ -62,6 +73,14 @@ class ShardedModel {
   bool owns(const FlatUnit& unit) const;
   // Where shard s of unit u starts in the flat tensor.
   int64_t shard_begin(const FlatUnit& unit) const { return mesh_.coords().s * unit.shard_numel; }
+  // How parameter i is split over the tensor-parallel group (infos() holds this rank's part).
+  TensorSplit split_of(int64_t param) const { return splits_[static_cast<size_t>(param)]; }
+  // With T > 1: true where an element of unit u's shard belongs to a parameter every T rank
+  // holds whole (norms, router); undefined when T = 1 or the unit has none.
+  const torch::Tensor& whole_mask(size_t unit) const { return whole_masks_[unit]; }
+  // Sums over the tensor-parallel group the gradient of the parameters that every T rank holds
+  // whole: each rank's is that of its part of the sequence.
+  void sum_whole_parameter_grads(size_t unit, torch::Tensor& grad);
 
   // Activations saved for backward at checkpoints go to `store` (nullptr: kept in memory).
   void set_offload(ActivationStore* store, int64_t horizon) {
@@ -72,6 +91,9 @@ class ShardedModel {
   // One micro-batch [B, T] of this rank. shuffle_seed seeds the global token shuffle (the same on
   // every rank of an expert group). Router counts are of this rank's tokens.
   ForwardResult forward(const torch::Tensor& input_ids, uint64_t shuffle_seed);
+  // The loss of a forward's result (with T > 1 the logits are this rank's part of the
+  // vocabulary; every T rank gets the same loss).
+  LossTerms loss(const ForwardResult& out, const torch::Tensor& input_ids);
 
   // The most token-expert rows this rank's experts computed in one layer of one micro-batch
   // since the last call (the load its activations are sized by), and a new count.
@@ -104,11 +126,20 @@ class ShardedModel {
   torch::Tensor local_experts(const torch::Tensor& rows, const std::vector<int64_t>& rows_per_expert,
                               const Gathered& local);
   LayerWeights dense_weights(const Gathered& dense) const;
+  // [B, T / tp, h] <-> [B, T, h] over the tensor-parallel group (identity when T = 1): the
+  // all-gather's backward is a reduce-scatter and the other way round.
+  torch::Tensor gather_sequence(const torch::Tensor& x);
+  torch::Tensor scatter_sequence(const torch::Tensor& partial);
+  torch::Tensor embed(const torch::Tensor& table, const torch::Tensor& input_ids);
 
   const Plan& plan_;
   DeviceMesh& mesh_;
   torch::ScalarType master_type_, compute_type_;
-  std::vector<ParamInfo> infos_;
+  std::vector<ParamInfo> infos_;  // this rank's part of each parameter
+  std::vector<TensorSplit> splits_;
+  ModelSpec local_spec_;  // the attention heads of this tensor-parallel rank
+  int64_t tp_ = 1, tp_rank_ = 0;
+  std::vector<torch::Tensor> whole_masks_;
   std::vector<FlatUnit> units_;
   std::vector<torch::Tensor> shards_, decay_masks_;
   int64_t experts_per_rank_ = 0, first_expert_ = 0;
