@@ -240,28 +240,6 @@ int run_search(const SearchArgs& args) {
       write_file_atomic(args.out, text);
       if (!args.json) std::printf("\nwrote %s (%s)\n", args.out.c_str(), describe(plan.parallel).c_str());
     }
-    const ParallelConfig& best = plan.parallel;
-    if (!args.json && (best.tensor_parallel_degree > 1 || best.pipeline_parallel_degree > 1)) {
-      // The executor trains [R, S, E] meshes: say what the best of those costs.
-      planner::SearchOptions runnable = options;
-      runnable.pins.tensor_parallel_degree = 1;
-      runnable.pins.pipeline_parallel_degree = 1;
-      runnable.pins.virtual_pipeline_degree.reset();
-      runnable.pins.sequence_parallel.reset();
-      runnable.keep = 1;
-      const planner::SearchResult r = planner::search(model, cluster, runnable);
-      std::printf("\nmoeplan run trains [R, S, E] layouts, without tensor or pipeline parallelism: ");
-      if (r.ranked.empty()) {
-        std::printf("none of them fits here.\n");
-      } else {
-        // Predicted as plan.json would predict it.
-        const Plan other = planner::make_plan(model, cluster, runnable, r, args.command);
-        const double t = other.prediction.step_time_s;
-        std::printf("the best of them is %s at %.2f s a step (%+.0f%%); --tensor-parallel-degree 1 "
-                    "--pipeline-parallel-degree 1 plans it.\n",
-                    describe(other.parallel).c_str(), t, 100.0 * (t / plan.prediction.step_time_s - 1));
-      }
-    }
     return kExitOk;
   } catch (const InputError& e) {
     print_error(e);

@@ -11,7 +11,9 @@
 
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/pipeline_schedule.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/routing.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
 
@@ -209,7 +211,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   r.learning_rate = learning_rate(plan_.training, step_);
   torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
-  for (int64_t m = 0; m < ga; ++m) {
+  if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, counts, sums);
+  for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
     const auto f0 = Clock::now();
     ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
@@ -241,10 +244,11 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   for (size_t u = 0; u < model_.units().size(); ++u) {
     torch::Tensor& shard = model_.shards()[u];
     torch::Tensor g = shard.grad().defined() ? shard.grad() : torch::zeros_like(shard);
+    grads.push_back(g);
+    if (!model_.holds(u)) continue;  // on another pipeline stage
     model_.sum_whole_parameter_grads(u, g);
     model_.replica_group(model_.units()[u]).all_reduce_sum(g);
     g.div_(readers);
-    grads.push_back(g);
   }
   // Global norm: each element counted on exactly one rank (what T ranks hold whole, on the first).
   torch::Tensor square = torch::zeros({1}, torch::kFloat);
@@ -280,6 +284,90 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   return r;
 }
 
+// The micro-batches of a step through this rank's pipeline stage in the schedule's order
+// (core/pipeline_schedule.h: 1F1B, or the interleaved schedule with V chunks). A chunk's input
+// comes from the previous pipeline rank and its output goes to the next one; gradients go the
+// other way. Sends are started and finished at the end of the step, so that no rank waits on a
+// peer that waits on it; receives wait. With each activation go the router-loss sums of the
+// layers before it (routing.h), so that the last stage reports the load-balancing and z-losses
+// of all the layers; those losses are not in the objective here (the executor refuses such
+// plans).
+void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts,
+                                  torch::Tensor& sums) {
+  using Clock = PhaseClock::Clock;
+  const ModelSpec& spec = plan_.model;
+  Communicator& pipe = mesh_.pipeline;
+  const int64_t ranks = pipe.size(), me = pipe.rank(), chunks = plan_.parallel.virtual_pipeline_degree;
+  const int64_t stages = ranks * chunks, ga = static_cast<int64_t>(micro_batches.size());
+  const int64_t prev = (me + ranks - 1) % ranks, next = (me + 1) % ranks;
+  const bool counts_data = mesh_.coords().t == 0;
+  const int64_t k = spec.experts_per_token, experts = spec.num_experts, sum_size = k * experts + experts + 2;
+  const torch::Tensor& first = micro_batches.front();
+  const std::vector<int64_t> hidden_shape{first.size(0), first.size(1) / mesh_.tensor.size(), spec.hidden_size};
+  const torch::ScalarType hidden_type = compute_type(plan_.training.precision);
+  enum Kind : int64_t { kActivation, kRouterSums, kGradient };
+  // A transfer's tag names its micro-batch, the virtual stage it goes to and what it carries.
+  auto tag = [&](int64_t micro, int64_t stage, Kind kind) { return (micro * stages + stage) * 3 + kind; };
+  struct InFlight {
+    torch::Tensor input;   // the received activation (a leaf whose gradient goes back)
+    torch::Tensor output;  // the chunk's output, or the loss of the last stage
+  };
+  std::map<std::pair<int64_t, int64_t>, InFlight> live;  // by (micro-batch, chunk)
+  std::vector<Communicator::PendingTransfer> sends;
+  for (const PipelineAction& a : pipeline_schedule(ranks, me, ga, chunks)) {
+    const int64_t stage = a.chunk * ranks + me;
+    const torch::Tensor& ids = micro_batches[static_cast<size_t>(a.micro_batch)];
+    const auto t0 = Clock::now();
+    if (a.forward) {
+      InFlight f;
+      torch::Tensor router = torch::zeros({sum_size}, torch::kDouble);
+      if (stage > 0) {
+        f.input = pipe.recv(hidden_shape, hidden_type, prev, tag(a.micro_batch, stage, kActivation)).requires_grad_(true);
+        router = pipe.recv({sum_size}, torch::kDouble, prev, tag(a.micro_batch, stage, kRouterSums));
+      }
+      ForwardResult out =
+          model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
+      router += router_loss_sums(out.router_logits, k, experts);
+      if (counts_data) counts += out.tokens_per_expert;
+      if (stage + 1 < stages) {
+        f.output = out.hidden;
+        sends.push_back(pipe.start_send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation)));
+        sends.push_back(pipe.start_send(router, next, tag(a.micro_batch, stage + 1, kRouterSums)));
+      } else {
+        const LossTerms terms = model_.loss(out, ids);
+        f.output = terms.lm / static_cast<double>(ga);
+        if (counts_data) {
+          const auto [aux, z] = router_losses_of_sums(router, k, experts);
+          sums[0] += terms.lm.item<double>();
+          sums[1] += aux;
+          sums[2] += z;
+          sums[3] += terms.lm.item<double>();
+          sums[4] += static_cast<double>(ids.numel());
+        }
+      }
+      live.emplace(std::make_pair(a.micro_batch, a.chunk), std::move(f));
+      clock_.add("forward", "compute", TraceStream::kCompute, t0, Clock::now());
+    } else {
+      const auto at = live.find({a.micro_batch, a.chunk});
+      if (at == live.end()) throw std::logic_error("a pipeline backward before its forward");
+      InFlight f = std::move(at->second);
+      live.erase(at);
+      if (stage + 1 < stages) {
+        const torch::Tensor grad = pipe.recv(hidden_shape, hidden_type, next, tag(a.micro_batch, stage, kGradient));
+        torch::autograd::backward({f.output}, {grad});
+      } else {
+        f.output.backward();
+      }
+      if (stage > 0) {
+        const torch::Tensor grad = f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input);
+        sends.push_back(pipe.start_send(grad, prev, tag(a.micro_batch, stage - 1, kGradient)));
+      }
+      clock_.add("backward", "compute", TraceStream::kCompute, t0, Clock::now());
+    }
+  }
+  for (Communicator::PendingTransfer& s : sends) pipe.finish_transfer(s);
+}
+
 namespace {
 
 // A parameter's part of this rank's shard of a flat unit: elements [first, last) of the
@@ -295,6 +383,7 @@ struct HeldSlice {
 template <class F>
 void for_each_held_slice(ShardedModel& model, F&& f) {
   for (size_t u = 0; u < model.units().size(); ++u) {
+    if (!model.holds(u)) continue;  // on another pipeline stage
     const FlatUnit& unit = model.units()[u];
     const int64_t begin = model.shard_begin(unit), end = begin + unit.shard_numel;
     for (size_t j = 0; j < unit.params.size(); ++j) {

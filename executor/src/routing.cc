@@ -132,4 +132,27 @@ torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits) {
   return torch::logsumexp(logits, -1).square().mean();
 }
 
+torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor sums = torch::zeros({k * experts + experts + 2}, torch::kDouble);
+  if (router_logits.empty()) return sums;
+  const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
+  const torch::Tensor probs = torch::softmax(logits, -1);
+  const torch::Tensor selected = std::get<1>(torch::topk(probs, k, -1));
+  sums.narrow(0, 0, k * experts).copy_(torch::one_hot(selected, experts).sum(0).flatten());
+  sums.narrow(0, k * experts, experts).copy_(probs.sum(0));
+  sums[k * experts + experts] = torch::logsumexp(logits, -1).square().sum().item<double>();
+  sums[k * experts + experts + 1] = static_cast<double>(logits.size(0));
+  return sums;
+}
+
+std::pair<double, double> router_losses_of_sums(const torch::Tensor& sums, int64_t k, int64_t experts) {
+  const double rows = sums[k * experts + experts + 1].item<double>();
+  if (rows == 0) return {0, 0};
+  const torch::Tensor share = sums.narrow(0, 0, k * experts).view({k, experts}) / rows;
+  const torch::Tensor mean_prob = sums.narrow(0, k * experts, experts) / rows;
+  const double aux = (share * mean_prob.unsqueeze(0)).sum().item<double>() * static_cast<double>(experts);
+  return {aux, sums[k * experts + experts].item<double>() / rows};
+}
+
 }  // namespace moeplan::executor

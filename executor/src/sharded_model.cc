@@ -53,6 +53,10 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
   first_expert_ = mesh.coords().e * experts_per_rank_;
   local_spec_.num_attention_heads /= tp_;
   local_spec_.num_key_value_heads /= tp_;
+  pp_ = p.pipeline_parallel_degree;
+  pp_rank_ = mesh.coords().p;
+  chunks_ = p.virtual_pipeline_degree;
+  layers_per_chunk_ = plan.model.num_layers / (pp_ * chunks_);
   const std::vector<ParamInfo> whole = mixtral_parameters(plan.model);
   for (const ParamInfo& info : whole) {
     infos_.push_back(tensor_part_info(info, tp_));
@@ -65,6 +69,15 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
   const auto seed = static_cast<uint64_t>(plan.training.seed);
   torch::NoGradGuard no_grad;
   for (const FlatUnit& u : units_) {
+    // The stage of a unit: virtual stage v (of P x V) is chunk v / P of pipeline rank v % P.
+    const int64_t layer = std::clamp<int64_t>(u.block - 1, 0, plan.model.num_layers - 1);
+    held_.push_back(layer / layers_per_chunk_ % pp_ == pp_rank_);
+    if (!held_.back()) {
+      shards_.push_back(torch::zeros({0}, torch::TensorOptions().dtype(master_type_)).requires_grad_(true));
+      decay_masks_.push_back(torch::zeros({0}, torch::kBool));
+      whole_masks_.emplace_back();
+      continue;
+    }
     const int64_t begin = shard_begin(u), end = begin + u.shard_numel;
     torch::Tensor shard = torch::zeros({u.shard_numel}, torch::TensorOptions().dtype(master_type_));
     torch::Tensor decay = torch::zeros({u.shard_numel}, torch::kBool);
@@ -106,6 +119,7 @@ Communicator& ShardedModel::replica_group(const FlatUnit& unit) {
 
 bool ShardedModel::owns(const FlatUnit& unit) const {
   const MeshCoords& c = mesh_.coords();
+  if (!held_[static_cast<size_t>(&unit - units_.data())]) return false;
   return unit.experts ? c.r == 0 : c.r == 0 && c.e == 0;
 }
 
@@ -147,7 +161,8 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
 }
 
 void ShardedModel::prefetch(size_t index) {
-  if (mesh_.shard.size() == 1 || prefetched_.count(index) != 0) return;  // nothing to move
+  // Nothing to move, or a unit of another pipeline stage.
+  if (mesh_.shard.size() == 1 || !held_[index] || prefetched_.count(index) != 0) return;
   prefetched_.emplace(index, mesh_.shard.start_all_gather(shards_[index].detach().to(compute_type_)));
 }
 
@@ -274,26 +289,41 @@ LayerWeights ShardedModel::dense_weights(const Gathered& dense) const {
 }
 
 ForwardResult ShardedModel::forward(const torch::Tensor& input_ids, uint64_t shuffle_seed) {
+  return forward_chunk(0, input_ids, torch::Tensor(), shuffle_seed);
+}
+
+ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& input_ids, const torch::Tensor& hidden,
+                                          uint64_t shuffle_seed) {
   const ModelSpec& spec = plan_.model;
   const int64_t t = input_ids.size(1);
   if (!rope_.cos.defined() || rope_.cos.size(0) != t) {
     rope_ = rope_tables(spec, t, compute_type_);
     mask_ = attention_mask_bias(spec, t, compute_type_);
   }
+  const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
+  const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
   ForwardResult out;
   out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
   torch::Tensor x;
-  // Gathers started by a forward that failed half-way are finished before new ones start.
+  // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
+  // schedule, are finished before new ones start.
   for (auto& [unit, pending] : prefetched_) mesh_.shard.finish_all_gather(pending);
   prefetched_.clear();
-  {
+  if (stage == 0) {
     prefetch(0);
-    prefetch_block(0);  // moves while the embedding is looked up
+    prefetch_block(first);  // moves while the embedding is looked up
     const Gathered embed = gather(0);
     x = this->embed(embed.params[0], input_ids);  // its backward needs only the ids
     release(embed);
+  } else {
+    prefetch_block(first);
+    x = hidden;
   }
-  for (int64_t l = 0; l < spec.num_layers; ++l) x = block(l, x, out, shuffle_seed);
+  for (int64_t l = first; l < last; ++l) x = block(l, x, out, shuffle_seed);
+  if (stage + 1 < stages) {
+    out.hidden = x;
+    return out;
+  }
   const Gathered head = gather(units_.size() - 1);
   x = gather_sequence(rms_norm(x, head.params[0], spec.rms_norm_eps));
   torch::Tensor logits = torch::matmul(x, head.params[1].t()).to(torch::kFloat);

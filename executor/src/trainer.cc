@@ -47,11 +47,21 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
   if (plan.model.mlp != Mlp::kSwiGlu)
     d.error("model.mlp", "= \"" + std::string(name_of(kMlpNames, plan.model.mlp)) +
                              "\": the executor trains SwiGLU feed-forward layers only");
-  // Pipeline stages are planned and simulated; the executor runs one stage.
-  if (plan.parallel.pipeline_parallel_degree != 1)
-    d.error("parallel.pipeline_parallel_degree", "= " + std::to_string(plan.parallel.pipeline_parallel_degree) +
-                                                     ": the executor runs without pipeline stages (use 1); such "
-                                                     "plans are simulated only");
+  // Pipeline stages: the router's losses are reported across stages but not trained through
+  // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
+  if (plan.parallel.pipeline_parallel_degree > 1) {
+    const std::string stages = " with pipeline_parallel_degree = " + std::to_string(plan.parallel.pipeline_parallel_degree);
+    if (plan.moe.load_balancing == LoadBalancing::kAuxLoss && plan.moe.aux_loss_coef != 0)
+      d.error("moe.load_balancing", "= \"aux_loss\"" + stages +
+                                        ": the executor trains the load-balancing loss without pipeline stages only "
+                                        "(use sinkhorn, balanced or none)");
+    if (plan.moe.z_loss_coef != 0)
+      d.error("moe.z_loss_coef", "= " + std::to_string(plan.moe.z_loss_coef) + stages +
+                                     ": the executor trains the z-loss without pipeline stages only (use 0)");
+    if (plan.parallel.activation_offloading)
+      d.error("parallel.activation_offloading", "= true" + stages +
+                                                    ": the executor offloads without pipeline stages only");
+  }
   // Tensor parallelism splits the vocabulary (embedding, lm head) and the sequence over T ranks.
   if (const int64_t tp = plan.parallel.tensor_parallel_degree; tp > 1) {
     if (plan.model.vocab_size % tp != 0)

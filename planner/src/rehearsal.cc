@@ -66,7 +66,11 @@ void repredict(Plan& p) {
 
 Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, int64_t seq_len, int64_t steps) {
   Plan p = plan;
-  p.model = shrink_model(plan.model, shrink, vocab_size, seq_len);
+  // Every chunk of every pipeline stage keeps at least one block (and all the same number).
+  Shrink kept = shrink;
+  const int64_t chunks = std::max<int64_t>(1, plan.parallel.pipeline_parallel_degree * plan.parallel.virtual_pipeline_degree);
+  if (kept.layers >= 1) kept.layers = (kept.layers + chunks - 1) / chunks * chunks;
+  p.model = shrink_model(plan.model, kept, vocab_size, seq_len);
   const ParallelConfig& q = p.parallel;
   p.training.seq_len = seq_len;
   p.training.global_batch_tokens = seq_len * q.micro_batch_size * q.gradient_accumulation_steps * q.data_parallel_degree();

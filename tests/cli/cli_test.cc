@@ -120,29 +120,6 @@ TEST_F(Cli, SearchWritesAPlanThatCheckAccepts) {
     EXPECT_EQ(entry.path().filename(), "plan.json");
 }
 
-// When the best plan uses tensor or pipeline parallelism, which `moeplan run` does not train,
-// the search says what the best [R, S, E] layout costs and how to plan it; that line's layout
-// and step time are the pinned search's.
-TEST_F(Cli, SearchNamesTheBestLayoutTheExecutorRuns) {
-  Workdir dir;
-  const Outcome search = dir.moeplan("search --gpus 16");
-  ASSERT_EQ(search.exit_code, 0) << show(search);
-  const Plan best = read_plan_file((dir / "plan.json").string());
-  ASSERT_TRUE(best.parallel.tensor_parallel_degree > 1 || best.parallel.pipeline_parallel_degree > 1)
-      << "the default 16-GPU plan is expected to use tensor or pipeline parallelism";
-  const Outcome pinned =
-      dir.moeplan("search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --out rse.json");
-  ASSERT_EQ(pinned.exit_code, 0) << show(pinned);
-  const Plan rse = read_plan_file((dir / "rse.json").string());
-  char expected[160];
-  std::snprintf(expected, sizeof expected, "the best of them is %s at %.2f s a step", describe(rse.parallel).c_str(),
-                rse.prediction.step_time_s);
-  EXPECT_NE(search.out.find("moeplan run trains [R, S, E] layouts"), std::string::npos) << show(search);
-  EXPECT_NE(search.out.find(expected), std::string::npos) << expected << show(search);
-  // A plan the executor runs gets no such line.
-  EXPECT_EQ(pinned.out.find("moeplan run trains"), std::string::npos) << show(pinned);
-}
-
 // Dense models are planned like Mixtral, with one expert: no expert parallelism, no router.
 TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   Workdir dir;

@@ -405,24 +405,34 @@ TEST_F(PreparedData, RunOfADenseModelIsRefusedNamingTheField) {
       << err;
 }
 
-// Pipeline parallelism is planned and simulated; the executor says it does not run it before any
-// rank starts. Tensor parallelism runs where T divides the vocabulary (the embedding and lm head
-// are split over it): a vocabulary it does not divide is refused naming the field.
-TEST_F(PreparedData, RunOfAPipelinePlanOrAnUnevenVocabularySplitIsRefusedNamingTheField) {
+// What the executor does not train is refused before any rank starts, naming the field: a
+// vocabulary that T does not divide (the embedding and lm head are split over it), and, with
+// pipeline stages, router losses in the objective or offloading.
+TEST_F(PreparedData, RunOfAnUnevenVocabularySplitOrUntrainedPipelineLossIsRefusedNamingTheField) {
   const test::TempDir tmp;
   Json model = read_json_file(test::profile_path("models/mixtral-tiny.json"));
-  model["vocab_size"] = kVocab;
-  const std::string file = tmp.write("tiny.json", model.dump());
-  const std::string pipeline =
-      run_refused(tmp, file, data(), "--gpus 2 --tensor-parallel-degree 1 --pipeline-parallel-degree 2");
-  EXPECT_TRUE(contains(pipeline, "moeplan: error: run: parallel.pipeline_parallel_degree: = 2: the executor runs "
-                                 "without pipeline stages (use 1)"))
-      << pipeline;
   model["vocab_size"] = kVocab + 1;
   const std::string odd = tmp.write("tiny-odd.json", model.dump());
   const std::string tensor = run_refused(
       tmp, odd, data(), "--gpus 2 --tensor-parallel-degree 2 --sequence-parallel on --pipeline-parallel-degree 1");
   EXPECT_TRUE(contains(tensor, "model.vocab_size: = 513 is not divisible by tensor_parallel_degree = 2")) << tensor;
+
+  model["vocab_size"] = kVocab;
+  const std::string file = tmp.write("tiny.json", model.dump());
+  const Command made = run_moeplan("search --gpus 2 --instance local-cpu --model " + file + " --seq-len " +
+                                   std::to_string(kBlock) + " --global-batch-tokens " + std::to_string(4 * kBlock) +
+                                   " --precision fp32 --tensor-parallel-degree 1 --pipeline-parallel-degree 2 --out " +
+                                   tmp.file("p2.json"));
+  ASSERT_EQ(made.exit_code, 0) << show(made);
+  Json plan = read_json_file(tmp.file("p2.json"));
+  plan["moe"]["load_balancing"] = "aux_loss";
+  plan["moe"]["z_loss_coef"] = 0.001;
+  const Command r = run_moeplan("run " + tmp.write("p2-aux.json", plan.dump()) + " --data " + data() + " --out " +
+                                tmp.file("run") + " --steps 1");
+  EXPECT_EQ(r.exit_code, 2) << show(r);
+  EXPECT_TRUE(contains(r.err, "moe.load_balancing: = \"aux_loss\" with pipeline_parallel_degree = 2")) << r.err;
+  EXPECT_TRUE(contains(r.err, "moe.z_loss_coef: = 0.001")) << r.err;
+  EXPECT_FALSE(fs::exists(tmp.file("run") + "/metrics.jsonl"));
 }
 
 }  // namespace

@@ -43,6 +43,22 @@ TEST(RouterLoss, ZLossByHand) {
   EXPECT_NEAR(router_z_loss({crafted_logits(), torch::zeros({4, 2})}).item<double>(), (ln4 * ln4 + ln2 * ln2) / 2, 1e-6);
 }
 
+// A pipeline's stages each sum their layers' part: two stages' sums added give the losses of all
+// the layers at once.
+TEST(RouterLoss, SumsOfStagesGiveTheLossesOfAllLayers) {
+  torch::manual_seed(3);
+  const std::vector<torch::Tensor> layers{torch::randn({6, 4}), torch::randn({6, 4}), torch::randn({6, 4})};
+  const double aux = load_balancing_loss(layers, 2).item<double>(), z = router_z_loss(layers).item<double>();
+  const torch::Tensor sums = router_loss_sums({layers[0]}, 2, 4) + router_loss_sums({layers[1], layers[2]}, 2, 4);
+  const auto [aux_of_sums, z_of_sums] = router_losses_of_sums(sums, 2, 4);
+  EXPECT_NEAR(aux_of_sums, aux, 1e-6);
+  EXPECT_NEAR(z_of_sums, z, 1e-5);
+  // One stage alone is another set of layers: its losses are not all of them.
+  const auto [aux_first, z_first] = router_losses_of_sums(router_loss_sums({layers[0]}, 2, 4), 2, 4);
+  EXPECT_GT(std::abs(aux_first - aux) + std::abs(z_first - z), 1e-4);
+  EXPECT_EQ(router_losses_of_sums(router_loss_sums({}, 2, 4), 2, 4), std::make_pair(0.0, 0.0));
+}
+
 TEST(Routing, TopKRenormalisesTheChosenProbabilities) {
   const torch::Tensor logits = torch::tensor({0.0, std::log(2.0), std::log(5.0)}, torch::kFloat).view({1, 3});
   const Routing r = route(logits, 2, LoadBalancing::kAuxLoss);

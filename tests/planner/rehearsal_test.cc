@@ -101,6 +101,32 @@ TEST(Rehearsal, KeepsTheLayoutAndTheOneRankReferenceTrainsTheSameBatch) {
   EXPECT_TRUE(validate({one.model, one.cluster, one.parallel, one.moe, one.training}).empty());
 }
 
+// The default 16-GPU plan pipelines its blocks over P stages of V chunks each: the shrunk model
+// keeps a multiple of P x V blocks (at least --shrink-layers), and the one-rank reference trains
+// W / (T P) readers' micro-batches.
+TEST(Rehearsal, APipelineKeepsABlockForEveryChunk) {
+  SearchOptions o = test::search_options(16);
+  o.estimator = Estimator::kAnalytic;
+  o.pins.pipeline_parallel_degree = 2;
+  o.pins.virtual_pipeline_degree = 4;
+  o.pins.tensor_parallel_degree = 2;
+  const ModelSpec& m = test::model("mixtral-8x7b");
+  const ClusterSpec c = test::hardware("p4d.24xlarge", 16);
+  const SearchResult r = search(m, c, o);
+  ASSERT_FALSE(r.ranked.empty());
+  const Plan plan = make_plan(m, c, o, r, "moeplan search --gpus 16");
+  ASSERT_EQ(plan.parallel.pipeline_parallel_degree * plan.parallel.virtual_pipeline_degree, 8);
+  for (const auto& [asked, kept] : {std::pair<int64_t, int64_t>{2, 8}, {8, 8}, {9, 16}}) {
+    const Plan small = rehearsal_plan(plan, {32, asked}, 512, 64, 2);
+    EXPECT_EQ(small.model.num_layers, kept) << "--shrink-layers " << asked;
+    EXPECT_EQ(small.parallel, plan.parallel);
+    EXPECT_TRUE(validate({small.model, small.cluster, small.parallel, small.moe, small.training}).empty());
+    const Plan one = reference_plan(small);
+    EXPECT_EQ(one.parallel.gradient_accumulation_steps, plan.parallel.gradient_accumulation_steps * 16 / 4);
+    EXPECT_EQ(one.training.global_batch_tokens, small.training.global_batch_tokens);
+  }
+}
+
 TEST(Rehearsal, MeasuredLoadOfTheBusiestExpertRankRaisesItsMemory) {
   Plan plan = cluster_plan();
   plan.parallel.expert_parallel_degree = 4;

@@ -94,6 +94,7 @@ struct ForwardResult {
   torch::Tensor logits;                      // [B, T, vocab], fp32 as in Hugging Face
   std::vector<torch::Tensor> router_logits;  // per layer [B*T, num_experts], compute dtype
   torch::Tensor tokens_per_expert;           // [layers, num_experts] int64: token-expert slots
+  torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
 };
 
 ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weights,

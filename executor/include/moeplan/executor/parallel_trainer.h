@@ -45,6 +45,10 @@ class ShardedTrainer {
   ShardedModel& model() { return model_; }
 
  private:
+  // The forward and backward passes of a step's micro-batches on a pipeline stage; adds the
+  // stage's counts and (on the last stage) the losses and tokens into counts and sums.
+  void run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts, torch::Tensor& sums);
+
   const Plan& plan_;
   DeviceMesh& mesh_;
   ShardedModel model_;

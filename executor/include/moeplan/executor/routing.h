@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "moeplan/core/parallel_config.h"
@@ -37,5 +38,12 @@ torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logit
 
 // ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, all layers together.
 torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits);
+
+// Both losses are means over every layer's rows, so a pipeline stage can sum its layers' part
+// and pass it on: [k x E top-k one-hot counts, E probabilities, sum of logsumexp^2, rows], fp64,
+// without gradient. Sums of several stages add.
+torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts);
+// The load-balancing loss and the z-loss of such sums: those of all the layers summed.
+std::pair<double, double> router_losses_of_sums(const torch::Tensor& sums, int64_t k, int64_t experts);
 
 }  // namespace moeplan::executor

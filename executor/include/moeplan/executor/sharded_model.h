@@ -91,6 +91,14 @@ class ShardedModel {
   // One micro-batch [B, T] of this rank. shuffle_seed seeds the global token shuffle (the same on
   // every rank of an expert group). Router counts are of this rank's tokens.
   ForwardResult forward(const torch::Tensor& input_ids, uint64_t shuffle_seed);
+  // The same through one chunk of this pipeline rank's layers: chunk c is virtual stage
+  // c P + p of the P x V, layers [v L / (P V), (v + 1) L / (P V)). The first virtual stage
+  // starts from input_ids, the others from `hidden` (the previous stage's output); the last
+  // gives logits, the others `hidden`. Router logits and counts are of the chunk's layers.
+  ForwardResult forward_chunk(int64_t chunk, const torch::Tensor& input_ids, const torch::Tensor& hidden,
+                              uint64_t shuffle_seed);
+  // Whether unit u lies on this rank's pipeline stage (the others have empty shards).
+  bool holds(size_t unit) const { return held_[unit]; }
   // The loss of a forward's result (with T > 1 the logits are this rank's part of the
   // vocabulary; every T rank gets the same loss).
   LossTerms loss(const ForwardResult& out, const torch::Tensor& input_ids);
@@ -139,6 +147,8 @@ class ShardedModel {
   std::vector<TensorSplit> splits_;
   ModelSpec local_spec_;  // the attention heads of this tensor-parallel rank
   int64_t tp_ = 1, tp_rank_ = 0;
+  int64_t pp_ = 1, pp_rank_ = 0, chunks_ = 1, layers_per_chunk_ = 1;
+  std::vector<bool> held_;  // per unit: on this pipeline stage
   std::vector<torch::Tensor> whole_masks_;
   std::vector<FlatUnit> units_;
   std::vector<torch::Tensor> shards_, decay_masks_;

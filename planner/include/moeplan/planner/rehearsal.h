@@ -23,7 +23,8 @@ struct Shrink {
 // when a size does not divide.
 ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t vocab_size, int64_t seq_len);
 
-// The plan to rehearse: `plan`'s cluster and layout with the shrunk model, fp32 (so that losses
+// The plan to rehearse: `plan`'s cluster and layout with the shrunk model (its blocks rounded up
+// to a multiple of the pipeline's P x V chunks, so that each chunk keeps one or more), fp32 (so that losses
 // can be compared with one rank's to 1e-4), `steps` steps without warm-up, the global batch of
 // seq_len-token sequences the layout implies, and the memory model's prediction for it with the
 // executor's eager kernels (cluster.kernels = eager).
