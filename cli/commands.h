@@ -62,7 +62,7 @@ struct RunArgs {
   bool resume = false;
   std::string init_from;  // Hugging Face folder to start from
   bool rehearse = false;  // the plan's layout on local ranks with the model shrunk
-  int64_t shrink_width = 32, shrink_layers = 2;
+  int64_t shrink_width = 32, shrink_layers = 2, shrink_micro_batches = 32;
   int threads = 0;
   int64_t timeout_seconds = 60;
   std::vector<std::string> argv;  // the whole command line, to start local ranks with

@@ -126,8 +126,12 @@ int main(int argc, char** argv) {
   rehearse->excludes(every)->excludes(resume)->excludes(init_from);
   run_cmd->add_option("--shrink-width", run.shrink_width, "With --rehearse: divide hidden and intermediate sizes by this")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
-  run_cmd->add_option("--shrink-layers", run.shrink_layers, "With --rehearse: layers kept")
+  run_cmd->add_option("--shrink-layers", run.shrink_layers,
+                      "With --rehearse: layers kept (rounded up to a multiple of the pipeline's chunks)")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
+  run_cmd->add_option("--shrink-micro-batches", run.shrink_micro_batches,
+                      "With --rehearse: micro-batches a step at most (0: the plan's)")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 20))->needs(rehearse);
   run_cmd->add_option("--threads", run.threads, "Intra-op threads per rank (default: 1)")->check(CLI::Range(1, 1024));
   run_cmd->add_option("--timeout", run.timeout_seconds, "Seconds a collective may wait for a peer")
       ->capture_default_str()

@@ -22,7 +22,7 @@ int run_rehearse(const RunArgs& args) {
   o.progress = &std::cout;
   executor::check_rehearsal(plan, o);
   const executor::TokenDataset data = executor::TokenDataset::open(args.data);
-  const Plan small = planner::rehearsal_plan(plan, {args.shrink_width, args.shrink_layers}, data.vocab_size(),
+  const Plan small = planner::rehearsal_plan(plan, {args.shrink_width, args.shrink_layers, args.shrink_micro_batches}, data.vocab_size(),
                                              data.block_size(), o.steps);
   const Plan reference = planner::reference_plan(small);
   executor::check_rehearsal_plans(small, reference, data, o);

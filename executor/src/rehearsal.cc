@@ -229,10 +229,13 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
       static_cast<long long>(plan.model.num_layers), static_cast<long long>(m.num_layers),
       static_cast<long long>(plan.model.vocab_size), static_cast<long long>(m.vocab_size),
       static_cast<long long>(m.num_experts), static_cast<long long>(m.experts_per_token));
-  say("  batch   %lld sequences of %lld tokens a step (was %lld), fp32, %lld steps\n",
+  say("  batch   %lld sequences of %lld tokens a step (was %lld), %lld micro-batches of %lld a reader (the plan: "
+      "%lld), fp32, %lld steps\n",
       static_cast<long long>(small.training.global_batch_tokens / small.training.seq_len),
       static_cast<long long>(small.training.seq_len), static_cast<long long>(plan.training.seq_len),
-      static_cast<long long>(steps));
+      static_cast<long long>(small.parallel.gradient_accumulation_steps),
+      static_cast<long long>(small.parallel.micro_batch_size),
+      static_cast<long long>(plan.parallel.gradient_accumulation_steps), static_cast<long long>(steps));
 
   auto child = [&](const std::string& plan_file, const std::string& folder, int64_t last, bool resume, int64_t every,
                    const std::string& log) {

@@ -71,7 +71,12 @@ Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, 
   const int64_t chunks = std::max<int64_t>(1, plan.parallel.pipeline_parallel_degree * plan.parallel.virtual_pipeline_degree);
   if (kept.layers >= 1) kept.layers = (kept.layers + chunks - 1) / chunks * chunks;
   p.model = shrink_model(plan.model, kept, vocab_size, seq_len);
-  const ParallelConfig& q = p.parallel;
+  ParallelConfig& q = p.parallel;
+  if (shrink.micro_batches > 0 && q.gradient_accumulation_steps > shrink.micro_batches) {
+    // The interleaved schedule runs micro-batches in rounds of P.
+    const int64_t round = q.virtual_pipeline_degree > 1 ? q.pipeline_parallel_degree : 1;
+    q.gradient_accumulation_steps = (shrink.micro_batches + round - 1) / round * round;
+  }
   p.training.seq_len = seq_len;
   p.training.global_batch_tokens = seq_len * q.micro_batch_size * q.gradient_accumulation_steps * q.data_parallel_degree();
   p.training.precision = Precision::kFp32;

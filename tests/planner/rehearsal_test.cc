@@ -117,13 +117,21 @@ TEST(Rehearsal, APipelineKeepsABlockForEveryChunk) {
   const Plan plan = make_plan(m, c, o, r, "moeplan search --gpus 16");
   ASSERT_EQ(plan.parallel.pipeline_parallel_degree * plan.parallel.virtual_pipeline_degree, 8);
   for (const auto& [asked, kept] : {std::pair<int64_t, int64_t>{2, 8}, {8, 8}, {9, 16}}) {
-    const Plan small = rehearsal_plan(plan, {32, asked}, 512, 64, 2);
+    const Plan small = rehearsal_plan(plan, {32, asked, 0}, 512, 64, 2);
     EXPECT_EQ(small.model.num_layers, kept) << "--shrink-layers " << asked;
     EXPECT_EQ(small.parallel, plan.parallel);
     EXPECT_TRUE(validate({small.model, small.cluster, small.parallel, small.moe, small.training}).empty());
     const Plan one = reference_plan(small);
     EXPECT_EQ(one.parallel.gradient_accumulation_steps, plan.parallel.gradient_accumulation_steps * 16 / 4);
     EXPECT_EQ(one.training.global_batch_tokens, small.training.global_batch_tokens);
+  }
+  // At most --shrink-micro-batches a step, in whole rounds of P for the interleaved schedule.
+  ASSERT_GT(plan.parallel.gradient_accumulation_steps, 32);
+  for (const auto& [cap, kept] : {std::pair<int64_t, int64_t>{32, 32}, {5, 6}, {1, 2}}) {
+    const Plan small = rehearsal_plan(plan, {32, 2, cap}, 512, 64, 2);
+    EXPECT_EQ(small.parallel.gradient_accumulation_steps, kept) << "--shrink-micro-batches " << cap;
+    EXPECT_EQ(small.training.global_batch_tokens, 64 * plan.parallel.micro_batch_size * kept * 4);
+    EXPECT_TRUE(validate({small.model, small.cluster, small.parallel, small.moe, small.training}).empty());
   }
 }
 

@@ -14,6 +14,9 @@ namespace moeplan::planner {
 struct Shrink {
   int64_t width = 32;  // hidden and intermediate sizes are divided by this
   int64_t layers = 2;  // blocks kept
+  // Micro-batches a step at most: past its warm-up a pipeline's schedule repeats every P
+  // micro-batches, so more add time, not mechanics. 0: the plan's.
+  int64_t micro_batches = 32;
 };
 
 // The model shrunk: hidden and intermediate sizes / width; of the width, the largest factor d
