@@ -32,7 +32,7 @@ int64_t parse_count(const std::string& text, const std::string& name) {
     if (used == text.size() && v >= 0) return v;
   } catch (const std::exception&) {
   }
-  throw InputError(name, {{"", "is not <name>@<first element> or <name>#cols<c0>:<c1>@<first element>"}});
+  throw InputError(name, {{"", "is not <name>@<first element> or <name>#cols<c0>:<c1>of<columns>@<first element>"}});
 }
 
 // The values of slices that cover [0, n) exactly once, joined; undefined when they do not.
@@ -60,13 +60,21 @@ void SlicedState::add(const NamedTensors& tensors) {
     }
     if (const auto cols = key.find("#cols"); cols != std::string::npos) {
       const std::string range = key.substr(cols + 5);
-      const auto colon = range.find(':');
-      if (colon == std::string::npos) parse_count("", name);  // throws
-      const int64_t c0 = parse_count(range.substr(0, colon), name), c1 = parse_count(range.substr(colon + 1), name);
-      if (c1 <= c0) parse_count("", name);
-      auto& block = columns_[key.substr(0, cols)][c0];
-      block.first = c1;
-      block.second[begin] = t.flatten();
+      const auto colon = range.find(':'), of = range.find("of");
+      if (colon == std::string::npos || of == std::string::npos || of < colon) parse_count("", name);  // throws
+      const int64_t c0 = parse_count(range.substr(0, colon), name);
+      const int64_t c1 = parse_count(range.substr(colon + 1, of - colon - 1), name);
+      const int64_t total = parse_count(range.substr(of + 2), name);
+      if (c1 <= c0 || c1 > total) parse_count("", name);
+      const std::string whole = key.substr(0, cols);
+      auto& blocks = columns_[whole];
+      if (!blocks.empty() && blocks.begin()->second.total != total)
+        throw InputError(name, {{"", "says " + std::to_string(total) + " columns, another block of " + whole +
+                                         " says " + std::to_string(blocks.begin()->second.total)}});
+      ColumnBlock& block = blocks[c0];
+      block.end = c1;
+      block.total = total;
+      block.slices[begin] = t.flatten();
       continue;
     }
     slices_[key][begin] = t.flatten();
@@ -84,18 +92,23 @@ const SlicedState::Slices* SlicedState::slices_of(const std::string& key, Diagno
   std::vector<torch::Tensor> matrices;
   int64_t column = 0, rows = -1;
   for (const auto& [c0, block] : blocks->second) {
-    const int64_t width = block.first - c0;
-    const torch::Tensor values = joined(block.second);
+    const int64_t width = block.end - c0;
+    const torch::Tensor values = joined(block.slices);
     if (c0 != column || !values.defined() || values.numel() % width != 0 ||
         (rows >= 0 && values.numel() / width != rows) ||
         (!matrices.empty() && values.scalar_type() != matrices.front().scalar_type())) {
-      d.error(key, "columns " + std::to_string(c0) + ".." + std::to_string(block.first) +
+      d.error(key, "columns " + std::to_string(c0) + ".." + std::to_string(block.end) +
                        " do not fit the other column blocks of the checkpoint");
       return nullptr;
     }
     rows = values.numel() / width;
     matrices.push_back(values.view({rows, width}));
-    column = block.first;
+    column = block.end;
+  }
+  if (column != blocks->second.begin()->second.total) {
+    d.error(key, "columns " + std::to_string(column) + ".." + std::to_string(blocks->second.begin()->second.total) +
+                     " are in no column block of the checkpoint");
+    return nullptr;
   }
   Slices& whole = slices_[key];
   whole[0] = torch::cat(matrices, 1).flatten();
@@ -193,6 +206,8 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   // The tensor-parallel collectives sit on the compute chain between a block's parts; the
   // measured trace shows them beside the expert group's.
   observe(mesh.tensor, "tensor", TraceStream::kExpertComm);
+  // Activations and gradients between pipeline stages, from the start of a transfer to its end.
+  observe(mesh.pipeline, "pipeline", TraceStream::kCopy);
 }
 
 StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
@@ -287,8 +302,11 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
 // The micro-batches of a step through this rank's pipeline stage in the schedule's order
 // (core/pipeline_schedule.h: 1F1B, or the interleaved schedule with V chunks). A chunk's input
 // comes from the previous pipeline rank and its output goes to the next one; gradients go the
-// other way. Sends are started and finished at the end of the step, so that no rank waits on a
-// peer that waits on it; receives wait. With each activation go the router-loss sums of the
+// other way. Sends are started and never waited for inside the schedule (a gloo send waits for
+// its receiver, so no rank blocks on a peer that waits on it); their buffers are let go of as
+// soon as a message from the peer proves that the peer has received them (the peer's schedule
+// says which of ours it has taken before it sends each message), so that they do not pile up
+// over the step's micro-batches. Receives wait. With each activation go the router-loss sums of the
 // layers before it (routing.h), so that the last stage reports the load-balancing and z-losses
 // of all the layers; those losses are not in the objective here (the executor refuses such
 // plans).
@@ -313,26 +331,68 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
     torch::Tensor output;  // the chunk's output, or the loss of the last stage
   };
   std::map<std::pair<int64_t, int64_t>, InFlight> live;  // by (micro-batch, chunk)
-  std::vector<Communicator::PendingTransfer> sends;
+  // Our sends, by tag, and for each peer the tags of ours it receives in the order it does,
+  // with, for each message it sends us, how many of those it has received by then.
+  std::map<int64_t, Communicator::PendingTransfer> sends;
+  struct Peer {
+    std::vector<int64_t> takes;               // our tags, in the order the peer receives them
+    std::map<int64_t, size_t> taken_before;   // its message's tag -> takes received by then
+    size_t settled = 0;                       // takes already let go of
+  };
+  std::map<int64_t, Peer> peers;
+  for (const int64_t q : {prev, next}) {
+    if (peers.count(q) != 0) continue;
+    Peer& peer = peers[q];
+    const bool after_me = (q + ranks - 1) % ranks == me, before_me = (q + 1) % ranks == me;
+    for (const PipelineAction& b : pipeline_schedule(ranks, q, ga, chunks)) {
+      const int64_t sq = b.chunk * ranks + q;
+      if (b.forward) {
+        if (sq > 0 && after_me) {
+          peer.takes.push_back(tag(b.micro_batch, sq, kActivation));
+          peer.takes.push_back(tag(b.micro_batch, sq, kRouterSums));
+        }
+        if (sq + 1 < stages && before_me) {
+          peer.taken_before[tag(b.micro_batch, sq + 1, kActivation)] = peer.takes.size();
+          peer.taken_before[tag(b.micro_batch, sq + 1, kRouterSums)] = peer.takes.size();
+        }
+      } else {
+        if (sq + 1 < stages && before_me) peer.takes.push_back(tag(b.micro_batch, sq, kGradient));
+        if (sq > 0 && after_me) peer.taken_before[tag(b.micro_batch, sq - 1, kGradient)] = peer.takes.size();
+      }
+    }
+  }
+  auto send = [&](const torch::Tensor& t, int64_t to, int64_t tag_of) {
+    sends.emplace(tag_of, pipe.start_send(t, to, tag_of));
+  };
+  auto receive = [&](c10::IntArrayRef shape, torch::ScalarType type, int64_t from, int64_t tag_of) {
+    torch::Tensor t = pipe.recv(shape, type, from, tag_of);
+    Peer& peer = peers.at(from);
+    for (const size_t taken = peer.taken_before.at(tag_of); peer.settled < taken; ++peer.settled)
+      if (const auto it = sends.find(peer.takes[peer.settled]); it != sends.end()) {
+        pipe.finish_transfer(it->second);  // received by the peer: done at once
+        sends.erase(it);
+      }
+    return t;
+  };
   for (const PipelineAction& a : pipeline_schedule(ranks, me, ga, chunks)) {
     const int64_t stage = a.chunk * ranks + me;
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(a.micro_batch)];
-    const auto t0 = Clock::now();
     if (a.forward) {
       InFlight f;
       torch::Tensor router = torch::zeros({sum_size}, torch::kDouble);
       if (stage > 0) {
-        f.input = pipe.recv(hidden_shape, hidden_type, prev, tag(a.micro_batch, stage, kActivation)).requires_grad_(true);
-        router = pipe.recv({sum_size}, torch::kDouble, prev, tag(a.micro_batch, stage, kRouterSums));
+        f.input = receive(hidden_shape, hidden_type, prev, tag(a.micro_batch, stage, kActivation)).requires_grad_(true);
+        router = receive({sum_size}, torch::kDouble, prev, tag(a.micro_batch, stage, kRouterSums));
       }
+      const auto t0 = Clock::now();  // the compute, after the wait for the input
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
       router += router_loss_sums(out.router_logits, k, experts);
       if (counts_data) counts += out.tokens_per_expert;
       if (stage + 1 < stages) {
         f.output = out.hidden;
-        sends.push_back(pipe.start_send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation)));
-        sends.push_back(pipe.start_send(router, next, tag(a.micro_batch, stage + 1, kRouterSums)));
+        send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation));
+        send(router, next, tag(a.micro_batch, stage + 1, kRouterSums));
       } else {
         const LossTerms terms = model_.loss(out, ids);
         f.output = terms.lm / static_cast<double>(ga);
@@ -352,20 +412,21 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       if (at == live.end()) throw std::logic_error("a pipeline backward before its forward");
       InFlight f = std::move(at->second);
       live.erase(at);
-      if (stage + 1 < stages) {
-        const torch::Tensor grad = pipe.recv(hidden_shape, hidden_type, next, tag(a.micro_batch, stage, kGradient));
+      torch::Tensor grad;
+      if (stage + 1 < stages) grad = receive(hidden_shape, hidden_type, next, tag(a.micro_batch, stage, kGradient));
+      const auto t0 = Clock::now();
+      if (grad.defined())
         torch::autograd::backward({f.output}, {grad});
-      } else {
+      else
         f.output.backward();
-      }
       if (stage > 0) {
         const torch::Tensor grad = f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input);
-        sends.push_back(pipe.start_send(grad, prev, tag(a.micro_batch, stage - 1, kGradient)));
+        send(grad, prev, tag(a.micro_batch, stage - 1, kGradient));
       }
       clock_.add("backward", "compute", TraceStream::kCompute, t0, Clock::now());
     }
   }
-  for (Communicator::PendingTransfer& s : sends) pipe.finish_transfer(s);
+  for (auto& [tag_of, transfer] : sends) pipe.finish_transfer(transfer);
 }
 
 namespace {
@@ -396,15 +457,15 @@ void for_each_held_slice(ShardedModel& model, F&& f) {
 
 // Where a held slice lies in the checkpoint's naming of the whole parameter: "<name>@<first>"
 // for a range of its flattened values, or, for a part split by columns over the T ranks,
-// "<name>#cols<c0>:<c1>@<first>", a range of the flattened columns [c0, c1).
+// "<name>#cols<c0>:<c1>of<C>@<first>", a range of the flattened columns [c0, c1) of C.
 std::string slice_name(const HeldSlice& h, TensorSplit split, int64_t tp_rank, int64_t tp) {
   switch (tp == 1 ? TensorSplit::kWhole : split) {
     case TensorSplit::kWhole: return h.info->name + "@" + std::to_string(h.first);
     case TensorSplit::kRows: return h.info->name + "@" + std::to_string(tp_rank * h.info->numel() + h.first);
     case TensorSplit::kColumns: {
       const int64_t columns = h.info->shape[1], c0 = tp_rank * columns;
-      return h.info->name + "#cols" + std::to_string(c0) + ":" + std::to_string(c0 + columns) + "@" +
-             std::to_string(h.first);
+      return h.info->name + "#cols" + std::to_string(c0) + ":" + std::to_string(c0 + columns) + "of" +
+             std::to_string(columns * tp) + "@" + std::to_string(h.first);
     }
   }
   return h.info->name;

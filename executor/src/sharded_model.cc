@@ -408,7 +408,8 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
 torch::Tensor ShardedModel::gather_sequence(const torch::Tensor& x) {
   if (tp_ == 1) return x;
   // The collectives work along dimension 0: the sequence goes first for the move.
-  return all_gather_autograd(mesh_.tensor, x.transpose(0, 1).contiguous()).transpose(0, 1);
+  // Contiguous again, so that the matrix products that read it share one saved copy.
+  return all_gather_autograd(mesh_.tensor, x.transpose(0, 1).contiguous()).transpose(0, 1).contiguous();
 }
 
 torch::Tensor ShardedModel::scatter_sequence(const torch::Tensor& partial) {

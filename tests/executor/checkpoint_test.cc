@@ -18,12 +18,47 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/parallel_trainer.h"
 #include "moeplan/executor/tensor_file.h"
 #include "run_fixture.h"
 #include "test_support.h"
 
 namespace moeplan::executor {
 namespace {
+
+// A [3, 4] matrix split by columns over two tensor-parallel ranks, each block itself split over
+// two shards of its flattened values: the slices put together are the matrix, and any range of
+// it reads as the flattened whole; a block missing or of another width is named.
+TEST(SlicedState, ColumnBlocksMakeTheWholeMatrix) {
+  const torch::Tensor w = torch::arange(12, torch::kFloat).view({3, 4});
+  const torch::Tensor left = w.narrow(1, 0, 2).contiguous().flatten(), right = w.narrow(1, 2, 2).contiguous().flatten();
+  SlicedState state;
+  state.add({{"param/o#cols0:2of4@0", left.narrow(0, 0, 4)}, {"param/o#cols0:2of4@4", left.narrow(0, 4, 2)}});
+  state.add({{"param/o#cols2:4of4@0", right.narrow(0, 0, 3)}, {"param/o#cols2:4of4@3", right.narrow(0, 3, 3)}});
+  Diagnostics d;
+  EXPECT_TRUE(torch::equal(state.whole("param/o", {3, 4}, d), w));
+  EXPECT_TRUE(torch::equal(state.range("param/o", 5, 9, d), w.flatten().narrow(0, 5, 4)));
+  EXPECT_TRUE(d.items().empty());
+
+  SlicedState missing;  // the right block never written
+  missing.add({{"param/o#cols0:2of4@0", left}});
+  Diagnostics m;
+  EXPECT_FALSE(missing.range("param/o", 0, 2, m).defined());
+  ASSERT_FALSE(m.items().empty());
+  EXPECT_NE(m.items().front().message.find("columns 2..4 are in no column block"), std::string::npos)
+      << m.items().front().message;
+
+  SlicedState uneven;  // blocks whose rows differ
+  uneven.add({{"param/o#cols0:2of4@0", left}, {"param/o#cols2:4of4@0", right.narrow(0, 0, 4)}});
+  Diagnostics u;
+  EXPECT_FALSE(uneven.whole("param/o", {3, 4}, u).defined());
+  EXPECT_FALSE(u.items().empty());
+
+  SlicedState garbled;
+  EXPECT_THROW(garbled.add({{"param/o#cols2:1of4@0", left}}), InputError);
+  EXPECT_THROW(garbled.add({{"param/o#cols0:2@0", left}}), InputError);
+}
+
 
 namespace fs = std::filesystem;
 

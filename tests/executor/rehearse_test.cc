@@ -1,7 +1,7 @@
 // `moeplan run --rehearse` through the real binary: the 16-GPU plan of `moeplan search` (tensor
 // and pipeline parallelism with experts) on 16 local CPU ranks (real gloo groups, a real
-// tokenizer and text), checked against one rank; two [R, S, E] layouts' memory against the
-// memory model; layouts that break a rule.
+// tokenizer and text), checked against one rank; its memory and an [R, S, E] layout's against
+// the memory model; layouts that break a rule.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,10 +23,6 @@ class Rehearse : public ::testing::Test {
     if (r.exit_code != 0) setup_ = show(r);
     const Command s = run_moeplan("search --gpus 16 --out " + dir_->file("p16.json"));
     if (s.exit_code != 0) setup_ += show(s);
-    // The best layout without tensor or pipeline parallelism.
-    const Command rse = run_moeplan("search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --out " +
-                                    dir_->file("p16-rse.json"));
-    if (rse.exit_code != 0) setup_ += show(rse);
     data_ = dir_->file("data");
   }
   static void TearDownTestSuite() {
@@ -70,16 +66,14 @@ TEST_F(Rehearse, SixteenGpuPlanRehearsesOnSixteenLocalRanks) {
   ASSERT_GT(plan["parallel"]["tensor_parallel_degree"].get<int64_t>(), 1) << "the default plan is expected to use T";
   ASSERT_GT(plan["parallel"]["pipeline_parallel_degree"].get<int64_t>(), 1) << "and pipeline stages";
   const Json& record = rehearsal(dir_->file("p16.json"), "r16", &r);
-  ASSERT_TRUE(r.exit_code == 0 || r.exit_code == 1) << show(r);  // a verdict, either way
+  ASSERT_EQ(r.exit_code, 0) << show(r);
   EXPECT_NE(r.out.find("on 16 local CPU ranks"), std::string::npos) << show(r);
+  EXPECT_NE(r.out.find("verdict: the layout works"), std::string::npos) << show(r);
   ASSERT_TRUE(record.is_object());
+  EXPECT_TRUE(record["ready"].get<bool>());
+  // Groups, routing, losses, the checkpoint and the memory per rank.
   ASSERT_EQ(record["checks"].size(), 4u);
-  // The mechanics: groups, routing, losses and the checkpoint are one rank's. (The memory check
-  // is reported, held to the memory model like any other layout's.)
-  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(record["checks"][i]["ok"].get<bool>()) << record["checks"][i].dump();
-  EXPECT_EQ(record["checks"][3]["check"], "memory per rank as the memory model says");
-  ASSERT_TRUE(record.contains("memory")) << show(r);
-  EXPECT_GT(record["memory"]["measured_over_predicted"].get<double>(), 0.5);
+  for (const Json& c : record["checks"]) EXPECT_TRUE(c["ok"].get<bool>()) << c.dump();
   EXPECT_NE(record["checks"][0]["detail"].get<std::string>().find("8 pipeline groups of 2"), std::string::npos)
       << record["checks"][0].dump();
   EXPECT_NE(record["checks"][0]["detail"].get<std::string>().find("8 tensor groups of 2"), std::string::npos)
@@ -112,14 +106,15 @@ TEST_F(Rehearse, SixteenGpuPlanRehearsesOnSixteenLocalRanks) {
   EXPECT_NE(layout[0]["loss"].get<double>(), layout[1]["loss"].get<double>());
 }
 
-// What the memory model says one layout holds over another, the rehearsal measures, to 15%.
+// What the memory model says one layout holds over another, the rehearsal measures, to 15%:
+// the default plan (tensor and pipeline parallelism) against an [R, S, E] layout.
 TEST_F(Rehearse, MemoryRatiosBetweenLayoutsFollowTheMemoryModel) {
   const Command s = run_moeplan(
       "search --gpus 16 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --expert-parallel-degree 4 "
       "--hybrid-shard-degree 4 --estimator analytic --out " + dir_->file("p16-e4s4.json"));
   ASSERT_EQ(s.exit_code, 0) << show(s);
   Command a, b;
-  const Json& first = rehearsal(dir_->file("p16-rse.json"), "r16-rse", &a);
+  const Json& first = rehearsal(dir_->file("p16.json"), "r16", &a);
   const Json& second = rehearsal(dir_->file("p16-e4s4.json"), "r16-e4s4", &b);
   ASSERT_TRUE(first.contains("memory")) << show(a);
   ASSERT_TRUE(second.contains("memory")) << show(b);

@@ -59,8 +59,8 @@ class ShardedTrainer {
 
 // Checkpoint tensors of any layout, by parameter: a whole tensor "param/<name>", slices
 // "param/<name>@<first element>" of its flattened values, or, for a matrix split by columns
-// over tensor-parallel ranks, slices "param/<name>#cols<c0>:<c1>@<first element>" of its
-// flattened columns [c0, c1). Column blocks are put together when the tensor is first read.
+// over tensor-parallel ranks, slices "param/<name>#cols<c0>:<c1>of<C>@<first element>" of its
+// flattened columns [c0, c1) of C. Column blocks are put together when the tensor is first read.
 class SlicedState {
  public:
   void add(const NamedTensors& tensors);
@@ -78,8 +78,12 @@ class SlicedState {
   // there are none or the blocks do not fit together.
   const Slices* slices_of(const std::string& key, Diagnostics& d) const;
 
+  struct ColumnBlock {
+    int64_t end = 0, total = 0;  // columns [c0, end) of total
+    Slices slices;
+  };
   mutable std::map<std::string, Slices> slices_;
-  std::map<std::string, std::map<int64_t, std::pair<int64_t, Slices>>> columns_;  // key -> c0 -> (c1, slices)
+  std::map<std::string, std::map<int64_t, ColumnBlock>> columns_;  // key -> c0 -> block
 };
 
 // Where a rank of a multi-rank run comes from.
