@@ -419,10 +419,9 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
         torch::autograd::backward({f.output}, {grad});
       else
         f.output.backward();
-      if (stage > 0) {
-        const torch::Tensor grad = f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input);
-        send(grad, prev, tag(a.micro_batch, stage - 1, kGradient));
-      }
+      if (stage > 0)
+        send(f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input), prev,
+             tag(a.micro_batch, stage - 1, kGradient));
       clock_.add("backward", "compute", TraceStream::kCompute, t0, Clock::now());
     }
   }

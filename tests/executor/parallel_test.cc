@@ -118,20 +118,25 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
                               [&](const TraceEvent& e) { return e.rank == rank && e.name == phase; }))
           << "rank " << rank << " " << phase;
   // Tensor-parallel ranks move the sequence between a block's parts.
-  if (l.t > 1)
-    for (int64_t rank = 0; rank < 4; ++rank)
+  if (l.t > 1) {
+    for (int64_t rank = 0; rank < 4; ++rank) {
       EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
                               [&](const TraceEvent& e) {
                                 return e.rank == rank && e.name.rfind("tensor.", 0) == 0 && e.bytes > 0;
                               }))
           << "rank " << rank << ": no tensor-parallel collective";
+    }
+  }
   // Pipeline stages pass activations and gradients to each other.
-  if (l.p > 1)
-    for (int64_t rank = 0; rank < 4; ++rank)
-      for (const char* op : {"pipeline.send", "pipeline.recv"})
+  if (l.p > 1) {
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      for (const char* op : {"pipeline.send", "pipeline.recv"}) {
         EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
                                 [&](const TraceEvent& e) { return e.rank == rank && e.name == op && e.bytes > 0; }))
             << "rank " << rank << ": no " << op;
+      }
+    }
+  }
   // Offloaded block inputs are timed going out and coming back.
   if (l.offload) {
     for (int64_t rank = 0; rank < 4; ++rank)
