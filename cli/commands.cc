@@ -146,10 +146,21 @@ int run_search(const SearchArgs& args) {
   try {
     const std::string dir = profile_dir(args.profiles);
     const ModelSpec model = load_model(args.model, dir);
-    const ClusterSpec cluster = planner::size_cluster(load_hardware(args.instance, dir), args.gpus);
+    ClusterSpec cluster = planner::size_cluster(load_hardware(args.instance, dir), args.gpus);
+    // What the training framework runs: its kernel set (the attention kernel follows it unless
+    // given).
+    for (const auto& [name, value] : kKernelNames)
+      if (name == args.kernels) {
+        cluster.kernels = value;
+        cluster.attention = value == Kernels::kFused ? AttentionKernel::kFlash : AttentionKernel::kUnfused;
+      }
+    for (const auto& [name, value] : kAttentionKernelNames)
+      if (name == args.attention) cluster.attention = value;
 
     planner::SearchOptions options;
     options.gpus = args.gpus;
+    options.training.fp8 = args.fp8;
+    options.training.fp32_gradients = args.gradients == "fp32";
     options.training.seq_len = args.seq_len;
     options.training.steps = args.steps;
     options.training.learning_rate = args.learning_rate;
@@ -184,7 +195,11 @@ int run_search(const SearchArgs& args) {
     if (args.pipeline_parallel_degree > 0) pin.pipeline_parallel_degree = args.pipeline_parallel_degree;
     if (args.virtual_pipeline_degree > 0) pin.virtual_pipeline_degree = args.virtual_pipeline_degree;
     if (!args.sequence_parallel.empty()) pin.sequence_parallel = args.sequence_parallel == "on";
+    if (!args.distributed_optimizer.empty()) pin.distributed_optimizer = args.distributed_optimizer == "on";
+    if (args.first_stage_layers > 0) pin.first_stage_layers = args.first_stage_layers;
+    if (args.last_stage_layers > 0) pin.last_stage_layers = args.last_stage_layers;
     options.smp_mode = args.smp_mode;
+    options.runnable = args.runnable;
     if (!args.placement.empty()) {
       if (!Placement::parse(args.placement))
         throw InputError("--placement", {{"", "= \"" + args.placement.substr(0, 16) +
@@ -196,12 +211,13 @@ int run_search(const SearchArgs& args) {
     for (const auto& [name, value] : kCheckpointingNames)
       if (name == args.checkpointing) pin.checkpointing = value;
 
-    const int64_t unit = args.gpus * args.seq_len;
-    if (options.training.global_batch_tokens % unit != 0)
+    // Whole sequences; whether they split over a layout's data-parallel replicas (W / (T x P)
+    // readers) is the global-batch rule's to say, layout by layout.
+    if (options.training.global_batch_tokens % args.seq_len != 0)
       throw InputError("--global-batch-tokens",
                        {{"", "= " + std::to_string(options.training.global_batch_tokens) +
-                                 " is not a multiple of gpus x seq-len = " + std::to_string(unit) +
-                                 " (every rank reads whole sequences)"}});
+                                 " is not a multiple of seq-len = " + std::to_string(args.seq_len) +
+                                 " (the batch is made of whole sequences)"}});
 
     const ParamCounts params = count_parameters(model);
     if (!args.json) {
@@ -304,6 +320,19 @@ int run_simulate(const SimulateArgs& args) {
                 e.tflops_per_gpu, 100.0 * e.mfu);
     std::printf("busiest rank: compute %.3f s, recompute %.3f s, optimizer %.3f s, waiting on communication %.3f s\n",
                 e.compute_s, e.recompute_s, e.optimizer_s, e.exposed_comm_s);
+    // The step by what it spends (the busiest rank's view, as shares of the step).
+    auto part = [&](const char* name, double seconds) {
+      std::printf("  %-34s %10.3f s %6.1f%%\n", name, seconds, 100.0 * seconds / e.step_time_s);
+    };
+    std::printf("where the step goes:\n");
+    part("GEMMs", e.gemm_s);
+    part("attention core", e.attention_s);
+    part("memory-bound kernels", e.memory_bound_s);
+    part("recomputation", e.recompute_s);
+    part("optimizer", e.optimizer_s);
+    part("compute slowed beside communication", e.contention_s);
+    part("exposed communication", e.exposed_comm_s - e.pipeline_bubble_s);
+    part("pipeline bubble", e.pipeline_bubble_s);
     if (plan.parallel.pipeline_parallel_degree > 1)
       std::printf("pipeline: %lld stages of %lld blocks (%lld chunks each), 1F1B over %lld micro-batches, bubble %.3f s "
                   "(in the waiting); the ranks and trace are one stage's, the last\n",

@@ -37,8 +37,14 @@ struct SearchArgs {
   // Fixed choices (0 or empty: searched).
   int64_t expert_parallel_degree = 0, hybrid_shard_degree = 0, micro_batch_size = 0, loading_horizon = 0;
   int64_t tensor_parallel_degree = 0, pipeline_parallel_degree = 0, virtual_pipeline_degree = 0;
-  std::string checkpointing, offloading, placement, sequence_parallel;
+  std::string checkpointing, offloading, placement, sequence_parallel, distributed_optimizer;
+  int64_t first_stage_layers = 0, last_stage_layers = 0;
   bool smp_mode = false;  // SMP's own restrictions too (no expert with tensor parallelism)
+  bool runnable = false;  // only layouts moeplan's executor trains
+  // What the training framework runs (empty: the profile's).
+  std::string kernels, attention;
+  bool fp8 = false;
+  std::string gradients = "fp32";
 };
 
 struct CheckArgs {
@@ -122,7 +128,8 @@ struct ComparePublishedArgs {
   std::string cases;  // JSON list of published runs (docs/validation/published/cases.json)
   std::string profiles;
   bool check = false;
-  double max_median_error = 0.25, max_worst_error = 0.5;
+  double max_median_error = 0.25, max_worst_error = 0.5, max_mean_error = 1.0;
+  std::vector<std::string> fit;  // kernel-model numbers fitted on the fit part, per chip
 };
 
 int run_search(const SearchArgs& args);

@@ -66,8 +66,27 @@ int main(int argc, char** argv) {
                          "cluster, spread or D/P/T letters");
   search_cmd->add_flag("--smp-mode", search.smp_mode,
                        "Only plans SMP can run: no expert parallelism together with tensor parallelism");
-  search_cmd->add_option("--checkpointing", search.checkpointing, "Fix activation checkpointing")
-      ->check(CLI::IsMember({"none", "selective", "full"}));
+  search_cmd->add_option("--checkpointing", search.checkpointing,
+                         "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's "
+                         "selective recomputation)")
+      ->check(CLI::IsMember({"none", "selective", "full", "attention_core"}));
+  search_cmd->add_option("--distributed-optimizer", search.distributed_optimizer,
+                         "Fix the distributed optimizer (states sharded over the replicas, ZeRO-1)")
+      ->check(CLI::IsMember({"on", "off"}));
+  search_cmd->add_option("--first-stage-layers", search.first_stage_layers, "Fix the blocks of the first pipeline stage")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_option("--last-stage-layers", search.last_stage_layers, "Fix the blocks of the last pipeline stage")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  search_cmd->add_flag("--runnable", search.runnable,
+                       "Only layouts `moeplan run` trains: no distributed optimizer, attention-core recomputation or "
+                       "uneven pipeline stages");
+  search_cmd->add_flag("--fp8", search.fp8, "FP8 GEMMs (Transformer Engine's recipe; GPUs with FP8 tensor cores)");
+  search_cmd->add_option("--gradients", search.gradients, "Mixed precision's gradients: fp32 or bf16")
+      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
+  search_cmd->add_option("--kernels", search.kernels, "What the framework runs: fused or eager (default: the profile's)")
+      ->check(CLI::IsMember({"fused", "eager"}));
+  search_cmd->add_option("--attention", search.attention, "Attention kernel: flash or unfused (default: the profile's)")
+      ->check(CLI::IsMember({"flash", "unfused"}));
   search_cmd->add_option("--offload", search.offloading, "Fix activation offloading")->check(CLI::IsMember({"on", "off"}));
   search_cmd->add_option("--loading-horizon", search.loading_horizon, "Fix the offload loading horizon")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 10));
@@ -216,6 +235,16 @@ int main(int argc, char** argv) {
   published_cmd->add_option("--max-median-error", published.max_median_error, "Largest median |step error|")
       ->capture_default_str()->check(CLI::Range(0.0, 100.0));
   published_cmd->add_option("--max-worst-error", published.max_worst_error, "Largest |step error| of any case")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  published_cmd->add_option("--fit", published.fit,
+                            "Fit these kernel-model numbers per chip on the cases of the fit part (matmul_peak_efficiency, "
+                            "fp8_matmul_peak_efficiency, memory_bound_efficiency, flash_attention_efficiency, "
+                            "kernel_overhead_s, overlap_slowdown), then predict every case with them")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"matmul_peak_efficiency", "fp8_matmul_peak_efficiency", "memory_bound_efficiency",
+                             "flash_attention_efficiency", "kernel_overhead_s", "overlap_slowdown"}));
+  published_cmd->add_option("--max-mean-error", published.max_mean_error,
+                            "Largest |mean signed step error| (the bias)")
       ->capture_default_str()->check(CLI::Range(0.0, 100.0));
 
   CompareProfilesArgs compare;

@@ -197,7 +197,16 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.peak_bf16_flops = gpu->number("peak_bf16_flops", 1.0, kMaxRate);
     c.peak_fp32_flops = gpu->number("peak_fp32_flops", 1.0, kMaxRate);
     c.hbm_bandwidth_bytes_per_s = gpu->number("memory_bandwidth_bytes_per_s", 1.0, kMaxRate);
-    if (auto eff = gpu->object("matmul_efficiency")) {
+    // The kernel model's numbers: absent is 0 (no kernel model, or no FP8); given, each in a
+    // range that keeps every time finite.
+    c.peak_fp8_flops = gpu->number("peak_fp8_flops", 1.0, kMaxRate, 0.0);
+    c.streaming_multiprocessors = gpu->integer("streaming_multiprocessors", 1, 1 << 16, 0);
+    c.matmul_peak_efficiency = gpu->number("matmul_peak_efficiency", 0.01, 1.0, 0.0);
+    c.fp8_matmul_peak_efficiency = gpu->number("fp8_matmul_peak_efficiency", 0.01, 1.0, 0.0);
+    c.memory_bound_efficiency = gpu->number("memory_bound_efficiency", 0.01, 1.0, 1.0);
+    c.kernel_overhead_s = gpu->number("kernel_overhead_s", 0.0, 1.0, 0.0);
+    c.flash_attention_efficiency = gpu->number("flash_attention_efficiency", 0.01, 1.0, 0.0);
+    if (auto eff = gpu->object("matmul_efficiency", true)) {
       // The curve's source is a plain string: the curve has no single value to wrap.
       if (const Json* source = eff->child("source", true)) {
         if (!source->is_string())
@@ -240,6 +249,7 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.intra_node_fabric = intra->string("fabric");
     c.intra_node_bandwidth_bytes_per_s = intra->number("bandwidth_bytes_per_s", 1.0, kMaxRate);
     c.intra_node_latency_s = intra->number("latency_s", 0.0, 1.0);
+    c.collective_base_latency_s = intra->number("collective_base_latency_s", 0.0, 1.0, 0.0);
     if (auto fits = intra->object("collectives", true)) read_collective_fits(*fits, intra->path_of("collectives"), c);
     intra->finish();
   }
@@ -258,6 +268,10 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.framework_overhead_bytes = fw->integer("overhead_bytes", 0, kMaxBytes);
     c.fragmentation_factor = fw->number("fragmentation_factor", 1.0, 4.0);
     c.kernels = fw->choice<Kernels>("kernels", kKernelNames, Kernels::kFused);
+    c.attention = fw->choice<AttentionKernel>(
+        "attention", kAttentionKernelNames,
+        c.kernels == Kernels::kFused ? AttentionKernel::kFlash : AttentionKernel::kUnfused);
+    c.overlap_slowdown = fw->number("overlap_slowdown", 0.0, 10.0, 0.0);
     c.memory_headroom_bytes = fw->integer("headroom_bytes", 0, kMaxBytes);
     c.comm_overlaps_compute = fw->boolean("comm_overlaps_compute", true);
     if (auto times = fw->object("op_times", true)) read_op_times(*times, fw->path_of("op_times"), c.op_times);
@@ -292,6 +306,16 @@ void check_cluster(const ClusterSpec& c, Diagnostics& d, const std::string& pref
                                  std::to_string(c.gpu_memory_bytes));
   if (c.peak_fp32_flops > c.peak_bf16_flops)
     d.error(at("gpu.peak_fp32_flops"), "exceeds gpu.peak_bf16_flops; the two are probably swapped");
+  if ((c.streaming_multiprocessors > 0) != (c.matmul_peak_efficiency > 0))
+    d.error(at(c.streaming_multiprocessors > 0 ? "gpu.matmul_peak_efficiency" : "gpu.streaming_multiprocessors"),
+            "is missing: the kernel model needs both gpu.streaming_multiprocessors and gpu.matmul_peak_efficiency");
+  else if (!c.has_kernel_model() && c.matmul_efficiency.empty())
+    d.error(at("gpu.matmul_efficiency"),
+            "is missing: a profile without the kernel model (gpu.streaming_multiprocessors) times GEMMs by this curve");
+  if (c.has_kernel_model() && c.flash_attention_efficiency <= 0)
+    d.error(at("gpu.flash_attention_efficiency"), "is missing: the kernel model times flash attention by it");
+  if (c.peak_fp8_flops > 0 && c.has_kernel_model() && c.fp8_matmul_peak_efficiency <= 0)
+    d.error(at("gpu.fp8_matmul_peak_efficiency"), "is missing: gpu.peak_fp8_flops is given");
 }
 
 ClusterSpec cluster_from_json(const Json& json, const std::string& origin) {
@@ -327,18 +351,34 @@ OrderedJson to_json(const ClusterSpec& c) {
   gpu["peak_fp32_flops"] = sourced("gpu.peak_fp32_flops", c.peak_fp32_flops);
   gpu["memory_bandwidth_bytes_per_s"] =
       sourced("gpu.memory_bandwidth_bytes_per_s", c.hbm_bandwidth_bytes_per_s);
-  OrderedJson eff;
-  OrderedJson points = OrderedJson::array();
-  for (const auto& p : c.matmul_efficiency) points.push_back({p.flops, p.efficiency});
-  eff["points"] = points;
-  if (auto it = c.sources.find("gpu.matmul_efficiency.points"); it != c.sources.end())
-    eff["source"] = it->second;
-  gpu["matmul_efficiency"] = eff;
+  // The kernel model's numbers, where given (absent reads back as the same default).
+  auto optional = [&](const char* name, double value, double absent) {
+    const std::string path = std::string("gpu.") + name;
+    if (value != absent || c.sources.contains(path)) gpu[name] = sourced(path, value);
+  };
+  optional("peak_fp8_flops", c.peak_fp8_flops, 0.0);
+  if (c.streaming_multiprocessors > 0 || c.sources.contains("gpu.streaming_multiprocessors"))
+    gpu["streaming_multiprocessors"] = sourced("gpu.streaming_multiprocessors", c.streaming_multiprocessors);
+  optional("matmul_peak_efficiency", c.matmul_peak_efficiency, 0.0);
+  optional("fp8_matmul_peak_efficiency", c.fp8_matmul_peak_efficiency, 0.0);
+  optional("memory_bound_efficiency", c.memory_bound_efficiency, 1.0);
+  optional("kernel_overhead_s", c.kernel_overhead_s, 0.0);
+  optional("flash_attention_efficiency", c.flash_attention_efficiency, 0.0);
+  if (!c.matmul_efficiency.empty()) {
+    OrderedJson eff;
+    OrderedJson points = OrderedJson::array();
+    for (const auto& p : c.matmul_efficiency) points.push_back({p.flops, p.efficiency});
+    eff["points"] = points;
+    if (auto it = c.sources.find("gpu.matmul_efficiency.points"); it != c.sources.end())
+      eff["source"] = it->second;
+    gpu["matmul_efficiency"] = eff;
+  }
   j["gpu"] = gpu;
   OrderedJson intra;
   intra["fabric"] = sourced("intra_node.fabric", c.intra_node_fabric);
   intra["bandwidth_bytes_per_s"] = sourced("intra_node.bandwidth_bytes_per_s", c.intra_node_bandwidth_bytes_per_s);
   intra["latency_s"] = sourced("intra_node.latency_s", c.intra_node_latency_s);
+  intra["collective_base_latency_s"] = sourced("intra_node.collective_base_latency_s", c.collective_base_latency_s);
   const std::pair<const char*, const CollectiveFit*> fits[] = {{"all_gather", &c.all_gather_fit},
                                                                {"reduce_scatter", &c.reduce_scatter_fit},
                                                                {"all_reduce", &c.all_reduce_fit},
@@ -371,6 +411,8 @@ OrderedJson to_json(const ClusterSpec& c) {
   fw["overhead_bytes"] = sourced("framework.overhead_bytes", c.framework_overhead_bytes);
   fw["fragmentation_factor"] = sourced("framework.fragmentation_factor", c.fragmentation_factor);
   fw["kernels"] = sourced("framework.kernels", std::string(name_of(kKernelNames, c.kernels)));
+  fw["attention"] = sourced("framework.attention", std::string(name_of(kAttentionKernelNames, c.attention)));
+  fw["overlap_slowdown"] = sourced("framework.overlap_slowdown", c.overlap_slowdown);
   fw["headroom_bytes"] = sourced("framework.headroom_bytes", c.memory_headroom_bytes);
   fw["comm_overlaps_compute"] = sourced("framework.comm_overlaps_compute", c.comm_overlaps_compute);
   if (!c.op_times.empty()) {

@@ -86,6 +86,8 @@ ModelSpec read_model(ObjectReader& r) {
   m.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
   m.mlp = r.choice<Mlp>("mlp", kMlpNames, Mlp::kSwiGlu);
+  m.norm = r.choice<Norm>("norm", kNormNames, Norm::kRmsNorm);
+  m.dropout = r.number("dropout", 0.0, 0.99, 0.0);
   return m;
 }
 
@@ -239,6 +241,8 @@ OrderedJson to_json(const ModelSpec& m) {
   j["experts_per_token"] = m.experts_per_token;
   put_positions_and_norms(m, j);
   j["mlp"] = std::string(name_of(kMlpNames, m.mlp));
+  if (m.norm != Norm::kRmsNorm) j["norm"] = std::string(name_of(kNormNames, m.norm));
+  if (m.dropout > 0) j["dropout"] = m.dropout;
   return j;
 }
 

@@ -97,6 +97,9 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
   p.activation_loading_horizon = r.integer("activation_loading_horizon", 0, kMaxDegree, 1);
   p.micro_batch_size = r.integer("micro_batch_size", 1, kMaxBatch);
   p.gradient_accumulation_steps = r.integer("gradient_accumulation_steps", 1, kMaxBatch);
+  p.distributed_optimizer = r.boolean("distributed_optimizer", false);
+  p.first_stage_layers = r.integer("first_stage_layers", 0, kMaxDegree, 0);
+  p.last_stage_layers = r.integer("last_stage_layers", 0, kMaxDegree, 0);
   // replica_degree is derived; a plan writes it for readers, and it must agree.
   // (Only when the degrees themselves were read: a fallback would make it look wrong.)
   if (r.has("replica_degree")) {
@@ -151,6 +154,8 @@ TrainingConfig read_training(const Json& json, const std::string& path, Diagnost
   t.seq_len = r.integer("seq_len", 1, int64_t{1} << 24);
   t.global_batch_tokens = r.integer("global_batch_tokens", 1, kMaxTokens);
   t.precision = r.choice<Precision>("precision", kPrecisionNames, Precision::kBf16);
+  t.fp8 = r.boolean("fp8", false);
+  t.fp32_gradients = r.boolean("fp32_gradients", true);
   t.steps = r.integer("steps", 1, int64_t{1} << 40, 100);
   t.learning_rate = r.number("learning_rate", 0.0, 10.0, 1e-4);
   t.min_learning_rate = r.number("min_learning_rate", 0.0, 10.0, 1e-5);
@@ -180,6 +185,9 @@ OrderedJson to_json(const ParallelConfig& p) {
   j["activation_loading_horizon"] = p.activation_loading_horizon;
   j["micro_batch_size"] = p.micro_batch_size;
   j["gradient_accumulation_steps"] = p.gradient_accumulation_steps;
+  if (p.distributed_optimizer) j["distributed_optimizer"] = true;
+  if (p.first_stage_layers > 0) j["first_stage_layers"] = p.first_stage_layers;
+  if (p.last_stage_layers > 0) j["last_stage_layers"] = p.last_stage_layers;
   return j;
 }
 
@@ -201,6 +209,8 @@ OrderedJson to_json(const TrainingConfig& t) {
   j["seq_len"] = t.seq_len;
   j["global_batch_tokens"] = t.global_batch_tokens;
   j["precision"] = name_of(kPrecisionNames, t.precision);
+  if (t.fp8) j["fp8"] = true;
+  if (!t.fp32_gradients) j["fp32_gradients"] = false;
   j["steps"] = t.steps;
   j["learning_rate"] = t.learning_rate;
   j["min_learning_rate"] = t.min_learning_rate;
@@ -213,6 +223,38 @@ OrderedJson to_json(const TrainingConfig& t) {
   return j;
 }
 
+namespace {
+// Stages that take the evenly split rest of the blocks, and that rest.
+std::pair<int64_t, int64_t> middle_stages(int64_t num_layers, const ParallelConfig& p) {
+  const int64_t stages = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  int64_t middle = stages, rest = num_layers;
+  if (stages > 1 && p.first_stage_layers > 0) {
+    --middle;
+    rest -= p.first_stage_layers;
+  }
+  if (stages > 1 && p.last_stage_layers > 0) {
+    --middle;
+    rest -= p.last_stage_layers;
+  }
+  return {middle, rest};
+}
+}  // namespace
+
+bool stage_layers_valid(int64_t num_layers, const ParallelConfig& p) {
+  if (p.pipeline_parallel_degree <= 1) return p.first_stage_layers == 0 && p.last_stage_layers == 0;
+  const auto [middle, rest] = middle_stages(num_layers, p);
+  return middle == 0 ? rest == 0 : rest >= middle && rest % middle == 0;
+}
+
+int64_t stage_layers(int64_t num_layers, const ParallelConfig& p, int64_t stage) {
+  const int64_t stages = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  if (stages == 1) return num_layers;
+  if (stage == 0 && p.first_stage_layers > 0) return p.first_stage_layers;
+  if (stage == stages - 1 && p.last_stage_layers > 0) return p.last_stage_layers;
+  const auto [middle, rest] = middle_stages(num_layers, p);
+  return middle > 0 ? rest / middle : 0;
+}
+
 std::string describe(const ParallelConfig& p) {
   std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" +
                   std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree());
@@ -221,6 +263,9 @@ std::string describe(const ParallelConfig& p) {
   if (p.virtual_pipeline_degree > 1) s += " V" + std::to_string(p.virtual_pipeline_degree);
   s += " " + p.placement.to_string() + " ckpt=" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing));
   if (p.activation_offloading) s += " offload=h" + std::to_string(p.activation_loading_horizon);
+  if (p.distributed_optimizer) s += " dist-opt";
+  if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
+    s += " ends=" + std::to_string(p.first_stage_layers) + "/" + std::to_string(p.last_stage_layers);
   s += " mbs=" + std::to_string(p.micro_batch_size) + " ga=" + std::to_string(p.gradient_accumulation_steps);
   return s;
 }

@@ -36,6 +36,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "token_counts_match_experts",
     "min_lr_within_lr",
     "warmup_within_steps",
+    "fp8_needs_hardware",
 };
 
 // Largest model whose counts stay far from int64 overflow in every derived quantity.
@@ -164,15 +165,29 @@ void check_config(const RunConfig& c, Sink& sink) {
       return "= " + str(e) + " with tensor_parallel_degree = " + str(tp) +
              ": SMP does not combine expert and tensor parallelism (moeplan's simulator does)";
     });
-  if (pp < 1 || m.num_layers % pp != 0)
+  const bool uneven = p.first_stage_layers > 0 || p.last_stage_layers > 0;
+  if (pp < 1 || (!uneven && m.num_layers % pp != 0))
     sink(Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree", [&] {
       return "= " + str(pp) + " must be at least 1 and divide num_layers = " + str(m.num_layers) +
-             " (equal stages)";
+             " (equal stages; first_stage_layers and last_stage_layers set uneven ends)";
     });
+  else if (uneven && !stage_layers_valid(m.num_layers, p))
+    sink(Rule::kPipelineDividesLayers, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
+         [&] {
+           return "= " + str(p.first_stage_layers > 0 ? p.first_stage_layers : p.last_stage_layers) +
+                  ": with first_stage_layers = " + str(p.first_stage_layers) + " and last_stage_layers = " +
+                  str(p.last_stage_layers) + " the other " + str(pp - (p.first_stage_layers > 0) - (p.last_stage_layers > 0)) +
+                  " of pipeline_parallel_degree = " + str(pp) + " stages must share the rest of num_layers = " +
+                  str(m.num_layers) + " equally, each at least one block";
+         });
   // Interleaved stages (Megatron-LM): P > 1, equal chunks, micro-batches in whole rounds of P.
+  // Uneven end stages may hold chunks of other sizes, but at least one block each.
   const int64_t vp = p.virtual_pipeline_degree;
-  if (vp < 1 || (vp > 1 && (pp <= 1 || m.num_layers % (std::max<int64_t>(1, pp) * vp) != 0 ||
-                            p.gradient_accumulation_steps % std::max<int64_t>(1, pp) != 0)))
+  const bool chunks_fit =
+      uneven ? vp <= std::min(p.first_stage_layers > 0 ? p.first_stage_layers : m.num_layers,
+                              p.last_stage_layers > 0 ? p.last_stage_layers : m.num_layers)
+             : m.num_layers % (std::max<int64_t>(1, pp) * vp) == 0;
+  if (vp < 1 || (vp > 1 && (pp <= 1 || !chunks_fit || p.gradient_accumulation_steps % std::max<int64_t>(1, pp) != 0)))
     sink(Rule::kVirtualStagesFitThePipeline, "parallel.virtual_pipeline_degree", [&] {
       if (vp >= 1 && pp <= 1)
         return "= " + str(vp) + " needs pipeline_parallel_degree > 1 (it splits pipeline stages into chunks)";
@@ -211,10 +226,10 @@ void check_config(const RunConfig& c, Sink& sink) {
     });
 
   if (p.activation_offloading) {
-    if (p.activation_checkpointing == Checkpointing::kNone)
+    if (p.activation_checkpointing == Checkpointing::kNone || p.activation_checkpointing == Checkpointing::kAttentionCore)
       sink(Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading", [&] {
-        return std::string("= true needs activation_checkpointing (only checkpointed block inputs "
-                           "are offloaded)");
+        return std::string("= true needs activation_checkpointing full or selective (only checkpointed block "
+                           "inputs are offloaded)");
       });
     if (p.activation_loading_horizon < 1)
       sink(Rule::kHorizonPositive, "parallel.activation_loading_horizon", [&] {
@@ -260,6 +275,11 @@ void check_config(const RunConfig& c, Sink& sink) {
                          "expert-parallel group)");
     });
 
+  if (t.fp8 && (cl.peak_fp8_flops <= 0 || t.precision == Precision::kFp32))
+    sink(Rule::kFp8NeedsHardware, "training.fp8", [&] {
+      if (t.precision == Precision::kFp32) return std::string("= true needs precision bf16 or mixed, not fp32");
+      return "= true needs FP8 tensor cores; the cluster's " + cl.gpu_name + " has none (gpu.peak_fp8_flops)";
+    });
   if (t.min_learning_rate > t.learning_rate)
     sink(Rule::kMinLrWithinLr, "training.min_learning_rate", [&] {
       return "= " + str(t.min_learning_rate) + " exceeds learning_rate = " + str(t.learning_rate);

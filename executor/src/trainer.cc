@@ -62,6 +62,20 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
       d.error("parallel.activation_offloading", "= true" + stages +
                                                     ": the executor offloads without pipeline stages only");
   }
+  // Layouts the planner and simulator know that the executor does not run yet.
+  if (plan.parallel.activation_checkpointing == Checkpointing::kAttentionCore)
+    d.error("parallel.activation_checkpointing",
+            "= \"attention_core\": the executor recomputes whole blocks (full) or MoE sub-blocks (selective) only");
+  if (plan.parallel.distributed_optimizer)
+    d.error("parallel.distributed_optimizer",
+            "= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)");
+  if (plan.parallel.first_stage_layers > 0 || plan.parallel.last_stage_layers > 0)
+    d.error(plan.parallel.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
+            "is set: the executor runs equal pipeline stages only");
+  if (plan.training.fp8)
+    d.error("training.fp8", "= true: the executor computes in bf16 or fp32 only");
+  if (!plan.training.fp32_gradients && plan.training.precision == Precision::kMixed)
+    d.error("training.fp32_gradients", "= false: the executor keeps mixed-precision gradients in fp32");
   // Tensor parallelism splits the vocabulary (embedding, lm head) and the sequence over T ranks.
   if (const int64_t tp = plan.parallel.tensor_parallel_degree; tp > 1) {
     if (plan.model.vocab_size % tp != 0)

@@ -22,6 +22,12 @@ int64_t to_bytes(double bytes) {
 
 BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int64_t seq_len, int64_t slots,
                                    int64_t a, Kernels kernels, TensorSplit split) {
+  return block_activations(m, micro_batch, seq_len, slots, a, kernels,
+                           kernels == Kernels::kFused ? AttentionKernel::kFlash : AttentionKernel::kUnfused, split);
+}
+
+BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int64_t seq_len, int64_t slots,
+                                   int64_t a, Kernels kernels, AttentionKernel attention, TensorSplit split, bool fp8) {
   const double t = static_cast<double>(micro_batch * seq_len);
   const double bytes = static_cast<double>(a);
   const double h = static_cast<double>(m.hidden_size);
@@ -31,6 +37,9 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double heads = static_cast<double>(m.num_attention_heads);
   const double routed = static_cast<double>(slots);
   const double router = static_cast<double>(m.router_width());
+  const bool dense = m.dense();
+  // Dropout keeps a one-byte mask of what it dropped (and, after the softmax, its output too).
+  const double mask = m.dropout > 0 ? 1.0 : 0.0;
   // Under tensor parallelism a rank keeps 1/T of what lies inside the split regions (heads,
   // intermediate columns) and, with sequence parallelism, 1/T of the rest too (Korthikanti et
   // al. 2022, "Reducing Activation Recomputation in Large Transformer Models", table 2).
@@ -39,51 +48,71 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   // Intermediate-width tensors kept per slot: SwiGLU w1 and w3 outputs and their product; GELU
   // fc1's output and its GELU.
   const double mlp_kept = m.mlp == Mlp::kGelu ? 2.0 : 3.0;
+  // The attention core's own: flash attention keeps an fp32 log-sum-exp per head and token;
+  // unfused attention keeps the T x T softmax output per head (fp32 and its copy in the compute
+  // type where eager PyTorch takes the softmax in fp32), and under dropout its mask and output.
+  const double square = static_cast<double>(micro_batch) * heads * static_cast<double>(seq_len) * static_cast<double>(seq_len);
+  double core = t * heads * kBytesFp32 * inside;
+  if (attention == AttentionKernel::kUnfused) {
+    const double softmax = kernels == Kernels::kFused ? bytes : kBytesFp32 + (a < kBytesFp32 ? bytes : 0.0);
+    core = square * (softmax + mask * (1.0 + bytes)) * inside;
+  }
   BlockActivations out;
   out.block_input = to_bytes(t * h * bytes * outside);
+  out.core = to_bytes(core);
   if (kernels == Kernels::kFused) {
-    // RMSNorm input, its output (the q/k/v input), q, k, v after RoPE, the attention output
-    // (o_proj input), and the fp32 log-sum-exp per head that flash attention keeps.
-    out.attention = to_bytes(t * 2 * h * bytes * outside + (t * (2 * q + 2 * kv) * bytes + t * heads * kBytesFp32) * inside);
-    // RMSNorm input and output, fp32 router probabilities, then per token-expert slot: the
-    // expert input, w1 and w3 outputs and their SwiGLU product (w2 input), and the expert output
-    // (GELU: fc1's output and its GELU, the fc2 input).
-    out.moe = to_bytes((t * 2 * h * bytes + t * router * kBytesFp32 + routed * 2 * h * bytes) * outside +
-                       routed * mlp_kept * f * bytes * inside);
+    // What a GEMM keeps of its input for the weight gradient: with FP8 GEMMs (Transformer
+    // Engine), the input's one-byte FP8 copy.
+    const double gemm_input = fp8 ? 1.0 : bytes;
+    // The norm's input and output (the q/k/v input), q, k and v (after RoPE), the attention
+    // output (o_proj input), the core's, and dropout's mask on the sub-block's output.
+    out.attention = to_bytes(t * (h * bytes + h * gemm_input + mask * h) * outside +
+                             t * ((q + 2 * kv) * bytes + q * gemm_input) * inside + core);
+    // The norm's input and output (the first GEMM's input), dropout's mask; an MoE keeps the
+    // fp32 router probabilities and per token-expert slot the expert input and output (the
+    // permuted copy, and the row returned for the weighted sum); then per slot the
+    // intermediate-width tensors (GELU: fc1's output and its GELU, the fc2 input).
+    out.moe = to_bytes((t * (h * bytes + h * gemm_input + mask * h) +
+                        (dense ? 0.0 : t * router * kBytesFp32 + routed * h * (gemm_input + bytes))) *
+                           outside +
+                       routed * ((mlp_kept - 1) * bytes + gemm_input) * f * inside);
     return out;
   }
   // Eager: each RMSNorm also keeps its normalised rows (and, below fp32, the fp32 copy of its
-  // input); keys and values are kept repeated to every query head; the softmax keeps its fp32
-  // T x T probabilities per head (and their copy in the compute type below fp32); SiLU keeps its
-  // output beside w1's; the expert output returns to the token's rank, k rows per token, where it
-  // is kept for the weighted sum.
+  // input); keys and values are kept repeated to every query head; SiLU keeps its output beside
+  // w1's; the expert output returns to the token's rank, k rows per token, where it is kept for
+  // the weighted sum.
   const double k = static_cast<double>(m.experts_per_token);
-  const double norm_copy = a < kBytesFp32 ? t * h * kBytesFp32 : 0.0;
-  const double probabilities = static_cast<double>(micro_batch) * heads * static_cast<double>(seq_len) *
-                               static_cast<double>(seq_len) * (kBytesFp32 + (a < kBytesFp32 ? bytes : 0.0));
-  out.attention = to_bytes((t * 3 * h * bytes + norm_copy) * outside + (t * 4 * q * bytes + probabilities) * inside);
-  out.moe = to_bytes((t * 3 * h * bytes + norm_copy + t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes) * outside +
-                     routed * (mlp_kept + 1) * f * bytes * inside);
+  const double norm_copy = m.norm == Norm::kRmsNorm && a < kBytesFp32 ? t * h * kBytesFp32 : 0.0;
+  const double norm_rows = m.norm == Norm::kRmsNorm ? 1.0 : 0.0;
+  out.attention = to_bytes((t * (2 + norm_rows) * h * bytes + norm_copy + t * mask * h) * outside +
+                           t * 4 * q * bytes * inside + core);
+  out.moe = to_bytes((t * (2 + norm_rows) * h * bytes + norm_copy + t * mask * h +
+                      (dense ? 0.0 : t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes)) *
+                         outside +
+                     routed * (mlp_kept + (m.mlp == Mlp::kSwiGlu ? 1.0 : 0.0)) * f * bytes * inside);
   return out;
 }
 
-ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s, int64_t t, int64_t p) {
+ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s, int64_t t, int64_t p, int64_t stage_blocks,
+                       bool with_ends) {
   const ParamCounts c = count_parameters(model);
   t = std::max<int64_t>(1, t);
-  const int64_t layers = model.num_layers / std::max<int64_t>(1, p);
+  const int64_t layers = stage_blocks >= 0 ? stage_blocks : model.num_layers / std::max<int64_t>(1, p);
   const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, t);
   const int64_t dense_per_layer = ceil_div(c.dense_per_layer(), t);
   const int64_t embedding = ceil_div(c.embedding, t);
   const int64_t head = ceil_div(c.final_norm + c.lm_head, t);
   // The first stage holds the embedding, the last the head; with one stage, both.
-  const int64_t ends = p > 1 ? std::max(embedding, head) : embedding + head;
+  const int64_t ends = !with_ends ? 0 : p > 1 ? std::max(embedding, head) : embedding + head;
   ShardSizes out;
   out.local_params = ends + layers * (dense_per_layer + experts_per_layer);
   // Flat parameters (FSDP units): the embedding; per block its dense part and its experts
   // (they reduce over different groups); the final norm with the lm head. Each is padded to
   // a multiple of S before it is split.
-  const int64_t ends_shard = p > 1 ? std::max(ceil_div(embedding, s), ceil_div(head, s))
-                                   : ceil_div(embedding, s) + ceil_div(head, s);
+  const int64_t ends_shard = !with_ends ? 0
+                             : p > 1  ? std::max(ceil_div(embedding, s), ceil_div(head, s))
+                                      : ceil_div(embedding, s) + ceil_div(head, s);
   out.shard_params = ends_shard + layers * (ceil_div(dense_per_layer, s) + ceil_div(experts_per_layer, s));
   out.largest_unit_params = std::max({embedding, head, dense_per_layer + experts_per_layer});
   return out;
@@ -94,13 +123,18 @@ int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size) {
   return cluster.host_memory_bytes / ranks_per_node;
 }
 
-MemoryEstimate estimate_memory(const RunConfig& c) {
+MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
   const Precision precision = c.training.precision;
   const int64_t a = precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
+  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  // The stage with the most blocks (with the first stage's micro-batches in flight), or one
+  // that holds blocks only.
+  int64_t stage_layers = 0;
+  for (int64_t i = 0; i < pp; ++i) stage_layers = std::max(stage_layers, moeplan::stage_layers(m.num_layers, p, i));
   const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree, p.tensor_parallel_degree,
-                                       p.pipeline_parallel_degree);
+                                       p.pipeline_parallel_degree, stage_layers, view == StageView::kBusiest);
   const TensorSplit split{p.tensor_parallel_degree, p.sequence_parallel};
   const int64_t shard = sizes.shard_params;
 
@@ -111,10 +145,10 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
       out.gradients = 2 * shard;
       out.optimizer_states = 2 * 2 * shard;
       break;
-    case Precision::kMixed:  // bf16 compute copy, fp32 master, fp32 gradients and moments
+    case Precision::kMixed:  // bf16 compute copy, fp32 master, fp32 (or bf16) gradients, fp32 moments
       out.parameters = 2 * shard;
       out.master_weights = 4 * shard;
-      out.gradients = 4 * shard;
+      out.gradients = (c.training.fp32_gradients ? 4 : 2) * shard;
       out.optimizer_states = 2 * 4 * shard;
       break;
     case Precision::kFp32:
@@ -123,6 +157,16 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
       out.optimizer_states = 2 * 4 * shard;
       break;
   }
+  // The distributed optimizer keeps 1/R of the fp32 master weights and of the moments (over
+  // the replicas, which hold the same parameters; dense parameters are also the same over E,
+  // which is left out here); the gradients stay whole for the reduce-scatter.
+  if (p.distributed_optimizer && p.replica_degree() > 1) {
+    const int64_t r = p.replica_degree();
+    out.master_weights = ceil_div(out.master_weights, r);
+    out.optimizer_states = ceil_div(out.optimizer_states, r);
+  }
+  // FP8 GEMMs: Transformer Engine keeps each weight's FP8 copy for the step's micro-batches.
+  if (c.training.fp8) out.parameters += shard;
   if (p.hybrid_shard_degree > 1) {
     out.gathered_parameters = 2 * sizes.largest_unit_params * a;
     out.gradient_buffers = sizes.largest_unit_params * a;
@@ -132,8 +176,8 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
   const auto slots = static_cast<int64_t>(
       std::ceil(static_cast<double>(m.experts_per_token * tokens) *
                 busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree)));
-  const BlockActivations block =
-      block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a, c.cluster.kernels, split);
+  const BlockActivations block = block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a,
+                                                   c.cluster.kernels, c.cluster.attention, split, c.training.fp8);
   int64_t stored_per_block = 0;  // kept from forward to backward
   int64_t working_set = 0;       // one block recomputed during backward
   switch (p.activation_checkpointing) {
@@ -146,17 +190,20 @@ MemoryEstimate estimate_memory(const RunConfig& c) {
       stored_per_block = block.block_input;
       working_set = block.full();
       break;
+    case Checkpointing::kAttentionCore:  // the core's tensors are made again from q, k and v
+      stored_per_block = block.full() - block.core;
+      working_set = block.core;
+      break;
   }
+  out.activation_working_set = working_set;
   // What offloading moves is the checkpointed input (the block input, which is also the MoE
   // sub-block's input under selective checkpointing); attention's activations stay.
-  const int64_t offloadable = p.activation_checkpointing == Checkpointing::kNone ? 0 : block.block_input;
+  const int64_t offloadable = recomputes_moe(p.activation_checkpointing) ? block.block_input : 0;
   const int64_t resident = stored_per_block - offloadable;
   // A pipeline stage keeps its blocks' activations for every micro-batch in flight: under 1F1B
   // the first stage runs P forwards before its first backward.
   // Interleaved (V chunks of L / (P V) blocks), rank 0 runs 2 (P - 1) + (V - 1) P chunk
   // forwards before its first backward, and keeps them and the one in use.
-  const int64_t stage_layers = m.num_layers / std::max<int64_t>(1, p.pipeline_parallel_degree);
-  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
   const int64_t vp = std::max<int64_t>(1, p.virtual_pipeline_degree);
   double in_flight = static_cast<double>(std::min(pp, p.gradient_accumulation_steps));
   if (vp > 1) {

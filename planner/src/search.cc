@@ -48,14 +48,16 @@ bool horizon_duplicate(const Candidate& c, const std::vector<Candidate>& ranked)
   });
 }
 
-// Simulates candidates in order of their analytic estimate until no candidate left can enter
-// the top `keep` (its lower bound is above the keep-th best simulated time), then ranks the
-// simulated ones.
+// Simulates candidates in `order` (the analytic estimate's best first, so that the bound
+// tightens early), skipping those that can no longer enter the top `keep` (their lower bound
+// is above the keep-th best simulated time).
 std::vector<Candidate> simulate_best(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,
-                                     const std::vector<Candidate>& fitting, SearchStats& stats) {
+                                     const std::vector<Candidate>& fitting, const std::vector<uint32_t>& order,
+                                     SearchStats& stats) {
   std::vector<Candidate> simulated;
   std::vector<double> best_times;  // ascending, at most `keep`
-  for (const Candidate& c : fitting) {
+  for (uint32_t i : order) {
+    const Candidate& c = fitting[i];
     // The bound is in double, the simulation rounds each op to a nanosecond: leave a margin.
     if (options.prune && best_times.size() >= options.keep && c.estimate.lower_bound_s > best_times.back() * (1 + 1e-6))
       continue;
@@ -119,6 +121,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   const TrainingConfig& training = options.training;
   const int64_t host_limit = host_limit_bytes(cluster, w);
   const int64_t device_limit = cluster.usable_memory_bytes();
+  const SearchOptions::Pins& pin = options.pins;
 
   // The raw space: degrees that divide the world size or the expert count (the rules reject
   // the ones that do not fit both), tensor parallelism inside a node (its all-reduces are on
@@ -135,17 +138,36 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     if (d <= cluster.gpus_per_node) tensor_degrees.push_back(d);
     if (d <= model.num_layers) pipeline_degrees.push_back(d);
   }
+  // Pipeline splits: equal stages, or where P does not divide the blocks, end stages a block or
+  // two lighter than the others (they also hold the embedding and the head; Llama 3 405B runs
+  // 126 blocks on 16 stages as 7, 14 x 8 and 7).
+  auto stage_splits = [&](int64_t pp) {
+    std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
+    if (pin.first_stage_layers || pin.last_stage_layers)
+      return std::vector<std::pair<int64_t, int64_t>>{{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
+    if (pp < 3 || model.num_layers % pp == 0 || options.runnable) return out;
+    out.clear();
+    const int64_t even = (model.num_layers + pp - 1) / pp;
+    for (int64_t middle = even; middle <= even + 1; ++middle) {
+      const int64_t rest = model.num_layers - (pp - 2) * middle;
+      if (rest >= 2 && rest % 2 == 0 && rest / 2 < middle) out.emplace_back(rest / 2, rest / 2);
+    }
+    return out;
+  };
   struct OffloadOption {
     bool on;
     int64_t horizon;
   };
   std::vector<OffloadOption> offloads = {{false, 1}};
   for (int64_t h : options.loading_horizons) offloads.push_back({true, h});
+  // Recomputing the attention core saves the T x T scores of unfused attention; flash
+  // attention keeps none, so there it only costs time.
   std::vector<Checkpointing> checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
+  if (cluster.attention == AttentionKernel::kUnfused && !options.runnable)
+    checkpointing.push_back(Checkpointing::kAttentionCore);
   std::vector<Placement> placements = all_placements();
   // What the user fixed: the one value, even where the search would not have tried it (the
   // rules then say why it cannot work).
-  const SearchOptions::Pins& pin = options.pins;
   if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
   if (pin.hybrid_shard_degree) shard_degrees = {*pin.hybrid_shard_degree};
   if (pin.tensor_parallel_degree) tensor_degrees = {*pin.tensor_parallel_degree};
@@ -166,6 +188,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
 
   std::vector<Candidate> fitting;
   int64_t index = 0;
+  sim::KernelCostCache kernel_costs;
   for (int64_t e : expert_degrees) {
     for (int64_t s : shard_degrees) {
       for (int64_t t : tensor_degrees) {
@@ -192,12 +215,38 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
           if (pp > 1 && model.num_layers % pp == 0)
             for (int64_t v = 2; v <= 8 && v <= model.num_layers / pp; ++v)
               if (model.num_layers / pp % v == 0) chunk_options.push_back(v);
+          // With uneven end stages: chunks that divide a middle stage's blocks and fit an end's.
+          std::vector<int64_t> uneven_chunk_options = {1};
+          for (const auto& [first, last] : stage_splits(pp)) {
+            if (first == 0 || pp < 3) continue;
+            const int64_t middle = (model.num_layers - first - last) / (pp - 2);
+            for (int64_t v = 2; v <= 8 && v <= std::min(first, last); ++v)
+              if (middle % v == 0) uneven_chunk_options.push_back(v);
+            break;
+          }
           if (pin.virtual_pipeline_degree) chunk_options = {*pin.virtual_pipeline_degree};
           std::vector<bool> sequence_options = {false};
           if (t > 1) sequence_options = {true, false};
           if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
-          const int64_t inner = static_cast<int64_t>(chunk_options.size() * sequence_options.size() *
-                                                     checkpointing.size() * offloads.size() * micro_batches.size());
+          // The distributed optimizer shards states over the replicas: a choice only with some.
+          const bool replicated = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 &&
+                                  w / (e * s * t * pp) > 1;
+          std::vector<bool> optimizer_options = {false};
+          if (replicated && !options.runnable) optimizer_options = {false, true};
+          if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
+          struct Variant {
+            int64_t chunks;
+            bool sequence, distributed_optimizer;
+            std::pair<int64_t, int64_t> ends;
+          };
+          std::vector<Variant> variants;
+          for (const auto& ends : stage_splits(pp))
+            for (int64_t chunks : pin.virtual_pipeline_degree || ends.first == 0 ? chunk_options : uneven_chunk_options)
+              for (bool sequence : sequence_options)
+                for (bool sharded_optimizer : optimizer_options)
+                  variants.push_back({chunks, sequence, sharded_optimizer, ends});
+          const int64_t inner = static_cast<int64_t>(variants.size() * checkpointing.size() * offloads.size() *
+                                                     micro_batches.size());
 
           // Placements matter through the shape of each dimension's groups (members per node,
           // nodes spanned, groups sharing a node's card): two that give every dimension the same
@@ -238,13 +287,12 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
 
           // Rules and memory do not depend on the placement: each is checked once for all.
           int64_t inner_index = 0;
-          // (chunks per stage, sequence parallelism)
-          std::vector<std::pair<int64_t, bool>> variants;
-          for (int64_t chunks : chunk_options)
-            for (bool sequence : sequence_options) variants.emplace_back(chunks, sequence);
-          for (const auto& [chunks, sequence] : variants) {
-            p.virtual_pipeline_degree = chunks;
-            p.sequence_parallel = sequence;
+          for (const Variant& v : variants) {
+            p.virtual_pipeline_degree = v.chunks;
+            p.sequence_parallel = v.sequence;
+            p.distributed_optimizer = v.distributed_optimizer;
+            p.first_stage_layers = v.ends.first;
+            p.last_stage_layers = v.ends.second;
             for (Checkpointing ckpt : checkpointing) {
               p.activation_checkpointing = ckpt;
               for (const OffloadOption& offload : offloads) {
@@ -265,8 +313,8 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                   }
                   stats.rule_valid += kept;
                   const MemoryEstimate memory = estimate_memory(config);
-                  const bool device_ok = memory.device_total <= device_limit;
-                  const bool host_ok = memory.offloaded_activations <= host_limit;
+                  const bool device_ok = memory.device_total <= device_limit || options.ignore_memory_limits;
+                  const bool host_ok = memory.offloaded_activations <= host_limit || options.ignore_memory_limits;
                   if (!device_ok) {
                     stats.over_device_memory += kept;
                     if (!stats.closest_over_device ||
@@ -285,7 +333,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                     // Numbered as if the placements were the outer loop, as they are listed.
                     Candidate c{p, memory, {}, index + distinct[i].first * inner + this_inner};
                     const RunConfig placed{model, cluster, p, options.moe, training, options.smp_mode};
-                    c.estimate = sim::estimate_step(placed, shapes[i]);
+                    c.estimate = sim::estimate_step(placed, shapes[i], &kernel_costs);
                     fitting.push_back(c);
                   }
                 }
@@ -298,15 +346,25 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     }
   }
   stats.fitting = static_cast<int64_t>(fitting.size());
-  std::sort(fitting.begin(), fitting.end(), better);
+  // Candidates are large: order them through their indices, and only as far as needed: the
+  // analytic ranking takes the first few; the simulation takes the best first (they set the
+  // bound that prunes the others) and the rest in any order.
+  std::vector<uint32_t> order(fitting.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
+  const size_t head = std::min(order.size(), std::max<size_t>(4096, options.keep * 64));
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(head), order.end(),
+                    [&](uint32_t a, uint32_t b) { return better(fitting[a], fitting[b]); });
   if (options.estimator == Estimator::kSimulator) {
-    fitting = simulate_best(model, cluster, options, fitting, stats);
-    std::sort(fitting.begin(), fitting.end(), better);
+    std::vector<Candidate> simulated = simulate_best(model, cluster, options, fitting, order, stats);
+    std::sort(simulated.begin(), simulated.end(), better);
+    for (const Candidate& c : simulated) {
+      if (result.ranked.size() >= options.keep) break;
+      if (!horizon_duplicate(c, result.ranked)) result.ranked.push_back(c);
+    }
+    return result;
   }
-  for (const Candidate& c : fitting) {
-    if (result.ranked.size() >= options.keep) break;
-    if (!horizon_duplicate(c, result.ranked)) result.ranked.push_back(c);
-  }
+  for (size_t i = 0; i < head && result.ranked.size() < options.keep; ++i)
+    if (!horizon_duplicate(fitting[order[i]], result.ranked)) result.ranked.push_back(fitting[order[i]]);
   return result;
 }
 

@@ -60,7 +60,9 @@ CollectiveCost CostModel::all_gather_cost(double output_bytes, const GroupShape&
   if (g.size <= 1 || output_bytes <= 0) return c;
   const double n = static_cast<double>(g.size);
   if (calibrated(cluster_->all_gather_fit, g, cluster_->gpus_per_node, output_bytes, n - 1, (n - 1) / n, c)) return c;
-  c.latency_s = (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
+  // NCCL's ring: a base latency, then one hop per step (tuning.cc).
+  c.latency_s = cluster_->collective_base_latency_s +
+                (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
   c.intra_s = (n - 1) / n * output_bytes / cluster_->intra_node_bandwidth_bytes_per_s;
   if (g.crosses_nodes()) {
     // One ring per group enters each node once; the link into a node carries every chunk
@@ -88,7 +90,7 @@ CollectiveCost CostModel::all_reduce_cost(double bytes, const GroupShape& g) con
       calibrated(cluster_->all_reduce_fit, g, cluster_->gpus_per_node, bytes, 2 * (n - 1), 2 * (n - 1) / n, calibrated_cost))
     return calibrated_cost;
   CollectiveCost c = all_gather_cost(bytes, g);
-  c.latency_s *= 2;
+  if (c.latency_s > 0) c.latency_s = 2 * c.latency_s - cluster_->collective_base_latency_s;  // one base, twice the steps
   c.intra_s *= 2;
   c.nic_bytes_per_node *= 2;
   return c;
@@ -100,7 +102,8 @@ CollectiveCost CostModel::all_to_all_cost(double send_bytes, const GroupShape& g
   const double n = static_cast<double>(g.size);
   const double m = static_cast<double>(g.per_node);
   if (calibrated(cluster_->all_to_all_fit, g, cluster_->gpus_per_node, send_bytes, n - 1, (m - 1) / n, c)) return c;
-  c.latency_s = (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
+  c.latency_s = cluster_->collective_base_latency_s +
+                (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
   c.intra_s = send_bytes * (m - 1) / n / cluster_->intra_node_bandwidth_bytes_per_s;
   // Each of the group's m members on a node sends (n - m)/n of its buffer off the node.
   if (g.crosses_nodes()) c.nic_bytes_per_node = m * send_bytes * (n - m) / n;
@@ -126,9 +129,12 @@ double CostModel::all_to_all_seconds(double send_bytes, const GroupShape& g) con
 double CostModel::send_seconds(double bytes, const GroupShape& g) const {
   if (g.size <= 1 || bytes <= 0) return 0;
   // The slowest hop sets the pace: one that leaves the node when the group spans nodes.
-  if (!g.crosses_nodes()) return cluster_->intra_node_latency_s + bytes / cluster_->intra_node_bandwidth_bytes_per_s;
+  if (!g.crosses_nodes())
+    return cluster_->collective_base_latency_s + cluster_->intra_node_latency_s +
+           bytes / cluster_->intra_node_bandwidth_bytes_per_s;
   const double sharing = static_cast<double>(g.groups_per_node);
-  return cluster_->inter_node_latency_s + bytes * sharing / cluster_->inter_node_bandwidth_bytes_per_s;
+  return cluster_->collective_base_latency_s + cluster_->inter_node_latency_s +
+         bytes * sharing / cluster_->inter_node_bandwidth_bytes_per_s;
 }
 
 double CostModel::pcie_seconds(double bytes) const {

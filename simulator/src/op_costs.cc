@@ -6,6 +6,7 @@
 #include "moeplan/core/moe_load.h"
 #include "moeplan/core/units.h"
 #include "moeplan/core/fit.h"
+#include "moeplan/simulator/kernels.h"
 
 namespace moeplan::sim {
 
@@ -35,48 +36,24 @@ double measured_moe_seconds(const RunConfig& c, double load, bool backward) {
 }  // namespace
 
 double moe_backward_seconds(const RunConfig& c, double load) {
-  return op_times_apply(c) ? measured_moe_seconds(c, load, true) : 2.0 * moe_forward_seconds(c, load);
+  return op_times_apply(c) ? measured_moe_seconds(c, load, true) : moe_kernels(c, load, true).seconds();
 }
 
 double moe_forward_seconds(const RunConfig& c, double load) {
-  if (op_times_apply(c)) return measured_moe_seconds(c, load, false);
-  const ModelSpec& m = c.model;
-  const ParallelConfig& p = c.parallel;
-  const CostModel cost(c.cluster);
-  const bool fp32 = c.training.precision == Precision::kFp32;
-  const double h = static_cast<double>(m.hidden_size);
-  // Under tensor parallelism each expert's columns are split over the T ranks, which all see
-  // every slot (gathered); the router runs on the rank's share of the tokens (sequence parallel).
-  const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
-  const double ffn = static_cast<double>(m.intermediate_size) / tp;
-  const double slots = static_cast<double>(m.experts_per_token) * static_cast<double>(p.micro_batch_size) *
-                       static_cast<double>(c.training.seq_len) * load;
-  const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(c.training.seq_len) /
-                        (p.sequence_parallel ? tp : 1.0);
-  const double local_experts = static_cast<double>(m.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
-  const double router_flops = 2.0 * tokens * h * static_cast<double>(m.router_width());
-  const double matrices = static_cast<double>(m.mlp_matrices());
-  // Each local expert runs its GEMMs (three for SwiGLU, two for GELU) on its share of the
-  // rank's slots.
-  return (router_flops > 0 ? cost.matmul_seconds(router_flops, router_flops, fp32) : 0.0) +
-         cost.matmul_seconds(2.0 * slots * matrices * h * ffn, 2.0 * slots / local_experts * h * ffn, fp32);
+  return op_times_apply(c) ? measured_moe_seconds(c, load, false) : moe_kernels(c, load, false).seconds();
 }
 
 ModelSpec stage_model(const RunConfig& c) {
   ModelSpec m = c.model;
-  m.num_layers = c.model.num_layers / std::max<int64_t>(1, c.parallel.pipeline_parallel_degree);
+  const int64_t stages = std::max<int64_t>(1, c.parallel.pipeline_parallel_degree);
+  m.num_layers = stage_layers(c.model.num_layers, c.parallel, stages - 1);
   return m;
 }
 
-OpCosts op_costs(const RunConfig& c) {
+KernelCosts kernel_costs(const RunConfig& c) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
-  const CostModel cost(c.cluster);
   const ParamCounts params = count_parameters(m);
-  const bool fp32 = c.training.precision == Precision::kFp32;
-  const double a = fp32 ? kBytesFp32 : kBytesBf16;
-  const double e = static_cast<double>(p.expert_parallel_degree);
-  const double s = static_cast<double>(p.hybrid_shard_degree);
   const double h = static_cast<double>(m.hidden_size);
   const double ffn = static_cast<double>(m.intermediate_size);
   // Tensor parallelism splits heads, intermediate columns and the (padded) vocabulary over T
@@ -92,29 +69,55 @@ OpCosts op_costs(const RunConfig& c) {
   const double busiest_slots = mean_slots * busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree);
 
   const double q_width = static_cast<double>(m.num_attention_heads * m.head_dim);
-  const double kv_width = static_cast<double>(m.num_key_value_heads * m.head_dim);
-  double context = seq / 2.0;  // causal: a token sees half the sequence on average
-  if (m.sliding_window && *m.sliding_window < c.training.seq_len) context = static_cast<double>(*m.sliding_window);
-  const double proj_flops = 2.0 * tokens * static_cast<double>(params.attention_per_layer) / tp;
-  const double core_flops = 4.0 * tokens * q_width * context / tp;
-  const double router_flops = 2.0 * tokens / sp * h * static_cast<double>(m.router_width());
-  auto expert_flops = [&](double slots) { return 2.0 * slots * static_cast<double>(m.mlp_matrices()) * h * ffn / tp; };
-  auto moe_seconds = [&](double slots) { return moe_forward_seconds(c, slots / mean_slots); };
-
-  OpCosts o;
-  o.attention_forward_s = cost.matmul_seconds(proj_flops, 2.0 * tokens * h * h / tp, fp32) +
-                          cost.matmul_seconds(core_flops, 4.0 * seq * static_cast<double>(m.head_dim) * context, fp32);
-  o.moe_forward_s = moe_seconds(mean_slots);
-  o.moe_forward_busiest_s = moe_seconds(busiest_slots);
-
-  o.head_forward_s = cost.matmul_seconds(2.0 * tokens * vocab * h, 2.0 * tokens * vocab * h, fp32);
-  o.attention_flops = proj_flops + core_flops;
-  o.moe_flops = router_flops + expert_flops(mean_slots);
-  o.head_flops = 2.0 * tokens * vocab * h;
   const double busiest_load = busiest_slots / mean_slots;
-  o.attention_backward_s = 2.0 * o.attention_forward_s;
-  o.moe_backward_busiest_s = moe_backward_seconds(c, busiest_load);
-  o.head_s = 3.0 * o.head_forward_s;
+
+  KernelCosts o;
+  if (!op_times_apply(c)) {
+    // Every kernel of the micro-batch, from the profile's kernel model.
+    const MicroBatchKernels k = micro_batch_kernels(c);
+    // Balanced routing (the busiest rank at the mean) needs no second pass.
+    const bool balanced = busiest_load == 1.0;
+    KernelList busiest_forward, busiest_backward;
+    if (!balanced) {
+      busiest_forward = moe_kernels(c, busiest_load, false);
+      busiest_backward = moe_kernels(c, busiest_load, true);
+    }
+    const KernelList& moe_busiest_forward = balanced ? k.moe_forward : busiest_forward;
+    const KernelList& moe_busiest_backward = balanced ? k.moe_backward : busiest_backward;
+    o.attention_forward_s = k.attention_forward.seconds();
+    o.attention_backward_s = k.attention_backward.seconds();
+    o.core_forward_s = k.core_forward.seconds();
+    o.moe_forward_s = k.moe_forward.seconds();
+    o.moe_forward_busiest_s = moe_busiest_forward.seconds();
+    o.moe_backward_busiest_s = moe_busiest_backward.seconds();
+    o.head_forward_s = k.head_forward.seconds();
+    o.head_s = o.head_forward_s + k.head_backward.seconds();
+    if (p.tensor_parallel_degree > 1) {
+      o.tensor_overlap_s = k.attention_wgrad_s;
+      o.tensor_moe_overlap_s = k.moe_wgrad_s;
+    }
+    o.attention_flops = k.attention_forward.flops();
+    o.moe_flops = k.moe_forward.flops();
+    o.head_flops = k.head_forward.flops();
+    o.core_flops = k.core_forward.flops();
+    for (const KernelList* l : {&k.attention_forward, &k.attention_backward, &moe_busiest_forward, &moe_busiest_backward}) {
+      const std::array<double, 3> by_class = l->seconds_by_class();
+      for (size_t i = 0; i < 3; ++i) o.block_by_class[i] += by_class[i];
+    }
+    for (const KernelList* l : {&k.head_forward, &k.head_backward}) {
+      const std::array<double, 3> by_class = l->seconds_by_class();
+      for (size_t i = 0; i < 3; ++i) o.head_by_class[i] += by_class[i];
+    }
+  } else {
+    o.moe_forward_s = moe_forward_seconds(c, 1.0);
+    o.moe_forward_busiest_s = moe_forward_seconds(c, busiest_load);
+    o.moe_backward_busiest_s = moe_backward_seconds(c, busiest_load);
+    const double proj_flops = 2.0 * tokens * static_cast<double>(params.attention_per_layer) / tp;
+    o.attention_flops = proj_flops + 4.0 * tokens * q_width * seq / 2.0 / tp;
+    o.moe_flops = 2.0 * tokens / sp * h * static_cast<double>(m.router_width()) +
+                  2.0 * mean_slots * static_cast<double>(m.mlp_matrices()) * h * ffn / tp;
+    o.head_flops = 2.0 * tokens * vocab * h;
+  }
   if (op_times_apply(c)) {
     const OpTimes& t = c.cluster.op_times;
     o.measured = true;
@@ -122,6 +125,8 @@ OpCosts op_costs(const RunConfig& c) {
     o.attention_backward_s = curve_at(t.attention_backward, tokens);
     o.head_s = curve_at(t.head, tokens);
     o.head_forward_s = o.head_s / 3.0;
+    o.block_by_class = {o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s, 0, 0};
+    o.head_by_class = {o.head_s, 0, 0};
     // What the executor's whole micro-batch took beyond its operations (measured with the
     // experts on one rank and balanced routing), spread over the blocks: it runs with their
     // attention, and again where a block is recomputed.
@@ -142,6 +147,49 @@ OpCosts op_costs(const RunConfig& c) {
     }
   }
 
+  return o;
+}
+
+OpCosts op_costs(const RunConfig& c) { return op_costs(c, kernel_costs(c)); }
+
+const KernelCosts& KernelCostCache::get(const RunConfig& c) {
+  const ParallelConfig& p = c.parallel;
+  const std::array<int64_t, 5> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
+                                   p.expert_parallel_degree, c.model.num_layers};
+  auto it = costs_.find(key);
+  if (it == costs_.end()) it = costs_.emplace(key, kernel_costs(c)).first;
+  return it->second;
+}
+
+OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const ParamCounts params = count_parameters(m);
+  const bool fp32 = c.training.precision == Precision::kFp32;
+  const double a = fp32 ? kBytesFp32 : kBytesBf16;
+  const double e = static_cast<double>(p.expert_parallel_degree);
+  const double s = static_cast<double>(p.hybrid_shard_degree);
+  const double h = static_cast<double>(m.hidden_size);
+  const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
+  const double sp = p.sequence_parallel ? tp : 1.0;
+  const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(c.training.seq_len);
+  const double mean_slots = static_cast<double>(m.experts_per_token) * tokens;
+  const double busiest_slots = mean_slots * busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree);
+  const double q_width = static_cast<double>(m.num_attention_heads * m.head_dim);
+  const double kv_width = static_cast<double>(m.num_key_value_heads * m.head_dim);
+
+  OpCosts o;
+  static_cast<KernelCosts&>(o) = kernels;
+  if (!o.measured) {
+    const double layers = static_cast<double>(m.num_layers);
+    double total = 0;
+    for (size_t i = 0; i < 3; ++i) {
+      o.compute_share[i] = layers * o.block_by_class[i] + o.head_by_class[i];
+      total += o.compute_share[i];
+    }
+    for (double& share : o.compute_share) share = total > 0 ? share / total : 0.0;
+  }
+
   o.dispatch_send_bytes = busiest_slots / sp * h * a;
   // Each tensor-parallel region ends in an all-reduce of its output (sequence parallel: a
   // reduce-scatter, and an all-gather where the next begins), attention's over the tokens,
@@ -150,7 +198,10 @@ OpCosts op_costs(const RunConfig& c) {
     o.tensor_bytes = tokens * h * a;
     o.tensor_moe_bytes = busiest_slots * h * a;
   }
-  o.stage_send_bytes = tokens / sp * h * a;
+  // Each tensor-parallel rank sends its 1/T of the activation to the next stage, which gathers
+  // it over the node's fabric (Narayanan et al. 2021, section 4.1, scatter/gather optimisation);
+  // with sequence parallelism the activation is split that way already.
+  o.stage_send_bytes = tokens / tp * h * a;
   o.unit_bytes = (static_cast<double>(params.dense_per_layer()) +
                   static_cast<double>(m.num_experts * params.expert) / e) / tp * a;
   auto gathered = [&](double numel) { return std::ceil(numel / tp / s) * s * a; };
@@ -164,17 +215,13 @@ OpCosts op_costs(const RunConfig& c) {
   o.dense_shard_bytes = static_cast<double>(params.dense()) / tp / s * a;
   o.expert_shard_bytes = static_cast<double>(params.experts()) / e / tp / s * a;
 
-  // AdamW reads and writes parameter, gradient and both moments (and the fp32 master).
-  const double shard_params =
+  // AdamW over the rank's shard (the distributed optimizer divides it over the data-parallel
+  // ranks that hold the same parameters).
+  double shard_params =
       (static_cast<double>(params.dense()) / s + static_cast<double>(params.experts()) / e / s) / tp;
-  double state_bytes = 0;
-  switch (c.training.precision) {
-    case Precision::kBf16: state_bytes = 2 + 2 + 2 + 2; break;
-    case Precision::kMixed: state_bytes = 2 + 4 + 4 + 4 + 4; break;
-    case Precision::kFp32: state_bytes = 4 + 4 + 4 + 4; break;
-  }
+  if (p.distributed_optimizer) shard_params /= static_cast<double>(std::max<int64_t>(1, p.replica_degree()));
   o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
-                             : cost.memory_bound_seconds(2.0 * shard_params * state_bytes);
+                             : optimizer_kernels(c, shard_params).seconds();
   o.forward_flops_per_token = forward_flops_per_token(m, c.training.seq_len);
   return o;
 }

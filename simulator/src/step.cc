@@ -91,7 +91,9 @@ class Builder {
         shapes_(layout_shapes(c.cluster, c.parallel)),
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
-        layers_(static_cast<int>(c.model.num_layers)) {
+        layers_(static_cast<int>(c.model.num_layers)),
+        overlap_sync_(c.cluster.comm_overlaps_compute),
+        grad_scale_(c.training.precision == Precision::kMixed && c.training.fp32_gradients ? 2.0 : 1.0) {
     for (int64_t rank : layout.ranks()) {
       const int64_t e = layout.coord(rank, MeshDim::kExpert);
       const double load = expert_rank_load(c.model, c.moe, p_.expert_parallel_degree, e);
@@ -111,7 +113,12 @@ class Builder {
       s.bwd_done.assign(static_cast<size_t>(layers_), kNoOp);
       s.offloaded.assign(static_cast<size_t>(layers_), kNoOp);
     }
+    synced_.assign(n, kNoOp);
     for (int64_t mb = 0; mb < micro_batches_; ++mb) {
+      // On GPUs each unit's gradients leave for the replicas as soon as the last micro-batch's
+      // backward has finished them (DDP buckets, Megatron's overlapped gradient reduction);
+      // where communication takes the compute's processor they follow the whole step.
+      const bool last = mb + 1 == micro_batches_ && overlap_sync_;
       for (int l = 0; l < layers_; ++l) forward_layer(state, static_cast<int16_t>(mb), l);
       std::vector<OpId> head_gathered(n, kNoOp);
       if (p_.hybrid_shard_degree > 1) {
@@ -126,32 +133,44 @@ class Builder {
         graph_.depend(state[r].last, head_gathered[r]);
       }
       if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.head_unit_bytes);
-      for (int l = layers_ - 1; l >= 0; --l) backward_layer(state, static_cast<int16_t>(mb), l);
+      else
+        for (RankState& st : state) st.last_grad = st.last;
+      if (last) sync_unit(state, o_.head_unit_bytes, true);
+      for (int l = layers_ - 1; l >= 0; --l) {
+        backward_layer(state, static_cast<int16_t>(mb), l);
+        if (last) {
+          sync_unit(state, o_.dense_unit_bytes, true);
+          sync_unit(state, o_.expert_unit_bytes, false);
+        }
+      }
       if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.embed_unit_bytes);
+      else
+        for (RankState& st : state) st.last_grad = st.last;
+      if (last) sync_unit(state, o_.embed_unit_bytes, true);
     }
-    // Gradients across replicas once per step: dense over E then R, experts over R.
-    std::vector<OpId> synced(n, kNoOp);
-    for (size_t r = 0; r < n; ++r) synced[r] = state[r].last_grad;
-    // Unit by unit, as the executor does: a dense unit's shard over E then R, an expert unit's
-    // over R.
-    const double sh = static_cast<double>(p_.hybrid_shard_degree);
-    auto sync = [&](double shard_bytes, bool dense) {
-      if (dense)
-        collective_round(synced, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
-                         cost_.all_reduce_cost(shard_bytes, shapes_.expert), shard_bytes, true);
-      collective_round(synced, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
-                       cost_.all_reduce_cost(shard_bytes, shapes_.replica), shard_bytes, true);
-    };
-    sync(o_.embed_unit_bytes / sh, true);
-    for (int l = 0; l < layers_; ++l) {
-      sync(o_.dense_unit_bytes / sh, true);
-      sync(o_.expert_unit_bytes / sh, false);
+    if (!overlap_sync_) {
+      // Unit by unit, as the executor does, after the step's last backward.
+      sync_unit(state, o_.embed_unit_bytes, true);
+      for (int l = 0; l < layers_; ++l) {
+        sync_unit(state, o_.dense_unit_bytes, true);
+        sync_unit(state, o_.expert_unit_bytes, false);
+      }
+      sync_unit(state, o_.head_unit_bytes, true);
     }
-    sync(o_.head_unit_bytes / sh, true);
+    std::vector<OpId>& synced = synced_;
     for (size_t r = 0; r < n; ++r) {
       const OpId opt = graph_.add_op(compute(r, OpKind::kOptimizer, -1, -1, o_.optimizer_s, 0));
       graph_.depend(opt, state[r].last);
       graph_.depend(opt, synced[r]);
+      synced[r] = opt;
+    }
+    // The distributed optimizer gathers the updated parameters back over the replicas. The
+    // next step's forward waits only for the first unit (Megatron's overlapped parameter
+    // gather); the others arrive behind its compute.
+    if (p_.distributed_optimizer && p_.replica_degree() > 1) {
+      const double bytes = o_.embed_unit_bytes / static_cast<double>(p_.hybrid_shard_degree);
+      collective_round(synced, MeshDim::kReplica, OpKind::kGatherForward, TraceStream::kGradComm, -1, -1,
+                       cost_.all_gather_cost(bytes, shapes_.replica), bytes, true);
     }
     return std::move(graph_);
   }
@@ -163,6 +182,25 @@ class Builder {
     OpId last_grad = kNoOp;   // the latest gradient collective
     std::vector<OpId> fwd_done, bwd_done, offloaded;
   };
+
+  // One unit's gradient shard (`unit_bytes` / S) across the replicas: a dense unit's over E
+  // then R, an expert unit's over R. All-reduced, or reduce-scattered under the distributed
+  // optimizer (which gathers the parameters back after the update).
+  void sync_unit(const std::vector<RankState>& state, double unit_bytes, bool dense) {
+    const double bytes = unit_bytes * grad_scale_ / static_cast<double>(p_.hybrid_shard_degree);
+    // After the unit's gradients are complete (its reduce-scatter, or the backward op); the
+    // gradient stream keeps the syncs in issue order.
+    for (size_t r = 0; r < state.size(); ++r) synced_[r] = state[r].last_grad;
+    const bool scatter = p_.distributed_optimizer;
+    auto cost = [&](const GroupShape& g) {
+      return scatter ? cost_.reduce_scatter_cost(bytes, g) : cost_.all_reduce_cost(bytes, g);
+    };
+    if (dense)
+      collective_round(synced_, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                       cost(shapes_.expert), bytes, true);
+    collective_round(synced_, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                     cost(shapes_.replica), bytes, true);
+  }
 
   Op compute(size_t r, OpKind kind, int layer, int64_t mb, double seconds, double flops) const {
     Op op;
@@ -218,8 +256,10 @@ class Builder {
                      cost_.all_gather_cost(bytes, shapes_.shard), bytes, false);
   }
 
-  // A gradient reduce-scatter of `bytes` after the rank's latest compute.
-  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double bytes) {
+  // A gradient reduce-scatter of a unit (`bytes` in the compute dtype) after the rank's latest
+  // compute.
+  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double unit_bytes) {
+    const double bytes = unit_bytes * grad_scale_;
     std::vector<OpId> chain(state.size());
     for (size_t r = 0; r < state.size(); ++r) chain[r] = state[r].last;
     collective_round(chain, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, layer, mb,
@@ -253,6 +293,17 @@ class Builder {
     collective_round(after, MeshDim::kTensor, kind, TraceStream::kExpertComm, layer, mb,
                      cost_.all_reduce_cost(bytes, shapes_.tensor), bytes, true);
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
+  }
+
+  // The tail of the latest compute op (a weight gradient) as its own op beside what follows
+  // on the chain: the chain's next collective starts without it, the next compute op waits
+  // for it (the compute stream runs one op at a time).
+  void beside(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb, double seconds) {
+    if (seconds <= 0) return;
+    for (size_t r = 0; r < state.size(); ++r) {
+      const OpId id = graph_.add_op(compute(r, kind, layer, mb, seconds, 0));
+      graph_.depend(id, state[r].last);
+    }
   }
 
   void chain(std::vector<RankState>& state, size_t r, const Op& op) {
@@ -336,7 +387,7 @@ class Builder {
       gate_first();
       tensor(state, OpKind::kTensorRecompute, l, mb, o_.tensor_bytes);
     }
-    if (p_.activation_checkpointing != Checkpointing::kNone) {
+    if (recomputes_moe(p_.activation_checkpointing)) {
       if (experts) {
         exchange(state, OpKind::kDispatchRecompute, l, mb);
         gate_first();
@@ -350,14 +401,24 @@ class Builder {
       exchange(state, OpKind::kCombineBackward, l, mb);
       gate_first();
     }
+    const double moe_beside = std::min(o_.tensor_moe_overlap_s, o_.moe_backward_busiest_s);
     for (size_t r = 0; r < n; ++r)
-      chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, moe_backward_by_rank_[r], 2.0 * o_.moe_flops));
+      chain(state, r,
+            compute(r, OpKind::kExpertBackward, l, mb, moe_backward_by_rank_[r] - moe_beside, 2.0 * o_.moe_flops));
     gate_first();
+    beside(state, OpKind::kExpertBackward, l, mb, moe_beside);
     if (sharded) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
     tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_moe_bytes);
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
+    if (p_.activation_checkpointing == Checkpointing::kAttentionCore)
+      for (size_t r = 0; r < n; ++r)
+        chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.core_forward_s, o_.core_flops));
+    const double attention_beside = std::min(o_.tensor_overlap_s, o_.attention_backward_s);
     for (size_t r = 0; r < n; ++r)
-      chain(state, r, compute(r, OpKind::kAttentionBackward, l, mb, o_.attention_backward_s, 2.0 * o_.attention_flops));
+      chain(state, r,
+            compute(r, OpKind::kAttentionBackward, l, mb, o_.attention_backward_s - attention_beside,
+                    2.0 * o_.attention_flops));
+    beside(state, OpKind::kAttentionBackward, l, mb, attention_beside);
     tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_bytes);
     for (size_t r = 0; r < n; ++r) state[r].bwd_done[at] = state[r].last;
     if (sharded) {
@@ -378,6 +439,10 @@ class Builder {
   int layers_;
   std::vector<double> moe_by_rank_;  // MoE forward seconds of each simulated rank
   std::vector<double> moe_backward_by_rank_;
+  bool overlap_sync_ = true;     // gradient syncs overlap the last micro-batch's backward
+  // Gradient bytes over the compute dtype's: 2 where mixed precision reduces in fp32.
+  double grad_scale_ = 1.0;
+  std::vector<OpId> synced_;     // each rank's latest gradient sync
 };
 
 // When the last op of each micro-batch ended: its compute, its copies and its gradient
@@ -441,6 +506,43 @@ SimTime unsynced_after_compute(const StepGraph& g, const GraphTimes& t, int64_t 
   return to_sim_time(whole > 0 ? after_compute_seconds(curve, whole) / whole * most : 0.0);
 }
 
+// Seconds in [from, to) during which rank `rank`'s compute stream and at least one of its
+// communication or copy streams are both busy (a collective counted from its start, when every
+// member arrived).
+double overlapped_seconds(const StepGraph& g, const GraphTimes& t, int32_t rank, SimTime from, SimTime to) {
+  std::vector<std::pair<SimTime, SimTime>> compute, comm;
+  for (size_t i = 0; i < g.ops().size(); ++i) {
+    const Op& op = g.ops()[i];
+    if (op.rank != rank) continue;
+    if (op.stream == TraceStream::kCompute) {
+      compute.emplace_back(t.start[i], t.end[i]);
+    } else {
+      const SimTime begin = op.collective >= 0 ? t.collective_start[static_cast<size_t>(op.collective)] : t.start[i];
+      comm.emplace_back(begin, t.end[i]);
+    }
+  }
+  // The union of the communication intervals, then its intersection with each compute op.
+  std::sort(comm.begin(), comm.end());
+  std::vector<std::pair<SimTime, SimTime>> merged;
+  for (const auto& iv : comm) {
+    if (!merged.empty() && iv.first <= merged.back().second) merged.back().second = std::max(merged.back().second, iv.second);
+    else merged.push_back(iv);
+  }
+  SimTime total{0};
+  for (auto [b, e] : compute) {
+    b = std::max(b, from);
+    e = std::min(e, to);
+    if (e <= b) continue;
+    auto it = std::upper_bound(merged.begin(), merged.end(), std::make_pair(b, SimTime::max()));
+    if (it != merged.begin()) --it;
+    for (; it != merged.end() && it->first < e; ++it) {
+      const SimTime lo = std::max(b, it->first), hi = std::min(e, it->second);
+      if (hi > lo) total += hi - lo;
+    }
+  }
+  return to_seconds(total);
+}
+
 // One pipeline stage's step (the whole step without pipeline parallelism): every micro-batch
 // through the stage's blocks and the head, the gradient sync and the update.
 StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options) {
@@ -451,6 +553,8 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
   sim.micro_batches = options.all_micro_batches ? p.gradient_accumulation_steps
                                                 : std::min<int64_t>(kSimulatedMicroBatches, p.gradient_accumulation_steps);
   sim.graph = Builder(c, layout, sim.micro_batches).build();
+  sim.checkpointing = p.activation_checkpointing;
+  if (!op_times_apply(c)) sim.kernels = micro_batch_kernels(c);
   sim.block_activation_bytes = op_costs(c).offload_bytes;
   sim.graph.set_serial_streams(!c.cluster.comm_overlaps_compute);
   sim.graph.set_after_compute(c.cluster.after_compute);
@@ -473,7 +577,7 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
     if (repeats > 0) period += unsynced_after_compute(sim.graph, sim.times, p.gradient_accumulation_steps);
   }
   sim.micro_batch_s = to_seconds(sim.micro_batches >= 2 ? period : ends[0]);
-  const double step = to_seconds(sim.times.makespan + (repeats > 0 ? period * repeats : SimTime(0)));
+  double step = to_seconds(sim.times.makespan + (repeats > 0 ? period * repeats : SimTime(0)));
   const double scale = static_cast<double>(p.gradient_accumulation_steps) / static_cast<double>(sim.micro_batches);
 
   // Busy time per kind on the busiest rank's compute stream.
@@ -492,13 +596,30 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
   for (size_t r = 1; r < compute.size(); ++r)
     if (compute[r] + recompute[r] > compute[busiest] + recompute[busiest]) busiest = r;
   const OpCosts o = op_costs(c);
+  // Compute that runs beside communication shares the GPU's SMs and memory with it and slows
+  // by the profile's overlap_slowdown for that time: the step is longer by as much.
+  // The repeated micro-batches overlap as the second one did (its window is the period).
+  if (!sim.graph.serial_streams() && c.cluster.overlap_slowdown > 0) {
+    const auto rank = static_cast<int32_t>(busiest);
+    double overlapped = overlapped_seconds(sim.graph, sim.times, rank, SimTime(0), SimTime::max());
+    double in_period = 0;
+    if (sim.micro_batches >= 2) {
+      in_period = overlapped_seconds(sim.graph, sim.times, rank, ends[0], ends[1]);
+      if (repeats > 0) overlapped += in_period * static_cast<double>(repeats);
+    }
+    est.contention_s = c.cluster.overlap_slowdown * overlapped;
+    step += est.contention_s;
+    sim.micro_batch_s += c.cluster.overlap_slowdown * (sim.micro_batches >= 2 ? in_period : overlapped);
+  }
   est.step_time_s = step;
   est.compute_s = compute[busiest] * scale;
   est.recompute_s = recompute[busiest] * scale;
   est.optimizer_s = to_seconds(to_sim_time(o.optimizer_s));
-  est.exposed_comm_s = std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s);
+  est.exposed_comm_s =
+      std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s - est.contention_s);
   sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]) * scale;
-  fill_rates(c, o, est);
+  split_compute(o, est);
+  fill_rates(c, est);
   return sim;
 }
 
@@ -521,14 +642,30 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   double backward = layers * (o.attention_backward_s + o.moe_backward_busiest_s);
   if (p.activation_checkpointing == Checkpointing::kFull) backward += forward;
   if (p.activation_checkpointing == Checkpointing::kSelective) backward += layers * o.moe_forward_busiest_s;
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore) backward += layers * o.core_forward_s;
   const double forward_share = forward + backward > 0 ? forward / (forward + backward) : 1.0 / 3.0;
+  // The simulated stage is the last; the others take its time per block times their blocks.
   const double last = sim.micro_batch_s;
-  const double other = std::max(0.0, last - o.head_s);
-  std::vector<PipelineStage> stages(static_cast<size_t>(p.pipeline_parallel_degree),
-                                    {other * forward_share, other * (1 - forward_share)});
-  stages.back() = {last * forward_share, last * (1 - forward_share)};
+  const double per_block = std::max(0.0, last - o.head_s) / std::max(1.0, layers);
+  std::vector<PipelineStage> stages;
+  for (int64_t i = 0; i < p.pipeline_parallel_degree; ++i) {
+    const double stage_s = i + 1 == p.pipeline_parallel_degree
+                               ? last
+                               : per_block * static_cast<double>(stage_layers(c.model.num_layers, p, i));
+    stages.push_back({stage_s * forward_share, stage_s * (1 - forward_share)});
+  }
   const CostModel cost(c.cluster);
-  const double send = cost.send_seconds(o.stage_send_bytes, group_shape(c.cluster, p, MeshDim::kPipeline));
+  const GroupShape pipeline_group = group_shape(c.cluster, p, MeshDim::kPipeline);
+  const double send = cost.send_seconds(o.stage_send_bytes, pipeline_group);
+  // Stages on other nodes pass activations forward and gradients back through each node's card:
+  // every rank of a node sends one of each per micro-batch and chunk.
+  if (pipeline_group.crosses_nodes()) {
+    const double node_ranks = static_cast<double>(std::min(p.world_size, c.cluster.gpus_per_node));
+    const double out_bytes = 2.0 * static_cast<double>(p.gradient_accumulation_steps) *
+                             static_cast<double>(std::max<int64_t>(1, p.virtual_pipeline_degree)) * node_ranks *
+                             o.stage_send_bytes;
+    sim.nic_busy_s += out_bytes / c.cluster.inter_node_bandwidth_bytes_per_s;
+  }
   const double pipeline_s = pipeline_step_seconds(stages, p.gradient_accumulation_steps, send,
                                                   std::max<int64_t>(1, p.virtual_pipeline_degree));
   const double m = static_cast<double>(p.gradient_accumulation_steps);
@@ -536,14 +673,73 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   StepEstimate& est = sim.estimate;
   est.step_time_s = pipeline_s + after_micro_batches;
   est.pipeline_bubble_s = std::max(0.0, pipeline_s - m * last);
-  est.exposed_comm_s = std::max(0.0, est.step_time_s - est.compute_s - est.recompute_s - est.optimizer_s);
-  fill_rates(c, op_costs(c), est);
+  est.exposed_comm_s =
+      std::max(0.0, est.step_time_s - est.compute_s - est.recompute_s - est.optimizer_s - est.contention_s);
+  fill_rates(c, est);
   return sim;
 }
 
+namespace {
+
+// The kernels a compute op runs, or nullptr for an op drawn whole.
+const KernelList* kernels_of(const StepSimulation& sim, OpKind kind) {
+  const MicroBatchKernels& k = sim.kernels;
+  switch (kind) {
+    case OpKind::kAttentionForward: return &k.attention_forward;
+    case OpKind::kAttentionBackward: return &k.attention_backward;
+    case OpKind::kExpertForward:
+    case OpKind::kExpertRecompute: return &k.moe_forward;
+    case OpKind::kExpertBackward: return &k.moe_backward;
+    case OpKind::kAttentionRecompute:
+      return sim.checkpointing == Checkpointing::kAttentionCore ? &k.core_forward : &k.attention_forward;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
 Trace step_trace(const StepSimulation& sim) {
-  Trace t = to_trace(sim.graph, sim.times);
-  for (TraceEvent& e : t.events) e.rank = sim.ranks[static_cast<size_t>(e.rank)];
+  Trace whole = to_trace(sim.graph, sim.times);
+  Trace t = whole;
+  t.events.clear();
+  t.events.reserve(whole.events.size() * 8);
+  for (size_t i = 0; i < whole.events.size(); ++i) {
+    TraceEvent& e = whole.events[i];
+    e.rank = sim.ranks[static_cast<size_t>(e.rank)];
+    const Op& op = sim.graph.ops()[i];
+    // The head op holds the head's forward kernels, then its backward ones.
+    std::vector<std::pair<const KernelList*, std::string_view>> parts;
+    if (op.stream == TraceStream::kCompute && op.kind == OpKind::kHeadForwardBackward && sim.kernels.head_forward.size() > 0) {
+      parts = {{&sim.kernels.head_forward, "head_fwd"}, {&sim.kernels.head_backward, "head_bwd"}};
+    } else if (const KernelList* l = op.stream == TraceStream::kCompute ? kernels_of(sim, op.kind) : nullptr;
+               l != nullptr && l->size() > 0 && e.duration_ns > 0) {
+      parts = {{l, op_kind_name(op.kind)}};
+    }
+    double total = 0;
+    for (const auto& [l, name] : parts) total += l->seconds();
+    if (parts.empty() || total <= 0) {
+      t.events.push_back(std::move(e));
+      continue;
+    }
+    // Kernels in proportion to their times, whole nanoseconds, the last one ending with the op.
+    const std::string prefix = e.name.substr(0, e.name.rfind('.') == std::string::npos ? 0 : e.name.rfind('.') + 1);
+    int64_t at = e.start_ns;
+    double done = 0;
+    for (const auto& [l, name] : parts)
+      for (const Kernel& k : l->kernels()) {
+        done += k.seconds;
+        const int64_t end = e.start_ns + static_cast<int64_t>(std::llround(static_cast<double>(e.duration_ns) * done / total));
+        if (end <= at) continue;
+        TraceEvent kernel = e;
+        kernel.name = prefix + std::string(k.name) + "." + std::string(name);
+        kernel.start_ns = at;
+        kernel.duration_ns = end - at;
+        kernel.flops = k.flops;
+        kernel.bytes = 0;
+        t.events.push_back(std::move(kernel));
+        at = end;
+      }
+  }
   return t;
 }
 

@@ -144,15 +144,23 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
 TEST_F(Cli, PublishedRunsArePredictedInTheirOwnLayouts) {
   Workdir dir;
   const std::string cases = test::data_path("../../docs/validation/published/cases.json");
-  const Outcome run = dir.moeplan("compare-published " + quoted(cases) + " --check --max-median-error 0.3 --max-worst-error 0.45");
+  // The bounds moeplan holds today on the whole set and on its held-out part
+  // (docs/validation.md, "Published runs at scale").
+  const std::string bounds = " --check --max-median-error 0.05 --max-worst-error 0.2 --max-mean-error 0.03";
+  const Outcome run = dir.moeplan("compare-published " + quoted(cases) + bounds);
   ASSERT_EQ(run.exit_code, 0) << show(run);
   const Json original = read_json_file(cases);
   const size_t n = original["cases"].size();
-  EXPECT_GE(n, 5u);
-  EXPECT_NE(run.out.find(std::to_string(n) + " cases, " + std::to_string(n) + " predicted"), std::string::npos) << run.out;
-  EXPECT_NE(run.out.find("| GPT-3 175B, 64 A100, T8 P8, full recompute | T8 P8x3 E1 S1 R1 full mbs 1 | 18.13 |"),
+  EXPECT_GE(n, 30u);
+  EXPECT_NE(run.out.find("all:      " + std::to_string(n) + " cases, " + std::to_string(n) + " predicted"),
             std::string::npos)
       << run.out;
+  EXPECT_NE(run.out.find("held-out: "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("| GPT-3 175B, 64 A100, T8 P8, full recompute | held-out | T8 P8x3 E1 S1 R1 full mbs 1 | 18.130 |"),
+            std::string::npos)
+      << run.out;
+  // Where each step's time goes, by kernel class.
+  EXPECT_NE(run.out.find("| case | GEMMs | attention | memory-bound | recompute |"), std::string::npos) << run.out;
 
   Json moved = original;
   for (Json& c : moved["cases"])
@@ -160,7 +168,7 @@ TEST_F(Cli, PublishedRunsArePredictedInTheirOwnLayouts) {
       c["model"] = (fs::path(cases).parent_path() / c["model"].get<std::string>()).string();
   moved["cases"][0]["published_step_s"] = moved["cases"][0]["published_step_s"].get<double>() * 10;
   std::ofstream(dir / "moved.json") << moved.dump(2);
-  const Outcome broken = dir.moeplan("compare-published moved.json --check --max-median-error 0.3 --max-worst-error 0.45");
+  const Outcome broken = dir.moeplan("compare-published moved.json" + bounds);
   EXPECT_EQ(broken.exit_code, 1) << show(broken);
   EXPECT_NE(broken.err.find("bound broken"), std::string::npos) << show(broken);
 
@@ -219,10 +227,29 @@ TEST_F(Cli, GlobalBatchThatIsNotWholeSequencesIsOneLineNamingTheFlag) {
   ASSERT_EQ(run.exit_code, 2) << show(run);
   const std::vector<std::string> lines = run.err_lines();
   ASSERT_EQ(lines.size(), 1u) << show(run);
-  // 16 GPUs x 2048 tokens = 32768.
   EXPECT_EQ(lines[0],
-            "moeplan: error: --global-batch-tokens: = 1000 is not a multiple of gpus x seq-len = 32768 "
-            "(every rank reads whole sequences)");
+            "moeplan: error: --global-batch-tokens: = 1000 is not a multiple of seq-len = 2048 "
+            "(the batch is made of whole sequences)");
+}
+
+// A global batch only has to split over the data-parallel replicas: 8 sequences on 64 GPUs in
+// T8 P8 are one replica's 8 micro-batches.
+TEST_F(Cli, GlobalBatchSplitsOverTheReplicasOnly) {
+  Workdir dir;
+  const Outcome run = dir.moeplan(
+      "search --gpus 64 --instance p4de.24xlarge --model gpt3-175b --tensor-parallel-degree 8 --pipeline-parallel-degree 8 "
+      "--global-batch-tokens 16384 --precision mixed");
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  const Plan plan = read_plan_file((dir / "plan.json").string());
+  EXPECT_EQ(plan.parallel.replica_degree() * plan.parallel.hybrid_shard_degree * plan.parallel.expert_parallel_degree, 1);
+  EXPECT_EQ(plan.parallel.micro_batch_size * plan.parallel.gradient_accumulation_steps, 8);
+  // With 16 GPUs in T8 the batch of 8 sequences does not split over 2 replicas of 8 GPUs each
+  // with micro-batches of 3: the rule says why.
+  const Outcome odd = dir.moeplan(
+      "search --gpus 16 --instance p4de.24xlarge --model gpt3-175b --tensor-parallel-degree 8 --pipeline-parallel-degree 1 "
+      "--global-batch-tokens 6144 --precision mixed --explain");
+  EXPECT_EQ(odd.exit_code, 1) << show(odd);
+  EXPECT_NE(odd.out.find("global_batch_matches"), std::string::npos) << show(odd);
 }
 
 TEST_F(Cli, CheckOnATruncatedPlanIsOneLineNamingTheFile) {

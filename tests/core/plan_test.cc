@@ -143,7 +143,7 @@ TEST(Plan, ShippedProfilesRoundTripInsideThePlan) {
   // The sources of the hardware numbers travel with the plan.
   EXPECT_EQ(plan.cluster.sources.at("gpu.memory_bytes"),
             "NVIDIA A100 datasheet: 40 GB HBM2; nvidia-smi reports 40960 MiB");
-  EXPECT_TRUE(plan.cluster.sources.contains("gpu.matmul_efficiency.points"));
+  EXPECT_TRUE(plan.cluster.sources.contains("gpu.matmul_peak_efficiency"));
   const Json json = plan_json();
   EXPECT_EQ(json["cluster"]["gpu"]["memory_bytes"]["value"], 42949672960);
   EXPECT_EQ(json["parallel"]["replica_degree"], plan.parallel.replica_degree());
@@ -190,7 +190,7 @@ std::vector<PlanEdit> plan_edits() {
       {"OffloadingAsString", "/parallel/activation_offloading", "yes", "parallel.activation_offloading",
        "expected true or false, got string \"yes\""},
       {"UnknownCheckpointing", "/parallel/activation_checkpointing", "partial", "parallel.activation_checkpointing",
-       "expected one of \"none\", \"selective\", \"full\", got string \"partial\""},
+       "expected one of \"none\", \"selective\", \"full\", \"attention_core\", got string \"partial\""},
       {"UnknownDispatcher", "/moe/dispatcher", "alltoallv", "moe.dispatcher",
        "expected one of \"alltoall\", \"allgather\", got string \"alltoallv\""},
       {"PlacementRepeatsALetter", "/parallel/placement", "RRE", "parallel.placement",
@@ -220,8 +220,8 @@ std::vector<PlanEdit> plan_edits() {
       {"DeviceItemsAsArray", "/prediction/memory/device", Json::array(), "prediction.memory.device",
        "expected an object of name: bytes, got an array"},
       {"SlidingWindowZero", "/model/sliding_window", 0, "model.sliding_window", "must be in [1, 16777216], got 0"},
-      {"EfficiencyPointsEmpty", "/cluster/gpu/matmul_efficiency/points", Json::array(),
-       "cluster.gpu.matmul_efficiency.points", "expected an array of 1 to 64 [flops, efficiency] pairs"},
+      {"MatmulEfficiencyOverOne", "/cluster/gpu/matmul_peak_efficiency/value", 1.5,
+       "cluster.gpu.matmul_peak_efficiency", "must be in [0.01, 1], got 1.5"},
       // Rules, checked once every field has been read, carry the rule name.
       {"ExpertsPerTokenOverExperts", "/model/experts_per_token", 9, "model.experts_per_token",
        "= 9 exceeds num_experts = 8 [top_k_within_experts]"},
@@ -321,7 +321,7 @@ TEST(Plan, UnknownFieldsAtEveryLevel) {
       {"/comment", "comment"},
       {"/parallel/expert_paralel_degree", "parallel.expert_paralel_degree"},
       {"/cluster/gpu/memory_byte", "cluster.gpu.memory_byte"},
-      {"/cluster/gpu/matmul_efficiency/pts", "cluster.gpu.matmul_efficiency.pts"},
+      {"/cluster/gpu/matmul_tiles", "cluster.gpu.matmul_tiles"},
       {"/model/num_expert", "model.num_expert"},
       {"/moe/capacity_factor", "moe.capacity_factor"},
       {"/training/lr", "training.lr"},

@@ -164,7 +164,21 @@ const RuleCase kCases[] = {
        s.parallel.gradient_accumulation_steps = 256;
      },
      Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree",
-     "= 2 must be at least 1 and divide num_layers = 31 (equal stages)", "31"},
+     "= 2 must be at least 1 and divide num_layers = 31 (equal stages; first_stage_layers and last_stage_layers set "
+     "uneven ends)",
+     "31"},
+    {"UnevenEndsLeaveAnUnequalMiddle",
+     [](Scenario& s) {
+       s.parallel.pipeline_parallel_degree = 4;
+       s.parallel.first_stage_layers = 7;
+       s.parallel.last_stage_layers = 6;
+       s.parallel.hybrid_shard_degree = 2;
+       s.parallel.gradient_accumulation_steps = 512;
+     },
+     Rule::kPipelineDividesLayers, "parallel.first_stage_layers",
+     "= 7: with first_stage_layers = 7 and last_stage_layers = 6 the other 2 of pipeline_parallel_degree = 4 stages "
+     "must share the rest of num_layers = 32 equally, each at least one block",
+     "= 7"},
     {"VirtualStagesDoNotDivideTheStage",
      [](Scenario& s) {
        s.parallel.pipeline_parallel_degree = 2;
@@ -182,7 +196,9 @@ const RuleCase kCases[] = {
      "2"},
     {"PipelineParallelZero", [](Scenario& s) { s.parallel.pipeline_parallel_degree = 0; },
      Rule::kPipelineDividesLayers, "parallel.pipeline_parallel_degree",
-     "= 0 must be at least 1 and divide num_layers = 32 (equal stages)", "0"},
+     "= 0 must be at least 1 and divide num_layers = 32 (equal stages; first_stage_layers and last_stage_layers set "
+     "uneven ends)",
+     "0"},
     {"ShardTimesTensorOverWorld",
      [](Scenario& s) {
        s.parallel.tensor_parallel_degree = 2;
@@ -224,7 +240,10 @@ const RuleCase kCases[] = {
        s.parallel.activation_checkpointing = Checkpointing::kNone;
      },
      Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading",
-     "= true needs activation_checkpointing (only checkpointed block inputs are offloaded)", "= true"},
+     "= true needs activation_checkpointing full or selective (only checkpointed block inputs are offloaded)",
+     "= true"},
+    {"Fp8OnAnA100", [](Scenario& s) { s.training.fp8 = true; }, Rule::kFp8NeedsHardware, "training.fp8",
+     "= true needs FP8 tensor cores; the cluster's A100-SXM4-40GB has none (gpu.peak_fp8_flops)", "= true"},
     {"OffloadHorizonZero",
      [](Scenario& s) {
        s.parallel.activation_offloading = true;
@@ -439,7 +458,7 @@ TEST(Rules, NamesAreStableUniqueAndSnakeCase) {
   for (int r = 0; r < kRuleCount; ++r) {
     const std::string_view name = rule_name(static_cast<Rule>(r));
     EXPECT_FALSE(name.empty()) << r;
-    EXPECT_EQ(name.find_first_not_of("abcdefghijklmnopqrstuvwxyz_"), std::string_view::npos) << name;
+    EXPECT_EQ(name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_"), std::string_view::npos) << name;
     names.insert(name);
   }
   EXPECT_EQ(names.size(), static_cast<size_t>(kRuleCount));

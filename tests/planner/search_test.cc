@@ -234,6 +234,29 @@ TEST(Search, SimulationNeverBeatsTheLowerBound) {
   }
 }
 
+// The executor trains neither the distributed optimizer nor attention-core recomputation nor
+// uneven stages: a runnable search leaves them out, an ordinary one tries them where they can
+// win (unfused attention, replicas).
+TEST(Search, RunnableKeepsToWhatTheExecutorTrains) {
+  ClusterSpec cluster = p4d(16);
+  cluster.kernels = Kernels::kEager;
+  cluster.attention = AttentionKernel::kUnfused;
+  SearchOptions options = unpruned_space(16);
+  options.estimator = Estimator::kAnalytic;
+  options.keep = 1000000;
+  auto tried = [&](const SearchResult& r) {
+    std::pair<bool, bool> seen{false, false};
+    for (const Candidate& c : r.ranked) {
+      seen.first |= c.parallel.distributed_optimizer;
+      seen.second |= c.parallel.activation_checkpointing == Checkpointing::kAttentionCore;
+    }
+    return seen;
+  };
+  EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(true, true));
+  options.runnable = true;
+  EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(false, false));
+}
+
 TEST(Search, DefaultGlobalBatchIsWholeSequencesPerRank) {
   EXPECT_EQ(default_global_batch_tokens(16, 2048), 4'194'304);
   EXPECT_EQ(default_global_batch_tokens(3, 2048), 4'196'352);  // 683 x 3 x 2048

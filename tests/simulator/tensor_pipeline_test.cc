@@ -35,15 +35,16 @@ using test::with_free_communication;
 // T = 2 on two ranks of a node. Each block ends attention and its MLP with an all-reduce of
 // the micro-batch's activations, 2048 tokens x 4096 x 2 bytes = 16,777,216 bytes, in forward
 // and again (of their gradients) in backward: 4 per block, 128 per micro-batch. A ring
-// all-reduce of n = 2 takes 2 (n - 1) = 2 latencies and moves 2 (n - 1) / n = 1 x the bytes
-// over the NVSwitch link.
+// all-reduce of n = 2 takes NCCL's base latency and 2 (n - 1) = 2 step latencies, and moves
+// 2 (n - 1) / n = 1 x the bytes over the NVSwitch link.
 TEST(TensorParallel, AllReducesPerBlockWorkedByHand) {
   const Scenario c = dense(2, 2, 1, 2);
   ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
   ASSERT_FALSE(c.cluster.all_reduce_fit.given());
   const double bytes = 2048.0 * 4096 * 2;
-  const int64_t op_ns = to_sim_time(2 * c.cluster.intra_node_latency_s).count() +
-                        to_sim_time(bytes / c.cluster.intra_node_bandwidth_bytes_per_s).count();
+  const int64_t op_ns =
+      to_sim_time(c.cluster.collective_base_latency_s + 2 * c.cluster.intra_node_latency_s).count() +
+      to_sim_time(bytes / c.cluster.intra_node_bandwidth_bytes_per_s).count();
   const StepSimulation sim = simulate_step(c.config(), {.all_ranks = true, .all_micro_batches = true});
   std::map<OpKind, int> count;
   for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
@@ -59,10 +60,15 @@ TEST(TensorParallel, AllReducesPerBlockWorkedByHand) {
   EXPECT_EQ(count[OpKind::kTensorRecompute], 0);
   EXPECT_EQ(count[OpKind::kGradAllReduce], 0);  // R = 1: nothing to sync
 
-  // They sit on the compute chain: the step is longer by exactly their time.
+  // Forward's sit on the compute chain; backward's run beside the weight gradient of the
+  // region's first GEMM (Megatron's asynchronous tensor-parallel communication), which hides
+  // some of them, and slow that compute by the profile's overlap_slowdown: the step is longer
+  // by at least the forward ones' time and at most all of it, slowed.
   const double with = simulate_step(c.config()).estimate.step_time_s;
   const double without = simulate_step(with_free_communication(c).config()).estimate.step_time_s;
-  EXPECT_NEAR(with - without, 2 * 128 * op_ns * 1e-9, 1e-9);
+  const double forward = 128 * op_ns * 1e-9;
+  EXPECT_GE(with - without, forward - 1e-9);
+  EXPECT_LT(with - without, 2 * forward * (1 + c.cluster.overlap_slowdown));
 }
 
 // Recomputed blocks run their all-reduces again: both under full checkpointing, the MLP's

@@ -149,6 +149,8 @@ inline Scenario with_free_communication(Scenario c) {
   c.cluster.pcie_bandwidth_bytes_per_s = 1e30;
   c.cluster.intra_node_latency_s = 0;
   c.cluster.inter_node_latency_s = 0;
+  c.cluster.collective_base_latency_s = 0;
+  c.cluster.overlap_slowdown = 0;  // nothing runs beside compute long enough to slow it
   return c;
 }
 

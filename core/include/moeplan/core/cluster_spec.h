@@ -31,6 +31,15 @@ enum class Kernels : uint8_t { kFused, kEager };
 inline constexpr std::array<std::pair<std::string_view, Kernels>, 2> kKernelNames{
     {{"fused", Kernels::kFused}, {"eager", Kernels::kEager}}};
 
+// How the framework computes the attention core. kFlash: one tiled kernel that never writes the
+// T x T scores (FlashAttention, cuDNN, PyTorch's scaled-dot-product attention), causal work
+// halved. kUnfused: the scores as a batched GEMM over the whole square, a softmax kernel (and
+// dropout) over it, and a second batched GEMM, as Megatron-LM ran before flash attention
+// (its fused scale-mask-softmax) and eager PyTorch runs. The default follows `kernels`.
+enum class AttentionKernel : uint8_t { kFlash, kUnfused };
+inline constexpr std::array<std::pair<std::string_view, AttentionKernel>, 2> kAttentionKernelNames{
+    {{"flash", AttentionKernel::kFlash}, {"unfused", AttentionKernel::kUnfused}}};
+
 // A collective's own alpha-beta pair, fitted on measured times (moeplan calibrate); it replaces
 // the level's latency and bandwidth for that collective. Zero: not measured.
 struct CollectiveFit {
@@ -104,10 +113,20 @@ struct ClusterSpec {
   double peak_fp32_flops = 0;
   double hbm_bandwidth_bytes_per_s = 0;
   std::vector<EfficiencyPoint> matmul_efficiency;  // sorted by flops
+  // The GPU's kernel model (docs/simulator.md, "Kernels"); a profile without it (a CPU) times
+  // GEMMs by matmul_efficiency alone.
+  double peak_fp8_flops = 0;               // dense; 0 where the GPU has no FP8 tensor cores
+  int64_t streaming_multiprocessors = 0;   // 0: no tile model
+  double matmul_peak_efficiency = 0;       // best achieved / peak bf16 rate of large GEMMs
+  double fp8_matmul_peak_efficiency = 0;   // the same for FP8 GEMMs
+  double memory_bound_efficiency = 1.0;    // achieved / datasheet bandwidth of streaming kernels
+  double kernel_overhead_s = 0;            // fixed time of each kernel (launch, ramp, tail)
+  double flash_attention_efficiency = 0;   // flash attention forward + backward / peak bf16
 
   std::string intra_node_fabric;
   double intra_node_bandwidth_bytes_per_s = 0;  // per GPU, one direction
-  double intra_node_latency_s = 0;
+  double intra_node_latency_s = 0;          // per step of a ring
+  double collective_base_latency_s = 0;     // per collective, whatever its size (NCCL's base latency)
   // Measured per collective on the intra-node level (empty on profiles that are not calibrated).
   CollectiveFit all_gather_fit, reduce_scatter_fit, all_reduce_fit, all_to_all_fit;
   std::string inter_node_fabric;
@@ -120,6 +139,10 @@ struct ClusterSpec {
   int64_t framework_overhead_bytes = 0;  // CUDA context, communicator buffers, kernels
   double fragmentation_factor = 1.0;     // allocator overhead on dynamic allocations
   Kernels kernels = Kernels::kFused;
+  AttentionKernel attention = AttentionKernel::kFlash;
+  // How much slower compute runs while a collective runs beside it on the same GPU (its SMs and
+  // memory bandwidth are shared): 0.1 = 10% slower for the overlapped time.
+  double overlap_slowdown = 0;
   // Whether collectives and copies run beside compute. True on GPUs (their own engines and
   // streams); false where they take the same processor as compute, like CPU ranks with as
   // many ranks as cores: there a collective's time adds to the compute's.
@@ -137,6 +160,8 @@ struct ClusterSpec {
   int64_t usable_memory_bytes() const { return gpu_memory_bytes - memory_headroom_bytes; }
   // Achieved fraction of peak for a GEMM of `flops` (piecewise linear in log10(flops)).
   double efficiency_at(double flops) const;
+  // Whether GEMMs are timed by shape (tiles on the SMs) rather than by the efficiency curve.
+  bool has_kernel_model() const { return streaming_multiprocessors > 0 && matmul_peak_efficiency > 0; }
 
   bool operator==(const ClusterSpec&) const = default;
 };

@@ -17,6 +17,12 @@ namespace moeplan {
 enum class Mlp : uint8_t { kSwiGlu, kGelu };
 inline constexpr std::array<std::pair<std::string_view, Mlp>, 2> kMlpNames{{{"swiglu", Mlp::kSwiGlu}, {"gelu", Mlp::kGelu}}};
 
+// The normalisation before each sub-block and at the end: RMSNorm (Mixtral, Llama) or LayerNorm
+// (GPT-3, MPT). Eager PyTorch runs LayerNorm as one kernel and Hugging Face's RMSNorm as several.
+enum class Norm : uint8_t { kRmsNorm, kLayerNorm };
+inline constexpr std::array<std::pair<std::string_view, Norm>, 2> kNormNames{
+    {{"rmsnorm", Norm::kRmsNorm}, {"layernorm", Norm::kLayerNorm}}};
+
 struct ModelSpec {
   std::string name;
   std::string source;  // where the figures come from (model card, config.json)
@@ -37,6 +43,10 @@ struct ModelSpec {
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0.001;
   Mlp mlp = Mlp::kSwiGlu;
+  Norm norm = Norm::kRmsNorm;
+  // Dropout probability after attention's softmax and on each sub-block's output (GPT-3 as
+  // Megatron-LM trains it: 0.1); 0 runs no dropout kernels and keeps no masks.
+  double dropout = 0.0;
 
   // One expert is a dense model: its feed-forward layer takes every token and has no router.
   bool dense() const { return num_experts == 1; }

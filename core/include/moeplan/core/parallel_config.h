@@ -41,13 +41,23 @@ struct Placement {
   bool operator==(const Placement&) const = default;
 };
 
-enum class Checkpointing : uint8_t { kNone, kSelective, kFull };
+// What a block recomputes in backward instead of keeping: nothing; its MoE (or MLP) sub-block
+// (selective, SMP's choice of modules); the attention core alone, QK^T, softmax, dropout and
+// the weighted sum (attention_core: Megatron-LM's "selective" recomputation, Korthikanti et
+// al. 2022); or the whole block from its input (full).
+enum class Checkpointing : uint8_t { kNone, kSelective, kFull, kAttentionCore };
 enum class Precision : uint8_t { kBf16, kMixed, kFp32 };
 enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
 enum class Dispatcher : uint8_t { kAllToAll, kAllGather };
 
-inline constexpr std::array<std::pair<std::string_view, Checkpointing>, 3> kCheckpointingNames{
-    {{"none", Checkpointing::kNone}, {"selective", Checkpointing::kSelective}, {"full", Checkpointing::kFull}}};
+inline constexpr std::array<std::pair<std::string_view, Checkpointing>, 4> kCheckpointingNames{
+    {{"none", Checkpointing::kNone},
+     {"selective", Checkpointing::kSelective},
+     {"full", Checkpointing::kFull},
+     {"attention_core", Checkpointing::kAttentionCore}}};
+// Whether the MoE (or MLP) sub-block runs again in backward, and with it its token exchange.
+inline bool recomputes_moe(Checkpointing c) { return c == Checkpointing::kSelective || c == Checkpointing::kFull; }
+
 inline constexpr std::array<std::pair<std::string_view, Precision>, 3> kPrecisionNames{
     {{"bf16", Precision::kBf16}, {"mixed", Precision::kMixed}, {"fp32", Precision::kFp32}}};
 inline constexpr std::array<std::pair<std::string_view, LoadBalancing>, 4> kLoadBalancingNames{
@@ -81,6 +91,15 @@ struct ParallelConfig {
   int64_t activation_loading_horizon = 1;
   int64_t micro_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
+  // Optimizer states and fp32 master weights sharded over the data-parallel ranks that hold
+  // the same parameters (ZeRO-1, Megatron's distributed optimizer): gradients are
+  // reduce-scattered instead of all-reduced, and the updated parameters all-gathered.
+  bool distributed_optimizer = false;
+  // Blocks on the first and on the last pipeline stage when they differ from the others (Llama
+  // 3 405B: 126 blocks on 16 stages, one fewer on each end stage, which also hold the embedding
+  // and the head); 0: the blocks split evenly.
+  int64_t first_stage_layers = 0;
+  int64_t last_stage_layers = 0;
 
   // R = W / (S * E * T * P): replicas of each shard. Only meaningful for a valid config.
   int64_t replica_degree() const {
@@ -127,6 +146,12 @@ struct TrainingConfig {
   int64_t seq_len = 2048;
   int64_t global_batch_tokens = 0;
   Precision precision = Precision::kBf16;
+  // Matrix multiplies of the blocks in FP8 (Transformer Engine's recipe: inputs and weights cast
+  // with per-tensor scales, outputs and everything else in the compute dtype).
+  bool fp8 = false;
+  // Mixed precision: gradients accumulated and reduced in fp32 (Megatron-LM with bf16, FSDP's
+  // fp32 reduce, Llama 3); false: in bf16 (Megatron-Core's default, NeMo's grad_sync_dtype bf16).
+  bool fp32_gradients = true;
   int64_t steps = 100;
   double learning_rate = 1e-4;
   double min_learning_rate = 1e-5;
@@ -138,6 +163,12 @@ struct TrainingConfig {
   int64_t seed = 12345;
   bool operator==(const TrainingConfig&) const = default;
 };
+
+// Blocks on pipeline stage `stage` (0 .. P - 1): first_stage_layers and last_stage_layers on
+// the end stages where given, the rest split evenly over the other stages.
+int64_t stage_layers(int64_t num_layers, const ParallelConfig& p, int64_t stage);
+// Whether the uneven end stages leave the other stages an equal, positive share.
+bool stage_layers_valid(int64_t num_layers, const ParallelConfig& p);
 
 ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d);
 MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d);

@@ -50,6 +50,8 @@ enum class Rule : uint8_t {
   // Training schedule
   kMinLrWithinLr,
   kWarmupWithinSteps,
+  // Precision
+  kFp8NeedsHardware,
   kCount
 };
 inline constexpr int kRuleCount = static_cast<int>(Rule::kCount);

@@ -14,6 +14,7 @@ namespace moeplan::planner {
 struct BlockActivations {
   int64_t block_input = 0;  // the residual stream entering the block
   int64_t attention = 0;    // everything the attention sub-block keeps for backward
+  int64_t core = 0;         // of that, what the attention core alone keeps (scores or log-sum-exp)
   int64_t moe = 0;          // everything the MoE sub-block keeps for backward
   int64_t full() const { return attention + moe; }
 };
@@ -30,6 +31,10 @@ struct TensorSplit {
 // pairs processed on the rank's experts (k x tokens x imbalance, before any tensor split); what
 // the framework's kernels keep; what one rank of a tensor-parallel group keeps of it.
 BlockActivations block_activations(const ModelSpec& model, int64_t micro_batch, int64_t seq_len,
+                                   int64_t expert_token_slots, int64_t element_bytes, Kernels kernels,
+                                   AttentionKernel attention, TensorSplit split = {}, bool fp8 = false);
+// The attention kernel the kernel set implies (fused: flash, eager: unfused).
+BlockActivations block_activations(const ModelSpec& model, int64_t micro_batch, int64_t seq_len,
                                    int64_t expert_token_slots, int64_t element_bytes,
                                    Kernels kernels = Kernels::kFused, TensorSplit split = {});
 
@@ -43,6 +48,7 @@ struct MemoryEstimate {
   int64_t gathered_parameters = 0;  // the block in use and the one being prefetched (S > 1)
   int64_t gradient_buffers = 0;     // one block's unsharded gradient before reduce-scatter
   int64_t activations = 0;          // kept for backward, plus one block's recompute working set
+  int64_t activation_working_set = 0;  // of activations, the recomputed block's (0 without recompute)
   int64_t moe_dispatch_buffers = 0;
   int64_t logits = 0;
   int64_t framework_overhead = 0;
@@ -63,10 +69,16 @@ struct ShardSizes {
   int64_t shard_params = 0;  // what the rank keeps: each flat parameter padded and split over S
   int64_t largest_unit_params = 0;  // the biggest flat parameter gathered at once
 };
+// `stage_blocks` blocks (-1: num_layers / pipeline_degree); `with_ends`: the embedding or the
+// head (the larger) on the stage, both with one stage.
 ShardSizes shard_sizes(const ModelSpec& model, int64_t expert_degree, int64_t shard_degree, int64_t tensor_degree = 1,
-                       int64_t pipeline_degree = 1);
+                       int64_t pipeline_degree = 1, int64_t stage_blocks = -1, bool with_ends = true);
 
-MemoryEstimate estimate_memory(const RunConfig& config);
+// Which pipeline stage's memory: the busiest (most blocks, the embedding or head, the first
+// stage's micro-batches in flight), or the same without the embedding and head, as a middle
+// stage holds (what Korthikanti et al. report).
+enum class StageView : uint8_t { kBusiest, kBlocksOnly };
+MemoryEstimate estimate_memory(const RunConfig& config, StageView view = StageView::kBusiest);
 
 // Host memory available to one rank: the node's memory shared by its ranks.
 int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size);

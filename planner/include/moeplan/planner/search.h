@@ -34,12 +34,18 @@ struct SearchOptions {
   struct Pins {
     std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
     std::optional<int64_t> tensor_parallel_degree, pipeline_parallel_degree, virtual_pipeline_degree;
-    std::optional<bool> sequence_parallel;
+    std::optional<bool> sequence_parallel, distributed_optimizer;
+    std::optional<int64_t> first_stage_layers, last_stage_layers;
     std::optional<Checkpointing> checkpointing;
     std::optional<bool> offloading;
     std::optional<std::string> placement;  // any form Placement::parse reads
   } pins;
   bool smp_mode = false;  // apply SMP's own restrictions (rules.h RunConfig::smp_mode)
+  // Rank candidates whatever the memory model says of them (to time a layout known to have run).
+  bool ignore_memory_limits = false;
+  // Only layouts moeplan's executor trains: no distributed optimizer, attention-core
+  // recomputation or uneven pipeline stages.
+  bool runnable = false;
 };
 
 struct Candidate {

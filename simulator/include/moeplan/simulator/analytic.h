@@ -26,9 +26,12 @@ struct StepEstimate {
   double tflops_per_gpu = 0;
   double mfu = 0;
   // Where a step's time goes on one rank (seconds per step). compute + recompute + optimizer +
-  // exposed_comm = step_time_s; the closed form also splits exposed_comm into the four parts
+  // contention + exposed_comm = step_time_s; the closed form also splits exposed_comm into the four parts
   // below (the simulator leaves them 0).
-  double compute_s = 0;              // forward + backward matrix multiplies
+  double compute_s = 0;              // forward + backward kernels
+  // compute_s by kernel class: GEMMs, the attention core, memory-bound kernels (norms,
+  // activations, residuals, softmax and loss, routing and permutation, FP8 casts).
+  double gemm_s = 0, attention_s = 0, memory_bound_s = 0;
   double recompute_s = 0;            // forward again under activation checkpointing
   double expert_comm_s = 0;          // token dispatch and combine (on the critical path)
   double shard_comm_exposed_s = 0;   // all-gather / reduce-scatter not hidden behind compute
@@ -36,6 +39,9 @@ struct StepEstimate {
   double pipeline_bubble_s = 0;      // stages idle while the pipeline fills and drains (in exposed_comm_s)
   double offload_exposed_s = 0;      // activation copies not hidden behind compute
   double optimizer_s = 0;            // AdamW update of the local shard
+  // Compute slowed by communication running beside it (the profile's overlap_slowdown times
+  // the overlapped time).
+  double contention_s = 0;
   // The rest of the step: the busiest rank's compute stream waiting on communication.
   double exposed_comm_s = 0;
   // No schedule is faster: the busiest rank's compute and token exchanges form one chain, and
@@ -43,9 +49,13 @@ struct StepEstimate {
   double lower_bound_s = 0;
 };
 
-StepEstimate estimate_step(const RunConfig& config, const LayoutShapes& shapes);
+// With a cache, the kernel costs come from it (computed there once for all candidates that
+// share them).
+StepEstimate estimate_step(const RunConfig& config, const LayoutShapes& shapes, KernelCostCache* cache = nullptr);
 
 // Fills tokens/s, model FLOPs, TFLOP/s per GPU and MFU from step_time_s.
-void fill_rates(const RunConfig& config, const OpCosts& costs, StepEstimate& estimate);
+void fill_rates(const RunConfig& config, StepEstimate& estimate);
+// Splits compute_s by kernel class in the shares of the micro-batch's kernels.
+void split_compute(const OpCosts& costs, StepEstimate& estimate);
 
 }  // namespace moeplan::sim

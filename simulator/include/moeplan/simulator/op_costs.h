@@ -3,20 +3,28 @@
 // the cost model. The analytic estimate and the step simulator both start from these.
 
 
+#include <array>
+#include <map>
+
 #include "moeplan/core/rules.h"
 #include "moeplan/simulator/cost_model.h"
 
 namespace moeplan::sim {
 
-struct OpCosts {
+// The compute of one micro-batch: from the kernel model (kernels.h), or from a profile's
+// measured op times (cluster.op_times, when its shapes are the model's). It depends on the
+// model and its blocks, the cluster, T, sequence parallelism, the micro-batch, E and the expert
+// load, the precision and FP8, not on S, R, the placement, checkpointing or offloading: the
+// search computes it once for all the candidates that share it (KernelCostCache).
+struct KernelCosts {
   // Forward compute of one block, split so that selective checkpointing can recompute the MoE
-  // part alone. From FLOPs, backward is twice the forward; from a profile's measured op times
-  // (cluster.op_times, when its shapes are the model's) each is what was measured.
+  // part alone.
   double attention_forward_s = 0;  // norms, q/k/v/o projections, attention core
   double attention_backward_s = 0;
   double moe_forward_s = 0;        // router and experts, at the mean expert load
   double moe_forward_busiest_s = 0;  // the same on the busiest expert-parallel rank
   double moe_backward_busiest_s = 0;
+  double core_forward_s = 0;       // the attention core alone (recomputed under attention_core)
   double head_forward_s = 0;       // lm head and loss
   double head_s = 0;               // lm head and loss, forward and backward, and the embedding
   bool measured = false;           // times from the profile's op_times
@@ -26,6 +34,19 @@ struct OpCosts {
   double attention_flops = 0;
   double moe_flops = 0;  // at the mean load
   double head_flops = 0;
+  double core_flops = 0;  // the attention core's forward
+  // In backward the collective of each region's input gradient runs beside the weight
+  // gradient of its first GEMM (Megatron's asynchronous tensor-parallel communication).
+  double tensor_overlap_s = 0, tensor_moe_overlap_s = 0;
+  // Seconds by kernel class (KernelClass order: GEMMs, attention core, memory-bound kernels)
+  // of a block's forward and backward on the busiest rank, and of the head's; measured op
+  // times count as GEMMs.
+  std::array<double, 3> block_by_class{}, head_by_class{};
+};
+
+struct OpCosts : KernelCosts {
+  // Shares of a micro-batch's compute on the busiest rank by kernel class.
+  std::array<double, 3> compute_share{1.0, 0.0, 0.0};
 
   double dispatch_send_bytes = 0;  // per rank and exchange (busiest rank's share)
   // Tensor parallelism (T > 1): the all-reduce ending attention (tokens x hidden) and the one
@@ -43,10 +64,23 @@ struct OpCosts {
   double forward_flops_per_token = 0;  // the model's, for MFU
 };
 
+KernelCosts kernel_costs(const RunConfig& config);
+OpCosts op_costs(const RunConfig& config, const KernelCosts& kernels);
 OpCosts op_costs(const RunConfig& config);
 
-// The model one pipeline stage runs: num_layers / P blocks (the step simulator and the
-// estimate also give it the embedding and the head).
+// The kernel costs of the candidates of one search (one model, cluster, MoE and training
+// setting), each computed once and looked up by what they depend on.
+class KernelCostCache {
+ public:
+  const KernelCosts& get(const RunConfig& config);
+
+ private:
+  std::map<std::array<int64_t, 5>, KernelCosts> costs_;
+};
+
+// The model the last pipeline stage runs: its blocks (num_layers / P, or last_stage_layers);
+// the step simulator and the estimate also give it the head, and scale the other stages by
+// their blocks.
 ModelSpec stage_model(const RunConfig& config);
 
 // Router and experts forward of one micro-batch on a rank whose experts get `load` times the

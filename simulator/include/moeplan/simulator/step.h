@@ -15,6 +15,7 @@
 #include "moeplan/core/trace.h"
 #include "moeplan/simulator/analytic.h"
 #include "moeplan/simulator/graph.h"
+#include "moeplan/simulator/kernels.h"
 
 namespace moeplan::sim {
 
@@ -34,6 +35,10 @@ struct StepSimulation {
   // One micro-batch's share of the step on the simulated stage: the period of the repeated
   // micro-batches (with one simulated micro-batch, the time to its end).
   double micro_batch_s = 0;
+  // The kernels inside the compute ops, for the trace (empty where the profile's measured op
+  // times stand in for the kernel model).
+  MicroBatchKernels kernels;
+  Checkpointing checkpointing = Checkpointing::kNone;
 };
 
 // With pipeline stages (P > 1) the graph, the trace and the phases are one stage's (the last,
@@ -42,7 +47,9 @@ struct StepSimulation {
 // period.
 StepSimulation simulate_step(const RunConfig& config, const StepSimOptions& options = {});
 
-// The simulated step as a trace (pid = global rank).
+// The simulated step as a trace (pid = global rank). Each compute op is drawn as the kernels it
+// runs (GEMMs, the attention core, memory-bound kernels), in proportion to their times, named
+// "mb<m>.L<l>.<kernel>.<op>" so that the phases read as before.
 Trace step_trace(const StepSimulation& simulation);
 // With each rank's memory curve: `resident_bytes` held throughout the step (model states,
 // working buffers, the runtime; from the memory model) plus the activations each block keeps
