@@ -161,6 +161,8 @@ class Builder {
     l.add("fp8.cast", KernelClass::kMemoryBound, memory_seconds(hw_, bytes) + hw_.kernel_overhead_s);
   }
 
+  double last_wgrad_s() const { return last_wgrad_s_; }
+
   // `kernels` streaming kernels moving `bytes` together.
   void memory(KernelList& l, std::string_view name, double bytes, double kernels = 1) {
     if (bytes <= 0) return;
@@ -197,13 +199,13 @@ class Builder {
     else memory(l, "residual", add + drop, 2);
   }
 
-  // Rotary embedding on q and k. Fused: one kernel reads and writes them. Eager (Hugging
-  // Face): rotate_half's slice, negation and concatenation, two multiplies and an add, each
-  // over the tensor.
-  void rotary(KernelList& l, bool backward) {
+  // Rotary embedding on q and k (its backward is the same rotation of the gradient). Fused:
+  // one kernel reads and writes them. Eager (Hugging Face): rotate_half's slice, negation and
+  // concatenation, two multiplies and an add, each over the tensor.
+  void rotary(KernelList& l) {
     const double e = tokens_ * (q_ + kv_);
     if (fused_) memory(l, "rotary", 2.0 * e * a_);
-    else memory(l, "rotary", 10.0 * e * a_, backward ? 12 : 12);
+    else memory(l, "rotary", 10.0 * e * a_, 12);
   }
 
   KernelList attention_core(bool backward) {
@@ -270,7 +272,7 @@ class Builder {
     if (!backward) {
       norm(l, "norm", local_, false);
       projections(l, false);
-      rotary(l, false);
+      rotary(l);
       repeat_kv(l);
       l.append(core);
       gemm(l, "o_proj", tokens_, h_, q_, false, linear_);
@@ -281,7 +283,7 @@ class Builder {
     gemm(l, "o_proj", tokens_, h_, q_, true, linear_);
     l.append(core);
     repeat_kv(l);
-    rotary(l, true);
+    rotary(l);
     projections(l, true);
     norm(l, "norm", local_, true);
     return l;
@@ -391,12 +393,9 @@ class Builder {
   const ClusterSpec& hw_;
   const ModelSpec& m_;
   bool fp32_ = false, fused_ = true, flash_ = true, dropout_ = false;
- public:
   // The weight gradient of the latest backward GEMM: what runs beside the tensor-parallel
   // collective of the input gradient that precedes it.
   double last_wgrad_s_ = 0;
-
- private:
   double a_ = 2;
   GemmType linear_ = GemmType::kBf16, plain_ = GemmType::kBf16;
   double tp_ = 1, sp_ = 1, seq_ = 0, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, q_ = 0, kv_ = 0, heads_ = 0,
@@ -411,10 +410,10 @@ MicroBatchKernels micro_batch_kernels(const RunConfig& c) {
   k.core_forward = b.attention_core(false);
   k.attention_forward = b.attention(false, k.core_forward);
   k.attention_backward = b.attention(true, b.attention_core(true));
-  k.attention_wgrad_s = b.last_wgrad_s_;
+  k.attention_wgrad_s = b.last_wgrad_s();
   k.moe_forward = b.moe(1.0, false);
   k.moe_backward = b.moe(1.0, true);
-  k.moe_wgrad_s = b.last_wgrad_s_;
+  k.moe_wgrad_s = b.last_wgrad_s();
   k.head_forward = b.head(false);
   k.head_backward = b.head(true);
   return k;

@@ -157,19 +157,18 @@ class Builder {
       }
       sync_unit(state, o_.head_unit_bytes, true);
     }
-    std::vector<OpId>& synced = synced_;
     for (size_t r = 0; r < n; ++r) {
       const OpId opt = graph_.add_op(compute(r, OpKind::kOptimizer, -1, -1, o_.optimizer_s, 0));
       graph_.depend(opt, state[r].last);
-      graph_.depend(opt, synced[r]);
-      synced[r] = opt;
+      graph_.depend(opt, synced_[r]);
+      synced_[r] = opt;
     }
     // The distributed optimizer gathers the updated parameters back over the replicas. The
     // next step's forward waits only for the first unit (Megatron's overlapped parameter
     // gather); the others arrive behind its compute.
     if (p_.distributed_optimizer && p_.replica_degree() > 1) {
       const double bytes = o_.embed_unit_bytes / static_cast<double>(p_.hybrid_shard_degree);
-      collective_round(synced, MeshDim::kReplica, OpKind::kGatherForward, TraceStream::kGradComm, -1, -1,
+      collective_round(synced_, MeshDim::kReplica, OpKind::kGatherForward, TraceStream::kGradComm, -1, -1,
                        cost_.all_gather_cost(bytes, shapes_.replica), bytes, true);
     }
     return std::move(graph_);
@@ -722,7 +721,8 @@ Trace step_trace(const StepSimulation& sim) {
       continue;
     }
     // Kernels in proportion to their times, whole nanoseconds, the last one ending with the op.
-    const std::string prefix = e.name.substr(0, e.name.rfind('.') == std::string::npos ? 0 : e.name.rfind('.') + 1);
+    const size_t dot = e.name.rfind('.');
+    const std::string prefix = dot == std::string::npos ? std::string() : e.name.substr(0, dot + 1);
     int64_t at = e.start_ns;
     double done = 0;
     for (const auto& [l, name] : parts)
