@@ -32,6 +32,7 @@ struct PublishedCase {
   bool fp8 = false, fp32_gradients = true;
   std::optional<Kernels> kernels;
   std::optional<AttentionKernel> attention;
+  std::optional<bool> overlap_gradient_sync;
   planner::SearchOptions::Pins pins;
   double published_step_s = 0;
   // Per-GPU memory where the source gives it, of a stage that holds blocks only (GiB; 0: not
@@ -98,6 +99,8 @@ std::vector<PublishedCase> read_cases(const std::string& path) {
           if (layout->has("kernels")) c.kernels = layout->choice<Kernels>("kernels", kKernelNames);
           if (layout->has("attention"))
             c.attention = layout->choice<AttentionKernel>("attention", kAttentionKernelNames);
+          if (layout->has("overlap_gradient_sync"))
+            c.overlap_gradient_sync = layout->boolean("overlap_gradient_sync");
           c.fp8 = layout->boolean("fp8", false);
           c.fp32_gradients = layout->boolean("fp32_gradients", true);
           layout->finish();
@@ -269,7 +272,7 @@ double fit_loss(const std::vector<Loaded>& loaded, const std::string& chip, cons
   return n > 0 ? sum / n : 0.0;
 }
 
-// Coordinate descent: each parameter in turn by golden-section search over its range, three
+// Coordinate descent: each parameter in turn by golden-section search over its range, six
 // rounds, chip by chip, on the fit part alone.
 FitValues fit(const std::vector<Loaded>& loaded, const std::vector<std::string>& names) {
   FitValues values;
@@ -282,7 +285,7 @@ FitValues fit(const std::vector<Loaded>& loaded, const std::vector<std::string>&
       if (p.name == name) params.push_back(&p);
   for (const std::string& chip : chips) {
     for (const FitParameter* p : params) values[{chip, p->name}] = p->factor ? 1.0 : 0.0;
-    for (int round = 0; round < 3; ++round)
+    for (int round = 0; round < 6; ++round)
       for (const FitParameter* p : params) {
         double lo = p->lo, hi = p->hi;
         const double g = (std::sqrt(5.0) - 1) / 2;
@@ -329,6 +332,7 @@ int run_compare_published(const ComparePublishedArgs& args) {
       if (c.kernels) l.cluster.kernels = *c.kernels;
       l.cluster.attention = c.attention.value_or(l.cluster.kernels == Kernels::kFused ? AttentionKernel::kFlash
                                                                                      : AttentionKernel::kUnfused);
+      if (c.overlap_gradient_sync) l.cluster.overlap_gradient_sync = *c.overlap_gradient_sync;
       loaded.push_back(std::move(l));
     }
     FitValues values;

@@ -274,6 +274,7 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.overlap_slowdown = fw->number("overlap_slowdown", 0.0, 10.0, 0.0);
     c.memory_headroom_bytes = fw->integer("headroom_bytes", 0, kMaxBytes);
     c.comm_overlaps_compute = fw->boolean("comm_overlaps_compute", true);
+    c.overlap_gradient_sync = fw->boolean("overlap_gradient_sync", true);
     if (auto times = fw->object("op_times", true)) read_op_times(*times, fw->path_of("op_times"), c.op_times);
     if (auto after = fw->object("collective_after_compute", true)) {
       read_after_compute(*after, fw->path_of("collective_after_compute"), c.after_compute);
@@ -415,6 +416,7 @@ OrderedJson to_json(const ClusterSpec& c) {
   fw["overlap_slowdown"] = sourced("framework.overlap_slowdown", c.overlap_slowdown);
   fw["headroom_bytes"] = sourced("framework.headroom_bytes", c.memory_headroom_bytes);
   fw["comm_overlaps_compute"] = sourced("framework.comm_overlaps_compute", c.comm_overlaps_compute);
+  fw["overlap_gradient_sync"] = sourced("framework.overlap_gradient_sync", c.overlap_gradient_sync);
   if (!c.op_times.empty()) {
     const OpTimes& t = c.op_times;
     OrderedJson times;

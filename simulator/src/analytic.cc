@@ -136,8 +136,10 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, cons
   const double full_sync =
       sync(o.dense_shard_bytes, shapes.expert) + sync(o.dense_shard_bytes / e + o.expert_shard_bytes, shapes.replica);
   double grad_sync = full_sync;
-  // On GPUs the sync runs behind the last micro-batch's backward, block by block.
-  if (c.cluster.comm_overlaps_compute) grad_sync = std::max(full_sync / layers, full_sync - (compute + recompute) * 2.0 / 3.0);
+  // On GPUs the sync runs behind the last micro-batch's backward, block by block, where the
+  // framework starts it there.
+  const bool overlap_sync = c.cluster.comm_overlaps_compute && c.cluster.overlap_gradient_sync;
+  if (overlap_sync) grad_sync = std::max(full_sync / layers, full_sync - (compute + recompute) * 2.0 / 3.0);
 
   const double accum = static_cast<double>(p.gradient_accumulation_steps);
   StepEstimate out;

@@ -177,6 +177,15 @@ TEST_F(Cli, PublishedRunsArePredictedInTheirOwnLayouts) {
   const Outcome bad = dir.moeplan("compare-published bad.json");
   EXPECT_EQ(bad.exit_code, 2) << show(bad);
   EXPECT_NE(bad.err.find("bad.json: cases[1].gpus"), std::string::npos) << show(bad);
+  EXPECT_EQ(bad.err.find("cases[2]"), std::string::npos) << show(bad);
+
+  moved["cases"][1]["gpus"] = original["cases"][1]["gpus"];
+  moved["cases"][2]["layout"]["overlap_gradient_sync"] = "no";
+  std::ofstream(dir / "bad_sync.json") << moved.dump(2);
+  const Outcome bad_sync = dir.moeplan("compare-published bad_sync.json");
+  EXPECT_EQ(bad_sync.exit_code, 2) << show(bad_sync);
+  EXPECT_NE(bad_sync.err.find("cases[2].layout.overlap_gradient_sync: expected true or false"), std::string::npos)
+      << show(bad_sync);
 }
 
 TEST_F(Cli, SameCommandGivesTheSameBytesInAnotherFolder) {

@@ -292,6 +292,7 @@ Json calibrated_json() {
       {"all_gather", {{"latency_s", 3e-4}, {"bandwidth_bytes_per_s", 7e8}, {"points", {{201728, 5e-4}, {3145728, 0.015}}}}},
       {"all_to_all", {{"latency_s", 2e-4}, {"bandwidth_bytes_per_s", 1e9}}}};
   json["framework"]["comm_overlaps_compute"] = false;
+  json["framework"]["overlap_gradient_sync"] = false;
   json["framework"]["collective_after_compute"] = {
       {"source", "measured in lockstep"}, {"all_gather", {{0.0001, 1e-4}, {0.001, 1e-3}}}, {"all_to_all", {{0.06, 0.002}}}};
   json["framework"]["op_times"] = {
@@ -316,6 +317,7 @@ Json calibrated_json() {
 TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   const ClusterSpec c = cluster_from_json(calibrated_json(), "calibrated.json");
   EXPECT_FALSE(c.comm_overlaps_compute);
+  EXPECT_FALSE(c.overlap_gradient_sync);
   EXPECT_DOUBLE_EQ(c.all_gather_fit.bandwidth_bytes_per_s, 7e8);
   EXPECT_DOUBLE_EQ(c.all_gather_fit.measured_at(3145728), 0.015);
   EXPECT_DOUBLE_EQ(c.all_gather_fit.measured_at(3145728 * 1.005), 0.015);  // within 1%
@@ -333,6 +335,7 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c);
   // The shipped CPU profile overlaps nothing it does not say.
   EXPECT_TRUE(read_cluster_file(profile_path("hardware/local-cpu.json")).comm_overlaps_compute);
+  EXPECT_TRUE(read_cluster_file(profile_path("hardware/local-cpu.json")).overlap_gradient_sync);
 }
 
 TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
@@ -355,6 +358,7 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
       {"/framework/collective_after_compute/all_to_al", Json::array(), "framework.collective_after_compute.all_to_al",
        "unknown field"},
       {"/framework/comm_overlaps_compute", "no", "framework.comm_overlaps_compute", "expected true or false, got string \"no\""},
+      {"/framework/overlap_gradient_sync", 1, "framework.overlap_gradient_sync", "expected true or false, got number 1"},
   };
   TempDir dir;
   for (const ProfileEditPair& edit : edits) {

@@ -624,6 +624,38 @@ TEST(CalibratedProfile, SerialStreamsAddCommunicationToCompute) {
   }
 }
 
+// A framework that syncs gradients only once the last micro-batch's backward is done
+// (Megatron-LM through 2022) starts no gradient all-reduce before a rank's backward ends, and
+// its step is longer by what the overlapped sync had hidden; in the analytic estimate too.
+TEST(StepProperties, GradientSyncWaitsForTheBackwardWhereTheFrameworkDoes) {
+  const Scenario overlapped = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 2, 1, "ERS");
+  Scenario waiting = overlapped;
+  waiting.cluster.overlap_gradient_sync = false;
+  auto first_sync_after_backward = [](const StepSimulation& sim) {
+    std::map<int32_t, SimTime> backward_end, sync_start;
+    const std::vector<Op>& ops = sim.graph.ops();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const Op& op = ops[i];
+      if (op.stream == TraceStream::kCompute && op.kind != OpKind::kOptimizer)
+        backward_end[op.rank] = std::max(backward_end[op.rank], sim.times.end[i]);
+      if (op.kind == OpKind::kGradAllReduce && !sync_start.contains(op.rank)) sync_start[op.rank] = sim.times.start[i];
+    }
+    bool after = !sync_start.empty();
+    for (const auto& [rank, start] : sync_start) after = after && start >= backward_end[rank];
+    return after;
+  };
+  const StepSimulation a = simulate_step(overlapped.config(), {});
+  const StepSimulation b = simulate_step(waiting.config(), {});
+  EXPECT_FALSE(first_sync_after_backward(a));
+  EXPECT_TRUE(first_sync_after_backward(b));
+  EXPECT_GT(b.estimate.step_time_s, a.estimate.step_time_s);
+  const LayoutShapes shapes = layout_shapes(overlapped.cluster, overlapped.parallel);
+  const StepEstimate ea = estimate_step(overlapped.config(), shapes);
+  const StepEstimate eb = estimate_step(waiting.config(), shapes);
+  EXPECT_GT(eb.grad_sync_s, ea.grad_sync_s);
+  EXPECT_GT(eb.step_time_s, ea.step_time_s);
+}
+
 // When every collective after compute takes a share d of that compute more, every stretch of
 // compute on a rank is followed by a collective that costs d times it: the step grows by d
 // times its compute, whatever the layout (data parallel, whose micro-batches between the

@@ -147,6 +147,11 @@ struct ClusterSpec {
   // streams); false where they take the same processor as compute, like CPU ranks with as
   // many ranks as cores: there a collective's time adds to the compute's.
   bool comm_overlaps_compute = true;
+  // Whether the framework starts the data-parallel gradient sync during the backward pass
+  // (bucket by bucket, as PyTorch DDP, FSDP and Megatron-Core's overlap_grad_reduce do) or
+  // only once the last micro-batch's backward is done (Megatron-LM through 2022, DeepSpeed's
+  // pipeline engine).
+  bool overlap_gradient_sync = true;
   OpTimes op_times;
   // What a collective takes beyond its own time when it follows compute (measured on CPU ranks;
   // empty elsewhere).
