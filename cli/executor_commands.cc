@@ -232,14 +232,14 @@ int run_calibrate(const CalibrateArgs& args) {
     if (rank != 0) return kExitOk;
     const std::string how = "moeplan calibrate on " + host_name() + ", " + utc_now() + " (`" + args.command + "`)";
     const ClusterSpec profile = executor::calibrated_cluster(base, c, o, name, how);
-    OrderedJson j;
+    Json j;
     j["schema_version"] = 1;
-    const OrderedJson body = to_json(profile);
+    const Json body = to_json(profile);
     for (const auto& [key, value] : body.items()) j[key] = value;
     write_file_atomic(out, j.dump(2) + "\n");
     // The raw measurements beside it: out.json -> out.measured.json.
     const std::string raw = (out.size() > 5 && out.ends_with(".json") ? out.substr(0, out.size() - 5) : out) + ".measured.json";
-    OrderedJson record = executor::to_json(c);
+    Json record = executor::to_json(c);
     record["command"] = args.command;
     write_file_atomic(raw, record.dump(1) + "\n");
     std::fputs(summary(c, profile).c_str(), stdout);

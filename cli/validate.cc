@@ -265,16 +265,16 @@ int run_validate(const ValidateArgs& args) {
     write_file_atomic(args.out + "/validation.md", md);
     write_file_atomic(args.out + "/validation.svg",
                       scatter_svg(rows, args.model + " on " + std::to_string(ranks) + " CPU ranks: step time"));
-    OrderedJson j;
+    Json j;
     j["schema_version"] = 1;
     j["profile"] = args.profile;
     j["model"] = args.model;
     j["ranks"] = ranks;
     j["steps"] = args.steps;
     j["rounds"] = rounds;
-    OrderedJson list = OrderedJson::array();
+    Json list = Json::array();
     for (const Row& r : rows) {
-      OrderedJson each = OrderedJson::array();
+      Json each = Json::array();
       for (const Round& x : r.rounds)
         each.push_back({{"measured_step_time_s", x.measured_s},
                         {"measured_tokens_per_s", x.measured_tps},

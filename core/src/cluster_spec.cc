@@ -331,21 +331,21 @@ ClusterSpec read_cluster_file(const std::string& path) {
   return cluster_from_json(read_json_file(path), path);
 }
 
-OrderedJson to_json(const ClusterSpec& c) {
-  auto sourced = [&](const std::string& path, const OrderedJson& value) {
+Json to_json(const ClusterSpec& c) {
+  auto sourced = [&](const std::string& path, const Json& value) {
     auto it = c.sources.find(path);
     if (it == c.sources.end()) return value;
-    OrderedJson j;
+    Json j;
     j["value"] = value;
     j["source"] = it->second;
     return j;
   };
-  OrderedJson j;
+  Json j;
   j["name"] = sourced("name", c.name);
   j["description"] = sourced("description", c.description);
   j["gpus_per_node"] = sourced("gpus_per_node", c.gpus_per_node);
   j["num_nodes"] = sourced("num_nodes", c.num_nodes);
-  OrderedJson gpu;
+  Json gpu;
   gpu["name"] = sourced("gpu.name", c.gpu_name);
   gpu["memory_bytes"] = sourced("gpu.memory_bytes", c.gpu_memory_bytes);
   gpu["peak_bf16_flops"] = sourced("gpu.peak_bf16_flops", c.peak_bf16_flops);
@@ -366,8 +366,8 @@ OrderedJson to_json(const ClusterSpec& c) {
   optional("kernel_overhead_s", c.kernel_overhead_s, 0.0);
   optional("flash_attention_efficiency", c.flash_attention_efficiency, 0.0);
   if (!c.matmul_efficiency.empty()) {
-    OrderedJson eff;
-    OrderedJson points = OrderedJson::array();
+    Json eff;
+    Json points = Json::array();
     for (const auto& p : c.matmul_efficiency) points.push_back({p.flops, p.efficiency});
     eff["points"] = points;
     if (auto it = c.sources.find("gpu.matmul_efficiency.points"); it != c.sources.end())
@@ -375,7 +375,7 @@ OrderedJson to_json(const ClusterSpec& c) {
     gpu["matmul_efficiency"] = eff;
   }
   j["gpu"] = gpu;
-  OrderedJson intra;
+  Json intra;
   intra["fabric"] = sourced("intra_node.fabric", c.intra_node_fabric);
   intra["bandwidth_bytes_per_s"] = sourced("intra_node.bandwidth_bytes_per_s", c.intra_node_bandwidth_bytes_per_s);
   intra["latency_s"] = sourced("intra_node.latency_s", c.intra_node_latency_s);
@@ -384,13 +384,13 @@ OrderedJson to_json(const ClusterSpec& c) {
                                                                {"reduce_scatter", &c.reduce_scatter_fit},
                                                                {"all_reduce", &c.all_reduce_fit},
                                                                {"all_to_all", &c.all_to_all_fit}};
-  OrderedJson collectives;
+  Json collectives;
   if (auto it = c.sources.find("intra_node.collectives"); it != c.sources.end()) collectives["source"] = it->second;
   for (const auto& [name, fit] : fits)
     if (fit->given()) {
       collectives[name] = {{"latency_s", fit->latency_s}, {"bandwidth_bytes_per_s", fit->bandwidth_bytes_per_s}};
       if (!fit->points.empty()) {
-        OrderedJson measured = OrderedJson::array();
+        Json measured = Json::array();
         for (const auto& [b, seconds] : fit->points) measured.push_back({b, seconds});
         collectives[name]["points"] = measured;
       }
@@ -399,16 +399,16 @@ OrderedJson to_json(const ClusterSpec& c) {
       collectives.contains("reduce_scatter"))
     intra["collectives"] = collectives;
   j["intra_node"] = intra;
-  OrderedJson inter;
+  Json inter;
   inter["fabric"] = sourced("inter_node.fabric", c.inter_node_fabric);
   inter["bandwidth_bytes_per_s"] = sourced("inter_node.bandwidth_bytes_per_s", c.inter_node_bandwidth_bytes_per_s);
   inter["latency_s"] = sourced("inter_node.latency_s", c.inter_node_latency_s);
   j["inter_node"] = inter;
-  OrderedJson host;
+  Json host;
   host["memory_bytes"] = sourced("host.memory_bytes", c.host_memory_bytes);
   host["pcie_bandwidth_bytes_per_s"] = sourced("host.pcie_bandwidth_bytes_per_s", c.pcie_bandwidth_bytes_per_s);
   j["host"] = host;
-  OrderedJson fw;
+  Json fw;
   fw["overhead_bytes"] = sourced("framework.overhead_bytes", c.framework_overhead_bytes);
   fw["fragmentation_factor"] = sourced("framework.fragmentation_factor", c.fragmentation_factor);
   fw["kernels"] = sourced("framework.kernels", std::string(name_of(kKernelNames, c.kernels)));
@@ -419,7 +419,7 @@ OrderedJson to_json(const ClusterSpec& c) {
   fw["overlap_gradient_sync"] = sourced("framework.overlap_gradient_sync", c.overlap_gradient_sync);
   if (!c.op_times.empty()) {
     const OpTimes& t = c.op_times;
-    OrderedJson times;
+    Json times;
     if (auto it = c.sources.find("framework.op_times"); it != c.sources.end()) times["source"] = it->second;
     times["shapes"] = {{"hidden_size", t.hidden_size},
                        {"intermediate_size", t.intermediate_size},
@@ -432,17 +432,17 @@ OrderedJson to_json(const ClusterSpec& c) {
                        {"seq_len", t.seq_len},
                        {"precision", t.precision}};
     for (std::string_view name : kOpTimeCurves) {
-      OrderedJson curve = OrderedJson::array();
+      Json curve = Json::array();
       for (const auto& [x, sec] : op_time_curve(t, name)) curve.push_back({x, sec});
       if (!curve.empty()) times[std::string(name)] = curve;
     }
     fw["op_times"] = times;
   }
   if (!c.after_compute.empty()) {
-    OrderedJson after;
+    Json after;
     if (auto it = c.sources.find("framework.collective_after_compute"); it != c.sources.end()) after["source"] = it->second;
     for (std::string_view kind : kAfterComputeKinds) {
-      OrderedJson curve = OrderedJson::array();
+      Json curve = Json::array();
       for (const auto& [seconds, extra] : *c.after_compute.of(kind)) curve.push_back({seconds, extra});
       if (!curve.empty()) after[std::string(kind)] = curve;
     }

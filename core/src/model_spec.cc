@@ -191,10 +191,10 @@ ModelSpec read_model_file(const std::string& path) {
 namespace {
 
 // The fields both formats name alike.
-void put_positions_and_norms(const ModelSpec& m, OrderedJson& j) {
+void put_positions_and_norms(const ModelSpec& m, Json& j) {
   j["max_position_embeddings"] = m.max_position_embeddings;
   j["rope_theta"] = m.rope_theta;
-  j["sliding_window"] = m.sliding_window ? OrderedJson(*m.sliding_window) : OrderedJson(nullptr);
+  j["sliding_window"] = m.sliding_window ? Json(*m.sliding_window) : Json(nullptr);
   j["rms_norm_eps"] = m.rms_norm_eps;
   j["initializer_range"] = m.initializer_range;
   j["tie_word_embeddings"] = m.tie_word_embeddings;
@@ -203,8 +203,8 @@ void put_positions_and_norms(const ModelSpec& m, OrderedJson& j) {
 
 }  // namespace
 
-OrderedJson to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
-  OrderedJson j;
+Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
+  Json j;
   j["_name_or_path"] = m.name;
   j["architectures"] = {"MixtralForCausalLM"};
   j["model_type"] = "mixtral";
@@ -226,8 +226,8 @@ OrderedJson to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
   return j;
 }
 
-OrderedJson to_json(const ModelSpec& m) {
-  OrderedJson j;
+Json to_json(const ModelSpec& m) {
+  Json j;
   j["name"] = m.name;
   j["source"] = m.source;
   j["vocab_size"] = m.vocab_size;

@@ -169,8 +169,8 @@ TrainingConfig read_training(const Json& json, const std::string& path, Diagnost
   return t;
 }
 
-OrderedJson to_json(const ParallelConfig& p) {
-  OrderedJson j;
+Json to_json(const ParallelConfig& p) {
+  Json j;
   j["world_size"] = p.world_size;
   j["expert_parallel_degree"] = p.expert_parallel_degree;
   j["hybrid_shard_degree"] = p.hybrid_shard_degree;
@@ -191,8 +191,8 @@ OrderedJson to_json(const ParallelConfig& p) {
   return j;
 }
 
-OrderedJson to_json(const MoeConfig& m) {
-  OrderedJson j;
+Json to_json(const MoeConfig& m) {
+  Json j;
   j["load_balancing"] = name_of(kLoadBalancingNames, m.load_balancing);
   j["dispatcher"] = name_of(kDispatcherNames, m.dispatcher);
   j["global_token_shuffle"] = m.global_token_shuffle;
@@ -204,8 +204,8 @@ OrderedJson to_json(const MoeConfig& m) {
   return j;
 }
 
-OrderedJson to_json(const TrainingConfig& t) {
-  OrderedJson j;
+Json to_json(const TrainingConfig& t) {
+  Json j;
   j["seq_len"] = t.seq_len;
   j["global_batch_tokens"] = t.global_batch_tokens;
   j["precision"] = name_of(kPrecisionNames, t.precision);

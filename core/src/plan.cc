@@ -30,8 +30,8 @@ std::vector<MemoryItem> read_items(const Json* json, const std::string& path, Di
   return items;
 }
 
-OrderedJson items_json(const std::vector<MemoryItem>& items) {
-  OrderedJson j = OrderedJson::object();
+Json items_json(const std::vector<MemoryItem>& items) {
+  Json j = Json::object();
   for (const auto& item : items) j[item.name] = item.bytes;
   return j;
 }
@@ -91,14 +91,14 @@ Prediction read_prediction(const Json& json, const std::string& path, Diagnostic
   return p;
 }
 
-OrderedJson to_json(const Prediction& p) {
-  OrderedJson j;
+Json to_json(const Prediction& p) {
+  Json j;
   j["estimator"] = p.estimator;
   j["step_time_s"] = p.step_time_s;
   j["tokens_per_s"] = p.tokens_per_s;
   j["tflops_per_gpu"] = p.tflops_per_gpu;
   j["mfu"] = p.mfu;
-  OrderedJson mem;
+  Json mem;
   mem["device"] = items_json(p.memory.device);
   mem["device_total_bytes"] = p.memory.device_total_bytes;
   mem["device_limit_bytes"] = p.memory.device_limit_bytes;
@@ -106,7 +106,7 @@ OrderedJson to_json(const Prediction& p) {
   mem["host_total_bytes"] = p.memory.host_total_bytes;
   mem["host_limit_bytes"] = p.memory.host_limit_bytes;
   j["memory"] = mem;
-  OrderedJson time = OrderedJson::object();
+  Json time = Json::object();
   for (const auto& item : p.time) time[item.name] = item.seconds;
   j["time"] = time;
   return j;
@@ -183,8 +183,8 @@ Plan plan_from_json(const Json& json, const std::string& origin) {
 
 Plan read_plan_file(const std::string& path) { return plan_from_json(read_json_file(path), path); }
 
-OrderedJson to_json(const Plan& plan) {
-  OrderedJson j;
+Json to_json(const Plan& plan) {
+  Json j;
   j["schema_version"] = plan.schema_version;
   j["model"] = to_json(plan.model);
   j["cluster"] = to_json(plan.cluster);
@@ -192,9 +192,9 @@ OrderedJson to_json(const Plan& plan) {
   j["moe"] = to_json(plan.moe);
   j["training"] = to_json(plan.training);
   j["prediction"] = to_json(plan.prediction);
-  OrderedJson alternatives = OrderedJson::array();
+  Json alternatives = Json::array();
   for (const auto& a : plan.alternatives) {
-    OrderedJson alt;
+    Json alt;
     alt["parallel"] = to_json(a.parallel);
     alt["step_time_s"] = a.step_time_s;
     alt["tokens_per_s"] = a.tokens_per_s;
@@ -203,7 +203,7 @@ OrderedJson to_json(const Plan& plan) {
     alternatives.push_back(alt);
   }
   j["alternatives"] = alternatives;
-  OrderedJson prov;
+  Json prov;
   prov["moeplan_version"] = plan.provenance.moeplan_version;
   prov["command"] = plan.provenance.command;
   j["provenance"] = prov;

@@ -20,8 +20,8 @@ double to_us(int64_t ns) { return static_cast<double>(ns) / 1000.0; }
 
 std::string_view stream_name(TraceStream s) { return kStreamNames[static_cast<size_t>(s)]; }
 
-OrderedJson to_json(const Trace& trace) {
-  OrderedJson events = OrderedJson::array();
+Json to_json(const Trace& trace) {
+  Json events = Json::array();
   for (int64_t rank = 0; rank < trace.ranks; ++rank) {
     events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
     for (int s = 0; s < kTraceStreamCount; ++s)
@@ -29,7 +29,7 @@ OrderedJson to_json(const Trace& trace) {
                         {"args", {{"name", std::string(kStreamNames[static_cast<size_t>(s)])}}}});
   }
   for (const TraceEvent& e : trace.events) {
-    OrderedJson j;
+    Json j;
     j["name"] = e.name;
     j["cat"] = e.category;
     j["ph"] = "X";
@@ -37,7 +37,7 @@ OrderedJson to_json(const Trace& trace) {
     j["dur"] = to_us(e.duration_ns);
     j["pid"] = e.rank;
     j["tid"] = static_cast<int>(e.stream);
-    OrderedJson args;
+    Json args;
     args["start_ns"] = e.start_ns;
     args["duration_ns"] = e.duration_ns;
     if (e.flops > 0) args["flops"] = e.flops;
@@ -46,7 +46,7 @@ OrderedJson to_json(const Trace& trace) {
     events.push_back(std::move(j));
   }
   for (const MemorySample& m : trace.memory) {
-    OrderedJson j;
+    Json j;
     j["name"] = "memory";
     j["ph"] = "C";
     j["ts"] = to_us(m.time_ns);
@@ -54,7 +54,7 @@ OrderedJson to_json(const Trace& trace) {
     j["args"] = {{"bytes", m.bytes}, {"time_ns", m.time_ns}};
     events.push_back(std::move(j));
   }
-  OrderedJson out;
+  Json out;
   out["traceEvents"] = std::move(events);
   out["displayTimeUnit"] = "ns";
   out["otherData"] = {{"moeplan_trace_version", 1}, {"source", trace.source}, {"ranks", trace.ranks}};

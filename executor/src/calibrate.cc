@@ -611,17 +611,17 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   return cal;
 }
 
-OrderedJson to_json(const Calibration& c) {
-  OrderedJson j;
+Json to_json(const Calibration& c) {
+  Json j;
   j["ranks"] = c.ranks;
   j["passes"] = c.passes;
   j["pass_slowdown"] = c.pass_slowdown;
   j["seconds"] = c.seconds;
   j["rank_spread"] = c.rank_spread;
-  OrderedJson gemm = OrderedJson::array();
+  Json gemm = Json::array();
   for (const auto& [flops, rate] : c.gemm) gemm.push_back({{"flops", flops}, {"flops_per_s", rate}});
   j["matrix_multiplies"] = gemm;
-  OrderedJson sweeps = OrderedJson::array();
+  Json sweeps = Json::array();
   for (const CollectiveSweep& s : c.collectives) {
     const CollectiveFit f = fit_collective(s, c.ranks);
     sweeps.push_back({{"name", s.name},
@@ -637,9 +637,9 @@ OrderedJson to_json(const Calibration& c) {
   j["copy_bandwidth_bytes_per_s"] = c.copy_bandwidth_bytes_per_s;
   j["offload_write_bytes_per_s"] = c.offload_write_bytes_per_s;
   j["offload_read_bytes_per_s"] = c.offload_read_bytes_per_s;
-  OrderedJson after;
+  Json after;
   for (std::string_view kind : kAfterComputeKinds) {
-    OrderedJson points = OrderedJson::array();
+    Json points = Json::array();
     for (const auto& [seconds, extra] : *c.after_compute.of(kind)) points.push_back({seconds, extra});
     after[std::string(kind)] = points;
   }

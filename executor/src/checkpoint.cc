@@ -43,13 +43,13 @@ CheckpointFile write_checkpoint_shard(const std::string& step_dir, int64_t rank,
   return {name, bytes, crc};
 }
 
-void commit_checkpoint(const std::string& step_dir, int64_t step, const OrderedJson& state,
+void commit_checkpoint(const std::string& step_dir, int64_t step, const Json& state,
                        const std::vector<CheckpointFile>& files) {
-  OrderedJson manifest;
+  Json manifest;
   manifest["schema_version"] = kCheckpointSchemaVersion;
   manifest["kind"] = "moeplan-checkpoint";
   manifest["step"] = step;
-  OrderedJson list = OrderedJson::array();
+  Json list = Json::array();
   for (const CheckpointFile& f : files) list.push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32", f.crc32}});
   manifest["files"] = list;
   manifest["state"] = state;

@@ -174,7 +174,7 @@ PrepareSummary prepare_data(const PrepareOptions& o, const ProgressFn& progress)
   write_file_atomic(o.out_dir + "/tokens.bin", tokens);
   write_file_atomic(o.out_dir + "/index.bin", index_bytes);
 
-  OrderedJson manifest;
+  Json manifest;
   manifest["schema_version"] = kTokensSchemaVersion;
   manifest["kind"] = "moeplan-tokens";
   manifest["vocab_size"] = vocab;

@@ -94,7 +94,7 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
     out.bytes += bytes;
     shards.back().push_back(std::move(named));
   }
-  OrderedJson weight_map = OrderedJson::object();
+  Json weight_map = Json::object();
   for (size_t k = 0; k < shards.size(); ++k) {
     const std::string name = shard_name(k, shards.size());
     const fs::path path = fs::path(out_dir) / name;
@@ -106,7 +106,7 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
     out.tensors += static_cast<int64_t>(shards[k].size());
     out.files.push_back(name);
   }
-  OrderedJson index;
+  Json index;
   index["metadata"] = {{"total_size", out.bytes}};
   index["weight_map"] = weight_map;
   write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");

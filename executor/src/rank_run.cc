@@ -153,7 +153,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     if (!resume_from.empty()) {
       const LoadedCheckpoint c = open_checkpoint(resume_from);
       Diagnostics d;
-      const OrderedJson& s = c.state;
+      const Json& s = c.state;
       check_checkpoint_state(plan, s, d);
       d.throw_if_any(resume_from + "/manifest.json");
       SlicedState sliced;
@@ -227,7 +227,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
             if (fs::exists(path))
               files.push_back({name, static_cast<int64_t>(fs::file_size(path)), crc32_file(path)});
           }
-          OrderedJson state;
+          Json state;
           state["samples_consumed"] = samples;
           state["optimizer_step"] = r.step;
           state["precision"] = name_of(kPrecisionNames, plan.training.precision);

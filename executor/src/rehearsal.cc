@@ -262,7 +262,7 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
 
   checks.push_back({"process groups form and train", trained,
                     std::to_string(p.world_size) + " ranks: " + describe_groups(p, plan.cluster.gpus_per_node)});
-  OrderedJson record;
+  Json record;
   record["plan"] = o.plan_path;
   record["layout"] = describe(p);
   record["model"] = to_json(m);
@@ -293,7 +293,7 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
                                                  // kTensorParallelFirstStepMoved)
       int64_t moved = 0, total = 0;  // later, slots that went elsewhere: the weights equal one
                                      // rank's only to rounding, so a near tie may go the other way
-      OrderedJson losses = OrderedJson::array();
+      Json losses = Json::array();
       bool complete = layout.size() == one.size() && layout.size() == static_cast<size_t>(steps);
       for (size_t i = 0; complete && i < layout.size(); ++i) {
         for (const char* key : {"loss", "aux_loss", "z_loss", "grad_norm"}) {
@@ -359,12 +359,12 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
           worst.moments_where = diff.moments_where + at;
         }
       }
-      record["state_difference"] = std::isfinite(worst.worst) ? OrderedJson(worst.worst) : OrderedJson("not finite");
+      record["state_difference"] = std::isfinite(worst.worst) ? Json(worst.worst) : Json("not finite");
       const bool ok = worst.worst <= kParameterTolerance && worst.moments <= kMovedMomentTolerance;
       std::string moments;
       if (moments_apart) {
         record["moment_difference"] =
-            std::isfinite(worst.moments) ? OrderedJson(worst.moments) : OrderedJson("not finite");
+            std::isfinite(worst.moments) ? Json(worst.moments) : Json("not finite");
         moments = format("; with %.0f slots routed elsewhere, the moments to %.1e",
                          static_cast<double>(routed_elsewhere), worst.moments) +
                   format(" (bound %.0e, ", kMovedMomentTolerance) + worst.moments_where + ")";
@@ -414,7 +414,7 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
   }
 
   bool ready = true;
-  OrderedJson listed = OrderedJson::array();
+  Json listed = Json::array();
   say("%s", "\n");
   for (const RehearsalCheck& c : checks) {
     say("  %-4s %-44s %s\n", c.ok ? "ok" : "FAIL", c.name.c_str(), c.detail.c_str());

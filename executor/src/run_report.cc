@@ -5,6 +5,7 @@
 #include <fstream>
 #include <map>
 
+#include "moeplan/core/fit.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/trainer.h"
 
@@ -52,12 +53,6 @@ int64_t status_bytes(const char* field) {
   return 0;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 double relative_error(double measured, double predicted) {
   return predicted > 0 ? (measured - predicted) / predicted : 0.0;
 }
@@ -80,8 +75,8 @@ std::string percent(double measured, double predicted) {
 int64_t current_rss_bytes() { return status_bytes("VmRSS:"); }
 int64_t peak_rss_bytes() { return status_bytes("VmHWM:"); }
 
-OrderedJson to_json(const RankMeasurement& m) {
-  OrderedJson j;
+Json to_json(const RankMeasurement& m) {
+  Json j;
   j["rank"] = m.rank;
   j["peak_rss_bytes"] = m.peak_rss_bytes;
   j["baseline_rss_bytes"] = m.baseline_rss_bytes;
@@ -111,11 +106,11 @@ RankMeasurement rank_measurement_from_json(const Json& j, const std::string& ori
   return m;
 }
 
-OrderedJson RunReport::to_json() const {
-  OrderedJson report;
+Json RunReport::to_json() const {
+  Json report;
   report["schema_version"] = 1;
   report["plan"] = {{"parallel", parallel}, {"profile", profile}};
-  OrderedJson phases = OrderedJson::object();
+  Json phases = Json::object();
   for (const auto& [name, seconds] : phase_seconds) phases[name] = seconds;
   report["measured"] = {{"where", where},
                         {"ranks", ranks},

@@ -23,7 +23,7 @@ namespace moeplan::executor {
 namespace fs = std::filesystem;
 
 std::string to_json_line(const StepRecord& r) {
-  OrderedJson j;
+  Json j;
   j["step"] = r.step;
   j["loss"] = r.loss;
   j["aux_loss"] = r.aux_loss;
@@ -156,7 +156,7 @@ void truncate_metrics(const std::string& path, int64_t last_step) {
   write_file_atomic(path, kept);
 }
 
-void check_checkpoint_state(const Plan& plan, const OrderedJson& s, Diagnostics& d) {
+void check_checkpoint_state(const Plan& plan, const Json& s, Diagnostics& d) {
   if (!s.is_object() || !s.contains("model") || s["model"] != to_json(plan.model))
     d.error("state.model", "the checkpoint's model differs from the plan's model");
   if (!s.contains("precision") || s["precision"] != name_of(kPrecisionNames, plan.training.precision))
@@ -312,7 +312,7 @@ class Run {
   void resume(const std::string& step_dir) {
     const LoadedCheckpoint c = open_checkpoint(step_dir);
     Diagnostics d;
-    const OrderedJson& s = c.state;
+    const Json& s = c.state;
     check_checkpoint_state(plan_, s, d);
     if (c.files.empty()) d.error("files", "the checkpoint lists no shard");
     d.throw_if_any(step_dir + "/manifest.json");
@@ -352,7 +352,7 @@ class Run {
   std::string save() {
     const std::string dir = begin_checkpoint(o_.out_dir + "/checkpoints", model_.step_count());
     const CheckpointFile shard = write_checkpoint_shard(dir, 0, model_.state());
-    OrderedJson state;
+    Json state;
     state["samples_consumed"] = samples_;
     state["optimizer_step"] = model_.step_count();
     state["precision"] = name_of(kPrecisionNames, plan_.training.precision);

@@ -518,14 +518,14 @@ TEST(HfConfig, FileIsRecognisedByModelType) {
 TEST(HfConfig, WrittenConfigReadsBackAsTheSameModel) {
   for (const char* name : {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny"}) {
     const ModelSpec m = read_model_file(profile_path(std::string("models/") + name + ".json"));
-    const OrderedJson config = to_hf_config(m, "bfloat16");
+    const Json config = to_hf_config(m, "bfloat16");
     ModelSpec back = model_from_hf_config(Json::parse(config.dump()), "config.json");
     EXPECT_EQ(back.name, m.name);
     back.source = m.source;
     EXPECT_EQ(back, m) << name;
   }
   const Json published = hf_config();
-  const OrderedJson ours = to_hf_config(read_model_file(profile_path("models/mixtral-8x7b.json")), "bfloat16");
+  const Json ours = to_hf_config(read_model_file(profile_path("models/mixtral-8x7b.json")), "bfloat16");
   for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "rope_theta",
                           "rms_norm_eps", "tie_word_embeddings", "model_type", "hidden_act", "torch_dtype"})

@@ -281,7 +281,7 @@ NamedTensors shard_tensors(int64_t step) {
   return {{"layers.0.w", torch::full({4, 4}, static_cast<float>(step))}, {"optimizer.step", torch::full({}, step)}};
 }
 
-OrderedJson state_of(int64_t step) { return {{"samples_consumed", step * 4}, {"optimizer_step", step}}; }
+Json state_of(int64_t step) { return {{"samples_consumed", step * 4}, {"optimizer_step", step}}; }
 
 // A committed checkpoint of `step` with one shard.
 std::string save(const std::string& checkpoints, int64_t step) {

@@ -179,7 +179,7 @@ const CurvePoints& op_time_curve(const OpTimes& t, std::string_view name);
 // {"value": x, "source": "..."}; shipped profiles do so for every number.
 ClusterSpec cluster_from_json(const Json& json, const std::string& origin);
 ClusterSpec read_cluster_file(const std::string& path);
-OrderedJson to_json(const ClusterSpec& cluster);
+Json to_json(const ClusterSpec& cluster);
 
 // Reads a cluster object found at `path` (e.g. "cluster" inside a plan).
 ClusterSpec read_cluster(const Json& json, const std::string& path, Diagnostics& d);

@@ -20,7 +20,6 @@ namespace moeplan {
 
 // Objects keep their fields in document order, so what is read back writes out the same.
 using Json = nlohmann::ordered_json;
-using OrderedJson = nlohmann::ordered_json;
 
 // Where each hardware or model number came from, keyed by field path ("gpu.memory_bytes").
 using SourceMap = std::map<std::string, std::string>;

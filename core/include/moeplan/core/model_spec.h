@@ -92,11 +92,11 @@ ModelSpec model_from_json(const Json& json, const std::string& origin);
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin);
 // Reads either format from a file: a "model_type" field marks a Hugging Face config.
 ModelSpec read_model_file(const std::string& path);
-OrderedJson to_json(const ModelSpec& model);
+Json to_json(const ModelSpec& model);
 // A Hugging Face MixtralConfig (config.json) of the model, which model_from_hf_config reads
 // back as the same model (its name as "_name_or_path"); `torch_dtype` as transformers writes
 // it ("float32", "bfloat16").
-OrderedJson to_hf_config(const ModelSpec& model, const std::string& torch_dtype);
+Json to_hf_config(const ModelSpec& model, const std::string& torch_dtype);
 
 // Reads the fields of a model profile from r (used inside plan.json too).
 ModelSpec read_model(ObjectReader& r);

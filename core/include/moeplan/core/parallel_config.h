@@ -173,9 +173,9 @@ bool stage_layers_valid(int64_t num_layers, const ParallelConfig& p);
 ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d);
 MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d);
 TrainingConfig read_training(const Json& json, const std::string& path, Diagnostics& d);
-OrderedJson to_json(const ParallelConfig& p);
-OrderedJson to_json(const MoeConfig& m);
-OrderedJson to_json(const TrainingConfig& t);
+Json to_json(const ParallelConfig& p);
+Json to_json(const MoeConfig& m);
+Json to_json(const TrainingConfig& t);
 
 // Short form for tables and messages: "E8 S2 R1 RSE ckpt=full offload=h2 mbs=1 ga=8" (with
 // " T4 sp" or " P8" after R where those are used).

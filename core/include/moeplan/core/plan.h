@@ -81,7 +81,7 @@ struct Plan {
 // and that memory items add up to their totals. Throws InputError with every problem.
 Plan plan_from_json(const Json& json, const std::string& origin);
 Plan read_plan_file(const std::string& path);
-OrderedJson to_json(const Plan& plan);
+Json to_json(const Plan& plan);
 // The exact bytes written to plan.json (2-space indent, trailing newline).
 std::string plan_to_text(const Plan& plan);
 

@@ -46,7 +46,7 @@ struct Trace {
   bool operator==(const Trace&) const = default;
 };
 
-OrderedJson to_json(const Trace& trace);
+Json to_json(const Trace& trace);
 Trace trace_from_json(const Json& json, const std::string& origin);
 
 // Reads a trace file as a stream, without holding its JSON document: a simulated step of

@@ -80,7 +80,7 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
                                const std::string& name, const std::string& how);
 
 // Everything measured, raw (the record written next to the profile).
-OrderedJson to_json(const Calibration& c);
+Json to_json(const Calibration& c);
 
 // The collective fit in the cost model's terms: latency per algorithm step and the bandwidth
 // of the bytes it counts, for `ranks` ranks on one node.

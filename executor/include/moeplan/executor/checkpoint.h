@@ -31,7 +31,7 @@ std::string begin_checkpoint(const std::string& checkpoints_dir, int64_t step);
 CheckpointFile write_checkpoint_shard(const std::string& step_dir, int64_t rank, const NamedTensors& tensors);
 
 // Writes the manifest (the commit point): `state` is the trainer's JSON, `files` every shard.
-void commit_checkpoint(const std::string& step_dir, int64_t step, const OrderedJson& state,
+void commit_checkpoint(const std::string& step_dir, int64_t step, const Json& state,
                        const std::vector<CheckpointFile>& files);
 
 // The newest step folder with a manifest, or "" if there is none. Does not verify the files.
@@ -40,7 +40,7 @@ std::string latest_checkpoint(const std::string& checkpoints_dir);
 struct LoadedCheckpoint {
   std::string dir;
   int64_t step = 0;
-  OrderedJson state;
+  Json state;
   std::vector<CheckpointFile> files;
 };
 

@@ -52,7 +52,7 @@ struct RankMeasurement {
   std::vector<TraceEvent> events;  // of the last step
   std::vector<MemorySample> memory;
 };
-OrderedJson to_json(const RankMeasurement& m);
+Json to_json(const RankMeasurement& m);
 RankMeasurement rank_measurement_from_json(const Json& j, const std::string& origin);
 
 // The measured figures of a run against the plan's prediction.
@@ -72,7 +72,7 @@ struct RunReport {
   std::vector<std::vector<int64_t>> tokens_per_expert;  // of the last step, [layer][expert]
   std::vector<std::pair<std::string, double>> phase_seconds;  // rank 0's last step, per event name
 
-  OrderedJson to_json() const;
+  Json to_json() const;
 };
 
 struct StepRecord;

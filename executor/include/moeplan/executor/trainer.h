@@ -94,7 +94,7 @@ std::vector<Json> read_metrics(const std::string& run_dir);
 
 // Reports into d what in a checkpoint's state does not fit the plan (model, precision, data
 // position, optimizer step).
-void check_checkpoint_state(const Plan& plan, const OrderedJson& state, Diagnostics& d);
+void check_checkpoint_state(const Plan& plan, const Json& state, Diagnostics& d);
 
 // One metrics.jsonl line (no newline).
 std::string to_json_line(const StepRecord& record);
