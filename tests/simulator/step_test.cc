@@ -638,7 +638,9 @@ TEST(StepProperties, GradientSyncWaitsForTheBackwardWhereTheFrameworkDoes) {
       const Op& op = ops[i];
       if (op.stream == TraceStream::kCompute && op.kind != OpKind::kOptimizer)
         backward_end[op.rank] = std::max(backward_end[op.rank], sim.times.end[i]);
-      if (op.kind == OpKind::kGradAllReduce && !sync_start.contains(op.rank)) sync_start[op.rank] = sim.times.start[i];
+      if (op.kind == OpKind::kGradAllReduce)
+        sync_start[op.rank] = sync_start.contains(op.rank) ? std::min(sync_start[op.rank], sim.times.start[i])
+                                                           : sim.times.start[i];
     }
     bool after = !sync_start.empty();
     for (const auto& [rank, start] : sync_start) after = after && start >= backward_end[rank];
