@@ -138,8 +138,8 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, cons
   double grad_sync = full_sync;
   // On GPUs the sync runs behind the last micro-batch's backward, block by block, where the
   // framework starts it there.
-  const bool overlap_sync = c.cluster.comm_overlaps_compute && c.cluster.overlap_gradient_sync;
-  if (overlap_sync) grad_sync = std::max(full_sync / layers, full_sync - (compute + recompute) * 2.0 / 3.0);
+  if (c.cluster.gradient_sync_overlaps_backward())
+    grad_sync = std::max(full_sync / layers, full_sync - (compute + recompute) * 2.0 / 3.0);
 
   const double accum = static_cast<double>(p.gradient_accumulation_steps);
   StepEstimate out;

@@ -92,7 +92,7 @@ class Builder {
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
         layers_(static_cast<int>(c.model.num_layers)),
-        overlap_sync_(c.cluster.comm_overlaps_compute && c.cluster.overlap_gradient_sync),
+        overlap_sync_(c.cluster.gradient_sync_overlaps_backward()),
         grad_scale_(c.training.precision == Precision::kMixed && c.training.fp32_gradients ? 2.0 : 1.0) {
     for (int64_t rank : layout.ranks()) {
       const int64_t e = layout.coord(rank, MeshDim::kExpert);

@@ -152,6 +152,9 @@ struct ClusterSpec {
   // only once the last micro-batch's backward is done (Megatron-LM through 2022, DeepSpeed's
   // pipeline engine).
   bool overlap_gradient_sync = true;
+  // The gradient sync runs beside the last micro-batch's backward: where the framework starts
+  // it there and collectives run beside compute at all.
+  bool gradient_sync_overlaps_backward() const { return comm_overlaps_compute && overlap_gradient_sync; }
   OpTimes op_times;
   // What a collective takes beyond its own time when it follows compute (measured on CPU ranks;
   // empty elsewhere).
