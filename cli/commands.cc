@@ -11,6 +11,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/core/rules.h"
+#include "moeplan/core/run_report.h"
 #include "moeplan/core/units.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
@@ -61,7 +62,7 @@ void print_explain(const planner::SearchStats& s) {
   std::printf("  %-40s %10lld\n", "simulated (others pruned by a lower bound)", static_cast<long long>(s.simulated));
 }
 
-// What a run measured, from its report.json (executor/run_report.h).
+// What a run measured, from its report.json (core/run_report.h).
 struct Measured {
   double step_time_s = 0;
   std::vector<double> tokens_per_expert;  // summed over layers
@@ -69,42 +70,22 @@ struct Measured {
 };
 
 Measured read_measured(const std::string& path, const Plan& plan) {
-  const Json j = read_json_file(path);
+  const RunReport report = read_run_report(path);
   Measured m;
+  m.step_time_s = report.step_time_s;
   Diagnostics d;
-  const Json* measured = j.contains("measured") && j["measured"].is_object() ? &j["measured"] : nullptr;
-  if (measured == nullptr) {
-    d.error("measured", "missing: not a run report");
-    d.throw_if_any(path);
-  }
-  if (!measured->contains("step_time_s") || !(*measured)["step_time_s"].is_number())
-    d.error("measured.step_time_s", "missing or not a number");
-  else
-    m.step_time_s = (*measured)["step_time_s"].get<double>();
-  if (measured->contains("tokens_per_expert")) {
-    const Json& layers = (*measured)["tokens_per_expert"];
-    for (size_t l = 0; layers.is_array() && l < layers.size(); ++l) {
-      const Json& row = layers[l];
-      if (!row.is_array() || static_cast<int64_t>(row.size()) != plan.model.num_experts) {
-        d.error("measured.tokens_per_expert[" + std::to_string(l) + "]",
-                "expected " + std::to_string(plan.model.num_experts) + " counts (the plan's num_experts)");
-        break;
-      }
-      m.tokens_per_expert.resize(row.size(), 0.0);
-      for (size_t e = 0; e < row.size(); ++e) m.tokens_per_expert[e] += row[e].is_number() ? row[e].get<double>() : 0.0;
+  for (size_t l = 0; l < report.tokens_per_expert.size(); ++l) {
+    const std::vector<int64_t>& row = report.tokens_per_expert[l];
+    if (static_cast<int64_t>(row.size()) != plan.model.num_experts) {
+      d.error("measured.tokens_per_expert[" + std::to_string(l) + "]",
+              "expected " + std::to_string(plan.model.num_experts) + " counts (the plan's num_experts)");
+      break;
     }
-  }
-  if (measured->contains("phase_seconds_rank0") && (*measured)["phase_seconds_rank0"].is_object()) {
-    for (const auto& [name, seconds] : (*measured)["phase_seconds_rank0"].items()) {
-      if (!seconds.is_number()) continue;
-      // "forward", "backward", "optimizer"; collectives as "<group>.<kind>"; copies as
-      // "offload" and "reload".
-      std::string key = name.substr(name.find('.') == std::string::npos ? 0 : name.find('.') + 1);
-      if (key == "offload" || key == "reload") key = "copy";
-      m.phases[key] += seconds.get<double>();
-    }
+    m.tokens_per_expert.resize(row.size(), 0.0);
+    for (size_t e = 0; e < row.size(); ++e) m.tokens_per_expert[e] += static_cast<double>(row[e]);
   }
   d.throw_if_any(path);
+  for (const auto& [name, seconds] : report.phases()) m.phases[name] = seconds;
   return m;
 }
 
@@ -198,8 +179,8 @@ int run_search(const SearchArgs& args) {
     if (!args.distributed_optimizer.empty()) pin.distributed_optimizer = args.distributed_optimizer == "on";
     if (args.first_stage_layers > 0) pin.first_stage_layers = args.first_stage_layers;
     if (args.last_stage_layers > 0) pin.last_stage_layers = args.last_stage_layers;
-    options.smp_mode = args.smp_mode;
-    options.runnable = args.runnable;
+    options.smp_mode = args.target == "smp";
+    options.executor_mode = args.target == "moeplan";
     if (!args.placement.empty()) {
       if (!Placement::parse(args.placement))
         throw InputError("--placement", {{"", "= \"" + args.placement.substr(0, 16) +

@@ -39,8 +39,9 @@ struct SearchArgs {
   int64_t tensor_parallel_degree = 0, pipeline_parallel_degree = 0, virtual_pipeline_degree = 0;
   std::string checkpointing, offloading, placement, sequence_parallel, distributed_optimizer;
   int64_t first_stage_layers = 0, last_stage_layers = 0;
-  bool smp_mode = false;  // SMP's own restrictions too (no expert with tensor parallelism)
-  bool runnable = false;  // only layouts moeplan's executor trains
+  // Where the plan will train: moeplan (what `moeplan run` trains), megatron (every layout
+  // moeplan models, as Megatron-Core runs them) or smp (SMP's own restrictions too).
+  std::string target = "moeplan";
   // What the training framework runs (empty: the profile's).
   std::string kernels, attention;
   bool fp8 = false;

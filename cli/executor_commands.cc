@@ -19,7 +19,7 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/collectives.h"
 #include "moeplan/executor/launch.h"
-#include "moeplan/executor/parallel_trainer.h"
+#include "moeplan/executor/rank_run.h"
 #include "moeplan/executor/trainer.h"
 
 namespace moeplan::cli {

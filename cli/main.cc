@@ -64,8 +64,11 @@ int main(int argc, char** argv) {
   search_cmd->add_option("--placement", search.placement,
                          "Fix the placement: R, S, E (and P, T) outermost first, e.g. RSE or PRSET; SMP's "
                          "cluster, spread or D/P/T letters");
-  search_cmd->add_flag("--smp-mode", search.smp_mode,
-                       "Only plans SMP can run: no expert parallelism together with tensor parallelism");
+  search_cmd->add_option("--target", search.target,
+                         "Where the plan trains: moeplan (what `moeplan run` trains), megatron (every layout "
+                         "modelled: distributed optimizer, attention-core recomputation, uneven stages, FP8) or smp "
+                         "(SMP's restrictions: no expert parallelism together with tensor parallelism)")
+      ->capture_default_str()->check(CLI::IsMember({"moeplan", "megatron", "smp"}));
   search_cmd->add_option("--checkpointing", search.checkpointing,
                          "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's "
                          "selective recomputation)")
@@ -77,9 +80,6 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   search_cmd->add_option("--last-stage-layers", search.last_stage_layers, "Fix the blocks of the last pipeline stage")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  search_cmd->add_flag("--runnable", search.runnable,
-                       "Only layouts `moeplan run` trains: no distributed optimizer, attention-core recomputation or "
-                       "uneven pipeline stages");
   search_cmd->add_flag("--fp8", search.fp8, "FP8 GEMMs (Transformer Engine's recipe; GPUs with FP8 tensor cores)");
   search_cmd->add_option("--gradients", search.gradients, "Mixed precision's gradients: fp32 or bf16")
       ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));

@@ -119,7 +119,7 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
                                 c.offload ? "on" : "off",
                                 "--micro-batch",
                                 std::to_string(c.mbs),
-                                "--runnable",
+                                "--target", "moeplan",
                                 "--out",
                                 plan};
   if (!setting.profiles.empty()) argv.insert(argv.end(), {"--profiles", setting.profiles});

@@ -13,6 +13,7 @@
 #include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/run_report.h"
 #include "matrix.h"
 #include "profiles.h"
 
@@ -75,9 +76,9 @@ struct Row {
     }
     median_s = median(times);
   }
-  double median_error() const { return (median_s - predicted_s) / predicted_s; }
-  double step_error() const { return (measured_s - predicted_s) / predicted_s; }
-  double memory_error() const { return (measured_bytes - predicted_bytes) / predicted_bytes; }
+  double median_error() const { return relative_error(median_s, predicted_s); }
+  double step_error() const { return relative_error(measured_s, predicted_s); }
+  double memory_error() const { return relative_error(measured_bytes, predicted_bytes); }
 };
 
 // Predicted against measured step time, log-log, with the diagonal and a +-10% band.
@@ -191,20 +192,20 @@ int run_validate(const ValidateArgs& args) {
                                            "--steps", std::to_string(args.steps)};
         if (run_logged(run, out + ".log") != 0)
           throw std::runtime_error(c.name + ": run failed: " + last_line(out + ".log"));
-        const Json report = read_json_file(out + "/report.json");
-        row.parallel = report.at("plan").at("parallel").get<std::string>();
-        row.predicted_s = report.at("predicted").at("step_time_s").get<double>();
-        row.predicted_tps = report.at("predicted").at("tokens_per_s").get<double>();
-        row.predicted_bytes = report.at("predicted").at("device_bytes_per_rank").get<double>();
-        r.measured_s = report.at("measured").at("step_time_s").get<double>();
-        r.measured_tps = report.at("measured").at("tokens_per_s").get<double>();
-        r.measured_bytes = report.at("measured").at("peak_rss_bytes").get<double>();
+        const RunReport report = read_run_report(out + "/report.json");
+        row.parallel = report.parallel;
+        row.predicted_s = report.predicted_step_time_s;
+        row.predicted_tps = report.predicted_tokens_per_s;
+        row.predicted_bytes = static_cast<double>(report.predicted_bytes_per_rank);
+        r.measured_s = report.step_time_s;
+        r.measured_tps = report.tokens_per_s;
+        r.measured_bytes = static_cast<double>(report.peak_rss_bytes);
         row.rounds.push_back(r);
         std::printf("  round %lld [%2zu/%zu] %-30s predicted %7.3f s  measured %7.3f s  %+5.0f%%   memory %+4.0f%%"
                     "   slowest processor %.2f\n",
                     static_cast<long long>(round), k + 1, configs.size(), c.name.c_str(), row.predicted_s,
-                    r.measured_s, 100 * (r.measured_s - row.predicted_s) / row.predicted_s,
-                    100 * (r.measured_bytes - row.predicted_bytes) / row.predicted_bytes, r.slowest_processor);
+                    r.measured_s, 100 * relative_error(r.measured_s, row.predicted_s),
+                    100 * relative_error(r.measured_bytes, row.predicted_bytes), r.slowest_processor);
         std::fflush(stdout);
       }
     }

@@ -37,6 +37,10 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "min_lr_within_lr",
     "warmup_within_steps",
     "fp8_needs_hardware",
+    "executor_trains_moe",
+    "executor_pipeline_limits",
+    "executor_layouts",
+    "executor_tensor_splits",
 };
 
 // Largest model whose counts stay far from int64 overflow in every derived quantity.
@@ -93,12 +97,12 @@ void check_model(const ModelSpec& m, Sink& sink) {
     });
 }
 
+// The world, the cluster and the parallel degrees.
 template <class Sink>
-void check_config(const RunConfig& c, Sink& sink) {
+void check_degrees(const RunConfig& c, Sink& sink) {
   const ModelSpec& m = c.model;
   const ClusterSpec& cl = c.cluster;
   const ParallelConfig& p = c.parallel;
-  const TrainingConfig& t = c.training;
   const int64_t w = p.world_size;
   const int64_t e = p.expert_parallel_degree;
   const int64_t s = p.hybrid_shard_degree;
@@ -196,6 +200,17 @@ void check_config(const RunConfig& c, Sink& sink) {
              "), with gradient_accumulation_steps = " + str(p.gradient_accumulation_steps) +
              " a multiple of pipeline_parallel_degree";
     });
+}
+
+// Sequence, batch, checkpointing and offloading.
+template <class Sink>
+void check_batch(const RunConfig& c, Sink& sink) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const TrainingConfig& t = c.training;
+  const int64_t w = p.world_size;
+  const int64_t tp = p.tensor_parallel_degree;
+  const int64_t pp = p.pipeline_parallel_degree;
 
   if (t.seq_len > m.max_position_embeddings)
     sink(Rule::kSeqLenWithinPositions, "training.seq_len", [&] {
@@ -240,6 +255,15 @@ void check_config(const RunConfig& c, Sink& sink) {
         return "= " + str(p.activation_loading_horizon) + " exceeds num_layers = " + str(m.num_layers);
       });
   }
+}
+
+// Routing, precision and the learning-rate schedule.
+template <class Sink>
+void check_moe_and_training(const RunConfig& c, Sink& sink) {
+  const ModelSpec& m = c.model;
+  const ClusterSpec& cl = c.cluster;
+  const TrainingConfig& t = c.training;
+  const int64_t e = c.parallel.expert_parallel_degree;
 
   // The busiest expert can take at most every token's top-k slots: num_experts / top_k times
   // the mean.
@@ -289,6 +313,88 @@ void check_config(const RunConfig& c, Sink& sink) {
       return "= " + str(t.warmup_steps) + " exceeds steps = " + str(t.steps);
     });
 }
+
+// What moeplan's executor trains (executor/): Mixtral-style models, equal pipeline stages, the
+// Megatron splits it implements. The planner and simulator know more layouts than it runs.
+template <class Sink>
+void check_executor(const RunConfig& c, Sink& sink) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const TrainingConfig& t = c.training;
+  if (m.dense())
+    sink(Rule::kExecutorTrainsMoe, "model.num_experts", [&] {
+      return std::string("= 1 (a dense model): the executor trains Mixture-of-Experts models; dense models are "
+                         "planned and simulated only");
+    });
+  if (m.mlp != Mlp::kSwiGlu)
+    sink(Rule::kExecutorTrainsMoe, "model.mlp", [&] {
+      return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
+    });
+  // Pipeline stages: the router's losses are reported across stages but not trained through
+  // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
+  if (const int64_t pp = p.pipeline_parallel_degree; pp > 1) {
+    const std::string stages = " with pipeline_parallel_degree = " + str(pp);
+    if (c.moe.load_balancing == LoadBalancing::kAuxLoss && c.moe.aux_loss_coef != 0)
+      sink(Rule::kExecutorPipelineLimits, "moe.load_balancing", [&] {
+        return "= \"aux_loss\"" + stages +
+               ": the executor trains the load-balancing loss without pipeline stages only (use sinkhorn, balanced or "
+               "none)";
+      });
+    if (c.moe.z_loss_coef != 0)
+      sink(Rule::kExecutorPipelineLimits, "moe.z_loss_coef", [&] {
+        return "= " + str(c.moe.z_loss_coef) + stages + ": the executor trains the z-loss without pipeline stages only (use 0)";
+      });
+    if (p.activation_offloading)
+      sink(Rule::kExecutorPipelineLimits, "parallel.activation_offloading",
+           [&] { return "= true" + stages + ": the executor offloads without pipeline stages only"; });
+  }
+  // Layouts the planner and simulator know that the executor does not run yet.
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore)
+    sink(Rule::kExecutorLayouts, "parallel.activation_checkpointing", [&] {
+      return std::string(
+          "= \"attention_core\": the executor recomputes whole blocks (full) or MoE sub-blocks (selective) only");
+    });
+  if (p.distributed_optimizer)
+    sink(Rule::kExecutorLayouts, "parallel.distributed_optimizer", [&] {
+      return std::string("= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)");
+    });
+  if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
+    sink(Rule::kExecutorLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
+         [&] { return std::string("is set: the executor runs equal pipeline stages only"); });
+  if (t.fp8)
+    sink(Rule::kExecutorLayouts, "training.fp8",
+         [&] { return std::string("= true: the executor computes in bf16 or fp32 only"); });
+  if (!t.fp32_gradients && t.precision == Precision::kMixed)
+    sink(Rule::kExecutorLayouts, "training.fp32_gradients",
+         [&] { return std::string("= false: the executor keeps mixed-precision gradients in fp32"); });
+  // Tensor parallelism splits the vocabulary (embedding, lm head) and the sequence over T ranks.
+  if (const int64_t tp = p.tensor_parallel_degree; tp > 1) {
+    if (m.vocab_size % tp != 0)
+      sink(Rule::kExecutorTensorSplits, "model.vocab_size", [&] {
+        return "= " + str(m.vocab_size) + " is not divisible by tensor_parallel_degree = " + str(tp) +
+               " (the executor splits the embedding and lm head over the vocabulary)";
+      });
+    if (t.seq_len % tp != 0)
+      sink(Rule::kExecutorTensorSplits, "training.seq_len", [&] {
+        return "= " + str(t.seq_len) + " is not divisible by tensor_parallel_degree = " + str(tp) +
+               " (sequence parallelism splits it)";
+      });
+    if (!p.sequence_parallel)
+      sink(Rule::kExecutorTensorSplits, "parallel.sequence_parallel", [&] {
+        return "= false with tensor_parallel_degree = " + str(tp) +
+               ": the executor runs tensor parallelism with sequence parallelism";
+      });
+  }
+}
+
+template <class Sink>
+void check_config(const RunConfig& c, Sink& sink) {
+  check_degrees(c, sink);
+  check_batch(c, sink);
+  check_moe_and_training(c, sink);
+  if (c.executor_mode) check_executor(c, sink);
+}
+
 
 }  // namespace
 

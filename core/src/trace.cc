@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string_view>
 
+#include "moeplan/core/phases.h"
+
 namespace moeplan {
 
 namespace {
@@ -566,12 +568,12 @@ std::vector<std::map<std::string, Span>> all_phases(const Trace& trace) {
     if (e.stream != TraceStream::kCompute || e.rank < 0 || e.rank >= trace.ranks) continue;
     auto& phases = out[static_cast<size_t>(e.rank)];
     const int64_t end = e.start_ns + e.duration_ns;
-    if (e.name == "forward") {
+    if (e.name == phase::kForward) {
       phases[forward_phase(forwards[static_cast<size_t>(e.rank)]++)].add(e.start_ns, end);
-    } else if (e.name == "backward") {
+    } else if (e.name == phase::kBackward) {
       phases[backward_phase(backwards[static_cast<size_t>(e.rank)]++)].add(e.start_ns, end);
-    } else if (e.name == "optimizer") {
-      phases["optimizer"].add(e.start_ns, end);
+    } else if (e.name == phase::kOptimizer) {
+      phases[std::string(phase::kOptimizer)].add(e.start_ns, end);
     } else if (auto mb = micro_batch_of(e.name)) {
       const auto [k, op] = *mb;
       if (op == "head_fwd_bwd") {

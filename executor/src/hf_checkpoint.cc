@@ -9,7 +9,6 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/mixtral.h"
-#include "moeplan/executor/parallel_trainer.h"
 
 namespace moeplan::executor {
 

@@ -11,6 +11,7 @@
 
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/phases.h"
 #include "moeplan/core/pipeline_schedule.h"
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/routing.h"
@@ -19,145 +20,6 @@
 
 namespace moeplan::executor {
 namespace fs = std::filesystem;
-
-// ---------------------------------------------------------------------------------------------
-// Checkpoint slices.
-
-namespace {
-
-int64_t parse_count(const std::string& text, const std::string& name) {
-  try {
-    size_t used = 0;
-    const int64_t v = std::stoll(text, &used);
-    if (used == text.size() && v >= 0) return v;
-  } catch (const std::exception&) {
-  }
-  throw InputError(name, {{"", "is not <name>@<first element> or <name>#cols<c0>:<c1>of<columns>@<first element>"}});
-}
-
-// The values of slices that cover [0, n) exactly once, joined; undefined when they do not.
-torch::Tensor joined(const std::map<int64_t, torch::Tensor>& parts) {
-  std::vector<torch::Tensor> pieces;
-  int64_t at = 0;
-  for (const auto& [first, values] : parts) {
-    if (first != at || (!pieces.empty() && values.scalar_type() != pieces.front().scalar_type())) return {};
-    pieces.push_back(values);
-    at += values.numel();
-  }
-  return pieces.empty() ? torch::Tensor() : torch::cat(pieces);
-}
-
-}  // namespace
-
-void SlicedState::add(const NamedTensors& tensors) {
-  for (const auto& [name, t] : tensors) {
-    const auto at = name.rfind('@');
-    int64_t begin = 0;
-    std::string key = name;
-    if (at != std::string::npos) {
-      key = name.substr(0, at);
-      begin = parse_count(name.substr(at + 1), name);
-    }
-    if (const auto cols = key.find("#cols"); cols != std::string::npos) {
-      const std::string range = key.substr(cols + 5);
-      const auto colon = range.find(':'), of = range.find("of");
-      if (colon == std::string::npos || of == std::string::npos || of < colon) parse_count("", name);  // throws
-      const int64_t c0 = parse_count(range.substr(0, colon), name);
-      const int64_t c1 = parse_count(range.substr(colon + 1, of - colon - 1), name);
-      const int64_t total = parse_count(range.substr(of + 2), name);
-      if (c1 <= c0 || c1 > total) parse_count("", name);
-      const std::string whole = key.substr(0, cols);
-      auto& blocks = columns_[whole];
-      if (!blocks.empty() && blocks.begin()->second.total != total)
-        throw InputError(name, {{"", "says " + std::to_string(total) + " columns, another block of " + whole +
-                                         " says " + std::to_string(blocks.begin()->second.total)}});
-      ColumnBlock& block = blocks[c0];
-      block.end = c1;
-      block.total = total;
-      block.slices[begin] = t.flatten();
-      continue;
-    }
-    slices_[key][begin] = t.flatten();
-  }
-}
-
-const SlicedState::Slices* SlicedState::slices_of(const std::string& key, Diagnostics& d) const {
-  if (const auto it = slices_.find(key); it != slices_.end()) return &it->second;
-  const auto blocks = columns_.find(key);
-  if (blocks == columns_.end()) {
-    d.error(key, "missing from the checkpoint");
-    return nullptr;
-  }
-  // Column blocks [c0, c1) side by side from column 0, each a whole [rows, c1 - c0] matrix.
-  std::vector<torch::Tensor> matrices;
-  int64_t column = 0, rows = -1;
-  for (const auto& [c0, block] : blocks->second) {
-    const int64_t width = block.end - c0;
-    const torch::Tensor values = joined(block.slices);
-    if (c0 != column || !values.defined() || values.numel() % width != 0 ||
-        (rows >= 0 && values.numel() / width != rows) ||
-        (!matrices.empty() && values.scalar_type() != matrices.front().scalar_type())) {
-      d.error(key, "columns " + std::to_string(c0) + ".." + std::to_string(block.end) +
-                       " do not fit the other column blocks of the checkpoint");
-      return nullptr;
-    }
-    rows = values.numel() / width;
-    matrices.push_back(values.view({rows, width}));
-    column = block.end;
-  }
-  if (column != blocks->second.begin()->second.total) {
-    d.error(key, "columns " + std::to_string(column) + ".." + std::to_string(blocks->second.begin()->second.total) +
-                     " are in no column block of the checkpoint");
-    return nullptr;
-  }
-  Slices& whole = slices_[key];
-  whole[0] = torch::cat(matrices, 1).flatten();
-  return &whole;
-}
-
-torch::Tensor SlicedState::range(const std::string& key, int64_t begin, int64_t end, Diagnostics& d) const {
-  const Slices* found = slices_of(key, d);
-  if (found == nullptr) return {};
-  const auto& parts = *found;
-  std::vector<torch::Tensor> pieces;
-  int64_t at = begin;
-  auto p = parts.upper_bound(begin);
-  if (p != parts.begin()) --p;
-  for (; p != parts.end() && at < end; ++p) {
-    const int64_t first = p->first, last = first + p->second.numel();
-    if (last <= at) continue;
-    if (first > at) break;  // a gap
-    if (!pieces.empty() && p->second.scalar_type() != pieces.front().scalar_type()) {
-      d.error(key, "has slices of different types");
-      return {};
-    }
-    const int64_t take_end = std::min(end, last);
-    pieces.push_back(p->second.narrow(0, at - first, take_end - at));
-    at = take_end;
-  }
-  if (at != end) {
-    d.error(key, "elements " + std::to_string(at) + ".." + std::to_string(end) + " are in no slice of the checkpoint");
-    return {};
-  }
-  return pieces.size() == 1 ? pieces.front() : torch::cat(pieces);
-}
-
-torch::Tensor SlicedState::whole(const std::string& key, const std::vector<int64_t>& shape, Diagnostics& d) const {
-  int64_t n = 1;
-  for (const int64_t s : shape) n *= s;
-  Diagnostics missing;
-  const Slices* found = slices_of(key, missing);
-  if (found != nullptr && !found->empty()) {
-    const auto& last = *found->rbegin();
-    if (last.first + last.second.numel() != n) {
-      d.error(key, "has " + std::to_string(last.first + last.second.numel()) + " elements, expected " +
-                       std::to_string(n) + " " + c10::str(c10::IntArrayRef(shape)));
-      return {};
-    }
-  }
-  const torch::Tensor flat = range(key, 0, n, d);
-  return flat.defined() ? flat.view(shape) : flat;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The trainer.
@@ -239,8 +101,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     const torch::Tensor router_terms = terms.total - terms.lm;
     ((terms.lm + router_terms / tp) / static_cast<double>(ga)).backward();
     const auto f2 = Clock::now();
-    clock_.add("forward", "compute", TraceStream::kCompute, f0, f1);
-    clock_.add("backward", "compute", TraceStream::kCompute, f1, f2);
+    clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
+    clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
     if (!counts_data) continue;
     counts += out.tokens_per_expert;
     sums[0] += terms.lm.item<double>();
@@ -280,7 +142,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     for (torch::Tensor& g : grads) g.mul_(coef);
   optimizer_->step(grads, r.learning_rate);
   for (torch::Tensor& shard : model_.shards()) shard.mutable_grad() = torch::Tensor();
-  clock_.add("optimizer", "compute", TraceStream::kCompute, o0, Clock::now());
+  clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
 
   mesh_.world.all_reduce_sum(sums);
   mesh_.world.all_reduce_sum(counts);
@@ -406,7 +268,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
         }
       }
       live.emplace(std::make_pair(a.micro_batch, a.chunk), std::move(f));
-      clock_.add("forward", "compute", TraceStream::kCompute, t0, Clock::now());
+      clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, t0, Clock::now());
     } else {
       const auto at = live.find({a.micro_batch, a.chunk});
       if (at == live.end()) throw std::logic_error("a pipeline backward before its forward");
@@ -422,7 +284,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       if (stage > 0)
         send(f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input), prev,
              tag(a.micro_batch, stage - 1, kGradient));
-      clock_.add("backward", "compute", TraceStream::kCompute, t0, Clock::now());
+      clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, t0, Clock::now());
     }
   }
   for (auto& [tag_of, transfer] : sends) pipe.finish_transfer(transfer);

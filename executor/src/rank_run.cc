@@ -1,6 +1,8 @@
 // One rank of a multi-rank run: rendezvous, the data slice of each rank, checkpoints written by
 // every rank and committed by rank 0, heartbeats that name a lost rank, and the measured trace
 // and report.
+#include "moeplan/executor/rank_run.h"
+
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
@@ -102,8 +104,6 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o,
   if (plan.parallel.world_size != env.world_size)
     d.error("parallel.world_size", std::to_string(plan.parallel.world_size) + " ranks, but " + env.launcher +
                                        " started " + std::to_string(env.world_size));
-  for (const Violation& v : validate({plan.model, plan.cluster, plan.parallel, plan.moe, plan.training}))
-    d.error(v.field, v.message);
   check_run_inputs(plan, data, o, d);
   d.throw_if_any("run");
 }

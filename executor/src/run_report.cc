@@ -7,7 +7,6 @@
 
 #include "moeplan/core/fit.h"
 #include "moeplan/executor/runtime.h"
-#include "moeplan/executor/trainer.h"
 
 namespace moeplan::executor {
 
@@ -51,10 +50,6 @@ int64_t status_bytes(const char* field) {
   while (std::getline(in, line))
     if (line.rfind(prefix, 0) == 0) return std::stoll(line.substr(prefix.size())) * 1024;  // reported in kB
   return 0;
-}
-
-double relative_error(double measured, double predicted) {
-  return predicted > 0 ? (measured - predicted) / predicted : 0.0;
 }
 
 std::string mib(double bytes) {
@@ -106,35 +101,6 @@ RankMeasurement rank_measurement_from_json(const Json& j, const std::string& ori
   return m;
 }
 
-Json RunReport::to_json() const {
-  Json report;
-  report["schema_version"] = 1;
-  report["plan"] = {{"parallel", parallel}, {"profile", profile}};
-  Json phases = Json::object();
-  for (const auto& [name, seconds] : phase_seconds) phases[name] = seconds;
-  report["measured"] = {{"where", where},
-                        {"ranks", ranks},
-                        {"steps", steps},
-                        {"step_time_s", step_time_s},
-                        {"tokens_per_s", tokens_per_s},
-                        {"peak_rss_bytes_per_rank", peak_rss_bytes_per_rank},
-                        {"baseline_rss_bytes_per_rank", baseline_rss_bytes_per_rank},
-                        {"peak_tensor_bytes_per_rank", peak_tensor_bytes_per_rank},
-                        {"peak_step_tensor_bytes_per_rank", peak_step_tensor_bytes_per_rank},
-                        {"busiest_expert_rows_per_rank", busiest_expert_rows_per_rank},
-                        {"peak_rss_bytes", peak_rss_bytes},
-                        {"phase_seconds_rank0", phases},
-                        {"tokens_per_expert", tokens_per_expert}};
-  report["predicted"] = {{"step_time_s", predicted_step_time_s},
-                         {"tokens_per_s", predicted_tokens_per_s},
-                         {"device_bytes_per_rank", predicted_bytes_per_rank}};
-  report["relative_error"] = {
-      {"step_time", relative_error(step_time_s, predicted_step_time_s)},
-      {"tokens_per_s", relative_error(tokens_per_s, predicted_tokens_per_s)},
-      {"peak_memory", relative_error(static_cast<double>(peak_rss_bytes), static_cast<double>(predicted_bytes_per_rank))}};
-  return report;
-}
-
 RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const std::vector<StepRecord>& steps,
                             const std::vector<RankMeasurement>& ranks, const std::string& where) {
   Trace trace;
@@ -176,7 +142,7 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
     }
     for (const std::string& name : order) r.phase_seconds.emplace_back(name, by_name[name]);
   }
-  write_file_atomic(out_dir + "/report.json", r.to_json().dump(2) + "\n");
+  write_file_atomic(out_dir + "/report.json", moeplan::to_json(r).dump(2) + "\n");
   return r;
 }
 

@@ -11,11 +11,12 @@
 #include <ostream>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/phases.h"
+#include "moeplan/core/rules.h"
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
-#include "moeplan/executor/parallel_trainer.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
 
@@ -39,57 +40,11 @@ std::string to_json_line(const StepRecord& r) {
 }
 
 void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptions& o, Diagnostics& d) {
-  // The executor builds Mixtral; dense models (one feed-forward layer, no router) and GELU
-  // feed-forward layers are planned and simulated only.
-  if (plan.model.dense())
-    d.error("model.num_experts", "= 1 (a dense model): the executor trains Mixture-of-Experts models; dense models "
-                                 "are planned and simulated only");
-  if (plan.model.mlp != Mlp::kSwiGlu)
-    d.error("model.mlp", "= \"" + std::string(name_of(kMlpNames, plan.model.mlp)) +
-                             "\": the executor trains SwiGLU feed-forward layers only");
-  // Pipeline stages: the router's losses are reported across stages but not trained through
-  // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
-  if (plan.parallel.pipeline_parallel_degree > 1) {
-    const std::string stages = " with pipeline_parallel_degree = " + std::to_string(plan.parallel.pipeline_parallel_degree);
-    if (plan.moe.load_balancing == LoadBalancing::kAuxLoss && plan.moe.aux_loss_coef != 0)
-      d.error("moe.load_balancing", "= \"aux_loss\"" + stages +
-                                        ": the executor trains the load-balancing loss without pipeline stages only "
-                                        "(use sinkhorn, balanced or none)");
-    if (plan.moe.z_loss_coef != 0)
-      d.error("moe.z_loss_coef", "= " + std::to_string(plan.moe.z_loss_coef) + stages +
-                                     ": the executor trains the z-loss without pipeline stages only (use 0)");
-    if (plan.parallel.activation_offloading)
-      d.error("parallel.activation_offloading", "= true" + stages +
-                                                    ": the executor offloads without pipeline stages only");
-  }
-  // Layouts the planner and simulator know that the executor does not run yet.
-  if (plan.parallel.activation_checkpointing == Checkpointing::kAttentionCore)
-    d.error("parallel.activation_checkpointing",
-            "= \"attention_core\": the executor recomputes whole blocks (full) or MoE sub-blocks (selective) only");
-  if (plan.parallel.distributed_optimizer)
-    d.error("parallel.distributed_optimizer",
-            "= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)");
-  if (plan.parallel.first_stage_layers > 0 || plan.parallel.last_stage_layers > 0)
-    d.error(plan.parallel.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
-            "is set: the executor runs equal pipeline stages only");
-  if (plan.training.fp8)
-    d.error("training.fp8", "= true: the executor computes in bf16 or fp32 only");
-  if (!plan.training.fp32_gradients && plan.training.precision == Precision::kMixed)
-    d.error("training.fp32_gradients", "= false: the executor keeps mixed-precision gradients in fp32");
-  // Tensor parallelism splits the vocabulary (embedding, lm head) and the sequence over T ranks.
-  if (const int64_t tp = plan.parallel.tensor_parallel_degree; tp > 1) {
-    if (plan.model.vocab_size % tp != 0)
-      d.error("model.vocab_size", "= " + std::to_string(plan.model.vocab_size) +
-                                      " is not divisible by tensor_parallel_degree = " + std::to_string(tp) +
-                                      " (the embedding and lm head are split over the vocabulary)");
-    if (plan.training.seq_len % tp != 0)
-      d.error("training.seq_len", "= " + std::to_string(plan.training.seq_len) +
-                                      " is not divisible by tensor_parallel_degree = " + std::to_string(tp) +
-                                      " (sequence parallelism splits it)");
-    if (!plan.parallel.sequence_parallel)
-      d.error("parallel.sequence_parallel", "= false with tensor_parallel_degree = " + std::to_string(tp) +
-                                                ": the executor runs tensor parallelism with sequence parallelism");
-  }
+  // Every rule of the plan, the executor's own (what it trains) among them: the same rules the
+  // search applies for `--target moeplan`, so that it never writes a plan this refuses.
+  RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
+  config.executor_mode = true;
+  for (const Violation& v : validate(config)) d.error(v.field, v.message);
   if (data.vocab_size() != plan.model.vocab_size)
     d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
                                     data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");
@@ -263,8 +218,8 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();
-    clock_.add("forward", "compute", TraceStream::kCompute, f0, f1);
-    clock_.add("backward", "compute", TraceStream::kCompute, f1, Clock::now());
+    clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
+    clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
     if (mixed)
       for (size_t i = 0; i < compute.size(); ++i)
         if (compute[i].grad().defined()) master_grads[i].add_(compute[i].grad().to(master_type_));
@@ -285,7 +240,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
   optimizer_->step(grads, r.learning_rate);
   for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
-  clock_.add("optimizer", "compute", TraceStream::kCompute, o0, Clock::now());
+  clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
   const double n = static_cast<double>(ga);
   r.loss = loss / n;
   r.aux_loss = aux / n;

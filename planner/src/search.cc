@@ -145,7 +145,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
     if (pin.first_stage_layers || pin.last_stage_layers)
       return std::vector<std::pair<int64_t, int64_t>>{{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
-    if (pp < 3 || model.num_layers % pp == 0 || options.runnable) return out;
+    if (pp < 3 || model.num_layers % pp == 0 || options.executor_mode) return out;
     out.clear();
     const int64_t even = (model.num_layers + pp - 1) / pp;
     for (int64_t middle = even; middle <= even + 1; ++middle) {
@@ -163,7 +163,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   // Recomputing the attention core saves the T x T scores of unfused attention; flash
   // attention keeps none, so there it only costs time.
   std::vector<Checkpointing> checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
-  if (cluster.attention == AttentionKernel::kUnfused && !options.runnable)
+  if (cluster.attention == AttentionKernel::kUnfused && !options.executor_mode)
     checkpointing.push_back(Checkpointing::kAttentionCore);
   std::vector<Placement> placements = all_placements();
   // What the user fixed: the one value, even where the search would not have tried it (the
@@ -232,7 +232,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
           const bool replicated = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 &&
                                   w / (e * s * t * pp) > 1;
           std::vector<bool> optimizer_options = {false};
-          if (replicated && !options.runnable) optimizer_options = {false, true};
+          if (replicated && !options.executor_mode) optimizer_options = {false, true};
           if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
           struct Variant {
             int64_t chunks;
@@ -303,7 +303,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                   p.gradient_accumulation_steps = std::max<int64_t>(1, seqs_per_reader / mbs);
                   p.placement = distinct.front().second;
                   const int64_t this_inner = inner_index++;
-                  const RunConfig config{model, cluster, p, options.moe, training, options.smp_mode};
+                  const RunConfig config{model, cluster, p, options.moe, training, options.smp_mode, options.executor_mode};
                   const RuleMask broken = violated_rules(config);
                   if (broken != 0) {
                     stats.rule_rejected += kept;
@@ -332,7 +332,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                     p.placement = distinct[i].second;
                     // Numbered as if the placements were the outer loop, as they are listed.
                     Candidate c{p, memory, {}, index + distinct[i].first * inner + this_inner};
-                    const RunConfig placed{model, cluster, p, options.moe, training, options.smp_mode};
+                    const RunConfig placed{model, cluster, p, options.moe, training, options.smp_mode, options.executor_mode};
                     c.estimate = sim::estimate_step(placed, shapes[i], &kernel_costs);
                     fitting.push_back(c);
                   }
@@ -417,6 +417,14 @@ std::vector<std::string> explain_no_plan(const SearchResult& result, const Clust
   if (stats.rule_valid == 0) {
     lines.push_back("every one of " + std::to_string(stats.enumerated) +
                     " candidate configurations breaks a validity rule (see --explain)");
+    std::string executor;
+    for (Rule r : {Rule::kExecutorTrainsMoe, Rule::kExecutorPipelineLimits, Rule::kExecutorLayouts,
+                   Rule::kExecutorTensorSplits})
+      if (const int64_t n = stats.rejected_by_rule[static_cast<size_t>(r)]; n > 0)
+        executor += (executor.empty() ? "" : ", ") + std::string(rule_name(r)) + " " + std::to_string(n);
+    if (!executor.empty())
+      lines.push_back("moeplan's executor rules removed some (" + executor +
+                      "); --target megatron plans every layout moeplan models, for Megatron-Core");
     return lines;
   }
   if (const auto& c = stats.closest_over_device) {

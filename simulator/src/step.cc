@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "moeplan/core/moe_load.h"
+#include "moeplan/core/phases.h"
 #include "moeplan/core/units.h"
 #include "moeplan/simulator/op_costs.h"
 #include "moeplan/simulator/pipeline.h"
@@ -633,7 +634,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   // free. The step is the schedule's makespan plus what the stage's step spends after its
   // micro-batches (gradient sync, update).
   const ModelSpec blocks = stage_model(c);
-  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.smp_mode};
+  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.smp_mode, c.executor_mode};
   StepSimulation sim = simulate_stage(stage, options);
   const OpCosts o = op_costs(stage);
   const double layers = static_cast<double>(blocks.num_layers);
@@ -806,9 +807,11 @@ std::vector<std::pair<std::string, double>> phase_seconds(const StepSimulation& 
     forward += to_seconds(loss[mb] - first[mb]);
     backward += to_seconds(last[mb] - loss[mb]);
   }
-  std::vector<std::pair<std::string, double>> out{{"forward", forward}, {"backward", backward}};
-  out.emplace_back("optimizer", update_begin == SimTime::max() ? 0.0 : to_seconds(update_end - update_begin));
-  for (const char* c : {"all_to_all", "all_gather", "reduce_scatter", "all_reduce", "copy"}) out.emplace_back(c, inside[c]);
+  std::vector<std::pair<std::string, double>> out{{std::string(phase::kForward), forward},
+                                                  {std::string(phase::kBackward), backward}};
+  out.emplace_back(phase::kOptimizer, update_begin == SimTime::max() ? 0.0 : to_seconds(update_end - update_begin));
+  for (std::string_view c : phase::kCollectives) out.emplace_back(c, inside[std::string(c)]);
+  out.emplace_back(phase::kCopy, inside[std::string(phase::kCopy)]);
   return out;
 }
 

@@ -121,10 +121,16 @@ TEST_F(Cli, SearchWritesAPlanThatCheckAccepts) {
 }
 
 // Dense models are planned like Mixtral, with one expert: no expert parallelism, no router.
+// moeplan's executor trains Mixture-of-Experts models only, so they are planned for Megatron-Core;
+// for `moeplan run`, the default target, the search says which rule and which target.
 TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   Workdir dir;
+  const Outcome refused = dir.moeplan("search --gpus 64 --model llama-3-8b");
+  EXPECT_EQ(refused.exit_code, 1) << show(refused);
+  EXPECT_NE(refused.err.find("executor_trains_moe"), std::string::npos) << show(refused);
+  EXPECT_NE(refused.err.find("--target megatron"), std::string::npos) << show(refused);
   for (const char* model : {"llama-3-8b", "llama-2-70b", "gpt3-175b"}) {
-    const Outcome search = dir.moeplan(std::string("search --gpus 64 --model ") + model);
+    const Outcome search = dir.moeplan(std::string("search --target megatron --gpus 64 --model ") + model);
     ASSERT_EQ(search.exit_code, 0) << model << show(search);
     const Plan plan = read_plan_file((dir / "plan.json").string());
     EXPECT_EQ(plan.model.name, model);
@@ -134,7 +140,8 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
     EXPECT_EQ(check.exit_code, 0) << model << show(check);
   }
   // A Hugging Face LlamaConfig too.
-  const Outcome hf = dir.moeplan("search --gpus 64 --model " + test::data_path("hf/llama-2-70b/config.json"));
+  const Outcome hf =
+      dir.moeplan("search --target megatron --gpus 64 --model " + test::data_path("hf/llama-2-70b/config.json"));
   EXPECT_EQ(hf.exit_code, 0) << show(hf);
 }
 
@@ -246,7 +253,7 @@ TEST_F(Cli, GlobalBatchThatIsNotWholeSequencesIsOneLineNamingTheFlag) {
 TEST_F(Cli, GlobalBatchSplitsOverTheReplicasOnly) {
   Workdir dir;
   const Outcome run = dir.moeplan(
-      "search --gpus 64 --instance p4de.24xlarge --model gpt3-175b --tensor-parallel-degree 8 --pipeline-parallel-degree 8 "
+      "search --target megatron --gpus 64 --instance p4de.24xlarge --model gpt3-175b --tensor-parallel-degree 8 --pipeline-parallel-degree 8 "
       "--global-batch-tokens 16384 --precision mixed");
   ASSERT_EQ(run.exit_code, 0) << show(run);
   const Plan plan = read_plan_file((dir / "plan.json").string());
@@ -255,7 +262,7 @@ TEST_F(Cli, GlobalBatchSplitsOverTheReplicasOnly) {
   // With 16 GPUs in T8 the batch of 8 sequences does not split over 2 replicas of 8 GPUs each
   // with micro-batches of 3: the rule says why.
   const Outcome odd = dir.moeplan(
-      "search --gpus 16 --instance p4de.24xlarge --model gpt3-175b --tensor-parallel-degree 8 --pipeline-parallel-degree 1 "
+      "search --target megatron --gpus 16 --instance p4de.24xlarge --model gpt3-175b --tensor-parallel-degree 8 --pipeline-parallel-degree 1 "
       "--global-batch-tokens 6144 --precision mixed --explain");
   EXPECT_EQ(odd.exit_code, 1) << show(odd);
   EXPECT_NE(odd.out.find("global_batch_matches"), std::string::npos) << show(odd);

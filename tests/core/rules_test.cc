@@ -156,6 +156,43 @@ const RuleCase kCases[] = {
      "= 2 with tensor_parallel_degree = 2: SMP does not combine expert and tensor parallelism (moeplan's "
      "simulator does)",
      "2"},
+    {"ExecutorModeGeluModel",
+     [](Scenario& s) {
+       s.executor_mode = true;
+       s.model.mlp = Mlp::kGelu;
+     },
+     Rule::kExecutorTrainsMoe, "model.mlp", "= \"gelu\": the executor trains SwiGLU feed-forward layers only", "gelu"},
+    {"ExecutorModeZLossAcrossStages",
+     [](Scenario& s) {
+       s.executor_mode = true;
+       s.moe.z_loss_coef = 0.001;
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kExecutorPipelineLimits, "moe.z_loss_coef",
+     "= 0.001 with pipeline_parallel_degree = 2: the executor trains the z-loss without pipeline stages only (use 0)",
+     "0.001"},
+    {"ExecutorModeDistributedOptimizer",
+     [](Scenario& s) {
+       s.executor_mode = true;
+       s.parallel.distributed_optimizer = true;
+     },
+     Rule::kExecutorLayouts, "parallel.distributed_optimizer",
+     "= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)", "true"},
+    {"ExecutorModeVocabularyOverTensorRanks",
+     [](Scenario& s) {
+       s.executor_mode = true;
+       s.model.vocab_size = 32001;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kExecutorTensorSplits, "model.vocab_size",
+     "= 32001 is not divisible by tensor_parallel_degree = 2 (the executor splits the embedding and lm head over the "
+     "vocabulary)",
+     "32001"},
     {"PipelineDoesNotDivideLayers",
      [](Scenario& s) {
        s.model.num_layers = 31;

@@ -19,6 +19,8 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/executor/tokens.h"
+#include "moeplan/executor/trainer.h"
+#include "moeplan/planner/search.h"
 #include "run_fixture.h"
 #include "test_support.h"
 
@@ -368,14 +370,14 @@ TEST_F(PreparedData, PrepareWithABlockLongerThanTheCorpusFails) {
 }
 
 // Plans `model` for one CPU rank on blocks of the prepared data (4 sequences per step, 2 per
-// micro-batch) and runs one step of it into tmp/run, which must fail as bad input: the run's
-// error output.
+// micro-batch), with the search's rules for Megatron-Core rather than for the executor, and runs
+// one step of it into tmp/run, which must fail as bad input: the run's error output.
 std::string run_refused(const test::TempDir& tmp, const std::string& model, const std::string& data,
                         const std::string& layout = "--gpus 1") {
   const std::string plan = tmp.file("plan.json");
-  const Command made = run_moeplan("search " + layout + " --instance local-cpu --model " + model + " --seq-len " +
-                                   std::to_string(kBlock) + " --global-batch-tokens " + std::to_string(4 * kBlock) +
-                                   " --precision fp32 --max-micro-batch 2 --out " + plan);
+  const Command made = run_moeplan("search --target megatron " + layout + " --instance local-cpu --model " + model +
+                                   " --seq-len " + std::to_string(kBlock) + " --global-batch-tokens " +
+                                   std::to_string(4 * kBlock) + " --precision fp32 --max-micro-batch 2 --out " + plan);
   EXPECT_EQ(made.exit_code, 0) << show(made);
   const std::string out = tmp.file("run");
   const Command r = run_moeplan("run " + plan + " --data " + data + " --out " + out + " --steps 1 --threads 1");
@@ -433,6 +435,64 @@ TEST_F(PreparedData, RunOfAnUnevenVocabularySplitOrUntrainedPipelineLossIsRefuse
   EXPECT_TRUE(contains(r.err, "moe.load_balancing: = \"aux_loss\" with pipeline_parallel_degree = 2")) << r.err;
   EXPECT_TRUE(contains(r.err, "moe.z_loss_coef: = 0.001")) << r.err;
   EXPECT_FALSE(fs::exists(tmp.file("run") + "/metrics.jsonl"));
+}
+
+// Every plan the search writes for `moeplan run` (its default target) is one the executor
+// trains: all of the search's valid candidates for small Mixtral models on 1 to 8 local ranks,
+// with and without router losses in the objective, pass the executor's own check of a plan
+// against its data. A search for Megatron-Core's layouts does write plans the executor refuses
+// (the distributed optimizer), so the check has something to catch.
+TEST_F(PreparedData, EveryPlanTheSearchWritesForTheExecutorIsOneItRuns) {
+  const TokenDataset ds = TokenDataset::open(data());
+  ModelSpec tiny = test::model("mixtral-tiny");
+  tiny.vocab_size = kVocab;
+  RunOptions run;
+  run.stop_after_step = 1;
+  auto refused = [&](int64_t gpus, const MoeConfig& moe, Precision precision, bool executor_mode, int64_t& checked) {
+    planner::SearchOptions o = test::search_options(gpus, kBlock);
+    o.training.global_batch_tokens = 16 * kBlock;
+    o.training.precision = precision;
+    o.moe = moe;
+    o.max_micro_batch = 4;
+    o.estimator = planner::Estimator::kAnalytic;  // ranks every candidate that fits
+    o.ignore_memory_limits = true;
+    o.keep = size_t{1} << 20;
+    o.executor_mode = executor_mode;
+    const ClusterSpec cluster = test::hardware("local-cpu", gpus);
+    const planner::SearchResult result = planner::search(tiny, cluster, o);
+    int64_t refusals = 0;
+    for (const planner::Candidate& c : result.ranked) {
+      Plan plan;
+      plan.model = tiny;
+      plan.cluster = cluster;
+      plan.moe = o.moe;
+      plan.training = o.training;
+      plan.parallel = c.parallel;
+      Diagnostics d;
+      check_run_inputs(plan, ds, run, d);
+      ++checked;
+      if (!d.empty()) {
+        ++refusals;
+        if (executor_mode)
+          for (const Diagnostic& each : d.items()) ADD_FAILURE() << describe(c.parallel) << ": " << each.path << " " << each.message;
+      }
+    }
+    EXPECT_LT(result.ranked.size(), o.keep) << "every valid candidate is walked";
+    return refusals;
+  };
+  MoeConfig losses;
+  losses.load_balancing = LoadBalancing::kAuxLoss;
+  losses.aux_loss_coef = 0.01;
+  losses.z_loss_coef = 0.001;
+  int64_t checked = 0;
+  for (int64_t gpus : {1, 2, 4, 8})
+    for (const MoeConfig& moe : {MoeConfig{}, losses})
+      for (Precision precision : {Precision::kFp32, Precision::kMixed})
+        EXPECT_EQ(refused(gpus, moe, precision, true, checked), 0) << gpus << " ranks";
+  EXPECT_GT(checked, 1000);  // tensor, pipeline, expert and shard degrees, checkpointing, offloading
+
+  int64_t megatron_checked = 0;
+  EXPECT_GT(refused(4, MoeConfig{}, Precision::kMixed, false, megatron_checked), 0);
 }
 
 }  // namespace

@@ -235,9 +235,9 @@ TEST(Search, SimulationNeverBeatsTheLowerBound) {
 }
 
 // The executor trains neither the distributed optimizer nor attention-core recomputation nor
-// uneven stages: a runnable search leaves them out, an ordinary one tries them where they can
-// win (unfused attention, replicas).
-TEST(Search, RunnableKeepsToWhatTheExecutorTrains) {
+// uneven stages: a search in executor mode leaves them out, one for Megatron-Core tries them
+// where they can win (unfused attention, replicas).
+TEST(Search, ExecutorModeKeepsToWhatTheExecutorTrains) {
   ClusterSpec cluster = p4d(16);
   cluster.kernels = Kernels::kEager;
   cluster.attention = AttentionKernel::kUnfused;
@@ -253,7 +253,7 @@ TEST(Search, RunnableKeepsToWhatTheExecutorTrains) {
     return seen;
   };
   EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(true, true));
-  options.runnable = true;
+  options.executor_mode = true;
   EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(false, false));
 }
 

@@ -131,8 +131,9 @@ struct Scenario {
   MoeConfig moe;
   TrainingConfig training;
   bool smp_mode = false;
+  bool executor_mode = false;
 
-  RunConfig config() const { return {model, cluster, parallel, moe, training, smp_mode}; }
+  RunConfig config() const { return {model, cluster, parallel, moe, training, smp_mode, executor_mode}; }
   std::string describe() const {
     std::ostringstream out;
     out << model.name << " on " << parallel.world_size << " x " << cluster.name << ": "

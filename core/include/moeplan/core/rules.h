@@ -52,11 +52,16 @@ enum class Rule : uint8_t {
   kWarmupWithinSteps,
   // Precision
   kFp8NeedsHardware,
+  // What moeplan's executor trains (RunConfig::executor_mode)
+  kExecutorTrainsMoe,
+  kExecutorPipelineLimits,
+  kExecutorLayouts,
+  kExecutorTensorSplits,
   kCount
 };
 inline constexpr int kRuleCount = static_cast<int>(Rule::kCount);
-using RuleMask = uint32_t;
-static_assert(kRuleCount <= 32, "RuleMask is too narrow");
+using RuleMask = uint64_t;
+static_assert(kRuleCount <= 64, "RuleMask is too narrow");
 
 inline constexpr RuleMask rule_bit(Rule r) { return RuleMask{1} << static_cast<int>(r); }
 
@@ -79,6 +84,11 @@ struct RunConfig {
   // Apply SMP's own restrictions too (expert parallelism not with tensor parallelism), for
   // plans that must run on SMP rather than on moeplan's executor or Megatron.
   bool smp_mode = false;
+  // Apply the executor's restrictions too: only what `moeplan run` trains (Mixture-of-Experts
+  // SwiGLU models; no distributed optimizer, attention-core recomputation, uneven stages or FP8).
+  // The search sets it for plans meant for `moeplan run`, and the executor checks every plan
+  // it is given with it.
+  bool executor_mode = false;
 };
 
 // Every violated rule of the model alone.

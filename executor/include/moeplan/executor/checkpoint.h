@@ -6,9 +6,11 @@
 // files do not match it, never loads.
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/executor/tensor_file.h"
 
@@ -50,5 +52,34 @@ LoadedCheckpoint open_checkpoint(const std::string& step_dir);
 
 // The tensors of one listed shard (after open_checkpoint verified it).
 TensorFile read_checkpoint_shard(const LoadedCheckpoint& checkpoint, const std::string& name);
+
+// Checkpoint tensors of any layout, by parameter: a whole tensor "param/<name>", slices
+// "param/<name>@<first element>" of its flattened values, or, for a matrix split by columns
+// over tensor-parallel ranks, slices "param/<name>#cols<c0>:<c1>of<C>@<first element>" of its
+// flattened columns [c0, c1) of C. Column blocks are put together when the tensor is first read.
+class SlicedState {
+ public:
+  void add(const NamedTensors& tensors);
+  // Elements [begin, end) of the flattened tensor `key` ("param/<name>", ...), in the stored
+  // type; reports into d (and returns an undefined tensor) when the slices do not cover the
+  // range exactly once or their types differ.
+  torch::Tensor range(const std::string& key, int64_t begin, int64_t end, Diagnostics& d) const;
+  // The whole tensor, shaped.
+  torch::Tensor whole(const std::string& key, const std::vector<int64_t>& shape, Diagnostics& d) const;
+  bool contains(const std::string& key) const { return slices_.count(key) != 0 || columns_.count(key) != 0; }
+
+ private:
+  using Slices = std::map<int64_t, torch::Tensor>;  // first element -> values
+  // The slices of `key`, its column blocks put together first; nullptr (reported into d) when
+  // there are none or the blocks do not fit together.
+  const Slices* slices_of(const std::string& key, Diagnostics& d) const;
+
+  struct ColumnBlock {
+    int64_t end = 0, total = 0;  // columns [c0, end) of total
+    Slices slices;
+  };
+  mutable std::map<std::string, Slices> slices_;
+  std::map<std::string, std::map<int64_t, ColumnBlock>> columns_;  // key -> c0 -> block
+};
 
 }  // namespace moeplan::executor

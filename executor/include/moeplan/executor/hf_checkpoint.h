@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "moeplan/core/model_spec.h"
-#include "moeplan/executor/parallel_trainer.h"
+#include "moeplan/executor/checkpoint.h"
 
 namespace moeplan::executor {
 

@@ -8,9 +8,19 @@
 #include <string>
 #include <vector>
 
-#include "moeplan/executor/parallel_trainer.h"
-
 namespace moeplan::executor {
+
+// Where a rank of a multi-rank run comes from.
+struct RankEnv {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 0;
+  bool store_hosted_elsewhere = false;  // the moeplan launcher hosts the store; else rank 0 does
+  std::string launcher;                 // "moeplan", "torchrun", "slurm", "mpirun"
+  std::string bind_address = "127.0.0.1";  // where this rank's gloo connections listen
+};
 
 // The rank of this process from the environment, or nothing when no launcher set one:
 //   moeplan (MOEPLAN_RANK, MOEPLAN_WORLD_SIZE, MOEPLAN_STORE_ADDR, MOEPLAN_STORE_PORT),

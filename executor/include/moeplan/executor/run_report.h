@@ -10,6 +10,7 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/run_report.h"
 #include "moeplan/core/trace.h"
 
 namespace moeplan::executor {
@@ -55,27 +56,18 @@ struct RankMeasurement {
 Json to_json(const RankMeasurement& m);
 RankMeasurement rank_measurement_from_json(const Json& j, const std::string& origin);
 
-// The measured figures of a run against the plan's prediction.
-struct RunReport {
-  std::string parallel;  // "E2 S1 R1 RSE ckpt=none mbs=8 ga=2"
-  std::string profile;
-  std::string where;     // what measured it
-  int64_t ranks = 1;
-  int64_t steps = 0;
-  double step_time_s = 0;  // median over the steps, the first (warm-up) one left out when there are more
-  double tokens_per_s = 0;
-  std::vector<int64_t> peak_rss_bytes_per_rank, baseline_rss_bytes_per_rank, peak_tensor_bytes_per_rank,
-      peak_step_tensor_bytes_per_rank, busiest_expert_rows_per_rank;
-  int64_t peak_rss_bytes = 0;  // the largest rank's
-  double predicted_step_time_s = 0, predicted_tokens_per_s = 0;
-  int64_t predicted_bytes_per_rank = 0;
-  std::vector<std::vector<int64_t>> tokens_per_expert;  // of the last step, [layer][expert]
-  std::vector<std::pair<std::string, double>> phase_seconds;  // rank 0's last step, per event name
-
-  Json to_json() const;
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0;        // language-model cross entropy, mean over micro-batches
+  double aux_loss = 0;
+  double z_loss = 0;
+  double total_loss = 0;  // what was differentiated
+  double learning_rate = 0;
+  double grad_norm = 0;   // before clipping
+  int64_t tokens = 0;
+  double seconds = 0;
+  std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
 };
-
-struct StepRecord;
 // Joins the ranks' measurements into trace.json and report.json in out_dir and returns the report.
 RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const std::vector<StepRecord>& steps,
                             const std::vector<RankMeasurement>& ranks, const std::string& where);

@@ -31,19 +31,6 @@ struct RunOptions {
   std::ostream* progress = nullptr;
 };
 
-struct StepRecord {
-  int64_t step = 0;
-  double loss = 0;        // language-model cross entropy, mean over micro-batches
-  double aux_loss = 0;
-  double z_loss = 0;
-  double total_loss = 0;  // what was differentiated
-  double learning_rate = 0;
-  double grad_norm = 0;   // before clipping
-  int64_t tokens = 0;
-  double seconds = 0;
-  std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
-};
-
 // The model, its optimizer and one optimizer step of a plan, without data or files (the
 // benchmarks drive it directly).
 class ModelTrainer {

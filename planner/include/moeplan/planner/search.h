@@ -43,9 +43,9 @@ struct SearchOptions {
   bool smp_mode = false;  // apply SMP's own restrictions (rules.h RunConfig::smp_mode)
   // Rank candidates whatever the memory model says of them (to time a layout known to have run).
   bool ignore_memory_limits = false;
-  // Only layouts moeplan's executor trains: no distributed optimizer, attention-core
-  // recomputation or uneven pipeline stages.
-  bool runnable = false;
+  // Only plans moeplan's executor trains (rules.h RunConfig::executor_mode): `moeplan search`
+  // sets it unless asked for another framework's layouts.
+  bool executor_mode = false;
 };
 
 struct Candidate {

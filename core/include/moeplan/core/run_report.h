@@ -1,0 +1,59 @@
+#pragma once
+// report.json: what a run measured beside what its plan predicted. The executor writes it at
+// the end of a run; `moeplan simulate --measured`, `moeplan validate` and the rehearsal read it
+// back with one strict reader that names the field of any problem.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "moeplan/core/json_reader.h"
+#include "moeplan/core/phases.h"
+
+namespace moeplan {
+
+// The simulator's phase of a measured span: "forward", "backward" and "optimizer" as they are,
+// a collective "<group>.<kind>" as its kind, "<...>.offload" and "<...>.reload" as copies.
+std::string phase_of_measured_span(std::string_view name);
+
+// Measured against predicted, as every report and comparison states it: measured / predicted
+// - 1 (0 where nothing was predicted).
+double relative_error(double measured, double predicted);
+
+struct RunReport {
+  std::string parallel;  // "E2 S1 R1 RSE ckpt=none mbs=8 ga=2"
+  std::string profile;
+  std::string where;  // what measured it
+  int64_t ranks = 1;
+  int64_t steps = 0;
+  double step_time_s = 0;  // median over the steps, the first (warm-up) one left out when there are more
+  double tokens_per_s = 0;
+  std::vector<int64_t> peak_rss_bytes_per_rank, baseline_rss_bytes_per_rank, peak_tensor_bytes_per_rank,
+      peak_step_tensor_bytes_per_rank, busiest_expert_rows_per_rank;
+  int64_t peak_rss_bytes = 0;  // the largest rank's
+  double predicted_step_time_s = 0, predicted_tokens_per_s = 0;
+  int64_t predicted_bytes_per_rank = 0;
+  std::vector<std::vector<int64_t>> tokens_per_expert;  // of the last step, [layer][expert]
+  std::vector<std::pair<std::string, double>> phase_seconds;  // rank 0's last step, per span name
+
+  double step_time_error() const { return relative_error(step_time_s, predicted_step_time_s); }
+  double tokens_per_s_error() const { return relative_error(tokens_per_s, predicted_tokens_per_s); }
+  double memory_error() const {
+    return relative_error(static_cast<double>(peak_rss_bytes), static_cast<double>(predicted_bytes_per_rank));
+  }
+  // Rank 0's last step by the simulator's phase names (phase_of_measured_span), summed.
+  std::vector<std::pair<std::string, double>> phases() const;
+  // The busiest rank's live tensors inside a step, and the most rows one rank's experts took.
+  int64_t peak_step_tensor_bytes() const;
+  int64_t busiest_expert_rows() const;
+};
+
+Json to_json(const RunReport& report);
+// Strict: every field typed and checked, unknown fields refused, problems named by field path
+// and thrown together as an InputError of `origin`.
+RunReport run_report_from_json(const Json& json, const std::string& origin);
+RunReport read_run_report(const std::string& path);
+
+}  // namespace moeplan

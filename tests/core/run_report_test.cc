@@ -1,0 +1,116 @@
+#include "moeplan/core/run_report.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "test_support.h"
+
+namespace moeplan {
+namespace {
+
+RunReport two_rank_report() {
+  RunReport r;
+  r.parallel = "E2 S1 R1 RSE ckpt=none mbs=8 ga=2";
+  r.profile = "local-cpu";
+  r.where = "CPU ranks (gloo)";
+  r.ranks = 2;
+  r.steps = 8;
+  r.step_time_s = 0.9;
+  r.tokens_per_s = 9000;
+  r.peak_rss_bytes_per_rank = {700, 800};
+  r.baseline_rss_bytes_per_rank = {300, 310};
+  r.peak_tensor_bytes_per_rank = {200, 220};
+  r.peak_step_tensor_bytes_per_rank = {150, 170};
+  r.busiest_expert_rows_per_rank = {40, 52};
+  r.peak_rss_bytes = 800;
+  r.predicted_step_time_s = 0.75;
+  r.predicted_tokens_per_s = 10800;
+  r.predicted_bytes_per_rank = 1000;
+  r.tokens_per_expert = {{10, 20, 30, 4}, {16, 16, 16, 16}};
+  r.phase_seconds = {{"forward", 0.3}, {"expert.all_to_all", 0.1}, {"shard.all_gather", 0.05},
+                     {"L0.offload", 0.02}, {"L0.reload", 0.01}, {"backward", 0.4}};
+  return r;
+}
+
+// The diagnostics the reader reports for json; fails the test if it accepts it.
+std::vector<Diagnostic> problems(const Json& json) {
+  try {
+    run_report_from_json(json, "run/report.json");
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.origin(), "run/report.json");
+    return e.diagnostics();
+  }
+  ADD_FAILURE() << "run_report_from_json accepted " << json.dump();
+  return {};
+}
+
+bool names(const std::vector<Diagnostic>& found, const std::string& path) {
+  for (const Diagnostic& d : found)
+    if (d.path == path) return true;
+  return false;
+}
+
+TEST(RunReport, WrittenAndReadBackTheSame) {
+  const RunReport r = two_rank_report();
+  const Json written = to_json(r);
+  const RunReport back = run_report_from_json(written, "report.json");
+  EXPECT_EQ(to_json(back), written);
+  EXPECT_EQ(back.tokens_per_expert, r.tokens_per_expert);
+  EXPECT_EQ(back.phase_seconds, r.phase_seconds);
+  // The file also carries the errors, for whoever reads it by eye: the same numbers.
+  EXPECT_DOUBLE_EQ(written["relative_error"]["step_time"].get<double>(), 0.9 / 0.75 - 1);
+  EXPECT_DOUBLE_EQ(back.step_time_error(), 0.9 / 0.75 - 1);
+  EXPECT_DOUBLE_EQ(back.memory_error(), 800.0 / 1000 - 1);
+  EXPECT_EQ(back.peak_step_tensor_bytes(), 170);
+  EXPECT_EQ(back.busiest_expert_rows(), 52);
+}
+
+TEST(RunReport, MeasuredSpansTakeTheSimulatorsPhaseNames) {
+  const std::vector<std::pair<std::string, double>> phases = two_rank_report().phases();
+  const std::vector<std::pair<std::string, double>> expected = {
+      {"forward", 0.3}, {"all_to_all", 0.1}, {"all_gather", 0.05}, {"copy", 0.03}, {"backward", 0.4}};
+  ASSERT_EQ(phases.size(), expected.size());
+  for (size_t i = 0; i < phases.size(); ++i) {
+    EXPECT_EQ(phases[i].first, expected[i].first);
+    EXPECT_NEAR(phases[i].second, expected[i].second, 1e-12);
+  }
+  EXPECT_EQ(phase_of_measured_span(phase::kOptimizer), "optimizer");
+}
+
+TEST(RunReport, EveryBadFieldIsNamed) {
+  Json j = to_json(two_rank_report());
+  j["measured"]["step_time_s"] = "fast";
+  j["measured"]["peak_rss_bytes_per_rank"][1] = -5;
+  j["measured"]["tokens_per_expert"][0] = "lots";
+  j["predicted"].erase("device_bytes_per_rank");
+  j["plan"]["extra"] = 1;
+  const std::vector<Diagnostic> found = problems(j);
+  EXPECT_TRUE(names(found, "measured.step_time_s"));
+  EXPECT_TRUE(names(found, "measured.peak_rss_bytes_per_rank[1]"));
+  EXPECT_TRUE(names(found, "measured.tokens_per_expert[0]"));
+  EXPECT_TRUE(names(found, "predicted.device_bytes_per_rank"));
+  EXPECT_TRUE(names(found, "plan.extra"));
+}
+
+TEST(RunReport, NotAReportOrAnotherVersionIsRefused) {
+  EXPECT_TRUE(names(problems(Json::array()), ""));
+  Json j = to_json(two_rank_report());
+  j["schema_version"] = 2;
+  EXPECT_TRUE(names(problems(j), "schema_version"));
+  j = to_json(two_rank_report());
+  j.erase("measured");
+  EXPECT_TRUE(names(problems(j), "measured"));
+  j = to_json(two_rank_report());
+  j["measured"]["ranks"] = 3;  // two ranks' figures
+  EXPECT_TRUE(names(problems(j), "measured.peak_rss_bytes_per_rank"));
+}
+
+TEST(RunReport, AMissingFileIsAnInputErrorNamingIt) {
+  const test::TempDir tmp;
+  EXPECT_THROW(read_run_report(tmp.file("report.json")), InputError);
+}
+
+}  // namespace
+}  // namespace moeplan
