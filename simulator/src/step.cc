@@ -456,29 +456,34 @@ std::vector<SimTime> micro_batch_ends(const StepGraph& g, const GraphTimes& t, i
   return ends;
 }
 
+// The bytes node 0's network card carries for micro-batch `mb`'s collectives.
+double card_bytes_of_micro_batch(const StepGraph& g, int64_t mb) {
+  double card_bytes = 0;
+  std::vector<bool> counted(g.collectives().size(), false);
+  for (const Op& op : g.ops()) {
+    if (op.micro_batch != mb || op.collective < 0 || counted[static_cast<size_t>(op.collective)]) continue;
+    counted[static_cast<size_t>(op.collective)] = true;
+    const Collective& col = g.collectives()[static_cast<size_t>(op.collective)];
+    if (col.node_count > 0 && g.collective_nodes()[static_cast<size_t>(col.first_node)] == 0)
+      card_bytes += col.nic_bytes_per_node;
+  }
+  return card_bytes;
+}
+
 // The work micro-batch `mb` gives its busiest resource: the sum of its op times on one
 // stream of one rank (a collective counted from its start, not from a member's arrival), or
 // the bytes it pushes through node 0's card over the card's bandwidth.
 SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t mb, double card_bytes_per_s) {
   std::vector<SimTime> stream(static_cast<size_t>(g.ranks()) * kTraceStreamCount, SimTime(0));
-  double card_bytes = 0;
-  std::vector<bool> counted(g.collectives().size(), false);
   for (size_t i = 0; i < g.ops().size(); ++i) {
     const Op& op = g.ops()[i];
     if (op.micro_batch != mb) continue;
-    SimTime begin = t.start[i];
-    if (op.collective >= 0) {
-      const auto c = static_cast<size_t>(op.collective);
-      begin = t.collective_start[c];
-      const Collective& col = g.collectives()[c];
-      if (!counted[c] && col.node_count > 0 && g.collective_nodes()[static_cast<size_t>(col.first_node)] == 0)
-        card_bytes += col.nic_bytes_per_node;
-      counted[c] = true;
-    }
+    const SimTime begin = op.collective >= 0 ? t.collective_start[static_cast<size_t>(op.collective)] : t.start[i];
     const TraceStream on = g.serial_streams() ? TraceStream::kCompute : op.stream;
     stream[static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(on)] += t.end[i] - begin;
   }
   SimTime most = *std::max_element(stream.begin(), stream.end());
+  const double card_bytes = card_bytes_of_micro_batch(g, mb);
   return std::max(most, SimTime(static_cast<int64_t>(std::ceil(card_bytes / card_bytes_per_s * 1e9))));
 }
 
@@ -617,7 +622,12 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
   est.optimizer_s = to_seconds(to_sim_time(o.optimizer_s));
   est.exposed_comm_s =
       std::max(0.0, step - est.compute_s - est.recompute_s - est.optimizer_s - est.contention_s);
-  sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]) * scale;
+  // The card's simulated busy time, and for each micro-batch not simulated the card time of a
+  // repeated one (the step's gradient sync and update happen once, not per micro-batch).
+  sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]);
+  if (repeats > 0 && sim.micro_batches >= 2)
+    sim.nic_busy_s += static_cast<double>(repeats) * card_bytes_of_micro_batch(sim.graph, 1) /
+                      c.cluster.inter_node_bandwidth_bytes_per_s;
   split_compute(o, est);
   fill_rates(c, est);
   return sim;
