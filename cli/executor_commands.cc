@@ -3,7 +3,6 @@
 #include <iostream>
 #include <optional>
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
 #include <ctime>
@@ -214,20 +213,7 @@ int run_calibrate(const CalibrateArgs& args) {
     const int64_t rank = env ? env->rank : 0;
     if (rank != 0) o.progress = nullptr;
     executor::Communicator world;
-    c10::intrusive_ptr<c10d::Store> store;
-    if (env) {
-      const auto timeout = std::chrono::milliseconds(1000 * args.timeout_seconds);
-      c10d::TCPStoreOptions so;
-      so.port = static_cast<uint16_t>(env->master_port);
-      so.isServer = env->rank == 0 && !env->store_hosted_elsewhere;
-      so.waitWorkers = false;
-      so.timeout = timeout;
-      store = c10::make_intrusive<c10d::TCPStore>(env->master_addr, so);
-      world = executor::Communicator(
-          executor::make_gloo_group(store, "calibrate/", static_cast<int>(env->rank), static_cast<int>(env->world_size),
-                                    timeout, env->bind_address),
-          "world");
-    }
+    if (env) world = executor::join_world(*env, std::chrono::milliseconds(1000 * args.timeout_seconds), "calibrate/");
     const executor::Calibration c = executor::calibrate(o, world);
     if (rank != 0) return kExitOk;
     const std::string how = "moeplan calibrate on " + host_name() + ", " + utc_now() + " (`" + args.command + "`)";

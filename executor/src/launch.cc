@@ -202,4 +202,20 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
   return exit_code;
 }
 
+c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::milliseconds timeout, StoreRole role) {
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = role == StoreRole::kRank && env.rank == 0 && !env.store_hosted_elsewhere;
+  so.numWorkers = c10::nullopt;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+}
+
+Communicator join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix) {
+  return Communicator(make_gloo_group(join_store(env, timeout), prefix, static_cast<int>(env.rank),
+                                      static_cast<int>(env.world_size), timeout, env.bind_address),
+                      "world");
+}
+
 }  // namespace moeplan::executor

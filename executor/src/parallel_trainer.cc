@@ -14,6 +14,7 @@
 #include "moeplan/core/phases.h"
 #include "moeplan/core/pipeline_schedule.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/routing.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
@@ -378,7 +379,7 @@ std::set<std::string> ShardedTrainer::held_parameters() const {
   return names;
 }
 
-void ShardedTrainer::load_state(const SlicedState& state, int64_t step, Diagnostics& d) {
+void ShardedTrainer::load_state(const SlicedState& state, int64_t step, int64_t optimizer_step, Diagnostics& d) {
   torch::NoGradGuard no_grad;
   for_each_held_slice(model_, [&](const HeldSlice& h) {
     const std::pair<const char*, torch::Tensor> targets[] = {{"param/", model_.shards()[h.unit]},
@@ -398,7 +399,16 @@ void ShardedTrainer::load_state(const SlicedState& state, int64_t step, Diagnost
     }
   });
   step_ = step;
-  optimizer_->set_step_count(step);
+  optimizer_->set_step_count(optimizer_step);
+}
+
+void ShardedTrainer::load_hugging_face(const std::string& dir) {
+  const std::set<std::string> held = held_parameters();
+  const torch::ScalarType dtype = plan_.training.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+  const SlicedState sliced = read_hf_parameters(dir, plan_.model, dtype, &held);
+  Diagnostics d;
+  load_state(sliced, 0, 0, d);
+  d.throw_if_any(dir);
 }
 
 }  // namespace moeplan::executor

@@ -23,42 +23,6 @@
 namespace moeplan::executor {
 namespace fs = std::filesystem;
 
-std::string to_json_line(const StepRecord& r) {
-  Json j;
-  j["step"] = r.step;
-  j["loss"] = r.loss;
-  j["aux_loss"] = r.aux_loss;
-  j["z_loss"] = r.z_loss;
-  j["total_loss"] = r.total_loss;
-  j["lr"] = r.learning_rate;
-  j["grad_norm"] = r.grad_norm;
-  j["tokens"] = r.tokens;
-  j["step_s"] = r.seconds;
-  j["tokens_per_s"] = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0;
-  j["tokens_per_expert"] = r.tokens_per_expert;
-  return j.dump();
-}
-
-void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptions& o, Diagnostics& d) {
-  // Every rule of the plan, the executor's own (what it trains) among them: the same rules the
-  // search applies for `--target moeplan`, so that it never writes a plan this refuses.
-  RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
-  config.executor_mode = true;
-  for (const Violation& v : validate(config)) d.error(v.field, v.message);
-  if (data.vocab_size() != plan.model.vocab_size)
-    d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +
-                                    data.dir() + " (" + std::to_string(data.vocab_size()) + " pieces)");
-  if (data.block_size() != plan.training.seq_len)
-    d.error("training.seq_len", std::to_string(plan.training.seq_len) + " does not match the block size of " +
-                                    data.dir() + " (" + std::to_string(data.block_size()) + ")");
-  if (plan.training.seq_len > plan.model.max_position_embeddings)
-    d.error("training.seq_len", "exceeds model.max_position_embeddings");
-  if (o.stop_after_step < 0 || o.stop_after_step > plan.training.steps)
-    d.error("--steps", std::to_string(o.stop_after_step) + " is outside 1.." + std::to_string(plan.training.steps) +
-                           " (training.steps of the plan)");
-  if (o.checkpoint_every < 0) d.error("--checkpoint-every", "must not be negative");
-}
-
 namespace {
 
 struct Precisions {
@@ -82,47 +46,6 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
   check_run_inputs(plan, data, o, d);
   d.throw_if_any("run");
 }
-
-}  // namespace
-
-std::vector<Json> read_metrics(const std::string& run_dir) {
-  std::vector<Json> lines;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) lines.push_back(Json::parse(line));
-  return lines;
-}
-
-void truncate_metrics(const std::string& path, int64_t last_step) {
-  std::ifstream in(path);
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    Json j;
-    try {
-      j = Json::parse(line);
-    } catch (const Json::parse_error&) {
-      break;  // a line cut by a crash ends the usable part
-    }
-    if (!j.contains("step") || !j["step"].is_number_integer() || j["step"].get<int64_t>() > last_step) break;
-    kept += line + '\n';
-  }
-  write_file_atomic(path, kept);
-}
-
-void check_checkpoint_state(const Plan& plan, const Json& s, Diagnostics& d) {
-  if (!s.is_object() || !s.contains("model") || s["model"] != to_json(plan.model))
-    d.error("state.model", "the checkpoint's model differs from the plan's model");
-  if (!s.contains("precision") || s["precision"] != name_of(kPrecisionNames, plan.training.precision))
-    d.error("state.precision", "the checkpoint was saved with another precision");
-  if (!s.contains("samples_consumed") || !s["samples_consumed"].is_number_integer())
-    d.error("state.samples_consumed", "missing");
-  if (!s.contains("optimizer_step") || !s["optimizer_step"].is_number_integer())
-    d.error("state.optimizer_step", "missing");
-}
-
-namespace {
 
 }  // namespace
 
@@ -257,97 +180,49 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
 
 namespace {
 
-// The data order, the checkpoint files and the model trainer of one run.
-class Run {
+// The reference trainer as the run's loop drives it: every tensor whole on this one rank.
+class OneRankTrainer final : public StepTrainer {
  public:
-  Run(const Plan& plan, const RunOptions& o, TokenDataset data)
-      : plan_(plan), o_(o), data_(std::move(data)), model_(plan),
-        order_(data_.num_blocks(), static_cast<uint64_t>(plan.training.seed)) {}
+  explicit OneRankTrainer(const Plan& plan) : plan_(plan), model_(plan) {}
 
-  void resume(const std::string& step_dir) {
-    const LoadedCheckpoint c = open_checkpoint(step_dir);
-    Diagnostics d;
-    const Json& s = c.state;
-    check_checkpoint_state(plan_, s, d);
-    if (c.files.empty()) d.error("files", "the checkpoint lists no shard");
-    d.throw_if_any(step_dir + "/manifest.json");
-    // Shards of any layout: whole tensors of a one-rank run or slices of a sharded one.
-    SlicedState sliced;
-    for (const CheckpointFile& f : c.files) sliced.add(read_checkpoint_shard(c, f.name).tensors);
-    NamedTensors tensors;
+  StepRecord step(const std::vector<torch::Tensor>& micro_batches) override { return model_.step(micro_batches); }
+  int64_t step_count() const override { return model_.step_count(); }
+  NamedTensors state() const override { return model_.state(); }
+  const PhaseClock& clock() const override { return model_.clock(); }
+
+  // Shards of any layout: whole tensors of a one-rank run or slices of a sharded one.
+  void load_state(const SlicedState& sliced, int64_t step, int64_t optimizer_step, Diagnostics& d) override {
+    NamedTensors tensors = whole_parameters(sliced, d);
     const std::string rng = "rng/cpu";
-    for (const ParamInfo& info : model_.parameters().infos())
-      for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
-        const torch::Tensor t = sliced.whole(prefix + info.name, info.shape, d);
-        if (t.defined()) tensors.emplace_back(prefix + info.name, t);
-      }
-    if (sliced.contains(rng)) tensors.emplace_back(rng, sliced.whole(rng, {at::detail::getDefaultCPUGenerator().get_state().numel()}, d));
-    d.throw_if_any(step_dir);
-    model_.load_state(tensors, c.step, s["optimizer_step"].get<int64_t>(), d);
-    d.throw_if_any(step_dir);
-    samples_ = s["samples_consumed"].get<int64_t>();
+    if (sliced.contains(rng))
+      tensors.emplace_back(rng, sliced.whole(rng, {at::detail::getDefaultCPUGenerator().get_state().numel()}, d));
+    if (!d.empty()) return;
+    model_.load_state(tensors, step, optimizer_step, d);
   }
 
-  // Parameters from a Hugging Face folder, fresh optimizer state, step 0.
-  void init_from(const std::string& dir) {
+  void load_hugging_face(const std::string& dir) override {
     const torch::ScalarType dtype = model_.parameters().tensors().front().scalar_type();
-    const SlicedState sliced = read_hf_parameters(dir, plan_.model, dtype);
     Diagnostics d;
-    NamedTensors tensors;
-    for (const ParamInfo& info : model_.parameters().infos())
-      for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
-        const torch::Tensor t = sliced.whole(prefix + info.name, info.shape, d);
-        if (t.defined()) tensors.emplace_back(prefix + info.name, t);
-      }
+    const NamedTensors tensors = whole_parameters(read_hf_parameters(dir, plan_.model, dtype), d);
     d.throw_if_any(dir);
     model_.load_state(tensors, 0, 0, d);
     d.throw_if_any(dir);
   }
 
-  std::string save() {
-    const std::string dir = begin_checkpoint(o_.out_dir + "/checkpoints", model_.step_count());
-    const CheckpointFile shard = write_checkpoint_shard(dir, 0, model_.state());
-    Json state;
-    state["samples_consumed"] = samples_;
-    state["optimizer_step"] = model_.step_count();
-    state["precision"] = name_of(kPrecisionNames, plan_.training.precision);
-    state["seed"] = plan_.training.seed;
-    state["model"] = to_json(plan_.model);
-    state["parallel"] = to_json(plan_.parallel);
-    state["data"] = {{"dir", data_.dir()}, {"blocks", data_.num_blocks()}, {"block_size", data_.block_size()}};
-    commit_checkpoint(dir, model_.step_count(), state, {shard});
-    return dir;
-  }
-
-  StepRecord train_step() {
-    std::vector<torch::Tensor> micro_batches;
-    for (int64_t m = 0; m < plan_.parallel.gradient_accumulation_steps; ++m) {
-      std::vector<int64_t> blocks;
-      for (int64_t i = 0; i < plan_.parallel.micro_batch_size; ++i) blocks.push_back(order_.block_of(samples_++));
-      micro_batches.push_back(data_.blocks(blocks));
-    }
-    return model_.step(micro_batches);
-  }
-
-  int64_t step() const { return model_.step_count(); }
-  const PhaseClock& clock() const { return model_.clock(); }
-
  private:
-  const Plan& plan_;
-  const RunOptions& o_;
-  TokenDataset data_;
-  ModelTrainer model_;
-  BlockOrder order_;
-  int64_t samples_ = 0;
-};
+  NamedTensors whole_parameters(const SlicedState& sliced, Diagnostics& d) const {
+    NamedTensors tensors;
+    for (const ParamInfo& info : model_.parameters().infos())
+      for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
+        const torch::Tensor t = sliced.whole(prefix + info.name, info.shape, d);
+        if (t.defined()) tensors.emplace_back(prefix + info.name, t);
+      }
+    return tensors;
+  }
 
-std::string format_progress(const StepRecord& r, int64_t last_step) {
-  char line[200];
-  std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  %.3f s",
-                static_cast<long long>(r.step), static_cast<long long>(last_step), r.loss, r.learning_rate,
-                r.grad_norm, r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0, r.seconds);
-  return line;
-}
+  const Plan& plan_;
+  ModelTrainer model_;
+};
 
 }  // namespace
 
@@ -358,60 +233,10 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   keep_freed_memory();
   install_tensor_allocator();
   ignore_broken_pipes();
-
-  fs::create_directories(o.out_dir);
-  const std::string metrics_path = o.out_dir + "/metrics.jsonl";
-  const std::string checkpoints = o.out_dir + "/checkpoints";
-  std::string resume_from;
-  if (o.resume) {
-    resume_from = latest_checkpoint(checkpoints);
-    if (resume_from.empty())
-      throw InputError("--resume", {{"", "no complete checkpoint in " + checkpoints}});
-  } else if (fs::exists(metrics_path) || !latest_checkpoint(checkpoints).empty()) {
-    throw InputError("--out", {{"", o.out_dir + " already holds a run; pass --resume to continue it or choose another folder"}});
-  }
-
+  const std::string resume_from = prepare_run_folder(o);
   const int64_t baseline_rss = current_rss_bytes();
-  Run trainer(plan, o, std::move(data));
-  if (!resume_from.empty()) {
-    trainer.resume(resume_from);
-    truncate_metrics(metrics_path, trainer.step());
-    if (o.progress) *o.progress << "resumed from " << resume_from << " at step " << trainer.step() << "\n";
-  } else if (!o.init_from.empty()) {
-    trainer.init_from(o.init_from);
-    if (o.progress) *o.progress << "started from the Hugging Face model in " << o.init_from << "\n";
-  }
-  const int64_t last_step = o.stop_after_step > 0 ? o.stop_after_step : plan.training.steps;
-  RunResult result;
-  result.first_step = trainer.step() + 1;
-  std::ofstream metrics(metrics_path, std::ios::app);
-  if (!metrics) throw InputError(metrics_path, {{"", "cannot write"}});
-  StepPeaks peaks;
-  while (trainer.step() < last_step) {
-    peaks.begin_step();
-    StepRecord r = trainer.train_step();
-    peaks.end_step();
-    metrics << to_json_line(r) << '\n' << std::flush;
-    if (o.progress) *o.progress << format_progress(r, last_step) << std::endl;
-    if (o.checkpoint_every > 0 && (r.step % o.checkpoint_every == 0 || r.step == last_step)) {
-      result.last_checkpoint = trainer.save();
-      if (o.progress) *o.progress << "saved " << result.last_checkpoint << std::endl;
-    }
-    result.steps.push_back(std::move(r));
-  }
-  result.last_step = trainer.step();
-  result.peak_rss_bytes = peak_rss_bytes();
-  if (!result.steps.empty()) {
-    RankMeasurement m;
-    m.peak_rss_bytes = result.peak_rss_bytes;
-    m.baseline_rss_bytes = baseline_rss;
-    m.peak_tensor_bytes = peaks.whole_run();
-    m.peak_step_tensor_bytes = peaks.steps();
-    m.events = trainer.clock().events();
-    m.memory = trainer.clock().memory();
-    result.report = write_run_outputs(plan, o.out_dir, result.steps, {m}, "CPU rank");
-  }
-  return result;
+  OneRankTrainer trainer(plan);
+  return run_steps(plan, o, data, trainer, RunRank{}, resume_from, baseline_rss);
 }
 
 }  // namespace moeplan::executor

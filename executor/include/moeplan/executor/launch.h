@@ -3,10 +3,15 @@
 // under torchrun (--no-python), SLURM (srun) or Open MPI (mpirun) each process reads its rank
 // from their environment variables and joins.
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "moeplan/executor/collectives.h"
 
 namespace moeplan::executor {
 
@@ -30,6 +35,16 @@ struct RankEnv {
 //   MASTER_ADDR, MASTER_PORT).
 // Throws InputError naming the variable when one is missing or malformed.
 std::optional<RankEnv> rank_env_from_environment();
+
+// How this rank reaches the others: the rendezvous store at the launcher's address, hosted by
+// rank 0 unless the launcher hosts it, every wait bounded by `timeout`. The run, its heartbeat
+// and calibration all join through it. kClient: a further connection, never the host.
+enum class StoreRole : uint8_t { kRank, kClient };
+c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::milliseconds timeout,
+                                           StoreRole role = StoreRole::kRank);
+// The whole world as one gloo group over a joined store, for work that needs no mesh
+// (calibration); `prefix` keeps its keys apart from other groups'.
+Communicator join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix);
 
 // Runs `argv` (this program's arguments) as `world_size` local ranks: hosts the rendezvous
 // store, starts /proc/self/exe once per rank with the moeplan variables set, and waits. When a

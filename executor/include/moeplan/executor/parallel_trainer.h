@@ -15,32 +15,35 @@
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/mesh.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/run.h"
 #include "moeplan/executor/run_report.h"
 #include "moeplan/executor/sharded_model.h"
 #include "moeplan/executor/tensor_file.h"
-#include "moeplan/executor/trainer.h"
 
 namespace moeplan::executor {
 
-class ShardedTrainer {
+class ShardedTrainer final : public StepTrainer {
  public:
   ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationStore* offload);
 
   // One optimizer step over this rank's micro-batches [micro_batch_size, seq_len]. Loss, norm
   // and counts in the record are of the whole world.
-  StepRecord step(const std::vector<torch::Tensor>& micro_batches);
-  int64_t step_count() const { return step_; }
+  StepRecord step(const std::vector<torch::Tensor>& micro_batches) override;
+  int64_t step_count() const override { return step_; }
 
   // This rank's part of the model and optimizer state: slices of parameters by global name,
   // "param/<name>@<first element>" (and exp_avg/, exp_avg_sq/), for the units this rank owns.
-  NamedTensors state() const;
+  NamedTensors state() const override;
   // The parameters of which this rank keeps a part (its shard of the dense units and of its
   // experts' units): what it must read to start from a full checkpoint.
   std::set<std::string> held_parameters() const;
   // Takes this rank's shards out of any layout's slices (see SlicedState).
-  void load_state(const SlicedState& state, int64_t step, Diagnostics& d);
+  void load_state(const SlicedState& state, int64_t step, int64_t optimizer_step, Diagnostics& d) override;
+  // Each rank reads the tensors of its own shard and experts only.
+  void load_hugging_face(const std::string& dir) override;
+  int64_t take_busiest_expert_rows() override { return model_.take_busiest_expert_rows(); }
 
-  const PhaseClock& clock() const { return clock_; }
+  const PhaseClock& clock() const override { return clock_; }
   ShardedModel& model() { return model_; }
 
  private:
