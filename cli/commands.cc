@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <map>
 
@@ -163,6 +164,11 @@ int run_search(const SearchArgs& args) {
           throw InputError("--tokens-per-expert", {{"", v.message}});
     }
     options.moe.aux_loss_coef = model.router_aux_loss_coef;
+    if (!args.data.empty()) {
+      if (!std::filesystem::exists(args.data + "/manifest.json"))
+        throw InputError("--data", {{"", args.data + " has no manifest.json; prepare it with `moeplan data prepare`"}});
+      options.training.data = args.data;
+    }
     options.max_micro_batch = args.max_micro_batch;
     options.estimator = args.estimator == "analytic" ? planner::Estimator::kAnalytic : planner::Estimator::kSimulator;
     options.keep = static_cast<size_t>(std::max<int64_t>(args.top, 5));
@@ -276,6 +282,25 @@ int run_check(const CheckArgs& args) {
   }
 }
 
+Trace simulated_trace(const Plan& plan, const RunConfig& config, const sim::StepSimulation& s) {
+  // The memory curve: what the memory model says a rank holds throughout the step, plus the
+  // activations the simulated blocks keep.
+  const planner::MemoryEstimate m = planner::estimate_memory(config);
+  const double resident = static_cast<double>(m.model_states() + m.gathered_parameters + m.gradient_buffers +
+                                              m.moe_dispatch_buffers + m.framework_overhead);
+  Trace trace = sim::step_trace(s, resident);
+  trace.plan = describe(plan.parallel);
+  trace.world_size = plan.parallel.world_size;
+  return trace;
+}
+
+void write_simulated_trace(const Plan& plan, const std::string& path) {
+  const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
+  sim::StepSimOptions options;
+  options.all_micro_batches = true;  // a measured step shows every micro-batch
+  write_file_atomic(path, to_json(simulated_trace(plan, config, sim::simulate_step(config, options))).dump() + "\n");
+}
+
 int run_simulate(const SimulateArgs& args) {
   try {
     const Plan plan = read_plan_file(args.plan);
@@ -326,12 +351,7 @@ int run_simulate(const SimulateArgs& args) {
                   100.0 * s.nic_busy_s / e.step_time_s);
     if (!args.measured.empty()) print_phase_comparison(s, measured, plan, config);
     if (!args.trace.empty()) {
-      // The memory curve: what the memory model says a rank holds throughout the step, plus
-      // the activations the simulated blocks keep.
-      const planner::MemoryEstimate m = planner::estimate_memory(config);
-      const double resident = static_cast<double>(m.model_states() + m.gathered_parameters + m.gradient_buffers +
-                                                  m.moe_dispatch_buffers + m.framework_overhead);
-      write_file_atomic(args.trace, to_json(sim::step_trace(s, resident)).dump() + "\n");
+      write_file_atomic(args.trace, to_json(simulated_trace(plan, config, s)).dump() + "\n");
       std::printf("wrote %s\n", args.trace.c_str());
     }
     return kExitOk;

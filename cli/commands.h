@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "moeplan/core/plan.h"
+
 namespace moeplan::cli {
 
 inline constexpr int kExitOk = 0;
@@ -32,6 +34,7 @@ struct SearchArgs {
   bool explain = false;
   bool json = false;
   std::string out = "plan.json";
+  std::string data;  // a prepared data folder the plan trains on (training.data)
   std::string estimator = "simulator";
   std::string command;  // the command line, recorded in the plan
   // Fixed choices (0 or empty: searched).
@@ -138,6 +141,9 @@ int run_compare_published(const ComparePublishedArgs& args);
 int run_compare_profiles(const CompareProfilesArgs& args);
 int run_validate(const ValidateArgs& args);
 int run_simulate(const SimulateArgs& args);
+// The simulator's trace of a plan's step, every micro-batch, written to `path` (a run folder's
+// simulated.json, beside the measured trace.json).
+void write_simulated_trace(const Plan& plan, const std::string& path);
 int run_check(const CheckArgs& args);
 // Executor commands; without the executor built they say so and fail.
 // `moeplan data ...` replaces this process by moeplan-data (next to this executable) with the

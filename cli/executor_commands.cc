@@ -60,7 +60,13 @@ int run_run(const RunArgs& args) {
     if (args.rehearse) return run_rehearse(args);
     const Plan plan = read_plan_file(args.plan);
     executor::RunOptions o;
-    o.data_dir = args.data;
+    o.data_dir = args.data.empty() ? plan.training.data : args.data;
+    if (o.data_dir.empty())
+      throw InputError("--data", {{"", args.plan + " names no training data (training.data); prepare some with "
+                                          "`moeplan data prepare --input FILES --out DIR --vocab-size " +
+                                          std::to_string(plan.model.vocab_size) + " --block-size " +
+                                          std::to_string(plan.training.seq_len) +
+                                          "` and pass --data DIR here or to `moeplan search`"}});
     o.out_dir = args.out;
     o.stop_after_step = args.steps;
     o.checkpoint_every = args.checkpoint_every;
@@ -77,7 +83,14 @@ int run_run(const RunArgs& args) {
     if (multi && env->rank != 0) o.progress = nullptr;
     const executor::RunResult r = multi ? executor::run_rank(plan, o, *env) : executor::run_training(plan, o);
     if (multi && env->rank != 0) return kExitOk;
-    if (r.report) std::fputs(executor::format_summary(*r.report).c_str(), stdout);
+    if (r.report) {
+      // The run folder holds what `moeplan view run/` shows: the plan, its simulated step and
+      // the measured one.
+      write_file_atomic(args.out + "/plan.json", plan_to_text(plan));
+      write_simulated_trace(plan, args.out + "/simulated.json");
+      std::fputs(executor::format_summary(*r.report).c_str(), stdout);
+      std::printf("view the simulated and measured step: moeplan view %s\n", args.out.c_str());
+    }
     return kExitOk;
   } catch (...) {
     // LibTorch refusing something the checks let through is bad input too.

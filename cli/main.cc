@@ -106,6 +106,8 @@ int main(int argc, char** argv) {
   search_cmd->add_flag("--explain", search.explain, "Show how many candidates each rule or limit removed");
   search_cmd->add_flag("--json", search.json, "Print the plan as JSON instead of the table");
   search_cmd->add_option("--out", search.out, "Plan file to write (empty: none)")->capture_default_str();
+  search_cmd->add_option("--data", search.data,
+                         "Folder written by `moeplan data prepare` that the plan trains on (`moeplan run` takes it)");
 
   CheckArgs check;
   CLI::App* check_cmd = app.add_subcommand("check", "Validate a plan file and report every problem");
@@ -130,7 +132,8 @@ int main(int argc, char** argv) {
   RunArgs run;
   CLI::App* run_cmd = app.add_subcommand("run", "Train with a plan and compare with its prediction");
   run_cmd->add_option("plan", run.plan, "plan.json")->required();
-  run_cmd->add_option("--data", run.data, "Folder written by `moeplan data prepare`")->required();
+  run_cmd->add_option("--data", run.data,
+                      "Folder written by `moeplan data prepare` (default: the plan's training.data)");
   run_cmd->add_option("--out", run.out, "Run folder: metrics.jsonl, checkpoints/")->capture_default_str();
   run_cmd->add_option("--steps", run.steps, "Stop after this step (default: the plan's training.steps)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));

@@ -165,6 +165,7 @@ TrainingConfig read_training(const Json& json, const std::string& path, Diagnost
   t.adam_beta2 = r.number("adam_beta2", 0.0, 1.0, 0.95);
   t.max_grad_norm = r.number("max_grad_norm", 0.0, 1e9, 1.0);
   t.seed = r.integer("seed", 0, INT64_MAX, 12345);
+  t.data = r.string("data", "");
   r.finish();
   return t;
 }
@@ -220,6 +221,7 @@ Json to_json(const TrainingConfig& t) {
   j["adam_beta2"] = t.adam_beta2;
   j["max_grad_norm"] = t.max_grad_norm;
   j["seed"] = t.seed;
+  if (!t.data.empty()) j["data"] = t.data;
   return j;
 }
 

@@ -60,7 +60,20 @@ Json to_json(const Trace& trace) {
   out["traceEvents"] = std::move(events);
   out["displayTimeUnit"] = "ns";
   out["otherData"] = {{"moeplan_trace_version", 1}, {"source", trace.source}, {"ranks", trace.ranks}};
+  if (!trace.plan.empty()) out["otherData"]["plan"] = trace.plan;
+  if (trace.world_size > 0) out["otherData"]["world_size"] = trace.world_size;
   return out;
+}
+
+std::string plan_difference(const Trace& a, const Trace& b) {
+  if (a.plan.empty() || b.plan.empty() || (a.plan == b.plan && a.world_size == b.world_size)) return "";
+  auto of = [](const Trace& t) {
+    if (t.world_size <= 0) return t.plan;
+    return t.plan + " on " + std::to_string(t.world_size) + (t.world_size == 1 ? " rank" : " ranks");
+  };
+  const std::string first = a.source.empty() ? "the first" : "the " + a.source;
+  const std::string second = b.source.empty() ? "the second" : "the " + b.source;
+  return first + " trace is of " + of(a) + ", " + second + " one of " + of(b);
 }
 
 Trace trace_from_json(const Json& json, const std::string& origin) {
@@ -73,6 +86,8 @@ Trace trace_from_json(const Json& json, const std::string& origin) {
       other->integer("moeplan_trace_version", 1, 1, 1);
       trace.source = other->string("source", "");
       trace.ranks = other->integer("ranks", 0, int64_t{1} << 24, 0);
+      trace.plan = other->string("plan", "");
+      trace.world_size = other->integer("world_size", 0, int64_t{1} << 24, 0);
       other->finish();
     }
     const Json* events = r.child("traceEvents");
@@ -349,6 +364,11 @@ class TraceSax final : public nlohmann::json_sax<SaxJson> {
       else error(path, "expected a string, got " + s.describe());
     } else if (key_ == "ranks") {
       if (auto v = integer(s, path, 0, int64_t{1} << 24)) trace_.ranks = std::max(trace_.ranks, *v);
+    } else if (key_ == "plan") {
+      if (s.kind == Scalar::Kind::kString) trace_.plan = s.text;
+      else error(path, "expected a string, got " + s.describe());
+    } else if (key_ == "world_size") {
+      if (auto v = integer(s, path, 0, int64_t{1} << 24)) trace_.world_size = *v;
     } else if (key_ == "moeplan_trace_version") {
       integer(s, path, 1, 1);
     } else {

@@ -106,6 +106,8 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
   Trace trace;
   trace.source = "measured";
   trace.ranks = static_cast<int64_t>(ranks.size());
+  trace.plan = describe(plan.parallel);
+  trace.world_size = plan.parallel.world_size;
   RunReport r;
   r.parallel = describe(plan.parallel);
   r.profile = plan.cluster.name;

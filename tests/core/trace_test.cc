@@ -94,6 +94,29 @@ TEST(TraceFile, StreamedReadEqualsTheDocumentReadWithMemory) {
   EXPECT_DOUBLE_EQ(streamed.memory[4].bytes, 3.5e6);
 }
 
+// A trace says which plan it is of; both readers take it back, and two traces of different
+// plans say how they differ.
+TEST(TraceFile, ThePlanATraceIsOfIsReadBack) {
+  TempDir dir;
+  Trace t = measured_step();
+  t.plan = "E2 S1 R1 RSE ckpt=none mbs=1 ga=2";
+  t.world_size = 2;
+  const std::string path = written(dir, "t.json", t);
+  EXPECT_EQ(read_trace_file(path), t);
+  EXPECT_EQ(trace_from_json(read_json_file(path), path), t);
+  Trace simulated = simulated_step();
+  EXPECT_EQ(plan_difference(simulated, t), "");  // the simulated one does not say
+  simulated.plan = t.plan;
+  simulated.world_size = 2;
+  EXPECT_EQ(plan_difference(simulated, t), "");
+  simulated.plan = "E4 S1 R1 T2 sp P2 V8 RSE ckpt=none mbs=1 ga=512";
+  simulated.world_size = 16;
+  EXPECT_EQ(plan_difference(simulated, t),
+            "the simulated trace is of E4 S1 R1 T2 sp P2 V8 RSE ckpt=none mbs=1 ga=512 on 16 ranks, the measured one "
+            "of E2 S1 R1 RSE ckpt=none mbs=1 ga=2 on 2 ranks");
+  EXPECT_TRUE(reports(problems(R"({"traceEvents": [], "otherData": {"plan": 3}})"), "otherData.plan", "expected a string"));
+}
+
 TEST(TraceFile, ReadsWhatTheSimulatorWrites) {
   // A trace of the documentation, written by `moeplan simulate --trace`.
   const std::string path = std::string(MOEPLAN_TEST_DATA_DIR) + "/../../docs/traces/mixtral-8x7b-p4d-16.json";

@@ -18,6 +18,8 @@
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/core/trace.h"
 #include "moeplan/executor/tokens.h"
 #include "moeplan/executor/trainer.h"
 #include "moeplan/planner/search.h"
@@ -435,6 +437,43 @@ TEST_F(PreparedData, RunOfAnUnevenVocabularySplitOrUntrainedPipelineLossIsRefuse
   EXPECT_TRUE(contains(r.err, "moe.load_balancing: = \"aux_loss\" with pipeline_parallel_degree = 2")) << r.err;
   EXPECT_TRUE(contains(r.err, "moe.z_loss_coef: = 0.001")) << r.err;
   EXPECT_FALSE(fs::exists(tmp.file("run") + "/metrics.jsonl"));
+}
+
+// A plan may name its data (`search --data`): `run` then needs no --data, and the run folder
+// holds the plan, its simulated step and the measured one, of the same plan, for `moeplan view
+// run/`. A plan without data, run without --data, says how to prepare some.
+TEST_F(PreparedData, APlanNamesItsDataAndTheRunFolderHoldsBothSteps) {
+  const test::TempDir tmp;
+  Json model = read_json_file(test::profile_path("models/mixtral-tiny.json"));
+  model["vocab_size"] = kVocab;
+  const std::string file = tmp.write("tiny.json", model.dump());
+  const std::string search = "search --gpus 1 --instance local-cpu --model " + file + " --seq-len " +
+                             std::to_string(kBlock) + " --global-batch-tokens " + std::to_string(4 * kBlock) +
+                             " --precision fp32 --max-micro-batch 2";
+  const Command made = run_moeplan(search + " --data " + data() + " --out " + tmp.file("plan.json"));
+  ASSERT_EQ(made.exit_code, 0) << show(made);
+  EXPECT_EQ(read_plan_file(tmp.file("plan.json")).training.data, data());
+  const Command r = run_moeplan("run " + tmp.file("plan.json") + " --out " + tmp.file("run") + " --steps 1 --threads 1");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  EXPECT_TRUE(contains(r.out, "moeplan view " + tmp.file("run"))) << r.out;
+  EXPECT_EQ(read_plan_file(tmp.file("run/plan.json")), read_plan_file(tmp.file("plan.json")));
+  const Trace simulated = read_trace_file(tmp.file("run/simulated.json"));
+  const Trace measured = read_trace_file(tmp.file("run/trace.json"));
+  EXPECT_EQ(simulated.source, "simulated");
+  EXPECT_EQ(measured.source, "measured");
+  EXPECT_FALSE(measured.plan.empty());
+  EXPECT_EQ(simulated.plan, measured.plan);
+  EXPECT_EQ(simulated.world_size, 1);
+
+  const Command bare = run_moeplan(search + " --out " + tmp.file("bare.json"));
+  ASSERT_EQ(bare.exit_code, 0) << show(bare);
+  const Command refused = run_moeplan("run " + tmp.file("bare.json") + " --out " + tmp.file("run2") + " --steps 1");
+  EXPECT_EQ(refused.exit_code, 2) << show(refused);
+  EXPECT_TRUE(contains(refused.err, "--data: " + tmp.file("bare.json") + " names no training data")) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "moeplan data prepare")) << refused.err;
+  const Command missing = run_moeplan(search + " --data " + tmp.file("nowhere") + " --out " + tmp.file("x.json"));
+  EXPECT_EQ(missing.exit_code, 2) << show(missing);
+  EXPECT_TRUE(contains(missing.err, "--data: " + tmp.file("nowhere") + " has no manifest.json")) << missing.err;
 }
 
 // Every plan the search writes for `moeplan run` (its default target) is one the executor

@@ -351,6 +351,38 @@ TEST_F(ViewCommand, DrawsAPictureOfTwoTracesAndListsTheirPhases) {
   EXPECT_TRUE(image.convertToFormat(QImage::Format_RGB32) == here.convertToFormat(QImage::Format_RGB32));
 }
 
+// `moeplan view run/` opens a run folder's simulated.json and trace.json; traces of different
+// plans are shown with a warning that says how they differ.
+TEST_F(ViewCommand, ARunFolderOpensBothStepsAndOtherPlansAreNamed) {
+  TempDir dir;
+  fs::create_directories(dir.file("run"));
+  Trace sim = simulated(), real = measured();
+  sim.plan = real.plan = "E1 S1 R1 RSE ckpt=none mbs=1 ga=2";
+  sim.world_size = real.world_size = 1;
+  dir.write("run/simulated.json", to_json(sim).dump());
+  dir.write("run/trace.json", to_json(real).dump());
+  const Outcome o = moeplan(dir, "view run --png out.png --width 900");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("mb1 backward"), std::string::npos) << o.out;
+  EXPECT_EQ(o.err.find("warning"), std::string::npos) << o.err;
+  EXPECT_TRUE(fs::exists(dir.file("out.png")));
+
+  sim.plan = "E4 S1 R1 T2 sp P2 V8 RSE ckpt=none mbs=1 ga=512";
+  sim.world_size = 16;
+  dir.write("other.json", to_json(sim).dump());
+  const Outcome other = moeplan(dir, "view other.json run/trace.json --png out2.png --width 900");
+  ASSERT_EQ(other.exit_code, 0) << other.err;
+  EXPECT_NE(other.err.find("view: warning: the simulated trace is of E4 S1 R1 T2 sp P2 V8 RSE ckpt=none mbs=1 ga=512 on "
+                           "16 ranks, the measured one of E1 S1 R1 RSE ckpt=none mbs=1 ga=2 on 1 rank"),
+            std::string::npos)
+      << other.err;
+
+  fs::remove(dir.file("run/simulated.json"));
+  const Outcome missing = moeplan(dir, "view run --png out3.png");
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.err.find("run/simulated.json: missing"), std::string::npos) << missing.err;
+}
+
 TEST_F(ViewCommand, MalformedTraceIsAClearErrorNamingTheEvent) {
   TempDir dir;
   dir.write("bad.json", std::string(R"({"traceEvents": [{"name": "a", "ph": "X", "ts": "x", "dur": 1, "pid": 0}]})"));

@@ -2,10 +2,12 @@
 //
 //   moeplan view trace.json                      the window
 //   moeplan view sim.json measured.json          both, the second aligned phase by phase
+//   moeplan view run/                            a run folder: its simulated.json and trace.json
 //   moeplan view trace.json --png out.png        the whole step as a picture, without a display
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <new>
 #include <string>
@@ -73,7 +75,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> paths;
   std::string png;
   int width = 1600, height = 0;
-  app.add_option("traces", paths, "trace.json, or a simulated and a measured trace of the same plan")
+  app.add_option("traces", paths,
+                 "trace.json, a simulated and a measured trace of the same plan, or a run folder (moeplan run --out)")
       ->required()->expected(1, 2);
   app.add_option("--png", png, "Draw the whole step into this PNG file instead of opening a window");
   app.add_option("--width", width, "Picture width in pixels")->capture_default_str()->check(CLI::Range(200, 32768));
@@ -81,6 +84,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 32768));
   CLI11_PARSE(app, argc, argv);
 
+  if (paths.size() == 1 && std::filesystem::is_directory(paths[0])) {
+    // A run folder: the plan's simulated step beside the measured one.
+    const std::string dir = paths[0];
+    paths = {dir + "/simulated.json", dir + "/trace.json"};
+    for (const std::string& p : paths)
+      if (!std::filesystem::exists(p)) {
+        std::fprintf(stderr, "moeplan: error: %s: missing; a folder `moeplan run --out` wrote holds simulated.json "
+                     "and trace.json\n", p.c_str());
+        return kExitBadInput;
+      }
+  }
   std::vector<moeplan::Trace> traces;
   try {
     traces = read_traces(paths);
@@ -97,6 +111,11 @@ int main(int argc, char** argv) {
                    paths[i].c_str());
       return kExitBadInput;
     }
+  }
+  if (traces.size() > 1) {
+    const std::string differ = moeplan::plan_difference(traces[0], traces[1]);
+    if (!differ.empty())
+      std::fprintf(stderr, "view: warning: %s; their phases are put side by side by name only\n", differ.c_str());
   }
   std::optional<moeplan::Trace> second;
   if (traces.size() > 1) second = std::move(traces[1]);

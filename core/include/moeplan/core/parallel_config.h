@@ -161,6 +161,9 @@ struct TrainingConfig {
   double adam_beta2 = 0.95;
   double max_grad_norm = 1.0;
   int64_t seed = 12345;
+  // The prepared data folder (`moeplan data prepare`) the plan trains on, as `search --data`
+  // was given it; empty when the plan names none (`moeplan run --data` then says which).
+  std::string data;
   bool operator==(const TrainingConfig&) const = default;
 };
 

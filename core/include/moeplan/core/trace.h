@@ -41,12 +41,19 @@ struct MemorySample {
 struct Trace {
   std::string source;  // "simulated" or "measured"
   int64_t ranks = 0;
+  // The plan the step is of (its layout as `describe` writes it) and its world size; empty and
+  // 0 in traces that do not say.
+  std::string plan;
+  int64_t world_size = 0;
   std::vector<TraceEvent> events;
   std::vector<MemorySample> memory;  // in time order per rank
   bool operator==(const Trace&) const = default;
 };
 
 Json to_json(const Trace& trace);
+// Why two traces are not of one plan: "the simulated trace is of <plan> on <n> ranks, the
+// measured one of <plan> on <m> ranks"; empty when they are, or when either does not say.
+std::string plan_difference(const Trace& first, const Trace& second);
 Trace trace_from_json(const Json& json, const std::string& origin);
 
 // Reads a trace file as a stream, without holding its JSON document: a simulated step of
