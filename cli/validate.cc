@@ -141,6 +141,140 @@ std::string scatter_svg(const std::vector<Row>& rows, const std::string& title) 
 
 }  // namespace
 
+namespace {
+
+// The matrix over its configurations: step-time and memory errors, and the order.
+struct Summary {
+  double median_error = 0, worst_error = 0, worst_memory = 0, median_round_median_error = 0,
+         median_round_worst_error = 0, tau = 0;
+  size_t best_predicted = 0, best_measured = 0;
+};
+
+Summary summarize(const std::vector<Row>& rows) {
+  std::vector<double> errors, median_errors, memory_errors, predicted, measured;
+  for (const Row& r : rows) {
+    errors.push_back(std::abs(r.step_error()));
+    median_errors.push_back(std::abs(r.median_error()));
+    memory_errors.push_back(std::abs(r.memory_error()));
+    predicted.push_back(r.predicted_s);
+    measured.push_back(r.measured_s);
+  }
+  Summary s;
+  s.median_error = median(errors);
+  s.worst_error = *std::max_element(errors.begin(), errors.end());
+  s.worst_memory = *std::max_element(memory_errors.begin(), memory_errors.end());
+  s.median_round_median_error = median(median_errors);
+  s.median_round_worst_error = *std::max_element(median_errors.begin(), median_errors.end());
+  s.tau = kendall_tau(predicted, measured);
+  s.best_predicted = static_cast<size_t>(std::min_element(predicted.begin(), predicted.end()) - predicted.begin());
+  s.best_measured = static_cast<size_t>(std::min_element(measured.begin(), measured.end()) - measured.begin());
+  return s;
+}
+
+// validation.md (the table), validation.svg (the scatter) and validation.json in args.out; the
+// summary line on stdout.
+void write_validation(const ValidateArgs& args, const std::vector<Row>& rows, const Summary& s, int64_t ranks,
+                      int64_t rounds) {
+  // The table, as Markdown.
+  std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | each round (s) | "
+                   "slowest processor | predicted tokens/s | measured tokens/s | predicted memory (MiB) | "
+                   "measured peak RSS (MiB) | error |\n"
+                   "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
+  char line[1024];
+  for (const Row& r : rows) {
+    std::string each, probe;
+    for (const Round& x : r.rounds) {
+      char v[32];
+      std::snprintf(v, sizeof v, "%s%.3f", each.empty() ? "" : " ", x.measured_s);
+      each += v;
+      std::snprintf(v, sizeof v, "%s%.2f", probe.empty() ? "" : " ", x.slowest_processor);
+      probe += v;
+    }
+    std::snprintf(line, sizeof line,
+                  "| %s | %s | %.3f | %.3f | %+.1f%% | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
+                  r.config.name.c_str(), r.parallel.c_str(), r.predicted_s, r.measured_s, 100 * r.step_error(),
+                  each.c_str(), probe.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
+                  r.measured_bytes / (1 << 20), 100 * r.memory_error());
+    md += line;
+  }
+  std::snprintf(line, sizeof line,
+                "\nstep time (fastest of %lld rounds): median |error| %.1f%%, worst %.1f%%; peak memory: worst "
+                "|error| %.1f%%; Kendall tau (predicted vs measured order) %.2f; best predicted %s, best measured "
+                "%s\n",
+                static_cast<long long>(rounds), 100 * s.median_error, 100 * s.worst_error, 100 * s.worst_memory, s.tau,
+                rows[s.best_predicted].config.name.c_str(), rows[s.best_measured].config.name.c_str());
+  md += line;
+  if (rounds > 1) {
+    char more[256];
+    std::snprintf(more, sizeof more, "step time (median round): median |error| %.1f%%, worst %.1f%%\n",
+                  100 * s.median_round_median_error, 100 * s.median_round_worst_error);
+    md += more;
+  }
+  write_file_atomic(args.out + "/validation.md", md);
+  write_file_atomic(args.out + "/validation.svg",
+                    scatter_svg(rows, args.model + " on " + std::to_string(ranks) + " CPU ranks: step time"));
+  Json j;
+  j["schema_version"] = 1;
+  j["profile"] = args.profile;
+  j["model"] = args.model;
+  j["ranks"] = ranks;
+  j["steps"] = args.steps;
+  j["rounds"] = rounds;
+  Json list = Json::array();
+  for (const Row& r : rows) {
+    Json each = Json::array();
+    for (const Round& x : r.rounds)
+      each.push_back({{"measured_step_time_s", x.measured_s},
+                      {"measured_tokens_per_s", x.measured_tps},
+                      {"measured_peak_rss_bytes", x.measured_bytes},
+                      {"slowest_processor", x.slowest_processor}});
+    list.push_back({{"name", r.config.name},
+                    {"parallel", r.parallel},
+                    {"predicted_step_time_s", r.predicted_s},
+                    {"measured_step_time_s", r.measured_s},
+                    {"step_time_error", r.step_error()},
+                    {"median_round_step_time_s", r.median_s},
+                    {"median_round_step_time_error", r.median_error()},
+                    {"predicted_tokens_per_s", r.predicted_tps},
+                    {"measured_tokens_per_s", r.measured_tps},
+                    {"predicted_bytes_per_rank", r.predicted_bytes},
+                    {"measured_peak_rss_bytes", r.measured_bytes},
+                    {"memory_error", r.memory_error()},
+                    {"rounds", each}});
+  }
+  j["configurations"] = list;
+  j["summary"] = {{"median_abs_step_time_error", s.median_error},
+                  {"worst_abs_step_time_error", s.worst_error},
+                  {"worst_abs_memory_error", s.worst_memory},
+                  {"median_round_median_abs_step_time_error", s.median_round_median_error},
+                  {"median_round_worst_abs_step_time_error", s.median_round_worst_error},
+                  {"kendall_tau", s.tau},
+                  {"best_predicted", rows[s.best_predicted].config.name},
+                  {"best_measured", rows[s.best_measured].config.name}};
+  write_file_atomic(args.out + "/validation.json", j.dump(2) + "\n");
+  std::fputs(line, stdout);
+  std::printf("wrote %s/validation.md, validation.svg, validation.json\n", args.out.c_str());
+
+}
+
+// Each broken bound of --check on stderr; the exit code.
+int check_bounds(const ValidateArgs& args, const Summary& s) {
+  // Each broken bound gets a line; errors in percent, s.tau as is.
+  int broken = 0;
+  auto bound = [&](bool ok, const char* what, double value, const char* op, double limit, double scale) {
+    if (ok) return;
+    std::fprintf(stderr, "moeplan: validate: bound broken: %s %.2f %s %.2f\n", what, scale * value, op, scale * limit);
+    ++broken;
+  };
+  bound(s.median_error <= args.max_median_error, "median step-time error (%)", s.median_error, ">", args.max_median_error, 100);
+  bound(s.worst_error <= args.max_worst_error, "worst step-time error (%)", s.worst_error, ">", args.max_worst_error, 100);
+  bound(s.worst_memory <= args.max_memory_error, "worst memory error (%)", s.worst_memory, ">", args.max_memory_error, 100);
+  bound(s.tau >= args.min_kendall, "Kendall tau", s.tau, "<", args.min_kendall, 1);
+  return broken == 0 ? kExitOk : kExitNoPlan;
+}
+
+}  // namespace
+
 int run_validate(const ValidateArgs& args) {
   try {
     if (!fs::exists(args.data + "/manifest.json"))
@@ -211,116 +345,10 @@ int run_validate(const ValidateArgs& args) {
     }
     for (Row& row : rows) row.summarize();
 
-    std::vector<double> errors, median_errors, memory_errors, predicted, measured;
-    for (const Row& r : rows) {
-      errors.push_back(std::abs(r.step_error()));
-      median_errors.push_back(std::abs(r.median_error()));
-      memory_errors.push_back(std::abs(r.memory_error()));
-      predicted.push_back(r.predicted_s);
-      measured.push_back(r.measured_s);
-    }
-    const double median_error = median(errors);
-    const double worst_error = *std::max_element(errors.begin(), errors.end());
-    const double worst_memory = *std::max_element(memory_errors.begin(), memory_errors.end());
-    const double median_round_median_error = median(median_errors);
-    const double median_round_worst_error = *std::max_element(median_errors.begin(), median_errors.end());
-    const double tau = kendall_tau(predicted, measured);
-    const size_t best_predicted = static_cast<size_t>(std::min_element(predicted.begin(), predicted.end()) - predicted.begin());
-    const size_t best_measured = static_cast<size_t>(std::min_element(measured.begin(), measured.end()) - measured.begin());
-
-    // The table, as Markdown.
-    std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | each round (s) | "
-                     "slowest processor | predicted tokens/s | measured tokens/s | predicted memory (MiB) | "
-                     "measured peak RSS (MiB) | error |\n"
-                     "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
-    char line[1024];
-    for (const Row& r : rows) {
-      std::string each, probe;
-      for (const Round& x : r.rounds) {
-        char v[32];
-        std::snprintf(v, sizeof v, "%s%.3f", each.empty() ? "" : " ", x.measured_s);
-        each += v;
-        std::snprintf(v, sizeof v, "%s%.2f", probe.empty() ? "" : " ", x.slowest_processor);
-        probe += v;
-      }
-      std::snprintf(line, sizeof line,
-                    "| %s | %s | %.3f | %.3f | %+.1f%% | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
-                    r.config.name.c_str(), r.parallel.c_str(), r.predicted_s, r.measured_s, 100 * r.step_error(),
-                    each.c_str(), probe.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
-                    r.measured_bytes / (1 << 20), 100 * r.memory_error());
-      md += line;
-    }
-    std::snprintf(line, sizeof line,
-                  "\nstep time (fastest of %lld rounds): median |error| %.1f%%, worst %.1f%%; peak memory: worst "
-                  "|error| %.1f%%; Kendall tau (predicted vs measured order) %.2f; best predicted %s, best measured "
-                  "%s\n",
-                  static_cast<long long>(rounds), 100 * median_error, 100 * worst_error, 100 * worst_memory, tau,
-                  rows[best_predicted].config.name.c_str(), rows[best_measured].config.name.c_str());
-    md += line;
-    if (rounds > 1) {
-      char more[256];
-      std::snprintf(more, sizeof more, "step time (median round): median |error| %.1f%%, worst %.1f%%\n",
-                    100 * median_round_median_error, 100 * median_round_worst_error);
-      md += more;
-    }
-    write_file_atomic(args.out + "/validation.md", md);
-    write_file_atomic(args.out + "/validation.svg",
-                      scatter_svg(rows, args.model + " on " + std::to_string(ranks) + " CPU ranks: step time"));
-    Json j;
-    j["schema_version"] = 1;
-    j["profile"] = args.profile;
-    j["model"] = args.model;
-    j["ranks"] = ranks;
-    j["steps"] = args.steps;
-    j["rounds"] = rounds;
-    Json list = Json::array();
-    for (const Row& r : rows) {
-      Json each = Json::array();
-      for (const Round& x : r.rounds)
-        each.push_back({{"measured_step_time_s", x.measured_s},
-                        {"measured_tokens_per_s", x.measured_tps},
-                        {"measured_peak_rss_bytes", x.measured_bytes},
-                        {"slowest_processor", x.slowest_processor}});
-      list.push_back({{"name", r.config.name},
-                      {"parallel", r.parallel},
-                      {"predicted_step_time_s", r.predicted_s},
-                      {"measured_step_time_s", r.measured_s},
-                      {"step_time_error", r.step_error()},
-                      {"median_round_step_time_s", r.median_s},
-                      {"median_round_step_time_error", r.median_error()},
-                      {"predicted_tokens_per_s", r.predicted_tps},
-                      {"measured_tokens_per_s", r.measured_tps},
-                      {"predicted_bytes_per_rank", r.predicted_bytes},
-                      {"measured_peak_rss_bytes", r.measured_bytes},
-                      {"memory_error", r.memory_error()},
-                      {"rounds", each}});
-    }
-    j["configurations"] = list;
-    j["summary"] = {{"median_abs_step_time_error", median_error},
-                    {"worst_abs_step_time_error", worst_error},
-                    {"worst_abs_memory_error", worst_memory},
-                    {"median_round_median_abs_step_time_error", median_round_median_error},
-                    {"median_round_worst_abs_step_time_error", median_round_worst_error},
-                    {"kendall_tau", tau},
-                    {"best_predicted", rows[best_predicted].config.name},
-                    {"best_measured", rows[best_measured].config.name}};
-    write_file_atomic(args.out + "/validation.json", j.dump(2) + "\n");
-    std::fputs(line, stdout);
-    std::printf("wrote %s/validation.md, validation.svg, validation.json\n", args.out.c_str());
-
+    const Summary summary = summarize(rows);
+    write_validation(args, rows, summary, ranks, rounds);
     if (!args.check) return kExitOk;
-    // Each broken bound gets a line; errors in percent, tau as is.
-    int broken = 0;
-    auto bound = [&](bool ok, const char* what, double value, const char* op, double limit, double scale) {
-      if (ok) return;
-      std::fprintf(stderr, "moeplan: validate: bound broken: %s %.2f %s %.2f\n", what, scale * value, op, scale * limit);
-      ++broken;
-    };
-    bound(median_error <= args.max_median_error, "median step-time error (%)", median_error, ">", args.max_median_error, 100);
-    bound(worst_error <= args.max_worst_error, "worst step-time error (%)", worst_error, ">", args.max_worst_error, 100);
-    bound(worst_memory <= args.max_memory_error, "worst memory error (%)", worst_memory, ">", args.max_memory_error, 100);
-    bound(tau >= args.min_kendall, "Kendall tau", tau, "<", args.min_kendall, 1);
-    return broken == 0 ? kExitOk : kExitNoPlan;
+    return check_bounds(args, summary);
   } catch (const InputError& e) {
     for (const std::string& l : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", l.c_str());
     return kExitBadInput;

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <stdexcept>
 
 #include "moeplan/core/fit.h"
 #include "moeplan/executor/mixtral.h"
@@ -164,31 +165,75 @@ CollectiveFit fit_collective(const CollectiveSweep& sweep, int64_t ranks) {
   return c;
 }
 
-Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
-  const auto started = Clock::now();
-  const bool leader = world.rank() == 0;
-  Progress progress(o.progress, leader);
-  torch::manual_seed(1234 + static_cast<uint64_t>(world.rank()));
-  torch::NoGradGuard outer_no_grad;  // enabled again where a backward is timed
-  const ModelSpec& m = o.model;
-  const torch::ScalarType type = compute_type(o.precision);
-  const int64_t h = m.hidden_size, t = o.seq_len;
-  const int reps = o.quick ? 3 : 7;
-  const int passes = o.passes > 0 ? o.passes : (o.quick ? 1 : 5);
-  OverheadProbe overhead;
-  Calibration cal;
-  cal.ranks = world.size();
-  cal.passes = passes;
-  cal.baseline_rss_bytes = current_rss_bytes();
+namespace {
 
-  // -- What is measured: the shapes and sizes, the same on every rank.
-  const std::vector<int64_t> mbs = micro_batches(o.max_micro_batch);
-  std::vector<int64_t> expert_rows;
-  for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
-  struct Gemm {
-    int64_t rows, inner, cols;
-  };
+struct Gemm {
+  int64_t rows, inner, cols;
+};
+
+// Compute of some length followed by a collective, as many calls in lockstep on every rank.
+struct Stretch {
+  std::function<void()> work;
+  int calls;
+};
+
+// What calibration measures, the same on every rank: the model's GEMM shapes, expert rows and
+// optimizer shards, the collectives' sizes, and the weights and inputs of the executor's
+// operations. Built once, used by every pass.
+struct Workload {
+  Workload(const CalibrateOptions& options, Communicator& communicator);
+  Workload(const Workload&) = delete;
+  Workload& operator=(const Workload&) = delete;
+
+  const CalibrateOptions& o;
+  Communicator& world;
+  const ModelSpec& m;
+  const torch::ScalarType type, master;
+  const int64_t h, t, n, a;  // hidden size, sequence, ranks, bytes per element moved
+  const int reps, few;       // repeats per figure; few: 2 with quick (half the calls), else 1
+  std::vector<int64_t> mbs, expert_rows, units, divisors, shard_sizes, sizes;
   std::vector<Gemm> gemms;
+  const std::vector<std::string> kinds{"all_gather", "all_to_all", "all_reduce", "reduce_scatter"};
+  std::map<std::string, std::vector<int64_t>> unit_sizes;  // per kind: the model's flat units
+  MoeConfig moe;
+  // The executor's operations and its own model, one rank alone on it (E = S = 1).
+  Rope rope;
+  torch::Tensor mask;
+  LayerWeights w;
+  torch::Tensor w1, w2, w3, embed, norm, lm_head;
+  Plan whole_plan;
+  DeviceMesh alone;
+  ShardedModel whole;
+  // Collectives after compute: each kind as the executor uses it, small (a one-element
+  // all-reduce, the tokens-per-expert all-gather before a dispatch, a dispatch of one
+  // sequence), after stretches from a router's forward to a whole micro-batch's forward and
+  // backward.
+  torch::Tensor token, expert_counts, dispatch, stretch_x, stretch_ids;
+  std::vector<int64_t> dispatch_split;
+  std::vector<std::pair<std::string, std::function<void()>>> after_collectives;
+  std::vector<Stretch> stretches;
+  ActivationStore store;
+};
+
+Plan alone_plan(const CalibrateOptions& o) {
+  Plan p;
+  p.model = o.model;
+  p.training.seq_len = o.seq_len;
+  p.training.precision = o.precision;
+  p.moe.load_balancing = o.load_balancing;
+  return p;
+}
+
+Workload::Workload(const CalibrateOptions& options, Communicator& communicator)
+    : o(options), world(communicator), m(options.model), type(compute_type(options.precision)),
+      master(options.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat), h(m.hidden_size),
+      t(options.seq_len), n(communicator.size()), a(options.precision == Precision::kFp32 ? 4 : 2),
+      reps(options.quick ? 3 : 7), few(options.quick ? 2 : 1), mbs(micro_batches(options.max_micro_batch)),
+      rope(rope_tables(m, t, type)), mask(attention_mask_bias(m, t, type)), whole_plan(alone_plan(options)),
+      alone(whole_plan.parallel), whole(whole_plan, alone),
+      store((o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir) +
+            "/.calibrate-offload-rank-" + std::to_string(communicator.rank())) {
+  for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
   for (int64_t b : mbs) {
     gemms.push_back({b * t, h, m.num_attention_heads * m.head_dim});  // q projection
     gemms.push_back({b * t, h, m.vocab_size});                        // lm head
@@ -200,32 +245,25 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   // The optimizer's shards of the model's flat units: the whole model, then halves, quarters,
   // ... as sharding leaves them.
   const ParamCounts params = count_parameters(m);
-  std::vector<int64_t> units{params.embedding, params.final_norm + params.lm_head};
+  units = {params.embedding, params.final_norm + params.lm_head};
   for (int64_t l = 0; l < m.num_layers; ++l) {
     units.push_back(params.dense_per_layer());
     units.push_back(m.num_experts * params.expert);
   }
-  const std::vector<int64_t> divisors = o.quick ? std::vector<int64_t>{2, 1} : std::vector<int64_t>{8, 4, 2, 1};
-  std::vector<int64_t> shard_sizes;
+  divisors = o.quick ? std::vector<int64_t>{2, 1} : std::vector<int64_t>{8, 4, 2, 1};
   for (int64_t d : divisors) {
     int64_t total = 0;
     for (int64_t numel : units) total += (numel + d - 1) / d;
     shard_sizes.push_back(total);
   }
-  const torch::ScalarType master = o.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
   // Collectives: a sweep of sizes, and the model's flat units as the executor moves them:
   // gathered and reduce-scattered over a shard group of every rank (padded to a multiple of
   // it), all-reduced whole over a replica group of every rank.
-  const std::vector<std::string> kinds{"all_gather", "all_to_all", "all_reduce", "reduce_scatter"};
-  std::vector<int64_t> sizes;
   for (int64_t b = int64_t{16} << 10; b <= (o.quick ? int64_t{4} << 20 : int64_t{16} << 20); b *= 2) {
     sizes.push_back(b);
     if (b >= (int64_t{1} << 20) && !o.quick) sizes.push_back(b * 3 / 2);
   }
-  const int64_t n = world.size();
-  const int64_t a = o.precision == Precision::kFp32 ? 4 : 2;
   auto padded = [&](int64_t numel, int64_t s) { return (numel + s - 1) / s * s * a; };
-  std::map<std::string, std::vector<int64_t>> unit_sizes;
   for (const int64_t numel : {params.dense_per_layer(), m.num_experts * params.expert, params.embedding,
                               params.final_norm + params.lm_head}) {
     for (const char* kind : {"all_gather", "reduce_scatter"}) unit_sizes[kind].push_back(padded(numel, n));
@@ -235,11 +273,7 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
     std::sort(list.begin(), list.end());
     list.erase(std::unique(list.begin(), list.end()), list.end());
   }
-
-  // The weights and inputs of the executor's operations.
-  const Rope rope = rope_tables(m, t, type);
-  const torch::Tensor mask = attention_mask_bias(m, t, type);
-  LayerWeights w;
+  moe.load_balancing = o.load_balancing;
   w.input_norm = torch::ones({h}).to(type).requires_grad_(true);
   w.post_attention_norm = torch::ones({h}).to(type).requires_grad_(true);
   w.q_proj = weight({m.num_attention_heads * m.head_dim, h}, type);
@@ -247,249 +281,417 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   w.v_proj = weight({m.num_key_value_heads * m.head_dim, h}, type);
   w.o_proj = weight({h, m.num_attention_heads * m.head_dim}, type);
   w.router = weight({m.num_experts, h}, type);
-  const torch::Tensor w1 = weight({m.intermediate_size, h}, type), w2 = weight({h, m.intermediate_size}, type),
-                      w3 = weight({m.intermediate_size, h}, type);
-  const torch::Tensor embed = weight({m.vocab_size, h}, type), norm = torch::ones({h}).to(type).requires_grad_(true),
-                      lm_head = weight({m.vocab_size, h}, type);
-  MoeConfig moe;
-  moe.load_balancing = o.load_balancing;
-  // The executor's own model, one rank alone on it (E = S = 1).
-  Plan whole_plan;
-  whole_plan.model = m;
-  whole_plan.training.seq_len = t;
-  whole_plan.training.precision = o.precision;
-  whole_plan.moe = moe;
-  DeviceMesh alone(whole_plan.parallel);
-  ShardedModel whole(whole_plan, alone);
-  // Collectives after compute: each kind as the executor uses it, small (a one-element
-  // all-reduce, the tokens-per-expert all-gather before a dispatch, a dispatch of one
-  // sequence), after stretches from a router's forward to a whole micro-batch's forward and
-  // backward; as many lockstep calls on every rank.
-  torch::Tensor token = torch::zeros({1});
-  const torch::Tensor expert_counts = torch::zeros({1, m.num_experts}, torch::kLong);
+  w1 = weight({m.intermediate_size, h}, type);
+  w2 = weight({h, m.intermediate_size}, type);
+  w3 = weight({m.intermediate_size, h}, type);
+  embed = weight({m.vocab_size, h}, type);
+  norm = torch::ones({h}).to(type).requires_grad_(true);
+  lm_head = weight({m.vocab_size, h}, type);
+  token = torch::zeros({1});
+  expert_counts = torch::zeros({1, m.num_experts}, torch::kLong);
   const int64_t dispatch_rows = m.experts_per_token * t / n * n;
-  const torch::Tensor dispatch = torch::randn({dispatch_rows, h}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
-  const std::vector<int64_t> dispatch_split(static_cast<size_t>(n), dispatch_rows / n);
-  const std::vector<std::pair<std::string, std::function<void()>>> after_collectives{
-      {"all_reduce", [&] { world.all_reduce_sum(token); }},
-      {"all_gather", [&] { (void)world.all_gather(expert_counts); }},
-      {"all_to_all", [&] { (void)world.all_to_all(dispatch, dispatch_split, dispatch_split); }}};
-  struct Stretch {
-    std::function<void()> work;
-    int calls;
-  };
-  const torch::Tensor stretch_x = torch::randn({1, t, h}).to(type);
-  const torch::Tensor stretch_ids = torch::randint(m.vocab_size, {1, t}, torch::kLong);
-  const int few = o.quick ? 2 : 1;  // quick: half the calls
-  const std::vector<Stretch> stretches{
-      {[&] { (void)torch::matmul(stretch_x, w.router.t()).softmax(-1).topk(m.experts_per_token); }, 80 / few},
-      {[&] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
-      {[&] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 24 / few},
-      {[&] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 16 / few}};
-  const std::string dir = o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir;
-  ActivationStore store(dir + "/.calibrate-offload-rank-" + std::to_string(world.rank()));
+  dispatch = torch::randn({dispatch_rows, h}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
+  dispatch_split.assign(static_cast<size_t>(n), dispatch_rows / n);
+  after_collectives = {{"all_reduce", [this] { world.all_reduce_sum(token); }},
+                       {"all_gather", [this] { (void)world.all_gather(expert_counts); }},
+                       {"all_to_all", [this] { (void)world.all_to_all(dispatch, dispatch_split, dispatch_split); }}};
+  stretch_x = torch::randn({1, t, h}).to(type);
+  stretch_ids = torch::randint(m.vocab_size, {1, t}, torch::kLong);
+  stretches = {
+      {[this] { (void)torch::matmul(stretch_x, w.router.t()).softmax(-1).topk(m.experts_per_token); }, 80 / few},
+      {[this] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
+      {[this] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 24 / few},
+      {[this] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 16 / few}};
+}
+
+// One pass's figures, in the same order on every rank, each measurement's under its name so
+// that the figures kept are read back by name.
+class Figures {
+ public:
+  void begin(std::string name) { starts_.emplace_back(std::move(name), values_.size()); }
+  void add(double v) { values_.push_back(v); }
+  const std::vector<double>& values() const { return values_; }
+  // Where the measurement `name` starts (the same in every pass).
+  size_t start(const std::string& name) const {
+    for (const auto& [n, at] : starts_)
+      if (n == name) return at;
+    throw std::logic_error("calibration has no figures named " + name);
+  }
+
+ private:
+  std::vector<double> values_;
+  std::vector<std::pair<std::string, size_t>> starts_;
+};
+
+// -- The measurements of one pass, each adding its figures under its name.
+
+void measure_gemms(Workload& x, Figures& f, OverheadProbe& overhead) {
+  f.begin("gemm");
+  for (const Gemm& g : x.gemms) {
+    const torch::Tensor a = torch::randn({g.rows, g.inner}).to(x.type), b = torch::randn({g.inner, g.cols}).to(x.type);
+    f.add(time_median(x.reps, [&] { (void)torch::mm(a, b); }));
+    overhead.sample();
+  }
+}
+
+// Attention, router and dispatch, head and loss per micro-batch size; one expert per row count.
+void measure_ops(Workload& x, Figures& f, OverheadProbe& overhead) {
+  const ModelSpec& m = x.m;
+  const int64_t h = x.h, t = x.t;
+  f.begin("ops");
+  for (int64_t b : x.mbs) {
+    const torch::Tensor in = torch::randn({b, t, h}).to(x.type).requires_grad_(true);
+    // Attention sub-block: norm, attention, residual.
+    auto [af, ab] = time_forward_backward(x.reps, [&] {
+      return in + attention(m, x.w, rms_norm(in, x.w.input_norm, m.rms_norm_eps), x.rope, x.mask);
+    });
+    overhead.sample();
+    // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
+    // expert and the weighted combine back, residual.
+    auto [rf, rb] = time_forward_backward(x.reps, [&] {
+      const torch::Tensor tokens = in.reshape({-1, h});
+      const torch::Tensor xn = rms_norm(tokens, x.w.post_attention_norm, m.rms_norm_eps);
+      const torch::Tensor logits = torch::matmul(xn, x.w.router.t());
+      const Routing r = route(logits, m.experts_per_token, x.o.load_balancing);
+      const torch::Tensor slots = r.experts.flatten();
+      (void)torch::bincount(slots, {}, m.num_experts);
+      const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
+      const torch::Tensor token_of = torch::div(order, m.experts_per_token, "floor");
+      const torch::Tensor sorted = xn.index_select(0, token_of);
+      const torch::Tensor slot_weights = r.weights.to(x.type).flatten().index_select(0, order).unsqueeze(-1);
+      return tokens + torch::zeros_like(xn).index_add(0, token_of, sorted * slot_weights);
+    });
+    overhead.sample();
+    // Head: embedding, final norm, lm head, loss (with the router losses of every layer).
+    const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
+    std::vector<torch::Tensor> router_logits;
+    for (int64_t l = 0; l < m.num_layers; ++l)
+      router_logits.push_back(torch::randn({b * t, m.num_experts}).to(x.type).requires_grad_(true));
+    const double head = time_median(x.reps, [&] {
+      ForwardResult out;
+      const torch::Tensor e = torch::embedding(x.embed, ids);
+      out.logits = torch::matmul(rms_norm(in + e, x.norm, m.rms_norm_eps), x.lm_head.t()).to(torch::kFloat);
+      out.router_logits = router_logits;
+      mixtral_loss(m, x.moe, out, ids).total.backward();
+    });
+    overhead.sample();
+    for (double v : {af, ab, rf, rb, head}) f.add(v);
+  }
+  f.begin("experts");
+  for (int64_t r : x.expert_rows) {
+    const torch::Tensor rows = torch::randn({r, h}).to(x.type).requires_grad_(true);
+    auto [ef, eb] = time_forward_backward(x.reps, [&] { return expert_ffn(rows, x.w1, x.w2, x.w3); });
+    f.add(ef);
+    f.add(eb);
+    overhead.sample();
+  }
+}
+
+// Gradient clipping and AdamW on the shards of the model's flat units.
+void measure_optimizer(Workload& x, Figures& f, OverheadProbe& overhead) {
+  f.begin("optimizer");
+  for (int64_t d : x.divisors) {
+    std::vector<torch::Tensor> shards, grads, masks;
+    for (int64_t numel : x.units) {
+      const int64_t k = (numel + d - 1) / d;
+      shards.push_back(torch::randn({k}).to(x.master));
+      grads.push_back((torch::randn({k}) * 1e-3).to(x.type));
+      masks.push_back(torch::ones({k}, torch::kBool));
+    }
+    AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
+    f.add(time_median(x.reps, [&] {
+      clip_grad_norm(grads, 1.0);
+      adam.step(grads, 1e-4);
+    }));
+    overhead.sample();
+  }
+}
+
+// Memory copy bandwidth, and the offload file's write and read bandwidth for the blocks of the
+// largest micro-batch.
+void measure_copies(Workload& x, Figures& f, OverheadProbe& overhead) {
+  f.begin("copies");
+  const int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
+  const torch::Tensor a = torch::randn({n}), b = torch::empty({n});
+  const double copy = time_median(x.reps, [&] { b.copy_(a); });
+  f.add(2.0 * static_cast<double>(n) * 4 / copy);  // read and written
+  overhead.sample();
+  const torch::Tensor act = torch::randn({x.o.max_micro_batch * x.t * x.h}).to(x.type);  // one block input
+  const int64_t blocks = x.m.num_layers;
+  double write = 0, read = 0;
+  for (int i = 0; i <= x.reps; ++i) {
+    auto start = Clock::now();
+    for (int64_t k = 0; k < blocks; ++k) x.store.put(k, act);
+    const double w_s = seconds_since(start);
+    start = Clock::now();
+    for (int64_t k = blocks - 1; k >= 0; --k) (void)x.store.take(k);
+    const double r_s = seconds_since(start);
+    x.store.clear();
+    if (i == 0) continue;
+    write += w_s;
+    read += r_s;
+  }
+  const double bytes = static_cast<double>(blocks * act.nbytes()) * x.reps;
+  f.add(bytes / write);
+  f.add(bytes / read);
+}
+
+// Each kind of gloo collective over the sweep of sizes and the model's units.
+void measure_collectives(Workload& x, Figures& f, Progress& progress, const std::string& of) {
+  f.begin("collectives");
+  const int64_t n = x.n;
+  for (const std::string& kind : x.kinds) {
+    std::vector<int64_t> all = x.sizes;
+    all.insert(all.end(), x.unit_sizes[kind].begin(), x.unit_sizes[kind].end());
+    progress.say("gloo " + kind + ", " + std::to_string(all.size()) + " sizes" + of);
+    for (int64_t bytes : all) {
+      const int64_t elems = bytes / x.a / n * n;  // a multiple of the ranks
+      const torch::Tensor full = torch::randn({elems}).to(x.a == 4 ? torch::kFloat : torch::kBFloat16);
+      const torch::Tensor shard = torch::randn({elems / n}).to(full.scalar_type());
+      const std::vector<int64_t> rows(static_cast<size_t>(n), elems / n);
+      // Many calls: the mean has to see the tail.
+      const int r = bytes <= (1 << 20) ? 60 / x.few : 15 / x.few;
+      x.world.barrier();
+      double s = 0;
+      if (kind == "all_gather") s = time_mean(r, [&] { (void)x.world.all_gather(shard); });
+      if (kind == "all_to_all") s = time_mean(r, [&] { (void)x.world.all_to_all(full.view({elems, 1}), rows, rows); });
+      if (kind == "all_reduce") {
+        torch::Tensor buffer = full.clone();
+        s = time_mean(r, [&] { x.world.all_reduce_sum(buffer); });
+      }
+      if (kind == "reduce_scatter") s = time_mean(r, [&] { (void)x.world.reduce_scatter_sum(full); });
+      f.add(s);
+    }
+  }
+}
+
+// The executor's whole micro-batch: forward with the loss, then backward, through its own
+// model; what the operations above leave out shows here.
+void measure_micro_batches(Workload& x, Figures& f) {
+  f.begin("micro_batches");
+  for (int64_t b : x.mbs) {
+    const torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
+    auto [mf, mb] = time_forward_backward(
+        x.reps, [&] { return mixtral_loss(x.m, x.moe, x.whole.forward(ids, 1), ids).total; });
+    f.add(mf);
+    f.add(mb);
+  }
+}
+
+// Each kind of collective back to back, then after stretches of compute of a few lengths in
+// lockstep. What the pair takes beyond the stretch alone and the collective alone is what a
+// collective costs in a step for following compute: a longer tail (its threads have to be
+// woken), and the wait for the rank that fell behind. Per kind and stretch: the stretch's own
+// time and that extra.
+void measure_after_compute(Workload& x, Figures& f) {
+  f.begin("after_compute");
+  for (const auto& [kind, collective] : x.after_collectives) {
+    x.world.barrier();
+    const double alone = time_mean(60 / x.few, collective);
+    for (const Stretch& stretch : x.stretches) {
+      // Each call's stretch and collective timed apart on every rank, then gathered. A step
+      // pays, beyond the stretch's own time and the collective back to back, how far the
+      // slowest rank's stretch runs past it (the median over the calls) and how far the
+      // collective on the rank that came last (it waited for nobody) runs past its
+      // back-to-back time (the mean: the tail counts).
+      std::vector<double> times(static_cast<size_t>(2 * stretch.calls + 1));
+      x.world.barrier();
+      for (int i = 0; i <= stretch.calls; ++i) {
+        auto start = Clock::now();
+        stretch.work();
+        const double work_s = seconds_since(start);
+        start = Clock::now();
+        collective();
+        if (i == 0) continue;  // warm-up
+        times[static_cast<size_t>(i - 1)] = work_s;
+        times[static_cast<size_t>(stretch.calls + i - 1)] = seconds_since(start);
+      }
+      times.back() = alone;
+      const torch::Tensor all = x.world.all_gather(torch::tensor(times, torch::kDouble).unsqueeze(0));
+      const int64_t calls = stretch.calls;
+      const torch::Tensor work = all.narrow(1, 0, calls), after = all.narrow(1, calls, calls);
+      const double own = std::get<0>(work.median(1)).max().item<double>();
+      const double behind = std::get<0>(work.max(0)).median().item<double>() - own;
+      const double longer =
+          std::get<0>(after.min(0)).mean().item<double>() - all.select(1, 2 * calls).max().item<double>();
+      f.add(own);
+      f.add(behind + longer);
+    }
+  }
+}
+
+// One pass: every figure once, in the same order on every rank.
+Figures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhead, const std::string& of) {
+  Figures f;
+  progress.say("matrix multiplies at the shapes of " + x.m.name + of);
+  x.world.barrier();
+  measure_gemms(x, f, overhead);
+  progress.say("attention, router and experts, head and loss, forward and backward" + of);
+  torch::autograd::GradMode::set_enabled(true);
+  x.world.barrier();
+  measure_ops(x, f, overhead);
+  progress.say("optimizer" + of);
+  torch::autograd::GradMode::set_enabled(false);
+  x.world.barrier();
+  measure_optimizer(x, f, overhead);
+  progress.say("memory copy and offload file" + of);
+  measure_copies(x, f, overhead);
+  if (x.n > 1) measure_collectives(x, f, progress, of);
+  overhead.sample();
+  progress.say("whole micro-batches of the executor's model" + of);
+  {
+    torch::AutoGradMode with_grad(true);
+    x.world.barrier();
+    measure_micro_batches(x, f);
+    // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
+    // beyond its tensors before that.
+    overhead.stop();
+    if (x.n > 1) {
+      progress.say("collectives after compute" + of);
+      measure_after_compute(x, f);
+    }
+  }
+  return f;
+}
+
+// The figures kept, over the ranks and passes (see calibrate), read back by name.
+struct Kept {
+  const Figures& layout;     // names and starts (of any pass)
+  torch::Tensor slowest_rank;  // [passes, values]: per pass, the slowest rank's
+  const double* times;       // the lower quartile over passes of the slowest rank's times
+  const double* bandwidths;  // the upper quartile over passes of the lowest bandwidths
+  const double* largest;     // the largest anywhere
+  const double* at(const double* v, const std::string& name) const { return v + layout.start(name); }
+};
+
+void read_op_times(const Workload& x, const Kept& k, Calibration& cal) {
+  const double* g = k.at(k.times, "gemm");
+  for (const Gemm& gemm : x.gemms) {
+    const double flops = 2.0 * static_cast<double>(gemm.rows * gemm.inner * gemm.cols);
+    cal.gemm.emplace_back(flops, flops / *g++);
+  }
+  OpTimes& times = cal.op_times;
+  times.hidden_size = x.h;
+  times.intermediate_size = x.m.intermediate_size;
+  times.num_attention_heads = x.m.num_attention_heads;
+  times.num_key_value_heads = x.m.num_key_value_heads;
+  times.head_dim = x.m.head_dim;
+  times.num_experts = x.m.num_experts;
+  times.experts_per_token = x.m.experts_per_token;
+  times.vocab_size = x.m.vocab_size;
+  times.seq_len = x.t;
+  times.precision = std::string(name_of(kPrecisionNames, x.o.precision));
+  const double* v = k.at(k.times, "ops");
+  for (int64_t b : x.mbs) {
+    const double tokens = static_cast<double>(b * x.t);
+    times.attention_forward.emplace_back(tokens, *v++);
+    times.attention_backward.emplace_back(tokens, *v++);
+    times.router_forward.emplace_back(tokens, *v++);
+    times.router_backward.emplace_back(tokens, *v++);
+    times.head.emplace_back(tokens, *v++);
+  }
+  v = k.at(k.times, "experts");
+  for (int64_t r : x.expert_rows) {
+    times.expert_forward.emplace_back(static_cast<double>(r), *v++);
+    times.expert_backward.emplace_back(static_cast<double>(r), *v++);
+  }
+  v = k.at(k.times, "optimizer");
+  for (int64_t s : x.shard_sizes) times.optimizer.emplace_back(static_cast<double>(s), *v++);
+  v = k.at(k.times, "micro_batches");
+  for (int64_t b : x.mbs) {
+    const double tokens = static_cast<double>(b * x.t);
+    times.micro_batch_forward.emplace_back(tokens, *v++);
+    times.micro_batch_backward.emplace_back(tokens, *v++);
+  }
+  const double* c = k.at(k.bandwidths, "copies");
+  cal.copy_bandwidth_bytes_per_s = c[0];
+  cal.offload_write_bytes_per_s = c[1];
+  cal.offload_read_bytes_per_s = c[2];
+}
+
+void read_collectives(Workload& x, const Kept& k, Calibration& cal) {
+  const double* v = k.at(k.times, "collectives");
+  const int64_t n = x.n, a = x.a;
+  for (const std::string& kind : x.kinds) {
+    CollectiveSweep sweep;
+    sweep.name = kind;
+    for (int64_t bytes : x.sizes) {
+      sweep.bytes.push_back(static_cast<double>(bytes / a / n * n * a));
+      sweep.seconds.push_back(*v++);
+    }
+    for (int64_t bytes : x.unit_sizes[kind]) {
+      sweep.unit_bytes.push_back(static_cast<double>(bytes / a / n * n * a));
+      sweep.unit_seconds.push_back(*v++);
+    }
+    sweep.r_squared = fit_line_relative(sweep.bytes, sweep.seconds).r_squared;
+    cal.collectives.push_back(std::move(sweep));
+  }
+}
+
+// Per pass: what a collective took after a stretch beyond the two alone; over the passes the
+// lower quartile, like every time here, at the stretch's own time (its lower quartile).
+void read_after_compute(const Workload& x, const Kept& k, int passes, Calibration& cal) {
+  const auto kinds_n = static_cast<int64_t>(x.after_collectives.size());
+  const auto stretches_n = static_cast<int64_t>(x.stretches.size());
+  const torch::Tensor pairs =
+      k.slowest_rank.narrow(1, static_cast<int64_t>(k.layout.start("after_compute")), 2 * kinds_n * stretches_n)
+          .reshape({passes, kinds_n, stretches_n, 2});
+  const torch::Tensor own = pairs.select(3, 0), extra = pairs.select(3, 1);  // [passes, kinds, stretches]
+  const torch::Tensor kept = undisturbed_quartile(extra.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
+  const torch::Tensor own_kept = undisturbed_quartile(own.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
+  for (int64_t i = 0; i < kinds_n; ++i) {
+    const std::string& kind = x.after_collectives[static_cast<size_t>(i)].first;
+    CurvePoints& curve = kind == "all_reduce"   ? cal.after_compute.all_reduce
+                         : kind == "all_gather" ? cal.after_compute.all_gather
+                                                : cal.after_compute.all_to_all;
+    for (int64_t s = 0; s < stretches_n; ++s) {
+      const double at = own_kept[i][s].item<double>();
+      if (curve.empty() || at > curve.back().first) curve.emplace_back(at, std::max(0.0, kept[i][s].item<double>()));
+    }
+  }
+  for (int p = 0; p < passes; ++p) {
+    const torch::Tensor row = extra[p].reshape({-1}).contiguous();
+    cal.after_compute_per_pass.emplace_back(row.data_ptr<double>(), row.data_ptr<double>() + row.numel());
+  }
+}
+
+// Peak: the fastest multiply seen; the efficiency curve: each size's rate against it, one
+// point per distinct size (the median where sizes repeat).
+void read_efficiency(Calibration& cal) {
+  for (const auto& [flops, rate] : cal.gemm) cal.peak_flops = std::max(cal.peak_flops, rate);
+  std::map<double, std::vector<double>> by_size;
+  for (const auto& [flops, rate] : cal.gemm) by_size[flops].push_back(rate / cal.peak_flops);
+  for (const auto& [flops, eff] : by_size)
+    if (cal.efficiency.size() < 64) cal.efficiency.push_back({flops, std::clamp(median(eff), 1e-6, 1.0)});
+}
+
+}  // namespace
+
+Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
+  const auto started = Clock::now();
+  Progress progress(o.progress, world.rank() == 0);
+  torch::manual_seed(1234 + static_cast<uint64_t>(world.rank()));
+  torch::NoGradGuard outer_no_grad;  // enabled again where a backward is timed
+  const int passes = o.passes > 0 ? o.passes : (o.quick ? 1 : 5);
+  Calibration cal;
+  cal.ranks = world.size();
+  cal.passes = passes;
+  cal.baseline_rss_bytes = current_rss_bytes();
+  Workload x(o, world);
+  OverheadProbe overhead;
 
   // Every figure is measured once per pass, in the same order on every rank. A shared machine
   // has spells in which a core runs far slower (another tenant on it); the passes spread the
   // measurements over time and each figure keeps its lower quartile over them (below).
-  std::vector<std::vector<double>> pass_values;
+  std::vector<Figures> pass_figures;
   for (int pass = 1; pass <= passes; ++pass) {
     const std::string of = passes > 1 ? " (pass " + std::to_string(pass) + " of " + std::to_string(passes) + ")" : "";
-    std::vector<double> values;
-
-    // -- Matrix multiplies at the model's shapes.
-    progress.say("matrix multiplies at the shapes of " + m.name + of);
-    world.barrier();
-    for (const Gemm& g : gemms) {
-      const torch::Tensor a = torch::randn({g.rows, g.inner}).to(type), b = torch::randn({g.inner, g.cols}).to(type);
-      values.push_back(time_median(reps, [&] { (void)torch::mm(a, b); }));
-      overhead.sample();
-    }
-
-    // -- The executor's operations, forward and backward.
-    progress.say("attention, router and experts, head and loss, forward and backward" + of);
-    torch::autograd::GradMode::set_enabled(true);
-    world.barrier();
-    for (int64_t b : mbs) {
-      const torch::Tensor x = torch::randn({b, t, h}).to(type).requires_grad_(true);
-      // Attention sub-block: norm, attention, residual.
-      auto [af, ab] = time_forward_backward(reps, [&] {
-        return x + attention(m, w, rms_norm(x, w.input_norm, m.rms_norm_eps), rope, mask);
-      });
-      overhead.sample();
-      // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
-      // expert and the weighted combine back, residual.
-      auto [rf, rb] = time_forward_backward(reps, [&] {
-        const torch::Tensor tokens = x.reshape({-1, h});
-        const torch::Tensor xn = rms_norm(tokens, w.post_attention_norm, m.rms_norm_eps);
-        const torch::Tensor logits = torch::matmul(xn, w.router.t());
-        const Routing r = route(logits, m.experts_per_token, o.load_balancing);
-        const torch::Tensor slots = r.experts.flatten();
-        (void)torch::bincount(slots, {}, m.num_experts);
-        const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
-        const torch::Tensor token_of = torch::div(order, m.experts_per_token, "floor");
-        const torch::Tensor sorted = xn.index_select(0, token_of);
-        const torch::Tensor slot_weights = r.weights.to(type).flatten().index_select(0, order).unsqueeze(-1);
-        return tokens + torch::zeros_like(xn).index_add(0, token_of, sorted * slot_weights);
-      });
-      overhead.sample();
-      // Head: embedding, final norm, lm head, loss (with the router losses of every layer).
-      const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
-      std::vector<torch::Tensor> router_logits;
-      for (int64_t l = 0; l < m.num_layers; ++l)
-        router_logits.push_back(torch::randn({b * t, m.num_experts}).to(type).requires_grad_(true));
-      const double head = time_median(reps, [&] {
-        ForwardResult out;
-        const torch::Tensor e = torch::embedding(embed, ids);
-        out.logits = torch::matmul(rms_norm(x + e, norm, m.rms_norm_eps), lm_head.t()).to(torch::kFloat);
-        out.router_logits = router_logits;
-        mixtral_loss(m, moe, out, ids).total.backward();
-      });
-      overhead.sample();
-      values.insert(values.end(), {af, ab, rf, rb, head});
-    }
-    for (int64_t r : expert_rows) {
-      const torch::Tensor rows = torch::randn({r, h}).to(type).requires_grad_(true);
-      auto [ef, eb] = time_forward_backward(reps, [&] { return expert_ffn(rows, w1, w2, w3); });
-      values.insert(values.end(), {ef, eb});
-      overhead.sample();
-    }
-    // -- Optimizer: gradient clipping and AdamW on the shards of the model's flat units.
-    progress.say("optimizer" + of);
-    torch::autograd::GradMode::set_enabled(false);
-    world.barrier();
-    for (int64_t d : divisors) {
-      std::vector<torch::Tensor> shards, grads, masks;
-      for (int64_t numel : units) {
-        const int64_t k = (numel + d - 1) / d;
-        shards.push_back(torch::randn({k}).to(master));
-        grads.push_back((torch::randn({k}) * 1e-3).to(type));
-        masks.push_back(torch::ones({k}, torch::kBool));
-      }
-      AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
-      values.push_back(time_median(reps, [&] {
-        clip_grad_norm(grads, 1.0);
-        adam.step(grads, 1e-4);
-      }));
-      overhead.sample();
-    }
-
-    // -- Memory copy and the offload file.
-    progress.say("memory copy and offload file" + of);
-    {
-      const int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
-      const torch::Tensor a = torch::randn({n}), b = torch::empty({n});
-      const double copy = time_median(reps, [&] { b.copy_(a); });
-      values.push_back(2.0 * static_cast<double>(n) * 4 / copy);  // read and written
-      overhead.sample();
-      const int64_t block = o.max_micro_batch * t * h;  // one block input of the largest micro-batch
-      const torch::Tensor act = torch::randn({block}).to(type);
-      const int64_t blocks = m.num_layers;
-      double write = 0, read = 0;
-      for (int i = 0; i <= reps; ++i) {
-        auto start = Clock::now();
-        for (int64_t k = 0; k < blocks; ++k) store.put(k, act);
-        const double w_s = seconds_since(start);
-        start = Clock::now();
-        for (int64_t k = blocks - 1; k >= 0; --k) (void)store.take(k);
-        const double r_s = seconds_since(start);
-        store.clear();
-        if (i == 0) continue;
-        write += w_s;
-        read += r_s;
-      }
-      const double bytes = static_cast<double>(blocks * act.nbytes()) * reps;
-      values.push_back(bytes / write);
-      values.push_back(bytes / read);
-    }
-
-    // -- Collectives.
-    if (n > 1) {
-      for (const std::string& kind : kinds) {
-        std::vector<int64_t> all = sizes;
-        all.insert(all.end(), unit_sizes[kind].begin(), unit_sizes[kind].end());
-        progress.say("gloo " + kind + ", " + std::to_string(all.size()) + " sizes" + of);
-        for (int64_t bytes : all) {
-          const int64_t elems = bytes / a / n * n;  // a multiple of the ranks
-          const torch::Tensor full = torch::randn({elems}).to(a == 4 ? torch::kFloat : torch::kBFloat16);
-          const torch::Tensor shard = torch::randn({elems / n}).to(full.scalar_type());
-          const std::vector<int64_t> rows(static_cast<size_t>(n), elems / n);
-          // Many calls: the mean has to see the tail.
-          const int r = bytes <= (1 << 20) ? 60 / (o.quick ? 2 : 1) : 15 / (o.quick ? 2 : 1);
-          world.barrier();
-          double s = 0;
-          if (kind == "all_gather") s = time_mean(r, [&] { (void)world.all_gather(shard); });
-          if (kind == "all_to_all")
-            s = time_mean(r, [&] { (void)world.all_to_all(full.view({elems, 1}), rows, rows); });
-          if (kind == "all_reduce") {
-            torch::Tensor buffer = full.clone();
-            s = time_mean(r, [&] { world.all_reduce_sum(buffer); });
-          }
-          if (kind == "reduce_scatter") s = time_mean(r, [&] { (void)world.reduce_scatter_sum(full); });
-          values.push_back(s);
-        }
-      }
-    }
-    overhead.sample();
-
-    // -- The executor's whole micro-batch: forward with the loss, then backward, through its
-    // own model; what the operations above leave out shows here.
-    progress.say("whole micro-batches of the executor's model" + of);
-    torch::AutoGradMode with_grad(true);
-    world.barrier();
-    for (int64_t b : mbs) {
-      const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
-      auto [mf, mb] =
-          time_forward_backward(reps, [&] { return mixtral_loss(m, moe, whole.forward(ids, 1), ids).total; });
-      values.insert(values.end(), {mf, mb});
-    }
-    // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
-    // beyond its tensors before that.
-    overhead.stop();
-
-    // -- Collectives after compute: each kind back to back, then after stretches of compute of
-    // a few lengths in lockstep. What the pair takes beyond the stretch alone and the
-    // collective alone is what a collective costs in a step for following compute: a longer
-    // tail (its threads have to be woken), and the wait for the rank that fell behind.
-    if (n > 1) {
-      progress.say("collectives after compute" + of);
-      for (const auto& [kind, collective] : after_collectives) {
-        world.barrier();
-        const double alone = time_mean(60 / few, collective);
-        for (const Stretch& stretch : stretches) {
-          // Each call's stretch and collective timed apart on every rank, then gathered. A
-          // step pays, beyond the stretch's own time and the collective back to back, how far
-          // the slowest rank's stretch runs past it (the median over the calls) and how far
-          // the collective on the rank that came last (it waited for nobody) runs past its
-          // back-to-back time (the mean: the tail counts).
-          std::vector<double> times(static_cast<size_t>(2 * stretch.calls + 1));
-          world.barrier();
-          for (int i = 0; i <= stretch.calls; ++i) {
-            auto start = Clock::now();
-            stretch.work();
-            const double work_s = seconds_since(start);
-            start = Clock::now();
-            collective();
-            if (i == 0) continue;  // warm-up
-            times[static_cast<size_t>(i - 1)] = work_s;
-            times[static_cast<size_t>(stretch.calls + i - 1)] = seconds_since(start);
-          }
-          times.back() = alone;
-          const torch::Tensor all = world.all_gather(torch::tensor(times, torch::kDouble).unsqueeze(0));
-          const int64_t calls = stretch.calls;
-          const torch::Tensor work = all.narrow(1, 0, calls), after = all.narrow(1, calls, calls);
-          const double own = std::get<0>(work.median(1)).max().item<double>();
-          const double behind = std::get<0>(work.max(0)).median().item<double>() - own;
-          const double longer = std::get<0>(after.min(0)).mean().item<double>() - all.select(1, 2 * calls).max().item<double>();
-          values.insert(values.end(), {own, behind + longer});
-        }
-      }
-    }
-    pass_values.push_back(std::move(values));
+    pass_figures.push_back(measure_pass(x, progress, overhead, of));
   }
-  for (std::vector<double>& values : pass_values) {
-    values.push_back(static_cast<double>(overhead.most()));
-    values.push_back(static_cast<double>(cal.baseline_rss_bytes));
+  for (Figures& f : pass_figures) {
+    f.begin("memory");
+    f.add(static_cast<double>(overhead.most()));
+    f.add(static_cast<double>(cal.baseline_rss_bytes));
   }
 
   // -- Over the ranks: in each pass the slowest rank's time (it sets the pace of a step) and
@@ -498,114 +700,34 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   // ever adds to a time, and the validation keeps each configuration's least disturbed run
   // just as well. The quartile, not the fastest pass, so that no single lucky measurement
   // decides. The overheads: the largest anywhere.
-  const int64_t count = static_cast<int64_t>(pass_values.front().size());
+  const Figures& layout = pass_figures.front();
+  const int64_t count = static_cast<int64_t>(layout.values().size());
   torch::Tensor mine = torch::empty({1, passes, count}, torch::kDouble);
   for (int p = 0; p < passes; ++p)
-    mine[0][p].copy_(torch::tensor(pass_values[static_cast<size_t>(p)], torch::kDouble));
+    mine[0][p].copy_(torch::tensor(pass_figures[static_cast<size_t>(p)].values(), torch::kDouble));
   const torch::Tensor all = world.all_gather(mine).to(torch::kDouble);  // [ranks, passes, values]
   const torch::Tensor slowest_rank = std::get<0>(all.max(0));           // [passes, values]
   const torch::Tensor fastest_rank = std::get<0>(all.min(0));
   const torch::Tensor largest = std::get<0>(slowest_rank.max(0)).contiguous();
   const torch::Tensor slowest = undisturbed_quartile(slowest_rank, false);
   const torch::Tensor least = undisturbed_quartile(fastest_rank, true);
-  // How much slower each pass ran than the figures kept: the median over the compute times.
-  const int64_t compute = static_cast<int64_t>(gemms.size() + 5 * mbs.size() + 2 * expert_rows.size());
+  const Kept kept{layout, slowest_rank, slowest.data_ptr<double>(), least.data_ptr<double>(), largest.data_ptr<double>()};
+  read_op_times(x, kept, cal);
+  if (x.n > 1) {
+    read_collectives(x, kept, cal);
+    read_after_compute(x, kept, passes, cal);
+  }
+  const double* memory = kept.at(kept.largest, "memory");
+  cal.overhead_bytes = static_cast<int64_t>(memory[0]);
+  cal.baseline_rss_bytes = static_cast<int64_t>(memory[1]);
+  // How much slower each pass ran than the figures kept, and how far apart the ranks were (the
+  // slowest over the fastest): the medians over the compute times (GEMMs to experts).
+  const int64_t compute = static_cast<int64_t>(layout.start("optimizer"));
   for (int p = 0; p < passes; ++p)
     cal.pass_slowdown.push_back(
         (slowest_rank[p].narrow(0, 0, compute) / slowest.narrow(0, 0, compute)).median().item<double>());
-  const auto* v = slowest.data_ptr<double>();
-  const auto* low = least.data_ptr<double>();
-  size_t at = 0;
-  for (const Gemm& g : gemms) {
-    const double flops = 2.0 * static_cast<double>(g.rows * g.inner * g.cols);
-    cal.gemm.emplace_back(flops, flops / v[at++]);
-  }
-  OpTimes& times = cal.op_times;
-  times.hidden_size = h;
-  times.intermediate_size = m.intermediate_size;
-  times.num_attention_heads = m.num_attention_heads;
-  times.num_key_value_heads = m.num_key_value_heads;
-  times.head_dim = m.head_dim;
-  times.num_experts = m.num_experts;
-  times.experts_per_token = m.experts_per_token;
-  times.vocab_size = m.vocab_size;
-  times.seq_len = t;
-  times.precision = std::string(name_of(kPrecisionNames, o.precision));
-  for (int64_t b : mbs) {
-    const double tokens = static_cast<double>(b * t);
-    times.attention_forward.emplace_back(tokens, v[at++]);
-    times.attention_backward.emplace_back(tokens, v[at++]);
-    times.router_forward.emplace_back(tokens, v[at++]);
-    times.router_backward.emplace_back(tokens, v[at++]);
-    times.head.emplace_back(tokens, v[at++]);
-  }
-  for (int64_t r : expert_rows) {
-    times.expert_forward.emplace_back(static_cast<double>(r), v[at++]);
-    times.expert_backward.emplace_back(static_cast<double>(r), v[at++]);
-  }
-  for (int64_t s : shard_sizes) times.optimizer.emplace_back(static_cast<double>(s), v[at++]);
-  cal.copy_bandwidth_bytes_per_s = low[at++];
-  cal.offload_write_bytes_per_s = low[at++];
-  cal.offload_read_bytes_per_s = low[at++];
-  if (n > 1) {
-    for (const std::string& kind : kinds) {
-      CollectiveSweep sweep;
-      sweep.name = kind;
-      for (int64_t bytes : sizes) {
-        sweep.bytes.push_back(static_cast<double>(bytes / a / n * n * a));
-        sweep.seconds.push_back(v[at++]);
-      }
-      for (int64_t bytes : unit_sizes[kind]) {
-        sweep.unit_bytes.push_back(static_cast<double>(bytes / a / n * n * a));
-        sweep.unit_seconds.push_back(v[at++]);
-      }
-      sweep.r_squared = fit_line_relative(sweep.bytes, sweep.seconds).r_squared;
-      cal.collectives.push_back(std::move(sweep));
-    }
-  }
-  for (int64_t b : mbs) {
-    const double tokens = static_cast<double>(b * t);
-    times.micro_batch_forward.emplace_back(tokens, v[at++]);
-    times.micro_batch_backward.emplace_back(tokens, v[at++]);
-  }
-  if (n > 1) {
-    // Per pass: what a collective took after a stretch beyond the two alone; over the passes
-    // the lower quartile, like every time here, at the stretch's own time (its lower quartile).
-    const auto kinds_n = static_cast<int64_t>(after_collectives.size()), stretches_n = static_cast<int64_t>(stretches.size());
-    const torch::Tensor pairs =
-        slowest_rank.narrow(1, static_cast<int64_t>(at), 2 * kinds_n * stretches_n).reshape({passes, kinds_n, stretches_n, 2});
-    const torch::Tensor own = pairs.select(3, 0), extra = pairs.select(3, 1);  // [passes, kinds, stretches]
-    const torch::Tensor kept = undisturbed_quartile(extra.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
-    const torch::Tensor own_kept = undisturbed_quartile(own.reshape({passes, -1}), false).reshape({kinds_n, stretches_n});
-    for (int64_t k = 0; k < kinds_n; ++k) {
-      const std::string& kind = after_collectives[static_cast<size_t>(k)].first;
-      CurvePoints& curve = kind == "all_reduce"   ? cal.after_compute.all_reduce
-                           : kind == "all_gather" ? cal.after_compute.all_gather
-                                                  : cal.after_compute.all_to_all;
-      for (int64_t i = 0; i < stretches_n; ++i) {
-        const double x = own_kept[k][i].item<double>();
-        if (curve.empty() || x > curve.back().first) curve.emplace_back(x, std::max(0.0, kept[k][i].item<double>()));
-      }
-    }
-    for (int p = 0; p < passes; ++p) {
-      const torch::Tensor row = extra[p].reshape({-1}).contiguous();
-      cal.after_compute_per_pass.emplace_back(row.data_ptr<double>(), row.data_ptr<double>() + row.numel());
-    }
-    at += static_cast<size_t>(2 * kinds_n * stretches_n);
-  }
-  cal.overhead_bytes = static_cast<int64_t>(largest.data_ptr<double>()[at++]);
-  cal.baseline_rss_bytes = static_cast<int64_t>(largest.data_ptr<double>()[at++]);
-  // How far apart the ranks were: the slowest over the fastest, the median over the compute
-  // times of every pass.
   cal.rank_spread = (slowest_rank.narrow(1, 0, compute) / fastest_rank.narrow(1, 0, compute)).median().item<double>();
-
-  // Peak: the fastest multiply seen; the efficiency curve: each size's rate against it, one
-  // point per distinct size (the median where sizes repeat).
-  for (const auto& [flops, rate] : cal.gemm) cal.peak_flops = std::max(cal.peak_flops, rate);
-  std::map<double, std::vector<double>> by_size;
-  for (const auto& [flops, rate] : cal.gemm) by_size[flops].push_back(rate / cal.peak_flops);
-  for (const auto& [flops, eff] : by_size)
-    if (cal.efficiency.size() < 64) cal.efficiency.push_back({flops, std::clamp(median(eff), 1e-6, 1.0)});
+  read_efficiency(cal);
   cal.seconds = seconds_since(started);
   progress.say("done");
   return cal;

@@ -194,6 +194,162 @@ void check_rehearsal_plans(const Plan& small, const Plan& reference, const Token
   d.throw_if_any("rehearse");
 }
 
+namespace {
+
+// What the checks of a rehearsal look at: the cluster plan, its shrunk layout, the rehearsal's
+// folder (layout/ and reference/ runs in it) and the steps run.
+struct Rehearsing {
+  const Plan& plan;
+  const Plan& small;
+  const std::string& out;
+  int64_t steps;
+};
+
+// Losses, router losses, gradient norms and tokens per expert of the layout's run against one
+// rank's; `routed_elsewhere`: the slots the layout sent to other experts than one rank did.
+RehearsalCheck check_routing(const Rehearsing& c, Json& record, int64_t& routed_elsewhere) {
+  const std::string& out = c.out;
+  const int64_t steps = c.steps;
+  const ParallelConfig& p = c.small.parallel;
+  const std::vector<Json> layout = read_metrics(out + "/layout"), one = read_metrics(out + "/reference");
+  // Losses, the router's auxiliary losses and the gradient norm (which sees a gradient
+  // summed over the wrong group or scaled wrongly, where Adam's first update would not).
+  double worst = 0;
+  int64_t first_moved = 0, first_total = 0;  // step 1's routing is exactly one rank's (but see
+                                             // kTensorParallelFirstStepMoved)
+  int64_t moved = 0, total = 0;  // later, slots that went elsewhere: the weights equal one
+                                 // rank's only to rounding, so a near tie may go the other way
+  Json losses = Json::array();
+  bool complete = layout.size() == one.size() && layout.size() == static_cast<size_t>(steps);
+  for (size_t i = 0; complete && i < layout.size(); ++i) {
+    for (const char* key : {"loss", "aux_loss", "z_loss", "grad_norm"}) {
+      const double e = relative(layout[i].at(key).get<double>(), one[i].at(key).get<double>());
+      if (std::isnan(e) || e > worst) worst = e;  // a NaN stays
+    }
+    const auto a = layout[i].at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
+    const auto b = one[i].at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
+    complete = a.size() == b.size();
+    for (size_t l = 0; complete && l < a.size(); ++l)
+      for (size_t e = 0; e < std::min(a[l].size(), b[l].size()); ++e) {
+        // A slot that went elsewhere is one too few at one expert and one too many at
+        // another: half the differences are slots.
+        if (i == 0) {
+          first_moved += std::abs(a[l][e] - b[l][e]);
+          first_total += b[l][e];
+        }
+        moved += std::abs(a[l][e] - b[l][e]);
+        total += b[l][e];
+      }
+    losses.push_back({{"step", i + 1}, {"layout", layout[i].at("loss")}, {"one_rank", one[i].at("loss")}});
+  }
+  record["losses"] = losses;
+  first_moved /= 2;
+  moved /= 2;
+  routed_elsewhere = moved;
+  const bool first_step_ok =
+      first_moved == 0 || (p.tensor_parallel_degree > 1 &&
+                           static_cast<double>(first_moved) <= kTensorParallelFirstStepMoved * first_total);
+  const bool ok = complete && first_step_ok && worst <= kLossTolerance && moved * 1000 <= total;
+  const std::string first_step =
+      first_moved == 0 ? "step 1's tokens per expert are one rank's"
+      : first_step_ok  ? format("step 1's tokens per expert are one rank's but for %.0f of %.0f slots (tensor-parallel "
+                                "sums round otherwise; bound %.0e)",
+                                static_cast<double>(first_moved), static_cast<double>(first_total),
+                                kTensorParallelFirstStepMoved)
+                       : "step 1's tokens per expert DIFFER from one rank's";
+  return RehearsalCheck{"tokens reach their experts", ok,
+               !complete ? "the runs did not record every step"
+                         : first_step +
+                               format(" (%.0f of %.0f slots elsewhere over all steps); loss, auxiliary losses and "
+                                      "gradient norm within %.1e",
+                                      static_cast<double>(moved), static_cast<double>(total), worst) +
+                               format(" (bound %.0e)", kLossTolerance)};
+}
+
+// The layout's checkpoint shards put together against one rank's, before and after the resume.
+RehearsalCheck check_shards(const Rehearsing& c, Json& record, int64_t routed_elsewhere) {
+  const std::string& out = c.out;
+  const int64_t steps = c.steps, saved = steps - 1;
+  const ModelSpec& m = c.small.model;
+  // Step N-1's shards and step N's, after the resume, against one rank's: parameters and
+  // AdamW moments, so that moments lost or misplaced by the save and load show too.
+  // When tokens went to other experts, the moments are held to their own bound.
+  const bool moments_apart = routed_elsewhere > 0;
+  StateDifference worst;
+  for (const int64_t step : {saved, steps}) {
+    const StateDifference diff = state_difference(step_folder(out + "/layout/checkpoints", step),
+                                                  step_folder(out + "/reference/checkpoints", step), m,
+                                                  moments_apart);
+    const std::string at = " at step " + std::to_string(step);
+    if (std::isnan(diff.worst) || diff.worst > worst.worst) {
+      worst.worst = diff.worst;
+      worst.where = diff.where + at;
+    }
+    if (std::isnan(diff.moments) || diff.moments > worst.moments) {
+      worst.moments = diff.moments;
+      worst.moments_where = diff.moments_where + at;
+    }
+  }
+  record["state_difference"] = std::isfinite(worst.worst) ? Json(worst.worst) : Json("not finite");
+  const bool ok = worst.worst <= kParameterTolerance && worst.moments <= kMovedMomentTolerance;
+  std::string moments;
+  if (moments_apart) {
+    record["moment_difference"] =
+        std::isfinite(worst.moments) ? Json(worst.moments) : Json("not finite");
+    moments = format("; with %.0f slots routed elsewhere, the moments to %.1e",
+                     static_cast<double>(routed_elsewhere), worst.moments) +
+              format(" (bound %.0e, ", kMovedMomentTolerance) + worst.moments_where + ")";
+  }
+  return RehearsalCheck{"shards line up, checkpoint saves and loads", ok,
+               format("the layout's shards of steps %.0f and %.0f (after the resume) put together are one "
+                      "rank's ",
+                      static_cast<double>(saved), static_cast<double>(steps)) +
+                   (moments_apart ? "parameters" : "parameters and moments") + format(" to %.1e", worst.worst) +
+                   format(" (bound %.0e, ", kParameterTolerance) + worst.where + ")" + moments};
+}
+
+// The busiest rank's live tensors against the memory model, and what that says of the plan.
+RehearsalCheck check_memory(const Rehearsing& c, Json& record, const PredictTensorBytes& predict,
+                            int64_t plan_tensor_bytes) {
+  const Plan& plan = c.plan;
+  const Plan& small = c.small;
+  const std::string& out = c.out;
+  const ModelSpec& m = small.model;
+  const ParallelConfig& p = small.parallel;
+  // The busiest rank's live tensors inside a step against the memory model for the same
+  // shrunk layout, with the expert load this run measured: the most rows one rank's experts
+  // computed in a layer of a micro-batch, over the mean (a random router is uneven, and the
+  // busiest expert rank holds the most activations).
+  const RunReport report = read_run_report(out + "/layout/report.json");
+  const int64_t measured = report.peak_step_tensor_bytes();
+  const int64_t rows = report.busiest_expert_rows();
+  const double load = static_cast<double>(rows) /
+                      static_cast<double>(m.experts_per_token * p.micro_batch_size * small.training.seq_len);
+  const int64_t predicted = predict(load);
+  const double ratio = static_cast<double>(measured) / static_cast<double>(std::max<int64_t>(1, predicted));
+  // On the cluster: the plan's tensor bytes scaled by this ratio, its framework and
+  // fragmentation as they are.
+  const double full = static_cast<double>(plan.prediction.memory.device_total_bytes);
+  const double full_tensors = static_cast<double>(plan_tensor_bytes);
+  const double scaled = full - full_tensors + full_tensors * ratio;
+  const double limit = static_cast<double>(plan.prediction.memory.device_limit_bytes);
+  record["memory"] = {{"measured_peak_tensor_bytes", measured},
+                      {"predicted_tensor_bytes", predicted},
+                      {"measured_over_predicted", ratio},
+                      {"busiest_expert_rank_load", load},
+                      {"plan_device_bytes", plan.prediction.memory.device_total_bytes},
+                      {"plan_device_bytes_at_this_ratio", static_cast<int64_t>(scaled)},
+                      {"plan_device_limit_bytes", plan.prediction.memory.device_limit_bytes}};
+  return RehearsalCheck{"memory per rank as the memory model says", ratio <= 1 + kMemoryTolerance,
+               "busiest rank " + mib(static_cast<double>(measured)) + " of live tensors, memory model " +
+                   mib(static_cast<double>(predicted)) +
+                   format(" (x %.2f, bound %.2f); ", ratio, 1 + kMemoryTolerance) + "on the cluster the plan says " +
+                   gib(full) + " of " + gib(limit) + ", " + gib(scaled) + " at this rehearsal's ratio" +
+                   (scaled > limit ? " (above its limit, if this error carried over to the GPUs)" : "")};
+}
+
+}  // namespace
+
 Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, const RehearsalOptions& o,
                    const RunProgram& run, const PredictTensorBytes& predict, int64_t plan_tensor_bytes) {
   const int64_t steps = o.steps;
@@ -209,6 +365,7 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
   write_file_atomic(out + "/plan.json", plan_to_text(small));
   write_file_atomic(out + "/reference-plan.json", plan_to_text(reference));
 
+  const Rehearsing ctx{plan, small, out, steps};
   Rehearsal result;
   const ModelSpec& m = small.model;
   const ParallelConfig& p = small.parallel;
@@ -281,130 +438,10 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
       }
     };
     int64_t routed_elsewhere = 0;  // slots the layout sent to other experts than one rank did
-    guarded("tokens reach their experts", [&] {
-      const std::vector<Json> layout = read_metrics(out + "/layout"), one = read_metrics(out + "/reference");
-      // Losses, the router's auxiliary losses and the gradient norm (which sees a gradient
-      // summed over the wrong group or scaled wrongly, where Adam's first update would not).
-      double worst = 0;
-      int64_t first_moved = 0, first_total = 0;  // step 1's routing is exactly one rank's (but see
-                                                 // kTensorParallelFirstStepMoved)
-      int64_t moved = 0, total = 0;  // later, slots that went elsewhere: the weights equal one
-                                     // rank's only to rounding, so a near tie may go the other way
-      Json losses = Json::array();
-      bool complete = layout.size() == one.size() && layout.size() == static_cast<size_t>(steps);
-      for (size_t i = 0; complete && i < layout.size(); ++i) {
-        for (const char* key : {"loss", "aux_loss", "z_loss", "grad_norm"}) {
-          const double e = relative(layout[i].at(key).get<double>(), one[i].at(key).get<double>());
-          if (std::isnan(e) || e > worst) worst = e;  // a NaN stays
-        }
-        const auto a = layout[i].at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
-        const auto b = one[i].at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
-        complete = a.size() == b.size();
-        for (size_t l = 0; complete && l < a.size(); ++l)
-          for (size_t e = 0; e < std::min(a[l].size(), b[l].size()); ++e) {
-            // A slot that went elsewhere is one too few at one expert and one too many at
-            // another: half the differences are slots.
-            if (i == 0) {
-              first_moved += std::abs(a[l][e] - b[l][e]);
-              first_total += b[l][e];
-            }
-            moved += std::abs(a[l][e] - b[l][e]);
-            total += b[l][e];
-          }
-        losses.push_back({{"step", i + 1}, {"layout", layout[i].at("loss")}, {"one_rank", one[i].at("loss")}});
-      }
-      record["losses"] = losses;
-      first_moved /= 2;
-      moved /= 2;
-      routed_elsewhere = moved;
-      const bool first_step_ok =
-          first_moved == 0 || (p.tensor_parallel_degree > 1 &&
-                               static_cast<double>(first_moved) <= kTensorParallelFirstStepMoved * first_total);
-      const bool ok = complete && first_step_ok && worst <= kLossTolerance && moved * 1000 <= total;
-      const std::string first_step =
-          first_moved == 0 ? "step 1's tokens per expert are one rank's"
-          : first_step_ok  ? format("step 1's tokens per expert are one rank's but for %.0f of %.0f slots (tensor-parallel "
-                                    "sums round otherwise; bound %.0e)",
-                                    static_cast<double>(first_moved), static_cast<double>(first_total),
-                                    kTensorParallelFirstStepMoved)
-                           : "step 1's tokens per expert DIFFER from one rank's";
-      return RehearsalCheck{"tokens reach their experts", ok,
-                   !complete ? "the runs did not record every step"
-                             : first_step +
-                                   format(" (%.0f of %.0f slots elsewhere over all steps); loss, auxiliary losses and "
-                                          "gradient norm within %.1e",
-                                          static_cast<double>(moved), static_cast<double>(total), worst) +
-                                   format(" (bound %.0e)", kLossTolerance)};
-    });
-    guarded("shards line up, checkpoint saves and loads", [&] {
-      // Step N-1's shards and step N's, after the resume, against one rank's: parameters and
-      // AdamW moments, so that moments lost or misplaced by the save and load show too.
-      // When tokens went to other experts, the moments are held to their own bound.
-      const bool moments_apart = routed_elsewhere > 0;
-      StateDifference worst;
-      for (const int64_t step : {saved, steps}) {
-        const StateDifference diff = state_difference(step_folder(out + "/layout/checkpoints", step),
-                                                      step_folder(out + "/reference/checkpoints", step), m,
-                                                      moments_apart);
-        const std::string at = " at step " + std::to_string(step);
-        if (std::isnan(diff.worst) || diff.worst > worst.worst) {
-          worst.worst = diff.worst;
-          worst.where = diff.where + at;
-        }
-        if (std::isnan(diff.moments) || diff.moments > worst.moments) {
-          worst.moments = diff.moments;
-          worst.moments_where = diff.moments_where + at;
-        }
-      }
-      record["state_difference"] = std::isfinite(worst.worst) ? Json(worst.worst) : Json("not finite");
-      const bool ok = worst.worst <= kParameterTolerance && worst.moments <= kMovedMomentTolerance;
-      std::string moments;
-      if (moments_apart) {
-        record["moment_difference"] =
-            std::isfinite(worst.moments) ? Json(worst.moments) : Json("not finite");
-        moments = format("; with %.0f slots routed elsewhere, the moments to %.1e",
-                         static_cast<double>(routed_elsewhere), worst.moments) +
-                  format(" (bound %.0e, ", kMovedMomentTolerance) + worst.moments_where + ")";
-      }
-      return RehearsalCheck{"shards line up, checkpoint saves and loads", ok,
-                   format("the layout's shards of steps %.0f and %.0f (after the resume) put together are one "
-                          "rank's ",
-                          static_cast<double>(saved), static_cast<double>(steps)) +
-                       (moments_apart ? "parameters" : "parameters and moments") + format(" to %.1e", worst.worst) +
-                       format(" (bound %.0e, ", kParameterTolerance) + worst.where + ")" + moments};
-    });
-    guarded("memory per rank as the memory model says", [&] {
-      // The busiest rank's live tensors inside a step against the memory model for the same
-      // shrunk layout, with the expert load this run measured: the most rows one rank's experts
-      // computed in a layer of a micro-batch, over the mean (a random router is uneven, and the
-      // busiest expert rank holds the most activations).
-      const RunReport report = read_run_report(out + "/layout/report.json");
-      const int64_t measured = report.peak_step_tensor_bytes();
-      const int64_t rows = report.busiest_expert_rows();
-      const double load = static_cast<double>(rows) /
-                          static_cast<double>(m.experts_per_token * p.micro_batch_size * small.training.seq_len);
-      const int64_t predicted = predict(load);
-      const double ratio = static_cast<double>(measured) / static_cast<double>(std::max<int64_t>(1, predicted));
-      // On the cluster: the plan's tensor bytes scaled by this ratio, its framework and
-      // fragmentation as they are.
-      const double full = static_cast<double>(plan.prediction.memory.device_total_bytes);
-      const double full_tensors = static_cast<double>(plan_tensor_bytes);
-      const double scaled = full - full_tensors + full_tensors * ratio;
-      const double limit = static_cast<double>(plan.prediction.memory.device_limit_bytes);
-      record["memory"] = {{"measured_peak_tensor_bytes", measured},
-                          {"predicted_tensor_bytes", predicted},
-                          {"measured_over_predicted", ratio},
-                          {"busiest_expert_rank_load", load},
-                          {"plan_device_bytes", plan.prediction.memory.device_total_bytes},
-                          {"plan_device_bytes_at_this_ratio", static_cast<int64_t>(scaled)},
-                          {"plan_device_limit_bytes", plan.prediction.memory.device_limit_bytes}};
-      return RehearsalCheck{"memory per rank as the memory model says", ratio <= 1 + kMemoryTolerance,
-                   "busiest rank " + mib(static_cast<double>(measured)) + " of live tensors, memory model " +
-                       mib(static_cast<double>(predicted)) +
-                       format(" (x %.2f, bound %.2f); ", ratio, 1 + kMemoryTolerance) + "on the cluster the plan says " +
-                       gib(full) + " of " + gib(limit) + ", " + gib(scaled) + " at this rehearsal's ratio" +
-                       (scaled > limit ? " (above its limit, if this error carried over to the GPUs)" : "")};
-    });
+    guarded("tokens reach their experts", [&] { return check_routing(ctx, record, routed_elsewhere); });
+    guarded("shards line up, checkpoint saves and loads", [&] { return check_shards(ctx, record, routed_elsewhere); });
+    guarded("memory per rank as the memory model says",
+            [&] { return check_memory(ctx, record, predict, plan_tensor_bytes); });
   }
 
   bool ready = true;

@@ -114,60 +114,70 @@ std::vector<Placement> all_placements() {
 
 }  // namespace
 
-SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options) {
-  SearchResult result;
-  SearchStats& stats = result.stats;
-  const int64_t w = options.gpus;
-  const TrainingConfig& training = options.training;
-  const int64_t host_limit = host_limit_bytes(cluster, w);
-  const int64_t device_limit = cluster.usable_memory_bytes();
-  const SearchOptions::Pins& pin = options.pins;
+namespace {
 
-  // The raw space: degrees that divide the world size or the expert count (the rules reject
-  // the ones that do not fit both), tensor parallelism inside a node (its all-reduces are on
-  // every block's critical path; Megatron keeps T within NVLink), pipelines of up to one block
-  // per stage, sequence parallelism with T, every placement, every checkpointing and offload
-  // option, power-of-two micro-batches and the divisors of the per-reader batch.
-  std::vector<int64_t> expert_degrees = divisors(w);
+struct OffloadOption {
+  bool on;
+  int64_t horizon;
+};
+
+// Choices made per (E, S, T, P) beside checkpointing, offloading and the micro-batch.
+struct Variant {
+  int64_t chunks;
+  bool sequence, distributed_optimizer;
+  std::pair<int64_t, int64_t> ends;
+};
+
+// The raw space: degrees that divide the world size or the expert count (the rules reject the
+// ones that do not fit both), tensor parallelism inside a node (its all-reduces are on every
+// block's critical path; Megatron keeps T within NVLink), pipelines of up to one block per
+// stage, sequence parallelism with T, every placement, every checkpointing and offload option,
+// power-of-two micro-batches and the divisors of the per-reader batch. What the user fixed:
+// the one value, even where the search would not have tried it (the rules then say why it
+// cannot work).
+struct Space {
+  Space(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options);
+
+  // Pipeline splits: equal stages, or where P does not divide the blocks, end stages a block
+  // or two lighter than the others (they also hold the embedding and the head; Llama 3 405B
+  // runs 126 blocks on 16 stages as 7, 14 x 8 and 7).
+  std::vector<std::pair<int64_t, int64_t>> stage_splits(int64_t pp) const;
+  // The sequences each data reader takes per step with T and P (the ranks that read data are
+  // W / (T P)).
+  int64_t seqs_per_reader(int64_t t, int64_t pp) const;
+  // Micro-batch sizes for T and P: powers of two and the divisors of the per-reader batch.
+  std::vector<int64_t> micro_batches(int64_t t, int64_t pp) const;
+  std::vector<Variant> variants(int64_t e, int64_t s, int64_t t, int64_t pp) const;
+
+  const ModelSpec& model;
+  const SearchOptions& options;
+  const SearchOptions::Pins& pin;
+  const int64_t w;
+  std::vector<int64_t> expert_degrees, shard_degrees, tensor_degrees, pipeline_degrees;
+  std::vector<OffloadOption> offloads;
+  std::vector<Checkpointing> checkpointing;
+  std::vector<Placement> placements;
+};
+
+Space::Space(const ModelSpec& m, const ClusterSpec& cluster, const SearchOptions& o)
+    : model(m), options(o), pin(o.pins), w(o.gpus) {
+  expert_degrees = divisors(w);
   for (int64_t e : divisors(model.num_experts)) expert_degrees.push_back(e);
   std::sort(expert_degrees.begin(), expert_degrees.end());
   expert_degrees.erase(std::unique(expert_degrees.begin(), expert_degrees.end()), expert_degrees.end());
-  std::vector<int64_t> shard_degrees = divisors(w);
-  std::vector<int64_t> tensor_degrees, pipeline_degrees;
+  shard_degrees = divisors(w);
   for (int64_t d : divisors(w)) {
     if (d <= cluster.gpus_per_node) tensor_degrees.push_back(d);
     if (d <= model.num_layers) pipeline_degrees.push_back(d);
   }
-  // Pipeline splits: equal stages, or where P does not divide the blocks, end stages a block or
-  // two lighter than the others (they also hold the embedding and the head; Llama 3 405B runs
-  // 126 blocks on 16 stages as 7, 14 x 8 and 7).
-  auto stage_splits = [&](int64_t pp) {
-    std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
-    if (pin.first_stage_layers || pin.last_stage_layers)
-      return std::vector<std::pair<int64_t, int64_t>>{{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
-    if (pp < 3 || model.num_layers % pp == 0 || options.executor_mode) return out;
-    out.clear();
-    const int64_t even = (model.num_layers + pp - 1) / pp;
-    for (int64_t middle = even; middle <= even + 1; ++middle) {
-      const int64_t rest = model.num_layers - (pp - 2) * middle;
-      if (rest >= 2 && rest % 2 == 0 && rest / 2 < middle) out.emplace_back(rest / 2, rest / 2);
-    }
-    return out;
-  };
-  struct OffloadOption {
-    bool on;
-    int64_t horizon;
-  };
-  std::vector<OffloadOption> offloads = {{false, 1}};
+  offloads = {{false, 1}};
   for (int64_t h : options.loading_horizons) offloads.push_back({true, h});
   // Recomputing the attention core saves the T x T scores of unfused attention; flash
   // attention keeps none, so there it only costs time.
-  std::vector<Checkpointing> checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
+  checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
   if (cluster.attention == AttentionKernel::kUnfused && !options.executor_mode)
     checkpointing.push_back(Checkpointing::kAttentionCore);
-  std::vector<Placement> placements = all_placements();
-  // What the user fixed: the one value, even where the search would not have tried it (the
-  // rules then say why it cannot work).
+  placements = all_placements();
   if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
   if (pin.hybrid_shard_degree) shard_degrees = {*pin.hybrid_shard_degree};
   if (pin.tensor_parallel_degree) tensor_degrees = {*pin.tensor_parallel_degree};
@@ -185,101 +195,168 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     if (!fixed) throw std::invalid_argument("placement \"" + *pin.placement + "\" is not a placement");
     placements = {*fixed};
   }
+}
+
+std::vector<std::pair<int64_t, int64_t>> Space::stage_splits(int64_t pp) const {
+  std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
+  if (pin.first_stage_layers || pin.last_stage_layers)
+    return {{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
+  if (pp < 3 || model.num_layers % pp == 0 || options.executor_mode) return out;
+  out.clear();
+  const int64_t even = (model.num_layers + pp - 1) / pp;
+  for (int64_t middle = even; middle <= even + 1; ++middle) {
+    const int64_t rest = model.num_layers - (pp - 2) * middle;
+    if (rest >= 2 && rest % 2 == 0 && rest / 2 < middle) out.emplace_back(rest / 2, rest / 2);
+  }
+  return out;
+}
+
+int64_t Space::seqs_per_reader(int64_t t, int64_t pp) const {
+  const TrainingConfig& training = options.training;
+  const int64_t readers = t >= 1 && pp >= 1 ? w / (t * pp) : 0;
+  return training.seq_len > 0 && readers > 0 ? training.global_batch_tokens / (training.seq_len * readers) : 0;
+}
+
+std::vector<int64_t> Space::micro_batches(int64_t t, int64_t pp) const {
+  if (pin.micro_batch_size) return {*pin.micro_batch_size};
+  const int64_t seqs = seqs_per_reader(t, pp);
+  std::vector<int64_t> out;
+  for (int64_t b = 1; b <= options.max_micro_batch; ++b) {
+    const bool power_of_two = (b & (b - 1)) == 0;
+    if (power_of_two || (seqs > 0 && seqs % b == 0)) out.push_back(b);
+  }
+  return out;
+}
+
+std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp) const {
+  // Interleaved chunks per stage: the divisors of the stage's blocks up to 8, where the
+  // micro-batches come in whole rounds of the stages.
+  std::vector<int64_t> chunk_options = {1};
+  if (pp > 1 && model.num_layers % pp == 0)
+    for (int64_t v = 2; v <= 8 && v <= model.num_layers / pp; ++v)
+      if (model.num_layers / pp % v == 0) chunk_options.push_back(v);
+  // With uneven end stages: chunks that divide a middle stage's blocks and fit an end's.
+  std::vector<int64_t> uneven_chunk_options = {1};
+  for (const auto& [first, last] : stage_splits(pp)) {
+    if (first == 0 || pp < 3) continue;
+    const int64_t middle = (model.num_layers - first - last) / (pp - 2);
+    for (int64_t v = 2; v <= 8 && v <= std::min(first, last); ++v)
+      if (middle % v == 0) uneven_chunk_options.push_back(v);
+    break;
+  }
+  if (pin.virtual_pipeline_degree) chunk_options = {*pin.virtual_pipeline_degree};
+  std::vector<bool> sequence_options = {false};
+  if (t > 1) sequence_options = {true, false};
+  if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
+  // The distributed optimizer shards states over the replicas: a choice only with some.
+  const bool replicated =
+      e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (e * s * t * pp) > 1;
+  std::vector<bool> optimizer_options = {false};
+  if (replicated && !options.executor_mode) optimizer_options = {false, true};
+  if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
+  std::vector<Variant> out;
+  for (const auto& ends : stage_splits(pp))
+    for (int64_t chunks : pin.virtual_pipeline_degree || ends.first == 0 ? chunk_options : uneven_chunk_options)
+      for (bool sequence : sequence_options)
+        for (bool sharded_optimizer : optimizer_options) out.push_back({chunks, sequence, sharded_optimizer, ends});
+  return out;
+}
+
+// Placements matter through the shape of each dimension's groups (members per node, nodes
+// spanned, groups sharing a node's card): two that give every dimension the same shapes give
+// the same estimate, and the first stands for both. Degrees that do not divide the world have
+// no layout, and one placement stands for all (the rules reject them). Returns (position in
+// `placements`, placement) of each distinct one, and their shapes.
+std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutShapes>> distinct_placements(
+    const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements) {
+  const int64_t w = p.world_size, e = p.expert_parallel_degree, s = p.hybrid_shard_degree,
+                t = p.tensor_parallel_degree, pp = p.pipeline_parallel_degree;
+  const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0;
+  std::vector<std::pair<int64_t, Placement>> distinct;
+  std::vector<sim::LayoutShapes> shapes;
+  std::set<std::array<int64_t, 3 * kMeshDims>> layouts;
+  for (size_t i = 0; i < placements.size(); ++i) {
+    p.placement = placements[i];
+    if (!divides) {
+      if (distinct.empty()) {
+        distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
+        shapes.push_back(sim::layout_shapes(cluster, p));
+      }
+      continue;
+    }
+    const sim::LayoutShapes shape = sim::layout_shapes(cluster, p);
+    std::array<int64_t, 3 * kMeshDims> key{};
+    size_t k = 0;
+    for (const sim::GroupShape* g : {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline}) {
+      const bool spread = g->size > 1;
+      key[k++] = spread ? g->per_node : 0;
+      key[k++] = spread ? g->nodes : 0;
+      key[k++] = spread ? g->groups_per_node : 0;
+    }
+    if (!layouts.insert(key).second) continue;
+    distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
+    shapes.push_back(shape);
+  }
+  return {std::move(distinct), std::move(shapes)};
+}
+
+// The best `options.keep` of the candidates that fit. Candidates are large: they are ordered
+// through their indices, and only as far as needed: the analytic ranking takes the first few;
+// the simulation takes the best first (they set the bound that prunes the others) and the rest
+// in any order.
+std::vector<Candidate> rank(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,
+                            const std::vector<Candidate>& fitting, SearchStats& stats) {
+  std::vector<uint32_t> order(fitting.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
+  const size_t head = std::min(order.size(), std::max<size_t>(4096, options.keep * 64));
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(head), order.end(),
+                    [&](uint32_t a, uint32_t b) { return better(fitting[a], fitting[b]); });
+  std::vector<Candidate> ranked;
+  if (options.estimator == Estimator::kSimulator) {
+    std::vector<Candidate> simulated = simulate_best(model, cluster, options, fitting, order, stats);
+    std::sort(simulated.begin(), simulated.end(), better);
+    for (const Candidate& c : simulated) {
+      if (ranked.size() >= options.keep) break;
+      if (!horizon_duplicate(c, ranked)) ranked.push_back(c);
+    }
+    return ranked;
+  }
+  for (size_t i = 0; i < head && ranked.size() < options.keep; ++i)
+    if (!horizon_duplicate(fitting[order[i]], ranked)) ranked.push_back(fitting[order[i]]);
+  return ranked;
+}
+
+}  // namespace
+
+SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options) {
+  SearchResult result;
+  SearchStats& stats = result.stats;
+  const int64_t w = options.gpus;
+  const TrainingConfig& training = options.training;
+  const int64_t host_limit = host_limit_bytes(cluster, w);
+  const int64_t device_limit = cluster.usable_memory_bytes();
+  const Space space(model, cluster, options);
 
   std::vector<Candidate> fitting;
   int64_t index = 0;
   sim::KernelCostCache kernel_costs;
-  for (int64_t e : expert_degrees) {
-    for (int64_t s : shard_degrees) {
-      for (int64_t t : tensor_degrees) {
-        for (int64_t pp : pipeline_degrees) {
+  for (int64_t e : space.expert_degrees) {
+    for (int64_t s : space.shard_degrees) {
+      for (int64_t t : space.tensor_degrees) {
+        for (int64_t pp : space.pipeline_degrees) {
           ParallelConfig p;
           p.world_size = w;
           p.expert_parallel_degree = e;
           p.hybrid_shard_degree = s;
           p.tensor_parallel_degree = t;
           p.pipeline_parallel_degree = pp;
-          // The ranks that read data and the sequences each reads per step.
-          const int64_t readers = t >= 1 && pp >= 1 ? w / (t * pp) : 0;
-          const int64_t seqs_per_reader =
-              training.seq_len > 0 && readers > 0 ? training.global_batch_tokens / (training.seq_len * readers) : 0;
-          std::vector<int64_t> micro_batches;
-          for (int64_t b = 1; b <= options.max_micro_batch; ++b) {
-            const bool power_of_two = (b & (b - 1)) == 0;
-            if (power_of_two || (seqs_per_reader > 0 && seqs_per_reader % b == 0)) micro_batches.push_back(b);
-          }
-          if (pin.micro_batch_size) micro_batches = {*pin.micro_batch_size};
-          // Interleaved chunks per stage: the divisors of the stage's blocks up to 8, where the
-          // micro-batches come in whole rounds of the stages.
-          std::vector<int64_t> chunk_options = {1};
-          if (pp > 1 && model.num_layers % pp == 0)
-            for (int64_t v = 2; v <= 8 && v <= model.num_layers / pp; ++v)
-              if (model.num_layers / pp % v == 0) chunk_options.push_back(v);
-          // With uneven end stages: chunks that divide a middle stage's blocks and fit an end's.
-          std::vector<int64_t> uneven_chunk_options = {1};
-          for (const auto& [first, last] : stage_splits(pp)) {
-            if (first == 0 || pp < 3) continue;
-            const int64_t middle = (model.num_layers - first - last) / (pp - 2);
-            for (int64_t v = 2; v <= 8 && v <= std::min(first, last); ++v)
-              if (middle % v == 0) uneven_chunk_options.push_back(v);
-            break;
-          }
-          if (pin.virtual_pipeline_degree) chunk_options = {*pin.virtual_pipeline_degree};
-          std::vector<bool> sequence_options = {false};
-          if (t > 1) sequence_options = {true, false};
-          if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
-          // The distributed optimizer shards states over the replicas: a choice only with some.
-          const bool replicated = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 &&
-                                  w / (e * s * t * pp) > 1;
-          std::vector<bool> optimizer_options = {false};
-          if (replicated && !options.executor_mode) optimizer_options = {false, true};
-          if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
-          struct Variant {
-            int64_t chunks;
-            bool sequence, distributed_optimizer;
-            std::pair<int64_t, int64_t> ends;
-          };
-          std::vector<Variant> variants;
-          for (const auto& ends : stage_splits(pp))
-            for (int64_t chunks : pin.virtual_pipeline_degree || ends.first == 0 ? chunk_options : uneven_chunk_options)
-              for (bool sequence : sequence_options)
-                for (bool sharded_optimizer : optimizer_options)
-                  variants.push_back({chunks, sequence, sharded_optimizer, ends});
-          const int64_t inner = static_cast<int64_t>(variants.size() * checkpointing.size() * offloads.size() *
-                                                     micro_batches.size());
-
-          // Placements matter through the shape of each dimension's groups (members per node,
-          // nodes spanned, groups sharing a node's card): two that give every dimension the same
-          // shapes give the same estimate, and the first stands for both. Degrees that do not
-          // divide the world have no layout, and one placement stands for all (the rules
-          // reject them).
-          const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0;
-          std::vector<std::pair<int64_t, Placement>> distinct;  // (position in `placements`, placement)
-          std::vector<sim::LayoutShapes> shapes;
-          std::set<std::array<int64_t, 3 * kMeshDims>> layouts;
-          for (size_t i = 0; i < placements.size(); ++i) {
-            p.placement = placements[i];
-            if (!divides) {
-              if (distinct.empty()) {
-                distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
-                shapes.push_back(sim::layout_shapes(cluster, p));
-              }
-              continue;
-            }
-            const sim::LayoutShapes shape = sim::layout_shapes(cluster, p);
-            std::array<int64_t, 3 * kMeshDims> key{};
-            size_t k = 0;
-            for (const sim::GroupShape* g : {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline}) {
-              const bool spread = g->size > 1;
-              key[k++] = spread ? g->per_node : 0;
-              key[k++] = spread ? g->nodes : 0;
-              key[k++] = spread ? g->groups_per_node : 0;
-            }
-            if (!layouts.insert(key).second) continue;
-            distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
-            shapes.push_back(shape);
-          }
-          const auto tried = static_cast<int64_t>(placements.size());
+          const int64_t seqs_per_reader = space.seqs_per_reader(t, pp);
+          const std::vector<int64_t> micro_batches = space.micro_batches(t, pp);
+          const std::vector<Variant> variants = space.variants(e, s, t, pp);
+          const int64_t inner = static_cast<int64_t>(variants.size() * space.checkpointing.size() *
+                                                     space.offloads.size() * micro_batches.size());
+          const auto [distinct, shapes] = distinct_placements(cluster, p, space.placements);
+          const auto tried = static_cast<int64_t>(space.placements.size());
           const auto kept = static_cast<int64_t>(distinct.size());
           stats.enumerated += inner * tried;
           stats.duplicate_placements += inner * (tried - kept);
@@ -293,9 +370,9 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
             p.distributed_optimizer = v.distributed_optimizer;
             p.first_stage_layers = v.ends.first;
             p.last_stage_layers = v.ends.second;
-            for (Checkpointing ckpt : checkpointing) {
+            for (Checkpointing ckpt : space.checkpointing) {
               p.activation_checkpointing = ckpt;
-              for (const OffloadOption& offload : offloads) {
+              for (const OffloadOption& offload : space.offloads) {
                 p.activation_offloading = offload.on;
                 p.activation_loading_horizon = offload.horizon;
                 for (int64_t mbs : micro_batches) {
@@ -346,25 +423,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     }
   }
   stats.fitting = static_cast<int64_t>(fitting.size());
-  // Candidates are large: order them through their indices, and only as far as needed: the
-  // analytic ranking takes the first few; the simulation takes the best first (they set the
-  // bound that prunes the others) and the rest in any order.
-  std::vector<uint32_t> order(fitting.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
-  const size_t head = std::min(order.size(), std::max<size_t>(4096, options.keep * 64));
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(head), order.end(),
-                    [&](uint32_t a, uint32_t b) { return better(fitting[a], fitting[b]); });
-  if (options.estimator == Estimator::kSimulator) {
-    std::vector<Candidate> simulated = simulate_best(model, cluster, options, fitting, order, stats);
-    std::sort(simulated.begin(), simulated.end(), better);
-    for (const Candidate& c : simulated) {
-      if (result.ranked.size() >= options.keep) break;
-      if (!horizon_duplicate(c, result.ranked)) result.ranked.push_back(c);
-    }
-    return result;
-  }
-  for (size_t i = 0; i < head && result.ranked.size() < options.keep; ++i)
-    if (!horizon_duplicate(fitting[order[i]], result.ranked)) result.ranked.push_back(fitting[order[i]]);
+  result.ranked = rank(model, cluster, options, fitting, stats);
   return result;
 }
 
