@@ -86,10 +86,15 @@ int run_run(const RunArgs& args) {
     if (r.report) {
       // The run folder holds what `moeplan view run/` shows: the plan, its simulated step and
       // the measured one.
-      write_file_atomic(args.out + "/plan.json", plan_to_text(plan));
-      write_simulated_trace(plan, args.out + "/simulated.json");
       std::fputs(executor::format_summary(*r.report).c_str(), stdout);
-      std::printf("view the simulated and measured step: moeplan view %s\n", args.out.c_str());
+      try {
+        write_file_atomic(args.out + "/plan.json", plan_to_text(plan));
+        write_simulated_trace(plan, args.out + "/simulated.json");
+        std::printf("view the simulated and measured step: moeplan view %s\n", args.out.c_str());
+      } catch (const std::exception& e) {  // the run itself is done and reported
+        std::fprintf(stderr, "moeplan: note: %s/simulated.json not written (%s); `moeplan view` still opens "
+                     "trace.json\n", args.out.c_str(), e.what());
+      }
     }
     return kExitOk;
   } catch (...) {

@@ -3,6 +3,7 @@
 
 #include "commands.h"
 #include "matrix.h"
+#include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/rehearsal.h"
 #include "moeplan/executor/tokens.h"
@@ -14,14 +15,18 @@ int run_rehearse(const RunArgs& args) {
   const Plan plan = read_plan_file(args.plan);  // the rules of the cluster layout, against the cluster
   executor::RehearsalOptions o;
   o.plan_path = args.plan;
-  o.data_dir = args.data;
+  o.data_dir = args.data.empty() ? plan.training.data : args.data;
+  if (o.data_dir.empty())
+    throw InputError("--data", {{"", args.plan + " names no training data (training.data); prepare some with "
+                                        "`moeplan data prepare` (any vocabulary: the rehearsal shrinks the model "
+                                        "to it) and pass --data DIR"}});
   o.out_dir = args.out;
   o.steps = args.steps > 0 ? args.steps : 2;
   o.threads = args.threads;
   o.timeout_seconds = args.timeout_seconds;
   o.progress = &std::cout;
   executor::check_rehearsal(plan, o);
-  const executor::TokenDataset data = executor::TokenDataset::open(args.data);
+  const executor::TokenDataset data = executor::TokenDataset::open(o.data_dir);
   const Plan small = planner::rehearsal_plan(plan, {args.shrink_width, args.shrink_layers, args.shrink_micro_batches}, data.vocab_size(),
                                              data.block_size(), o.steps);
   const Plan reference = planner::reference_plan(small);

@@ -361,7 +361,7 @@ void check_executor(const RunConfig& c, Sink& sink) {
   if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
     sink(Rule::kExecutorLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
          [&] { return std::string("is set: the executor runs equal pipeline stages only"); });
-  if (t.fp8)
+  if (t.fp8 && c.cluster.peak_fp8_flops > 0 && t.precision != Precision::kFp32)  // else fp8_needs_hardware says it
     sink(Rule::kExecutorLayouts, "training.fp8",
          [&] { return std::string("= true: the executor computes in bf16 or fp32 only"); });
   if (!t.fp32_gradients && t.precision == Precision::kMixed)

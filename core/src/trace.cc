@@ -66,7 +66,8 @@ Json to_json(const Trace& trace) {
 }
 
 std::string plan_difference(const Trace& a, const Trace& b) {
-  if (a.plan.empty() || b.plan.empty() || (a.plan == b.plan && a.world_size == b.world_size)) return "";
+  const bool same_size = a.world_size <= 0 || b.world_size <= 0 || a.world_size == b.world_size;
+  if (a.plan.empty() || b.plan.empty() || (a.plan == b.plan && same_size)) return "";
   auto of = [](const Trace& t) {
     if (t.world_size <= 0) return t.plan;
     return t.plan + " on " + std::to_string(t.world_size) + (t.world_size == 1 ? " rank" : " ranks");

@@ -190,7 +190,11 @@ void check_rehearsal_plans(const Plan& small, const Plan& reference, const Token
   Diagnostics d;
   RunOptions run;
   run.stop_after_step = o.steps;
-  for (const Plan* each : {&small, &reference}) check_run_inputs(*each, data, run, d);
+  for (const auto& [each, which] : {std::pair{&small, " (in the shrunk plan)"}, std::pair{&reference, " (in the one-rank reference plan)"}}) {
+    Diagnostics found;
+    check_run_inputs(*each, data, run, found);
+    for (const Diagnostic& item : found.items()) d.error(item.path, item.message + which);
+  }
   d.throw_if_any("rehearse");
 }
 

@@ -42,8 +42,6 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
   if (data.block_size() != plan.training.seq_len)
     d.error("training.seq_len", std::to_string(plan.training.seq_len) + " does not match the block size of " +
                                     data.dir() + " (" + std::to_string(data.block_size()) + ")");
-  if (plan.training.seq_len > plan.model.max_position_embeddings)
-    d.error("training.seq_len", "exceeds model.max_position_embeddings");
   if (o.stop_after_step < 0 || o.stop_after_step > plan.training.steps)
     d.error("--steps", std::to_string(o.stop_after_step) + " is outside 1.." + std::to_string(plan.training.steps) +
                            " (training.steps of the plan)");

@@ -471,6 +471,10 @@ TEST_F(PreparedData, APlanNamesItsDataAndTheRunFolderHoldsBothSteps) {
   EXPECT_EQ(refused.exit_code, 2) << show(refused);
   EXPECT_TRUE(contains(refused.err, "--data: " + tmp.file("bare.json") + " names no training data")) << refused.err;
   EXPECT_TRUE(contains(refused.err, "moeplan data prepare")) << refused.err;
+  const Command rehearsal =
+      run_moeplan("run " + tmp.file("bare.json") + " --rehearse --out " + tmp.file("rehearsal") + " --steps 2");
+  EXPECT_EQ(rehearsal.exit_code, 2) << show(rehearsal);
+  EXPECT_TRUE(contains(rehearsal.err, "--data: " + tmp.file("bare.json") + " names no training data")) << rehearsal.err;
   const Command missing = run_moeplan(search + " --data " + tmp.file("nowhere") + " --out " + tmp.file("x.json"));
   EXPECT_EQ(missing.exit_code, 2) << show(missing);
   EXPECT_TRUE(contains(missing.err, "--data: " + tmp.file("nowhere") + " has no manifest.json")) << missing.err;
