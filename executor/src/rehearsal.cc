@@ -190,7 +190,9 @@ void check_rehearsal_plans(const Plan& small, const Plan& reference, const Token
   Diagnostics d;
   RunOptions run;
   run.stop_after_step = o.steps;
-  for (const auto& [each, which] : {std::pair{&small, " (in the shrunk plan)"}, std::pair{&reference, " (in the one-rank reference plan)"}}) {
+  const std::pair<const Plan*, const char*> plans[] = {{&small, " (in the shrunk plan)"},
+                                                       {&reference, " (in the one-rank reference plan)"}};
+  for (const auto& [each, which] : plans) {
     Diagnostics found;
     check_run_inputs(*each, data, run, found);
     for (const Diagnostic& item : found.items()) d.error(item.path, item.message + which);
