@@ -472,8 +472,9 @@ double card_bytes_of_micro_batch(const StepGraph& g, int64_t mb) {
 
 // The work micro-batch `mb` gives its busiest resource: the sum of its op times on one
 // stream of one rank (a collective counted from its start, not from a member's arrival), or
-// the bytes it pushes through node 0's card over the card's bandwidth.
-SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t mb, double card_bytes_per_s) {
+// the bytes it pushes through node 0's card (card_bytes_of_micro_batch) over the card's bandwidth.
+SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t mb, double card_bytes,
+                              double card_bytes_per_s) {
   std::vector<SimTime> stream(static_cast<size_t>(g.ranks()) * kTraceStreamCount, SimTime(0));
   for (size_t i = 0; i < g.ops().size(); ++i) {
     const Op& op = g.ops()[i];
@@ -483,7 +484,6 @@ SimTime busiest_resource_work(const StepGraph& g, const GraphTimes& t, int64_t m
     stream[static_cast<size_t>(op.rank) * kTraceStreamCount + static_cast<size_t>(on)] += t.end[i] - begin;
   }
   SimTime most = *std::max_element(stream.begin(), stream.end());
-  const double card_bytes = card_bytes_of_micro_batch(g, mb);
   return std::max(most, SimTime(static_cast<int64_t>(std::ceil(card_bytes / card_bytes_per_s * 1e9))));
 }
 
@@ -575,10 +575,12 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
   // backlog.
   const int64_t repeats = p.gradient_accumulation_steps - sim.micro_batches;
   SimTime period{0};
+  const double card_bytes = sim.micro_batches >= 2 ? card_bytes_of_micro_batch(sim.graph, 1) : 0.0;
   const std::vector<SimTime> ends = micro_batch_ends(sim.graph, sim.times, sim.micro_batches);
   if (sim.micro_batches >= 2) {
     period = ends[1] - ends[0];
-    period = std::max(period, busiest_resource_work(sim.graph, sim.times, 1, c.cluster.inter_node_bandwidth_bytes_per_s));
+    period = std::max(period, busiest_resource_work(sim.graph, sim.times, 1, card_bytes,
+                                                     c.cluster.inter_node_bandwidth_bytes_per_s));
     if (repeats > 0) period += unsynced_after_compute(sim.graph, sim.times, p.gradient_accumulation_steps);
   }
   sim.micro_batch_s = to_seconds(sim.micro_batches >= 2 ? period : ends[0]);
@@ -626,8 +628,7 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
   // repeated one (the step's gradient sync and update happen once, not per micro-batch).
   sim.nic_busy_s = sim.times.nic_busy.empty() ? 0 : to_seconds(sim.times.nic_busy[0]);
   if (repeats > 0 && sim.micro_batches >= 2)
-    sim.nic_busy_s += static_cast<double>(repeats) * card_bytes_of_micro_batch(sim.graph, 1) /
-                      c.cluster.inter_node_bandwidth_bytes_per_s;
+    sim.nic_busy_s += static_cast<double>(repeats) * card_bytes / c.cluster.inter_node_bandwidth_bytes_per_s;
   split_compute(o, est);
   fill_rates(c, est);
   return sim;
