@@ -11,13 +11,13 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/profile_files.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/units.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/step.h"
-#include "profiles.h"
 
 namespace moeplan::cli {
 

@@ -1,18 +1,15 @@
 #pragma once
 // The moeplan subcommands: each turns parsed arguments into calls of the libraries and
-// prints the result. Exit codes: 0 success, 1 no plan / plan has problems, 2 bad input.
+// prints the result, and returns an exit code (moeplan/core/exit_codes.h).
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/core/plan.h"
 
 namespace moeplan::cli {
-
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitNoPlan = 1;
-inline constexpr int kExitBadInput = 2;
 
 struct SearchArgs {
   int64_t gpus = 0;
@@ -96,50 +93,7 @@ struct CalibrateArgs {
   std::vector<std::string> argv;
 };
 
-struct ValidateArgs {
-  std::string profile;  // a hardware profile file, usually written by `moeplan calibrate`
-  std::string model = "mixtral-tiny";
-  std::string profiles;
-  std::string data;
-  std::string out = "validation";
-  int64_t ranks = 0;  // 0: the profile's gpus_per_node
-  int64_t steps = 8;
-  int64_t rounds = 0;  // 0: 3, or 1 with quick
-  int64_t seq_len = 256;
-  int64_t global_batch_tokens = 4096;
-  std::string precision = "fp32";
-  bool quick = false;
-  bool check = false;
-  double max_median_error = 0.10, max_worst_error = 0.20, max_memory_error = 0.15, min_kendall = 0.8;
-};
-
-struct CompareProfilesArgs {
-  std::string first, second;  // hardware profile files
-  std::string model = "mixtral-tiny";
-  std::string profiles;
-  int64_t ranks = 0;  // 0: the first profile's gpus_per_node
-  int64_t seq_len = 256;
-  int64_t global_batch_tokens = 4096;
-  std::string precision = "fp32";
-  bool quick = false;
-  int64_t top = 10;
-  std::string out;  // where the plans go; empty: a temporary folder, removed
-  bool check = false;
-  double max_difference = 0.10;
-};
-
-struct ComparePublishedArgs {
-  std::string cases;  // JSON list of published runs (docs/validation/published/cases.json)
-  std::string profiles;
-  bool check = false;
-  double max_median_error = 0.25, max_worst_error = 0.5, max_mean_error = 1.0;
-  std::vector<std::string> fit;  // kernel-model numbers fitted on the fit part, per chip
-};
-
 int run_search(const SearchArgs& args);
-int run_compare_published(const ComparePublishedArgs& args);
-int run_compare_profiles(const CompareProfilesArgs& args);
-int run_validate(const ValidateArgs& args);
 int run_simulate(const SimulateArgs& args);
 // The simulator's trace of a plan's step, every micro-batch, written to `path` (a run folder's
 // simulated.json, beside the measured trace.json).

@@ -3,8 +3,8 @@
 
 #include <cstdio>
 
-#include "commands.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/executor/data_prepare.h"
 
 int main(int argc, char** argv) {
@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
-    return code == 0 ? cli::kExitOk : cli::kExitBadInput;
+    return code == 0 ? kExitOk : kExitBadInput;
   }
   try {
     const executor::PrepareSummary s =
@@ -36,9 +36,9 @@ int main(int argc, char** argv) {
     std::printf("data: %lld documents, %lld tokens, %lld blocks, vocabulary %lld, unigram entropy %.4f nats/token\n",
                 static_cast<long long>(s.documents), static_cast<long long>(s.tokens),
                 static_cast<long long>(s.blocks), static_cast<long long>(s.vocab_size), s.unigram_entropy_nats);
-    return cli::kExitOk;
+    return kExitOk;
   } catch (const InputError& e) {
     for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
-    return cli::kExitBadInput;
+    return kExitBadInput;
   }
 }

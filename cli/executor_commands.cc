@@ -9,13 +9,13 @@
 #include <fstream>
 
 #include "commands.h"
-#include "profiles.h"
 #include "moeplan/core/checksum.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/calibrate.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/profile_files.h"
 #include "moeplan/executor/collectives.h"
 #include "moeplan/executor/launch.h"
 #include "moeplan/executor/rank_run.h"

@@ -4,6 +4,9 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "moeplan/validation/compare_profiles.h"
+#include "moeplan/validation/published.h"
+#include "moeplan/validation/validate.h"
 
 namespace {
 
@@ -20,6 +23,7 @@ std::string command_line(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   using namespace moeplan::cli;
+  namespace validation = moeplan::validation;
   CLI::App app{"moeplan: plan, simulate and run Mixture-of-Experts pretraining"};
   app.require_subcommand(1);
   app.set_version_flag("--version", MOEPLAN_VERSION);
@@ -188,7 +192,7 @@ int main(int argc, char** argv) {
   calibrate_cmd->add_option("--timeout", calibrate.timeout_seconds, "Seconds a collective may wait for a peer")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600}));
 
-  ValidateArgs validate;
+  validation::ValidateOptions validate;
   CLI::App* validate_cmd =
       app.add_subcommand("validate", "Plan, run and compare a matrix of configurations: how right are the predictions?");
   validate_cmd->add_option("--profile", validate.profile, "Hardware profile file (from moeplan calibrate)")->required();
@@ -229,7 +233,7 @@ int main(int argc, char** argv) {
   export_cmd->add_option("--max-shard-bytes", export_args.max_shard_bytes, "Largest shard file")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
 
-  ComparePublishedArgs published;
+  validation::ComparePublishedOptions published;
   CLI::App* published_cmd = app.add_subcommand(
       "compare-published", "moeplan's predictions for published training runs in their own layouts, beside the published step");
   published_cmd->add_option("cases", published.cases, "Cases file (e.g. docs/validation/published/cases.json)")->required();
@@ -250,7 +254,7 @@ int main(int argc, char** argv) {
                             "Largest |mean signed step error| (the bias)")
       ->capture_default_str()->check(CLI::Range(0.0, 100.0));
 
-  CompareProfilesArgs compare;
+  validation::CompareProfilesOptions compare;
   CLI::App* compare_cmd = app.add_subcommand(
       "compare-profiles", "How far apart two hardware profiles are: figure by figure, and in predicted step times");
   compare_cmd->add_option("first", compare.first, "Hardware profile file")->required();
@@ -277,16 +281,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // CLI11 prints help with exit 0 and errors with its own code; keep bad input at 2.
     const int code = app.exit(e);
-    return code == 0 ? kExitOk : kExitBadInput;
+    return code == 0 ? moeplan::kExitOk : moeplan::kExitBadInput;
   }
   if (search_cmd->parsed()) return run_search(search);
   if (check_cmd->parsed()) return run_check(check);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
   if (view_cmd->parsed()) return run_view(view_cmd->remaining(), argv[0]);
-  if (validate_cmd->parsed()) return run_validate(validate);
-  if (compare_cmd->parsed()) return run_compare_profiles(compare);
-  if (published_cmd->parsed()) return run_compare_published(published);
+  if (validate_cmd->parsed()) return validation::validate(validate);
+  if (compare_cmd->parsed()) return validation::compare_profiles(compare);
+  if (published_cmd->parsed()) return validation::compare_published(published);
   if (export_cmd->parsed()) return run_export(export_args);
   if (calibrate_cmd->parsed()) {
     calibrate.argv.assign(argv, argv + argc);
@@ -296,5 +300,5 @@ int main(int argc, char** argv) {
     run.argv.assign(argv, argv + argc);
     return run_run(run);
   }
-  return kExitBadInput;
+  return moeplan::kExitBadInput;
 }

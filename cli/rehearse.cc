@@ -2,12 +2,12 @@
 #include <iostream>
 
 #include "commands.h"
-#include "matrix.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/rehearsal.h"
 #include "moeplan/executor/tokens.h"
 #include "moeplan/planner/rehearsal.h"
+#include "moeplan/validation/matrix.h"
 
 namespace moeplan::cli {
 
@@ -31,13 +31,13 @@ int run_rehearse(const RunArgs& args) {
                                              data.block_size(), o.steps);
   const Plan reference = planner::reference_plan(small);
   executor::check_rehearsal_plans(small, reference, data, o);
-  const std::string self = self_path();
+  const std::string self = validation::self_path();
   const executor::Rehearsal r = executor::rehearse(
       plan, small, reference, o,
       [&self](const std::vector<std::string>& words, const std::string& log) {
         std::vector<std::string> argv{self};
         argv.insert(argv.end(), words.begin(), words.end());
-        return run_logged(argv, log);
+        return validation::run_logged(argv, log);
       },
       [&small](double load) { return planner::predicted_cpu_tensor_bytes(planner::with_measured_load(small, load)); },
       planner::predicted_cpu_tensor_bytes(plan));

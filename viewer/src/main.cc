@@ -18,14 +18,13 @@
 #include <QGuiApplication>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/core/trace.h"
 #include "moeplan/viewer/render.h"
 #include "moeplan/viewer/timeline.h"
 #include "moeplan/viewer/viewer_window.h"
 
 namespace {
-
-constexpr int kExitBadInput = 2;
 
 bool has_display() {
   for (const char* name : {"DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"}) {
@@ -92,7 +91,7 @@ int main(int argc, char** argv) {
       if (!std::filesystem::exists(p)) {
         std::fprintf(stderr, "moeplan: error: %s: missing; a folder `moeplan run --out` wrote holds simulated.json "
                      "and trace.json\n", p.c_str());
-        return kExitBadInput;
+        return moeplan::kExitBadInput;
       }
   }
   std::vector<moeplan::Trace> traces;
@@ -100,16 +99,16 @@ int main(int argc, char** argv) {
     traces = read_traces(paths);
   } catch (const moeplan::InputError& e) {
     for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
-    return kExitBadInput;
+    return moeplan::kExitBadInput;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "moeplan: error: view: not enough memory to hold the traces\n");
-    return kExitBadInput;
+    return moeplan::kExitBadInput;
   }
   for (size_t i = 0; i < traces.size(); ++i) {
     if (traces[i].events.empty()) {
       std::fprintf(stderr, "moeplan: error: %s: traceEvents: no complete (\"ph\": \"X\") events to show\n",
                    paths[i].c_str());
-      return kExitBadInput;
+      return moeplan::kExitBadInput;
     }
   }
   if (traces.size() > 1) {
@@ -129,7 +128,7 @@ int main(int argc, char** argv) {
     const QImage image = moeplan::viewer::render_image(timeline, width, height);
     if (!image.save(QString::fromStdString(png), "PNG")) {
       std::fprintf(stderr, "moeplan: error: --png: cannot write %s\n", png.c_str());
-      return kExitBadInput;
+      return moeplan::kExitBadInput;
     }
     std::printf("wrote %s (%d x %d)\n", png.c_str(), image.width(), image.height());
     return 0;
@@ -139,7 +138,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "moeplan: error: view: no display (DISPLAY is not set); draw a picture with --png out.png, "
                  "or set QT_QPA_PLATFORM\n");
-    return kExitBadInput;
+    return moeplan::kExitBadInput;
   }
   QApplication qt(argc, argv);
   std::string title = "moeplan view: " + paths[0];

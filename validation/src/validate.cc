@@ -1,5 +1,7 @@
 // `moeplan validate`: plan, run and compare a matrix of configurations on this machine, and
 // say how far the predictions were from what was measured.
+#include "moeplan/validation/validate.h"
+
 #include <sched.h>
 
 #include <algorithm>
@@ -8,16 +10,16 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "commands.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/profile_files.h"
 #include "moeplan/core/run_report.h"
-#include "matrix.h"
-#include "profiles.h"
+#include "moeplan/validation/matrix.h"
 
-namespace moeplan::cli {
+namespace moeplan::validation {
 
 namespace fs = std::filesystem;
 
@@ -171,9 +173,9 @@ Summary summarize(const std::vector<Row>& rows) {
   return s;
 }
 
-// validation.md (the table), validation.svg (the scatter) and validation.json in args.out; the
+// validation.md (the table), validation.svg (the scatter) and validation.json in options.out; the
 // summary line on stdout.
-void write_validation(const ValidateArgs& args, const std::vector<Row>& rows, const Summary& s, int64_t ranks,
+void write_validation(const ValidateOptions& options, const std::vector<Row>& rows, const Summary& s, int64_t ranks,
                       int64_t rounds) {
   // The table, as Markdown.
   std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | each round (s) | "
@@ -210,15 +212,15 @@ void write_validation(const ValidateArgs& args, const std::vector<Row>& rows, co
                   100 * s.median_round_median_error, 100 * s.median_round_worst_error);
     md += more;
   }
-  write_file_atomic(args.out + "/validation.md", md);
-  write_file_atomic(args.out + "/validation.svg",
-                    scatter_svg(rows, args.model + " on " + std::to_string(ranks) + " CPU ranks: step time"));
+  write_file_atomic(options.out + "/validation.md", md);
+  write_file_atomic(options.out + "/validation.svg",
+                    scatter_svg(rows, options.model + " on " + std::to_string(ranks) + " CPU ranks: step time"));
   Json j;
   j["schema_version"] = 1;
-  j["profile"] = args.profile;
-  j["model"] = args.model;
+  j["profile"] = options.profile;
+  j["model"] = options.model;
   j["ranks"] = ranks;
-  j["steps"] = args.steps;
+  j["steps"] = options.steps;
   j["rounds"] = rounds;
   Json list = Json::array();
   for (const Row& r : rows) {
@@ -251,14 +253,14 @@ void write_validation(const ValidateArgs& args, const std::vector<Row>& rows, co
                   {"kendall_tau", s.tau},
                   {"best_predicted", rows[s.best_predicted].config.name},
                   {"best_measured", rows[s.best_measured].config.name}};
-  write_file_atomic(args.out + "/validation.json", j.dump(2) + "\n");
+  write_file_atomic(options.out + "/validation.json", j.dump(2) + "\n");
   std::fputs(line, stdout);
-  std::printf("wrote %s/validation.md, validation.svg, validation.json\n", args.out.c_str());
+  std::printf("wrote %s/validation.md, validation.svg, validation.json\n", options.out.c_str());
 
 }
 
 // Each broken bound of --check on stderr; the exit code.
-int check_bounds(const ValidateArgs& args, const Summary& s) {
+int check_bounds(const ValidateOptions& options, const Summary& s) {
   // Each broken bound gets a line; errors in percent, s.tau as is.
   int broken = 0;
   auto bound = [&](bool ok, const char* what, double value, const char* op, double limit, double scale) {
@@ -266,43 +268,43 @@ int check_bounds(const ValidateArgs& args, const Summary& s) {
     std::fprintf(stderr, "moeplan: validate: bound broken: %s %.2f %s %.2f\n", what, scale * value, op, scale * limit);
     ++broken;
   };
-  bound(s.median_error <= args.max_median_error, "median step-time error (%)", s.median_error, ">", args.max_median_error, 100);
-  bound(s.worst_error <= args.max_worst_error, "worst step-time error (%)", s.worst_error, ">", args.max_worst_error, 100);
-  bound(s.worst_memory <= args.max_memory_error, "worst memory error (%)", s.worst_memory, ">", args.max_memory_error, 100);
-  bound(s.tau >= args.min_kendall, "Kendall tau", s.tau, "<", args.min_kendall, 1);
+  bound(s.median_error <= options.max_median_error, "median step-time error (%)", s.median_error, ">", options.max_median_error, 100);
+  bound(s.worst_error <= options.max_worst_error, "worst step-time error (%)", s.worst_error, ">", options.max_worst_error, 100);
+  bound(s.worst_memory <= options.max_memory_error, "worst memory error (%)", s.worst_memory, ">", options.max_memory_error, 100);
+  bound(s.tau >= options.min_kendall, "Kendall tau", s.tau, "<", options.min_kendall, 1);
   return broken == 0 ? kExitOk : kExitNoPlan;
 }
 
 }  // namespace
 
-int run_validate(const ValidateArgs& args) {
+int validate(const ValidateOptions& options) {
   try {
-    if (!fs::exists(args.data + "/manifest.json"))
-      throw InputError("--data", {{"", args.data + " has no manifest.json; prepare it with `moeplan data prepare`"}});
+    if (!fs::exists(options.data + "/manifest.json"))
+      throw InputError("--data", {{"", options.data + " has no manifest.json; prepare it with `moeplan data prepare`"}});
     const std::string self = self_path();
-    fs::create_directories(args.out);
+    fs::create_directories(options.out);
     // The profile decides how many ranks a node has: the matrix fills one node.
-    const Json profile = read_json_file(args.profile);
-    int64_t ranks = args.ranks;
+    const Json profile = read_json_file(options.profile);
+    int64_t ranks = options.ranks;
     if (ranks == 0) {
       const Json& g = profile.at("gpus_per_node");
       ranks = g.is_object() ? g.at("value").get<int64_t>() : g.get<int64_t>();
     }
-    const ModelSpec model = load_model(args.model, profile_dir(args.profiles));
-    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model.num_experts, args.quick);
-    const MatrixSetting setting{ranks, args.model, args.profiles, args.seq_len, args.global_batch_tokens, args.precision};
-    const int64_t rounds = args.rounds > 0 ? args.rounds : (args.quick ? 1 : 3);
+    const ModelSpec model = load_model(options.model, profile_dir(options.profiles));
+    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model.num_experts, options.quick);
+    const MatrixSetting setting{ranks, options.model, options.profiles, options.seq_len, options.global_batch_tokens, options.precision};
+    const int64_t rounds = options.rounds > 0 ? options.rounds : (options.quick ? 1 : 3);
     std::vector<Row> rows(configs.size());
     std::printf("validate: %zu configurations of %s on %lld ranks, profile %s, %lld steps each, %lld round%s\n",
-                configs.size(), args.model.c_str(), static_cast<long long>(ranks), args.profile.c_str(),
-                static_cast<long long>(args.steps), static_cast<long long>(rounds), rounds == 1 ? "" : "s");
+                configs.size(), options.model.c_str(), static_cast<long long>(ranks), options.profile.c_str(),
+                static_cast<long long>(options.steps), static_cast<long long>(rounds), rounds == 1 ? "" : "s");
     for (size_t i = 0; i < configs.size(); ++i) {
       const MatrixConfig& c = configs[i];
       rows[i].config = c;
-      const std::string dir = args.out + "/" + c.name;
+      const std::string dir = options.out + "/" + c.name;
       fs::remove_all(dir);
       fs::create_directories(dir);
-      const std::vector<std::string> search = pinned_search(self, setting, c, args.profile, dir + "/plan.json");
+      const std::vector<std::string> search = pinned_search(self, setting, c, options.profile, dir + "/plan.json");
       if (run_logged(search, dir + "/search.log") != 0)
         throw std::runtime_error(c.name + ": search found no plan: " + last_line(dir + "/search.log"));
     }
@@ -314,7 +316,7 @@ int run_validate(const ValidateArgs& args) {
         const size_t i = round % 2 == 1 ? k : configs.size() - 1 - k;
         const MatrixConfig& c = configs[i];
         Row& row = rows[i];
-        const std::string dir = args.out + "/" + c.name;
+        const std::string dir = options.out + "/" + c.name;
         const std::string out = dir + "/run-" + std::to_string(round);
         const std::vector<double> probe = processor_probe();
         Round r;
@@ -322,8 +324,8 @@ int run_validate(const ValidateArgs& args) {
           fastest_probe = std::min(fastest_probe, *std::min_element(probe.begin(), probe.end()));
           r.slowest_processor = *std::max_element(probe.begin(), probe.end()) / fastest_probe;
         }
-        const std::vector<std::string> run{self, "run", dir + "/plan.json", "--data", args.data, "--out", out,
-                                           "--steps", std::to_string(args.steps)};
+        const std::vector<std::string> run{self, "run", dir + "/plan.json", "--data", options.data, "--out", out,
+                                           "--steps", std::to_string(options.steps)};
         if (run_logged(run, out + ".log") != 0)
           throw std::runtime_error(c.name + ": run failed: " + last_line(out + ".log"));
         const RunReport report = read_run_report(out + "/report.json");
@@ -346,9 +348,9 @@ int run_validate(const ValidateArgs& args) {
     for (Row& row : rows) row.summarize();
 
     const Summary summary = summarize(rows);
-    write_validation(args, rows, summary, ranks, rounds);
-    if (!args.check) return kExitOk;
-    return check_bounds(args, summary);
+    write_validation(options, rows, summary, ranks, rounds);
+    if (!options.check) return kExitOk;
+    return check_bounds(options, summary);
   } catch (const InputError& e) {
     for (const std::string& l : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", l.c_str());
     return kExitBadInput;
@@ -358,4 +360,4 @@ int run_validate(const ValidateArgs& args) {
   }
 }
 
-}  // namespace moeplan::cli
+}  // namespace moeplan::validation

@@ -1,4 +1,4 @@
-#include "matrix.h"
+#include "moeplan/validation/matrix.h"
 
 #include <fcntl.h>
 #include <spawn.h>
@@ -13,7 +13,7 @@
 
 extern char** environ;
 
-namespace moeplan::cli {
+namespace moeplan::validation {
 
 std::string self_path() {
   std::string self(4096, '\0');
@@ -126,4 +126,4 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
   return argv;
 }
 
-}  // namespace moeplan::cli
+}  // namespace moeplan::validation

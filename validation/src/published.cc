@@ -1,6 +1,8 @@
 // `moeplan compare-published`: moeplan's prediction for published training runs, in their
 // own parallel layout and framework's kernels, beside the published step time; the fit part
 // and the held-out part of the set summarised on their own.
+#include "moeplan/validation/published.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -9,16 +11,16 @@
 #include <optional>
 #include <set>
 
-#include "commands.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
+#include "moeplan/core/profile_files.h"
 #include "moeplan/core/units.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
-#include "profiles.h"
 
-namespace moeplan::cli {
+namespace moeplan::validation {
 
 namespace fs = std::filesystem;
 
@@ -319,11 +321,11 @@ FitValues fit(const std::vector<Loaded>& loaded, const std::vector<std::string>&
 
 }  // namespace
 
-int run_compare_published(const ComparePublishedArgs& args) {
+int compare_published(const ComparePublishedOptions& options) {
   try {
-    const std::vector<PublishedCase> cases = read_cases(args.cases);
-    const fs::path base = fs::path(args.cases).parent_path();
-    const std::string dir = profile_dir(args.profiles);
+    const std::vector<PublishedCase> cases = read_cases(options.cases);
+    const fs::path base = fs::path(options.cases).parent_path();
+    const std::string dir = profile_dir(options.profiles);
     std::vector<Loaded> loaded;
     for (const PublishedCase& c : cases) {
       const std::string model_ref =
@@ -336,8 +338,8 @@ int run_compare_published(const ComparePublishedArgs& args) {
       loaded.push_back(std::move(l));
     }
     FitValues values;
-    if (!args.fit.empty()) {
-      values = fit(loaded, args.fit);
+    if (!options.fit.empty()) {
+      values = fit(loaded, options.fit);
       std::printf("fitted on the fit part (%zu cases), least squares of log errors, per chip:\n",
                   static_cast<size_t>(std::count_if(cases.begin(), cases.end(),
                                                     [](const PublishedCase& c) { return c.part == kParts[0]; })));
@@ -407,18 +409,18 @@ int run_compare_published(const ComparePublishedArgs& args) {
                   part.empty() ? "all:" : (std::string(part) + ":").c_str(), s.cases, s.predicted, 100 * s.median,
                   100 * s.worst, s.worst_name.c_str(), 100 * s.mean);
     }
-    if (!args.check) return kExitOk;
+    if (!options.check) return kExitOk;
     const Summary held = summarise(rows, kParts[1]);
     bool ok = true;
     for (const Summary* s : {&all, &held}) {
       const char* which = s == &all ? "all cases" : "held-out part";
-      if (s->predicted < s->cases || s->median > args.max_median_error || std::abs(s->worst) > args.max_worst_error ||
-          std::abs(s->mean) > args.max_mean_error) {
+      if (s->predicted < s->cases || s->median > options.max_median_error || std::abs(s->worst) > options.max_worst_error ||
+          std::abs(s->mean) > options.max_mean_error) {
         std::fprintf(stderr,
                      "moeplan: compare-published: %s: bound broken: median |error| %.1f%% (bound %.1f%%), worst "
                      "%.1f%% (bound %.1f%%), mean %+.1f%% (bound +-%.1f%%), %zu without a plan\n",
-                     which, 100 * s->median, 100 * args.max_median_error, 100 * std::abs(s->worst),
-                     100 * args.max_worst_error, 100 * s->mean, 100 * args.max_mean_error, s->cases - s->predicted);
+                     which, 100 * s->median, 100 * options.max_median_error, 100 * std::abs(s->worst),
+                     100 * options.max_worst_error, 100 * s->mean, 100 * options.max_mean_error, s->cases - s->predicted);
         ok = false;
       }
     }
@@ -429,4 +431,4 @@ int run_compare_published(const ComparePublishedArgs& args) {
   }
 }
 
-}  // namespace moeplan::cli
+}  // namespace moeplan::validation

@@ -1,4 +1,4 @@
-#include "profiles.h"
+#include "moeplan/core/profile_files.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -7,7 +7,7 @@
 
 #include "moeplan/core/errors.h"
 
-namespace moeplan::cli {
+namespace moeplan {
 
 namespace fs = std::filesystem;
 
@@ -49,4 +49,4 @@ ModelSpec load_model(const std::string& name_or_path, const std::string& dir) {
   return read_model_file(resolve(name_or_path, dir, "models", "--model"));
 }
 
-}  // namespace moeplan::cli
+}  // namespace moeplan

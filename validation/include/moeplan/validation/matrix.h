@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace moeplan::cli {
+namespace moeplan::validation {
 
 struct MatrixConfig {
   std::string name;  // e.g. E2S1R1-full-offload-mbs2
@@ -39,4 +39,4 @@ int run_logged(const std::vector<std::string>& argv, const std::string& log);
 // The last line of a file that is not empty.
 std::string last_line(const std::string& path);
 
-}  // namespace moeplan::cli
+}  // namespace moeplan::validation

@@ -1,21 +1,23 @@
 // `moeplan compare-profiles`: how far apart two hardware profiles are, figure by figure and in
 // what they predict for the validation matrix. Two calibrations of the same machine a few
 // minutes apart should differ little in both.
+#include "moeplan/validation/compare_profiles.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <unistd.h>
 
-#include "commands.h"
-#include "matrix.h"
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
-#include "profiles.h"
+#include "moeplan/core/profile_files.h"
+#include "moeplan/validation/matrix.h"
 
-namespace moeplan::cli {
+namespace moeplan::validation {
 
 namespace fs = std::filesystem;
 
@@ -81,12 +83,12 @@ double predicted_step(const std::string& plan) {
 
 }  // namespace
 
-int run_compare_profiles(const CompareProfilesArgs& args) {
+int compare_profiles(const CompareProfilesOptions& options) {
   try {
-    const ClusterSpec a = read_cluster_file(args.first);
-    const ClusterSpec b = read_cluster_file(args.second);
-    std::printf("compare-profiles: %s against %s (differences: second / first - 1)\n", args.first.c_str(),
-                args.second.c_str());
+    const ClusterSpec a = read_cluster_file(options.first);
+    const ClusterSpec b = read_cluster_file(options.second);
+    std::printf("compare-profiles: %s against %s (differences: second / first - 1)\n", options.first.c_str(),
+                options.second.c_str());
 
     // Figure by figure.
     const Figures figures = figures_of(a, b);
@@ -111,20 +113,20 @@ int run_compare_profiles(const CompareProfilesArgs& args) {
     std::vector<double> all;
     for (const Figure& f : sorted) all.push_back(std::abs(f.difference()));
     std::printf("  all         %3zu figures: median |difference| %5.1f%%; the largest:\n", all.size(), 100 * median(all));
-    for (size_t i = 0; i < std::min<size_t>(sorted.size(), static_cast<size_t>(args.top)); ++i)
+    for (size_t i = 0; i < std::min<size_t>(sorted.size(), static_cast<size_t>(options.top)); ++i)
       std::printf("    %+7.1f%%  %s: %.4g -> %.4g\n", 100 * sorted[i].difference(), sorted[i].name.c_str(), sorted[i].a,
                   sorted[i].b);
 
     // What they predict: the validation matrix planned on each.
-    const ModelSpec model = load_model(args.model, profile_dir(args.profiles));
-    const int64_t ranks = args.ranks > 0 ? args.ranks : a.gpus_per_node;
-    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model.num_experts, args.quick);
-    const MatrixSetting setting{ranks, args.model, args.profiles, args.seq_len, args.global_batch_tokens, args.precision};
+    const ModelSpec model = load_model(options.model, profile_dir(options.profiles));
+    const int64_t ranks = options.ranks > 0 ? options.ranks : a.gpus_per_node;
+    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model.num_experts, options.quick);
+    const MatrixSetting setting{ranks, options.model, options.profiles, options.seq_len, options.global_batch_tokens, options.precision};
     const std::string self = self_path();
     const fs::path dir =
-        args.out.empty() ? fs::temp_directory_path() / ("moeplan-compare-" + std::to_string(::getpid())) : fs::path(args.out);
+        options.out.empty() ? fs::temp_directory_path() / ("moeplan-compare-" + std::to_string(::getpid())) : fs::path(options.out);
     fs::create_directories(dir);
-    std::printf("predicted step time of the validation matrix, %s on %lld ranks:\n", args.model.c_str(),
+    std::printf("predicted step time of the validation matrix, %s on %lld ranks:\n", options.model.c_str(),
                 static_cast<long long>(ranks));
     std::vector<double> d;
     std::string worst_name;
@@ -134,7 +136,7 @@ int run_compare_profiles(const CompareProfilesArgs& args) {
       for (int k = 0; k < 2; ++k) {
         const std::string plan = (dir / (c.name + (k == 0 ? "-first" : "-second") + ".json")).string();
         const std::string log = plan.substr(0, plan.size() - 5) + ".log";
-        if (run_logged(pinned_search(self, setting, c, k == 0 ? args.first : args.second, plan), log) != 0)
+        if (run_logged(pinned_search(self, setting, c, k == 0 ? options.first : options.second, plan), log) != 0)
           throw std::runtime_error(c.name + ": search found no plan: " + last_line(log));
         step[k] = predicted_step(plan);
       }
@@ -146,14 +148,14 @@ int run_compare_profiles(const CompareProfilesArgs& args) {
       }
       std::printf("  %-32s %8.3f s %8.3f s  %+6.1f%%\n", c.name.c_str(), step[0], step[1], 100 * diff);
     }
-    if (args.out.empty()) fs::remove_all(dir);
+    if (options.out.empty()) fs::remove_all(dir);
     const double median_d = median(d);
     std::printf("predicted step time: median |difference| %.1f%%, worst %+.1f%% (%s)\n", 100 * median_d, 100 * worst,
                 worst_name.c_str());
-    if (!args.check) return kExitOk;
-    if (std::abs(worst) <= args.max_difference) return kExitOk;
+    if (!options.check) return kExitOk;
+    if (std::abs(worst) <= options.max_difference) return kExitOk;
     std::fprintf(stderr, "moeplan: compare-profiles: bound broken: predicted step time of %s differs by %.1f%% > %.1f%%\n",
-                 worst_name.c_str(), 100 * std::abs(worst), 100 * args.max_difference);
+                 worst_name.c_str(), 100 * std::abs(worst), 100 * options.max_difference);
     return kExitNoPlan;
   } catch (const InputError& e) {
     for (const std::string& l : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", l.c_str());
@@ -164,4 +166,4 @@ int run_compare_profiles(const CompareProfilesArgs& args) {
   }
 }
 
-}  // namespace moeplan::cli
+}  // namespace moeplan::validation
