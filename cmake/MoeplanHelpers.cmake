@@ -46,3 +46,17 @@ function(moeplan_add_test)
     PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial}
     DISCOVERY_TIMEOUT 60)
 endfunction()
+
+# moeplan_reuse_torch_pch(<target> [SKIP <source>...])
+# Compiles <target>'s files with the executor's precompiled LibTorch headers, except the
+# sources named after SKIP (files that do not include LibTorch gain nothing from it). GCC takes
+# a precompiled header only for a file compiled as it was: without -pedantic, which LibTorch's
+# headers do not pass (the lean build still compiles the skipped files with it).
+function(moeplan_reuse_torch_pch target)
+  cmake_parse_arguments(ARG "" "" "SKIP" ${ARGN})
+  target_precompile_headers(${target} REUSE_FROM moeplan_executor)
+  target_compile_options(${target} PRIVATE -Wno-pedantic)
+  if(ARG_SKIP)
+    set_source_files_properties(${ARG_SKIP} TARGET_DIRECTORY ${target} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+  endif()
+endfunction()
