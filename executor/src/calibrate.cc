@@ -62,6 +62,13 @@ double time_mean(int calls, F&& f) {
   return seconds_since(start) / calls;
 }
 
+// The median of a tensor's values, as core's median() takes it (the mean of the two middle
+// values of an even count; torch's median takes the lower one).
+double median_of(const torch::Tensor& t) {
+  const torch::Tensor flat = t.to(torch::kDouble).contiguous().flatten();
+  return median(std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel()));
+}
+
 // A forward and its backward, timed apart; medians over `reps` after a warm-up.
 template <class Forward>
 std::pair<double, double> time_forward_backward(int reps, Forward&& forward) {
@@ -510,8 +517,9 @@ void measure_after_compute(Workload& x, Figures& f) {
       const torch::Tensor all = x.world.all_gather(torch::tensor(times, torch::kDouble).unsqueeze(0));
       const int64_t calls = stretch.calls;
       const torch::Tensor work = all.narrow(1, 0, calls), after = all.narrow(1, calls, calls);
-      const double own = std::get<0>(work.median(1)).max().item<double>();
-      const double behind = std::get<0>(work.max(0)).median().item<double>() - own;
+      double own = 0;
+      for (int64_t rank = 0; rank < work.size(0); ++rank) own = std::max(own, median_of(work[rank]));
+      const double behind = median_of(std::get<0>(work.max(0))) - own;
       const double longer =
           std::get<0>(after.min(0)).mean().item<double>() - all.select(1, 2 * calls).max().item<double>();
       f.add(own);
@@ -725,8 +733,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   const int64_t compute = static_cast<int64_t>(layout.start("optimizer"));
   for (int p = 0; p < passes; ++p)
     cal.pass_slowdown.push_back(
-        (slowest_rank[p].narrow(0, 0, compute) / slowest.narrow(0, 0, compute)).median().item<double>());
-  cal.rank_spread = (slowest_rank.narrow(1, 0, compute) / fastest_rank.narrow(1, 0, compute)).median().item<double>();
+        median_of(slowest_rank[p].narrow(0, 0, compute) / slowest.narrow(0, 0, compute)));
+  cal.rank_spread = median_of(slowest_rank.narrow(1, 0, compute) / fastest_rank.narrow(1, 0, compute));
   read_efficiency(cal);
   cal.seconds = seconds_since(started);
   progress.say("done");
