@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include "moeplan/core/units.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
+#include "moeplan/simulator/op_costs.h"
 #include "moeplan/simulator/step.h"
 
 namespace moeplan::cli {
@@ -120,6 +122,22 @@ void print_phase_comparison(const sim::StepSimulation& s, const Measured& m, con
 
 void print_error(const InputError& e) {
   for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
+}
+
+// A calibrated profile's operation times were measured without tensor parallelism; a plan
+// with T > 1 is estimated from FLOPs and the matrix-multiply curve instead, which on CPU ranks
+// has been far less close (docs/validation.md, "What is still off"). Said when the table shows
+// such a plan.
+void note_unmeasured_splits(const planner::SearchResult& result, const RunConfig& setting, size_t top) {
+  if (!sim::op_times_apply(setting)) return;
+  for (size_t i = 0; i < std::min(top, result.ranked.size()); ++i)
+    if (result.ranked[i].parallel.tensor_parallel_degree > 1) {
+      std::printf("\nnote: %s has operation times measured without tensor parallelism; plans with T > 1 are estimated\n"
+                  "      from FLOPs and its matrix-multiply curve, less closely (docs/validation.md); "
+                  "--tensor-parallel-degree 1\n      keeps to what was measured\n",
+                  setting.cluster.name.c_str());
+      return;
+    }
 }
 
 }  // namespace
@@ -238,6 +256,8 @@ int run_search(const SearchArgs& args) {
       std::fwrite(text.data(), 1, text.size(), stdout);
     } else {
       print_table(result, cluster, static_cast<size_t>(args.top));
+      note_unmeasured_splits(result, RunConfig{model, cluster, ParallelConfig{}, options.moe, options.training},
+                             static_cast<size_t>(args.top));
     }
     if (!args.out.empty()) {
       write_file_atomic(args.out, text);
