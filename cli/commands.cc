@@ -124,20 +124,20 @@ void print_error(const InputError& e) {
   for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
 }
 
-// A calibrated profile's operation times were measured without tensor parallelism; a plan
-// with T > 1 is estimated from FLOPs and the matrix-multiply curve instead, which on CPU ranks
-// has been far less close (docs/validation.md, "What is still off"). Said when the table shows
+// A calibrated profile's operation times hold the splits it measured; a plan with another
+// T > 1 is estimated from FLOPs and the matrix-multiply curve instead, which on CPU ranks has
+// been far less close (docs/validation.md, "What is still off"). Said when the table shows
 // such a plan.
 void note_unmeasured_splits(const planner::SearchResult& result, const RunConfig& setting, size_t top) {
   if (!sim::op_times_apply(setting)) return;
-  for (size_t i = 0; i < std::min(top, result.ranked.size()); ++i)
-    if (result.ranked[i].parallel.tensor_parallel_degree > 1) {
-      std::printf("\nnote: %s has operation times measured without tensor parallelism; plans with T > 1 are estimated\n"
-                  "      from FLOPs and its matrix-multiply curve, less closely (docs/validation.md); "
-                  "--tensor-parallel-degree 1\n      keeps to what was measured\n",
-                  setting.cluster.name.c_str());
-      return;
-    }
+  for (size_t i = 0; i < std::min(top, result.ranked.size()); ++i) {
+    const RunConfig c{setting.model, setting.cluster, result.ranked[i].parallel, setting.moe, setting.training};
+    if (sim::op_times_apply(c)) continue;
+    std::printf("\nnote: %s has no operation times measured at T = %lld; such plans are estimated from FLOPs and\n"
+                "      its matrix-multiply curve, less closely (docs/validation.md)\n",
+                setting.cluster.name.c_str(), static_cast<long long>(c.parallel.tensor_parallel_degree));
+    return;
+  }
 }
 
 }  // namespace

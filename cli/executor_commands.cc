@@ -155,6 +155,12 @@ std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
                 1e3 * t.attention_backward.front().second, 1e3 * t.router_forward.front().second,
                 1e3 * t.router_backward.front().second, 1e3 * t.head.front().second);
   out += line;
+  for (const TensorSplitTimes& split : t.tensor_splits) {
+    std::snprintf(line, sizeof line, "  split over %lld ranks: attention %.2f + %.2f ms, head %.2f ms\n",
+                  static_cast<long long>(split.tensor_parallel_degree), 1e3 * split.attention_forward.front().second,
+                  1e3 * split.attention_backward.front().second, 1e3 * split.head.front().second);
+    out += line;
+  }
   for (const executor::CollectiveSweep& s : c.collectives) {
     const CollectiveFit f = executor::fit_collective(s, c.ranks);
     std::snprintf(line, sizeof line, "  %-15s latency %7.1f us  bandwidth %6.2f GB/s  (R^2 %.3f)\n", s.name.c_str(),

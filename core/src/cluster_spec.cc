@@ -62,6 +62,23 @@ const CurvePoints& op_time_curve(const OpTimes& t, std::string_view name) {
   return op_time_curve(const_cast<OpTimes&>(t), name);
 }
 
+CurvePoints& split_curve(TensorSplitTimes& t, std::string_view name) {
+  CurvePoints* curves[] = {&t.attention_forward, &t.attention_backward, &t.expert_forward, &t.expert_backward, &t.head};
+  for (size_t i = 0; i < kTensorSplitCurves.size(); ++i)
+    if (kTensorSplitCurves[i] == name) return *curves[i];
+  throw std::logic_error("no tensor-split curve named " + std::string(name));
+}
+
+const CurvePoints& split_curve(const TensorSplitTimes& t, std::string_view name) {
+  return split_curve(const_cast<TensorSplitTimes&>(t), name);
+}
+
+const TensorSplitTimes* OpTimes::split(int64_t t) const {
+  for (const TensorSplitTimes& s : tensor_splits)
+    if (s.tensor_parallel_degree == t) return &s;
+  return nullptr;
+}
+
 namespace {
 
 // A plain string "source" inside an object whose numbers are not wrapped one by one.
@@ -165,6 +182,30 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
     static constexpr CurveField kField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
                                        [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
     read_curve(o.diagnostics(), *points, o.path_of(name), kField, op_time_curve(t, name));
+  }
+  if (const Json* splits = o.child("tensor_splits", true)) {
+    const std::string path = o.path_of("tensor_splits");
+    if (!splits->is_array() || splits->size() > 16) {
+      o.diagnostics().error(path, "expected a list of at most 16 splits");
+    } else {
+      for (size_t i = 0; i < splits->size(); ++i) {
+        ObjectReader r((*splits)[i], path + "[" + std::to_string(i) + "]", o.diagnostics());
+        if (!r.ok()) continue;
+        TensorSplitTimes split;
+        split.tensor_parallel_degree = r.integer("tensor_parallel_degree", 2, 4096);
+        for (std::string_view name : kTensorSplitCurves) {
+          static constexpr CurveField kField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
+                                             [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
+          if (const Json* points = r.child(name))
+            read_curve(o.diagnostics(), *points, r.path_of(name), kField, split_curve(split, name));
+        }
+        r.finish();
+        if (t.split(split.tensor_parallel_degree) != nullptr)
+          o.diagnostics().error(r.path_of("tensor_parallel_degree"),
+                                "= " + std::to_string(split.tensor_parallel_degree) + " is listed twice");
+        t.tensor_splits.push_back(std::move(split));
+      }
+    }
   }
   o.finish();
 }
@@ -435,6 +476,16 @@ Json to_json(const ClusterSpec& c) {
       Json curve = Json::array();
       for (const auto& [x, sec] : op_time_curve(t, name)) curve.push_back({x, sec});
       if (!curve.empty()) times[std::string(name)] = curve;
+    }
+    for (const TensorSplitTimes& split : t.tensor_splits) {
+      Json entry;
+      entry["tensor_parallel_degree"] = split.tensor_parallel_degree;
+      for (std::string_view name : kTensorSplitCurves) {
+        Json curve = Json::array();
+        for (const auto& [x, sec] : split_curve(split, name)) curve.push_back({x, sec});
+        entry[std::string(name)] = curve;
+      }
+      times["tensor_splits"].push_back(entry);
     }
     fw["op_times"] = times;
   }

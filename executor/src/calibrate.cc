@@ -199,6 +199,7 @@ struct Workload {
   const int64_t h, t, n, a;  // hidden size, sequence, ranks, bytes per element moved
   const int reps, few;       // repeats per figure; few: 2 with quick (half the calls), else 1
   std::vector<int64_t> mbs, expert_rows, units, divisors, shard_sizes, sizes;
+  std::vector<int64_t> splits;  // tensor-parallel degrees the operations are measured split over
   std::vector<Gemm> gemms;
   const std::vector<std::string> kinds{"all_gather", "all_to_all", "all_reduce", "reduce_scatter"};
   std::map<std::string, std::vector<int64_t>> unit_sizes;  // per kind: the model's flat units
@@ -241,6 +242,11 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator)
       store((o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir) +
             "/.calibrate-offload-rank-" + std::to_string(communicator.rank())) {
   for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
+  // Every tensor split of this node's ranks the executor can run (executor_tensor_splits).
+  for (int64_t split = 2; split <= n; split *= 2)
+    if (m.num_attention_heads % split == 0 && m.num_key_value_heads % split == 0 && m.intermediate_size % split == 0 &&
+        m.vocab_size % split == 0 && t % split == 0)
+      splits.push_back(split);
   for (int64_t b : mbs) {
     gemms.push_back({b * t, h, m.num_attention_heads * m.head_dim});  // q projection
     gemms.push_back({b * t, h, m.vocab_size});                        // lm head
@@ -394,6 +400,58 @@ void measure_ops(Workload& x, Figures& f, OverheadProbe& overhead) {
   }
 }
 
+// The operations one rank runs under a tensor split, as the executor splits them: attention
+// with its part of the heads over the whole sequence, the head with its part of the vocabulary
+// (the loss over that part), each expert with its part of the width. The collectives between
+// them are measured with the others.
+void measure_splits(Workload& x, Figures& f, OverheadProbe& overhead) {
+  const ModelSpec& m = x.m;
+  const int64_t h = x.h, t = x.t;
+  f.begin("splits");
+  for (int64_t split : x.splits) {
+    ModelSpec local = m;
+    local.num_attention_heads /= split;
+    local.num_key_value_heads /= split;
+    LayerWeights w = x.w;
+    w.q_proj = weight({local.num_attention_heads * m.head_dim, h}, x.type);
+    w.k_proj = weight({local.num_key_value_heads * m.head_dim, h}, x.type);
+    w.v_proj = weight({local.num_key_value_heads * m.head_dim, h}, x.type);
+    w.o_proj = weight({h, local.num_attention_heads * m.head_dim}, x.type);
+    const int64_t vocab = m.vocab_size / split, width = m.intermediate_size / split;
+    const torch::Tensor embed = weight({vocab, h}, x.type), lm_head = weight({vocab, h}, x.type);
+    for (int64_t b : x.mbs) {
+      const torch::Tensor in = torch::randn({b, t, h}).to(x.type).requires_grad_(true);
+      auto [af, ab] = time_forward_backward(x.reps, [&] {
+        return in + attention(local, w, rms_norm(in, w.input_norm, m.rms_norm_eps), x.rope, x.mask);
+      });
+      overhead.sample();
+      const torch::Tensor ids = torch::randint(vocab, {b, t}, torch::kLong);
+      ModelSpec head_spec = m;
+      head_spec.vocab_size = vocab;
+      std::vector<torch::Tensor> router_logits;
+      for (int64_t l = 0; l < m.num_layers; ++l)
+        router_logits.push_back(torch::randn({b * t, m.num_experts}).to(x.type).requires_grad_(true));
+      const double head = time_median(x.reps, [&] {
+        ForwardResult out;
+        out.logits = torch::matmul(rms_norm(in + torch::embedding(embed, ids), x.norm, m.rms_norm_eps), lm_head.t())
+                         .to(torch::kFloat);
+        out.router_logits = router_logits;
+        mixtral_loss(head_spec, x.moe, out, ids).total.backward();
+      });
+      overhead.sample();
+      for (double v : {af, ab, head}) f.add(v);
+    }
+    const torch::Tensor w1 = weight({width, h}, x.type), w2 = weight({h, width}, x.type), w3 = weight({width, h}, x.type);
+    for (int64_t r : x.expert_rows) {
+      const torch::Tensor rows = torch::randn({r, h}).to(x.type).requires_grad_(true);
+      auto [ef, eb] = time_forward_backward(x.reps, [&] { return expert_ffn(rows, w1, w2, w3); });
+      f.add(ef);
+      f.add(eb);
+      overhead.sample();
+    }
+  }
+}
+
 // Gradient clipping and AdamW on the shards of the model's flat units.
 void measure_optimizer(Workload& x, Figures& f, OverheadProbe& overhead) {
   f.begin("optimizer");
@@ -538,6 +596,8 @@ Figures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhead, c
   torch::autograd::GradMode::set_enabled(true);
   x.world.barrier();
   measure_ops(x, f, overhead);
+  if (!x.splits.empty()) progress.say("attention, experts and head under tensor splits" + of);
+  measure_splits(x, f, overhead);
   progress.say("optimizer" + of);
   torch::autograd::GradMode::set_enabled(false);
   x.world.barrier();
@@ -602,6 +662,22 @@ void read_op_times(const Workload& x, const Kept& k, Calibration& cal) {
   for (int64_t r : x.expert_rows) {
     times.expert_forward.emplace_back(static_cast<double>(r), *v++);
     times.expert_backward.emplace_back(static_cast<double>(r), *v++);
+  }
+  v = k.at(k.times, "splits");
+  for (int64_t tp : x.splits) {
+    TensorSplitTimes split;
+    split.tensor_parallel_degree = tp;
+    for (int64_t b : x.mbs) {
+      const double tokens = static_cast<double>(b * x.t);
+      split.attention_forward.emplace_back(tokens, *v++);
+      split.attention_backward.emplace_back(tokens, *v++);
+      split.head.emplace_back(tokens, *v++);
+    }
+    for (int64_t r : x.expert_rows) {
+      split.expert_forward.emplace_back(static_cast<double>(r), *v++);
+      split.expert_backward.emplace_back(static_cast<double>(r), *v++);
+    }
+    times.tensor_splits.push_back(std::move(split));
   }
   v = k.at(k.times, "optimizer");
   for (int64_t s : x.shard_sizes) times.optimizer.emplace_back(static_cast<double>(s), *v++);

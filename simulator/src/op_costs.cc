@@ -17,20 +17,25 @@ bool op_times_apply(const RunConfig& c) {
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
          t.head_dim == m.head_dim && t.num_experts == m.num_experts && t.experts_per_token == m.experts_per_token &&
          t.vocab_size == m.vocab_size && t.seq_len == c.training.seq_len &&
-         t.precision == name_of(kPrecisionNames, c.training.precision) && c.parallel.tensor_parallel_degree == 1;
+         t.precision == name_of(kPrecisionNames, c.training.precision) &&
+         (c.parallel.tensor_parallel_degree == 1 || t.split(c.parallel.tensor_parallel_degree) != nullptr);
 }
 
 namespace {
 
 // Router (and dispatch bookkeeping) plus each local expert on its share of the rank's slots,
 // from measured times.
+// Under a tensor split every rank routes the whole micro-batch and runs its part of each
+// expert's width (TensorSplitTimes).
 double measured_moe_seconds(const RunConfig& c, double load, bool backward) {
   const OpTimes& t = c.cluster.op_times;
   const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
   const double local = static_cast<double>(c.model.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
   const double rows = static_cast<double>(c.model.experts_per_token) * tokens * load / local;
-  return curve_at(backward ? t.router_backward : t.router_forward, tokens) +
-         local * curve_at(backward ? t.expert_backward : t.expert_forward, rows);
+  const TensorSplitTimes* split = t.split(c.parallel.tensor_parallel_degree);
+  const CurvePoints& expert = backward ? (split ? split->expert_backward : t.expert_backward)
+                                       : (split ? split->expert_forward : t.expert_forward);
+  return curve_at(backward ? t.router_backward : t.router_forward, tokens) + local * curve_at(expert, rows);
 }
 
 }  // namespace
@@ -120,10 +125,11 @@ KernelCosts kernel_costs(const RunConfig& c) {
   }
   if (op_times_apply(c)) {
     const OpTimes& t = c.cluster.op_times;
+    const TensorSplitTimes* split = t.split(p.tensor_parallel_degree);
     o.measured = true;
-    o.attention_forward_s = curve_at(t.attention_forward, tokens);
-    o.attention_backward_s = curve_at(t.attention_backward, tokens);
-    o.head_s = curve_at(t.head, tokens);
+    o.attention_forward_s = curve_at(split ? split->attention_forward : t.attention_forward, tokens);
+    o.attention_backward_s = curve_at(split ? split->attention_backward : t.attention_backward, tokens);
+    o.head_s = curve_at(split ? split->head : t.head, tokens);
     o.head_forward_s = o.head_s / 3.0;
     o.block_by_class = {o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s, 0, 0};
     o.head_by_class = {o.head_s, 0, 0};
@@ -134,12 +140,15 @@ KernelCosts kernel_costs(const RunConfig& c) {
       const double layers = static_cast<double>(m.num_layers);
       const double experts = static_cast<double>(m.num_experts);
       const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;
-      const double forward = layers * (o.attention_forward_s + curve_at(t.router_forward, tokens) +
+      // (The whole micro-batch was measured unsplit: against the unsplit operations; what it
+      // took beyond them is charged to a split block unchanged.)
+      const double head = curve_at(t.head, tokens);
+      const double forward = layers * (curve_at(t.attention_forward, tokens) + curve_at(t.router_forward, tokens) +
                                        experts * curve_at(t.expert_forward, rows)) +
-                             o.head_s / 3.0;
-      const double backward = layers * (o.attention_backward_s + curve_at(t.router_backward, tokens) +
+                             head / 3.0;
+      const double backward = layers * (curve_at(t.attention_backward, tokens) + curve_at(t.router_backward, tokens) +
                                         experts * curve_at(t.expert_backward, rows)) +
-                              o.head_s * 2.0 / 3.0;
+                              head * 2.0 / 3.0;
       o.framework_forward_s = std::max(0.0, curve_at(t.micro_batch_forward, tokens) - forward) / layers;
       o.framework_backward_s = std::max(0.0, curve_at(t.micro_batch_backward, tokens) - backward) / layers;
       o.attention_forward_s += o.framework_forward_s;

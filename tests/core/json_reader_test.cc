@@ -310,7 +310,14 @@ Json calibrated_json() {
       {"head", {{256, 0.04}, {512, 0.07}}},
       {"optimizer", {{549520, 0.0014}, {4396160, 0.069}}},
       {"micro_batch_forward", {{256, 0.027}, {512, 0.054}}},
-      {"micro_batch_backward", {{256, 0.072}, {512, 0.108}}}};
+      {"micro_batch_backward", {{256, 0.072}, {512, 0.108}}},
+      {"tensor_splits",
+       {{{"tensor_parallel_degree", 2},
+         {"attention_forward", {{256, 0.0008}, {512, 0.0018}}},
+         {"attention_backward", {{256, 0.002}, {512, 0.003}}},
+         {"expert_forward", {{16, 4e-5}, {4096, 0.006}}},
+         {"expert_backward", {{16, 9e-5}, {4096, 0.012}}},
+         {"head", {{256, 0.021}, {512, 0.036}}}}}}};
   return json;
 }
 
@@ -326,6 +333,10 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.op_times.seq_len, 256);
   EXPECT_EQ(c.op_times.expert_backward.size(), 2u);
   EXPECT_EQ(c.op_times.micro_batch_backward.size(), 2u);
+  ASSERT_EQ(c.op_times.tensor_splits.size(), 1u);
+  ASSERT_NE(c.op_times.split(2), nullptr);
+  EXPECT_EQ(c.op_times.split(2)->head, (CurvePoints{{256, 0.021}, {512, 0.036}}));
+  EXPECT_EQ(c.op_times.split(4), nullptr);
   EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
   EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
   EXPECT_EQ(c.after_compute.all_gather, (CurvePoints{{0.0001, 1e-4}, {0.001, 1e-3}}));
@@ -347,6 +358,14 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
       {"/framework/op_times/shapes/precision", "fp8", "framework.op_times.shapes.precision",
        "expected \"bf16\", \"mixed\" or \"fp32\", got \"fp8\""},
       {"/framework/op_times/optimiser", Json::array(), "framework.op_times.optimiser", "unknown field"},
+      {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 1,
+       "framework.op_times.tensor_splits[0].tensor_parallel_degree", "must be in [2, 4096], got 1"},
+      {"/framework/op_times/tensor_splits/0/head/0", Json::array({256, -1}), "framework.op_times.tensor_splits[0].head[0]",
+       "seconds must be in [0, 1e6], got -1"},
+      {"/framework/op_times/tensor_splits/0/router_forward", Json::array(),
+       "framework.op_times.tensor_splits[0].router_forward", "unknown field"},
+      {"/framework/op_times/tensor_splits/1", calibrated_json()["framework"]["op_times"]["tensor_splits"][0],
+       "framework.op_times.tensor_splits[1].tensor_parallel_degree", "= 2 is listed twice"},
       {"/intra_node/collectives/all_gather/points/0", Json::array({-5, 1}), "intra_node.collectives.all_gather.points[0]",
        "expected [bytes >= 1, seconds >= 0], got an array"},
       {"/intra_node/collectives/all_to_all/bandwidth_bytes_per_s", 0, "intra_node.collectives.all_to_all.bandwidth_bytes_per_s",

@@ -59,6 +59,14 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     ASSERT_FALSE(curve.empty()) << name;
     for (const auto& [x, seconds] : curve) EXPECT_GT(seconds, 0) << name << " at " << x;
   }
+  // Two ranks: the operations split over both, as tensor parallelism runs them.
+  ASSERT_EQ(c.op_times.tensor_splits.size(), 1u);
+  ASSERT_NE(c.op_times.split(2), nullptr);
+  for (std::string_view name : kTensorSplitCurves) {
+    const CurvePoints& curve = split_curve(*c.op_times.split(2), name);
+    ASSERT_FALSE(curve.empty()) << name;
+    for (const auto& [x, seconds] : curve) EXPECT_GT(seconds, 0) << name << " at " << x;
+  }
   for (const CollectiveFit* f : {&c.all_gather_fit, &c.all_to_all_fit, &c.all_reduce_fit, &c.reduce_scatter_fit}) {
     EXPECT_GT(f->bandwidth_bytes_per_s, 1e6);
     EXPECT_LT(f->latency_s, 0.1);

@@ -583,6 +583,32 @@ TEST(CalibratedProfile, MeasuredOpTimesReplaceTheFlopModel) {
   EXPECT_FALSE(op_costs(other.config()).measured);
 }
 
+TEST(CalibratedProfile, TensorSplitsUseTheTimesMeasuredAtThatSplit) {
+  Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
+  c.parallel.expert_parallel_degree = 1;
+  c.parallel.tensor_parallel_degree = 2;
+  c.parallel.sequence_parallel = true;
+  EXPECT_FALSE(op_times_apply(c.config())) << "no times measured at T = 2: the FLOP model";
+  TensorSplitTimes split;
+  split.tensor_parallel_degree = 2;
+  split.attention_forward = {{256, 0.0012}, {1024, 0.0048}};
+  split.attention_backward = {{256, 0.003}, {1024, 0.012}};
+  split.expert_forward = {{16, 0.00006}, {4096, 0.01536}};
+  split.expert_backward = {{16, 0.00012}, {4096, 0.03072}};
+  split.head = {{256, 0.024}, {1024, 0.096}};
+  c.cluster.op_times.tensor_splits = {split};
+  ASSERT_TRUE(op_times_apply(c.config()));
+  const OpCosts o = op_costs(c.config());
+  EXPECT_TRUE(o.measured);
+  EXPECT_DOUBLE_EQ(o.attention_forward_s, 0.0024);  // the split's curve at the whole 512 tokens
+  EXPECT_DOUBLE_EQ(o.head_s, 0.048);
+  // The whole micro-batch's router (not split), and each of the 8 experts at its part of the
+  // width on 2 x 512 / 8 = 128 rows.
+  EXPECT_NEAR(moe_forward_seconds(c.config(), 1.0), 0.001 + 8 * 0.00048, 1e-12);
+  c.parallel.tensor_parallel_degree = 4;
+  EXPECT_FALSE(op_times_apply(c.config())) << "measured at T = 2 only";
+}
+
 TEST(CalibratedProfile, WholeMicroBatchAddsWhatTheOperationsLeaveOut) {
   Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
   const double layers = static_cast<double>(c.model.num_layers);

@@ -78,6 +78,19 @@ inline constexpr std::array<std::string_view, 3> kAfterComputeKinds = {"all_redu
 // of its compute, times compute_s (the wait for a rank that falls behind grows with the work).
 double after_compute_seconds(const CurvePoints& curve, double compute_s);
 
+// The operations one rank runs when a block's matrices are split over T ranks (Megatron's
+// tensor parallelism, with sequence parallelism): attention with 1/T of the heads over the
+// whole sequence, each expert with 1/T of its intermediate width, the head with 1/T of the
+// vocabulary. Axes as OpTimes's curves of the same names. The router, the routing and the
+// dispatch run on the whole sequence at every split (OpTimes's router curves).
+struct TensorSplitTimes {
+  int64_t tensor_parallel_degree = 2;
+  CurvePoints attention_forward, attention_backward, expert_forward, expert_backward, head;
+  bool operator==(const TensorSplitTimes&) const = default;
+};
+inline constexpr std::array<std::string_view, 5> kTensorSplitCurves{"attention_forward", "attention_backward",
+                                                                     "expert_forward", "expert_backward", "head"};
+
 struct OpTimes {
   // The shapes measured.
   int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0,
@@ -93,8 +106,12 @@ struct OpTimes {
   // operations above (tensor allocation, gradient assembly into the flat units, bookkeeping)
   // the simulator adds to every block. Optional.
   CurvePoints micro_batch_forward, micro_batch_backward;
+  // The same operations split over T ranks, one entry per T measured. Optional.
+  std::vector<TensorSplitTimes> tensor_splits;
 
   bool empty() const { return attention_forward.empty(); }
+  // The times measured at a split of t ranks; nullptr when none were.
+  const TensorSplitTimes* split(int64_t t) const;
   bool operator==(const OpTimes&) const = default;
 };
 inline constexpr std::array<std::string_view, 10> kOpTimeCurves{
@@ -177,6 +194,9 @@ struct ClusterSpec {
 // The curve of `op_times` named `name` (one of kOpTimeCurves).
 CurvePoints& op_time_curve(OpTimes& t, std::string_view name);
 const CurvePoints& op_time_curve(const OpTimes& t, std::string_view name);
+// A tensor split's curve by its name in kTensorSplitCurves.
+CurvePoints& split_curve(TensorSplitTimes& t, std::string_view name);
+const CurvePoints& split_curve(const TensorSplitTimes& t, std::string_view name);
 
 // Hardware profile (profiles/hardware/*.json). Every number may be written as
 // {"value": x, "source": "..."}; shipped profiles do so for every number.
