@@ -134,7 +134,8 @@ void note_unmeasured_splits(const planner::SearchResult& result, const RunConfig
     const RunConfig c{setting.model, setting.cluster, result.ranked[i].parallel, setting.moe, setting.training};
     if (sim::op_times_apply(c)) continue;
     std::printf("\nnote: %s has no operation times measured at T = %lld; such plans are estimated from FLOPs and\n"
-                "      its matrix-multiply curve, less closely (docs/validation.md)\n",
+                "      its matrix-multiply curve, less closely (docs/validation.md); pin --tensor-parallel-degree\n"
+                "      to a split it measured\n",
                 setting.cluster.name.c_str(), static_cast<long long>(c.parallel.tensor_parallel_degree));
     return;
   }

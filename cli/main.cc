@@ -288,7 +288,7 @@ int main(int argc, char** argv) {
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
   if (view_cmd->parsed()) return run_view(view_cmd->remaining(), argv[0]);
-  if (validate_cmd->parsed()) return validation::validate(validate);
+  if (validate_cmd->parsed()) return validation::run_validation(validate);
   if (compare_cmd->parsed()) return validation::compare_profiles(compare);
   if (published_cmd->parsed()) return validation::compare_published(published);
   if (export_cmd->parsed()) return run_export(export_args);

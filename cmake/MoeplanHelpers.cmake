@@ -50,8 +50,9 @@ endfunction()
 # moeplan_reuse_torch_pch(<target> [SKIP <source>...])
 # Compiles <target>'s files with the executor's precompiled LibTorch headers, except the
 # sources named after SKIP (files that do not include LibTorch gain nothing from it). GCC takes
-# a precompiled header only for a file compiled as it was: without -pedantic, which LibTorch's
-# headers do not pass (the lean build still compiles the skipped files with it).
+# a precompiled header only where the predefined macros match, and -pedantic takes one away
+# (__cpp_runtime_arrays): the target is compiled without it, as the executor is (the lean build
+# still compiles the skipped files with it).
 function(moeplan_reuse_torch_pch target)
   cmake_parse_arguments(ARG "" "" "SKIP" ${ARGN})
   target_precompile_headers(${target} REUSE_FROM moeplan_executor)

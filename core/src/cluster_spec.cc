@@ -159,6 +159,10 @@ void read_curve(Diagnostics& d, const Json& points, const std::string& path, con
   }
 }
 
+// An op-time curve's points: [x, seconds].
+constexpr CurveField kOpTimeField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
+                                  [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
+
 void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
   read_plain_source(o, own_path);
   if (auto s = o.object("shapes")) {
@@ -179,9 +183,7 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
   for (std::string_view name : kOpTimeCurves) {
     const Json* points = o.child(name, name.starts_with("micro_batch_"));  // those two are optional
     if (points == nullptr) continue;
-    static constexpr CurveField kField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
-                                       [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
-    read_curve(o.diagnostics(), *points, o.path_of(name), kField, op_time_curve(t, name));
+    read_curve(o.diagnostics(), *points, o.path_of(name), kOpTimeField, op_time_curve(t, name));
   }
   if (const Json* splits = o.child("tensor_splits", true)) {
     const std::string path = o.path_of("tensor_splits");
@@ -194,12 +196,19 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
         TensorSplitTimes split;
         split.tensor_parallel_degree = r.integer("tensor_parallel_degree", 2, 4096);
         for (std::string_view name : kTensorSplitCurves) {
-          static constexpr CurveField kField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
-                                             [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
           if (const Json* points = r.child(name))
-            read_curve(o.diagnostics(), *points, r.path_of(name), kField, split_curve(split, name));
+            read_curve(o.diagnostics(), *points, r.path_of(name), kOpTimeField, split_curve(split, name));
         }
         r.finish();
+        const int64_t tp = split.tensor_parallel_degree;
+        for (const auto& [field, size] : {std::pair<const char*, int64_t>{"num_attention_heads", t.num_attention_heads},
+                                          {"num_key_value_heads", t.num_key_value_heads},
+                                          {"intermediate_size", t.intermediate_size},
+                                          {"vocab_size", t.vocab_size},
+                                          {"seq_len", t.seq_len}})
+          if (size > 0 && size % tp != 0)
+            o.diagnostics().error(r.path_of("tensor_parallel_degree"), "= " + std::to_string(tp) + " does not divide shapes." +
+                                                                          field + " = " + std::to_string(size));
         if (t.split(split.tensor_parallel_degree) != nullptr)
           o.diagnostics().error(r.path_of("tensor_parallel_degree"),
                                 "= " + std::to_string(split.tensor_parallel_degree) + " is listed twice");

@@ -242,7 +242,8 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator)
       store((o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir) +
             "/.calibrate-offload-rank-" + std::to_string(communicator.rank())) {
   for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
-  // Every tensor split of this node's ranks the executor can run (executor_tensor_splits).
+  // Every power-of-two split of this node's ranks the executor can run (the shapes its rule
+  // executor_tensor_splits and the heads' split ask to divide).
   for (int64_t split = 2; split <= n; split *= 2)
     if (m.num_attention_heads % split == 0 && m.num_key_value_heads % split == 0 && m.intermediate_size % split == 0 &&
         m.vocab_size % split == 0 && t % split == 0)
@@ -805,7 +806,7 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   cal.overhead_bytes = static_cast<int64_t>(memory[0]);
   cal.baseline_rss_bytes = static_cast<int64_t>(memory[1]);
   // How much slower each pass ran than the figures kept, and how far apart the ranks were (the
-  // slowest over the fastest): the medians over the compute times (GEMMs to experts).
+  // slowest over the fastest): the medians over the compute times (GEMMs through the tensor splits).
   const int64_t compute = static_cast<int64_t>(layout.start("optimizer"));
   for (int p = 0; p < passes; ++p)
     cal.pass_slowdown.push_back(

@@ -110,6 +110,18 @@ CollectiveCost CostModel::all_to_all_cost(double send_bytes, const GroupShape& g
   return c;
 }
 
+CollectiveCost CostModel::tensor_region_cost(double bytes, const GroupShape& g, bool sequence_parallel) const {
+  if (!sequence_parallel || !cluster_->all_gather_fit.given() || !cluster_->reduce_scatter_fit.given())
+    return all_reduce_cost(bytes, g);
+  const CollectiveCost scatter = reduce_scatter_cost(bytes, g), gather = all_gather_cost(bytes, g);
+  return {scatter.latency_s + gather.latency_s, scatter.intra_s + gather.intra_s,
+          scatter.nic_bytes_per_node + gather.nic_bytes_per_node};
+}
+
+double CostModel::tensor_region_seconds(double bytes, const GroupShape& g, bool sequence_parallel) const {
+  return seconds(tensor_region_cost(bytes, g, sequence_parallel), g);
+}
+
 double CostModel::all_gather_seconds(double output_bytes, const GroupShape& g) const {
   return seconds(all_gather_cost(output_bytes, g), g);
 }

@@ -24,9 +24,8 @@ bool op_times_apply(const RunConfig& c) {
 namespace {
 
 // Router (and dispatch bookkeeping) plus each local expert on its share of the rank's slots,
-// from measured times.
-// Under a tensor split every rank routes the whole micro-batch and runs its part of each
-// expert's width (TensorSplitTimes).
+// from measured times. Under a tensor split every rank routes the whole micro-batch and runs
+// its part of each expert's width (TensorSplitTimes).
 double measured_moe_seconds(const RunConfig& c, double load, bool backward) {
   const OpTimes& t = c.cluster.op_times;
   const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);

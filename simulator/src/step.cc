@@ -94,7 +94,6 @@ class Builder {
         micro_batches_(micro_batches),
         layers_(static_cast<int>(c.model.num_layers)),
         overlap_sync_(c.cluster.gradient_sync_overlaps_backward()),
-        measured_gather_and_scatter_(c.cluster.all_gather_fit.given() && c.cluster.reduce_scatter_fit.given()),
         grad_scale_(c.training.precision == Precision::kMixed && c.training.fp32_gradients ? 2.0 : 1.0) {
     for (int64_t rank : layout.ranks()) {
       const int64_t e = layout.coord(rank, MeshDim::kExpert);
@@ -284,20 +283,11 @@ class Builder {
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
-  // The all-reduce ending a tensor-parallel region, on the compute chain: the next op needs
-  // its result. With sequence parallelism, the region's reduce-scatter and the next region's
-  // all-gather: on a ring the same bytes over the same links as the all-reduce, which is how
-  // the ring model counts them; a profile that measured the two collectives (a calibrated
-  // one: over gloo the reduce-scatter runs as an all-to-all) costs each as measured.
+  // What ends a tensor-parallel region (CostModel::tensor_region_cost), on the compute chain:
+  // the next op needs its result.
   void tensor(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb, double bytes) {
     if (p_.tensor_parallel_degree <= 1) return;
-    CollectiveCost cost = cost_.all_reduce_cost(bytes, shapes_.tensor);
-    if (p_.sequence_parallel && measured_gather_and_scatter_) {
-      const CollectiveCost scatter = cost_.reduce_scatter_cost(bytes, shapes_.tensor);
-      const CollectiveCost gather = cost_.all_gather_cost(bytes, shapes_.tensor);
-      cost = {scatter.latency_s + gather.latency_s, scatter.intra_s + gather.intra_s,
-              scatter.nic_bytes_per_node + gather.nic_bytes_per_node};
-    }
+    const CollectiveCost cost = cost_.tensor_region_cost(bytes, shapes_.tensor, p_.sequence_parallel);
     std::vector<OpId> after(state.size());
     for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
     collective_round(after, MeshDim::kTensor, kind, TraceStream::kExpertComm, layer, mb, cost, bytes, true);
@@ -449,7 +439,6 @@ class Builder {
   std::vector<double> moe_by_rank_;  // MoE forward seconds of each simulated rank
   std::vector<double> moe_backward_by_rank_;
   bool overlap_sync_ = true;     // gradient syncs overlap the last micro-batch's backward
-  bool measured_gather_and_scatter_ = false;  // the profile measured both collectives
   // Gradient bytes over the compute dtype's: 2 where mixed precision reduces in fp32.
   double grad_scale_ = 1.0;
   std::vector<OpId> synced_;     // each rank's latest gradient sync

@@ -120,6 +120,32 @@ TEST_F(Cli, SearchWritesAPlanThatCheckAccepts) {
     EXPECT_EQ(entry.path().filename(), "plan.json");
 }
 
+// A calibrated profile's operation times hold the tensor splits it measured; the table says
+// when it shows a plan with another split, which is then estimated from FLOPs.
+TEST_F(Cli, SearchSaysWhenAPlansTensorSplitWasNotMeasured) {
+  Workdir dir;
+  Json profile = read_json_file(test::profile_path("../docs/validation/local-2cpu.json"));
+  profile["framework"]["op_times"].erase("tensor_splits");
+  std::ofstream(dir / "unsplit.json") << profile.dump();
+  const std::string search = "search --gpus 2 --model mixtral-tiny --seq-len 256 --global-batch-tokens 8192 "
+                             "--precision fp32 --max-micro-batch 8 --tensor-parallel-degree 2 --instance ";
+  const Outcome unsplit = dir.moeplan(search + "unsplit.json --out a.json");
+  ASSERT_EQ(unsplit.exit_code, 0) << show(unsplit);
+  EXPECT_NE(unsplit.out.find("has no operation times measured at T = 2"), std::string::npos) << show(unsplit);
+
+  // The same profile with operations measured at T = 2 (the unsplit ones halved will do).
+  Json split = {{"tensor_parallel_degree", 2}};
+  for (const char* name : {"attention_forward", "attention_backward", "expert_forward", "expert_backward", "head"}) {
+    split[name] = profile["framework"]["op_times"][name];
+    for (Json& point : split[name]) point[1] = point[1].get<double>() / 2;
+  }
+  profile["framework"]["op_times"]["tensor_splits"] = Json::array({split});
+  std::ofstream(dir / "split.json") << profile.dump();
+  const Outcome measured = dir.moeplan(search + "split.json --out b.json");
+  ASSERT_EQ(measured.exit_code, 0) << show(measured);
+  EXPECT_EQ(measured.out.find("no operation times measured"), std::string::npos) << show(measured);
+}
+
 // Dense models are planned like Mixtral, with one expert: no expert parallelism, no router.
 // moeplan's executor trains Mixture-of-Experts models only, so they are planned for Megatron-Core;
 // for `moeplan run`, the default target, the search says which rule and which target.

@@ -360,6 +360,8 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
       {"/framework/op_times/optimiser", Json::array(), "framework.op_times.optimiser", "unknown field"},
       {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 1,
        "framework.op_times.tensor_splits[0].tensor_parallel_degree", "must be in [2, 4096], got 1"},
+      {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 4,
+       "framework.op_times.tensor_splits[0].tensor_parallel_degree", "= 4 does not divide shapes.num_key_value_heads = 2"},
       {"/framework/op_times/tensor_splits/0/head/0", Json::array({256, -1}), "framework.op_times.tensor_splits[0].head[0]",
        "seconds must be in [0, 1e6], got -1"},
       {"/framework/op_times/tensor_splits/0/router_forward", Json::array(),

@@ -75,6 +75,26 @@ TEST(CostModel, AllGatherInsideANode) {
   EXPECT_NEAR(cost.all_reduce_seconds(8e9, g), 2 * (7e-6 + 0.07), 1e-12);
 }
 
+TEST(CostModel, SequenceParallelRegionIsTheMeasuredPairWhereBothWereMeasured) {
+  ClusterSpec c = toy(1);
+  GroupShape g{2, 2, 1, 1};
+  {
+    const CostModel ring(c);
+    // The ring model: the pair is the all-reduce, with or without sequence parallelism.
+    EXPECT_DOUBLE_EQ(ring.tensor_region_seconds(1e6, g, true), ring.all_reduce_seconds(1e6, g));
+    EXPECT_DOUBLE_EQ(ring.tensor_region_seconds(1e6, g, false), ring.all_reduce_seconds(1e6, g));
+  }
+  c.all_gather_fit = {6e-4, 8e8, {}};
+  c.reduce_scatter_fit = {2e-4, 7.5e8, {}};
+  c.all_reduce_fit = {6e-4, 1.3e9, {}};
+  const CostModel measured(c);
+  // One step each: latency + bytes / 2 over the fit's bandwidth.
+  const double gather = 6e-4 + 0.5e6 / 8e8, scatter = 2e-4 + 0.5e6 / 7.5e8;
+  EXPECT_NEAR(measured.tensor_region_seconds(1e6, g, true), gather + scatter, 1e-12);
+  EXPECT_NEAR(measured.tensor_region_seconds(1e6, g, false), measured.all_reduce_seconds(1e6, g), 1e-12);
+  EXPECT_NEAR(measured.all_reduce_seconds(1e6, g), 2 * 6e-4 + 1e6 / 1.3e9, 1e-12);
+}
+
 TEST(CostModel, AllGatherAcrossNodesSharesTheNic) {
   const ClusterSpec c = toy(2);
   const CostModel cost(c);

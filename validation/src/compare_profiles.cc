@@ -66,6 +66,11 @@ Figures figures_of(const ClusterSpec& a, const ClusterSpec& b) {
   f.add_curve("compute", "matmul efficiency", ea, eb);
   for (std::string_view name : kOpTimeCurves)
     f.add_curve("operations", std::string(name), op_time_curve(a.op_times, name), op_time_curve(b.op_times, name));
+  for (const TensorSplitTimes& split : a.op_times.tensor_splits)
+    if (const TensorSplitTimes* other = b.op_times.split(split.tensor_parallel_degree))
+      for (std::string_view name : kTensorSplitCurves)
+        f.add_curve("operations", "T" + std::to_string(split.tensor_parallel_degree) + " " + std::string(name),
+                    split_curve(split, name), split_curve(*other, name));
   f.add_fit("all_gather", a.all_gather_fit, b.all_gather_fit);
   f.add_fit("all_to_all", a.all_to_all_fit, b.all_to_all_fit);
   f.add_fit("all_reduce", a.all_reduce_fit, b.all_reduce_fit);

@@ -277,7 +277,7 @@ int check_bounds(const ValidateOptions& options, const Summary& s) {
 
 }  // namespace
 
-int validate(const ValidateOptions& options) {
+int run_validation(const ValidateOptions& options) {
   try {
     if (!fs::exists(options.data + "/manifest.json"))
       throw InputError("--data", {{"", options.data + " has no manifest.json; prepare it with `moeplan data prepare`"}});

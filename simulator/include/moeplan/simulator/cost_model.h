@@ -62,6 +62,12 @@ class CostModel {
   CollectiveCost reduce_scatter_cost(double input_bytes, const GroupShape& g) const;
   CollectiveCost all_reduce_cost(double bytes, const GroupShape& g) const;
   CollectiveCost all_to_all_cost(double send_bytes, const GroupShape& g) const;
+  // What ends a tensor-parallel region: the all-reduce, or with sequence parallelism the
+  // region's reduce-scatter and the next region's all-gather. The ring model counts that pair
+  // as the all-reduce (the same bytes over the same links); a profile that measured both (a
+  // calibrated one: over gloo the reduce-scatter runs as an all-to-all) costs each by its fit.
+  CollectiveCost tensor_region_cost(double bytes, const GroupShape& g, bool sequence_parallel) const;
+  double tensor_region_seconds(double bytes, const GroupShape& g, bool sequence_parallel) const;
 
   // A send of `bytes` from each rank to its neighbour along a pipeline group (every rank sends
   // at once, so the ranks of a node share its card when the neighbour is on another node).

@@ -88,7 +88,8 @@ ModelSpec stage_model(const RunConfig& config);
 double moe_forward_seconds(const RunConfig& config, double load);
 double moe_backward_seconds(const RunConfig& config, double load);
 
-// Whether the profile's measured op times were taken at this plan's shapes and precision.
+// Whether the profile's measured op times were taken at this plan's shapes and precision (and,
+// for T > 1, at its tensor split).
 bool op_times_apply(const RunConfig& config);
 
 }  // namespace moeplan::sim

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace moeplan::validation {
 
@@ -28,6 +27,6 @@ struct ValidateOptions {
 
 // Prints the table; returns an exit code (moeplan/core/exit_codes.h): with check, kExitNoPlan when
 // a bound is broken.
-int validate(const ValidateOptions& options);
+int run_validation(const ValidateOptions& options);
 
 }  // namespace moeplan::validation
