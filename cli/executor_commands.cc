@@ -236,9 +236,9 @@ int run_calibrate(const CalibrateArgs& args) {
     executor::ignore_broken_pipes();
     const int64_t rank = env ? env->rank : 0;
     if (rank != 0) o.progress = nullptr;
-    executor::Communicator world;
-    if (env) world = executor::join_world(*env, std::chrono::milliseconds(1000 * args.timeout_seconds), "calibrate/");
-    const executor::Calibration c = executor::calibrate(o, world);
+    executor::JoinedWorld joined;
+    if (env) joined = executor::join_world(*env, std::chrono::milliseconds(1000 * args.timeout_seconds), "calibrate/");
+    const executor::Calibration c = executor::calibrate(o, joined.world, joined.mesh_of);
     if (rank != 0) return kExitOk;
     const std::string how = "moeplan calibrate on " + host_name() + ", " + utc_now() + " (`" + args.command + "`)";
     const ClusterSpec profile = executor::calibrated_cluster(base, c, o, name, how);

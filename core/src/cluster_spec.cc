@@ -63,7 +63,9 @@ const CurvePoints& op_time_curve(const OpTimes& t, std::string_view name) {
 }
 
 CurvePoints& split_curve(TensorSplitTimes& t, std::string_view name) {
-  CurvePoints* curves[] = {&t.attention_forward, &t.attention_backward, &t.expert_forward, &t.expert_backward, &t.head};
+  CurvePoints* curves[] = {&t.attention_forward,     &t.attention_backward,   &t.expert_forward,
+                           &t.expert_backward,       &t.head,                 &t.micro_batch_forward,
+                           &t.micro_batch_backward,  &t.collectives_forward,  &t.collectives_backward};
   for (size_t i = 0; i < kTensorSplitCurves.size(); ++i)
     if (kTensorSplitCurves[i] == name) return *curves[i];
   throw std::logic_error("no tensor-split curve named " + std::string(name));
@@ -175,6 +177,7 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
     t.experts_per_token = s->integer("experts_per_token", 1, 1 << 16);
     t.vocab_size = s->integer("vocab_size", 1, int64_t{1} << 24);
     t.seq_len = s->integer("seq_len", 1, int64_t{1} << 24);
+    if (s->child("num_layers", true) != nullptr) t.num_layers = s->integer("num_layers", 1, 1 << 16);
     t.precision = s->string("precision");
     if (t.precision != "bf16" && t.precision != "mixed" && t.precision != "fp32")
       o.diagnostics().error(s->path_of("precision"), "expected \"bf16\", \"mixed\" or \"fp32\", got \"" + t.precision + "\"");
@@ -185,6 +188,10 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
     if (points == nullptr) continue;
     read_curve(o.diagnostics(), *points, o.path_of(name), kOpTimeField, op_time_curve(t, name));
   }
+  // The whole micro-batches are per model: without its depth they say nothing per block.
+  if (!t.micro_batch_forward.empty() && t.num_layers == 0)
+    o.diagnostics().error(o.path_of("shapes") + ".num_layers",
+                          "is required with micro_batch_forward: the blocks of the model those micro-batches ran");
   if (const Json* splits = o.child("tensor_splits", true)) {
     const std::string path = o.path_of("tensor_splits");
     if (!splits->is_array() || splits->size() > 16) {
@@ -195,11 +202,23 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
         if (!r.ok()) continue;
         TensorSplitTimes split;
         split.tensor_parallel_degree = r.integer("tensor_parallel_degree", 2, 4096);
-        for (std::string_view name : kTensorSplitCurves) {
-          if (const Json* points = r.child(name))
+        size_t whole_micro_batch = 0;  // how many of the optional curves are there
+        for (size_t c = 0; c < kTensorSplitCurves.size(); ++c) {
+          const std::string_view name = kTensorSplitCurves[c];
+          const bool optional = c >= kRequiredTensorSplitCurves;
+          if (const Json* points = r.child(name, optional)) {
             read_curve(o.diagnostics(), *points, r.path_of(name), kOpTimeField, split_curve(split, name));
+            if (optional) ++whole_micro_batch;
+          }
         }
         r.finish();
+        if (whole_micro_batch > 0 && whole_micro_batch < kTensorSplitCurves.size() - kRequiredTensorSplitCurves)
+          o.diagnostics().error(r.path_of("micro_batch_forward"),
+                                "micro_batch_forward, micro_batch_backward, collectives_forward and "
+                                "collectives_backward come together");
+        if (whole_micro_batch > 0 && t.num_layers == 0)
+          o.diagnostics().error(o.path_of("shapes") + ".num_layers",
+                                "is required with a split's micro_batch_forward: the blocks of the model it ran");
         const int64_t tp = split.tensor_parallel_degree;
         for (const auto& [field, size] : {std::pair<const char*, int64_t>{"num_attention_heads", t.num_attention_heads},
                                           {"num_key_value_heads", t.num_key_value_heads},
@@ -481,6 +500,7 @@ Json to_json(const ClusterSpec& c) {
                        {"vocab_size", t.vocab_size},
                        {"seq_len", t.seq_len},
                        {"precision", t.precision}};
+    if (t.num_layers > 0) times["shapes"]["num_layers"] = t.num_layers;
     for (std::string_view name : kOpTimeCurves) {
       Json curve = Json::array();
       for (const auto& [x, sec] : op_time_curve(t, name)) curve.push_back({x, sec});
@@ -492,7 +512,7 @@ Json to_json(const ClusterSpec& c) {
       for (std::string_view name : kTensorSplitCurves) {
         Json curve = Json::array();
         for (const auto& [x, sec] : split_curve(split, name)) curve.push_back({x, sec});
-        entry[std::string(name)] = curve;
+        if (!curve.empty()) entry[std::string(name)] = curve;
       }
       times["tensor_splits"].push_back(entry);
     }

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
+#include <numeric>
 #include <stdexcept>
 
 #include "moeplan/core/fit.h"
@@ -187,8 +189,17 @@ struct Stretch {
 // What calibration measures, the same on every rank: the model's GEMM shapes, expert rows and
 // optimizer shards, the collectives' sizes, and the weights and inputs of the executor's
 // operations. Built once, used by every pass.
+// The executor's model on a mesh of one tensor split of the ranks (R = n / T replicas, sequence
+// parallel), and the time its tensor group has spent inside collectives (its observer adds).
+struct SplitModel {
+  Plan plan;
+  std::unique_ptr<DeviceMesh> mesh;
+  std::unique_ptr<ShardedModel> model;
+  double inside_s = 0;
+};
+
 struct Workload {
-  Workload(const CalibrateOptions& options, Communicator& communicator);
+  Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& mesh_of);
   Workload(const Workload&) = delete;
   Workload& operator=(const Workload&) = delete;
 
@@ -221,6 +232,8 @@ struct Workload {
   std::vector<std::pair<std::string, std::function<void()>>> after_collectives;
   std::vector<Stretch> stretches;
   ActivationStore store;
+  // Per tensor split that divides the ranks (when meshes can be formed): the whole model on it.
+  std::vector<std::unique_ptr<SplitModel>> split_models;
 };
 
 Plan alone_plan(const CalibrateOptions& o) {
@@ -232,7 +245,7 @@ Plan alone_plan(const CalibrateOptions& o) {
   return p;
 }
 
-Workload::Workload(const CalibrateOptions& options, Communicator& communicator)
+Workload::Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& mesh_of)
     : o(options), world(communicator), m(options.model), type(compute_type(options.precision)),
       master(options.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat), h(m.hidden_size),
       t(options.seq_len), n(communicator.size()), a(options.precision == Precision::kFp32 ? 4 : 2),
@@ -316,6 +329,23 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator)
       {[this] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
       {[this] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 24 / few},
       {[this] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 16 / few}};
+  if (mesh_of) {
+    for (int64_t split : splits) {
+      if (n % split != 0) continue;
+      auto s = std::make_unique<SplitModel>();
+      s->plan = alone_plan(o);
+      s->plan.parallel.world_size = n;
+      s->plan.parallel.tensor_parallel_degree = split;
+      s->plan.parallel.sequence_parallel = true;
+      s->mesh = mesh_of(s->plan.parallel);
+      s->model = std::make_unique<ShardedModel>(s->plan, *s->mesh);
+      s->mesh->tensor.set_observer([inside = &s->inside_s](const char*, int64_t, Clock::time_point start,
+                                                          Clock::time_point end) {
+        *inside += std::chrono::duration<double>(end - start).count();
+      });
+      split_models.push_back(std::move(s));
+    }
+  }
 }
 
 // One pass's figures, in the same order on every rank, each measurement's under its name so
@@ -544,6 +574,42 @@ void measure_micro_batches(Workload& x, Figures& f) {
   }
 }
 
+// The executor's whole micro-batch under each tensor split, on its mesh with its collectives
+// (the same tokens on every rank): forward with the loss and backward, each as its compute
+// and the time inside the tensor group's collectives. Every rank makes the same calls.
+void measure_split_micro_batches(Workload& x, Figures& f) {
+  f.begin("split_micro_batches");
+  for (const std::unique_ptr<SplitModel>& s : x.split_models) {
+    for (int64_t b : x.mbs) {
+      torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
+      x.world.broadcast(ids, 0);
+      std::vector<double> forward, backward, forward_inside, backward_inside;
+      x.world.barrier();
+      for (int i = 0; i <= x.reps; ++i) {
+        s->inside_s = 0;
+        auto start = Clock::now();
+        const torch::Tensor loss = s->model->loss(s->model->forward(ids, 1), ids).total;
+        const double fwd = seconds_since(start), fwd_inside = s->inside_s;
+        s->inside_s = 0;
+        start = Clock::now();
+        loss.backward();
+        const double bwd = seconds_since(start), bwd_inside = s->inside_s;
+        if (i == 0) continue;  // warm-up
+        forward.push_back(fwd - fwd_inside);
+        backward.push_back(bwd - bwd_inside);
+        forward_inside.push_back(fwd_inside);
+        backward_inside.push_back(bwd_inside);
+      }
+      // Compute by its median; the collectives by their mean, their tail included (what a step
+      // pays for many of them, as in measure_collectives).
+      f.add(median(forward));
+      f.add(median(backward));
+      for (const std::vector<double>* v : {&forward_inside, &backward_inside})
+        f.add(std::accumulate(v->begin(), v->end(), 0.0) / static_cast<double>(v->size()));
+    }
+  }
+}
+
 // Each kind of collective back to back, then after stretches of compute of a few lengths in
 // lockstep. What the pair takes beyond the stretch alone and the collective alone is what a
 // collective costs in a step for following compute: a longer tail (its threads have to be
@@ -612,6 +678,8 @@ Figures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhead, c
     torch::AutoGradMode with_grad(true);
     x.world.barrier();
     measure_micro_batches(x, f);
+    if (!x.split_models.empty()) progress.say("whole micro-batches under tensor splits" + of);
+    measure_split_micro_batches(x, f);
     // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
     // beyond its tensors before that.
     overhead.stop();
@@ -649,6 +717,7 @@ void read_op_times(const Workload& x, const Kept& k, Calibration& cal) {
   times.experts_per_token = x.m.experts_per_token;
   times.vocab_size = x.m.vocab_size;
   times.seq_len = x.t;
+  times.num_layers = x.m.num_layers;
   times.precision = std::string(name_of(kPrecisionNames, x.o.precision));
   const double* v = k.at(k.times, "ops");
   for (int64_t b : x.mbs) {
@@ -679,6 +748,18 @@ void read_op_times(const Workload& x, const Kept& k, Calibration& cal) {
       split.expert_backward.emplace_back(static_cast<double>(r), *v++);
     }
     times.tensor_splits.push_back(std::move(split));
+  }
+  v = k.at(k.times, "split_micro_batches");
+  for (const std::unique_ptr<SplitModel>& s : x.split_models) {
+    TensorSplitTimes& split = *std::find_if(times.tensor_splits.begin(), times.tensor_splits.end(), [&](const auto& t) {
+      return t.tensor_parallel_degree == s->plan.parallel.tensor_parallel_degree;
+    });
+    for (int64_t b : x.mbs) {
+      const double tokens = static_cast<double>(b * x.t);
+      for (CurvePoints* curve : {&split.micro_batch_forward, &split.micro_batch_backward, &split.collectives_forward,
+                                 &split.collectives_backward})
+        curve->emplace_back(tokens, *v++);
+    }
   }
   v = k.at(k.times, "optimizer");
   for (int64_t s : x.shard_sizes) times.optimizer.emplace_back(static_cast<double>(s), *v++);
@@ -752,7 +833,7 @@ void read_efficiency(Calibration& cal) {
 
 }  // namespace
 
-Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
+Calibration calibrate(const CalibrateOptions& o, Communicator& world, const MeshMaker& mesh_of) {
   const auto started = Clock::now();
   Progress progress(o.progress, world.rank() == 0);
   torch::manual_seed(1234 + static_cast<uint64_t>(world.rank()));
@@ -762,7 +843,7 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world) {
   cal.ranks = world.size();
   cal.passes = passes;
   cal.baseline_rss_bytes = current_rss_bytes();
-  Workload x(o, world);
+  Workload x(o, world, mesh_of);
   OverheadProbe overhead;
 
   // Every figure is measured once per pass, in the same order on every rank. A shared machine

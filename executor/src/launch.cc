@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 extern char** environ;
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cerrno>
@@ -17,6 +18,7 @@ extern char** environ;
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <thread>
 
 #include "moeplan/core/errors.h"
@@ -212,10 +214,18 @@ c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::mill
   return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
 }
 
-Communicator join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix) {
-  return Communicator(make_gloo_group(join_store(env, timeout), prefix, static_cast<int>(env.rank),
-                                      static_cast<int>(env.world_size), timeout, env.bind_address),
-                      "world");
+JoinedWorld join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix) {
+  const c10::intrusive_ptr<c10d::Store> store = join_store(env, timeout);
+  JoinedWorld joined;
+  joined.world = Communicator(make_gloo_group(store, prefix, static_cast<int>(env.rank),
+                                              static_cast<int>(env.world_size), timeout, env.bind_address),
+                              "world");
+  auto meshes = std::make_shared<int>(0);
+  joined.mesh_of = [store, meshes, env, timeout, prefix](const ParallelConfig& parallel) {
+    const auto keys = c10::make_intrusive<c10d::PrefixStore>(prefix + "mesh-" + std::to_string((*meshes)++), store);
+    return std::make_unique<DeviceMesh>(parallel, env.rank, keys, timeout, env.bind_address);
+  };
+  return joined;
 }
 
 }  // namespace moeplan::executor

@@ -22,9 +22,11 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, cons
   const CostModel cost(c.cluster);
   const double layers = static_cast<double>(c.model.num_layers);
   const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  // What ends a tensor-parallel region of `bytes` (CostModel::tensor_region_cost).
-  auto region = [&](double bytes, const GroupShape& g) {
-    return cost.tensor_region_seconds(bytes, g, p.sequence_parallel);
+  // What ends a tensor-parallel region of `bytes`: as measured inside the split's whole
+  // micro-batch where the profile has it, else CostModel::tensor_region_cost.
+  auto region = [&](double bytes, const GroupShape& g, bool backward = false) {
+    const double measured = backward ? o.tensor_region_backward_s : o.tensor_region_forward_s;
+    return measured > 0 ? measured : cost.tensor_region_seconds(bytes, g, p.sequence_parallel);
   };
 
   // The busiest expert's rank sets the pace of every block.
@@ -59,9 +61,9 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, cons
     // the next block's backward combine beside attention's.
     const bool tensor = p.tensor_parallel_degree > 1;
     const double moe_beside =
-        std::max(0.0, o.tensor_moe_overlap_s - (tensor ? region(o.tensor_moe_bytes, shapes.tensor) : 0.0));
+        std::max(0.0, o.tensor_moe_overlap_s - (tensor ? region(o.tensor_moe_bytes, shapes.tensor, true) : 0.0));
     const double attention_beside =
-        std::max(0.0, o.tensor_overlap_s - (tensor ? region(o.tensor_bytes, shapes.tensor) : 0.0));
+        std::max(0.0, o.tensor_overlap_s - (tensor ? region(o.tensor_bytes, shapes.tensor, true) : 0.0));
     expert_comm = layers * (exchanges * per_exchange - std::min(per_exchange, moe_beside) -
                             std::min(per_exchange, attention_beside));
     if (c.moe.dispatcher == Dispatcher::kAllToAll) {
@@ -87,19 +89,20 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, cons
       const double attention = region(o.tensor_bytes, g);
       const double moe = region(o.tensor_moe_bytes, g);
       // Backward's collectives run beside the weight gradients of the regions' first GEMMs.
-      double all = attention + moe + std::max(0.0, attention - o.tensor_overlap_s) +
-                   std::max(0.0, moe - o.tensor_moe_overlap_s);
+      double all = attention + moe + std::max(0.0, region(o.tensor_bytes, g, true) - o.tensor_overlap_s) +
+                   std::max(0.0, region(o.tensor_moe_bytes, g, true) - o.tensor_moe_overlap_s);
       if (p.activation_checkpointing == Checkpointing::kFull) all += attention + moe;
       if (p.activation_checkpointing == Checkpointing::kSelective) all += moe;
       return all;
     };
     tensor_comm = layers * per_layer(shapes.tensor);
-    beside_compute += layers * (std::min(region(o.tensor_bytes, shapes.tensor), o.tensor_overlap_s) +
-                                std::min(region(o.tensor_moe_bytes, shapes.tensor), o.tensor_moe_overlap_s));
+    beside_compute += layers * (std::min(region(o.tensor_bytes, shapes.tensor, true), o.tensor_overlap_s) +
+                                std::min(region(o.tensor_moe_bytes, shapes.tensor, true), o.tensor_moe_overlap_s));
     // The bound counts forward's and recompute's alone: backward's may hide behind the weight
     // gradients entirely.
-    tensor_chain_min = layers * (per_layer(alone) - std::max(0.0, region(o.tensor_bytes, alone) - o.tensor_overlap_s) -
-                                 std::max(0.0, region(o.tensor_moe_bytes, alone) - o.tensor_moe_overlap_s));
+    tensor_chain_min =
+        layers * (per_layer(alone) - std::max(0.0, region(o.tensor_bytes, alone, true) - o.tensor_overlap_s) -
+                  std::max(0.0, region(o.tensor_moe_bytes, alone, true) - o.tensor_moe_overlap_s));
   }
 
   // Sharded model states: each block's unit is gathered for forward and again for backward,

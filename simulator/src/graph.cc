@@ -56,8 +56,9 @@ OpId StepGraph::add_op(const Op& op) {
 }
 
 int32_t StepGraph::add_collective(SimTime latency, SimTime intra, double nic_bytes_per_node,
-                                  const std::vector<int32_t>& nodes, int32_t parts) {
+                                  const std::vector<int32_t>& nodes, int32_t parts, bool timed_in_place) {
   Collective c;
+  c.timed_in_place = timed_in_place;
   c.latency = latency;
   c.intra = intra;
   c.nic_bytes_per_node = nic_bytes_per_node;
@@ -180,7 +181,7 @@ class Runner {
         unsynced = SimTime(0);
       }
       const CurvePoints* curve = g_.after_compute().of(op_category(g_.ops()[static_cast<size_t>(id)].kind));
-      if (curve != nullptr) wait = to_sim_time(after_compute_seconds(*curve, to_seconds(most)));
+      if (curve != nullptr && !col.timed_in_place) wait = to_sim_time(after_compute_seconds(*curve, to_seconds(most)));
     }
     times_.collective_wait[c] = wait;
     fixed_end_[c] = now_ + wait + col.latency + col.intra;

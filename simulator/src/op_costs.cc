@@ -132,26 +132,37 @@ KernelCosts kernel_costs(const RunConfig& c) {
     o.head_forward_s = o.head_s / 3.0;
     o.block_by_class = {o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s, 0, 0};
     o.head_by_class = {o.head_s, 0, 0};
-    // What the executor's whole micro-batch took beyond its operations (measured with the
-    // experts on one rank and balanced routing), spread over the blocks: it runs with their
-    // attention, and again where a block is recomputed.
-    if (!t.micro_batch_forward.empty() && !t.micro_batch_backward.empty()) {
-      const double layers = static_cast<double>(m.num_layers);
+    // What the executor's whole micro-batch took beyond its operations, spread over the blocks
+    // of the model it ran (not this stage's): it runs with their attention, and again where a
+    // block is recomputed. At a split whose whole micro-batch was measured (sequence parallel), against the split
+    // operations (the router whole), and its collectives priced as they ran there; otherwise
+    // the unsplit micro-batch (one rank, experts on it, balanced routing) against the unsplit
+    // operations, what it took beyond them charged to a split block unchanged.
+    const bool split_whole = split != nullptr && p.sequence_parallel && !split->micro_batch_forward.empty();
+    const CurvePoints& whole_forward = split_whole ? split->micro_batch_forward : t.micro_batch_forward;
+    const CurvePoints& whole_backward = split_whole ? split->micro_batch_backward : t.micro_batch_backward;
+    if (!whole_forward.empty() && !whole_backward.empty() && t.num_layers > 0) {
+      const double layers = static_cast<double>(t.num_layers);
       const double experts = static_cast<double>(m.num_experts);
       const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;
-      // (The whole micro-batch was measured unsplit: against the unsplit operations; what it
-      // took beyond them is charged to a split block unchanged.)
-      const double head = curve_at(t.head, tokens);
-      const double forward = layers * (curve_at(t.attention_forward, tokens) + curve_at(t.router_forward, tokens) +
-                                       experts * curve_at(t.expert_forward, rows)) +
-                             head / 3.0;
-      const double backward = layers * (curve_at(t.attention_backward, tokens) + curve_at(t.router_backward, tokens) +
-                                        experts * curve_at(t.expert_backward, rows)) +
-                              head * 2.0 / 3.0;
-      o.framework_forward_s = std::max(0.0, curve_at(t.micro_batch_forward, tokens) - forward) / layers;
-      o.framework_backward_s = std::max(0.0, curve_at(t.micro_batch_backward, tokens) - backward) / layers;
+      const TensorSplitTimes* ops = split_whole ? split : nullptr;
+      const double head = curve_at(ops ? ops->head : t.head, tokens);
+      const double forward =
+          layers * (curve_at(ops ? ops->attention_forward : t.attention_forward, tokens) +
+                    curve_at(t.router_forward, tokens) + experts * curve_at(ops ? ops->expert_forward : t.expert_forward, rows)) +
+          head / 3.0;
+      const double backward =
+          layers * (curve_at(ops ? ops->attention_backward : t.attention_backward, tokens) +
+                    curve_at(t.router_backward, tokens) + experts * curve_at(ops ? ops->expert_backward : t.expert_backward, rows)) +
+          head * 2.0 / 3.0;
+      o.framework_forward_s = std::max(0.0, curve_at(whole_forward, tokens) - forward) / layers;
+      o.framework_backward_s = std::max(0.0, curve_at(whole_backward, tokens) - backward) / layers;
       o.attention_forward_s += o.framework_forward_s;
       o.attention_backward_s += o.framework_backward_s;
+      if (split_whole) {
+        o.tensor_region_forward_s = curve_at(split->collectives_forward, tokens) / (2.0 * layers);
+        o.tensor_region_backward_s = curve_at(split->collectives_backward, tokens) / (2.0 * layers);
+      }
     }
   }
 

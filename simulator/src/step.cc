@@ -225,7 +225,7 @@ class Builder {
   // One collective per group along d, with a part on every simulated member; each part
   // depends on after[r] and replaces it.
   void collective_round(std::vector<OpId>& after, MeshDim d, OpKind kind, TraceStream stream, int layer, int64_t mb,
-                        const CollectiveCost& cost, double bytes, bool skip_single) {
+                        const CollectiveCost& cost, double bytes, bool skip_single, bool timed_in_place = false) {
     if (skip_single && p_.degree(d) <= 1) return;
     const Layout::Groups& groups = layout_.groups(d);
     std::vector<int32_t> collective_of_group(groups.parts.size(), -1);
@@ -235,7 +235,8 @@ class Builder {
     for (size_t r = 0; r < n; ++r) {
       const auto g = static_cast<size_t>(groups.of_rank[r]);
       if (collective_of_group[g] < 0)
-        collective_of_group[g] = graph_.add_collective(latency, intra, cost.nic_bytes_per_node, groups.nodes[g], groups.parts[g]);
+        collective_of_group[g] = graph_.add_collective(latency, intra, cost.nic_bytes_per_node, groups.nodes[g],
+                                                       groups.parts[g], timed_in_place);
       Op op;
       op.rank = static_cast<int32_t>(r);
       op.stream = stream;
@@ -283,14 +284,17 @@ class Builder {
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
-  // What ends a tensor-parallel region (CostModel::tensor_region_cost), on the compute chain:
-  // the next op needs its result.
+  // What ends a tensor-parallel region, on the compute chain: the next op needs its result.
+  // As measured inside the split's whole micro-batch where the profile has it
+  // (OpCosts::tensor_region_forward_s), else CostModel::tensor_region_cost.
   void tensor(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb, double bytes) {
     if (p_.tensor_parallel_degree <= 1) return;
-    const CollectiveCost cost = cost_.tensor_region_cost(bytes, shapes_.tensor, p_.sequence_parallel);
+    const double measured = kind == OpKind::kTensorBackward ? o_.tensor_region_backward_s : o_.tensor_region_forward_s;
+    const CollectiveCost cost = measured > 0 ? CollectiveCost{0, measured, 0}
+                                             : cost_.tensor_region_cost(bytes, shapes_.tensor, p_.sequence_parallel);
     std::vector<OpId> after(state.size());
     for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
-    collective_round(after, MeshDim::kTensor, kind, TraceStream::kExpertComm, layer, mb, cost, bytes, true);
+    collective_round(after, MeshDim::kTensor, kind, TraceStream::kExpertComm, layer, mb, cost, bytes, true, measured > 0);
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/validation/matrix.h"
 #include "test_support.h"
 
 namespace moeplan {
@@ -430,12 +432,40 @@ TEST_F(Cli, CompareProfilesFindsTheFigureThatMovedAndWhatItPredicts) {
     EXPECT_LT(difference, 0) << line;
     EXPECT_GE(difference, -50) << line;
   }
-  EXPECT_EQ(rows, 4u) << show(moved);
+  EXPECT_EQ(rows, 6u) << show(moved);  // the quick matrix: four of [R, S, E], a tensor split, a pipeline
   EXPECT_NE(moved.err.find("bound broken: predicted step time of E"), std::string::npos) << show(moved);
 
   const Outcome missing = dir.moeplan("compare-profiles " + base + " none.json");
   EXPECT_EQ(missing.exit_code, 2) << show(missing);
   EXPECT_NE(missing.err.find("none.json"), std::string::npos) << show(missing);
+}
+
+TEST(ValidationMatrix, EveryFamilyOfLayoutsWhereTheModelAllowsIt) {
+  using validation::MatrixConfig;
+  const ModelSpec& tiny = test::model("mixtral-tiny");
+  const std::vector<MatrixConfig> full = validation::validation_matrix(2, tiny, false);
+  // Experts, shards and replicas first (nine distinct at two ranks), then the splits.
+  ASSERT_EQ(full.size(), 13u);
+  for (size_t i = 0; i < 9; ++i) EXPECT_EQ(full[i].t * full[i].p, 1) << full[i].name;
+  std::vector<std::string> names;
+  for (size_t i = 9; i < full.size(); ++i) names.push_back(full[i].name);
+  EXPECT_EQ(names, (std::vector<std::string>{"E1S1R1T2-none-mbs4", "E1S1R1P2-none-mbs2", "E1S1R1T2-full-mbs2",
+                                             "E1S1R1P2-selective-mbs4"}));
+  const std::vector<MatrixConfig> quick = validation::validation_matrix(2, tiny, true);
+  ASSERT_EQ(quick.size(), 6u);
+  EXPECT_EQ(quick[4].t, 2);
+  EXPECT_EQ(quick[5].p, 2);
+  // Four ranks cannot split two key-value heads: no tensor split, a pipeline of four stages.
+  const std::vector<MatrixConfig> four = validation::validation_matrix(4, tiny, true);
+  ASSERT_EQ(four.size(), 5u);
+  EXPECT_EQ(four.back().p, 4);
+  EXPECT_EQ(four.back().t, 1);
+  // The search is pinned to the configuration's degrees.
+  const std::vector<std::string> argv =
+      validation::pinned_search("moeplan", {2, "mixtral-tiny"}, full[9], "local.json", "plan.json");
+  const auto at = std::find(argv.begin(), argv.end(), "--tensor-parallel-degree");
+  ASSERT_NE(at, argv.end());
+  EXPECT_EQ(*(at + 1), "2");
 }
 
 TEST(CliWrite, PlanToAPipeGoesThroughThePipe) {

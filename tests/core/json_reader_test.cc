@@ -300,7 +300,7 @@ Json calibrated_json() {
       {"shapes",
        {{"hidden_size", 128}, {"intermediate_size", 256}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
         {"head_dim", 32}, {"num_experts", 8}, {"experts_per_token", 2}, {"vocab_size", 4096}, {"seq_len", 256},
-        {"precision", "fp32"}}},
+        {"precision", "fp32"}, {"num_layers", 4}}},
       {"attention_forward", {{256, 0.0015}, {512, 0.0035}}},
       {"attention_backward", {{256, 0.004}, {512, 0.006}}},
       {"router_forward", {{256, 0.0003}}},
@@ -317,7 +317,11 @@ Json calibrated_json() {
          {"attention_backward", {{256, 0.002}, {512, 0.003}}},
          {"expert_forward", {{16, 4e-5}, {4096, 0.006}}},
          {"expert_backward", {{16, 9e-5}, {4096, 0.012}}},
-         {"head", {{256, 0.021}, {512, 0.036}}}}}}};
+         {"head", {{256, 0.021}, {512, 0.036}}},
+         {"micro_batch_forward", {{256, 0.02}, {512, 0.04}}},
+         {"micro_batch_backward", {{256, 0.05}, {512, 0.08}}},
+         {"collectives_forward", {{256, 0.01}, {512, 0.02}}},
+         {"collectives_backward", {{256, 0.012}, {512, 0.022}}}}}}};
   return json;
 }
 
@@ -333,9 +337,11 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.op_times.seq_len, 256);
   EXPECT_EQ(c.op_times.expert_backward.size(), 2u);
   EXPECT_EQ(c.op_times.micro_batch_backward.size(), 2u);
+  EXPECT_EQ(c.op_times.num_layers, 4);
   ASSERT_EQ(c.op_times.tensor_splits.size(), 1u);
   ASSERT_NE(c.op_times.split(2), nullptr);
   EXPECT_EQ(c.op_times.split(2)->head, (CurvePoints{{256, 0.021}, {512, 0.036}}));
+  EXPECT_EQ(c.op_times.split(2)->collectives_backward, (CurvePoints{{256, 0.012}, {512, 0.022}}));
   EXPECT_EQ(c.op_times.split(4), nullptr);
   EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
   EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
@@ -358,6 +364,7 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
       {"/framework/op_times/shapes/precision", "fp8", "framework.op_times.shapes.precision",
        "expected \"bf16\", \"mixed\" or \"fp32\", got \"fp8\""},
       {"/framework/op_times/optimiser", Json::array(), "framework.op_times.optimiser", "unknown field"},
+      {"/framework/op_times/shapes/num_layers", 0, "framework.op_times.shapes.num_layers", "must be in [1, 65536], got 0"},
       {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 1,
        "framework.op_times.tensor_splits[0].tensor_parallel_degree", "must be in [2, 4096], got 1"},
       {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 4,
@@ -391,6 +398,24 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
     EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
     EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
   }
+  // Whole micro-batches say nothing per block without the depth of the model they ran.
+  Json json = calibrated_json();
+  json["framework"]["op_times"]["shapes"].erase("num_layers");
+  std::string path = dir.write("cal.json", json);
+  auto problems = problems_of([&] { read_cluster_file(path); }, path);
+  ASSERT_EQ(problems.size(), 2u) << describe(problems);
+  EXPECT_EQ(problems[0].path, "framework.op_times.shapes.num_layers");
+  EXPECT_EQ(problems[0].message, "is required with micro_batch_forward: the blocks of the model those micro-batches ran");
+  EXPECT_EQ(problems[1].message, "is required with a split's micro_batch_forward: the blocks of the model it ran");
+  // A split's whole micro-batch is its compute and its collectives: the four come together.
+  json = calibrated_json();
+  json["framework"]["op_times"]["tensor_splits"][0].erase("collectives_backward");
+  path = dir.write("cal.json", json);
+  problems = problems_of([&] { read_cluster_file(path); }, path);
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
+  EXPECT_EQ(problems[0].path, "framework.op_times.tensor_splits[0].micro_batch_forward");
+  EXPECT_EQ(problems[0].message,
+            "micro_batch_forward, micro_batch_backward, collectives_forward and collectives_backward come together");
 }
 
 struct ProfileEdit {

@@ -100,7 +100,12 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   EXPECT_EQ(val.exit_code, 0) << show(val);
   const Json v = read_json_file(val_dir + "/validation.json");
   std::cout << "reduced matrix: " << v.at("summary").dump() << "\n";
-  ASSERT_EQ(v.at("configurations").size(), 4u);
+  // Four of experts, shards and replicas, one tensor split and one pipeline, each family's
+  // errors apart.
+  ASSERT_EQ(v.at("configurations").size(), 6u);
+  ASSERT_EQ(v.at("by_layout").size(), 3u);
+  EXPECT_EQ(v.at("by_layout")[1].at("layouts"), "tensor split");
+  EXPECT_EQ(v.at("by_layout")[1].at("configurations"), 1);
   for (const Json& row : v.at("configurations")) {
     EXPECT_GT(row.at("predicted_step_time_s").get<double>(), 0);
     // The fastest of the two rounds counts; the median round is reported beside it.
@@ -119,7 +124,7 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   const std::string svg = read_text(val_dir + "/validation.svg");
   size_t circles = 0;
   for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++circles;
-  EXPECT_EQ(circles, 4u);
+  EXPECT_EQ(circles, 6u);
   EXPECT_NE(read_text(val_dir + "/validation.md").find("Kendall tau"), std::string::npos);
 
   // Fed back: the first run's report against its plan, phase by phase.

@@ -551,6 +551,7 @@ Scenario calibrated_cpu(int64_t e, int64_t s, Checkpointing ckpt, int64_t micro_
   t.vocab_size = 4096;
   t.seq_len = 256;
   t.precision = "fp32";
+  t.num_layers = c.model.num_layers;
   t.attention_forward = {{256, 0.002}, {1024, 0.008}};
   t.attention_backward = {{256, 0.005}, {1024, 0.020}};
   t.router_forward = {{256, 0.0005}, {1024, 0.002}};
@@ -609,6 +610,52 @@ TEST(CalibratedProfile, TensorSplitsUseTheTimesMeasuredAtThatSplit) {
   EXPECT_FALSE(op_times_apply(c.config())) << "measured at T = 2 only";
 }
 
+// A split's whole micro-batch, measured with its collectives: what its compute took beyond the
+// split operations goes to every block, and each tensor-parallel region costs what the
+// collectives took there (two regions per block), with no after-compute extra on top.
+TEST(CalibratedProfile, ASplitsWholeMicroBatchPricesItsBlocksAndItsRegions) {
+  Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
+  c.parallel.tensor_parallel_degree = 2;
+  c.parallel.sequence_parallel = true;
+  TensorSplitTimes split;
+  split.tensor_parallel_degree = 2;
+  split.attention_forward = {{256, 0.0012}, {1024, 0.0048}};
+  split.attention_backward = {{256, 0.003}, {1024, 0.012}};
+  split.expert_forward = {{16, 0.00006}, {4096, 0.01536}};
+  split.expert_backward = {{16, 0.00012}, {4096, 0.03072}};
+  split.head = {{256, 0.024}, {1024, 0.096}};
+  const double layers = static_cast<double>(c.model.num_layers);
+  // The split operations at 512 tokens: attention, the whole router, 8 experts on 128 rows of
+  // half width, the head's thirds.
+  const double forward = layers * (0.0024 + 0.001 + 8 * 0.00048) + 0.048 / 3;
+  const double backward = layers * (0.006 + 0.001 + 8 * 0.00096) + 0.048 * 2 / 3;
+  split.micro_batch_forward = {{512, forward + layers * 0.001}};
+  split.micro_batch_backward = {{512, backward + layers * 0.002}};
+  split.collectives_forward = {{512, layers * 2 * 0.0005}};
+  split.collectives_backward = {{512, layers * 2 * 0.0007}};
+  c.cluster.op_times.tensor_splits = {split};
+  const OpCosts o = op_costs(c.config());
+  EXPECT_NEAR(o.framework_forward_s, 0.001, 1e-12);
+  EXPECT_NEAR(o.framework_backward_s, 0.002, 1e-12);
+  EXPECT_NEAR(o.tensor_region_forward_s, 0.0005, 1e-12);
+  EXPECT_NEAR(o.tensor_region_backward_s, 0.0007, 1e-12);
+  c.cluster.after_compute = {{{1e-3, 1e-4}, {1.0, 0.1}}, {{1e-3, 1e-4}, {1.0, 0.1}}, {{1e-3, 1e-4}, {1.0, 0.1}}};
+  const StepSimulation sim = simulate_step(c.config(), {false, true});
+  double regions = 0, waited = 0;
+  for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+    const Op& op = sim.graph.ops()[i];
+    if (op.rank != 0 || (op.kind != OpKind::kTensorForward && op.kind != OpKind::kTensorBackward)) continue;
+    regions += to_seconds(sim.times.end[i] - sim.times.start[i]);
+    waited += to_seconds(sim.times.collective_wait[static_cast<size_t>(op.collective)]);
+  }
+  const double micro_batches = static_cast<double>(c.parallel.gradient_accumulation_steps);
+  EXPECT_NEAR(regions, micro_batches * layers * 2 * (0.0005 + 0.0007), 1e-6);
+  EXPECT_EQ(waited, 0);
+  // Without sequence parallelism (all-reduces, not what was measured) the cost model prices them.
+  c.parallel.sequence_parallel = false;
+  EXPECT_EQ(op_costs(c.config()).tensor_region_forward_s, 0);
+}
+
 TEST(CalibratedProfile, WholeMicroBatchAddsWhatTheOperationsLeaveOut) {
   Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
   const double layers = static_cast<double>(c.model.num_layers);
@@ -631,6 +678,22 @@ TEST(CalibratedProfile, WholeMicroBatchAddsWhatTheOperationsLeaveOut) {
   // A profile without the whole micro-batch adds nothing.
   c.cluster.op_times.micro_batch_forward.clear();
   EXPECT_DOUBLE_EQ(op_costs(c.config()).attention_forward_s, 0.004);
+}
+
+TEST(CalibratedProfile, APipelineStageAddsWhatTheWholeModelLeftOutPerBlock) {
+  // The whole micro-batch ran every block of the model; a stage of P = 2 runs half of them,
+  // and each of its blocks gets the same share of what the operations left out.
+  Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
+  const double layers = static_cast<double>(c.model.num_layers);
+  const double forward = layers * (0.004 + 0.001 + 8 * 0.0008) + 0.08 / 3;
+  const double backward = layers * (0.010 + 0.001 + 8 * 0.0016) + 0.08 * 2 / 3;
+  c.cluster.op_times.micro_batch_forward = {{512, forward + layers * 0.002}};
+  c.cluster.op_times.micro_batch_backward = {{512, backward + layers * 0.003}};
+  Scenario stage = c;
+  stage.model.num_layers = c.model.num_layers / 2;
+  const OpCosts o = op_costs(stage.config());
+  EXPECT_NEAR(o.framework_forward_s, 0.002, 1e-12);
+  EXPECT_NEAR(o.framework_backward_s, 0.003, 1e-12);
 }
 
 TEST(CalibratedProfile, SerialStreamsAddCommunicationToCompute) {

@@ -50,14 +50,25 @@ std::string last_line(const std::string& path) {
   return last;
 }
 
-// Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
-// checkpointing, offloading and micro-batch size.
-std::vector<MatrixConfig> validation_matrix(int64_t ranks, int64_t experts, bool quick) {
+namespace {
+
+std::string config_name(const MatrixConfig& c, int64_t ranks) {
+  const std::string split = c.t > 1 ? "T" + std::to_string(c.t) : c.p > 1 ? "P" + std::to_string(c.p) : "";
+  char name[96];
+  std::snprintf(name, sizeof name, "E%lldS%lldR%lld%s-%s%s-mbs%lld", static_cast<long long>(c.e),
+                static_cast<long long>(c.s), static_cast<long long>(ranks / (c.e * c.s * c.t * c.p)), split.c_str(),
+                c.checkpointing.c_str(), c.offload ? "-offload" : "", static_cast<long long>(c.mbs));
+  return name;
+}
+
+}  // namespace
+
+std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, bool quick) {
   std::vector<std::pair<int64_t, int64_t>> layouts;  // (E, S)
   layouts.emplace_back(1, 1);
-  if (ranks > 1 && experts % ranks == 0) layouts.emplace_back(ranks, 1);
+  if (ranks > 1 && model.num_experts % ranks == 0) layouts.emplace_back(ranks, 1);
   if (ranks > 1) layouts.emplace_back(1, ranks);
-  if (ranks >= 4 && experts % 2 == 0) layouts.emplace_back(2, ranks / 2);
+  if (ranks >= 4 && model.num_experts % 2 == 0) layouts.emplace_back(2, ranks / 2);
   struct Variant {
     const char* ckpt;
     bool offload;
@@ -76,12 +87,29 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, int64_t experts, bool
     c.mbs = v.mbs;
     c.checkpointing = v.ckpt;
     c.offload = v.offload;
-    char name[64];
-    std::snprintf(name, sizeof name, "E%lldS%lldR%lld-%s%s-mbs%lld", static_cast<long long>(e),
-                  static_cast<long long>(s), static_cast<long long>(ranks / (e * s)), v.ckpt, v.offload ? "-offload" : "",
-                  static_cast<long long>(v.mbs));
-    c.name = name;
+    c.name = config_name(c, ranks);
     if (std::none_of(out.begin(), out.end(), [&](const MatrixConfig& o) { return o.name == c.name; })) out.push_back(c);
+  }
+  if (ranks < 2) return out;
+  // Every rank in one tensor split (sequence parallel, as the executor runs it) where the
+  // heads, key-value heads, expert width and vocabulary divide, and in one pipeline where every
+  // stage gets a block.
+  const bool splits = model.num_attention_heads % ranks == 0 && model.num_key_value_heads % ranks == 0 &&
+                      model.intermediate_size % ranks == 0 && model.vocab_size % ranks == 0;
+  const std::vector<Variant> tensor_variants{{"none", false, 4}, {"full", false, 2}};
+  const std::vector<Variant> pipeline_variants{{"none", false, 2}, {"selective", false, 4}};
+  for (size_t i = 0; i < (quick ? 1u : 2u); ++i) {
+    for (const bool tensor : {true, false}) {
+      if (tensor ? !splits : model.num_layers < ranks) continue;
+      const Variant& v = (tensor ? tensor_variants : pipeline_variants)[i];
+      MatrixConfig c;
+      (tensor ? c.t : c.p) = ranks;
+      c.mbs = v.mbs;
+      c.checkpointing = v.ckpt;
+      c.offload = v.offload;
+      c.name = config_name(c, ranks);
+      out.push_back(c);
+    }
   }
   return out;
 }
@@ -108,11 +136,10 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
                                 std::to_string(c.e),
                                 "--hybrid-shard-degree",
                                 std::to_string(c.s),
-                                // The executor runs [R, S, E] meshes.
                                 "--tensor-parallel-degree",
-                                "1",
+                                std::to_string(c.t),
                                 "--pipeline-parallel-degree",
-                                "1",
+                                std::to_string(c.p),
                                 "--checkpointing",
                                 c.checkpointing,
                                 "--offload",

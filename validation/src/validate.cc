@@ -173,6 +173,28 @@ Summary summarize(const std::vector<Row>& rows) {
   return s;
 }
 
+// The layouts' families: experts, shards and replicas; a tensor split; a pipeline.
+std::string family_of(const MatrixConfig& c) { return c.t > 1 ? "tensor split" : c.p > 1 ? "pipeline" : "[R, S, E]"; }
+
+// Per family with configurations: its count, median and worst |step-time error| (fastest round).
+struct FamilyErrors {
+  std::string family;
+  size_t count = 0;
+  double median_error = 0, worst_error = 0;
+};
+
+std::vector<FamilyErrors> family_errors(const std::vector<Row>& rows) {
+  std::vector<FamilyErrors> out;
+  for (const char* family : {"[R, S, E]", "tensor split", "pipeline"}) {
+    std::vector<double> errors;
+    for (const Row& r : rows)
+      if (family_of(r.config) == family) errors.push_back(std::abs(r.step_error()));
+    if (errors.empty()) continue;
+    out.push_back({family, errors.size(), median(errors), *std::max_element(errors.begin(), errors.end())});
+  }
+  return out;
+}
+
 // validation.md (the table), validation.svg (the scatter) and validation.json in options.out; the
 // summary line on stdout.
 void write_validation(const ValidateOptions& options, const std::vector<Row>& rows, const Summary& s, int64_t ranks,
@@ -206,6 +228,12 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
                 static_cast<long long>(rounds), 100 * s.median_error, 100 * s.worst_error, 100 * s.worst_memory, s.tau,
                 rows[s.best_predicted].config.name.c_str(), rows[s.best_measured].config.name.c_str());
   md += line;
+  for (const FamilyErrors& f : family_errors(rows)) {
+    char more[256];
+    std::snprintf(more, sizeof more, "%s layouts (%zu): median |error| %.1f%%, worst %.1f%%\n", f.family.c_str(), f.count,
+                  100 * f.median_error, 100 * f.worst_error);
+    md += more;
+  }
   if (rounds > 1) {
     char more[256];
     std::snprintf(more, sizeof more, "step time (median round): median |error| %.1f%%, worst %.1f%%\n",
@@ -245,6 +273,13 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
                     {"rounds", each}});
   }
   j["configurations"] = list;
+  Json families = Json::array();
+  for (const FamilyErrors& f : family_errors(rows))
+    families.push_back({{"layouts", f.family},
+                        {"configurations", f.count},
+                        {"median_abs_step_time_error", f.median_error},
+                        {"worst_abs_step_time_error", f.worst_error}});
+  j["by_layout"] = families;
   j["summary"] = {{"median_abs_step_time_error", s.median_error},
                   {"worst_abs_step_time_error", s.worst_error},
                   {"worst_abs_memory_error", s.worst_memory},
@@ -291,7 +326,7 @@ int run_validation(const ValidateOptions& options) {
       ranks = g.is_object() ? g.at("value").get<int64_t>() : g.get<int64_t>();
     }
     const ModelSpec model = load_model(options.model, profile_dir(options.profiles));
-    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model.num_experts, options.quick);
+    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model, options.quick);
     const MatrixSetting setting{ranks, options.model, options.profiles, options.seq_len, options.global_batch_tokens, options.precision};
     const int64_t rounds = options.rounds > 0 ? options.rounds : (options.quick ? 1 : 3);
     std::vector<Row> rows(configs.size());

@@ -86,16 +86,25 @@ double after_compute_seconds(const CurvePoints& curve, double compute_s);
 struct TensorSplitTimes {
   int64_t tensor_parallel_degree = 2;
   CurvePoints attention_forward, attention_backward, expert_forward, expert_backward, head;
+  // The executor's whole micro-batch at this split against its tokens (optional, the four
+  // together): its compute, forward with the loss and backward, without the time spent inside
+  // the tensor group's collectives, and that time, per micro-batch.
+  CurvePoints micro_batch_forward, micro_batch_backward, collectives_forward, collectives_backward;
   bool operator==(const TensorSplitTimes&) const = default;
 };
-inline constexpr std::array<std::string_view, 5> kTensorSplitCurves{"attention_forward", "attention_backward",
-                                                                     "expert_forward", "expert_backward", "head"};
+inline constexpr std::array<std::string_view, 9> kTensorSplitCurves{
+    "attention_forward",   "attention_backward",   "expert_forward",      "expert_backward",     "head",
+    "micro_batch_forward", "micro_batch_backward", "collectives_forward", "collectives_backward"};
+// The first five are required; the rest come together or not at all.
+inline constexpr size_t kRequiredTensorSplitCurves = 5;
 
 struct OpTimes {
   // The shapes measured.
   int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0,
           num_experts = 0, experts_per_token = 0, vocab_size = 0, seq_len = 0;
   std::string precision;  // "bf16", "mixed" or "fp32"
+  // Blocks of the model whose whole micro-batches were measured (micro_batch_*); 0 without them.
+  int64_t num_layers = 0;
   // Seconds against tokens of a micro-batch (attention, router, head: norm, lm head, loss and
   // embedding, forward and backward together), rows of one expert (expert), parameters of a
   // rank's shard (optimizer: clipping and AdamW).

@@ -21,6 +21,7 @@
 #include "moeplan/core/model_spec.h"
 #include "moeplan/core/parallel_config.h"
 #include "moeplan/executor/collectives.h"
+#include "moeplan/executor/mesh.h"
 
 namespace moeplan::executor {
 
@@ -71,8 +72,9 @@ struct Calibration {
 };
 
 // Measures on this rank while every rank of `world` does the same; a collective call: every
-// rank calls it with the same options. Returns the same result on every rank.
-Calibration calibrate(const CalibrateOptions& options, Communicator& world);
+// rank calls it with the same options. Returns the same result on every rank. With `mesh_of`,
+// the executor's whole micro-batch is also measured under each tensor split of the ranks.
+Calibration calibrate(const CalibrateOptions& options, Communicator& world, const MeshMaker& mesh_of = {});
 
 // The profile `base` with what was measured in place of its numbers, each with a source that
 // says how and when (`how`: the command line, host and date).

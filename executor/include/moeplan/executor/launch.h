@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moeplan/executor/collectives.h"
+#include "moeplan/executor/mesh.h"
 
 namespace moeplan::executor {
 
@@ -42,9 +43,14 @@ std::optional<RankEnv> rank_env_from_environment();
 enum class StoreRole : uint8_t { kRank, kClient };
 c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::milliseconds timeout,
                                            StoreRole role = StoreRole::kRank);
-// The whole world as one gloo group over a joined store, for work that needs no mesh
-// (calibration); `prefix` keeps its keys apart from other groups'.
-Communicator join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix);
+// The whole world as one gloo group over a joined store, for work that needs no plan's mesh
+// (calibration), and meshes of any layout of the same ranks over that store, each under keys
+// of its own; `prefix` keeps the keys apart from other groups'.
+struct JoinedWorld {
+  Communicator world;
+  MeshMaker mesh_of;
+};
+JoinedWorld join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix);
 
 // Runs `argv` (this program's arguments) as `world_size` local ranks: hosts the rendezvous
 // store, starts /proc/self/exe once per rank with the moeplan variables set, and waits. When a

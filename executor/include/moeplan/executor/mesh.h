@@ -18,6 +18,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -71,5 +73,9 @@ class DeviceMesh {
   int64_t rank_ = 0;
   MeshCoords coords_;
 };
+
+// Forms a mesh of another layout of the same ranks (every rank calls it alike, in the same
+// order), for work that tries several layouts in one process (calibration).
+using MeshMaker = std::function<std::unique_ptr<DeviceMesh>(const ParallelConfig& parallel)>;
 
 }  // namespace moeplan::executor

@@ -75,6 +75,9 @@ struct Collective {
   int32_t first_node = 0;  // into StepGraph::collective_nodes
   int32_t node_count = 0;  // nodes whose card it crosses (0: none)
   int32_t parts = 0;
+  // Its time was measured where it runs, after the compute before it: it pays no
+  // after-compute extra (set_after_compute) on top.
+  bool timed_in_place = false;
 };
 
 class StepGraph {
@@ -84,7 +87,7 @@ class StepGraph {
   OpId add_op(const Op& op);
   // A collective among `parts` ranks, crossing the cards of `nodes`.
   int32_t add_collective(SimTime latency, SimTime intra, double nic_bytes_per_node,
-                         const std::vector<int32_t>& nodes, int32_t parts);
+                         const std::vector<int32_t>& nodes, int32_t parts, bool timed_in_place = false);
   // `later` starts only after `earlier` has finished; kNoOp is ignored.
   void depend(OpId later, OpId earlier);
 

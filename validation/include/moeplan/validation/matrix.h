@@ -7,11 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "moeplan/core/model_spec.h"
+
 namespace moeplan::validation {
 
 struct MatrixConfig {
-  std::string name;  // e.g. E2S1R1-full-offload-mbs2
-  int64_t e = 1, s = 1, mbs = 1;
+  std::string name;  // e.g. E2S1R1-full-offload-mbs2, E1S1R1T2-none-mbs4
+  int64_t e = 1, s = 1, t = 1, p = 1, mbs = 1;
   std::string checkpointing = "none";
   bool offload = false;
 };
@@ -25,8 +27,10 @@ struct MatrixSetting {
 };
 
 // Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
-// checkpointing, offloading and micro-batch size: 10 configurations, 4 when quick.
-std::vector<MatrixConfig> validation_matrix(int64_t ranks, int64_t experts, bool quick);
+// checkpointing, offloading and micro-batch size: up to 10 configurations of experts, shards
+// and replicas (9 on two ranks, 4 when quick), then those with every rank in one tensor split or one pipeline
+// where the model's shapes allow (2 each; 1 each when quick).
+std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, bool quick);
 
 // The command line of `moeplan search` with c's choices fixed, on `profile`, writing `plan`.
 std::vector<std::string> pinned_search(const std::string& self, const MatrixSetting& setting, const MatrixConfig& c,
