@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
   validate_cmd->add_option("--precision", validate.precision, "bf16, mixed or fp32")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
-  validate_cmd->add_flag("--quick", validate.quick, "Four configurations instead of ten");
+  validate_cmd->add_flag("--quick", validate.quick, "The reduced matrix (four configurations of experts, shards and replicas, a tensor split, a pipeline)");
   validate_cmd->add_option("--rounds", validate.rounds,
                            "Runs of every configuration, the matrix in alternating order; the fastest counts "
                            "(default 3, 1 with --quick)")
@@ -268,7 +268,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
   compare_cmd->add_option("--precision", compare.precision, "bf16, mixed or fp32")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
-  compare_cmd->add_flag("--quick", compare.quick, "The reduced matrix (four configurations)");
+  compare_cmd->add_flag("--quick", compare.quick, "The reduced matrix (as validate --quick)");
   compare_cmd->add_option("--top", compare.top, "Figures listed, the most different first")
       ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{10000}));
   compare_cmd->add_option("--out", compare.out, "Folder for the plans (default: a temporary one, removed)");

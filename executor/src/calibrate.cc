@@ -186,9 +186,6 @@ struct Stretch {
   int calls;
 };
 
-// What calibration measures, the same on every rank: the model's GEMM shapes, expert rows and
-// optimizer shards, the collectives' sizes, and the weights and inputs of the executor's
-// operations. Built once, used by every pass.
 // The executor's model on a mesh of one tensor split of the ranks (R = n / T replicas, sequence
 // parallel), and the time its tensor group has spent inside collectives (its observer adds).
 struct SplitModel {
@@ -198,6 +195,9 @@ struct SplitModel {
   double inside_s = 0;
 };
 
+// What calibration measures, the same on every rank: the model's GEMM shapes, expert rows and
+// optimizer shards, the collectives' sizes, and the weights and inputs of the executor's
+// operations. Built once, used by every pass.
 struct Workload {
   Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& mesh_of);
   Workload(const Workload&) = delete;
@@ -232,8 +232,11 @@ struct Workload {
   std::vector<std::pair<std::string, std::function<void()>>> after_collectives;
   std::vector<Stretch> stretches;
   ActivationStore store;
-  // Per tensor split that divides the ranks (when meshes can be formed): the whole model on it.
+  // Per tensor split that divides the ranks (when meshes can be formed): the whole model on
+  // it, formed by form_split_models (every rank alike).
+  MeshMaker mesh_of;
   std::vector<std::unique_ptr<SplitModel>> split_models;
+  void form_split_models();
 };
 
 Plan alone_plan(const CalibrateOptions& o) {
@@ -245,7 +248,7 @@ Plan alone_plan(const CalibrateOptions& o) {
   return p;
 }
 
-Workload::Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& mesh_of)
+Workload::Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& meshes)
     : o(options), world(communicator), m(options.model), type(compute_type(options.precision)),
       master(options.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat), h(m.hidden_size),
       t(options.seq_len), n(communicator.size()), a(options.precision == Precision::kFp32 ? 4 : 2),
@@ -253,7 +256,8 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
       rope(rope_tables(m, t, type)), mask(attention_mask_bias(m, t, type)), whole_plan(alone_plan(options)),
       alone(whole_plan.parallel), whole(whole_plan, alone),
       store((o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir) +
-            "/.calibrate-offload-rank-" + std::to_string(communicator.rank())) {
+            "/.calibrate-offload-rank-" + std::to_string(communicator.rank())),
+      mesh_of(meshes) {
   for (int64_t r = 16; r <= m.experts_per_token * t * o.max_micro_batch; r *= o.quick ? 4 : 2) expert_rows.push_back(r);
   // Every power-of-two split of this node's ranks the executor can run (the shapes its rule
   // executor_tensor_splits and the heads' split ask to divide).
@@ -329,22 +333,23 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
       {[this] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
       {[this] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 24 / few},
       {[this] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 16 / few}};
-  if (mesh_of) {
-    for (int64_t split : splits) {
-      if (n % split != 0) continue;
-      auto s = std::make_unique<SplitModel>();
-      s->plan = alone_plan(o);
-      s->plan.parallel.world_size = n;
-      s->plan.parallel.tensor_parallel_degree = split;
-      s->plan.parallel.sequence_parallel = true;
-      s->mesh = mesh_of(s->plan.parallel);
-      s->model = std::make_unique<ShardedModel>(s->plan, *s->mesh);
-      s->mesh->tensor.set_observer([inside = &s->inside_s](const char*, int64_t, Clock::time_point start,
-                                                          Clock::time_point end) {
-        *inside += std::chrono::duration<double>(end - start).count();
-      });
-      split_models.push_back(std::move(s));
-    }
+}
+
+void Workload::form_split_models() {
+  for (int64_t split : splits) {
+    if (n % split != 0) continue;
+    auto s = std::make_unique<SplitModel>();
+    s->plan = alone_plan(o);
+    s->plan.parallel.world_size = n;
+    s->plan.parallel.tensor_parallel_degree = split;
+    s->plan.parallel.sequence_parallel = true;
+    s->mesh = mesh_of(s->plan.parallel);
+    s->model = std::make_unique<ShardedModel>(s->plan, *s->mesh);
+    s->mesh->tensor.set_observer(
+        [inside = &s->inside_s](const char*, int64_t, Clock::time_point start, Clock::time_point end) {
+          *inside += std::chrono::duration<double>(end - start).count();
+        });
+    split_models.push_back(std::move(s));
   }
 }
 
@@ -378,6 +383,46 @@ void measure_gemms(Workload& x, Figures& f, OverheadProbe& overhead) {
   }
 }
 
+// The attention sub-block (norm, attention of spec's heads, residual) on `in`, forward and
+// backward.
+std::pair<double, double> time_attention(const Workload& x, const ModelSpec& spec, const LayerWeights& w,
+                                         const torch::Tensor& in) {
+  return time_forward_backward(
+      x.reps, [&] { return in + attention(spec, w, rms_norm(in, w.input_norm, x.m.rms_norm_eps), x.rope, x.mask); });
+}
+
+// The head on `in` (embedding, final norm, lm head over embed's rows of the vocabulary, the loss
+// with the router losses of every layer), forward and backward together.
+double time_head(const Workload& x, const torch::Tensor& embed, const torch::Tensor& lm_head, const torch::Tensor& in) {
+  const ModelSpec& m = x.m;
+  ModelSpec spec = m;
+  spec.vocab_size = embed.size(0);
+  const int64_t b = in.size(0);
+  const torch::Tensor ids = torch::randint(spec.vocab_size, {b, x.t}, torch::kLong);
+  std::vector<torch::Tensor> router_logits;
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    router_logits.push_back(torch::randn({b * x.t, m.num_experts}).to(x.type).requires_grad_(true));
+  return time_median(x.reps, [&] {
+    ForwardResult out;
+    out.logits = torch::matmul(rms_norm(in + torch::embedding(embed, ids), x.norm, m.rms_norm_eps), lm_head.t())
+                     .to(torch::kFloat);
+    out.router_logits = router_logits;
+    mixtral_loss(spec, x.moe, out, ids).total.backward();
+  });
+}
+
+// One expert's SwiGLU (w1, w3: [width, h], w2: [h, width]) per row count, forward and backward.
+void time_experts(const Workload& x, const torch::Tensor& w1, const torch::Tensor& w2, const torch::Tensor& w3,
+                  Figures& f, OverheadProbe& overhead) {
+  for (int64_t r : x.expert_rows) {
+    const torch::Tensor rows = torch::randn({r, x.h}).to(x.type).requires_grad_(true);
+    auto [ef, eb] = time_forward_backward(x.reps, [&] { return expert_ffn(rows, w1, w2, w3); });
+    f.add(ef);
+    f.add(eb);
+    overhead.sample();
+  }
+}
+
 // Attention, router and dispatch, head and loss per micro-batch size; one expert per row count.
 void measure_ops(Workload& x, Figures& f, OverheadProbe& overhead) {
   const ModelSpec& m = x.m;
@@ -385,10 +430,7 @@ void measure_ops(Workload& x, Figures& f, OverheadProbe& overhead) {
   f.begin("ops");
   for (int64_t b : x.mbs) {
     const torch::Tensor in = torch::randn({b, t, h}).to(x.type).requires_grad_(true);
-    // Attention sub-block: norm, attention, residual.
-    auto [af, ab] = time_forward_backward(x.reps, [&] {
-      return in + attention(m, x.w, rms_norm(in, x.w.input_norm, m.rms_norm_eps), x.rope, x.mask);
-    });
+    auto [af, ab] = time_attention(x, m, x.w, in);
     overhead.sample();
     // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
     // expert and the weighted combine back, residual.
@@ -406,29 +448,12 @@ void measure_ops(Workload& x, Figures& f, OverheadProbe& overhead) {
       return tokens + torch::zeros_like(xn).index_add(0, token_of, sorted * slot_weights);
     });
     overhead.sample();
-    // Head: embedding, final norm, lm head, loss (with the router losses of every layer).
-    const torch::Tensor ids = torch::randint(m.vocab_size, {b, t}, torch::kLong);
-    std::vector<torch::Tensor> router_logits;
-    for (int64_t l = 0; l < m.num_layers; ++l)
-      router_logits.push_back(torch::randn({b * t, m.num_experts}).to(x.type).requires_grad_(true));
-    const double head = time_median(x.reps, [&] {
-      ForwardResult out;
-      const torch::Tensor e = torch::embedding(x.embed, ids);
-      out.logits = torch::matmul(rms_norm(in + e, x.norm, m.rms_norm_eps), x.lm_head.t()).to(torch::kFloat);
-      out.router_logits = router_logits;
-      mixtral_loss(m, x.moe, out, ids).total.backward();
-    });
+    const double head = time_head(x, x.embed, x.lm_head, in);
     overhead.sample();
     for (double v : {af, ab, rf, rb, head}) f.add(v);
   }
   f.begin("experts");
-  for (int64_t r : x.expert_rows) {
-    const torch::Tensor rows = torch::randn({r, h}).to(x.type).requires_grad_(true);
-    auto [ef, eb] = time_forward_backward(x.reps, [&] { return expert_ffn(rows, x.w1, x.w2, x.w3); });
-    f.add(ef);
-    f.add(eb);
-    overhead.sample();
-  }
+  time_experts(x, x.w1, x.w2, x.w3, f, overhead);
 }
 
 // The operations one rank runs under a tensor split, as the executor splits them: attention
@@ -452,34 +477,14 @@ void measure_splits(Workload& x, Figures& f, OverheadProbe& overhead) {
     const torch::Tensor embed = weight({vocab, h}, x.type), lm_head = weight({vocab, h}, x.type);
     for (int64_t b : x.mbs) {
       const torch::Tensor in = torch::randn({b, t, h}).to(x.type).requires_grad_(true);
-      auto [af, ab] = time_forward_backward(x.reps, [&] {
-        return in + attention(local, w, rms_norm(in, w.input_norm, m.rms_norm_eps), x.rope, x.mask);
-      });
+      auto [af, ab] = time_attention(x, local, w, in);
       overhead.sample();
-      const torch::Tensor ids = torch::randint(vocab, {b, t}, torch::kLong);
-      ModelSpec head_spec = m;
-      head_spec.vocab_size = vocab;
-      std::vector<torch::Tensor> router_logits;
-      for (int64_t l = 0; l < m.num_layers; ++l)
-        router_logits.push_back(torch::randn({b * t, m.num_experts}).to(x.type).requires_grad_(true));
-      const double head = time_median(x.reps, [&] {
-        ForwardResult out;
-        out.logits = torch::matmul(rms_norm(in + torch::embedding(embed, ids), x.norm, m.rms_norm_eps), lm_head.t())
-                         .to(torch::kFloat);
-        out.router_logits = router_logits;
-        mixtral_loss(head_spec, x.moe, out, ids).total.backward();
-      });
+      const double head = time_head(x, embed, lm_head, in);
       overhead.sample();
       for (double v : {af, ab, head}) f.add(v);
     }
     const torch::Tensor w1 = weight({width, h}, x.type), w2 = weight({h, width}, x.type), w3 = weight({width, h}, x.type);
-    for (int64_t r : x.expert_rows) {
-      const torch::Tensor rows = torch::randn({r, h}).to(x.type).requires_grad_(true);
-      auto [ef, eb] = time_forward_backward(x.reps, [&] { return expert_ffn(rows, w1, w2, w3); });
-      f.add(ef);
-      f.add(eb);
-      overhead.sample();
-    }
+    time_experts(x, w1, w2, w3, f, overhead);
   }
 }
 
@@ -576,14 +581,17 @@ void measure_micro_batches(Workload& x, Figures& f) {
 
 // The executor's whole micro-batch under each tensor split, on its mesh with its collectives
 // (the same tokens on every rank): forward with the loss and backward, each as its compute
-// and the time inside the tensor group's collectives. Every rank makes the same calls.
+// (without the time inside the tensor group's collectives) and its whole time. Every rank
+// makes the same calls. The meshes are formed at the first call, after the framework overhead
+// was sampled: a run holds one mesh, not one per split.
 void measure_split_micro_batches(Workload& x, Figures& f) {
   f.begin("split_micro_batches");
+  if (x.split_models.empty() && x.mesh_of) x.form_split_models();
   for (const std::unique_ptr<SplitModel>& s : x.split_models) {
     for (int64_t b : x.mbs) {
       torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
       x.world.broadcast(ids, 0);
-      std::vector<double> forward, backward, forward_inside, backward_inside;
+      std::vector<double> forward, backward, forward_whole, backward_whole;
       x.world.barrier();
       for (int i = 0; i <= x.reps; ++i) {
         s->inside_s = 0;
@@ -597,14 +605,16 @@ void measure_split_micro_batches(Workload& x, Figures& f) {
         if (i == 0) continue;  // warm-up
         forward.push_back(fwd - fwd_inside);
         backward.push_back(bwd - bwd_inside);
-        forward_inside.push_back(fwd_inside);
-        backward_inside.push_back(bwd_inside);
+        forward_whole.push_back(fwd);
+        backward_whole.push_back(bwd);
       }
-      // Compute by its median; the collectives by their mean, their tail included (what a step
-      // pays for many of them, as in measure_collectives).
+      // Compute by its median; the whole by its mean, the collectives' tail included (what a
+      // step pays for many of them, as in measure_collectives). The collectives' share is read
+      // back as the slowest rank's whole less the slowest rank's compute: the rank that computes
+      // less waits longer inside, and the two ranks' longest of each would count that twice.
       f.add(median(forward));
       f.add(median(backward));
-      for (const std::vector<double>* v : {&forward_inside, &backward_inside})
+      for (const std::vector<double>* v : {&forward_whole, &backward_whole})
         f.add(std::accumulate(v->begin(), v->end(), 0.0) / static_cast<double>(v->size()));
     }
   }
@@ -756,9 +766,12 @@ void read_op_times(const Workload& x, const Kept& k, Calibration& cal) {
     });
     for (int64_t b : x.mbs) {
       const double tokens = static_cast<double>(b * x.t);
-      for (CurvePoints* curve : {&split.micro_batch_forward, &split.micro_batch_backward, &split.collectives_forward,
-                                 &split.collectives_backward})
-        curve->emplace_back(tokens, *v++);
+      const double forward = v[0], backward = v[1], forward_whole = v[2], backward_whole = v[3];
+      v += 4;
+      split.micro_batch_forward.emplace_back(tokens, forward);
+      split.micro_batch_backward.emplace_back(tokens, backward);
+      split.collectives_forward.emplace_back(tokens, std::max(0.0, forward_whole - forward));
+      split.collectives_backward.emplace_back(tokens, std::max(0.0, backward_whole - backward));
     }
   }
   v = k.at(k.times, "optimizer");

@@ -443,7 +443,7 @@ TEST_F(Cli, CompareProfilesFindsTheFigureThatMovedAndWhatItPredicts) {
 TEST(ValidationMatrix, EveryFamilyOfLayoutsWhereTheModelAllowsIt) {
   using validation::MatrixConfig;
   const ModelSpec& tiny = test::model("mixtral-tiny");
-  const std::vector<MatrixConfig> full = validation::validation_matrix(2, tiny, false);
+  const std::vector<MatrixConfig> full = validation::validation_matrix(2, tiny, 256, false);
   // Experts, shards and replicas first (nine distinct at two ranks), then the splits.
   ASSERT_EQ(full.size(), 13u);
   for (size_t i = 0; i < 9; ++i) EXPECT_EQ(full[i].t * full[i].p, 1) << full[i].name;
@@ -451,15 +451,19 @@ TEST(ValidationMatrix, EveryFamilyOfLayoutsWhereTheModelAllowsIt) {
   for (size_t i = 9; i < full.size(); ++i) names.push_back(full[i].name);
   EXPECT_EQ(names, (std::vector<std::string>{"E1S1R1T2-none-mbs4", "E1S1R1P2-none-mbs2", "E1S1R1T2-full-mbs2",
                                              "E1S1R1P2-selective-mbs4"}));
-  const std::vector<MatrixConfig> quick = validation::validation_matrix(2, tiny, true);
+  const std::vector<MatrixConfig> quick = validation::validation_matrix(2, tiny, 256, true);
   ASSERT_EQ(quick.size(), 6u);
   EXPECT_EQ(quick[4].t, 2);
   EXPECT_EQ(quick[5].p, 2);
   // Four ranks cannot split two key-value heads: no tensor split, a pipeline of four stages.
-  const std::vector<MatrixConfig> four = validation::validation_matrix(4, tiny, true);
+  const std::vector<MatrixConfig> four = validation::validation_matrix(4, tiny, 256, true);
   ASSERT_EQ(four.size(), 5u);
   EXPECT_EQ(four.back().p, 4);
   EXPECT_EQ(four.back().t, 1);
+  // Nor a sequence of 255 tokens two; eight ranks no pipeline of four blocks.
+  EXPECT_EQ(validation::validation_matrix(2, tiny, 255, true).back().p, 2);
+  EXPECT_EQ(validation::validation_matrix(2, tiny, 255, true).size(), 5u);
+  for (const MatrixConfig& c : validation::validation_matrix(8, tiny, 256, false)) EXPECT_EQ(c.t * c.p, 1) << c.name;
   // The search is pinned to the configuration's degrees.
   const std::vector<std::string> argv =
       validation::pinned_search("moeplan", {2, "mixtral-tiny"}, full[9], "local.json", "plan.json");

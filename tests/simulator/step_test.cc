@@ -651,6 +651,16 @@ TEST(CalibratedProfile, ASplitsWholeMicroBatchPricesItsBlocksAndItsRegions) {
   const double micro_batches = static_cast<double>(c.parallel.gradient_accumulation_steps);
   EXPECT_NEAR(regions, micro_batches * layers * 2 * (0.0005 + 0.0007), 1e-6);
   EXPECT_EQ(waited, 0);
+  // The analytic estimate prices the regions alike, and its bound stays below the simulation,
+  // with recomputed regions too.
+  for (const Checkpointing ckpt : {Checkpointing::kNone, Checkpointing::kFull, Checkpointing::kSelective}) {
+    c.parallel.activation_checkpointing = ckpt;
+    const StepEstimate analytic = estimate_step(c.config(), layout_shapes(c.cluster, c.parallel));
+    const double simulated = simulate_step(c.config(), {}).estimate.step_time_s;
+    EXPECT_LE(analytic.lower_bound_s, simulated * (1 + 1e-6)) << name_of(kCheckpointingNames, ckpt);
+    EXPECT_NEAR(analytic.step_time_s, simulated, 0.1 * simulated) << name_of(kCheckpointingNames, ckpt);
+  }
+  c.parallel.activation_checkpointing = Checkpointing::kNone;
   // Without sequence parallelism (all-reduces, not what was measured) the cost model prices them.
   c.parallel.sequence_parallel = false;
   EXPECT_EQ(op_costs(c.config()).tensor_region_forward_s, 0);

@@ -125,7 +125,7 @@ int compare_profiles(const CompareProfilesOptions& options) {
     // What they predict: the validation matrix planned on each.
     const ModelSpec model = load_model(options.model, profile_dir(options.profiles));
     const int64_t ranks = options.ranks > 0 ? options.ranks : a.gpus_per_node;
-    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model, options.quick);
+    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model, options.seq_len, options.quick);
     const MatrixSetting setting{ranks, options.model, options.profiles, options.seq_len, options.global_batch_tokens, options.precision};
     const std::string self = self_path();
     const fs::path dir =

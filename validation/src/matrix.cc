@@ -63,7 +63,7 @@ std::string config_name(const MatrixConfig& c, int64_t ranks) {
 
 }  // namespace
 
-std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, bool quick) {
+std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, int64_t seq_len, bool quick) {
   std::vector<std::pair<int64_t, int64_t>> layouts;  // (E, S)
   layouts.emplace_back(1, 1);
   if (ranks > 1 && model.num_experts % ranks == 0) layouts.emplace_back(ranks, 1);
@@ -92,15 +92,15 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   }
   if (ranks < 2) return out;
   // Every rank in one tensor split (sequence parallel, as the executor runs it) where the
-  // heads, key-value heads, expert width and vocabulary divide, and in one pipeline where every
-  // stage gets a block.
+  // heads, key-value heads, expert width, vocabulary and sequence divide, and in one pipeline
+  // where the blocks divide into its stages.
   const bool splits = model.num_attention_heads % ranks == 0 && model.num_key_value_heads % ranks == 0 &&
-                      model.intermediate_size % ranks == 0 && model.vocab_size % ranks == 0;
+                      model.intermediate_size % ranks == 0 && model.vocab_size % ranks == 0 && seq_len % ranks == 0;
   const std::vector<Variant> tensor_variants{{"none", false, 4}, {"full", false, 2}};
   const std::vector<Variant> pipeline_variants{{"none", false, 2}, {"selective", false, 4}};
   for (size_t i = 0; i < (quick ? 1u : 2u); ++i) {
     for (const bool tensor : {true, false}) {
-      if (tensor ? !splits : model.num_layers < ranks) continue;
+      if (tensor ? !splits : model.num_layers % ranks != 0) continue;
       const Variant& v = (tensor ? tensor_variants : pipeline_variants)[i];
       MatrixConfig c;
       (tensor ? c.t : c.p) = ranks;

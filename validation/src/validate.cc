@@ -326,7 +326,7 @@ int run_validation(const ValidateOptions& options) {
       ranks = g.is_object() ? g.at("value").get<int64_t>() : g.get<int64_t>();
     }
     const ModelSpec model = load_model(options.model, profile_dir(options.profiles));
-    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model, options.quick);
+    const std::vector<MatrixConfig> configs = validation_matrix(ranks, model, options.seq_len, options.quick);
     const MatrixSetting setting{ranks, options.model, options.profiles, options.seq_len, options.global_batch_tokens, options.precision};
     const int64_t rounds = options.rounds > 0 ? options.rounds : (options.quick ? 1 : 3);
     std::vector<Row> rows(configs.size());

@@ -4,7 +4,10 @@
 // so each figure is what one rank gets while the others are as busy as in training:
 // - matrix multiplies at the model's shapes (peak rate and efficiency curve);
 // - the executor's own operations at the model's shapes (op times: attention, router and
-//   dispatch, one expert, head and loss, optimizer), forward and backward apart;
+//   dispatch, one expert, head and loss, optimizer), forward and backward apart, whole and
+//   under each tensor split;
+// - the executor's whole micro-batch, on one rank and on a mesh of each tensor split with its
+//   collectives timed apart;
 // - gloo collectives (all-gather, all-to-all, all-reduce and the reduce-scatter built from an
 //   all-to-all) over a sweep of message sizes, each fitted to latency + bytes / bandwidth by
 //   least squares in the terms the cost model counts;

@@ -31,9 +31,10 @@ struct KernelCosts {
   // Per block: what the executor's measured whole micro-batch took beyond its operations,
   // forward and backward (included in the attention times above); 0 where not measured.
   double framework_forward_s = 0, framework_backward_s = 0;
-  // Per tensor-parallel region (two per block): what its collectives took inside the measured
-  // whole micro-batch of the plan's split, in forward and in backward; 0 where not measured
-  // (the cost model then prices each region: CostModel::tensor_region_cost).
+  // Per tensor-parallel region (two per block): what the tensor group's collectives took inside
+  // the measured whole micro-batch of the plan's split, in forward and in backward, those of
+  // the embedding, the head and the loss spread over the regions with the blocks'; 0 where not
+  // measured (the cost model then prices each region: CostModel::tensor_region_cost).
   double tensor_region_forward_s = 0, tensor_region_backward_s = 0;
   double attention_flops = 0;
   double moe_flops = 0;  // at the mean load

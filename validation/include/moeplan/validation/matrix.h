@@ -29,8 +29,8 @@ struct MatrixSetting {
 // Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
 // checkpointing, offloading and micro-batch size: up to 10 configurations of experts, shards
 // and replicas (9 on two ranks, 4 when quick), then those with every rank in one tensor split or one pipeline
-// where the model's shapes allow (2 each; 1 each when quick).
-std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, bool quick);
+// where the model's shapes and `seq_len` allow (2 each; 1 each when quick).
+std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, int64_t seq_len, bool quick);
 
 // The command line of `moeplan search` with c's choices fixed, on `profile`, writing `plan`.
 std::vector<std::string> pinned_search(const std::string& self, const MatrixSetting& setting, const MatrixConfig& c,
