@@ -17,16 +17,22 @@ LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& par
 
 namespace {
 
+// What ends a tensor-parallel region of `bytes`, in forward (and recompute) or backward: as
+// measured inside the split's whole micro-batch where the profile has it, else
+// CostModel::tensor_region_cost.
+double region_seconds(const CostModel& cost, const OpCosts& o, const ParallelConfig& p, double bytes,
+                      const GroupShape& g, bool backward) {
+  const double measured = backward ? o.tensor_region_backward_s : o.tensor_region_forward_s;
+  return measured > 0 ? measured : cost.tensor_region_seconds(bytes, g, p.sequence_parallel);
+}
+
 StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, const OpCosts& o) {
   const ParallelConfig& p = c.parallel;
   const CostModel cost(c.cluster);
   const double layers = static_cast<double>(c.model.num_layers);
   const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  // What ends a tensor-parallel region of `bytes`: as measured inside the split's whole
-  // micro-batch where the profile has it, else CostModel::tensor_region_cost.
   auto region = [&](double bytes, const GroupShape& g, bool backward = false) {
-    const double measured = backward ? o.tensor_region_backward_s : o.tensor_region_forward_s;
-    return measured > 0 ? measured : cost.tensor_region_seconds(bytes, g, p.sequence_parallel);
+    return region_seconds(cost, o, p, bytes, g, backward);
   };
 
   // The busiest expert's rank sets the pace of every block.
