@@ -76,18 +76,24 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   };
   const std::vector<Variant> variants{{"none", false, 1}, {"none", false, 4},     {"full", false, 2},
                                       {"selective", true, 2}, {"selective", false, 4}, {"full", true, 2}};
-  std::vector<MatrixConfig> out;
-  const size_t count = quick ? 4 : 10;
-  for (size_t i = 0; out.size() < count && i < layouts.size() * variants.size(); ++i) {
-    const auto& [e, s] = layouts[i % layouts.size()];
-    const Variant& v = variants[(i + i / layouts.size()) % variants.size()];
+  // A configuration of degrees (E, S, T, P) with a variant's checkpointing, offload and micro-batch.
+  auto config = [&](int64_t e, int64_t s, int64_t t, int64_t p, const Variant& v) {
     MatrixConfig c;
     c.e = e;
     c.s = s;
+    c.t = t;
+    c.p = p;
     c.mbs = v.mbs;
     c.checkpointing = v.ckpt;
     c.offload = v.offload;
     c.name = config_name(c, ranks);
+    return c;
+  };
+  std::vector<MatrixConfig> out;
+  const size_t count = quick ? 4 : 10;
+  for (size_t i = 0; out.size() < count && i < layouts.size() * variants.size(); ++i) {
+    const auto& [e, s] = layouts[i % layouts.size()];
+    const MatrixConfig c = config(e, s, 1, 1, variants[(i + i / layouts.size()) % variants.size()]);
     if (std::none_of(out.begin(), out.end(), [&](const MatrixConfig& o) { return o.name == c.name; })) out.push_back(c);
   }
   if (ranks < 2) return out;
@@ -101,14 +107,7 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   for (size_t i = 0; i < (quick ? 1u : 2u); ++i) {
     for (const bool tensor : {true, false}) {
       if (tensor ? !splits : model.num_layers % ranks != 0) continue;
-      const Variant& v = (tensor ? tensor_variants : pipeline_variants)[i];
-      MatrixConfig c;
-      (tensor ? c.t : c.p) = ranks;
-      c.mbs = v.mbs;
-      c.checkpointing = v.ckpt;
-      c.offload = v.offload;
-      c.name = config_name(c, ranks);
-      out.push_back(c);
+      out.push_back(tensor ? config(1, 1, ranks, 1, tensor_variants[i]) : config(1, 1, 1, ranks, pipeline_variants[i]));
     }
   }
   return out;
