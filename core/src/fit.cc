@@ -107,6 +107,12 @@ double median(std::vector<double> v) {
   return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
+double lower_quartile(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[(v.size() - 1) / 4];
+}
+
 double kendall_tau(const std::vector<double>& a, const std::vector<double>& b) {
   const size_t n = std::min(a.size(), b.size());
   double concordant = 0, discordant = 0, ties_a = 0, ties_b = 0;

@@ -4,11 +4,13 @@
 #include <limits>
 #include <map>
 
+#include "moeplan/core/fit.h"
+
 namespace moeplan {
 
 namespace {
 
-constexpr int64_t kSchemaVersion = 1;
+constexpr int64_t kSchemaVersion = 2;
 constexpr int64_t kMaxCount = std::numeric_limits<int64_t>::max();
 
 // A list of non-negative integers at `key`; problems reported into the reader's diagnostics.
@@ -28,6 +30,27 @@ std::vector<int64_t> integers(ObjectReader& r, std::string_view key) {
       continue;
     }
     out.push_back(v.get<int64_t>());
+  }
+  return out;
+}
+
+// A list of durations in seconds (non-negative numbers) at `key`, reported like integers().
+std::vector<double> durations(ObjectReader& r, std::string_view key) {
+  std::vector<double> out;
+  const Json* value = r.child(key);
+  if (value == nullptr) return out;
+  if (!value->is_array()) {
+    r.diagnostics().error(r.path_of(key), "expected a list of seconds, got " + describe_json(*value));
+    return out;
+  }
+  for (size_t i = 0; i < value->size(); ++i) {
+    const Json& v = (*value)[i];
+    if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > 1e12) {
+      r.diagnostics().error(r.path_of(key) + "[" + std::to_string(i) + "]",
+                            "expected seconds (a number from 0 to 1e12), got " + describe_json(v));
+      continue;
+    }
+    out.push_back(v.get<double>());
   }
   return out;
 }
@@ -58,6 +81,14 @@ std::vector<std::pair<std::string, double>> RunReport::phases() const {
   return out;
 }
 
+void RunReport::set_step_seconds(std::vector<double> seconds) {
+  step_seconds = std::move(seconds);
+  steps = static_cast<int64_t>(step_seconds.size());
+  const std::vector<double> warm(step_seconds.begin() + (steps > 1 ? 1 : 0), step_seconds.end());
+  step_time_s = median(warm);
+  undisturbed_step_time_s = lower_quartile(warm);
+}
+
 int64_t RunReport::peak_step_tensor_bytes() const {
   return peak_step_tensor_bytes_per_rank.empty()
              ? 0
@@ -79,7 +110,9 @@ Json to_json(const RunReport& r) {
   report["measured"] = {{"where", r.where},
                         {"ranks", r.ranks},
                         {"steps", r.steps},
+                        {"step_seconds", r.step_seconds},
                         {"step_time_s", r.step_time_s},
+                        {"undisturbed_step_time_s", r.undisturbed_step_time_s},
                         {"tokens_per_s", r.tokens_per_s},
                         {"peak_rss_bytes_per_rank", r.peak_rss_bytes_per_rank},
                         {"baseline_rss_bytes_per_rank", r.baseline_rss_bytes_per_rank},
@@ -93,7 +126,9 @@ Json to_json(const RunReport& r) {
                          {"tokens_per_s", r.predicted_tokens_per_s},
                          {"device_bytes_per_rank", r.predicted_bytes_per_rank}};
   report["relative_error"] = {
-      {"step_time", r.step_time_error()}, {"tokens_per_s", r.tokens_per_s_error()}, {"peak_memory", r.memory_error()}};
+      {"step_time", r.step_time_error()},
+      {"undisturbed_step_time", r.undisturbed_step_time_error()},
+      {"tokens_per_s", r.tokens_per_s_error()}, {"peak_memory", r.memory_error()}};
   return report;
 }
 
@@ -118,7 +153,9 @@ RunReport run_report_from_json(const Json& json, const std::string& origin) {
     r.where = m->string("where");
     r.ranks = m->integer("ranks", 1, kMaxCount);
     r.steps = m->integer("steps", 0, kMaxCount);
+    r.step_seconds = durations(*m, "step_seconds");
     r.step_time_s = m->number("step_time_s", 0, 1e12);
+    r.undisturbed_step_time_s = m->number("undisturbed_step_time_s", 0, 1e12);
     r.tokens_per_s = m->number("tokens_per_s", 0, 1e18);
     r.peak_rss_bytes_per_rank = integers(*m, "peak_rss_bytes_per_rank");
     r.baseline_rss_bytes_per_rank = integers(*m, "baseline_rss_bytes_per_rank");
@@ -145,6 +182,9 @@ RunReport run_report_from_json(const Json& json, const std::string& origin) {
       if (!layers->is_array())
         d.error(m->path_of("tokens_per_expert"), "expected a list per layer, got " + describe_json(*layers));
     }
+    if (static_cast<int64_t>(r.step_seconds.size()) != r.steps && d.empty())
+      d.error(m->path_of("step_seconds"), "has " + std::to_string(r.step_seconds.size()) +
+                                             " entries for steps = " + std::to_string(r.steps));
     if (static_cast<int64_t>(r.peak_rss_bytes_per_rank.size()) != r.ranks && d.empty())
       d.error(m->path_of("peak_rss_bytes_per_rank"), "has " + std::to_string(r.peak_rss_bytes_per_rank.size()) +
                                                         " entries for ranks = " + std::to_string(r.ranks));

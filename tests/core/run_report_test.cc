@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "moeplan/core/fit.h"
 #include "test_support.h"
 
 namespace moeplan {
@@ -16,8 +17,7 @@ RunReport two_rank_report() {
   r.profile = "local-cpu";
   r.where = "CPU ranks (gloo)";
   r.ranks = 2;
-  r.steps = 8;
-  r.step_time_s = 0.9;
+  r.set_step_seconds({1.5, 0.9, 0.8, 1.2, 0.9, 0.85, 1.0, 0.95});
   r.tokens_per_s = 9000;
   r.peak_rss_bytes_per_rank = {700, 800};
   r.baseline_rss_bytes_per_rank = {300, 310};
@@ -67,6 +67,20 @@ TEST(RunReport, WrittenAndReadBackTheSame) {
   EXPECT_EQ(back.busiest_expert_rows(), 52);
 }
 
+TEST(RunReport, StepFiguresLeaveTheWarmUpStepOut) {
+  const RunReport r = two_rank_report();
+  EXPECT_EQ(r.steps, 8);
+  EXPECT_DOUBLE_EQ(r.step_time_s, 0.9);               // of 0.8 0.85 0.9 0.9 0.95 1.0 1.2
+  EXPECT_DOUBLE_EQ(r.undisturbed_step_time_s, 0.85);  // index (7 - 1) / 4 = 1
+  EXPECT_DOUBLE_EQ(r.undisturbed_step_time_error(), 0.85 / 0.75 - 1);
+  RunReport one;
+  one.set_step_seconds({2.0});  // a single step is all there is
+  EXPECT_DOUBLE_EQ(one.step_time_s, 2.0);
+  EXPECT_DOUBLE_EQ(one.undisturbed_step_time_s, 2.0);
+  EXPECT_DOUBLE_EQ(lower_quartile({}), 0);
+  EXPECT_DOUBLE_EQ(lower_quartile({3, 1, 2, 4, 5}), 2);
+}
+
 TEST(RunReport, MeasuredSpansTakeTheSimulatorsPhaseNames) {
   const std::vector<std::pair<std::string, double>> phases = two_rank_report().phases();
   const std::vector<std::pair<std::string, double>> expected = {
@@ -84,12 +98,14 @@ TEST(RunReport, EveryBadFieldIsNamed) {
   j["measured"]["step_time_s"] = "fast";
   j["measured"]["peak_rss_bytes_per_rank"][1] = -5;
   j["measured"]["tokens_per_expert"][0] = "lots";
+  j["measured"]["step_seconds"][2] = -1;
   j["predicted"].erase("device_bytes_per_rank");
   j["plan"]["extra"] = 1;
   const std::vector<Diagnostic> found = problems(j);
   EXPECT_TRUE(names(found, "measured.step_time_s"));
   EXPECT_TRUE(names(found, "measured.peak_rss_bytes_per_rank[1]"));
   EXPECT_TRUE(names(found, "measured.tokens_per_expert[0]"));
+  EXPECT_TRUE(names(found, "measured.step_seconds[2]"));
   EXPECT_TRUE(names(found, "predicted.device_bytes_per_rank"));
   EXPECT_TRUE(names(found, "plan.extra"));
 }
@@ -97,7 +113,7 @@ TEST(RunReport, EveryBadFieldIsNamed) {
 TEST(RunReport, NotAReportOrAnotherVersionIsRefused) {
   EXPECT_TRUE(names(problems(Json::array()), ""));
   Json j = to_json(two_rank_report());
-  j["schema_version"] = 2;
+  j["schema_version"] = 1;  // before the report carried every step's time
   EXPECT_TRUE(names(problems(j), "schema_version"));
   j = to_json(two_rank_report());
   j.erase("measured");
@@ -105,6 +121,9 @@ TEST(RunReport, NotAReportOrAnotherVersionIsRefused) {
   j = to_json(two_rank_report());
   j["measured"]["ranks"] = 3;  // two ranks' figures
   EXPECT_TRUE(names(problems(j), "measured.peak_rss_bytes_per_rank"));
+  j = to_json(two_rank_report());
+  j["measured"]["steps"] = 9;  // eight steps' times
+  EXPECT_TRUE(names(problems(j), "measured.step_seconds"));
 }
 
 TEST(RunReport, AMissingFileIsAnInputErrorNamingIt) {

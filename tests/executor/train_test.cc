@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "moeplan/core/trace.h"
 #include "run_fixture.h"
 
@@ -79,11 +81,20 @@ TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
   const Command r = run_moeplan("run " + plan + " --data " + dir.file("data") + " --out " + dir.file("out") +
                                 " --threads 1 --steps 3");
   ASSERT_EQ(r.exit_code, 0) << show(r);
-  for (const char* line : {"step time (median)", "tokens/s", "peak memory per rank", "last step of rank 0"})
+  for (const char* line :
+       {"step time (median)", "step time (undisturbed)", "tokens/s", "peak memory per rank", "last step of rank 0"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << show(r);
 
   const Json report = read_json_file(dir.file("out/report.json"));
   EXPECT_EQ(report["measured"]["steps"], 3);
+  // Every step's time as the metrics file has it; the figures over them leave the first out.
+  std::vector<double> seconds;
+  std::ifstream metrics(dir.file("out/metrics.jsonl"));
+  for (std::string line; std::getline(metrics, line);) seconds.push_back(Json::parse(line)["step_s"].get<double>());
+  EXPECT_EQ(report["measured"]["step_seconds"].get<std::vector<double>>(), seconds);
+  ASSERT_EQ(seconds.size(), 3u);
+  EXPECT_DOUBLE_EQ(report["measured"]["step_time_s"].get<double>(), (seconds[1] + seconds[2]) / 2);
+  EXPECT_DOUBLE_EQ(report["measured"]["undisturbed_step_time_s"].get<double>(), std::min(seconds[1], seconds[2]));
   EXPECT_EQ(report["measured"]["ranks"], 1);
   EXPECT_EQ(report["predicted"]["step_time_s"], planned["prediction"]["step_time_s"]);
   const double step = report["measured"]["step_time_s"].get<double>();

@@ -33,6 +33,10 @@ double curve_at(const CurvePoints& points, double x);
 
 double median(std::vector<double> values);
 
+// The lower quartile: the value a quarter of the way up the sorted values (index (n - 1) / 4,
+// no interpolation), as calibration keeps a figure over its passes; 0 for none.
+double lower_quartile(std::vector<double> values);
+
 // Kendall's tau-b between two rankings of the same items (ties counted as neither concordant
 // nor discordant); 0 when fewer than two items or either side is constant.
 double kendall_tau(const std::vector<double>& a, const std::vector<double>& b);

@@ -28,7 +28,11 @@ struct RunReport {
   std::string where;  // what measured it
   int64_t ranks = 1;
   int64_t steps = 0;
-  double step_time_s = 0;  // median over the steps, the first (warm-up) one left out when there are more
+  std::vector<double> step_seconds;  // every step's time, in order
+  // Over the steps, the first (warm-up) one left out when there are more: the median, and the
+  // lower quartile, the like of a prediction (calibration keeps the lower quartile of its passes:
+  // the machine running nothing else beside the job, as a cluster's node does).
+  double step_time_s = 0, undisturbed_step_time_s = 0;
   double tokens_per_s = 0;
   std::vector<int64_t> peak_rss_bytes_per_rank, baseline_rss_bytes_per_rank, peak_tensor_bytes_per_rank,
       peak_step_tensor_bytes_per_rank, busiest_expert_rows_per_rank;
@@ -38,7 +42,10 @@ struct RunReport {
   std::vector<std::vector<int64_t>> tokens_per_expert;  // of the last step, [layer][expert]
   std::vector<std::pair<std::string, double>> phase_seconds;  // rank 0's last step, per span name
 
+  // Sets step_seconds, steps and the two figures over them.
+  void set_step_seconds(std::vector<double> seconds);
   double step_time_error() const { return relative_error(step_time_s, predicted_step_time_s); }
+  double undisturbed_step_time_error() const { return relative_error(undisturbed_step_time_s, predicted_step_time_s); }
   double tokens_per_s_error() const { return relative_error(tokens_per_s, predicted_tokens_per_s); }
   double memory_error() const {
     return relative_error(static_cast<double>(peak_rss_bytes), static_cast<double>(predicted_bytes_per_rank));
