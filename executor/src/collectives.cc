@@ -25,7 +25,7 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 
 }  // namespace
 
-Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name)
+Communicator::Communicator(BackendGroup group, std::string name)
     : group_(std::move(group)), name_(std::move(name)) {
   if (group_) {
     rank_ = group_->getRank();
@@ -215,9 +215,8 @@ torch::Tensor Communicator::finish_transfer(PendingTransfer& p) {
   return received;
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                       const std::string& prefix, int rank, int size,
-                                                       std::chrono::milliseconds timeout, const std::string& address) {
+BackendGroup make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
+                             int size, std::chrono::milliseconds timeout, const std::string& address) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);

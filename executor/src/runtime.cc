@@ -6,6 +6,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -46,7 +47,29 @@ class TensorAllocator final : public c10::Allocator {
     TORCH_CHECK(base_free_ != nullptr, "the CPU allocator has no raw deleter");
   }
 
-  c10::DataPtr allocate(size_t n) const override {
+#if TORCH_VERSION_MAJOR >= 2
+  c10::DataPtr allocate(size_t n) override { return allocate_block(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#else
+  c10::DataPtr allocate(size_t n) const override { return allocate_block(n); }
+#endif
+  c10::DeleterFnPtr raw_deleter() const override { return &TensorAllocator::free; }
+
+  TensorBytes bytes() const { return {live_.load(), peak_.load()}; }
+  void reset_peak() const { peak_.store(live_.load()); }
+
+ private:
+  static constexpr size_t kHeader = c10::gAlignment;  // keeps the data as aligned as the block
+
+  static constexpr size_t kPage = 4096;
+  static constexpr size_t kHugePage = size_t{2} << 20;
+  static constexpr size_t kLarge = kHugePage;
+  static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+  // A block of n bytes behind its header (the class comment).
+  c10::DataPtr allocate_block(size_t n) const {
     void* block = nullptr;
     int64_t mapped = 0;
     c10::Device device(c10::kCPU);
@@ -71,19 +94,6 @@ class TensorAllocator final : public c10::Allocator {
     }
     return {data, data, &TensorAllocator::free, device};
   }
-
-  c10::DeleterFnPtr raw_deleter() const override { return &TensorAllocator::free; }
-
-  TensorBytes bytes() const { return {live_.load(), peak_.load()}; }
-  void reset_peak() const { peak_.store(live_.load()); }
-
- private:
-  static constexpr size_t kHeader = c10::gAlignment;  // keeps the data as aligned as the block
-
-  static constexpr size_t kPage = 4096;
-  static constexpr size_t kHugePage = size_t{2} << 20;
-  static constexpr size_t kLarge = kHugePage;
-  static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
   // A mapping of its own for a large block, starting at a huge-page boundary so that the kernel
   // can back it with huge pages.

@@ -212,7 +212,7 @@ torch::Tensor ShardedModel::regather_in_backward(const torch::Tensor& y, const s
         gathered->set_nbytes(0);
       } else {
         storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
-        std::memcpy(storage->data(), values.data_ptr(), bytes);
+        std::memcpy(storage->data_ptr().get(), values.data_ptr(), bytes);
       }
       storage->set_nbytes(bytes);
     }

@@ -10,10 +10,12 @@
 // Every failure, a timeout included, becomes a CollectiveError that names the operation, the
 // group and the rank.
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <cstdint>
@@ -24,6 +26,14 @@
 
 namespace moeplan::executor {
 
+// What a process group of one backend is: LibTorch 2's gloo and NCCL groups are c10d
+// backends; in LibTorch 1.13 each was a process group of its own.
+#if TORCH_VERSION_MAJOR >= 2
+using BackendGroup = c10::intrusive_ptr<c10d::Backend>;
+#else
+using BackendGroup = c10::intrusive_ptr<c10d::ProcessGroup>;
+#endif
+
 class CollectiveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -33,7 +43,7 @@ class Communicator {
  public:
   // name: for messages, e.g. "expert group 1". A null group is a group of this rank alone,
   // where every collective is a copy (or nothing).
-  Communicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name);
+  Communicator(BackendGroup group, std::string name);
   Communicator() = default;
 
   int64_t rank() const { return rank_; }
@@ -102,7 +112,7 @@ class Communicator {
   void run(const char* op, int64_t bytes, F&& f, bool observe = true, const std::string& peer = {});
   void check_peer(const char* op, int64_t peer, int64_t tag) const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  BackendGroup group_;
   std::string name_ = "this rank";
   int64_t rank_ = 0, size_ = 1;
   Observer observer_;
@@ -111,9 +121,7 @@ class Communicator {
 // A gloo process group of `size` ranks over a shared store; every member calls this with the
 // same prefix (which keeps the store keys of different groups apart). `address` is this rank's
 // own address, which its peers connect to.
-c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                       const std::string& prefix, int rank, int size,
-                                                       std::chrono::milliseconds timeout,
-                                                       const std::string& address = "127.0.0.1");
+BackendGroup make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
+                             int size, std::chrono::milliseconds timeout, const std::string& address = "127.0.0.1");
 
 }  // namespace moeplan::executor
