@@ -1,5 +1,6 @@
 # Finds LibTorch for the executor: LibTorch 2 from the PyTorch wheel that scripts/install-torch
 # puts in MOEPLAN_TORCH_HOME, else whatever find_package(Torch) finds (Debian's libtorch-dev).
+# A build folder may switch between the two on a later configure.
 #
 # The wheel's CMake package links its CUDA build (libtorch_cuda) and wants the CUDA toolkit for
 # that (12.6 or later; /usr/local/cuda here). The CUDA, cuDNN and NCCL libraries it was built
@@ -7,23 +8,30 @@
 # loading, so that a toolkit or an NCCL of another version on the machine is never mixed in.
 
 set(MOEPLAN_TORCH_VERSION 2.15.0)
-set(MOEPLAN_TORCH_HOME "$ENV{MOEPLAN_TORCH_HOME}" CACHE PATH
-    "The virtual environment scripts/install-torch installs LibTorch 2 into")
-if(NOT MOEPLAN_TORCH_HOME)
-  set(MOEPLAN_TORCH_HOME "$ENV{HOME}/.cache/moeplan/torch-${MOEPLAN_TORCH_VERSION}")
+if(NOT "$ENV{MOEPLAN_TORCH_HOME}" STREQUAL "")
+  set(MOEPLAN_TORCH_HOME "$ENV{MOEPLAN_TORCH_HOME}" CACHE PATH
+      "The virtual environment scripts/install-torch installs LibTorch 2 into" FORCE)
+else()
+  set(MOEPLAN_TORCH_HOME "$ENV{HOME}/.cache/moeplan/torch-${MOEPLAN_TORCH_VERSION}" CACHE PATH
+      "The virtual environment scripts/install-torch installs LibTorch 2 into")
 endif()
 
 file(GLOB moeplan_torch_site "${MOEPLAN_TORCH_HOME}/lib/python3*/site-packages")
+set(moeplan_torch_root "")
 if(moeplan_torch_site AND EXISTS "${moeplan_torch_site}/torch/share/cmake/Torch/TorchConfig.cmake")
   set(moeplan_torch_root "${moeplan_torch_site}/torch")
-  list(PREPEND CMAKE_PREFIX_PATH "${moeplan_torch_root}/share/cmake")
-  # The wheel's own libraries, not a system copy of the same name (find_library looks in the
-  # system folders before the package's).
-  foreach(lib c10 torch torch_cpu torch_cuda c10_cuda)
-    if(EXISTS "${moeplan_torch_root}/lib/lib${lib}.so")
-      set(${lib}_LIBRARY "${moeplan_torch_root}/lib/lib${lib}.so" CACHE FILEPATH "" FORCE)
-    endif()
-  endforeach()
+endif()
+
+if(moeplan_torch_root)
+  # The wheel's packages and libraries, also over what an earlier configure found (find_library
+  # looks in the system folders before the package's, and would take Debian's libc10).
+  set(Torch_DIR "${moeplan_torch_root}/share/cmake/Torch" CACHE PATH "" FORCE)
+  set(Caffe2_DIR "${moeplan_torch_root}/share/cmake/Caffe2" CACHE PATH "" FORCE)
+  set(c10_LIBRARY "${moeplan_torch_root}/lib/libc10.so" CACHE FILEPATH "" FORCE)
+  set(TORCH_LIBRARY "${moeplan_torch_root}/lib/libtorch.so" CACHE FILEPATH "" FORCE)
+  if(EXISTS "${moeplan_torch_root}/lib/libc10_cuda.so")
+    set(C10_CUDA_LIBRARY "${moeplan_torch_root}/lib/libc10_cuda.so" CACHE FILEPATH "" FORCE)
+  endif()
   if(NOT DEFINED CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
     set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
   endif()
@@ -35,9 +43,20 @@ if(moeplan_torch_site AND EXISTS "${moeplan_torch_site}/torch/share/cmake/Torch/
     string(APPEND CMAKE_EXE_LINKER_FLAGS " -Wl,-rpath-link,${dir} -Wl,-rpath,${dir}")
     string(APPEND CMAKE_SHARED_LINKER_FLAGS " -Wl,-rpath-link,${dir} -Wl,-rpath,${dir}")
   endforeach()
+else()
+  # No wheel: forget whatever an earlier configure took from one.
+  get_cmake_property(moeplan_cached CACHE_VARIABLES)
+  foreach(var IN LISTS moeplan_cached)
+    if(NOT var STREQUAL "MOEPLAN_TORCH_HOME" AND "${${var}}" MATCHES "site-packages/torch")
+      unset(${var} CACHE)
+    endif()
+  endforeach()
 endif()
 
 find_package(Torch QUIET)
 if(Torch_FOUND)
+  if(moeplan_torch_root AND Torch_VERSION VERSION_LESS 2)
+    message(FATAL_ERROR "moeplan: ${MOEPLAN_TORCH_HOME} holds LibTorch ${Torch_VERSION}, not 2 or later")
+  endif()
   message(STATUS "moeplan: LibTorch ${Torch_VERSION} from ${TORCH_INSTALL_PREFIX}")
 endif()

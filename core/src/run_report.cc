@@ -1,6 +1,7 @@
 #include "moeplan/core/run_report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 
@@ -185,6 +186,18 @@ RunReport run_report_from_json(const Json& json, const std::string& origin) {
     if (static_cast<int64_t>(r.step_seconds.size()) != r.steps && d.empty())
       d.error(m->path_of("step_seconds"), "has " + std::to_string(r.step_seconds.size()) +
                                              " entries for steps = " + std::to_string(r.steps));
+    if (d.empty()) {
+      // The two figures are the step times': a report that contradicts itself is refused.
+      RunReport derived;
+      derived.set_step_seconds(r.step_seconds);
+      const auto check = [&](const char* key, double stored, double from_steps) {
+        if (std::abs(stored - from_steps) > 1e-9 * std::max(1.0, std::abs(from_steps)))
+          d.error(m->path_of(key), "= " + std::to_string(stored) + " s, but step_seconds give " +
+                                       std::to_string(from_steps) + " s");
+      };
+      check("step_time_s", r.step_time_s, derived.step_time_s);
+      check("undisturbed_step_time_s", r.undisturbed_step_time_s, derived.undisturbed_step_time_s);
+    }
     if (static_cast<int64_t>(r.peak_rss_bytes_per_rank.size()) != r.ranks && d.empty())
       d.error(m->path_of("peak_rss_bytes_per_rank"), "has " + std::to_string(r.peak_rss_bytes_per_rank.size()) +
                                                         " entries for ranks = " + std::to_string(r.ranks));

@@ -124,6 +124,9 @@ TEST(RunReport, NotAReportOrAnotherVersionIsRefused) {
   j = to_json(two_rank_report());
   j["measured"]["steps"] = 9;  // eight steps' times
   EXPECT_TRUE(names(problems(j), "measured.step_seconds"));
+  j = to_json(two_rank_report());
+  j["measured"]["undisturbed_step_time_s"] = 0.8;  // the steps' lower quartile is 0.85
+  EXPECT_TRUE(names(problems(j), "measured.undisturbed_step_time_s"));
 }
 
 TEST(RunReport, AMissingFileIsAnInputErrorNamingIt) {

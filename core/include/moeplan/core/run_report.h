@@ -28,7 +28,7 @@ struct RunReport {
   std::string where;  // what measured it
   int64_t ranks = 1;
   int64_t steps = 0;
-  std::vector<double> step_seconds;  // every step's time, in order
+  std::vector<double> step_seconds;  // the time of every step this run made, in order
   // Over the steps, the first (warm-up) one left out when there are more: the median, and the
   // lower quartile, the like of a prediction (calibration keeps the lower quartile of its passes:
   // the machine running nothing else beside the job, as a cluster's node does).
