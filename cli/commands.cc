@@ -67,7 +67,7 @@ void print_explain(const planner::SearchStats& s) {
 
 // What a run measured, from its report.json (core/run_report.h).
 struct Measured {
-  double step_time_s = 0;
+  double step_time_s = 0, undisturbed_step_time_s = 0;  // the median step and the lower quartile
   std::vector<double> tokens_per_expert;  // summed over layers
   std::map<std::string, double> phases;   // rank 0's last step, by the simulator's phase names
 };
@@ -76,6 +76,7 @@ Measured read_measured(const std::string& path, const Plan& plan) {
   const RunReport report = read_run_report(path);
   Measured m;
   m.step_time_s = report.step_time_s;
+  m.undisturbed_step_time_s = report.undisturbed_step_time_s;
   Diagnostics d;
   for (size_t l = 0; l < report.tokens_per_expert.size(); ++l) {
     const std::vector<int64_t>& row = report.tokens_per_expert[l];
@@ -102,11 +103,11 @@ void print_phase_comparison(const sim::StepSimulation& s, const Measured& m, con
     }
     std::printf(" (busiest expert %.2f x the mean)", top * static_cast<double>(config.moe.tokens_per_expert.size()) / sum);
   }
-  std::printf(", rank 0, the whole step:\n  %-16s %12s %12s %10s\n", "phase", "simulated", "measured", "measured/sim");
+  std::printf(", rank 0, the whole step:\n  %-18s %12s %12s %10s\n", "phase", "simulated", "measured", "measured/sim");
   auto row = [](const std::string& name, double simulated, double measured) {
     char ratio[32] = "-";
     if (simulated > 0) std::snprintf(ratio, sizeof ratio, "%.2f", measured / simulated);
-    std::printf("  %-16s %10.3f s %10.3f s %10s\n", name.c_str(), simulated, measured, ratio);
+    std::printf("  %-18s %10.3f s %10.3f s %10s\n", name.c_str(), simulated, measured, ratio);
   };
   for (const auto& [name, seconds] : sim::phase_seconds(s, 0)) {
     const auto it = m.phases.find(name);
@@ -114,7 +115,8 @@ void print_phase_comparison(const sim::StepSimulation& s, const Measured& m, con
     if (seconds == 0 && measured == 0) continue;
     row(name, seconds, measured);
   }
-  row("step", s.estimate.step_time_s, m.step_time_s);
+  row("step (median)", s.estimate.step_time_s, m.step_time_s);
+  row("step (undisturbed)", s.estimate.step_time_s, m.undisturbed_step_time_s);
   (void)plan;
   std::printf("  (forward and backward include the waits for collectives inside them; the collectives' rows are the "
               "time spent inside each kind)\n");

@@ -131,7 +131,8 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   const std::string first = val_dir + "/" + v.at("configurations")[0].at("name").get<std::string>();
   const Command sim = run_moeplan("simulate " + first + "/plan.json --measured " + first + "/run-1/report.json");
   ASSERT_EQ(sim.exit_code, 0) << show(sim);
-  for (const char* phase : {"forward", "backward", "optimizer", "step", "measured expert load"})
+  for (const char* phase :
+       {"forward", "backward", "optimizer", "step (median)", "step (undisturbed)", "measured expert load"})
     EXPECT_NE(sim.out.find(phase), std::string::npos) << phase << "\n" << sim.out;
 }
 
