@@ -14,46 +14,40 @@ namespace {
 constexpr int64_t kSchemaVersion = 2;
 constexpr int64_t kMaxCount = std::numeric_limits<int64_t>::max();
 
-// A list of non-negative integers at `key`; problems reported into the reader's diagnostics.
-std::vector<int64_t> integers(ObjectReader& r, std::string_view key) {
-  std::vector<int64_t> out;
+// A list at `key` whose every element `accept` takes; problems reported into the reader's
+// diagnostics, naming the list (`list_of`) or the element and what it should be (`element`).
+template <class T, class Accept>
+std::vector<T> list_at(ObjectReader& r, std::string_view key, const char* list_of, const char* element, Accept accept) {
+  std::vector<T> out;
   const Json* value = r.child(key);
   if (value == nullptr) return out;
   if (!value->is_array()) {
-    r.diagnostics().error(r.path_of(key), "expected a list of integers, got " + describe_json(*value));
+    r.diagnostics().error(r.path_of(key),
+                          std::string("expected a list of ") + list_of + ", got " + describe_json(*value));
     return out;
   }
   for (size_t i = 0; i < value->size(); ++i) {
     const Json& v = (*value)[i];
-    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+    if (!accept(v)) {
       r.diagnostics().error(r.path_of(key) + "[" + std::to_string(i) + "]",
-                            "expected a non-negative integer, got " + describe_json(v));
+                            std::string("expected ") + element + ", got " + describe_json(v));
       continue;
     }
-    out.push_back(v.get<int64_t>());
+    out.push_back(v.get<T>());
   }
   return out;
 }
 
-// A list of durations in seconds (non-negative numbers) at `key`, reported like integers().
+std::vector<int64_t> integers(ObjectReader& r, std::string_view key) {
+  return list_at<int64_t>(r, key, "integers", "a non-negative integer",
+                          [](const Json& v) { return v.is_number_integer() && v.get<int64_t>() >= 0; });
+}
+
+// Durations in seconds.
 std::vector<double> durations(ObjectReader& r, std::string_view key) {
-  std::vector<double> out;
-  const Json* value = r.child(key);
-  if (value == nullptr) return out;
-  if (!value->is_array()) {
-    r.diagnostics().error(r.path_of(key), "expected a list of seconds, got " + describe_json(*value));
-    return out;
-  }
-  for (size_t i = 0; i < value->size(); ++i) {
-    const Json& v = (*value)[i];
-    if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > 1e12) {
-      r.diagnostics().error(r.path_of(key) + "[" + std::to_string(i) + "]",
-                            "expected seconds (a number from 0 to 1e12), got " + describe_json(v));
-      continue;
-    }
-    out.push_back(v.get<double>());
-  }
-  return out;
+  return list_at<double>(r, key, "seconds", "seconds (a number from 0 to 1e12)", [](const Json& v) {
+    return v.is_number() && v.get<double>() >= 0 && v.get<double>() <= 1e12;
+  });
 }
 
 }  // namespace
