@@ -1,6 +1,7 @@
 # Finds LibTorch for the executor: LibTorch 2 from the PyTorch wheel that scripts/install-torch
-# puts in MOEPLAN_TORCH_HOME, else whatever find_package(Torch) finds (Debian's libtorch-dev).
-# A build folder may switch between the two on a later configure.
+# puts in MOEPLAN_TORCH_HOME. Without it the executor is off, and CMake says how to install it
+# (another LibTorch, such as Debian's 1.13, is not looked for: the executor uses LibTorch 2's
+# kernels and c10d API).
 #
 # The wheel's CMake package links its CUDA build (libtorch_cuda) and wants the CUDA toolkit for
 # that (12.6 or later; /usr/local/cuda here). The CUDA, cuDNN and NCCL libraries it was built
@@ -38,6 +39,9 @@ if(moeplan_torch_root)
   if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
     set(TORCH_CUDA_ARCH_LIST "8.0;9.0")  # A100 (p4d), H100 (p5)
   endif()
+  # The wheel's Python, with torch: the independent reader of exported checkpoints in the tests
+  # and the Python baseline of bench/python run on it.
+  set(MOEPLAN_TORCH_PYTHON "${MOEPLAN_TORCH_HOME}/bin/python")
   file(GLOB moeplan_torch_cuda_libs LIST_DIRECTORIES true "${moeplan_torch_site}/nvidia/*/lib")
   foreach(dir IN LISTS moeplan_torch_cuda_libs)
     string(APPEND CMAKE_EXE_LINKER_FLAGS " -Wl,-rpath-link,${dir} -Wl,-rpath,${dir}")
@@ -51,12 +55,16 @@ else()
       unset(${var} CACHE)
     endif()
   endforeach()
+  set(Torch_FOUND FALSE)
+  set(MOEPLAN_TORCH_MISSING "no LibTorch in ${MOEPLAN_TORCH_HOME}: run scripts/install-torch")
+  return()
 endif()
 
 find_package(Torch QUIET)
-if(Torch_FOUND)
-  if(moeplan_torch_root AND Torch_VERSION VERSION_LESS 2)
-    message(FATAL_ERROR "moeplan: ${MOEPLAN_TORCH_HOME} holds LibTorch ${Torch_VERSION}, not 2 or later")
-  endif()
+if(NOT Torch_FOUND)
+  set(MOEPLAN_TORCH_MISSING "the LibTorch in ${MOEPLAN_TORCH_HOME} did not load: run scripts/install-torch again")
+elseif(Torch_VERSION VERSION_LESS 2)
+  message(FATAL_ERROR "moeplan: ${MOEPLAN_TORCH_HOME} holds LibTorch ${Torch_VERSION}, not 2 or later")
+else()
   message(STATUS "moeplan: LibTorch ${Torch_VERSION} from ${TORCH_INSTALL_PREFIX}")
 endif()

@@ -2,12 +2,9 @@
 
 Hugging Face's MixtralForCausalLM, written out plainly, trained on random tokens with AdamW; prints
 one JSON line (median step time, tokens/s, matmul GFLOP/s) to compare the executor with on the same
-LibTorch and the same thread count. Run with Debian's /usr/bin/python3 (python3-torch)."""
-import argparse, json, math, os, statistics, sys, time
-# OpenBLAS sizes its thread pool when torch loads it: set it first, so that --threads governs the
-# matrix multiplies too (moeplan's executor sets both).
-os.environ.setdefault("OPENBLAS_NUM_THREADS",
-                      next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--threads"), "1"))
+LibTorch and the same thread count. Run with the Python of the PyTorch wheel the executor links
+($MOEPLAN_TORCH_HOME/bin/python, scripts/install-torch)."""
+import argparse, json, math, os, statistics, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -2,7 +2,6 @@
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/version.h>
 
 namespace moeplan::executor {
 
@@ -26,11 +25,7 @@ class LambdaBackward : public torch::autograd::Node {
 
 void attach_backward(const TensorList& inputs, TensorList& outputs, const std::string& name, BackwardFn backward) {
   if (!torch::autograd::compute_requires_grad(inputs)) return;
-#if TORCH_VERSION_MAJOR >= 2
   auto node = c10::make_intrusive<LambdaBackward>(name, std::move(backward));
-#else
-  auto node = std::shared_ptr<LambdaBackward>(new LambdaBackward(name, std::move(backward)), torch::autograd::deleteNode);
-#endif
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (torch::Tensor& out : outputs) {
     // detach() drops any autograd view relation (a bf16 view of a received fp16 buffer, say).

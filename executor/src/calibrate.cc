@@ -115,8 +115,13 @@ class Progress {
 // The largest resident set beyond live tensors seen at the sample points.
 class OverheadProbe {
  public:
+  // What the process holds beyond tensors: the resident set less the live tensors and the
+  // mappings kept for reuse (reserved by the tensor allocator, as CUDA's caching allocator
+  // reserves: they count as tensor memory, never above the live peak).
   void sample() {
-    if (!stopped_) most_ = std::max(most_, current_rss_bytes() - tensor_bytes().live);
+    if (stopped_) return;
+    const TensorBytes t = tensor_bytes();
+    most_ = std::max(most_, current_rss_bytes() - t.live - (t.mapped - t.mapped_live));
   }
   void stop() { stopped_ = true; }
   int64_t most() const { return most_; }

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string_view>
 
+#include "moeplan/executor/kernels.h"
 #include "moeplan/executor/routing.h"
 
 namespace moeplan::executor {
@@ -177,18 +178,9 @@ MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<tor
 using torch::indexing::Slice;
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  const torch::Tensor x32 = x.to(torch::kFloat);
-  const torch::Tensor normed = x32 * torch::rsqrt(x32.square().mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  return fused_rms_norm(x, weight, eps);
 }
 
-namespace {
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.index({"...", Slice(half, torch::indexing::None)}), x.index({"...", Slice(0, half)})}, -1);
-}
-
-}  // namespace
 
 Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype) {
   const int64_t d = spec.head_dim;
@@ -204,37 +196,73 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
                         const torch::Tensor& mask_bias) {
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
-  torch::Tensor q = torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}).transpose(1, 2);
-  torch::Tensor k = torch::matmul(x, w.k_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
-  torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
-  q = q * rope.cos + rotate_half(q) * rope.sin;
-  k = k * rope.cos + rotate_half(k) * rope.sin;
-  if (heads != kv) {
-    k = k.repeat_interleave(heads / kv, 1);
-    v = v.repeat_interleave(heads / kv, 1);
-  }
-  // scores = mask_bias + q k^T / sqrt(d) in one call; the bias is 0 where attention is allowed
-  // and -inf elsewhere.
-  const torch::Tensor scores = torch::baddbmm(mask_bias, q.reshape({b * heads, t, hd}),
-                                              k.reshape({b * heads, t, hd}).transpose(1, 2), /*beta=*/1,
-                                              /*alpha=*/1.0 / std::sqrt(static_cast<double>(hd)));
-  const torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type());
-  const torch::Tensor out = torch::bmm(probs, v.reshape({b * heads, t, hd})).view({b, heads, t, hd});
+  const torch::Tensor q = fused_rotary(torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}), rope.cos, rope.sin)
+                              .transpose(1, 2);
+  const torch::Tensor k = fused_rotary(torch::matmul(x, w.k_proj.t()).view({b, t, kv, hd}), rope.cos, rope.sin)
+                              .transpose(1, 2);
+  const torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
+  // Grouped-query attention: each key/value head serves heads / kv query heads, unrepeated.
+  const bool causal = !mask_bias.defined();
+  const torch::Tensor out = at::scaled_dot_product_attention(
+      q, k, v, causal ? std::nullopt : std::optional<torch::Tensor>(mask_bias), /*dropout_p=*/0.0,
+      /*is_causal=*/causal, /*scale=*/std::nullopt, /*enable_gqa=*/heads != kv);
   return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * hd}), w.o_proj.t());
 }
 
-// 0 where attention is allowed, -inf in the future and beyond the sliding window: [T, T].
 torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype) {
+  if (!spec.sliding_window) return {};
   const torch::Tensor i = torch::arange(t, torch::kLong).unsqueeze(1);
   const torch::Tensor j = torch::arange(t, torch::kLong).unsqueeze(0);
-  torch::Tensor masked = j > i;
-  if (spec.sliding_window) masked = masked | (i - j >= *spec.sliding_window);
+  const torch::Tensor masked = (j > i) | (i - j >= *spec.sliding_window);
   return torch::zeros({t, t}, dtype).masked_fill(masked, -std::numeric_limits<float>::infinity());
 }
 
 torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
                          const torch::Tensor& w3) {
   return torch::matmul(torch::silu(torch::matmul(in, w1.t())) * torch::matmul(in, w3.t()), w2.t());
+}
+
+int64_t expert_row_multiple(const torch::Tensor& rows) {
+  // oneDNN, LibTorch's 16-bit matrix multiply on the CPU, builds and caches a kernel per shape:
+  // with the rows per expert changing every step, most of its multiplies would build one (a
+  // third of the speed). Rows in multiples of 64 keep to a few shapes. MKL's fp32 multiply and
+  // the GPU's need none.
+  return rows.device().is_cpu() && rows.element_size() < 4 ? 64 : 1;
+}
+
+torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_per_expert, const ExpertWeightsFn& weights) {
+  const int64_t experts = static_cast<int64_t>(rows_per_expert.size());
+  const int64_t multiple = expert_row_multiple(rows);
+  std::vector<int64_t> padded(rows_per_expert.begin(), rows_per_expert.end());
+  for (int64_t& n : padded) n = (n + multiple - 1) / multiple * multiple;
+  // Padding rows (copies of row 0) are computed and dropped; the gradient of the rows kept is
+  // exactly what it would be without them.
+  torch::Tensor input = rows, kept;
+  if (multiple > 1) {
+    std::vector<int64_t> source, position;
+    int64_t begin = 0, padded_begin = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t n = rows_per_expert[static_cast<size_t>(e)];
+      for (int64_t i = 0; i < padded[static_cast<size_t>(e)]; ++i) source.push_back(i < n ? begin + i : 0);
+      for (int64_t i = 0; i < n; ++i) position.push_back(padded_begin + i);
+      begin += n;
+      padded_begin += padded[static_cast<size_t>(e)];
+    }
+    input = rows.index_select(0, torch::tensor(source, torch::dtype(torch::kLong).device(rows.device())));
+    kept = torch::tensor(position, torch::dtype(torch::kLong).device(rows.device()));
+  }
+  // Split, not sliced: the backward of a split concatenates the experts' input gradients once,
+  // where each slice's would be a zero-filled copy of the whole, summed into the rest.
+  const std::vector<torch::Tensor> parts = torch::split_with_sizes(input, padded);
+  std::vector<torch::Tensor> outputs;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows_per_expert[static_cast<size_t>(e)] == 0) continue;
+    const ExpertWeights w = weights(e);
+    outputs.push_back(expert_ffn(parts[static_cast<size_t>(e)], w.w1, w.w2, w.w3));
+  }
+  if (outputs.empty()) return rows * 0;  // still tied to the input, for collectives in backward
+  const torch::Tensor out = torch::cat(outputs, 0);
+  return kept.defined() ? out.index_select(0, kept) : out;
 }
 
 namespace {
@@ -256,17 +284,10 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor token_of = torch::div(order, spec.experts_per_token, "floor");
   const torch::Tensor gathered = tokens.index_select(0, token_of);
   const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
-  std::vector<torch::Tensor> outputs;
-  int64_t begin = 0;
-  const int64_t* per_expert = load.data_ptr<int64_t>();
-  for (int64_t e = 0; e < spec.num_experts; ++e) {
-    const int64_t n = per_expert[e];
-    if (n == 0) continue;
-    outputs.push_back(expert_ffn(gathered.narrow(0, begin, n), w.w1[e], w.w2[e], w.w3[e]));
-    begin += n;
-  }
-  if (outputs.empty()) return torch::zeros_like(x);
-  const torch::Tensor out = torch::zeros_like(tokens).index_add(0, token_of, torch::cat(outputs, 0) * slot_weights);
+  const torch::Tensor expert_out = grouped_experts(
+      gathered, c10::IntArrayRef(load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
+      [&w](int64_t e) { return ExpertWeights{w.w1[e], w.w2[e], w.w3[e]}; });
+  const torch::Tensor out = torch::zeros_like(tokens).index_add(0, token_of, expert_out * slot_weights);
   return out.view(x.sizes());
 }
 

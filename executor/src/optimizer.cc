@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <map>
 #include <numbers>
 
 namespace moeplan::executor {
@@ -29,21 +30,29 @@ void AdamW::step(const std::vector<torch::Tensor>& grads, double lr) {
   assert(grads.size() == params_.size() && "one gradient per parameter");
   torch::NoGradGuard no_grad;
   ++step_count_;
-  const double n = static_cast<double>(step_count_);
-  const double bias_correction1 = 1 - std::pow(settings_.beta1, n);
-  const double bias_correction2_sqrt = std::sqrt(1 - std::pow(settings_.beta2, n));
-  const double step_size = lr / bias_correction1;
+  // LibTorch's fused AdamW (one pass over each tensor, the update PyTorch's AdamW(fused=True)
+  // makes), called once per kind of decay and dtype: it takes one weight decay and one dtype
+  // per call. Per-element decay is applied first, as the fused kernel applies its own: the
+  // same factor, rounded the same way, where the mask is set; exactly 1 elsewhere.
+  struct Group {
+    std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+  };
+  std::map<std::pair<bool, c10::ScalarType>, Group> groups;
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::Tensor& p = params_[i];
-    const torch::Tensor g = grads[i].to(p.scalar_type());
-    if (decay_[i] && settings_.weight_decay != 0) p.mul_(1 - lr * settings_.weight_decay);
-    // The same factor, rounded the same way, where the mask is set; exactly 1 elsewhere.
     if (!masks_.empty() && settings_.weight_decay != 0)
       p.mul_(torch::where(masks_[i], 1 - lr * settings_.weight_decay, 1.0));
-    exp_avg_[i].mul_(settings_.beta1).add_(g, 1 - settings_.beta1);
-    exp_avg_sq_[i].mul_(settings_.beta2).addcmul_(g, g, 1 - settings_.beta2);
-    const torch::Tensor denom = (exp_avg_sq_[i].sqrt() / bias_correction2_sqrt).add_(settings_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -step_size);
+    Group& g = groups[{decay_[i], p.scalar_type()}];
+    g.params.push_back(p);
+    g.grads.push_back(grads[i].scalar_type() == p.scalar_type() ? grads[i] : grads[i].to(p.scalar_type()));
+    g.exp_avg.push_back(exp_avg_[i]);
+    g.exp_avg_sq.push_back(exp_avg_sq_[i]);
+    g.steps.push_back(torch::full({}, static_cast<double>(step_count_), torch::dtype(torch::kFloat).device(p.device())));
+  }
+  for (auto& [key, g] : groups) {
+    const double decay = key.first ? settings_.weight_decay : 0.0;
+    at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, /*max_exp_avg_sqs=*/{}, g.steps, lr,
+                      settings_.beta1, settings_.beta2, decay, settings_.eps, /*amsgrad=*/false, /*maximize=*/false);
   }
 }
 

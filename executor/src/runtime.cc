@@ -1,24 +1,19 @@
 #include "moeplan/executor/runtime.h"
 
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
 #include <malloc.h>
 #include <c10/core/CPUAllocator.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <mutex>
 
 namespace moeplan::executor {
 
-void set_compute_threads(int threads) {
-  at::set_num_threads(threads);
-  using SetThreads = void (*)(int);
-  if (auto set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads")); set != nullptr)
-    set(threads);
-}
+void set_compute_threads(int threads) { at::set_num_threads(threads); }
 
 void keep_freed_memory() {
 #ifdef __GLIBC__
@@ -30,12 +25,18 @@ void keep_freed_memory() {
 
 namespace {
 
-// The CPU tensor allocator of a rank. Blocks of at least 2 MiB get a mapping of their own, backed
-// by huge pages where the kernel allows (transparent huge pages, madvise mode) and returned to the
-// kernel when freed; smaller ones come from the C heap. In glibc's heap, big blocks freed between
-// long-lived activations leave holes that keep the heap's extent, and so the resident set, up to
-// twice the live tensor bytes; mapped, the resident set stays within a few percent of them, and
-// huge pages make the fresh memory cheap to fault in (docs/memory-model.md).
+// The CPU tensor allocator of a rank. Blocks of at least 2 MiB get a mapping of their own, a
+// whole number of huge pages long and backed by huge pages where the kernel allows (transparent
+// huge pages, madvise mode); smaller ones come from the C heap. In glibc's heap, big blocks freed
+// between long-lived activations leave holes that keep the heap's extent, and so the resident
+// set, up to twice the live tensor bytes; mapped, the resident set follows them (docs/memory-model.md).
+//
+// A freed mapping is kept for the next block of its length, as CUDA's caching allocator keeps
+// device memory: a training step asks for the same sizes in the same order every step, and
+// a mapping returned to the kernel would be faulted in and zero-filled again by the next one
+// (a tenth of a small model's step). Kept mappings are returned only to stay within the most
+// bytes of mappings ever live at once: the resident set never exceeds its peak without the
+// cache, it only stops shrinking after it.
 //
 // Each block carries its size, and its mapping's length, in a header one alignment unit wide in
 // front of the tensor data, so the data pointer is its own context: LibTorch's raw_allocate (used
@@ -47,17 +48,16 @@ class TensorAllocator final : public c10::Allocator {
     TORCH_CHECK(base_free_ != nullptr, "the CPU allocator has no raw deleter");
   }
 
-#if TORCH_VERSION_MAJOR >= 2
   c10::DataPtr allocate(size_t n) override { return allocate_block(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
-#else
-  c10::DataPtr allocate(size_t n) const override { return allocate_block(n); }
-#endif
   c10::DeleterFnPtr raw_deleter() const override { return &TensorAllocator::free; }
 
-  TensorBytes bytes() const { return {live_.load(), peak_.load()}; }
+  TensorBytes bytes() const {
+    const std::lock_guard<std::mutex> lock(cache_mutex_);
+    return {live_.load(), peak_.load(), static_cast<int64_t>(mapped_), static_cast<int64_t>(mapped_ - kept_bytes_)};
+  }
   void reset_peak() const { peak_.store(live_.load()); }
 
  private:
@@ -74,8 +74,8 @@ class TensorAllocator final : public c10::Allocator {
     int64_t mapped = 0;
     c10::Device device(c10::kCPU);
     if (n >= kLarge) {
-      mapped = static_cast<int64_t>(round_up(n + kHeader, kPage));
-      block = map(static_cast<size_t>(mapped));
+      mapped = static_cast<int64_t>(round_up(n + kHeader, kHugePage));
+      block = take_mapping(static_cast<size_t>(mapped));
     } else {
       c10::DataPtr inner = base_->allocate(n + kHeader);
       device = inner.device();
@@ -95,8 +95,35 @@ class TensorAllocator final : public c10::Allocator {
     return {data, data, &TensorAllocator::free, device};
   }
 
-  // A mapping of its own for a large block, starting at a huge-page boundary so that the kernel
-  // can back it with huge pages.
+  // A mapping of `bytes` (a whole number of huge pages) for a large block: one kept from a freed
+  // block of that length, else a new one, after returning kept ones while the mappings would
+  // otherwise exceed their live peak (the class comment).
+  static void* take_mapping(size_t bytes) {
+    const std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (auto kept = kept_.find(bytes); kept != kept_.end()) {
+      void* block = kept->second;
+      kept_.erase(kept);
+      kept_bytes_ -= bytes;
+      note_live_mapping_locked();
+      return block;
+    }
+    const size_t live_mapped = mapped_ - kept_bytes_;
+    while (!kept_.empty() && mapped_ + bytes > std::max(mapped_peak_live_, live_mapped + bytes)) {
+      auto largest = std::prev(kept_.end());
+      ::munmap(largest->second, largest->first);
+      mapped_ -= largest->first;
+      kept_bytes_ -= largest->first;
+      kept_.erase(largest);
+    }
+    void* block = map(bytes);
+    mapped_ += bytes;
+    note_live_mapping_locked();
+    return block;
+  }
+
+  static void note_live_mapping_locked() { mapped_peak_live_ = std::max(mapped_peak_live_, mapped_ - kept_bytes_); }
+
+  // A new mapping, starting at a huge-page boundary so that the kernel can back it with huge pages.
   static void* map(size_t bytes) {
     const size_t reserve = bytes + kHugePage;
     void* raw = ::mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -115,15 +142,22 @@ class TensorAllocator final : public c10::Allocator {
     void* block = static_cast<char*>(data) - kHeader;
     const auto* header = static_cast<const int64_t*>(block);
     live_.fetch_sub(header[0]);
-    if (header[1] > 0)
-      ::munmap(block, static_cast<size_t>(header[1]));
-    else
+    if (header[1] > 0) {
+      const std::lock_guard<std::mutex> lock(cache_mutex_);
+      kept_.emplace(static_cast<size_t>(header[1]), block);
+      kept_bytes_ += static_cast<size_t>(header[1]);
+    } else
       base_free_(block);
   }
 
   c10::Allocator* base_;
   static inline c10::DeleterFnPtr base_free_ = nullptr;
   static std::atomic<int64_t> live_, peak_;
+  // Mappings of freed large blocks by length, and the byte counts of the mappings (guarded by
+  // cache_mutex_): all of them, the kept ones, and the most ever live at once.
+  static inline std::mutex cache_mutex_;
+  static inline std::multimap<size_t, void*> kept_;
+  static inline size_t mapped_ = 0, kept_bytes_ = 0, mapped_peak_live_ = 0;
 };
 
 std::atomic<int64_t> TensorAllocator::live_{0};

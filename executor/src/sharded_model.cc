@@ -524,20 +524,11 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
 
 torch::Tensor ShardedModel::local_experts(const torch::Tensor& rows, const std::vector<int64_t>& rows_per_expert,
                                           const Gathered& local) {
-  std::vector<torch::Tensor> outputs;
   busiest_expert_rows_ = std::max(busiest_expert_rows_, rows.size(0));
-  int64_t begin = 0;
-  for (int64_t j = 0; j < experts_per_rank_; ++j) {
-    const int64_t n = rows_per_expert[static_cast<size_t>(j)];
-    if (n == 0) continue;
-    const auto& p = local.params;  // w1, w2, w3 of each local expert
-    outputs.push_back(expert_ffn(rows.narrow(0, begin, n), p[static_cast<size_t>(3 * j)],
-                                 p[static_cast<size_t>(3 * j + 1)], p[static_cast<size_t>(3 * j + 2)]));
-    begin += n;
-  }
-  // No rows: an empty result still tied to the input, so that the backward collectives of every
-  // rank meet.
-  return outputs.empty() ? rows * 0 : torch::cat(outputs, 0);
+  const auto& p = local.params;  // w1, w2, w3 of each local expert
+  return grouped_experts(rows, rows_per_expert, [&p](int64_t j) {
+    return ExpertWeights{p[static_cast<size_t>(3 * j)], p[static_cast<size_t>(3 * j + 1)], p[static_cast<size_t>(3 * j + 2)]};
+  });
 }
 
 torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, const torch::Tensor& experts,

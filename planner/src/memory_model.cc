@@ -78,16 +78,19 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
                        routed * ((mlp_kept - 1) * bytes + gemm_input) * f * inside);
     return out;
   }
-  // Eager: each RMSNorm also keeps its normalised rows (and, below fp32, the fp32 copy of its
-  // input); keys and values are kept repeated to every query head; SiLU keeps its output beside
+  // Eager: each norm keeps its input and fp32 statistics per row (the executor's fused RMSNorm:
+  // one reciprocal; LibTorch's layer norm: mean and reciprocal); SiLU keeps its output beside
   // w1's; the expert output returns to the token's rank, k rows per token, where it is kept for
-  // the weighted sum.
+  // the weighted sum. Inside attention: q, k and v after
+  // RoPE and the core's output, and that output again as o_proj's input (a copy in the
+  // [tokens, heads x head_dim] layout); unfused attention keeps keys and values repeated to
+  // every query head, scaled-dot-product attention (flash) keeps them as they are.
   const double k = static_cast<double>(m.experts_per_token);
-  const double norm_copy = m.norm == Norm::kRmsNorm && a < kBytesFp32 ? t * h * kBytesFp32 : 0.0;
-  const double norm_rows = m.norm == Norm::kRmsNorm ? 1.0 : 0.0;
-  out.attention = to_bytes((t * (2 + norm_rows) * h * bytes + norm_copy + t * mask * h) * outside +
-                           t * 4 * q * bytes * inside + core);
-  out.moe = to_bytes((t * (2 + norm_rows) * h * bytes + norm_copy + t * mask * h +
+  const double norm_stats = t * (m.norm == Norm::kRmsNorm ? 1.0 : 2.0) * kBytesFp32;
+  const double qkv_kept = attention == AttentionKernel::kFlash ? 3 * q + 2 * kv : 4 * q;
+  out.attention =
+      to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h) * outside + t * qkv_kept * bytes * inside + core);
+  out.moe = to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h +
                       (dense ? 0.0 : t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes)) *
                          outside +
                      routed * (mlp_kept + (m.mlp == Mlp::kSwiGlu ? 1.0 : 0.0)) * f * bytes * inside);

@@ -84,8 +84,10 @@ Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, 
   p.training.warmup_steps = 0;
   // Offloaded blocks prefetched ahead: no more than the blocks kept (the same as all of them).
   p.parallel.activation_loading_horizon = std::min(p.parallel.activation_loading_horizon, p.model.num_layers);
-  // The executor runs LibTorch operations one by one on the CPU: its activations are eager ones.
+  // The executor runs LibTorch operations one by one on the CPU: its activations are eager ones,
+  // its attention LibTorch's scaled-dot-product attention.
   p.cluster.kernels = Kernels::kEager;
+  p.cluster.attention = AttentionKernel::kFlash;
   p.provenance.command = "moeplan run --rehearse (from " + plan.model.name + " on " + plan.cluster.name + ")";
   repredict(p);
   return p;

@@ -85,23 +85,40 @@ bool mapped(const void* p) {
 }
 }  // namespace
 
-// Large blocks live in mappings of their own that are returned to the kernel when the tensor is
-// freed; small ones stay in the heap.
-TEST(TensorAllocator, MapsLargeBlocksAndUnmapsThemWhenFreed) {
+// Large blocks live in mappings of their own; a freed one is kept for the next block of its
+// length, and kept ones are returned to the kernel before the mappings would outgrow the most
+// ever live at once.
+TEST(TensorAllocator, MapsLargeBlocksAndKeepsThemForTheNextOfTheirLength) {
   install_tensor_allocator();
   const int64_t before = tensor_bytes().live;
   const void* address = nullptr;
   {
-    torch::Tensor big = torch::arange(3 << 20, torch::kFloat);  // 12 MiB
+    torch::Tensor big = torch::arange(16 << 20, torch::kFloat);  // 64 MiB
     address = big.data_ptr();
     EXPECT_EQ(reinterpret_cast<uintptr_t>(address) % c10::gAlignment, 0u);
-    EXPECT_EQ(tensor_bytes().live - before, int64_t{12} << 20);
+    EXPECT_EQ(tensor_bytes().live - before, int64_t{64} << 20);
     EXPECT_TRUE(mapped(address));
-    EXPECT_EQ(big[(3 << 20) - 1].item<float>(), static_cast<float>((3 << 20) - 1));
-    EXPECT_DOUBLE_EQ(big.sum().item<double>(), 3.0 * (1 << 20) * ((3 << 20) - 1) / 2);
+    EXPECT_EQ(big[(16 << 20) - 1].item<float>(), static_cast<float>((16 << 20) - 1));
   }
   EXPECT_EQ(tensor_bytes().live, before);
-  EXPECT_FALSE(mapped(address)) << "the freed block's mapping is still there";
+  const TensorBytes freed = tensor_bytes();
+  EXPECT_GE(freed.mapped - freed.mapped_live, int64_t{64} << 20) << "the freed block's mapping is kept";
+  EXPECT_TRUE(mapped(address));
+  {
+    // The same length again: the kept mapping, its memory still there.
+    const torch::Tensor again = torch::empty({16 << 20}, torch::kFloat);
+    EXPECT_EQ(again.data_ptr(), address);
+  }
+  {
+    // Twice the length: more than the mappings ever live at once would allow beside the kept
+    // one, which goes back to the kernel.
+    const torch::Tensor bigger = torch::ones({32 << 20}, torch::kFloat);
+    EXPECT_FALSE(mapped(address)) << "the kept mapping was not returned";
+    EXPECT_EQ(bigger.sum().item<double>(), double{32 << 20});
+    const TensorBytes now = tensor_bytes();
+    EXPECT_GE(now.mapped_live, int64_t{128} << 20);
+    EXPECT_LE(now.mapped, now.mapped_live + freed.mapped - freed.mapped_live);
+  }
 }
 
 }  // namespace

@@ -94,21 +94,28 @@ TEST(MemoryModel, ActivationsPerBlock) {
   EXPECT_EQ(b.full(), 528'809'984);
 }
 
-// The same block run by eager kernels (moeplan's executor), bf16:
-//   fp32 copy of an RMSNorm input   2048 x 4096 x 4                        =  33,554,432
-//   probabilities, fp32 and bf16    1 x 32 x 2048 x 2048 x (4 + 2)         = 805,306,368
-//   attention   2048 x (3x4096 + 4x4096) x 2 + 33,554,432 + 805,306,368   = 956,301,312
-//   moe         2048 x 3x4096 x 2 + 33,554,432 + 2048 x 8 x 4
-//               + 4096 x (4096 + 4x14336) x 2 + 2 x 2048 x 4096 x 2       = 620,822,528
+// The same block run by eager kernels, bf16, unfused attention:
+//   RMSNorm: its input and an fp32 reciprocal per row           2048 x 4    =       8,192
+//   probabilities, fp32 and bf16    1 x 32 x 2048 x 2048 x (4 + 2)          = 805,306,368
+//   attention   2048 x (2x4096 + 4x4096) x 2 + 8,192 + 805,306,368          = 905,977,856
+//   moe         2048 x 2x4096 x 2 + 8,192 + 2048 x 8 x 4
+//               + 4096 x (4096 + 4x14336) x 2 + 2 x 2048 x 4096 x 2         = 570,499,072
+// With scaled-dot-product (flash) attention, as moeplan's executor runs it: q, the kv-width k
+// and v, the output and its o_proj copy, and the fp32 log-sum-exp per head and token:
+//   2048 x 2x4096 x 2 + 8,192 + 2048 x (3x4096 + 2x1024) x 2 + 2048 x 32 x 4 =  92,545,024
 TEST(MemoryModel, ActivationsPerBlockWithEagerKernels) {
   const BlockActivations b = block_activations(mixtral(), 1, 2048, 4096, 2, Kernels::kEager);
   EXPECT_EQ(b.block_input, 16'777'216);
-  EXPECT_EQ(b.attention, 956'301'312);
-  EXPECT_EQ(b.moe, 620'822'528);
-  // In fp32 nothing is copied to fp32 and the probabilities are kept once: 2 micro-batch
-  // sequences of 1024 tokens, 2 x 32 x 1024 x 1024 x 4 = 268,435,456.
+  EXPECT_EQ(b.attention, 905'977'856);
+  EXPECT_EQ(b.moe, 570'499'072);
+  // In fp32 the probabilities are kept once: 2 micro-batch sequences of 1024 tokens,
+  // 2 x 32 x 1024 x 1024 x 4 = 268,435,456.
   const BlockActivations fp32 = block_activations(mixtral(), 2, 1024, 4096, 4, Kernels::kEager);
-  EXPECT_EQ(fp32.attention, 2048 * (3 * 4096 + 4 * 4096) * 4 + 268'435'456);
+  EXPECT_EQ(fp32.attention, 2048 * (2 * 4096 + 4 * 4096) * 4 + 2048 * 4 + 268'435'456);
+  const BlockActivations flash =
+      block_activations(mixtral(), 1, 2048, 4096, 2, Kernels::kEager, AttentionKernel::kFlash, TensorSplit{});
+  EXPECT_EQ(flash.attention, 92'545'024);
+  EXPECT_EQ(flash.moe, b.moe);
 }
 
 // 32 blocks: none keeps every block (32 x 528,809,984); full keeps block inputs and recomputes

@@ -15,7 +15,6 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/torch.h>
-#include <torch/version.h>
 
 #include <chrono>
 #include <cstdint>
@@ -26,13 +25,8 @@
 
 namespace moeplan::executor {
 
-// What a process group of one backend is: LibTorch 2's gloo and NCCL groups are c10d
-// backends; in LibTorch 1.13 each was a process group of its own.
-#if TORCH_VERSION_MAJOR >= 2
+// A process group of one backend (gloo or NCCL): a c10d backend.
 using BackendGroup = c10::intrusive_ptr<c10d::Backend>;
-#else
-using BackendGroup = c10::intrusive_ptr<c10d::ProcessGroup>;
-#endif
 
 class CollectiveError : public std::runtime_error {
  public:

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -113,14 +114,28 @@ struct Rope {
   torch::Tensor cos, sin;  // [T, head_dim], compute dtype
 };
 Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype);
-// 0 where attention is allowed, -inf in the future and beyond the sliding window: [T, T].
+// The attention mask beyond causality: none (an undefined tensor) when the model attends to
+// every earlier position, else 0 where attention is allowed and -inf in the future and beyond
+// the sliding window: [T, T].
 torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype);
-// Self-attention of x [B, T, hidden] with the q/k/v/o projections of w (no norm, no residual).
+// Self-attention of x [B, T, hidden] with the q/k/v/o projections of w (no norm, no residual):
+// LibTorch's scaled-dot-product attention (flash attention on CPU and GPU where it applies),
+// causal, or under mask_bias where that is defined.
 torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
                         const torch::Tensor& mask_bias);
 // One SwiGLU expert on rows [n, hidden]: w2(silu(w1 x) * w3 x).
 torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
                          const torch::Tensor& w3);
+// Experts on rows [n, hidden] grouped by expert (rows_per_expert of each, in order), each
+// expert's weights given by `weights`: their outputs in the rows' order. Each group runs as one
+// matrix multiply per weight, its rows padded to expert_row_multiple() where the CPU's 16-bit
+// multiply wants few shapes.
+struct ExpertWeights {
+  torch::Tensor w1, w2, w3;
+};
+using ExpertWeightsFn = std::function<ExpertWeights(int64_t expert)>;
+torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_per_expert, const ExpertWeightsFn& weights);
+int64_t expert_row_multiple(const torch::Tensor& rows);
 
 // Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,

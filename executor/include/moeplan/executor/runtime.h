@@ -6,9 +6,8 @@
 
 namespace moeplan::executor {
 
-// Sets LibTorch's intra-op threads and, when the BLAS library is OpenBLAS (Debian's LibTorch
-// takes whatever libblas.so.3 is selected and does not tell it), OpenBLAS's own pool too:
-// otherwise OpenBLAS runs one thread per core in every rank and they spin against each other.
+// Sets LibTorch's intra-op threads (its OpenMP pool, which MKL's matrix multiplies and oneDNN's
+// use too).
 void set_compute_threads(int threads);
 
 // Keeps freed memory in the heap for reuse instead of returning it to the kernel, like the CUDA
@@ -18,7 +17,8 @@ void set_compute_threads(int threads);
 void keep_freed_memory();
 
 // Installs the rank's CPU tensor allocator (LibTorch's, wrapped): blocks of 2 MiB and more are
-// mapped on their own with huge pages and unmapped when freed, smaller ones come from the heap
+// mapped on their own with huge pages, and a freed mapping is kept for the next block of its
+// length within the peak of the live ones (as CUDA's caching allocator does), smaller ones come from the heap
 // kept by keep_freed_memory; and the bytes of live tensors are counted, apart from what the heap
 // keeps around them and the runtime's own memory. Installed once; tensors allocated before are
 // neither counted nor mapped.
@@ -26,6 +26,8 @@ void install_tensor_allocator();
 struct TensorBytes {
   int64_t live = 0;
   int64_t peak = 0;  // since install_tensor_allocator() or the last reset
+  int64_t mapped = 0;       // mappings of blocks of 2 MiB and more, those kept for reuse included
+  int64_t mapped_live = 0;  // those of live blocks
 };
 TensorBytes tensor_bytes();
 void reset_peak_tensor_bytes();

@@ -1,0 +1,22 @@
+#pragma once
+// Fused kernels for the parts of a Mixtral block that LibTorch runs on the CPU as a chain of
+// elementwise operations, each a pass over memory (RMSNorm, rotary embedding): here one pass
+// forward and one backward, with the same results up to the order of float sums. On a GPU they
+// defer to LibTorch's own fused kernels where it has them.
+
+#include <torch/torch.h>
+
+namespace moeplan::executor {
+
+// weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, the normalised rows rounded to
+// x's dtype before the weight multiplies them (Hugging Face's MixtralRMSNorm), in fp32
+// arithmetic (fp64 for fp64); x and weight of one dtype. Keeps x and a per-row fp32 reciprocal
+// for backward.
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// Rotary position embedding of x [B, T, heads, head_dim] (the projection's layout):
+// x * cos + rotate_half(x) * sin, cos and sin [T, head_dim] (Hugging Face's apply_rotary_pos_emb,
+// rotate_half(x) = cat(-x2, x1) of x's two halves). Keeps nothing of x for backward.
+torch::Tensor fused_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+}  // namespace moeplan::executor
