@@ -172,6 +172,31 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
   return outputs[0];
 }
 
+torch::Tensor flash_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& mask_bias) {
+  const bool causal = !mask_bias.defined();
+  const std::optional<torch::Tensor> mask = causal ? std::nullopt : std::optional<torch::Tensor>(mask_bias);
+  if (!q.device().is_cpu() || q.element_size() >= 4)
+    return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/causal,
+                                            /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
+  // The CPU flash kernel takes grouped-query heads as they are.
+  const torch::Tensor qd = q.detach(), kd = k.detach(), vd = v.detach();
+  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(qd, kd, vd, 0.0, causal, mask);
+  TensorList outputs{out};
+  attach_backward({q, k, v}, outputs, "FlashAttentionBackward",
+                  [qd, kd, vd, out, logsumexp, mask_bias, causal](TensorList&& grads) {
+                    if (!grads[0].defined()) return TensorList{torch::Tensor(), torch::Tensor(), torch::Tensor()};
+                    const auto wide = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
+                    const std::optional<torch::Tensor> mask =
+                        causal ? std::nullopt : std::optional<torch::Tensor>(wide(mask_bias));
+                    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+                        wide(grads[0]), wide(qd), wide(kd), wide(vd), wide(out), logsumexp, 0.0, causal, mask);
+                    const torch::ScalarType type = qd.scalar_type();
+                    return TensorList{gq.to(type), gk.to(type), gv.to(type)};
+                  });
+  return outputs[0];
+}
+
 torch::Tensor fused_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(x.dim() == 4 && x.size(-1) % 2 == 0, "rotary: x must be [B, T, heads, even head_dim], not ", x.sizes());
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),

@@ -202,10 +202,7 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
                               .transpose(1, 2);
   const torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
   // Grouped-query attention: each key/value head serves heads / kv query heads, unrepeated.
-  const bool causal = !mask_bias.defined();
-  const torch::Tensor out = at::scaled_dot_product_attention(
-      q, k, v, causal ? std::nullopt : std::optional<torch::Tensor>(mask_bias), /*dropout_p=*/0.0,
-      /*is_causal=*/causal, /*scale=*/std::nullopt, /*enable_gqa=*/heads != kv);
+  const torch::Tensor out = flash_attention(q, k, v, mask_bias);
   return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * hd}), w.o_proj.t());
 }
 

@@ -114,6 +114,42 @@ TEST(FusedKernels, GradientsAgreeWithFiniteDifferences) {
                                  {torch::randn({2, 5, 3, 4}, dbl)});
 }
 
+// In bf16 on the CPU the backward runs in fp32: against LibTorch's whole-fp32 attention of the
+// same (bf16-rounded) inputs, forward and backward, causal and under a sliding-window mask, with
+// grouped-query heads; and in fp32 it is LibTorch's own.
+TEST(FusedKernels, FlashAttentionMatchesLibTorchsAttention) {
+  torch::manual_seed(6);
+  const int64_t b = 2, heads = 4, kv = 2, t = 40, d = 16;
+  const torch::Tensor q = torch::randn({b, heads, t, d}), k = torch::randn({b, kv, t, d}), v = torch::randn({b, kv, t, d});
+  const torch::Tensor g = torch::randn({b, heads, t, d});
+  const torch::Tensor i = torch::arange(t).unsqueeze(1), j = torch::arange(t).unsqueeze(0);
+  const torch::Tensor window = torch::zeros({t, t}).masked_fill((j > i) | (i - j >= 7), -INFINITY);
+  for (const torch::Tensor& mask : {torch::Tensor(), window}) {
+    const std::string what = mask.defined() ? "sliding window" : "causal";
+    auto reference = [&](const std::vector<torch::Tensor>& in) {
+      return at::scaled_dot_product_attention(in[0], in[1], in[2],
+                                              mask.defined() ? std::optional<torch::Tensor>(mask) : std::nullopt, 0.0,
+                                              !mask.defined(), std::nullopt, /*enable_gqa=*/true);
+    };
+    auto fused = [&](const std::vector<torch::Tensor>& in) {
+      return flash_attention(in[0], in[1], in[2], mask.defined() ? mask.to(in[0].scalar_type()) : mask);
+    };
+    const Result a = run(fused, {q, k, v}, g), r = run(reference, {q, k, v}, g);
+    expect_close(a.out, r.out, 1e-5, 1e-5, what + " fp32 output");
+    for (size_t n = 0; n < 3; ++n) expect_close(a.grads[n], r.grads[n], 1e-4, 1e-5, what + " fp32 gradient");
+    const auto bf16 = [](const torch::Tensor& x) { return x.to(torch::kBFloat16); };
+    const auto rounded = [&](const torch::Tensor& x) { return bf16(x).to(torch::kFloat); };
+    const Result h = run(fused, {bf16(q), bf16(k), bf16(v)}, bf16(g));
+    const Result w = run(reference, {rounded(q), rounded(k), rounded(v)}, rounded(g));
+    expect_close(h.out.to(torch::kFloat), w.out, 2e-2, 2e-2, what + " bf16 output");
+    for (size_t n = 0; n < 3; ++n) {
+      ASSERT_EQ(h.grads[n].scalar_type(), torch::kBFloat16);
+      // The fp32 backward of bf16 values: the reference's gradient, rounded once to bf16.
+      expect_close(h.grads[n].to(torch::kFloat), w.grads[n], 1e-2, 1e-2, what + " bf16 gradient");
+    }
+  }
+}
+
 TEST(FusedKernels, BadInputIsNamed) {
   const torch::Tensor x = torch::randn({2, 8});
   EXPECT_THROW(fused_rms_norm(x, torch::ones({8}, torch::kBFloat16), 1e-5), c10::Error);

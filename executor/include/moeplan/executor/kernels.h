@@ -19,4 +19,12 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
 // rotate_half(x) = cat(-x2, x1) of x's two halves). Keeps nothing of x for backward.
 torch::Tensor fused_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
+// Causal scaled-dot-product attention of q [B, heads, T, d] over k and v [B, kv_heads, T, d]
+// (grouped-query: heads a multiple of kv_heads), under mask_bias [T, T] instead where that is
+// defined: LibTorch's, flash attention on the CPU. On the CPU in 16 bits its backward runs in
+// fp32 on copies of what the forward kept (in the compute dtype, as LibTorch's keeps them):
+// LibTorch's 16-bit flash backward is half again as slow as its fp32 one there.
+torch::Tensor flash_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& mask_bias);
+
 }  // namespace moeplan::executor
