@@ -181,7 +181,6 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return fused_rms_norm(x, weight, eps);
 }
 
-
 Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype) {
   const int64_t d = spec.head_dim;
   const torch::Tensor exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
