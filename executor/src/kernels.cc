@@ -186,11 +186,11 @@ torch::Tensor flash_attention(const torch::Tensor& q, const torch::Tensor& k, co
   attach_backward({q, k, v}, outputs, "FlashAttentionBackward",
                   [qd, kd, vd, out, logsumexp, mask_bias, causal](TensorList&& grads) {
                     if (!grads[0].defined()) return TensorList{torch::Tensor(), torch::Tensor(), torch::Tensor()};
-                    const auto wide = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
+                    const auto fp32 = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
                     const std::optional<torch::Tensor> mask =
-                        causal ? std::nullopt : std::optional<torch::Tensor>(wide(mask_bias));
+                        causal ? std::nullopt : std::optional<torch::Tensor>(fp32(mask_bias));
                     auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-                        wide(grads[0]), wide(qd), wide(kd), wide(vd), wide(out), logsumexp, 0.0, causal, mask);
+                        fp32(grads[0]), fp32(qd), fp32(kd), fp32(vd), fp32(out), logsumexp, 0.0, causal, mask);
                     const torch::ScalarType type = qd.scalar_type();
                     return TensorList{gq.to(type), gk.to(type), gv.to(type)};
                   });
