@@ -262,6 +262,7 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
   c.num_nodes = r.integer("num_nodes", 1, kMaxNodes, 1);
   if (auto gpu = r.object("gpu")) {
     c.gpu_name = gpu->string("name");
+    c.device = gpu->choice<DeviceKind>("device", kDeviceKindNames, DeviceKind::kCuda);
     c.gpu_memory_bytes = gpu->integer("memory_bytes", 1, kMaxBytes);
     c.peak_bf16_flops = gpu->number("peak_bf16_flops", 1.0, kMaxRate);
     c.peak_fp32_flops = gpu->number("peak_fp32_flops", 1.0, kMaxRate);
@@ -416,6 +417,8 @@ Json to_json(const ClusterSpec& c) {
   j["num_nodes"] = sourced("num_nodes", c.num_nodes);
   Json gpu;
   gpu["name"] = sourced("gpu.name", c.gpu_name);
+  if (c.device != DeviceKind::kCuda || c.sources.contains("gpu.device"))
+    gpu["device"] = sourced("gpu.device", std::string(name_of(kDeviceKindNames, c.device)));
   gpu["memory_bytes"] = sourced("gpu.memory_bytes", c.gpu_memory_bytes);
   gpu["peak_bf16_flops"] = sourced("gpu.peak_bf16_flops", c.peak_bf16_flops);
   gpu["peak_fp32_flops"] = sourced("gpu.peak_fp32_flops", c.peak_fp32_flops);

@@ -349,6 +349,15 @@ void check_executor(const RunConfig& c, Sink& sink) {
            [&] { return "= true" + stages + ": the executor offloads without pipeline stages only"; });
   }
   // Layouts the planner and simulator know that the executor does not run yet.
+  // One rank trains through the reference trainer, which keeps every activation in memory.
+  if (p.world_size == 1 && p.activation_checkpointing != Checkpointing::kNone)
+    sink(Rule::kExecutorLayouts, "parallel.activation_checkpointing", [&] {
+      return "= \"" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) +
+             "\" on one rank: the executor recomputes blocks in runs of two or more ranks only";
+    });
+  if (p.world_size == 1 && p.activation_offloading)
+    sink(Rule::kExecutorLayouts, "parallel.activation_offloading",
+         [&] { return std::string("= true on one rank: the executor offloads in runs of two or more ranks only"); });
   if (p.activation_checkpointing == Checkpointing::kAttentionCore)
     sink(Rule::kExecutorLayouts, "parallel.activation_checkpointing", [&] {
       return std::string(

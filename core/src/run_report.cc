@@ -117,6 +117,12 @@ Json to_json(const RunReport& r) {
                         {"peak_rss_bytes", r.peak_rss_bytes},
                         {"phase_seconds_rank0", phases},
                         {"tokens_per_expert", r.tokens_per_expert}};
+  if (!r.peak_device_bytes_per_rank.empty()) {
+    report["measured"]["peak_device_allocated_bytes_per_rank"] = r.peak_device_allocated_bytes_per_rank;
+    report["measured"]["peak_device_reserved_bytes_per_rank"] = r.peak_device_reserved_bytes_per_rank;
+    report["measured"]["peak_device_bytes_per_rank"] = r.peak_device_bytes_per_rank;
+    report["measured"]["peak_device_bytes"] = r.peak_device_bytes;
+  }
   report["predicted"] = {{"step_time_s", r.predicted_step_time_s},
                          {"tokens_per_s", r.predicted_tokens_per_s},
                          {"device_bytes_per_rank", r.predicted_bytes_per_rank}};
@@ -158,6 +164,12 @@ RunReport run_report_from_json(const Json& json, const std::string& origin) {
     r.peak_step_tensor_bytes_per_rank = integers(*m, "peak_step_tensor_bytes_per_rank");
     r.busiest_expert_rows_per_rank = integers(*m, "busiest_expert_rows_per_rank");
     r.peak_rss_bytes = m->integer("peak_rss_bytes", 0, kMaxCount);
+    if (m->child("peak_device_bytes_per_rank", true) != nullptr) {
+      r.peak_device_allocated_bytes_per_rank = integers(*m, "peak_device_allocated_bytes_per_rank");
+      r.peak_device_reserved_bytes_per_rank = integers(*m, "peak_device_reserved_bytes_per_rank");
+      r.peak_device_bytes_per_rank = integers(*m, "peak_device_bytes_per_rank");
+      r.peak_device_bytes = m->integer("peak_device_bytes", 0, kMaxCount);
+    }
     if (auto phases = m->object("phase_seconds_rank0")) {
       const Json* raw = m->child("phase_seconds_rank0");
       for (const auto& [name, seconds] : raw->items()) r.phase_seconds.emplace_back(name, phases->number(name, 0, 1e12));

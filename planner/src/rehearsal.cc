@@ -88,6 +88,7 @@ Plan rehearsal_plan(const Plan& plan, const Shrink& shrink, int64_t vocab_size, 
   // its attention LibTorch's scaled-dot-product attention.
   p.cluster.kernels = Kernels::kEager;
   p.cluster.attention = AttentionKernel::kFlash;
+  p.cluster.device = DeviceKind::kCpu;  // a rehearsal's ranks, and its one-rank reference, are CPU processes
   p.provenance.command = "moeplan run --rehearse (from " + plan.model.name + " on " + plan.cluster.name + ")";
   repredict(p);
   return p;

@@ -67,6 +67,24 @@ TEST(RunReport, WrittenAndReadBackTheSame) {
   EXPECT_EQ(back.busiest_expert_rows(), 52);
 }
 
+// A GPU run: the caching allocator's figures are written, read back, and are what the memory
+// model's device bytes are held to; a CPU run's report has none of them.
+TEST(RunReport, GpuRunsAreHeldToTheirDeviceMemory) {
+  RunReport r = two_rank_report();
+  EXPECT_FALSE(to_json(r)["measured"].contains("peak_device_bytes"));
+  r.peak_device_allocated_bytes_per_rank = {850, 870};
+  r.peak_device_reserved_bytes_per_rank = {900, 950};
+  r.peak_device_bytes_per_rank = {1000, 1100};
+  r.peak_device_bytes = 1100;
+  EXPECT_EQ(r.peak_memory_bytes(), 1100);
+  EXPECT_NEAR(r.memory_error(), 0.1, 1e-12);
+  const Json written = to_json(r);
+  const RunReport back = run_report_from_json(written, "report.json");
+  EXPECT_EQ(to_json(back), written);
+  EXPECT_EQ(back.peak_device_reserved_bytes_per_rank, r.peak_device_reserved_bytes_per_rank);
+  EXPECT_NEAR(written["relative_error"]["peak_memory"].get<double>(), 0.1, 1e-12);
+}
+
 TEST(RunReport, StepFiguresLeaveTheWarmUpStepOut) {
   const RunReport r = two_rank_report();
   EXPECT_EQ(r.steps, 8);

@@ -40,6 +40,13 @@ enum class AttentionKernel : uint8_t { kFlash, kUnfused };
 inline constexpr std::array<std::pair<std::string_view, AttentionKernel>, 2> kAttentionKernelNames{
     {{"flash", AttentionKernel::kFlash}, {"unfused", AttentionKernel::kUnfused}}};
 
+// What a rank computes on: a CUDA GPU (every shipped GPU profile), or a CPU process (local-cpu
+// and the profiles `moeplan calibrate` measures on CPU ranks). `moeplan run` puts a rank on
+// cuda:LOCAL_RANK for a CUDA profile when the machine has the GPU.
+enum class DeviceKind : uint8_t { kCuda, kCpu };
+inline constexpr std::array<std::pair<std::string_view, DeviceKind>, 2> kDeviceKindNames{
+    {{"cuda", DeviceKind::kCuda}, {"cpu", DeviceKind::kCpu}}};
+
 // A collective's own alpha-beta pair, fitted on measured times (moeplan calibrate); it replaces
 // the level's latency and bandwidth for that collective. Zero: not measured.
 struct CollectiveFit {
@@ -134,6 +141,7 @@ struct ClusterSpec {
   int64_t num_nodes = 1;  // set when a search sizes the cluster; profiles leave it at 1
 
   std::string gpu_name;
+  DeviceKind device = DeviceKind::kCuda;
   int64_t gpu_memory_bytes = 0;
   double peak_bf16_flops = 0;  // dense, per GPU, per second
   double peak_fp32_flops = 0;

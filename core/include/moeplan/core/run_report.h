@@ -37,6 +37,15 @@ struct RunReport {
   std::vector<int64_t> peak_rss_bytes_per_rank, baseline_rss_bytes_per_rank, peak_tensor_bytes_per_rank,
       peak_step_tensor_bytes_per_rank, busiest_expert_rows_per_rank;
   int64_t peak_rss_bytes = 0;  // the largest rank's
+  // Ranks on a GPU: the CUDA caching allocator's peaks of allocated and reserved bytes, and the
+  // device memory at its peak as the driver would count it (what the process held on the device
+  // before the model, its context, plus the peak reserved); empty on CPU ranks.
+  std::vector<int64_t> peak_device_allocated_bytes_per_rank, peak_device_reserved_bytes_per_rank,
+      peak_device_bytes_per_rank;
+  int64_t peak_device_bytes = 0;  // the largest rank's
+  // What the memory model's device bytes are measured against: the device's peak on a GPU, the
+  // resident set's on CPU ranks.
+  int64_t peak_memory_bytes() const { return peak_device_bytes > 0 ? peak_device_bytes : peak_rss_bytes; }
   double predicted_step_time_s = 0, predicted_tokens_per_s = 0;
   int64_t predicted_bytes_per_rank = 0;
   std::vector<std::vector<int64_t>> tokens_per_expert;  // of the last step, [layer][expert]
@@ -48,7 +57,7 @@ struct RunReport {
   double undisturbed_step_time_error() const { return relative_error(undisturbed_step_time_s, predicted_step_time_s); }
   double tokens_per_s_error() const { return relative_error(tokens_per_s, predicted_tokens_per_s); }
   double memory_error() const {
-    return relative_error(static_cast<double>(peak_rss_bytes), static_cast<double>(predicted_bytes_per_rank));
+    return relative_error(static_cast<double>(peak_memory_bytes()), static_cast<double>(predicted_bytes_per_rank));
   }
   // Rank 0's last step by the simulator's phase names (phase_of_measured_span), summed.
   std::vector<std::pair<std::string, double>> phases() const;
