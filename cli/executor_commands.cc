@@ -12,6 +12,7 @@
 #include "moeplan/core/checksum.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/calibrate.h"
+#include "moeplan/executor/device.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
@@ -238,6 +239,12 @@ int run_calibrate(const CalibrateArgs& args) {
     if (rank != 0) o.progress = nullptr;
     executor::JoinedWorld joined;
     if (env) joined = executor::join_world(*env, std::chrono::milliseconds(1000 * args.timeout_seconds), "calibrate/");
+    // A GPU profile as the base: measured on this rank's GPU, which has to be here.
+    const executor::ComputeDevice device = executor::choose_device(base, rank);
+    if (base.device == DeviceKind::kCuda && !device.is_cuda())
+      throw InputError("--base", {{"", base.name + " is a GPU profile, but " + device.note}});
+    o.device = device.device;
+    o.device_name = device.name;
     const executor::Calibration c = executor::calibrate(o, joined.world, joined.mesh_of);
     if (rank != 0) return kExitOk;
     const std::string how = "moeplan calibrate on " + host_name() + ", " + utc_now() + " (`" + args.command + "`)";

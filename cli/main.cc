@@ -166,7 +166,8 @@ int main(int argc, char** argv) {
   CalibrateArgs calibrate;
   calibrate.command = command_line(argc, argv);
   CLI::App* calibrate_cmd =
-      app.add_subcommand("calibrate", "Measure this machine as a cluster of CPU ranks and write a hardware profile");
+      app.add_subcommand("calibrate", "Measure this machine as a cluster of CPU ranks (or its GPU, with a GPU "
+                                         "profile as --base) and write a hardware profile");
   calibrate_cmd->add_option("--ranks", calibrate.ranks, "Ranks (processes) measured together")
       ->capture_default_str()->check(CLI::Range(1, 64));
   calibrate_cmd->add_option("--model", calibrate.model, "Model whose shapes are measured (profile name or file)")

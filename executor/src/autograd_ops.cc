@@ -3,6 +3,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <memory>
+#include <type_traits>
+
 namespace moeplan::executor {
 
 namespace {
@@ -21,11 +24,21 @@ class LambdaBackward : public torch::autograd::Node {
   BackwardFn backward_;
 };
 
+// A graph node as this LibTorch holds them: by intrusive pointer from 2.12 on, by shared
+// pointer before (2.11 is the one on the CUDA machines' images).
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>)
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  else
+    return std::make_shared<T>(std::forward<Args>(args)...);
+}
+
 }  // namespace
 
 void attach_backward(const TensorList& inputs, TensorList& outputs, const std::string& name, BackwardFn backward) {
   if (!torch::autograd::compute_requires_grad(inputs)) return;
-  auto node = c10::make_intrusive<LambdaBackward>(name, std::move(backward));
+  auto node = make_node<LambdaBackward>(name, std::move(backward));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (torch::Tensor& out : outputs) {
     // detach() drops any autograd view relation (a bf16 view of a received fp16 buffer, say).

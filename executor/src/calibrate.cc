@@ -12,7 +12,10 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "moeplan/core/errors.h"
 #include "moeplan/core/fit.h"
+#include "moeplan/core/phases.h"
+#include "moeplan/executor/device.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/offload.h"
 #include "moeplan/executor/optimizer.h"
@@ -20,12 +23,18 @@
 #include "moeplan/executor/run_report.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/sharded_model.h"
+#include "moeplan/executor/trainer.h"
 
 namespace moeplan::executor {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The device calibrate() measures on, set once at its start: where the helpers below put their
+// tensors, and what every timer waits for before it reads the clock (a GPU runs its work
+// after the call that queued it has returned).
+torch::Device measured_device = torch::kCPU;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -41,13 +50,16 @@ int repeats_for(int reps, double one_call_s) {
 // rank must make the same number of calls.
 template <class F>
 double time_median(int reps, F&& f, bool adapt = true) {
+  wait_for(measured_device);
   const auto warm = Clock::now();
   f();
+  wait_for(measured_device);
   if (adapt) reps = repeats_for(reps, seconds_since(warm));
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     const auto start = Clock::now();
     f();
+    wait_for(measured_device);
     t.push_back(seconds_since(start));
   }
   return median(t);
@@ -59,8 +71,10 @@ double time_median(int reps, F&& f, bool adapt = true) {
 template <class F>
 double time_mean(int calls, F&& f) {
   f();
+  wait_for(measured_device);
   const auto start = Clock::now();
   for (int i = 0; i < calls; ++i) f();
+  wait_for(measured_device);
   return seconds_since(start) / calls;
 }
 
@@ -76,11 +90,14 @@ template <class Forward>
 std::pair<double, double> time_forward_backward(int reps, Forward&& forward) {
   std::vector<double> fwd, bwd;
   for (int i = 0; i <= reps; ++i) {
+    wait_for(measured_device);
     auto start = Clock::now();
     const torch::Tensor y = forward();
+    wait_for(measured_device);
     const double f = seconds_since(start);
     start = Clock::now();
     y.backward(torch::ones_like(y));
+    wait_for(measured_device);
     const double b = seconds_since(start);
     if (i == 0) {  // warm-up
       reps = repeats_for(reps, f + b);
@@ -93,7 +110,7 @@ std::pair<double, double> time_forward_backward(int reps, Forward&& forward) {
 }
 
 torch::Tensor weight(std::vector<int64_t> shape, torch::ScalarType type, double scale = 0.02) {
-  return (torch::randn(shape) * scale).to(type).requires_grad_(true);
+  return (torch::randn(shape) * scale).to(measured_device, type).requires_grad_(true);
 }
 
 // Progress lines on rank 0.
@@ -118,8 +135,15 @@ class OverheadProbe {
   // What the process holds beyond tensors: the resident set less the live tensors and the
   // mappings kept for reuse (reserved by the tensor allocator, as CUDA's caching allocator
   // reserves: they count as tensor memory, never above the live peak).
+  // On a GPU: the device memory beyond what the caching allocator reserved (the CUDA context,
+  // the libraries' handles and kernels).
   void sample() {
     if (stopped_) return;
+    if (measured_device.is_cuda()) {
+      const DeviceMemory d = device_memory(measured_device);
+      most_ = std::max(most_, d.used - d.reserved);
+      return;
+    }
     const TensorBytes t = tensor_bytes();
     most_ = std::max(most_, current_rss_bytes() - t.live - (t.mapped - t.mapped_live));
   }
@@ -227,7 +251,12 @@ struct Workload {
   torch::Tensor w1, w2, w3, embed, norm, lm_head;
   Plan whole_plan;
   DeviceMesh alone;
-  ShardedModel whole;
+  // The executor's own model of one rank: on the CPU the sharded model (E = S = 1) that every
+  // CPU layout runs; on a GPU the one-rank trainer, whose steps are timed whole.
+  std::unique_ptr<ShardedModel> whole;
+  std::unique_ptr<ModelTrainer> trainer;
+  // Forward with the loss of the sharded model on token ids (CPU).
+  torch::Tensor micro_batch_loss(const torch::Tensor& ids);
   // Collectives after compute: each kind as the executor uses it, small (a one-element
   // all-reduce, the tokens-per-expert all-gather before a dispatch, a dispatch of one
   // sequence), after stretches from a router's forward to a whole micro-batch's forward and
@@ -258,8 +287,8 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
       master(options.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat), h(m.hidden_size),
       t(options.seq_len), n(communicator.size()), a(options.precision == Precision::kFp32 ? 4 : 2),
       reps(options.quick ? 3 : 7), few(options.quick ? 2 : 1), mbs(micro_batches(options.max_micro_batch)),
-      rope(rope_tables(m, t, type)), mask(attention_mask_bias(m, t, type)), whole_plan(alone_plan(options)),
-      alone(whole_plan.parallel), whole(whole_plan, alone),
+      rope(rope_tables(m, t, type, measured_device)), mask(attention_mask_bias(m, t, type, measured_device)),
+      whole_plan(alone_plan(options)), alone(whole_plan.parallel),
       store((o.scratch_dir.empty() ? std::filesystem::temp_directory_path().string() : o.scratch_dir) +
             "/.calibrate-offload-rank-" + std::to_string(communicator.rank())),
       mesh_of(meshes) {
@@ -310,8 +339,13 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
     list.erase(std::unique(list.begin(), list.end()), list.end());
   }
   moe.load_balancing = o.load_balancing;
-  w.input_norm = torch::ones({h}).to(type).requires_grad_(true);
-  w.post_attention_norm = torch::ones({h}).to(type).requires_grad_(true);
+  if (measured_device.is_cpu()) {
+    whole = std::make_unique<ShardedModel>(whole_plan, alone);
+  } else {
+    trainer = std::make_unique<ModelTrainer>(whole_plan, measured_device);
+  }
+  w.input_norm = torch::ones({h}).to(measured_device, type).requires_grad_(true);
+  w.post_attention_norm = torch::ones({h}).to(measured_device, type).requires_grad_(true);
   w.q_proj = weight({m.num_attention_heads * m.head_dim, h}, type);
   w.k_proj = weight({m.num_key_value_heads * m.head_dim, h}, type);
   w.v_proj = weight({m.num_key_value_heads * m.head_dim, h}, type);
@@ -321,7 +355,7 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
   w2 = weight({h, m.intermediate_size}, type);
   w3 = weight({m.intermediate_size, h}, type);
   embed = weight({m.vocab_size, h}, type);
-  norm = torch::ones({h}).to(type).requires_grad_(true);
+  norm = torch::ones({h}).to(measured_device, type).requires_grad_(true);
   lm_head = weight({m.vocab_size, h}, type);
   token = torch::zeros({1});
   expert_counts = torch::zeros({1, m.num_experts}, torch::kLong);
@@ -336,8 +370,13 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
   stretches = {
       {[this] { (void)torch::matmul(stretch_x, w.router.t()).softmax(-1).topk(m.experts_per_token); }, 80 / few},
       {[this] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
-      {[this] { (void)mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total; }, 24 / few},
-      {[this] { mixtral_loss(m, moe, whole.forward(stretch_ids, 1), stretch_ids).total.backward(); }, 16 / few}};
+      {[this] { (void)micro_batch_loss(stretch_ids); }, 24 / few},
+      {[this] { micro_batch_loss(stretch_ids).backward(); }, 16 / few}};
+}
+
+torch::Tensor Workload::micro_batch_loss(const torch::Tensor& ids) {
+  if (!whole) throw std::logic_error("calibration: the sharded model is measured on CPU ranks only");
+  return mixtral_loss(m, moe, whole->forward(ids, 1), ids).total;
 }
 
 void Workload::form_split_models() {
@@ -382,7 +421,8 @@ class Figures {
 void measure_gemms(Workload& x, Figures& f, OverheadProbe& overhead) {
   f.begin("gemm");
   for (const Gemm& g : x.gemms) {
-    const torch::Tensor a = torch::randn({g.rows, g.inner}).to(x.type), b = torch::randn({g.inner, g.cols}).to(x.type);
+    const torch::Tensor a = torch::randn({g.rows, g.inner}).to(measured_device, x.type);
+    const torch::Tensor b = torch::randn({g.inner, g.cols}).to(measured_device, x.type);
     f.add(time_median(x.reps, [&] { (void)torch::mm(a, b); }));
     overhead.sample();
   }
@@ -403,10 +443,10 @@ double time_head(const Workload& x, const torch::Tensor& embed, const torch::Ten
   ModelSpec spec = m;
   spec.vocab_size = embed.size(0);
   const int64_t b = in.size(0);
-  const torch::Tensor ids = torch::randint(spec.vocab_size, {b, x.t}, torch::kLong);
+  const torch::Tensor ids = torch::randint(spec.vocab_size, {b, x.t}, torch::kLong).to(measured_device);
   std::vector<torch::Tensor> router_logits;
   for (int64_t l = 0; l < m.num_layers; ++l)
-    router_logits.push_back(torch::randn({b * x.t, m.num_experts}).to(x.type).requires_grad_(true));
+    router_logits.push_back(torch::randn({b * x.t, m.num_experts}).to(measured_device, x.type).requires_grad_(true));
   return time_median(x.reps, [&] {
     ForwardResult out;
     out.logits = torch::matmul(rms_norm(in + torch::embedding(embed, ids), x.norm, m.rms_norm_eps), lm_head.t())
@@ -420,7 +460,7 @@ double time_head(const Workload& x, const torch::Tensor& embed, const torch::Ten
 void time_experts(const Workload& x, const torch::Tensor& w1, const torch::Tensor& w2, const torch::Tensor& w3,
                   Figures& f, OverheadProbe& overhead) {
   for (int64_t r : x.expert_rows) {
-    const torch::Tensor rows = torch::randn({r, x.h}).to(x.type).requires_grad_(true);
+    const torch::Tensor rows = torch::randn({r, x.h}).to(measured_device, x.type).requires_grad_(true);
     auto [ef, eb] = time_forward_backward(x.reps, [&] { return expert_ffn(rows, w1, w2, w3); });
     f.add(ef);
     f.add(eb);
@@ -434,7 +474,7 @@ void measure_ops(Workload& x, Figures& f, OverheadProbe& overhead) {
   const int64_t h = x.h, t = x.t;
   f.begin("ops");
   for (int64_t b : x.mbs) {
-    const torch::Tensor in = torch::randn({b, t, h}).to(x.type).requires_grad_(true);
+    const torch::Tensor in = torch::randn({b, t, h}).to(measured_device, x.type).requires_grad_(true);
     auto [af, ab] = time_attention(x, m, x.w, in);
     overhead.sample();
     // MoE sub-block without its experts: norm, router, routing, dispatch to rows grouped by
@@ -481,7 +521,7 @@ void measure_splits(Workload& x, Figures& f, OverheadProbe& overhead) {
     const int64_t vocab = m.vocab_size / split, width = m.intermediate_size / split;
     const torch::Tensor embed = weight({vocab, h}, x.type), lm_head = weight({vocab, h}, x.type);
     for (int64_t b : x.mbs) {
-      const torch::Tensor in = torch::randn({b, t, h}).to(x.type).requires_grad_(true);
+      const torch::Tensor in = torch::randn({b, t, h}).to(measured_device, x.type).requires_grad_(true);
       auto [af, ab] = time_attention(x, local, w, in);
       overhead.sample();
       const double head = time_head(x, embed, lm_head, in);
@@ -500,9 +540,11 @@ void measure_optimizer(Workload& x, Figures& f, OverheadProbe& overhead) {
     std::vector<torch::Tensor> shards, grads, masks;
     for (int64_t numel : x.units) {
       const int64_t k = (numel + d - 1) / d;
-      shards.push_back(torch::randn({k}).to(x.master));
-      grads.push_back((torch::randn({k}) * 1e-3).to(x.type));
-      masks.push_back(torch::ones({k}, torch::kBool));
+      // Drawn where they are used: a GPU draws a large model's shards in milliseconds.
+      const auto where = torch::TensorOptions().device(measured_device);
+      shards.push_back(torch::randn({k}, where).to(x.master));
+      grads.push_back((torch::randn({k}, where) * 1e-3).to(x.type));
+      masks.push_back(torch::ones({k}, torch::dtype(torch::kBool).device(measured_device)));
     }
     AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
     f.add(time_median(x.reps, [&] {
@@ -517,6 +559,21 @@ void measure_optimizer(Workload& x, Figures& f, OverheadProbe& overhead) {
 // largest micro-batch.
 void measure_copies(Workload& x, Figures& f, OverheadProbe& overhead) {
   f.begin("copies");
+  if (measured_device.is_cuda()) {
+    // On a GPU: a device-to-device copy (bytes read and written), and copies between pinned
+    // host memory and the device each way (the activation offload's path).
+    const int64_t n = int64_t{64} << 20;  // 256 MiB of fp32
+    const torch::Tensor a = torch::randn({n}).to(measured_device), b = torch::empty_like(a);
+    const double copy = time_median(x.reps, [&] { b.copy_(a); });
+    f.add(2.0 * static_cast<double>(n) * 4 / copy);
+    const torch::Tensor host = torch::empty({n}).pin_memory();
+    const double down = time_median(x.reps, [&] { host.copy_(a, /*non_blocking=*/true); });
+    const double up = time_median(x.reps, [&] { b.copy_(host, /*non_blocking=*/true); });
+    f.add(static_cast<double>(n) * 4 / down);
+    f.add(static_cast<double>(n) * 4 / up);
+    overhead.sample();
+    return;
+  }
   const int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
   const torch::Tensor a = torch::randn({n}), b = torch::empty({n});
   const double copy = time_median(x.reps, [&] { b.copy_(a); });
@@ -571,14 +628,44 @@ void measure_collectives(Workload& x, Figures& f, Progress& progress, const std:
   }
 }
 
+// On a GPU: optimizer steps of the one-rank trainer over one micro-batch, as `moeplan run`
+// makes them; the medians of its forward span and of its backward span (which includes adding
+// the gradients to the fp32 accumulators in mixed precision) after a warm-up step.
+std::pair<double, double> time_trainer_step(int reps, ModelTrainer& trainer, const torch::Tensor& ids) {
+  auto spans = [&trainer] {
+    double forward = 0, backward = 0;
+    for (const TraceEvent& e : trainer.clock().events()) {
+      if (e.name == phase::kForward) forward += 1e-9 * static_cast<double>(e.duration_ns);
+      if (e.name == phase::kBackward) backward += 1e-9 * static_cast<double>(e.duration_ns);
+    }
+    return std::pair{forward, backward};
+  };
+  trainer.step({ids});
+  const auto [f0, b0] = spans();
+  reps = repeats_for(reps, f0 + b0);
+  std::vector<double> fwd, bwd;
+  for (int i = 0; i < reps; ++i) {
+    trainer.step({ids});
+    const auto [f, b] = spans();
+    fwd.push_back(f);
+    bwd.push_back(b);
+  }
+  return {median(fwd), median(bwd)};
+}
+
 // The executor's whole micro-batch: forward with the loss, then backward, through its own
 // model; what the operations above leave out shows here.
 void measure_micro_batches(Workload& x, Figures& f) {
   f.begin("micro_batches");
   for (int64_t b : x.mbs) {
     const torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
-    auto [mf, mb] = time_forward_backward(
-        x.reps, [&] { return mixtral_loss(x.m, x.moe, x.whole.forward(ids, 1), ids).total; });
+    if (x.trainer) {
+      auto [mf, mb] = time_trainer_step(x.reps, *x.trainer, ids);
+      f.add(mf);
+      f.add(mb);
+      continue;
+    }
+    auto [mf, mb] = time_forward_backward(x.reps, [&] { return x.micro_batch_loss(ids); });
     f.add(mf);
     f.add(mb);
   }
@@ -853,7 +940,12 @@ void read_efficiency(Calibration& cal) {
 
 Calibration calibrate(const CalibrateOptions& o, Communicator& world, const MeshMaker& mesh_of) {
   const auto started = Clock::now();
+  if (o.device.is_cuda() && world.size() > 1)
+    throw InputError("--ranks", {{"", std::to_string(world.size()) +
+                                          " ranks: on a GPU, calibration measures one rank (--ranks 1)"}});
+  measured_device = o.device;
   Progress progress(o.progress, world.rank() == 0);
+  progress.say("measuring on " + o.device_name);
   torch::manual_seed(1234 + static_cast<uint64_t>(world.rank()));
   torch::NoGradGuard outer_no_grad;  // enabled again where a backward is timed
   const int passes = o.passes > 0 ? o.passes : (o.quick ? 1 : 5);
@@ -956,12 +1048,51 @@ Json to_json(const Calibration& c) {
   return j;
 }
 
+namespace {
+
+// A GPU's profile: its base's datasheet rates, kernel model and collectives stay (what one GPU
+// cannot measure of its node); the executor's operations at the model's shapes, the host copies
+// and the memory beyond the caching allocator are what was measured.
+ClusterSpec calibrated_gpu(ClusterSpec p, const Calibration& c, const CalibrateOptions& o, const std::string& how) {
+  char text[512];
+  auto say = [&](const std::string& field, const std::string& what) { p.sources[field] = what + "; " + how; };
+  std::snprintf(text, sizeof text,
+                "%s, its nodes and interconnect as %s says; one %s calibrated by moeplan calibrate in %.0f s",
+                p.description.c_str(), "the base profile", o.device_name.c_str(), c.seconds);
+  p.description = text;
+  p.sources.erase("description");
+  p.pcie_bandwidth_bytes_per_s = 2.0 / (1.0 / c.offload_write_bytes_per_s + 1.0 / c.offload_read_bytes_per_s);
+  std::snprintf(text, sizeof text,
+                "measured: 256 MiB copies between pinned host memory and the GPU, %.1f GB/s to the host and %.1f GB/s "
+                "back (the mean time per byte of the two)",
+                c.offload_write_bytes_per_s / 1e9, c.offload_read_bytes_per_s / 1e9);
+  say("host.pcie_bandwidth_bytes_per_s", text);
+  p.framework_overhead_bytes = c.overhead_bytes;
+  say("framework.overhead_bytes",
+      "measured: the most device memory in use beyond what the CUDA caching allocator reserved (the CUDA context, "
+      "cuBLAS and cuDNN) while the executor's operations ran");
+  // The executor runs LibTorch's operations one after another; its attention is flash.
+  p.kernels = Kernels::kEager;
+  p.attention = AttentionKernel::kFlash;
+  say("framework.kernels", "moeplan's executor: LibTorch operations one after another (no fused RMSNorm or SwiGLU)");
+  say("framework.attention", "moeplan's executor: LibTorch's scaled-dot-product attention (flash on the GPU)");
+  p.op_times = c.op_times;
+  say("framework.op_times",
+      "measured on one " + o.device_name + ": medians of the executor's operations at these shapes, the device "
+      "synchronised around each, routing by " + std::string(name_of(kLoadBalancingNames, o.load_balancing)) +
+      ", a median within each of " + std::to_string(c.passes) + " passes, the lower quartile of the passes kept");
+  return p;
+}
+
+}  // namespace
+
 ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, const CalibrateOptions& o,
                                const std::string& name, const std::string& how) {
   ClusterSpec p = base;
   p.name = name;
   char text[512];
   auto say = [&](const std::string& field, const std::string& what) { p.sources[field] = what + "; " + how; };
+  if (o.device.is_cuda()) return calibrated_gpu(p, c, o, how);
   std::snprintf(text, sizeof text,
                 "This machine as a cluster of %lld CPU ranks (one process each, gloo over loopback), calibrated "
                 "by moeplan calibrate in %.0f s",

@@ -130,6 +130,10 @@ void ParameterSet::materialize(uint64_t run_seed, torch::ScalarType dtype) {
   }
 }
 
+void ParameterSet::move_to(const torch::Device& device) {
+  for (torch::Tensor& t : tensors_) t = t.to(device);
+}
+
 void ParameterSet::check_materialized() const {
   for (size_t i = 0; i < tensors_.size(); ++i)
     if (!tensors_[i].defined() || tensors_[i].is_meta())
@@ -181,14 +185,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return fused_rms_norm(x, weight, eps);
 }
 
-Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype) {
+Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype, const torch::Device& device) {
   const int64_t d = spec.head_dim;
   const torch::Tensor exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
   const torch::Tensor inv_freq = 1.0 / torch::pow(spec.rope_theta, exponents);
   const torch::Tensor positions = torch::arange(seq_len, torch::kLong).to(torch::kFloat);
   const torch::Tensor freqs = torch::outer(positions, inv_freq);
   const torch::Tensor emb = torch::cat({freqs, freqs}, -1);
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  return {emb.cos().to(device, dtype), emb.sin().to(device, dtype)};
 }
 
 torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
@@ -205,12 +209,13 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
   return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * hd}), w.o_proj.t());
 }
 
-torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype) {
+torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype,
+                                  const torch::Device& device) {
   if (!spec.sliding_window) return {};
   const torch::Tensor i = torch::arange(t, torch::kLong).unsqueeze(1);
   const torch::Tensor j = torch::arange(t, torch::kLong).unsqueeze(0);
   const torch::Tensor masked = (j > i) | (i - j >= *spec.sliding_window);
-  return torch::zeros({t, t}, dtype).masked_fill(masked, -std::numeric_limits<float>::infinity());
+  return torch::zeros({t, t}, dtype).masked_fill(masked, -std::numeric_limits<float>::infinity()).to(device);
 }
 
 torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
@@ -273,6 +278,9 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor slots = r.experts.flatten();  // token-major: (t0, s0), (t0, s1), (t1, s0), ...
   const torch::Tensor load = torch::bincount(slots, {}, spec.num_experts);
   counts.copy_(load);
+  // The experts' row counts on the host, where the loop over experts needs them (on a GPU the
+  // one wait of the layer for the device).
+  const torch::Tensor host_load = load.cpu();
   // Group the token-expert slots by expert once (a stable sort keeps tokens in order), so each
   // expert reads a contiguous slice: one gather and one scatter per layer instead of one each
   // per expert.
@@ -281,7 +289,7 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor gathered = tokens.index_select(0, token_of);
   const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
   const torch::Tensor expert_out = grouped_experts(
-      gathered, c10::IntArrayRef(load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
+      gathered, c10::IntArrayRef(host_load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
       [&w](int64_t e) { return ExpertWeights{w.w1[e], w.w2[e], w.w3[e]}; });
   const torch::Tensor out = torch::zeros_like(tokens).index_add(0, token_of, expert_out * slot_weights);
   return out.view(x.sizes());
@@ -293,10 +301,11 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
                               LoadBalancing balancing) {
   const int64_t t = input_ids.size(1);
   const torch::ScalarType dtype = w.embed_tokens.scalar_type();
-  const Rope rope = rope_tables(spec, t, dtype);
-  const torch::Tensor mask = attention_mask_bias(spec, t, dtype);
+  const Rope rope = rope_tables(spec, t, dtype, input_ids.device());
+  const torch::Tensor mask = attention_mask_bias(spec, t, dtype, input_ids.device());
   ForwardResult out;
-  out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  out.tokens_per_expert =
+      torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
   torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
   for (int64_t l = 0; l < spec.num_layers; ++l) {
     const LayerWeights& layer = w.layers[static_cast<size_t>(l)];

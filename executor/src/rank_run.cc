@@ -116,6 +116,10 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   const c10::intrusive_ptr<c10d::Store> store = join_store(env, timeout);
   Heartbeat heartbeat(store, env, timeout);
   try {
+    if (plan.cluster.device == DeviceKind::kCuda && env.rank == 0 && o.progress)
+      *o.progress << "the plan is for " << plan.cluster.gpu_name << " GPUs (" << plan.cluster.name
+                  << "), but runs of more than one rank train on CPU ranks joined by gloo: the sharded executor has "
+                     "no GPU path yet\n";
     DeviceMesh mesh(plan.parallel, env.rank, store, timeout, env.bind_address);
     const std::string resume_from = prepare_run_folder(o);
     mesh.world.barrier();  // every rank has looked at the folder before anyone writes to it

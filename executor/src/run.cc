@@ -8,6 +8,7 @@
 
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/rules.h"
+#include "moeplan/executor/device.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
 
@@ -220,6 +221,7 @@ RunResult run_steps(const Plan& plan, const RunOptions& o, const TokenDataset& d
   const int64_t ga = plan.parallel.gradient_accumulation_steps, mbs = plan.parallel.micro_batch_size;
   BlockOrder order(data.num_blocks(), static_cast<uint64_t>(plan.training.seed));
   StepPeaks peaks;
+  reset_device_peaks(me.device);
   int64_t busiest_rows = 0;
   while (trainer.step_count() < last_step) {
     // Reader r's micro-batch m holds what a one-rank run with r * ga + m micro-batches before
@@ -254,6 +256,10 @@ RunResult run_steps(const Plan& plan, const RunOptions& o, const TokenDataset& d
   m.peak_tensor_bytes = peaks.whole_run();
   m.peak_step_tensor_bytes = peaks.steps();
   m.busiest_expert_rows = busiest_rows;
+  const DeviceMemory device = device_memory(me.device);
+  m.peak_device_allocated_bytes = device.peak_allocated;
+  m.peak_device_reserved_bytes = device.peak_reserved;
+  m.baseline_device_bytes = me.baseline_device_bytes;
   m.events = trainer.clock().events();
   m.memory = trainer.clock().memory();
   result.report = report(plan, o, me, m, result.steps);

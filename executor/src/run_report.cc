@@ -78,6 +78,9 @@ Json to_json(const RankMeasurement& m) {
   j["peak_tensor_bytes"] = m.peak_tensor_bytes;
   j["peak_step_tensor_bytes"] = m.peak_step_tensor_bytes;
   j["busiest_expert_rows"] = m.busiest_expert_rows;
+  j["peak_device_allocated_bytes"] = m.peak_device_allocated_bytes;
+  j["peak_device_reserved_bytes"] = m.peak_device_reserved_bytes;
+  j["baseline_device_bytes"] = m.baseline_device_bytes;
   Trace trace;
   trace.source = "measured";
   trace.ranks = m.rank + 1;
@@ -95,6 +98,9 @@ RankMeasurement rank_measurement_from_json(const Json& j, const std::string& ori
   m.peak_tensor_bytes = j.at("peak_tensor_bytes").get<int64_t>();
   m.peak_step_tensor_bytes = j.at("peak_step_tensor_bytes").get<int64_t>();
   m.busiest_expert_rows = j.at("busiest_expert_rows").get<int64_t>();
+  m.peak_device_allocated_bytes = j.at("peak_device_allocated_bytes").get<int64_t>();
+  m.peak_device_reserved_bytes = j.at("peak_device_reserved_bytes").get<int64_t>();
+  m.baseline_device_bytes = j.at("baseline_device_bytes").get<int64_t>();
   Trace trace = trace_from_json(j.at("trace"), origin);
   m.events = std::move(trace.events);
   m.memory = std::move(trace.memory);
@@ -123,6 +129,14 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
     r.busiest_expert_rows_per_rank.push_back(m.busiest_expert_rows);
     r.peak_rss_bytes = std::max(r.peak_rss_bytes, m.peak_rss_bytes);
   }
+  const auto on_gpu = [](const RankMeasurement& m) { return m.peak_device_reserved_bytes > 0; };
+  if (std::any_of(ranks.begin(), ranks.end(), on_gpu))
+    for (const RankMeasurement& m : ranks) {
+      r.peak_device_allocated_bytes_per_rank.push_back(m.peak_device_allocated_bytes);
+      r.peak_device_reserved_bytes_per_rank.push_back(m.peak_device_reserved_bytes);
+      r.peak_device_bytes_per_rank.push_back(m.baseline_device_bytes + m.peak_device_reserved_bytes);
+      r.peak_device_bytes = std::max(r.peak_device_bytes, r.peak_device_bytes_per_rank.back());
+    }
   write_file_atomic(out_dir + "/trace.json", moeplan::to_json(trace).dump(1) + "\n");
 
   std::vector<double> seconds;
@@ -169,11 +183,25 @@ std::string format_summary(const RunReport& r) {
   std::snprintf(line, sizeof line, "  %-23s %14.0f %14.0f %8s\n", "tokens/s", r.predicted_tokens_per_s, r.tokens_per_s,
                 percent(r.tokens_per_s, r.predicted_tokens_per_s).c_str());
   out += line;
-  std::snprintf(line, sizeof line, "  %-23s %14s %14s %8s\n", "peak memory per rank",
+  std::snprintf(line, sizeof line, "  %-23s %14s %14s %8s\n",
+                r.peak_device_bytes > 0 ? "peak device memory" : "peak memory per rank",
                 mib(static_cast<double>(r.predicted_bytes_per_rank)).c_str(),
-                mib(static_cast<double>(r.peak_rss_bytes)).c_str(),
-                percent(static_cast<double>(r.peak_rss_bytes), static_cast<double>(r.predicted_bytes_per_rank)).c_str());
+                mib(static_cast<double>(r.peak_memory_bytes())).c_str(),
+                percent(static_cast<double>(r.peak_memory_bytes()), static_cast<double>(r.predicted_bytes_per_rank))
+                    .c_str());
   out += line;
+  for (size_t i = 0; i < r.peak_device_bytes_per_rank.size(); ++i) {
+    if (r.peak_device_bytes_per_rank[i] != r.peak_device_bytes) continue;
+    std::snprintf(line, sizeof line,
+                  "  %-23s rank %zu: %s before the model (CUDA context), caching allocator at most %s reserved, "
+                  "%s allocated\n",
+                  "", i,
+                  mib(static_cast<double>(r.peak_device_bytes - r.peak_device_reserved_bytes_per_rank[i])).c_str(),
+                  mib(static_cast<double>(r.peak_device_reserved_bytes_per_rank[i])).c_str(),
+                  mib(static_cast<double>(r.peak_device_allocated_bytes_per_rank[i])).c_str());
+    out += line;
+    break;
+  }
   for (size_t i = 0; i < r.peak_rss_bytes_per_rank.size(); ++i) {
     if (r.peak_rss_bytes_per_rank[i] != r.peak_rss_bytes) continue;
     std::snprintf(line, sizeof line, "  %-23s rank %zu: %s before the model, live tensors at most %s\n", "", i,

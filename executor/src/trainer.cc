@@ -14,6 +14,7 @@
 #include "moeplan/core/phases.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/device.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
@@ -49,12 +50,13 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
 
 }  // namespace
 
-ModelTrainer::ModelTrainer(const Plan& plan)
-    : plan_(plan), master_type_(precisions(plan.training.precision).master),
+ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device)
+    : plan_(plan), device_(device), master_type_(precisions(plan.training.precision).master),
       compute_type_(precisions(plan.training.precision).compute),
       params_(ParameterSet::on_meta(mixtral_parameters(plan.model))) {
   params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
   params_.check_materialized();
+  if (!device_.is_cpu()) params_.move_to(device_);
   std::vector<bool> decay;
   for (const ParamInfo& info : params_.infos()) decay.push_back(info.weight_decay);
   for (torch::Tensor& t : params_.tensors()) t.requires_grad_(true);
@@ -66,10 +68,12 @@ ModelTrainer::ModelTrainer(const Plan& plan)
 NamedTensors ModelTrainer::state() const {
   NamedTensors tensors;
   const auto& infos = params_.infos();
-  for (size_t i = 0; i < infos.size(); ++i) tensors.emplace_back("param/" + infos[i].name, params_.tensors()[i]);
-  for (size_t i = 0; i < infos.size(); ++i) tensors.emplace_back("exp_avg/" + infos[i].name, optimizer_->exp_avg()[i]);
+  // On the host (the tensors themselves on the CPU; copies of a device's).
+  for (size_t i = 0; i < infos.size(); ++i) tensors.emplace_back("param/" + infos[i].name, params_.tensors()[i].cpu());
   for (size_t i = 0; i < infos.size(); ++i)
-    tensors.emplace_back("exp_avg_sq/" + infos[i].name, optimizer_->exp_avg_sq()[i]);
+    tensors.emplace_back("exp_avg/" + infos[i].name, optimizer_->exp_avg()[i].cpu());
+  for (size_t i = 0; i < infos.size(); ++i)
+    tensors.emplace_back("exp_avg_sq/" + infos[i].name, optimizer_->exp_avg_sq()[i].cpu());
   tensors.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
   return tensors;
 }
@@ -120,39 +124,47 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
-  torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(device_));
   const bool mixed = compute_type_ != master_type_;
   std::vector<torch::Tensor> master_grads;
   if (mixed)
     for (const torch::Tensor& t : params_.tensors()) master_grads.push_back(torch::zeros_like(t));
-  double loss = 0, aux = 0, z = 0, total = 0;
-  for (const torch::Tensor& ids : micro_batches) {
-    std::vector<torch::Tensor> compute;
-    if (mixed) {
-      // bf16 copies of the fp32 master weights for this micro-batch; their gradients are added
-      // to fp32 accumulators.
-      for (const torch::Tensor& t : params_.tensors()) compute.push_back(t.detach().to(compute_type_).requires_grad_(true));
-    } else {
-      compute = params_.tensors();
-    }
+  // The losses stay on the device until the step ends: reading each as it comes would wait for
+  // the device every micro-batch.
+  std::vector<torch::Tensor> sums;
+  // In mixed precision, bf16 copies of the fp32 master weights, made once for the step's
+  // micro-batches; after each backward their gradients are added to fp32 accumulators.
+  std::vector<torch::Tensor> compute;
+  if (mixed) {
+    for (const torch::Tensor& t : params_.tensors())
+      compute.push_back(t.detach().to(compute_type_).requires_grad_(true));
+  } else {
+    compute = params_.tensors();
+  }
+  for (const torch::Tensor& batch : micro_batches) {
+    const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();
     ForwardResult out = mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
+    wait_for(device_);  // the spans are of the device's work
     const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();
+    if (mixed)
+      for (size_t i = 0; i < compute.size(); ++i) {
+        torch::Tensor& grad = compute[i].mutable_grad();
+        if (!grad.defined()) continue;
+        master_grads[i].add_(grad);  // widened inside the addition, exactly as a copy to fp32 would be
+        grad = torch::Tensor();
+      }
+    wait_for(device_);
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
-    if (mixed)
-      for (size_t i = 0; i < compute.size(); ++i)
-        if (compute[i].grad().defined()) master_grads[i].add_(compute[i].grad().to(master_type_));
     counts += out.tokens_per_expert;
-    loss += terms.lm.item<double>();
-    aux += terms.aux.item<double>();
-    z += terms.z.item<double>();
-    total += terms.total.item<double>();
+    sums.push_back(torch::stack({terms.lm, terms.aux, terms.z, terms.total}).detach().to(torch::kDouble));
     r.tokens += ids.numel();
   }
+  const torch::Tensor mean_losses = torch::stack(sums).mean(0).cpu();
   const auto o0 = Clock::now();
   std::vector<torch::Tensor> grads;
   if (mixed) {
@@ -163,16 +175,17 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
   optimizer_->step(grads, r.learning_rate);
   for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
+  wait_for(device_);
   clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
-  const double n = static_cast<double>(ga);
-  r.loss = loss / n;
-  r.aux_loss = aux / n;
-  r.z_loss = z / n;
-  r.total_loss = total / n;
+  r.loss = mean_losses[0].item<double>();
+  r.aux_loss = mean_losses[1].item<double>();
+  r.z_loss = mean_losses[2].item<double>();
+  r.total_loss = mean_losses[3].item<double>();
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const torch::Tensor host_counts = counts.cpu();
   for (int64_t l = 0; l < spec.num_layers; ++l) {
     std::vector<int64_t> row;
-    for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(counts[l][e].item<int64_t>());
+    for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(host_counts[l][e].item<int64_t>());
     r.tokens_per_expert.push_back(std::move(row));
   }
   return r;
@@ -183,7 +196,7 @@ namespace {
 // The reference trainer as the run's loop drives it: every tensor whole on this one rank.
 class OneRankTrainer final : public StepTrainer {
  public:
-  explicit OneRankTrainer(const Plan& plan) : plan_(plan), model_(plan) {}
+  OneRankTrainer(const Plan& plan, torch::Device device) : plan_(plan), model_(plan, device) {}
 
   StepRecord step(const std::vector<torch::Tensor>& micro_batches) override { return model_.step(micro_batches); }
   int64_t step_count() const override { return model_.step_count(); }
@@ -234,9 +247,17 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   install_tensor_allocator();
   ignore_broken_pipes();
   const std::string resume_from = prepare_run_folder(o);
+  const ComputeDevice device = choose_device(plan.cluster, 0);
+  if (!device.note.empty() && o.progress)
+    *o.progress << "the plan is for " << plan.cluster.gpu_name << " GPUs (" << plan.cluster.name << "), but "
+                << device.note << ": training on the CPU\n";
+  RunRank me;
+  me.device = device.device;
+  me.where = device.is_cuda() ? "GPU " + device.name : "CPU rank";
+  me.baseline_device_bytes = device_memory(device.device).used;
   const int64_t baseline_rss = current_rss_bytes();
-  OneRankTrainer trainer(plan);
-  return run_steps(plan, o, data, trainer, RunRank{}, resume_from, baseline_rss);
+  OneRankTrainer trainer(plan, device.device);
+  return run_steps(plan, o, data, trainer, me, resume_from, baseline_rss);
 }
 
 }  // namespace moeplan::executor

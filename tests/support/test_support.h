@@ -7,6 +7,7 @@
 #include <stdlib.h>  // mkdtemp
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -24,9 +25,11 @@
 
 namespace moeplan::test {
 
-// A file of the shipped profile folder, e.g. profile_path("models/mixtral-8x7b.json").
+// A file of the shipped profile folder, e.g. profile_path("models/mixtral-8x7b.json"); the
+// folder MOEPLAN_PROFILES names where it is set (a test binary run from another checkout).
 inline std::string profile_path(const std::string& relative) {
-  return std::string(MOEPLAN_PROFILE_DIR) + "/" + relative;
+  const char* dir = std::getenv("MOEPLAN_PROFILES");
+  return std::string(dir != nullptr && *dir != '\0' ? dir : MOEPLAN_PROFILE_DIR) + "/" + relative;
 }
 
 // profiles/models/<name>.json, read once per process. std::map never moves its nodes, so the

@@ -37,6 +37,10 @@ struct CalibrateOptions {
   bool quick = false;        // fewer sizes and repeats (tests)
   int passes = 0;            // times every figure is measured, the lower quartile kept; 0: 5 (1 with quick)
   std::string scratch_dir;   // where the offload file is written
+  // Where each rank measures: the CPU, or a GPU (one rank: the NCCL collectives of a node are
+  // not measured yet, the profile keeps its base's).
+  torch::Device device = torch::kCPU;
+  std::string device_name = "CPU";  // as ComputeDevice names it
   std::ostream* progress = nullptr;
 };
 

@@ -63,6 +63,8 @@ class ParameterSet {
   void materialize(uint64_t run_seed, torch::ScalarType dtype);
   // Throws std::logic_error naming the first parameter still on the meta device.
   void check_materialized() const;
+  // Moves every tensor to `device` (before gradients or an optimizer refer to them).
+  void move_to(const torch::Device& device);
 
   const std::vector<ParamInfo>& infos() const { return infos_; }
   std::vector<torch::Tensor>& tensors() { return tensors_; }
@@ -113,11 +115,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 struct Rope {
   torch::Tensor cos, sin;  // [T, head_dim], compute dtype
 };
-Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype);
+Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype,
+                 const torch::Device& device = torch::kCPU);
 // The attention mask beyond causality: none (an undefined tensor) when the model attends to
 // every earlier position, else 0 where attention is allowed and -inf in the future and beyond
 // the sliding window: [T, T].
-torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype);
+torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype,
+                                  const torch::Device& device = torch::kCPU);
 // Self-attention of x [B, T, hidden] with the q/k/v/o projections of w (no norm, no residual):
 // LibTorch's scaled-dot-product attention (flash attention on CPU and GPU where it applies),
 // causal, or under mask_bias where that is defined.

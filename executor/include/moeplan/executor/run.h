@@ -67,6 +67,8 @@ struct RunRank {
   int64_t reader = 0, readers = 1;  // which of the data readers this rank is
   std::function<void()> barrier = [] {};
   std::string where = "CPU rank";  // what measured the run, for the report
+  torch::Device device = torch::kCPU;  // where this rank computes
+  int64_t baseline_device_bytes = 0;   // device memory this process held before the model (GPU)
 };
 
 // The state a checkpoint's manifest carries beside the shards.

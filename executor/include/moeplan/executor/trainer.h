@@ -23,7 +23,9 @@ namespace moeplan::executor {
 // benchmarks drive it directly).
 class ModelTrainer {
  public:
-  explicit ModelTrainer(const Plan& plan);
+  // On `device`: the parameters are drawn on the CPU (the same values on every device) and
+  // moved there; each step's token ids are copied there.
+  explicit ModelTrainer(const Plan& plan, torch::Device device = torch::kCPU);
 
   // One optimizer step over gradient_accumulation_steps micro-batches of token ids
   // [micro_batch_size, seq_len]: forward, loss, backward (accumulated), clipping, AdamW.
@@ -36,9 +38,11 @@ class ModelTrainer {
   void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
   const ParameterSet& parameters() const { return params_; }
   const PhaseClock& clock() const { return clock_; }
+  const torch::Device& device() const { return device_; }
 
  private:
   const Plan& plan_;
+  torch::Device device_;
   torch::ScalarType master_type_, compute_type_;
   ParameterSet params_;
   std::unique_ptr<AdamW> optimizer_;
@@ -46,7 +50,8 @@ class ModelTrainer {
   PhaseClock clock_;
 };
 
-// A one-rank run. Throws InputError for a plan, data folder or checkpoint that does not fit.
+// A one-rank run, on the GPU the plan's profile names where this machine has one (see
+// choose_device). Throws InputError for a plan, data folder or checkpoint that does not fit.
 RunResult run_training(const Plan& plan, const RunOptions& options);
 
 }  // namespace moeplan::executor
