@@ -148,6 +148,30 @@ TEST_F(Cli, SearchSaysWhenAPlansTensorSplitWasNotMeasured) {
   EXPECT_EQ(measured.out.find("no operation times measured"), std::string::npos) << show(measured);
 }
 
+// The one-GPU run recorded in docs/validation/h100: its calibrated profile plans the same layout
+// again, at the step time that run was measured against (a change that moves the prediction
+// makes the figures of docs/executor.md, "On a GPU", stale). Without a GPU, a one-rank run of a
+// GPU profile trains on the CPU; the executor's one-rank trainer refuses recomputation.
+TEST_F(Cli, TheRecordedGpuRunIsPlannedAgainFromItsProfile) {
+  Workdir dir;
+  const std::string record = test::profile_path("../docs/validation/h100/");
+  const Outcome search = dir.moeplan(
+      "search --gpus 1 --instance " + record + "gpu-here.json --model mixtral-1gpu --seq-len 2048 "
+      "--global-batch-tokens 65536 --precision mixed --max-micro-batch 4 --checkpointing none --offload off "
+      "--steps 200 --learning-rate 3e-4 --min-learning-rate 3e-5 --warmup-steps 10 --out plan.json");
+  ASSERT_EQ(search.exit_code, 0) << show(search);
+  const Plan again = read_plan_file((dir / "plan.json").string());
+  const Json report = read_json_file(record + "report.json");
+  EXPECT_EQ(describe(again.parallel), report["plan"]["parallel"].get<std::string>());
+  EXPECT_NEAR(again.prediction.step_time_s, report["predicted"]["step_time_s"].get<double>(), 1e-3);
+  EXPECT_EQ(again.cluster.device, DeviceKind::kCuda);
+  const Outcome full = dir.moeplan(
+      "search --gpus 1 --instance " + record + "gpu-here.json --model mixtral-1gpu --seq-len 2048 "
+      "--global-batch-tokens 65536 --precision mixed --checkpointing full --out full.json");
+  EXPECT_EQ(full.exit_code, 1) << show(full);
+  EXPECT_NE(full.err.find("executor_layouts"), std::string::npos) << show(full);
+}
+
 // Dense models are planned like Mixtral, with one expert: no expert parallelism, no router.
 // moeplan's executor trains Mixture-of-Experts models only, so they are planned for Megatron-Core;
 // for `moeplan run`, the default target, the search says which rule and which target.
