@@ -20,15 +20,12 @@ torch::Tensor sinkhorn(const torch::Tensor& logits, double tol, int max_iteratio
   for (int i = 0; i < max_iterations; ++i) {
     d0 = (1.0 / static_cast<double>(d0.size(0))) / (torch::sum(d1 * cost, 1) + kEps);
     d1 = (1.0 / static_cast<double>(d1.size(0))) / (torch::sum(d0.unsqueeze(1) * cost, 0) + kEps);
-    if ((i + 1) % check_every != 0 && i + 1 < max_iterations) {
-      d1_old = d1;
-      continue;
-    }
     // Megatron stops on the mean absolute change of d1; d1's scale follows the logits', so the
     // change is measured relative to d1 here, which stops at the same balance for any scale.
-    const double error = (torch::mean(torch::abs(d1_old - d1)) / torch::mean(torch::abs(d1))).item<double>();
+    if ((i + 1) % check_every == 0 &&
+        (torch::mean(torch::abs(d1_old - d1)) / torch::mean(torch::abs(d1))).item<double>() <= tol)
+      break;
     d1_old = d1;
-    if (error <= tol) break;
   }
   return d1 * cost * d0.unsqueeze(1);
 }

@@ -56,7 +56,7 @@ ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device)
       params_(ParameterSet::on_meta(mixtral_parameters(plan.model))) {
   params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
   params_.check_materialized();
-  if (!device_.is_cpu()) params_.move_to(device_);
+  params_.move_to(device_);
   std::vector<bool> decay;
   for (const ParamInfo& info : params_.infos()) decay.push_back(info.weight_decay);
   for (torch::Tensor& t : params_.tensors()) t.requires_grad_(true);
