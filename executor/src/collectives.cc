@@ -11,15 +11,8 @@ namespace moeplan::executor {
 
 namespace {
 
-// gloo 1.13 knows neither bf16 nor int16; where it only moves bytes, bf16 travels as fp16 bit
-// patterns (copied, never converted or added).
-torch::Tensor as_movable(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
-}
-
-torch::Tensor from_movable(const torch::Tensor& t, torch::ScalarType type) {
-  return type == torch::kBFloat16 ? t.view(torch::kBFloat16) : t;
-}
+// Sums of bf16 tensors are taken in fp32 and rounded once, as the one-rank step adds them.
+bool sums_wide(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
 
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -48,7 +41,7 @@ void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe, const
 void Communicator::all_reduce_sum(torch::Tensor& t) {
   if (size_ == 1) return;
   run("all-reduce", static_cast<int64_t>(t.nbytes()), [&] {
-    const bool widen = t.scalar_type() == torch::kBFloat16;
+    const bool widen = sums_wide(t);
     std::vector<torch::Tensor> tensors{widen ? t.to(torch::kFloat) : t.contiguous()};
     group_->allreduce(tensors)->wait();
     if (widen || !t.is_contiguous()) t.copy_(tensors[0]);
@@ -62,22 +55,18 @@ torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
 
 Communicator::PendingGather Communicator::start_all_gather(const torch::Tensor& shard) {
   PendingGather p;
-  p.type = shard.scalar_type();
   p.start = std::chrono::steady_clock::now();
   if (size_ == 1) {
     p.gathered = shard.clone();
     return p;
   }
   run("all-gather", 0, [&] {
-    p.input = as_movable(shard.contiguous());
-    // The rank parts are views of one result tensor: gloo copies each part into place, with no
-    // concatenation (and no second full-size tensor) afterwards.
+    p.input = shard.contiguous();
+    // Into one result tensor, rank r's part at rows r (all_gather_into_tensor).
     std::vector<int64_t> shape = p.input.sizes().vec();
     shape[0] *= size_;
     p.gathered = torch::empty(shape, p.input.options());
-    std::vector<std::vector<torch::Tensor>> outputs{p.gathered.chunk(size_, 0)};
-    std::vector<torch::Tensor> inputs{p.input};
-    p.work = group_->allgather(outputs, inputs);
+    p.work = group_->_allgather_base(p.gathered, p.input);
   }, /*observe=*/false);
   return p;
 }
@@ -90,7 +79,7 @@ torch::Tensor Communicator::finish_all_gather(PendingGather& p) {
     p.work.reset();
   }
   p.input = torch::Tensor();
-  return from_movable(p.gathered, p.type);
+  return p.gathered;
 }
 
 torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
@@ -100,18 +89,15 @@ torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
   if (size_ == 1) return full.clone();
   torch::Tensor result;
   run("reduce-scatter", static_cast<int64_t>(full.nbytes()), [&] {
-    torch::Tensor input = as_movable(full.contiguous());
-    torch::Tensor output = torch::empty_like(input);
-    std::vector<int64_t> out_equal, in_equal;  // empty split lists: equal chunks
-    group_->alltoall_base(output, input, out_equal, in_equal)->wait();
-    // Chunk r of the output is rank r's contribution to this rank's chunk: add them up (in fp32
-    // for bf16, rounding once).
-    const torch::Tensor received = from_movable(output, full.scalar_type());
-    std::vector<int64_t> shape = full.sizes().vec();
+    const bool widen = sums_wide(full);
+    torch::Tensor input = widen ? full.to(torch::kFloat) : full.contiguous();
+    std::vector<int64_t> shape = input.sizes().vec();
     shape[0] /= size_;
-    shape.insert(shape.begin(), size_);
-    const torch::ScalarType sum_type = full.scalar_type() == torch::kBFloat16 ? torch::kFloat : full.scalar_type();
-    result = received.view(shape).to(sum_type).sum(0).to(full.scalar_type());
+    torch::Tensor output = torch::empty(shape, input.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    group_->_reduce_scatter_base(output, input, options)->wait();
+    result = widen ? output.to(full.scalar_type()) : output;
   });
   return result;
 }
@@ -124,12 +110,12 @@ torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::ve
   torch::Tensor result;
   run("all-to-all", static_cast<int64_t>(input.nbytes()), [&] {
     std::vector<int64_t> send = send_rows, recv = recv_rows;
-    torch::Tensor in = as_movable(input.contiguous());
+    torch::Tensor in = input.contiguous();
     std::vector<int64_t> shape = in.sizes().vec();
     shape[0] = std::accumulate(recv.begin(), recv.end(), int64_t{0});
     torch::Tensor out = torch::empty(shape, in.options());
     group_->alltoall_base(out, in, recv, send)->wait();
-    result = from_movable(out, input.scalar_type());
+    result = out;
   });
   return result;
 }
@@ -137,11 +123,11 @@ torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::ve
 void Communicator::broadcast(torch::Tensor& t, int64_t root) {
   if (size_ == 1) return;
   run("broadcast", static_cast<int64_t>(t.nbytes()), [&] {
-    std::vector<torch::Tensor> tensors{as_movable(t.contiguous())};
+    std::vector<torch::Tensor> tensors{t.contiguous()};
     c10d::BroadcastOptions options;
     options.rootRank = root;
     group_->broadcast(tensors, options)->wait();
-    if (!t.is_contiguous()) t.copy_(from_movable(tensors[0], t.scalar_type()));
+    if (!t.is_contiguous()) t.copy_(tensors[0]);
   });
 }
 
@@ -173,12 +159,11 @@ torch::Tensor Communicator::recv(c10::IntArrayRef shape, torch::ScalarType type,
 Communicator::PendingTransfer Communicator::start_send(const torch::Tensor& t, int64_t dst, int64_t tag) {
   check_peer("send", dst, tag);
   PendingTransfer p;
-  p.type = t.scalar_type();
   p.peer = dst;
   p.sending = true;
   p.start = std::chrono::steady_clock::now();
   run("send", 0, [&] {
-    p.buffer = as_movable(t.contiguous());
+    p.buffer = t.contiguous();
     std::vector<torch::Tensor> tensors{p.buffer};
     p.work = group_->send(tensors, static_cast<int>(dst), static_cast<int>(tag));
   }, /*observe=*/false, " to rank " + std::to_string(dst));
@@ -189,11 +174,10 @@ Communicator::PendingTransfer Communicator::start_recv(c10::IntArrayRef shape, t
                                                        int64_t tag) {
   check_peer("recv", src, tag);
   PendingTransfer p;
-  p.type = type;
   p.peer = src;
   p.start = std::chrono::steady_clock::now();
   run("recv", 0, [&] {
-    p.buffer = as_movable(torch::empty(shape, torch::TensorOptions().dtype(type)));
+    p.buffer = torch::empty(shape, torch::TensorOptions().dtype(type));
     std::vector<torch::Tensor> tensors{p.buffer};
     p.work = group_->recv(tensors, static_cast<int>(src), static_cast<int>(tag));
   }, /*observe=*/false, " from rank " + std::to_string(src));
@@ -210,7 +194,7 @@ torch::Tensor Communicator::finish_transfer(PendingTransfer& p) {
     if (observer_) observer_(op, bytes, p.start, std::chrono::steady_clock::now());
     p.work.reset();
   }
-  torch::Tensor received = p.sending ? torch::Tensor() : from_movable(p.buffer, p.type);
+  torch::Tensor received = p.sending ? torch::Tensor() : p.buffer;
   p.buffer = torch::Tensor();
   return received;
 }

@@ -157,7 +157,7 @@ TEST(Collectives, StartedAllGathersFinishWithTheirOwnData) {
   }));
 }
 
-TEST(Collectives, ReduceScatterEmulationGivesEachRankItsSummedChunk) {
+TEST(Collectives, ReduceScatterGivesEachRankItsSummedChunk) {
   expect_all_ok(run_ranks(4, [](int rank, Communicator& comm) {
     for (const auto type : {torch::kFloat, torch::kBFloat16}) {
       const torch::Tensor full = rank_rows(rank, 8, 3, type);  // 4 chunks of 2 rows
@@ -166,6 +166,21 @@ TEST(Collectives, ReduceScatterEmulationGivesEachRankItsSummedChunk) {
       for (int r = 0; r < 4; ++r) want += rank_rows(r, 8, 3).narrow(0, 2 * rank, 2);
       check_equal(got, want.to(type), "reduce-scatter");
     }
+  }));
+}
+
+// bf16 parts are summed in fp32 and rounded once: 1 + 3 x 2^-8 is 1.01171875, which bf16 rounds
+// to 1.015625, while adding the parts in bf16 one at a time to the 1 never leaves 1 (each
+// 2^-8 is half of bf16's spacing there and rounds away). The same for all-reduce.
+TEST(Collectives, Bf16SumsAreRoundedOnce) {
+  expect_all_ok(run_ranks(4, [](int rank, Communicator& comm) {
+    const float part = rank == 0 ? 1.0f : 1.0f / 256.0f;
+    const torch::Tensor want = torch::full({1, 2}, 1.01171875f).to(torch::kBFloat16);
+    const torch::Tensor full = torch::full({4, 2}, part).to(torch::kBFloat16);
+    check_equal(comm.reduce_scatter_sum(full), want, "reduce-scatter");
+    torch::Tensor t = torch::full({1, 2}, part).to(torch::kBFloat16);
+    comm.all_reduce_sum(t);
+    check_equal(t, want, "all-reduce");
   }));
 }
 

@@ -1,12 +1,8 @@
 #pragma once
-// The collectives a rank uses, over one c10d process group, with what gloo 1.13 lacks built
-// from what it has:
-// - reduce-scatter: an all-to-all of the equal chunks, then a local sum (the same bytes on the
-//   wire as a ring reduce-scatter);
-// - all-gather into one tensor: the list form of all-gather, then a concatenation;
-// - bf16: moved as fp16 bit patterns where only bytes move (all-gather, all-to-all, send and
-//   recv; gloo has no 16-bit integer type), summed in fp32 where values are added (all-reduce,
-//   reduce-scatter).
+// The collectives a rank uses, over one c10d process group: the backend's own all-gather into
+// one tensor, reduce-scatter of one tensor and all-to-all with splits, every dtype moved as it
+// is. Where values are added (all-reduce, reduce-scatter), bf16 is summed in fp32 and rounded
+// once, as the one-rank step adds gradients.
 // Every failure, a timeout included, becomes a CollectiveError that names the operation, the
 // group and the rank.
 
@@ -54,7 +50,6 @@ class Communicator {
   struct PendingGather {
     c10::intrusive_ptr<c10d::Work> work;  // null in a group of one
     torch::Tensor input, gathered;
-    torch::ScalarType type = torch::kFloat;
     std::chrono::steady_clock::time_point start;
   };
   PendingGather start_all_gather(const torch::Tensor& shard);
@@ -85,7 +80,6 @@ class Communicator {
   struct PendingTransfer {
     c10::intrusive_ptr<c10d::Work> work;
     torch::Tensor buffer;  // what travels: sent from, or received into
-    torch::ScalarType type = torch::kFloat;
     int64_t peer = -1;
     bool sending = false;
     std::chrono::steady_clock::time_point start;
