@@ -215,7 +215,7 @@ TEST(Collectives, BroadcastFromRoot) {
   }));
 }
 
-// Values no fp16 holds (3e38, 1e-30): bf16 travels as bit patterns, never converted.
+// Values no fp16 holds (3e38, 1e-30): bf16 arrives bit for bit, never converted on the way.
 torch::Tensor extreme_bf16() {
   return torch::tensor({3e38f, -1e-30f, 1.0f / 3.0f, 0.0f, -2.5f, 65504.0f}).view({2, 3}).to(torch::kBFloat16);
 }

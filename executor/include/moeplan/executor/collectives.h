@@ -1,8 +1,9 @@
 #pragma once
 // The collectives a rank uses, over one c10d process group: the backend's own all-gather into
 // one tensor, reduce-scatter of one tensor (on gloo an all-to-all of the chunks and a local
-// sum, twice as fast there) and all-to-all with splits, every dtype moved as it is. Where values are added (all-reduce, reduce-scatter), bf16 is summed in fp32 and rounded
-// once, as the one-rank step adds gradients.
+// sum, twice as fast there) and all-to-all with splits, every dtype moved as it is. Where
+// values are added (all-reduce, reduce-scatter), bf16 is summed in fp32 and rounded once, as
+// the one-rank step adds gradients.
 // Every failure, a timeout included, becomes a CollectiveError that names the operation, the
 // group and the rank.
 
