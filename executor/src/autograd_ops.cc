@@ -41,7 +41,7 @@ void attach_backward(const TensorList& inputs, TensorList& outputs, const std::s
   auto node = make_node<LambdaBackward>(name, std::move(backward));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (torch::Tensor& out : outputs) {
-    // detach() drops any autograd view relation (a bf16 view of a received fp16 buffer, say).
+    // detach() drops any autograd view relation an output may carry.
     if (out.defined()) out = out.detach();
     torch::autograd::set_history(out, node);
   }

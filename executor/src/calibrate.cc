@@ -135,8 +135,8 @@ class OverheadProbe {
   // What the process holds beyond tensors: the resident set less the live tensors and the
   // mappings kept for reuse (reserved by the tensor allocator, as CUDA's caching allocator
   // reserves: they count as tensor memory, never above the live peak).
-  // On a GPU: the device memory beyond what the caching allocator reserved (the CUDA context,
-  // the libraries' handles and kernels).
+  // On a GPU: the device memory in use (as the driver counts it, every process on the device)
+  // beyond what the caching allocator reserved (the CUDA context, the libraries' handles and kernels).
   void sample() {
     if (stopped_) return;
     if (measured_device.is_cuda()) {
@@ -1090,9 +1090,9 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
                                const std::string& name, const std::string& how) {
   ClusterSpec p = base;
   p.name = name;
+  if (o.device.is_cuda()) return calibrated_gpu(p, c, o, how);
   char text[512];
   auto say = [&](const std::string& field, const std::string& what) { p.sources[field] = what + "; " + how; };
-  if (o.device.is_cuda()) return calibrated_gpu(p, c, o, how);
   std::snprintf(text, sizeof text,
                 "This machine as a cluster of %lld CPU ranks (one process each, gloo over loopback), calibrated "
                 "by moeplan calibrate in %.0f s",

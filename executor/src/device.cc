@@ -18,6 +18,10 @@ int64_t cuda_device_count() {
 #endif
 }
 
+std::string gpu_plan_but(const ClusterSpec& cluster) {
+  return "the plan is for " + cluster.gpu_name + " GPUs (" + cluster.name + "), but ";
+}
+
 ComputeDevice choose_device(const ClusterSpec& cluster, int64_t local_rank) {
   ComputeDevice out;
   out.name = "CPU";
@@ -63,7 +67,6 @@ DeviceMemory device_memory(const torch::Device& device) {
   using c10::CachingAllocator::StatType;
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
   const auto all = static_cast<size_t>(StatType::AGGREGATE);
-  m.allocated = stats.allocated_bytes[all].current;
   m.reserved = stats.reserved_bytes[all].current;
   m.peak_allocated = stats.allocated_bytes[all].peak;
   m.peak_reserved = stats.reserved_bytes[all].peak;

@@ -278,9 +278,6 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor slots = r.experts.flatten();  // token-major: (t0, s0), (t0, s1), (t1, s0), ...
   const torch::Tensor load = torch::bincount(slots, {}, spec.num_experts);
   counts.copy_(load);
-  // The experts' row counts on the host, where the loop over experts needs them (on a GPU the
-  // one wait of the layer for the device).
-  const torch::Tensor host_load = load.cpu();
   // Group the token-expert slots by expert once (a stable sort keeps tokens in order), so each
   // expert reads a contiguous slice: one gather and one scatter per layer instead of one each
   // per expert.
@@ -288,6 +285,9 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor token_of = torch::div(order, spec.experts_per_token, "floor");
   const torch::Tensor gathered = tokens.index_select(0, token_of);
   const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
+  // The experts' row counts on the host, where the loop over experts needs them: on a GPU the
+  // host waits here, with the sort and gathers above already queued.
+  const torch::Tensor host_load = load.cpu();
   const torch::Tensor expert_out = grouped_experts(
       gathered, c10::IntArrayRef(host_load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
       [&w](int64_t e) { return ExpertWeights{w.w1[e], w.w2[e], w.w3[e]}; });

@@ -17,6 +17,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/device.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/parallel_trainer.h"
 #include "moeplan/executor/runtime.h"
@@ -117,8 +118,8 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   Heartbeat heartbeat(store, env, timeout);
   try {
     if (plan.cluster.device == DeviceKind::kCuda && env.rank == 0 && o.progress)
-      *o.progress << "the plan is for " << plan.cluster.gpu_name << " GPUs (" << plan.cluster.name
-                  << "), but runs of more than one rank train on CPU ranks joined by gloo: the sharded executor has "
+      *o.progress << gpu_plan_but(plan.cluster)
+                  << "runs of more than one rank train on CPU ranks joined by gloo: the sharded executor has "
                      "no GPU path yet\n";
     DeviceMesh mesh(plan.parallel, env.rank, store, timeout, env.bind_address);
     const std::string resume_from = prepare_run_folder(o);

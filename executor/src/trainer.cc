@@ -129,8 +129,8 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   std::vector<torch::Tensor> master_grads;
   if (mixed)
     for (const torch::Tensor& t : params_.tensors()) master_grads.push_back(torch::zeros_like(t));
-  // The losses stay on the device until the step ends: reading each as it comes would wait for
-  // the device every micro-batch.
+  // The losses stay on the device until the step ends and are read once, rather than copied to
+  // the host one micro-batch at a time.
   std::vector<torch::Tensor> sums;
   // In mixed precision, bf16 copies of the fp32 master weights, made once for the step's
   // micro-batches; after each backward their gradients are added to fp32 accumulators.
@@ -141,10 +141,11 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   } else {
     compute = params_.tensors();
   }
+  const MixtralWeights weights = MixtralWeights::bind(spec, compute);
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();
-    ForwardResult out = mixtral_forward(spec, MixtralWeights::bind(spec, compute), ids, plan_.moe.load_balancing);
+    ForwardResult out = mixtral_forward(spec, weights, ids, plan_.moe.load_balancing);
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     wait_for(device_);  // the spans are of the device's work
@@ -249,8 +250,7 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   const std::string resume_from = prepare_run_folder(o);
   const ComputeDevice device = choose_device(plan.cluster, 0);
   if (!device.note.empty() && o.progress)
-    *o.progress << "the plan is for " << plan.cluster.gpu_name << " GPUs (" << plan.cluster.name << "), but "
-                << device.note << ": training on the CPU\n";
+    *o.progress << gpu_plan_but(plan.cluster) << device.note << ": training on the CPU\n";
   RunRank me;
   me.device = device.device;
   me.where = device.is_cuda() ? "GPU " + device.name : "CPU rank";

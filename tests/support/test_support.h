@@ -7,7 +7,6 @@
 #include <stdlib.h>  // mkdtemp
 
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -20,6 +19,7 @@
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/model_spec.h"
+#include "moeplan/core/profile_files.h"
 #include "moeplan/core/trace.h"
 #include "moeplan/planner/search.h"
 
@@ -27,10 +27,7 @@ namespace moeplan::test {
 
 // A file of the shipped profile folder, e.g. profile_path("models/mixtral-8x7b.json"); the
 // folder MOEPLAN_PROFILES names where it is set (a test binary run from another checkout).
-inline std::string profile_path(const std::string& relative) {
-  const char* dir = std::getenv("MOEPLAN_PROFILES");
-  return std::string(dir != nullptr && *dir != '\0' ? dir : MOEPLAN_PROFILE_DIR) + "/" + relative;
-}
+inline std::string profile_path(const std::string& relative) { return profile_dir("") + "/" + relative; }
 
 // profiles/models/<name>.json, read once per process. std::map never moves its nodes, so the
 // reference stays valid; the lock keeps the cache safe for benchmarks run on several threads.

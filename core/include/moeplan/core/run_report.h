@@ -38,8 +38,8 @@ struct RunReport {
       peak_step_tensor_bytes_per_rank, busiest_expert_rows_per_rank;
   int64_t peak_rss_bytes = 0;  // the largest rank's
   // Ranks on a GPU: the CUDA caching allocator's peaks of allocated and reserved bytes, and the
-  // device memory at its peak as the driver would count it (what the process held on the device
-  // before the model, its context, plus the peak reserved); empty on CPU ranks.
+  // device memory at its peak as the driver would count it (what was in use on the device before
+  // the model, the context with it, plus the peak reserved); empty on CPU ranks.
   std::vector<int64_t> peak_device_allocated_bytes_per_rank, peak_device_reserved_bytes_per_rank,
       peak_device_bytes_per_rank;
   int64_t peak_device_bytes = 0;  // the largest rank's

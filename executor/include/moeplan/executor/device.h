@@ -25,6 +25,10 @@ struct ComputeDevice {
 // device is made current); otherwise the CPU, with a note saying why when the profile wanted a GPU.
 ComputeDevice choose_device(const ClusterSpec& cluster, int64_t local_rank);
 
+// "the plan is for H100-SXM5-80GB GPUs (p5.48xlarge), but ": how a run on the CPU of a GPU
+// profile's plan begins to say why.
+std::string gpu_plan_but(const ClusterSpec& cluster);
+
 // How many CUDA devices this process sees (0 without CUDA).
 int64_t cuda_device_count();
 
@@ -33,7 +37,7 @@ void wait_for(const torch::Device& device);
 
 // The CUDA caching allocator's figures on one device (zeros on the CPU).
 struct DeviceMemory {
-  int64_t allocated = 0, reserved = 0;            // now
+  int64_t reserved = 0;                           // now
   int64_t peak_allocated = 0, peak_reserved = 0;  // since the last reset_device_peaks
   int64_t used = 0, total = 0;  // the whole device as the driver counts it (every process, the context too)
 };

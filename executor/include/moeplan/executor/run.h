@@ -68,7 +68,7 @@ struct RunRank {
   std::function<void()> barrier = [] {};
   std::string where = "CPU rank";  // what measured the run, for the report
   torch::Device device = torch::kCPU;  // where this rank computes
-  int64_t baseline_device_bytes = 0;   // device memory this process held before the model (GPU)
+  int64_t baseline_device_bytes = 0;   // device memory in use before the model, as the driver counts it (GPU)
 };
 
 // The state a checkpoint's manifest carries beside the shards.

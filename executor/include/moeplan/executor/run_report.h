@@ -50,8 +50,8 @@ struct RankMeasurement {
   int64_t peak_tensor_bytes = 0;   // live tensors at their peak (install_tensor_allocator)
   int64_t peak_step_tensor_bytes = 0;  // the same inside training steps only (StepPeaks)
   int64_t busiest_expert_rows = 0;     // most rows its experts computed in a layer of a micro-batch
-  // On a GPU (0 on the CPU): the caching allocator's peaks over the steps, and what the process
-  // held on the device before the model (its CUDA context).
+  // On a GPU (0 on the CPU): the caching allocator's peaks over the steps, and the device memory
+  // in use before the model (its CUDA context; the driver counts every process on the device).
   int64_t peak_device_allocated_bytes = 0, peak_device_reserved_bytes = 0, baseline_device_bytes = 0;
   std::vector<TraceEvent> events;  // of the last step
   std::vector<MemorySample> memory;

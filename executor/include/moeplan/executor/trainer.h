@@ -38,7 +38,6 @@ class ModelTrainer {
   void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
   const ParameterSet& parameters() const { return params_; }
   const PhaseClock& clock() const { return clock_; }
-  const torch::Device& device() const { return device_; }
 
  private:
   const Plan& plan_;

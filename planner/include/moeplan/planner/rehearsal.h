@@ -46,8 +46,8 @@ Plan with_measured_load(const Plan& rehearsal, double load);
 
 // Bytes of live tensors per CPU rank the memory model predicts for a plan: its device items
 // without the framework's own memory and the caching allocator's fragmentation (a CPU rank counts
-// tensors, not a GPU's reserved memory). gloo has no reduce-scatter and the executor's all-to-all
-// in its place receives a whole unit's gradient, not one shard; it is not counted, because that
+// tensors, not a GPU's reserved memory). On gloo the executor's reduce-scatter is an all-to-all
+// that receives a whole unit's gradient, not one shard; it is not counted, because that
 // moment is not the peak (the peak is in a block's backward, before its gradients leave).
 int64_t predicted_cpu_tensor_bytes(const Plan& plan);
 
