@@ -16,6 +16,7 @@
 #include "moeplan/core/rules.h"
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/units.h"
+#include "moeplan/launch/launch.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/op_costs.h"
@@ -163,7 +164,6 @@ int run_search(const SearchArgs& args) {
     planner::SearchOptions options;
     options.gpus = args.gpus;
     options.training.fp8 = args.fp8;
-    options.training.fp32_gradients = args.gradients == "fp32";
     options.training.seq_len = args.seq_len;
     options.training.steps = args.steps;
     options.training.learning_rate = args.learning_rate;
@@ -174,8 +174,20 @@ int run_search(const SearchArgs& args) {
     options.training.global_batch_tokens = args.global_batch_tokens > 0
                                                ? args.global_batch_tokens
                                                : planner::default_global_batch_tokens(args.gpus, args.seq_len);
+    for (const auto& [name, value] : kTargetNames)
+      if (name == args.target) options.target = value;
+    // Megatron-LM's, torchtitan's and SMP's bf16 training keeps fp32 parameters and optimizer
+    // states; SMP's reduces gradients in bf16.
+    const bool keeps_fp32 = options.target != Target::kAny && options.target != Target::kMoeplan;
+    const std::string precision = !args.precision.empty() ? args.precision : keeps_fp32 ? "mixed" : "bf16";
+    options.training.fp32_gradients =
+        args.gradients.empty() ? options.target != Target::kSmp : args.gradients == "fp32";
     for (const auto& [name, value] : kPrecisionNames)
-      if (name == args.precision) options.training.precision = value;
+      if (name == precision) options.training.precision = value;
+    const bool aux_loss = options.target == Target::kMegatron || options.target == Target::kTorchtitan;
+    const std::string routing = !args.load_balancing.empty() ? args.load_balancing : aux_loss ? "aux_loss" : "sinkhorn";
+    for (const auto& [name, value] : kLoadBalancingNames)
+      if (name == routing) options.moe.load_balancing = value;
     options.moe.expert_load_imbalance = args.expert_load_imbalance;
     options.moe.tokens_per_expert = args.tokens_per_expert;
     if (!args.tokens_per_expert.empty()) {
@@ -206,8 +218,6 @@ int run_search(const SearchArgs& args) {
     if (!args.distributed_optimizer.empty()) pin.distributed_optimizer = args.distributed_optimizer == "on";
     if (args.first_stage_layers > 0) pin.first_stage_layers = args.first_stage_layers;
     if (args.last_stage_layers > 0) pin.last_stage_layers = args.last_stage_layers;
-    options.smp_mode = args.target == "smp";
-    options.executor_mode = args.target == "moeplan";
     if (!args.placement.empty()) {
       if (!Placement::parse(args.placement))
         throw InputError("--placement", {{"", "= \"" + args.placement.substr(0, 16) +
@@ -235,7 +245,7 @@ int run_search(const SearchArgs& args) {
                   cluster.name.c_str(), static_cast<long long>(args.gpus), cluster.gpu_name.c_str());
       std::printf("global batch %lld tokens (seq-len %lld), precision %s, expert load imbalance %.2f\n",
                   static_cast<long long>(options.training.global_batch_tokens),
-                  static_cast<long long>(args.seq_len), args.precision.c_str(), args.expert_load_imbalance);
+                  static_cast<long long>(args.seq_len), precision.c_str(), args.expert_load_imbalance);
     }
 
     const planner::SearchResult result = planner::search(model, cluster, options);
@@ -301,6 +311,34 @@ int run_check(const CheckArgs& args) {
     return kExitOk;
   } catch (const InputError& e) {
     print_error(e);
+    return kExitBadInput;
+  }
+}
+
+int run_export_launch(const ExportLaunchArgs& args) {
+  try {
+    const Plan plan = read_plan_file(args.plan);
+    Target target = Target::kAny;
+    for (const auto& [name, value] : kTargetNames)
+      if (name == args.to) target = value;
+    const std::vector<launch::LaunchFile> files = launch::export_launch(plan, target, args.plan);
+    std::error_code ec;
+    std::filesystem::create_directories(args.out, ec);
+    if (ec) throw InputError("--out", {{"", args.out + ": cannot create the folder: " + ec.message()}});
+    for (const launch::LaunchFile& f : files) {
+      const std::string path = (std::filesystem::path(args.out) / f.name).string();
+      write_file_atomic(path, f.text);
+      if (f.name.ends_with(".sh"))
+        std::filesystem::permissions(path, std::filesystem::perms::owner_exec | std::filesystem::perms::group_exec,
+                                     std::filesystem::perm_options::add);
+      std::printf("wrote %s\n", path.c_str());
+    }
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  } catch (const std::system_error& e) {
+    std::fprintf(stderr, "moeplan: error: export-launch: %s\n", e.what());
     return kExitBadInput;
   }
 }

@@ -18,7 +18,7 @@ struct SearchArgs {
   std::string profiles;  // folder with hardware/ and models/; empty: the default
   int64_t seq_len = 2048;
   int64_t global_batch_tokens = 0;  // 0: the default for the world size
-  std::string precision = "bf16";
+  std::string precision;  // empty: the target's (mixed for megatron and torchtitan, else bf16)
   // Optimizer settings written into the plan (the executor follows them).
   int64_t steps = 100;
   double learning_rate = 1e-4;
@@ -45,7 +45,14 @@ struct SearchArgs {
   // What the training framework runs (empty: the profile's).
   std::string kernels, attention;
   bool fp8 = false;
-  std::string gradients = "fp32";
+  std::string gradients;       // empty: the target's (bf16 for smp, else fp32)
+  std::string load_balancing;  // empty: the target's (aux_loss for megatron and torchtitan, else sinkhorn)
+};
+
+struct ExportLaunchArgs {
+  std::string plan;
+  std::string to;           // smp, megatron or torchtitan
+  std::string out = ".";    // folder the files go into
 };
 
 struct CheckArgs {
@@ -99,6 +106,7 @@ int run_simulate(const SimulateArgs& args);
 // simulated.json, beside the measured trace.json).
 void write_simulated_trace(const Plan& plan, const std::string& path);
 int run_check(const CheckArgs& args);
+int run_export_launch(const ExportLaunchArgs& args);
 // Executor commands; without the executor built they say so and fail.
 // `moeplan data ...` replaces this process by moeplan-data (next to this executable) with the
 // same arguments.

@@ -41,8 +41,11 @@ int main(int argc, char** argv) {
   search_cmd->add_option("--global-batch-tokens", search.global_batch_tokens,
                          "Tokens per optimizer step (default: 4Mi rounded up to gpus x seq-len)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
-  search_cmd->add_option("--precision", search.precision, "bf16 (SMP bf16=1), mixed (fp32 master) or fp32")
-      ->capture_default_str()->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
+  search_cmd->add_option("--precision", search.precision,
+                         "bf16 (parameters and moments too), mixed (fp32 parameters, bf16 compute) or fp32 "
+                         "(default: mixed for megatron, smp and torchtitan, whose bf16 training keeps fp32 "
+                         "parameters; bf16 otherwise)")
+      ->check(CLI::IsMember({"bf16", "mixed", "fp32"}));
   search_cmd->add_option("--steps", search.steps, "Training steps (the length of the learning-rate schedule)")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   search_cmd->add_option("--learning-rate", search.learning_rate, "Peak learning rate")
@@ -69,10 +72,10 @@ int main(int argc, char** argv) {
                          "Fix the placement: R, S, E (and P, T) outermost first, e.g. RSE or PRSET; SMP's "
                          "cluster, spread or D/P/T letters");
   search_cmd->add_option("--target", search.target,
-                         "Where the plan trains: moeplan (what `moeplan run` trains), megatron (every layout "
-                         "modelled: distributed optimizer, attention-core recomputation, uneven stages, FP8) or smp "
-                         "(SMP's restrictions: no expert parallelism together with tensor parallelism)")
-      ->capture_default_str()->check(CLI::IsMember({"moeplan", "megatron", "smp"}));
+                         "Where the plan trains, and so which layouts are searched: moeplan (what `moeplan run` "
+                         "trains), megatron (Megatron-LM), smp (SageMaker model parallelism v2), torchtitan, or any "
+                         "(every layout moeplan models); `moeplan export-launch` writes the other frameworks' files")
+      ->capture_default_str()->check(CLI::IsMember({"moeplan", "megatron", "smp", "torchtitan", "any"}));
   search_cmd->add_option("--checkpointing", search.checkpointing,
                          "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's "
                          "selective recomputation)")
@@ -85,8 +88,14 @@ int main(int argc, char** argv) {
   search_cmd->add_option("--last-stage-layers", search.last_stage_layers, "Fix the blocks of the last pipeline stage")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   search_cmd->add_flag("--fp8", search.fp8, "FP8 GEMMs (Transformer Engine's recipe; GPUs with FP8 tensor cores)");
-  search_cmd->add_option("--gradients", search.gradients, "Mixed precision's gradients: fp32 or bf16")
-      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
+  search_cmd->add_option("--gradients", search.gradients,
+                         "Mixed precision's gradients: fp32 or bf16 (default: bf16 for smp, whose FSDP reduces in "
+                         "bf16; fp32 otherwise)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  search_cmd->add_option("--load-balancing", search.load_balancing,
+                         "The router's load balancing: sinkhorn, balanced, aux_loss or none (default: aux_loss for "
+                         "megatron and torchtitan, sinkhorn, SMP's default, otherwise)")
+      ->check(CLI::IsMember({"sinkhorn", "balanced", "aux_loss", "none"}));
   search_cmd->add_option("--kernels", search.kernels, "What the framework runs: fused or eager (default: the profile's)")
       ->check(CLI::IsMember({"fused", "eager"}));
   search_cmd->add_option("--attention", search.attention, "Attention kernel: flash or unfused (default: the profile's)")
@@ -118,6 +127,14 @@ int main(int argc, char** argv) {
   check_cmd->add_option("plan", check.plan, "plan.json")->required();
 
   SimulateArgs simulate;
+  ExportLaunchArgs launch_args;
+  CLI::App* launch_cmd = app.add_subcommand(
+      "export-launch", "Write the files that launch a plan in SMP, Megatron-LM or torchtitan");
+  launch_cmd->add_option("plan", launch_args.plan, "plan.json")->required();
+  launch_cmd->add_option("--to", launch_args.to, "The framework: smp, megatron or torchtitan")
+      ->required()->check(CLI::IsMember({"smp", "megatron", "torchtitan"}));
+  launch_cmd->add_option("--out", launch_args.out, "Folder for the files")->capture_default_str();
+
   CLI::App* simulate_cmd = app.add_subcommand("simulate", "Simulate one training step of a plan");
   simulate_cmd->add_option("plan", simulate.plan, "plan.json")->required();
   simulate_cmd->add_option("--trace", simulate.trace, "Write the step as a Chrome trace (Perfetto, chrome://tracing)");
@@ -286,6 +303,7 @@ int main(int argc, char** argv) {
   }
   if (search_cmd->parsed()) return run_search(search);
   if (check_cmd->parsed()) return run_check(check);
+  if (launch_cmd->parsed()) return run_export_launch(launch_args);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
   if (view_cmd->parsed()) return run_view(view_cmd->remaining(), argv[0]);

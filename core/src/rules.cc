@@ -41,6 +41,13 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "executor_pipeline_limits",
     "executor_layouts",
     "executor_tensor_splits",
+    "smp_no_pipeline",
+    "smp_layouts",
+    "megatron_layouts",
+    "megatron_routing",
+    "torchtitan_layouts",
+    "torchtitan_routing",
+    "framework_rank_order",
 };
 
 // Largest model whose counts stay far from int64 overflow in every derived quantity.
@@ -163,11 +170,6 @@ void check_degrees(const RunConfig& c, Sink& sink) {
     sink(Rule::kExpertTensorNeedsSequenceParallel, "parallel.sequence_parallel", [&] {
       return "= false with tensor_parallel_degree = " + str(tp) +
              " and an MoE model: the tokens are routed per rank, so sequence parallelism is needed";
-    });
-  if (c.smp_mode && e > 1 && tp > 1)
-    sink(Rule::kSmpExpertWithTensor, "parallel.expert_parallel_degree", [&] {
-      return "= " + str(e) + " with tensor_parallel_degree = " + str(tp) +
-             ": SMP does not combine expert and tensor parallelism (moeplan's simulator does)";
     });
   const bool uneven = p.first_stage_layers > 0 || p.last_stage_layers > 0;
   if (pp < 1 || (!uneven && m.num_layers % pp != 0))
@@ -396,12 +398,163 @@ void check_executor(const RunConfig& c, Sink& sink) {
   }
 }
 
+
+// Whether the mesh dimensions of more than one rank come in `order` (outermost first); the
+// dimensions of degree 1 may sit anywhere. Allocation-free: the search calls it per candidate.
+bool ranks_ordered(const ParallelConfig& p, const Placement& order) {
+  size_t j = 0;
+  for (MeshDim d : p.placement.outer_to_inner) {
+    if (p.degree(d) <= 1) continue;
+    while (j < kMeshDims && p.degree(order.outer_to_inner[j]) <= 1) ++j;
+    if (j == kMeshDims || order.outer_to_inner[j] != d) return false;
+    ++j;
+  }
+  return true;
+}
+
+std::string checkpointing_name(const ParallelConfig& p) {
+  return "= \"" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + "\"";
+}
+
+// SageMaker's model parallelism library v2 (SMP v2): PyTorch FSDP with hybrid sharding,
+// expert parallelism and Transformer Engine's tensor parallelism. No pipeline (SMP v1 had
+// one); optimizer states are sharded with the parameters; its example training script
+// (aws/amazon-sagemaker-examples, model_parallel_v2/shared-scripts) checkpoints whole
+// transformer layers.
+template <class Sink>
+void check_smp(const RunConfig& c, Sink& sink) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t e = p.expert_parallel_degree, tp = p.tensor_parallel_degree;
+  if (e > 1 && tp > 1)
+    sink(Rule::kSmpExpertWithTensor, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(e) + " with tensor_parallel_degree = " + str(tp) +
+             ": SMP does not combine expert and tensor parallelism (moeplan's simulator does)";
+    });
+  if (p.pipeline_parallel_degree > 1)
+    sink(Rule::kSmpNoPipeline, "parallel.pipeline_parallel_degree", [&] {
+      return "= " + str(p.pipeline_parallel_degree) + ": SMP v2 has no pipeline parallelism (SMP v1 had)";
+    });
+  if (p.distributed_optimizer)
+    sink(Rule::kSmpLayouts, "parallel.distributed_optimizer", [&] {
+      return std::string("= true: SMP (FSDP) shards optimizer states with the parameters over hybrid_shard_degree");
+    });
+  if (p.activation_checkpointing == Checkpointing::kSelective ||
+      p.activation_checkpointing == Checkpointing::kAttentionCore)
+    sink(Rule::kSmpLayouts, "parallel.activation_checkpointing", [&] {
+      return checkpointing_name(p) + ": SMP's activation_checkpointing recomputes whole transformer layers (full)";
+    });
+  // SMP's bf16 = 1 is FSDP's mixed precision: fp32 parameters, bf16 compute and gradient
+  // reduction (MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) in its example script).
+  if (c.training.precision == Precision::kBf16)
+    sink(Rule::kSmpLayouts, "training.precision", [&] {
+      return std::string("= \"bf16\": SMP keeps fp32 parameters (its bf16 = 1 is FSDP mixed precision; plan with "
+                         "mixed and bf16 gradients)");
+    });
+  if (c.training.precision == Precision::kMixed && c.training.fp32_gradients)
+    sink(Rule::kSmpLayouts, "training.fp32_gradients", [&] {
+      return std::string("= true: SMP's mixed precision reduces gradients in bf16 (plan with bf16 gradients)");
+    });
+}
+
+// Megatron-LM (Megatron-Core): tensor, sequence, pipeline (interleaved, uneven ends), expert
+// and data parallelism, the distributed optimizer. Parameters are replicated over the data-
+// parallel ranks (no hybrid sharding); ranks are ordered tensor innermost, then expert, data,
+// pipeline (its default order "tp-cp-ep-dp-pp"); routing by its own load-balancing types.
+template <class Sink>
+void check_megatron(const RunConfig& c, Sink& sink) {
+  const ParallelConfig& p = c.parallel;
+  if (p.hybrid_shard_degree > 1)
+    sink(Rule::kMegatronLayouts, "parallel.hybrid_shard_degree", [&] {
+      return "= " + str(p.hybrid_shard_degree) +
+             ": Megatron-LM replicates parameters over the data-parallel ranks and shards optimizer states "
+             "(distributed_optimizer) instead";
+    });
+  if (p.activation_offloading)
+    sink(Rule::kMegatronLayouts, "parallel.activation_offloading", [&] {
+      return std::string("= true: moeplan exports no activation offloading to Megatron-LM (its CPU offloading has "
+                         "no loading horizon)");
+    });
+  if (c.training.precision == Precision::kBf16)
+    sink(Rule::kMegatronLayouts, "training.precision", [&] {
+      return std::string("= \"bf16\": Megatron-LM keeps fp32 main parameters and optimizer states (its --bf16 is "
+                         "mixed precision; plan with mixed)");
+    });
+  if (!ranks_ordered(p, Placement{}))  // the default placement: P, R, S, E, T outermost first
+    sink(Rule::kFrameworkRankOrder, "parallel.placement", [&] {
+      return "= \"" + p.placement.to_string() +
+             "\": Megatron-LM orders ranks tensor innermost, then expert, data and pipeline (PRSET)";
+    });
+  if (c.moe.load_balancing == LoadBalancing::kBalanced)
+    sink(Rule::kMegatronRouting, "moe.load_balancing", [&] {
+      return std::string("= \"balanced\": Megatron-LM routes by aux_loss, sinkhorn or none");
+    });
+  if (c.moe.global_token_shuffle)
+    sink(Rule::kMegatronRouting, "moe.global_token_shuffle",
+         [&] { return std::string("= true: Megatron-LM has no global token shuffle"); });
+}
+
+// torchtitan: FSDP2 (sharded over data_parallel_shard_degree, replicated over
+// data_parallel_replicate_degree), tensor parallelism with sequence parallelism, pipeline
+// stages, expert parallelism inside the sharded ranks; its mesh is pipeline, replicate, shard,
+// tensor outermost first; fp32 parameters with bf16 compute; full or no activation
+// checkpointing of blocks.
+template <class Sink>
+void check_torchtitan(const RunConfig& c, Sink& sink) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t tp = p.tensor_parallel_degree;
+  if (tp > 1 && !p.sequence_parallel)
+    sink(Rule::kTorchtitanLayouts, "parallel.sequence_parallel", [&] {
+      return "= false with tensor_parallel_degree = " + str(tp) +
+             ": torchtitan's tensor parallelism always splits the sequence (sequence parallelism)";
+    });
+  if (p.activation_checkpointing == Checkpointing::kSelective ||
+      p.activation_checkpointing == Checkpointing::kAttentionCore)
+    sink(Rule::kTorchtitanLayouts, "parallel.activation_checkpointing", [&] {
+      return checkpointing_name(p) +
+             ": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block";
+    });
+  if (p.activation_offloading)
+    sink(Rule::kTorchtitanLayouts, "parallel.activation_offloading",
+         [&] { return std::string("= true: torchtitan does not offload activations"); });
+  if (p.distributed_optimizer)
+    sink(Rule::kTorchtitanLayouts, "parallel.distributed_optimizer", [&] {
+      return std::string("= true: torchtitan (FSDP2) shards optimizer states with the parameters over "
+                         "hybrid_shard_degree");
+    });
+  if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
+    sink(Rule::kTorchtitanLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
+         [&] { return std::string("is set: moeplan exports equal pipeline stages to torchtitan"); });
+  if (c.training.precision == Precision::kBf16)
+    sink(Rule::kTorchtitanLayouts, "training.precision", [&] {
+      return std::string("= \"bf16\": torchtitan keeps fp32 parameters and computes in bf16 (plan with mixed)");
+    });
+  if (!ranks_ordered(p, Placement{}))
+    sink(Rule::kFrameworkRankOrder, "parallel.placement", [&] {
+      return "= \"" + p.placement.to_string() +
+             "\": torchtitan's mesh is pipeline, replicate, shard (experts innermost), tensor (PRSET)";
+    });
+  if (c.moe.load_balancing == LoadBalancing::kSinkhorn || c.moe.load_balancing == LoadBalancing::kBalanced)
+    sink(Rule::kTorchtitanRouting, "moe.load_balancing", [&] {
+      return "= \"" + std::string(name_of(kLoadBalancingNames, c.moe.load_balancing)) +
+             "\": torchtitan's routers balance by a load-balancing loss or expert biases (aux_loss or none)";
+    });
+  if (c.moe.global_token_shuffle)
+    sink(Rule::kTorchtitanRouting, "moe.global_token_shuffle",
+         [&] { return std::string("= true: torchtitan has no global token shuffle"); });
+}
+
 template <class Sink>
 void check_config(const RunConfig& c, Sink& sink) {
   check_degrees(c, sink);
   check_batch(c, sink);
   check_moe_and_training(c, sink);
-  if (c.executor_mode) check_executor(c, sink);
+  switch (c.target) {
+    case Target::kAny: break;
+    case Target::kMoeplan: check_executor(c, sink); break;
+    case Target::kMegatron: check_megatron(c, sink); break;
+    case Target::kSmp: check_smp(c, sink); break;
+    case Target::kTorchtitan: check_torchtitan(c, sink); break;
+  }
 }
 
 

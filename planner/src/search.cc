@@ -175,7 +175,7 @@ Space::Space(const ModelSpec& m, const ClusterSpec& cluster, const SearchOptions
   // Recomputing the attention core saves the T x T scores of unfused attention; flash
   // attention keeps none, so there it only costs time.
   checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
-  if (cluster.attention == AttentionKernel::kUnfused && !options.executor_mode)
+  if (cluster.attention == AttentionKernel::kUnfused && options.target != Target::kMoeplan)
     checkpointing.push_back(Checkpointing::kAttentionCore);
   placements = all_placements();
   if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
@@ -201,7 +201,7 @@ std::vector<std::pair<int64_t, int64_t>> Space::stage_splits(int64_t pp) const {
   std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
   if (pin.first_stage_layers || pin.last_stage_layers)
     return {{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
-  if (pp < 3 || model.num_layers % pp == 0 || options.executor_mode) return out;
+  if (pp < 3 || model.num_layers % pp == 0 || options.target == Target::kMoeplan) return out;
   out.clear();
   const int64_t even = (model.num_layers + pp - 1) / pp;
   for (int64_t middle = even; middle <= even + 1; ++middle) {
@@ -252,7 +252,7 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
   const bool replicated =
       e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (e * s * t * pp) > 1;
   std::vector<bool> optimizer_options = {false};
-  if (replicated && !options.executor_mode) optimizer_options = {false, true};
+  if (replicated && options.target != Target::kMoeplan) optimizer_options = {false, true};
   if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
   std::vector<Variant> out;
   for (const auto& ends : stage_splits(pp))
@@ -380,7 +380,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                   p.gradient_accumulation_steps = std::max<int64_t>(1, seqs_per_reader / mbs);
                   p.placement = distinct.front().second;
                   const int64_t this_inner = inner_index++;
-                  const RunConfig config{model, cluster, p, options.moe, training, options.smp_mode, options.executor_mode};
+                  const RunConfig config{model, cluster, p, options.moe, training, options.target};
                   const RuleMask broken = violated_rules(config);
                   if (broken != 0) {
                     stats.rule_rejected += kept;
@@ -409,7 +409,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                     p.placement = distinct[i].second;
                     // Numbered as if the placements were the outer loop, as they are listed.
                     Candidate c{p, memory, {}, index + distinct[i].first * inner + this_inner};
-                    const RunConfig placed{model, cluster, p, options.moe, training, options.smp_mode, options.executor_mode};
+                    const RunConfig placed{model, cluster, p, options.moe, training, options.target};
                     c.estimate = sim::estimate_step(placed, shapes[i], &kernel_costs);
                     fitting.push_back(c);
                   }
@@ -476,14 +476,17 @@ std::vector<std::string> explain_no_plan(const SearchResult& result, const Clust
   if (stats.rule_valid == 0) {
     lines.push_back("every one of " + std::to_string(stats.enumerated) +
                     " candidate configurations breaks a validity rule (see --explain)");
-    std::string executor;
+    std::string framework;
     for (Rule r : {Rule::kExecutorTrainsMoe, Rule::kExecutorPipelineLimits, Rule::kExecutorLayouts,
-                   Rule::kExecutorTensorSplits})
+                   Rule::kExecutorTensorSplits, Rule::kSmpExpertWithTensor, Rule::kSmpNoPipeline, Rule::kSmpLayouts,
+                   Rule::kMegatronLayouts, Rule::kMegatronRouting, Rule::kTorchtitanLayouts, Rule::kTorchtitanRouting,
+                   Rule::kFrameworkRankOrder})
       if (const int64_t n = stats.rejected_by_rule[static_cast<size_t>(r)]; n > 0)
-        executor += (executor.empty() ? "" : ", ") + std::string(rule_name(r)) + " " + std::to_string(n);
-    if (!executor.empty())
-      lines.push_back("moeplan's executor rules removed some (" + executor +
-                      "); --target megatron plans every layout moeplan models, for Megatron-Core");
+        framework += (framework.empty() ? "" : ", ") + std::string(rule_name(r)) + " " + std::to_string(n);
+    if (!framework.empty())
+      lines.push_back("the target framework's rules removed some (" + framework +
+                      "); --target moeplan, megatron, smp or torchtitan plans for that framework, --target any "
+                      "every layout moeplan models");
     return lines;
   }
   if (const auto& c = stats.closest_over_device) {

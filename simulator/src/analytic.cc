@@ -192,7 +192,7 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes, Kerne
   // micro-batch time (no head), over V with interleaved chunks, and a transfer each way per
   // stage boundary. A stage with more blocks than the last (uneven ends) sets the pace.
   const ModelSpec blocks = stage_model(c);
-  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.smp_mode, c.executor_mode};
+  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.target};
   const OpCosts o = costs(stage);
   StepEstimate out = estimate_stage(stage, shapes, o);
   const double accum = static_cast<double>(p.gradient_accumulation_steps);

@@ -648,7 +648,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   // free. The step is the schedule's makespan plus what the stage's step spends after its
   // micro-batches (gradient sync, update).
   const ModelSpec blocks = stage_model(c);
-  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.smp_mode, c.executor_mode};
+  const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.target};
   StepSimulation sim = simulate_stage(stage, options);
   const OpCosts o = op_costs(stage);
   const double layers = static_cast<double>(blocks.num_layers);

@@ -173,16 +173,17 @@ TEST_F(Cli, TheRecordedGpuRunIsPlannedAgainFromItsProfile) {
 }
 
 // Dense models are planned like Mixtral, with one expert: no expert parallelism, no router.
-// moeplan's executor trains Mixture-of-Experts models only, so they are planned for Megatron-Core;
-// for `moeplan run`, the default target, the search says which rule and which target.
+// moeplan's executor trains Mixture-of-Experts models only, so they are planned for another
+// framework (here any: every layout moeplan models); for `moeplan run`, the default target,
+// the search says which rule and which targets.
 TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   Workdir dir;
   const Outcome refused = dir.moeplan("search --gpus 64 --model llama-3-8b");
   EXPECT_EQ(refused.exit_code, 1) << show(refused);
   EXPECT_NE(refused.err.find("executor_trains_moe"), std::string::npos) << show(refused);
-  EXPECT_NE(refused.err.find("--target megatron"), std::string::npos) << show(refused);
+  EXPECT_NE(refused.err.find("--target any"), std::string::npos) << show(refused);
   for (const char* model : {"llama-3-8b", "llama-2-70b", "gpt3-175b"}) {
-    const Outcome search = dir.moeplan(std::string("search --target megatron --gpus 64 --model ") + model);
+    const Outcome search = dir.moeplan(std::string("search --target any --gpus 64 --model ") + model);
     ASSERT_EQ(search.exit_code, 0) << model << show(search);
     const Plan plan = read_plan_file((dir / "plan.json").string());
     EXPECT_EQ(plan.model.name, model);
@@ -193,7 +194,7 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   }
   // A Hugging Face LlamaConfig too.
   const Outcome hf =
-      dir.moeplan("search --target megatron --gpus 64 --model " + test::data_path("hf/llama-2-70b/config.json"));
+      dir.moeplan("search --target any --gpus 64 --model " + test::data_path("hf/llama-2-70b/config.json"));
   EXPECT_EQ(hf.exit_code, 0) << show(hf);
 }
 
@@ -318,6 +319,56 @@ TEST_F(Cli, GlobalBatchSplitsOverTheReplicasOnly) {
       "--global-batch-tokens 6144 --precision mixed --explain");
   EXPECT_EQ(odd.exit_code, 1) << show(odd);
   EXPECT_NE(odd.out.find("global_batch_matches"), std::string::npos) << show(odd);
+}
+
+// `search --target X` then `export-launch --to X`: the files land in --out, the launch scripts
+// are executable, and what a framework cannot run, or a plan that cannot be read, is refused
+// with exit 2 naming the rule or the file.
+TEST_F(Cli, ExportLaunchWritesEachFrameworksFilesAndRefusesByRule) {
+  Workdir dir;
+  const Outcome smp = dir.moeplan("search --target smp --gpus 32 --out smp.json");
+  ASSERT_EQ(smp.exit_code, 0) << show(smp);
+  EXPECT_NE(smp.out.find("precision mixed"), std::string::npos) << show(smp);
+  const Outcome written = dir.moeplan("export-launch smp.json --to smp --out launch-smp");
+  ASSERT_EQ(written.exit_code, 0) << show(written);
+  const Json settings = read_json_file((dir / "launch-smp/smp.json").string());
+  const Plan plan = read_plan_file((dir / "smp.json").string());
+  EXPECT_EQ(settings.at("instance_count"), plan.cluster.num_nodes);
+  EXPECT_EQ(settings.at("hyperparameters").at("train_batch_size"), plan.parallel.micro_batch_size);
+  EXPECT_TRUE(fs::exists(dir / "launch-smp/smp_launch.py"));
+
+  const Outcome megatron = dir.moeplan("search --target megatron --gpus 64 --out m.json");
+  ASSERT_EQ(megatron.exit_code, 0) << show(megatron);
+  ASSERT_EQ(dir.moeplan("export-launch m.json --to megatron --out launch-m").exit_code, 0);
+  const fs::perms mode = fs::status(dir / "launch-m/megatron-launch.sh").permissions();
+  EXPECT_NE(mode & fs::perms::owner_exec, fs::perms::none);
+  EXPECT_TRUE(fs::exists(dir / "launch-m/megatron-args.txt"));
+  // The script hands torchrun every argument of the file, then its own: a torchrun that
+  // prints what it was given stands in for the real one.
+  fs::create_directory(dir / "bin");
+  dir.write("bin/torchrun", "#!/bin/sh\nprintf '%s\\n' \"$@\" > \"$(dirname \"$0\")/../torchrun-args\"\n");
+  fs::permissions(dir / "bin/torchrun", fs::perms::owner_all);
+  const std::string launch = "cd " + dir.path().string() + " && PATH=" + (dir / "bin").string() +
+                             ":$PATH NODE_RANK=1 bash launch-m/megatron-launch.sh --data-path /data/text";
+  ASSERT_EQ(std::system(launch.c_str()), 0) << launch;
+  const std::string given = test::read_text((dir / "torchrun-args").string());
+  EXPECT_NE(given.find("--node-rank\n1\n"), std::string::npos) << given;
+  EXPECT_NE(given.find("pretrain_gpt.py\n--num-layers\n32\n--hidden-size\n4096\n"), std::string::npos) << given;
+  EXPECT_NE(given.find("--use-distributed-optimizer\n"), std::string::npos) << given;
+  EXPECT_NE(given.find("--data-path\n/data/text\n"), std::string::npos) << given;
+
+  // The SMP plan shards parameters over 32 ranks (or more): not a layout Megatron-LM runs.
+  const Outcome refused = dir.moeplan("export-launch smp.json --to megatron --out launch-x");
+  EXPECT_EQ(refused.exit_code, 2) << show(refused);
+  EXPECT_NE(refused.err.find("moeplan: error: smp.json: "), std::string::npos) << show(refused);
+  EXPECT_NE(refused.err.find("(rule megatron_"), std::string::npos) << show(refused);
+  EXPECT_FALSE(fs::exists(dir / "launch-x"));
+
+  const Outcome missing = dir.moeplan("export-launch nothing.json --to torchtitan");
+  EXPECT_EQ(missing.exit_code, 2) << show(missing);
+  EXPECT_NE(missing.err.find("nothing.json"), std::string::npos) << show(missing);
+  const Outcome unknown = dir.moeplan("export-launch m.json --to deepspeed");
+  EXPECT_EQ(unknown.exit_code, 2) << show(unknown);
 }
 
 TEST_F(Cli, CheckOnATruncatedPlanIsOneLineNamingTheFile) {

@@ -146,7 +146,9 @@ const RuleCase kCases[] = {
      "false"},
     {"SmpModeExpertsWithTensor",
      [](Scenario& s) {
-       s.smp_mode = true;
+       s.target = Target::kSmp;
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
        s.parallel.tensor_parallel_degree = 2;
        s.parallel.sequence_parallel = true;
        s.parallel.hybrid_shard_degree = 4;
@@ -156,15 +158,77 @@ const RuleCase kCases[] = {
      "= 2 with tensor_parallel_degree = 2: SMP does not combine expert and tensor parallelism (moeplan's "
      "simulator does)",
      "2"},
+    {"SmpPipeline",
+     [](Scenario& s) {
+       s.target = Target::kSmp;
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kSmpNoPipeline, "parallel.pipeline_parallel_degree", "= 2: SMP v2 has no pipeline parallelism (SMP v1 had)",
+     "2"},
+    {"SmpPureBf16",
+     [](Scenario& s) { s.target = Target::kSmp; },
+     Rule::kSmpLayouts, "training.precision",
+     "= \"bf16\": SMP keeps fp32 parameters (its bf16 = 1 is FSDP mixed precision; plan with mixed and bf16 "
+     "gradients)",
+     "bf16"},
+    {"MegatronHybridSharding",
+     [](Scenario& s) {
+       s.target = Target::kMegatron;
+       s.training.precision = Precision::kMixed;
+     },
+     Rule::kMegatronLayouts, "parallel.hybrid_shard_degree",
+     "= 8: Megatron-LM replicates parameters over the data-parallel ranks and shards optimizer states "
+     "(distributed_optimizer) instead",
+     "8"},
+    {"MegatronBalancedRouting",
+     [](Scenario& s) {
+       s.target = Target::kMegatron;
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.moe.load_balancing = LoadBalancing::kBalanced;
+     },
+     Rule::kMegatronRouting, "moe.load_balancing", "= \"balanced\": Megatron-LM routes by aux_loss, sinkhorn or none",
+     "balanced"},
+    {"MegatronRankOrder",
+     [](Scenario& s) {
+       s.target = Target::kMegatron;
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.parallel.placement = *Placement::parse("ERS");
+     },
+     Rule::kFrameworkRankOrder, "parallel.placement",
+     "= \"ERS\": Megatron-LM orders ranks tensor innermost, then expert, data and pipeline (PRSET)", "ERS"},
+    {"TorchtitanSelectiveCheckpointing",
+     [](Scenario& s) {
+       s.target = Target::kTorchtitan;
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.parallel.activation_checkpointing = Checkpointing::kSelective;
+     },
+     Rule::kTorchtitanLayouts, "parallel.activation_checkpointing",
+     "= \"selective\": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block",
+     "selective"},
+    {"TorchtitanSinkhorn",
+     [](Scenario& s) {
+       s.target = Target::kTorchtitan;
+       s.training.precision = Precision::kMixed;
+     },
+     Rule::kTorchtitanRouting, "moe.load_balancing",
+     "= \"sinkhorn\": torchtitan's routers balance by a load-balancing loss or expert biases (aux_loss or none)",
+     "sinkhorn"},
     {"ExecutorModeGeluModel",
      [](Scenario& s) {
-       s.executor_mode = true;
+       s.target = Target::kMoeplan;
        s.model.mlp = Mlp::kGelu;
      },
      Rule::kExecutorTrainsMoe, "model.mlp", "= \"gelu\": the executor trains SwiGLU feed-forward layers only", "gelu"},
     {"ExecutorModeZLossAcrossStages",
      [](Scenario& s) {
-       s.executor_mode = true;
+       s.target = Target::kMoeplan;
        s.moe.z_loss_coef = 0.001;
        s.parallel.pipeline_parallel_degree = 2;
        s.parallel.hybrid_shard_degree = 4;
@@ -175,14 +239,14 @@ const RuleCase kCases[] = {
      "0.001"},
     {"ExecutorModeDistributedOptimizer",
      [](Scenario& s) {
-       s.executor_mode = true;
+       s.target = Target::kMoeplan;
        s.parallel.distributed_optimizer = true;
      },
      Rule::kExecutorLayouts, "parallel.distributed_optimizer",
      "= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)", "true"},
     {"ExecutorModeVocabularyOverTensorRanks",
      [](Scenario& s) {
-       s.executor_mode = true;
+       s.target = Target::kMoeplan;
        s.model.vocab_size = 32001;
        s.parallel.tensor_parallel_degree = 2;
        s.parallel.sequence_parallel = true;

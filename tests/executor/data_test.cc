@@ -372,12 +372,12 @@ TEST_F(PreparedData, PrepareWithABlockLongerThanTheCorpusFails) {
 }
 
 // Plans `model` for one CPU rank on blocks of the prepared data (4 sequences per step, 2 per
-// micro-batch), with the search's rules for Megatron-Core rather than for the executor, and runs
+// micro-batch), with the search's rules for any framework rather than for the executor, and runs
 // one step of it into tmp/run, which must fail as bad input: the run's error output.
 std::string run_refused(const test::TempDir& tmp, const std::string& model, const std::string& data,
                         const std::string& layout = "--gpus 1") {
   const std::string plan = tmp.file("plan.json");
-  const Command made = run_moeplan("search --target megatron " + layout + " --instance local-cpu --model " + model +
+  const Command made = run_moeplan("search --target any " + layout + " --instance local-cpu --model " + model +
                                    " --seq-len " + std::to_string(kBlock) + " --global-batch-tokens " +
                                    std::to_string(4 * kBlock) + " --precision fp32 --max-micro-batch 2 --out " + plan);
   EXPECT_EQ(made.exit_code, 0) << show(made);
@@ -500,7 +500,7 @@ TEST_F(PreparedData, EveryPlanTheSearchWritesForTheExecutorIsOneItRuns) {
     o.estimator = planner::Estimator::kAnalytic;  // ranks every candidate that fits
     o.ignore_memory_limits = true;
     o.keep = size_t{1} << 20;
-    o.executor_mode = executor_mode;
+    o.target = executor_mode ? Target::kMoeplan : Target::kAny;
     const ClusterSpec cluster = test::hardware("local-cpu", gpus);
     const planner::SearchResult result = planner::search(tiny, cluster, o);
     int64_t refusals = 0;

@@ -97,13 +97,18 @@ TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {
 
 // SMP's rule: no expert parallelism together with tensor parallelism in SMP mode.
 TEST(Search, SmpModeKeepsExpertAndTensorParallelismApart) {
-  SearchOptions options = test::search_options(16);
+  SearchOptions options = test::search_options(32);
   options.keep = 50;
-  options.smp_mode = true;
-  const SearchResult r = search(mixtral(), p4d(16), options);
+  options.target = Target::kSmp;
+  // SMP's bf16 = 1: fp32 parameters, bf16 compute and gradient reduction.
+  options.training.precision = Precision::kMixed;
+  options.training.fp32_gradients = false;
+  const SearchResult r = search(mixtral(), p4d(32), options);
   ASSERT_FALSE(r.ranked.empty());
-  for (const Candidate& c : r.ranked)
+  for (const Candidate& c : r.ranked) {
     EXPECT_FALSE(c.parallel.expert_parallel_degree > 1 && c.parallel.tensor_parallel_degree > 1) << describe(c.parallel);
+    EXPECT_EQ(c.parallel.pipeline_parallel_degree, 1) << describe(c.parallel);
+  }
   EXPECT_GT(r.stats.rejected_by_rule[static_cast<size_t>(Rule::kSmpExpertWithTensor)], 0);
 }
 
@@ -253,7 +258,7 @@ TEST(Search, ExecutorModeKeepsToWhatTheExecutorTrains) {
     return seen;
   };
   EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(true, true));
-  options.executor_mode = true;
+  options.target = Target::kMoeplan;
   EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(false, false));
 }
 

@@ -130,10 +130,9 @@ struct Scenario {
   ParallelConfig parallel;
   MoeConfig moe;
   TrainingConfig training;
-  bool smp_mode = false;
-  bool executor_mode = false;
+  Target target = Target::kAny;
 
-  RunConfig config() const { return {model, cluster, parallel, moe, training, smp_mode, executor_mode}; }
+  RunConfig config() const { return {model, cluster, parallel, moe, training, target}; }
   std::string describe() const {
     std::ostringstream out;
     out << model.name << " on " << parallel.world_size << " x " << cluster.name << ": "

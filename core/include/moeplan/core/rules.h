@@ -3,9 +3,11 @@
 // executor and the CLI all use these functions; the search uses the mask form, which builds
 // no strings.
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "moeplan/core/cluster_spec.h"
@@ -13,6 +15,21 @@
 #include "moeplan/core/parallel_config.h"
 
 namespace moeplan {
+
+// Where a plan will train. Each framework runs only some of the layouts moeplan models; its
+// rules below keep a search to those and make an exporter refuse the others by name.
+enum class Target : uint8_t {
+  kAny,         // every layout moeplan models (published runs of any framework)
+  kMoeplan,     // what `moeplan run` trains
+  kMegatron,    // Megatron-LM (Megatron-Core)
+  kSmp,         // the SageMaker model parallelism library v2
+  kTorchtitan,  // torchtitan
+};
+inline constexpr std::array<std::pair<std::string_view, Target>, 5> kTargetNames{{{"any", Target::kAny},
+                                                                                   {"moeplan", Target::kMoeplan},
+                                                                                   {"megatron", Target::kMegatron},
+                                                                                   {"smp", Target::kSmp},
+                                                                                   {"torchtitan", Target::kTorchtitan}}};
 
 enum class Rule : uint8_t {
   // Model
@@ -52,11 +69,19 @@ enum class Rule : uint8_t {
   kWarmupWithinSteps,
   // Precision
   kFp8NeedsHardware,
-  // What moeplan's executor trains (RunConfig::executor_mode)
+  // What moeplan's executor trains (Target::kMoeplan)
   kExecutorTrainsMoe,
   kExecutorPipelineLimits,
   kExecutorLayouts,
   kExecutorTensorSplits,
+  // What the other frameworks run (RunConfig::target)
+  kSmpNoPipeline,
+  kSmpLayouts,
+  kMegatronLayouts,
+  kMegatronRouting,
+  kTorchtitanLayouts,
+  kTorchtitanRouting,
+  kFrameworkRankOrder,
   kCount
 };
 inline constexpr int kRuleCount = static_cast<int>(Rule::kCount);
@@ -81,14 +106,11 @@ struct RunConfig {
   const ParallelConfig& parallel;
   const MoeConfig& moe;
   const TrainingConfig& training;
-  // Apply SMP's own restrictions too (expert parallelism not with tensor parallelism), for
-  // plans that must run on SMP rather than on moeplan's executor or Megatron.
-  bool smp_mode = false;
-  // Apply the executor's restrictions too: only what `moeplan run` trains (Mixture-of-Experts
-  // SwiGLU models; no distributed optimizer, attention-core recomputation, uneven stages or FP8).
-  // The search sets it for plans meant for `moeplan run`, and the executor checks every plan
-  // it is given with it.
-  bool executor_mode = false;
+  // The framework's rules applied too. kMoeplan: only what `moeplan run` trains (Mixture-of-
+  // Experts SwiGLU models; no distributed optimizer, attention-core recomputation, uneven stages
+  // or FP8); the search sets it for plans meant for `moeplan run`, and the executor checks
+  // every plan it is given with it.
+  Target target = Target::kAny;
 };
 
 // Every violated rule of the model alone.

@@ -40,12 +40,11 @@ struct SearchOptions {
     std::optional<bool> offloading;
     std::optional<std::string> placement;  // any form Placement::parse reads
   } pins;
-  bool smp_mode = false;  // apply SMP's own restrictions (rules.h RunConfig::smp_mode)
   // Rank candidates whatever the memory model says of them (to time a layout known to have run).
   bool ignore_memory_limits = false;
-  // Only plans moeplan's executor trains (rules.h RunConfig::executor_mode): `moeplan search`
-  // sets it unless asked for another framework's layouts.
-  bool executor_mode = false;
+  // Only plans this framework runs (rules.h RunConfig::target): `moeplan search` plans for
+  // moeplan's executor unless asked for another framework.
+  Target target = Target::kAny;
 };
 
 struct Candidate {

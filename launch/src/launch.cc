@@ -1,0 +1,68 @@
+#include "moeplan/launch/launch.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "exporters.h"
+
+namespace moeplan::launch {
+
+int64_t global_batch_sequences(const Plan& plan) {
+  return plan.training.seq_len > 0 ? plan.training.global_batch_tokens / plan.training.seq_len : 0;
+}
+
+std::string number(double value) {
+  if (std::isfinite(value) && value == std::floor(value) && std::fabs(value) < 1e15)
+    return std::to_string(static_cast<int64_t>(value));
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.17g", value);
+  // The shortest form that reads back as the same double.
+  for (int digits = 1; digits <= 17; ++digits) {
+    char shorter[32];
+    std::snprintf(shorter, sizeof shorter, "%.*g", digits, value);
+    if (std::strtod(shorter, nullptr) == value) return shorter;
+  }
+  return buffer;
+}
+
+std::string summary(const Plan& plan) {
+  return plan.model.name + " on " + std::to_string(plan.cluster.num_nodes) + " x " + plan.cluster.name + " (" +
+         std::to_string(plan.parallel.world_size) + " GPUs): " + describe(plan.parallel);
+}
+
+std::string torchrun_script(const Plan& plan, const std::string& what, const std::string& setup, const std::string& entry) {
+  const ClusterSpec& c = plan.cluster;
+  char step[32];
+  std::snprintf(step, sizeof step, "%.3f", plan.prediction.step_time_s);
+  return "#!/bin/bash\n# " + what + " of " + summary(plan) + ",\n# predicted " + step +
+         " s per step (written by `moeplan export-launch`). Run on every node with NODE_RANK and\n"
+         "# MASTER_ADDR set; arguments after the script are passed on.\n"
+         "set -euo pipefail\n" +
+         setup + "exec torchrun --nnodes " + std::to_string(c.num_nodes) + " --nproc-per-node " +
+         std::to_string(c.gpus_per_node) +
+         " --node-rank \"${NODE_RANK:-0}\" \\\n"
+         "  --master-addr \"${MASTER_ADDR:-localhost}\" --master-port \"${MASTER_PORT:-29500}\" \\\n"
+         "  " + entry + " \"$@\"\n";
+}
+
+std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std::string& origin) {
+  const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training, target};
+  Diagnostics problems;
+  for (const Violation& v : validate(config))
+    problems.error(v.field, v.message + " (rule " + std::string(rule_name(v.rule)) + ")");
+  std::vector<LaunchFile> files;
+  switch (target) {
+    case Target::kSmp: files = export_smp(plan, problems); break;
+    case Target::kMegatron: files = export_megatron(plan, problems); break;
+    case Target::kTorchtitan: files = export_torchtitan(plan, problems); break;
+    case Target::kAny:
+    case Target::kMoeplan:
+      problems.error("", "export-launch writes files for smp, megatron or torchtitan; `moeplan run` trains the plan "
+                         "itself");
+      break;
+  }
+  problems.throw_if_any(origin);
+  return files;
+}
+
+}  // namespace moeplan::launch

@@ -1,0 +1,129 @@
+// Megatron-LM: the arguments of pretrain_gpt.py (megatron/training/arguments.py) for the
+// plan's model and layout, one per line, and a torchrun line that passes them.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "exporters.h"
+
+namespace moeplan::launch {
+
+namespace {
+
+using Args = std::vector<std::pair<std::string, std::string>>;  // flag, value ("" for a switch)
+
+void model_args(const Plan& plan, Args& a) {
+  const ModelSpec& m = plan.model;
+  a.push_back({"--num-layers", std::to_string(m.num_layers)});
+  a.push_back({"--hidden-size", std::to_string(m.hidden_size)});
+  a.push_back({"--ffn-hidden-size", std::to_string(m.intermediate_size)});
+  a.push_back({"--num-attention-heads", std::to_string(m.num_attention_heads)});
+  if (m.head_dim * m.num_attention_heads != m.hidden_size) a.push_back({"--kv-channels", std::to_string(m.head_dim)});
+  if (m.num_key_value_heads != m.num_attention_heads) {
+    a.push_back({"--group-query-attention", ""});
+    a.push_back({"--num-query-groups", std::to_string(m.num_key_value_heads)});
+  }
+  a.push_back({"--seq-length", std::to_string(plan.training.seq_len)});
+  a.push_back({"--max-position-embeddings", std::to_string(m.max_position_embeddings)});
+  a.push_back({"--position-embedding-type", "rope"});
+  a.push_back({"--rotary-base", number(m.rope_theta)});
+  if (m.norm == Norm::kRmsNorm) a.push_back({"--normalization", "RMSNorm"});
+  a.push_back({"--norm-epsilon", number(m.rms_norm_eps)});
+  if (m.mlp == Mlp::kSwiGlu) a.push_back({"--swiglu", ""});
+  a.push_back({"--disable-bias-linear", ""});
+  if (!m.tie_word_embeddings) a.push_back({"--untie-embeddings-and-output-weights", ""});
+  a.push_back({"--attention-dropout", number(m.dropout)});
+  a.push_back({"--hidden-dropout", number(m.dropout)});
+  a.push_back({"--init-method-std", number(m.initializer_range)});
+  // The vocabulary as moeplan planned it; a real tokenizer's size replaces it (Megatron pads it
+  // to a multiple of 128 x T).
+  a.push_back({"--tokenizer-type", "NullTokenizer"});
+  a.push_back({"--vocab-size", std::to_string(m.vocab_size)});
+}
+
+void layout_args(const Plan& plan, Args& a) {
+  const ParallelConfig& p = plan.parallel;
+  const int64_t layers = plan.model.num_layers;
+  a.push_back({"--tensor-model-parallel-size", std::to_string(p.tensor_parallel_degree)});
+  if (p.sequence_parallel) a.push_back({"--sequence-parallel", ""});
+  a.push_back({"--pipeline-model-parallel-size", std::to_string(p.pipeline_parallel_degree)});
+  if (p.first_stage_layers > 0) a.push_back({"--decoder-first-pipeline-num-layers", std::to_string(p.first_stage_layers)});
+  if (p.last_stage_layers > 0) a.push_back({"--decoder-last-pipeline-num-layers", std::to_string(p.last_stage_layers)});
+  if (p.virtual_pipeline_degree > 1) {
+    // Blocks per chunk of a middle stage: with uneven ends the others still split evenly.
+    const int64_t ends = (p.first_stage_layers > 0) + (p.last_stage_layers > 0);
+    const int64_t middle = (layers - p.first_stage_layers - p.last_stage_layers) / (p.pipeline_parallel_degree - ends);
+    a.push_back({"--num-layers-per-virtual-pipeline-stage", std::to_string(middle / p.virtual_pipeline_degree)});
+  }
+  if (!plan.model.dense()) {
+    a.push_back({"--num-experts", std::to_string(plan.model.num_experts)});
+    a.push_back({"--moe-router-topk", std::to_string(plan.model.experts_per_token)});
+    a.push_back({"--expert-model-parallel-size", std::to_string(p.expert_parallel_degree)});
+    // moeplan splits every expert over the tensor-parallel ranks, as Megatron did before it
+    // had a separate expert tensor size.
+    a.push_back({"--expert-tensor-parallel-size", std::to_string(p.tensor_parallel_degree)});
+    a.push_back({"--moe-router-load-balancing-type", std::string(name_of(kLoadBalancingNames, plan.moe.load_balancing))});
+    a.push_back({"--moe-aux-loss-coeff", number(plan.moe.aux_loss_coef)});
+    if (plan.moe.z_loss_coef != 0) a.push_back({"--moe-z-loss-coeff", number(plan.moe.z_loss_coef)});
+    a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
+    a.push_back({"--moe-grouped-gemm", ""});
+  }
+  switch (p.activation_checkpointing) {
+    case Checkpointing::kNone: break;
+    case Checkpointing::kFull:
+      a.push_back({"--recompute-granularity", "full"});
+      a.push_back({"--recompute-method", "uniform"});
+      a.push_back({"--recompute-num-layers", "1"});
+      break;
+    case Checkpointing::kAttentionCore: a.push_back({"--recompute-granularity", "selective"}); break;
+    case Checkpointing::kSelective:
+      a.push_back({"--recompute-granularity", "selective"});
+      a.push_back({"--recompute-modules", plan.model.dense() ? "mlp" : "moe"});
+      break;
+  }
+  if (p.distributed_optimizer) a.push_back({"--use-distributed-optimizer", ""});
+  a.push_back({"--micro-batch-size", std::to_string(p.micro_batch_size)});
+  a.push_back({"--global-batch-size", std::to_string(global_batch_sequences(plan))});
+}
+
+void training_args(const Plan& plan, Args& a) {
+  const TrainingConfig& t = plan.training;
+  // Megatron's --bf16 is mixed precision: fp32 main parameters and optimizer states.
+  if (t.precision == Precision::kMixed) a.push_back({"--bf16", ""});
+  if (t.fp8) {
+    a.push_back({"--fp8-format", "hybrid"});
+  }
+  if (t.precision == Precision::kMixed && !t.fp32_gradients) a.push_back({"--grad-reduce-in-bf16", ""});
+  a.push_back({"--train-iters", std::to_string(t.steps)});
+  a.push_back({"--lr", number(t.learning_rate)});
+  a.push_back({"--min-lr", number(t.min_learning_rate)});
+  a.push_back({"--lr-decay-style", "cosine"});
+  a.push_back({"--lr-warmup-iters", std::to_string(t.warmup_steps)});
+  a.push_back({"--weight-decay", number(t.weight_decay)});
+  a.push_back({"--adam-beta1", number(t.adam_beta1)});
+  a.push_back({"--adam-beta2", number(t.adam_beta2)});
+  a.push_back({"--clip-grad", number(t.max_grad_norm)});
+  a.push_back({"--seed", std::to_string(t.seed)});
+}
+
+}  // namespace
+
+std::vector<LaunchFile> export_megatron(const Plan& plan, Diagnostics&) {
+  Args args;
+  model_args(plan, args);
+  layout_args(plan, args);
+  training_args(plan, args);
+
+  std::string list;
+  for (const auto& [flag, value] : args) list += value.empty() ? flag + "\n" : flag + " " + value + "\n";
+  // Run from Megatron-LM's folder; the data arguments (--data-path, a tokenizer) go after it.
+  const std::string sh = torchrun_script(
+      plan, "Megatron-LM pretraining",
+      "mapfile -t LINES < \"$(dirname \"$0\")/megatron-args.txt\"\n"
+      "ARGS=()\n"
+      "for line in \"${LINES[@]}\"; do read -r -a words <<< \"$line\"; ARGS+=(\"${words[@]}\"); done\n",
+      "pretrain_gpt.py \"${ARGS[@]}\"");
+  return {{"megatron-args.txt", list}, {"megatron-launch.sh", sh}};
+}
+
+}  // namespace moeplan::launch

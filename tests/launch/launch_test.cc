@@ -1,0 +1,311 @@
+// export-launch: the files each framework is given, checked field by field against the plan,
+// and the plans each framework cannot run, refused by rule.
+#include "moeplan/launch/launch.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/planner/search.h"
+#include "test_support.h"
+
+namespace moeplan {
+namespace {
+
+// The best plan of `moeplan search --target <target>` with the pins given.
+Plan searched(const std::string& model_name, const std::string& instance, int64_t gpus, Target target,
+              const planner::SearchOptions::Pins& pins, Precision precision, int64_t global_batch_tokens = 0,
+              LoadBalancing routing = LoadBalancing::kSinkhorn, bool ignore_memory = false) {
+  planner::SearchOptions options = test::search_options(gpus);
+  options.moe.load_balancing = routing;
+  // SMP's bf16 = 1 reduces gradients in bf16.
+  options.training.fp32_gradients = target != Target::kSmp;
+  if (global_batch_tokens > 0) options.training.global_batch_tokens = global_batch_tokens;
+  options.training.precision = precision;
+  options.target = target;
+  options.pins = pins;
+  options.ignore_memory_limits = ignore_memory;
+  const ModelSpec& model = test::model(model_name);
+  const ClusterSpec cluster = test::hardware(instance, gpus);
+  const planner::SearchResult result = planner::search(model, cluster, options);
+  if (result.ranked.empty()) throw std::runtime_error("no plan for " + model_name);
+  return planner::make_plan(model, cluster, options, result, "test");
+}
+
+const launch::LaunchFile& file(const std::vector<launch::LaunchFile>& files, const std::string& name) {
+  for (const launch::LaunchFile& f : files)
+    if (f.name == name) return f;
+  throw std::runtime_error("no file " + name);
+}
+
+// The lines of an InputError, joined; empty when `f` throws none.
+template <class F>
+std::string refusal(F&& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    std::string all;
+    for (const std::string& line : e.lines()) all += line + "\n";
+    return all;
+  }
+  return "";
+}
+
+// "--flag value" lines as a map ("" for a switch).
+std::map<std::string, std::string> megatron_args(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t space = line.find(' ');
+    out[line.substr(0, space)] = space == std::string::npos ? "" : line.substr(space + 1);
+  }
+  return out;
+}
+
+// key = value lines of a TOML file, as "section.key" -> value text.
+std::map<std::string, std::string> toml_values(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line, section;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    if (line[0] == '[') {
+      section = line.substr(1, line.find(']') - 1);
+      continue;
+    }
+    const size_t eq = line.find(" = ");
+    if (eq != std::string::npos) out[section + "." + line.substr(0, eq)] = line.substr(eq + 3);
+  }
+  return out;
+}
+
+// The example of SageMaker's Mixtral 8x7B post: two ml.p4d.24xlarge, expert_parallel_degree 2,
+// hybrid_shard_degree 8, activation checkpointing, bf16 (FSDP mixed precision: fp32 parameters,
+// bf16 compute and reduction), Sinkhorn routing with the all-to-all dispatcher, delayed
+// parameter initialisation, hybrid sharding.
+TEST(ExportLaunch, SmpReproducesTheSageMakerMixtralExample) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 2;
+  pins.hybrid_shard_degree = 8;
+  pins.checkpointing = Checkpointing::kFull;
+  pins.offloading = false;
+  pins.micro_batch_size = 1;
+  // The layout as the post ran it, whatever moeplan's memory model says of it: 52.2 GiB per
+  // GPU, over an A100's 40 GB (the fp32 parameters and Adam moments of a sixteenth of 46.7B
+  // parameters alone take 32.6 GiB).
+  const Plan plan = searched("mixtral-8x7b", "p4d.24xlarge", 16, Target::kSmp, pins, Precision::kMixed, 64 * 2048,
+                             LoadBalancing::kSinkhorn, true);
+  ASSERT_EQ(plan.parallel.gradient_accumulation_steps, 4);
+  EXPECT_GT(plan.prediction.memory.device_total_bytes, plan.prediction.memory.device_limit_bytes);
+  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, Target::kSmp, "plan.json");
+  const Json smp = Json::parse(file(files, "smp.json").text);
+  EXPECT_EQ(smp.at("instance_type"), "ml.p4d.24xlarge");
+  EXPECT_EQ(smp.at("instance_count"), 2);
+  const Json& d = smp.at("distribution");
+  EXPECT_EQ(d.at("torch_distributed").at("enabled"), true);
+  EXPECT_EQ(d.at("smdistributed").at("modelparallel").at("enabled"), true);
+  const Json& p = d.at("smdistributed").at("modelparallel").at("parameters");
+  EXPECT_EQ(p.at("expert_parallel_degree"), 2);
+  EXPECT_EQ(p.at("hybrid_shard_degree"), 8);
+  EXPECT_EQ(p.at("tensor_parallel_degree"), 1);
+  EXPECT_EQ(p.at("sm_activation_offloading"), false);
+  const Json& h = smp.at("hyperparameters");
+  EXPECT_EQ(h.at("moe"), 1);
+  EXPECT_EQ(h.at("moe_load_balancing"), "sinkhorn");
+  EXPECT_EQ(h.at("moe_all_to_all_dispatcher"), 1);
+  EXPECT_EQ(h.at("model_type"), "mixtral");
+  EXPECT_EQ(h.at("sharding_strategy"), "hybrid_shard");
+  EXPECT_EQ(h.at("delayed_param"), 1);
+  EXPECT_EQ(h.at("activation_checkpointing"), 1);
+  EXPECT_EQ(h.at("bf16"), 1);
+  EXPECT_EQ(h.at("fp8"), 0);
+  EXPECT_EQ(h.at("seed"), 12345);
+  // The model's shape and the batch, field by field.
+  EXPECT_EQ(h.at("hidden_width"), plan.model.hidden_size);
+  EXPECT_EQ(h.at("num_layers"), plan.model.num_layers);
+  EXPECT_EQ(h.at("num_heads"), plan.model.num_attention_heads);
+  EXPECT_EQ(h.at("num_key_value_heads"), plan.model.num_key_value_heads);
+  EXPECT_EQ(h.at("intermediate_size"), plan.model.intermediate_size);
+  EXPECT_EQ(h.at("vocab_size"), plan.model.vocab_size);
+  EXPECT_EQ(h.at("num_local_experts"), 8);
+  EXPECT_EQ(h.at("num_experts_per_tok"), 2);
+  EXPECT_EQ(h.at("max_context_width"), 2048);
+  EXPECT_EQ(h.at("train_batch_size"), 1);
+  EXPECT_EQ(h.at("gradient_accumulation_steps"), 4);
+  // The script counts micro-batches; its learning rate decays over optimizer steps.
+  EXPECT_EQ(h.at("max_steps"), 4 * plan.training.steps);
+  EXPECT_EQ(h.at("lr_decay_iters"), plan.training.steps);
+  EXPECT_EQ(h.at("use_smp_implementation"), 1);
+  EXPECT_DOUBLE_EQ(h.at("lr").get<double>(), plan.training.learning_rate);
+  const std::string& py = file(files, "smp_launch.py").text;
+  EXPECT_NE(py.find("from sagemaker.pytorch import PyTorch"), std::string::npos);
+  EXPECT_NE(py.find("distribution=settings[\"distribution\"]"), std::string::npos);
+}
+
+TEST(ExportLaunch, MegatronArgumentsFollowThePlan) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 8;
+  pins.tensor_parallel_degree = 1;
+  pins.pipeline_parallel_degree = 4;
+  pins.virtual_pipeline_degree = 2;
+  pins.distributed_optimizer = true;
+  pins.checkpointing = Checkpointing::kSelective;
+  pins.micro_batch_size = 1;
+  const Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kMegatron, pins, Precision::kMixed);
+  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, Target::kMegatron, "plan.json");
+  const auto a = megatron_args(file(files, "megatron-args.txt").text);
+  EXPECT_EQ(a.at("--tensor-model-parallel-size"), "1");
+  EXPECT_EQ(a.at("--pipeline-model-parallel-size"), "4");
+  EXPECT_EQ(a.at("--num-layers-per-virtual-pipeline-stage"), "4");  // 32 blocks / 4 stages / 2 chunks
+  EXPECT_EQ(a.at("--expert-model-parallel-size"), "8");
+  EXPECT_EQ(a.count("--use-distributed-optimizer"), 1u);
+  EXPECT_EQ(a.at("--recompute-granularity"), "selective");
+  EXPECT_EQ(a.at("--recompute-modules"), "moe");
+  EXPECT_EQ(a.at("--micro-batch-size"), "1");
+  EXPECT_EQ(a.at("--global-batch-size"), std::to_string(plan.training.global_batch_tokens / 2048));
+  EXPECT_EQ(a.at("--num-experts"), "8");
+  EXPECT_EQ(a.at("--moe-router-topk"), "2");
+  EXPECT_EQ(a.at("--moe-router-load-balancing-type"), "sinkhorn");
+  EXPECT_EQ(a.at("--moe-token-dispatcher-type"), "alltoall");
+  EXPECT_EQ(a.at("--num-layers"), "32");
+  EXPECT_EQ(a.at("--hidden-size"), "4096");
+  EXPECT_EQ(a.at("--ffn-hidden-size"), "14336");
+  EXPECT_EQ(a.at("--num-query-groups"), "8");
+  EXPECT_EQ(a.at("--seq-length"), "2048");
+  EXPECT_EQ(a.at("--rotary-base"), "1000000");
+  EXPECT_EQ(a.count("--bf16"), 1u);
+  EXPECT_EQ(a.count("--sequence-parallel"), 0u);
+  const std::string& sh = file(files, "megatron-launch.sh").text;
+  EXPECT_NE(sh.find("torchrun --nnodes 8 --nproc-per-node 8"), std::string::npos) << sh;
+  EXPECT_NE(sh.find("pretrain_gpt.py"), std::string::npos);
+}
+
+TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 4;
+  pins.hybrid_shard_degree = 2;
+  pins.tensor_parallel_degree = 2;
+  pins.sequence_parallel = true;
+  pins.pipeline_parallel_degree = 1;
+  pins.checkpointing = Checkpointing::kFull;
+  pins.micro_batch_size = 2;
+  pins.placement = "PRSET";
+  const Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 32, Target::kTorchtitan, pins, Precision::kMixed, 0,
+                             LoadBalancing::kAuxLoss);
+  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, Target::kTorchtitan, "plan.json");
+  const auto t = toml_values(file(files, "torchtitan.toml").text);
+  EXPECT_EQ(t.at("parallelism.data_parallel_replicate_degree"), "2");  // 32 / (2 x 4 x 2)
+  EXPECT_EQ(t.at("parallelism.data_parallel_shard_degree"), "8");      // S x E
+  EXPECT_EQ(t.at("parallelism.expert_parallel_degree"), "4");
+  EXPECT_EQ(t.at("parallelism.tensor_parallel_degree"), "2");
+  EXPECT_EQ(t.at("parallelism.pipeline_parallel_degree"), "1");
+  EXPECT_EQ(t.at("activation_checkpoint.mode"), "\"full\"");
+  EXPECT_EQ(t.at("training.local_batch_size"), "2");
+  EXPECT_EQ(t.at("training.global_batch_size"), std::to_string(plan.training.global_batch_tokens / 2048));
+  EXPECT_EQ(t.at("training.seq_len"), "2048");
+  EXPECT_EQ(t.at("training.mixed_precision_param"), "\"bfloat16\"");
+  EXPECT_EQ(t.at("training.mixed_precision_reduce"), "\"float32\"");
+  const std::string& sh = file(files, "torchtitan-launch.sh").text;
+  EXPECT_NE(sh.find("torchrun --nnodes 4 --nproc-per-node 8"), std::string::npos) << sh;
+
+  // Interleaved stages: the local batch is the step's micro-batches, split by the schedule.
+  planner::SearchOptions::Pins staged;
+  staged.expert_parallel_degree = 8;
+  staged.hybrid_shard_degree = 1;
+  staged.tensor_parallel_degree = 1;
+  staged.pipeline_parallel_degree = 4;
+  staged.virtual_pipeline_degree = 2;
+  staged.micro_batch_size = 1;
+  staged.placement = "PRSET";
+  const Plan piped = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kTorchtitan, staged, Precision::kMixed, 0,
+                              LoadBalancing::kAuxLoss);
+  const auto s = toml_values(file(launch::export_launch(piped, Target::kTorchtitan, "plan.json"), "torchtitan.toml").text);
+  EXPECT_EQ(s.at("parallelism.pipeline_parallel_schedule"), "\"Interleaved1F1B\"");
+  EXPECT_EQ(s.at("parallelism.pipeline_parallel_layers_per_stage"), "4");  // 32 blocks / (4 x 2)
+  EXPECT_EQ(s.at("parallelism.pipeline_parallel_microbatch_size"), "1");
+  EXPECT_EQ(s.at("parallelism.pipeline_parallel_first_stage_less_layers"), "0");
+  EXPECT_EQ(s.at("parallelism.pipeline_parallel_last_stage_less_layers"), "0");
+  EXPECT_EQ(s.at("training.local_batch_size"), std::to_string(piped.parallel.gradient_accumulation_steps));
+  EXPECT_EQ(s.at("parallelism.data_parallel_shard_degree"), "8");
+}
+
+// A plan another target searched, exported where it cannot run: refused with the rule's name.
+TEST(ExportLaunch, EachFrameworkRefusesWhatItCannotRunByRule) {
+  planner::SearchOptions::Pins pipeline;
+  pipeline.expert_parallel_degree = 8;
+  pipeline.pipeline_parallel_degree = 4;
+  pipeline.hybrid_shard_degree = 1;
+  const Plan staged = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kAny, pipeline, Precision::kBf16);
+  EXPECT_NE(refusal([&] { launch::export_launch(staged, Target::kSmp, "p.json"); }).find("smp_no_pipeline"),
+            std::string::npos);
+  // Megatron-LM's bf16 keeps fp32 parameters: a pure-bf16 plan is refused.
+  EXPECT_NE(refusal([&] { launch::export_launch(staged, Target::kMegatron, "p.json"); }).find("training.precision"),
+            std::string::npos);
+
+  planner::SearchOptions::Pins sharded;
+  sharded.expert_parallel_degree = 2;
+  sharded.hybrid_shard_degree = 8;
+  const Plan fsdp = searched("mixtral-8x7b", "p4d.24xlarge", 16, Target::kAny, sharded, Precision::kBf16);
+  const std::string megatron = refusal([&] { launch::export_launch(fsdp, Target::kMegatron, "p.json"); });
+  EXPECT_NE(megatron.find("parallel.hybrid_shard_degree"), std::string::npos) << megatron;
+  EXPECT_NE(megatron.find("megatron_layouts"), std::string::npos) << megatron;
+  EXPECT_NE(megatron.find("p.json: "), std::string::npos) << megatron;
+  // Sinkhorn routing is not torchtitan's.
+  EXPECT_NE(refusal([&] { launch::export_launch(fsdp, Target::kTorchtitan, "p.json"); }).find("torchtitan_routing"),
+            std::string::npos);
+
+  planner::SearchOptions::Pins tensor;
+  tensor.expert_parallel_degree = 2;
+  tensor.tensor_parallel_degree = 2;
+  tensor.pipeline_parallel_degree = 1;
+  const Plan both = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kAny, tensor, Precision::kBf16);
+  EXPECT_NE(refusal([&] { launch::export_launch(both, Target::kSmp, "p.json"); }).find("smp_expert_with_tensor"),
+            std::string::npos);
+
+  // Ranks in another order than the framework's mesh.
+  planner::SearchOptions::Pins order;
+  order.expert_parallel_degree = 2;
+  order.tensor_parallel_degree = 2;
+  order.pipeline_parallel_degree = 1;
+  order.placement = "PERST";
+  const Plan placed = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kAny, order, Precision::kMixed);
+  EXPECT_NE(refusal([&] { launch::export_launch(placed, Target::kMegatron, "p.json"); }).find("framework_rank_order"),
+            std::string::npos);
+
+  // Not a framework: `moeplan run` trains the plan itself.
+  EXPECT_NE(refusal([&] { launch::export_launch(fsdp, Target::kMoeplan, "p.json"); }).find("moeplan run"),
+            std::string::npos);
+}
+
+// What `moeplan search --target X` writes, X's exporter takes: the search and the exporter
+// apply the same rules.
+TEST(ExportLaunch, EveryPlanSearchedForAFrameworkExports) {
+  for (const Target target : {Target::kSmp, Target::kMegatron, Target::kTorchtitan}) {
+    for (const int64_t gpus : {16, 64}) {
+      planner::SearchOptions options = test::search_options(gpus);
+      options.training.precision = Precision::kMixed;
+      options.training.fp32_gradients = target != Target::kSmp;
+      if (target == Target::kTorchtitan) options.moe.load_balancing = LoadBalancing::kAuxLoss;
+      options.target = target;
+      options.keep = 8;
+      const ModelSpec& model = test::model("mixtral-8x7b");
+      const ClusterSpec cluster = test::hardware("p5.48xlarge", gpus);
+      const planner::SearchResult result = planner::search(model, cluster, options);
+      SCOPED_TRACE(std::string(name_of(kTargetNames, target)) + " on " + std::to_string(gpus) + " GPUs");
+      ASSERT_FALSE(result.ranked.empty());
+      for (size_t i = 0; i < result.ranked.size(); ++i) {
+        planner::SearchResult one = result;
+        std::swap(one.ranked[0], one.ranked[i]);
+        const Plan plan = planner::make_plan(model, cluster, options, one, "test");
+        EXPECT_EQ(refusal([&] { launch::export_launch(plan, target, "p.json"); }), "") << describe(plan.parallel);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moeplan
