@@ -17,6 +17,8 @@
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/units.h"
 #include "moeplan/launch/launch.h"
+#include "moeplan/core/training_log.h"
+#include "moeplan/validation/compare_log.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/op_costs.h"
@@ -339,6 +341,20 @@ int run_export_launch(const ExportLaunchArgs& args) {
     return kExitBadInput;
   } catch (const std::system_error& e) {
     std::fprintf(stderr, "moeplan: error: export-launch: %s\n", e.what());
+    return kExitBadInput;
+  }
+}
+
+int run_compare_log(const CompareLogArgs& args) {
+  try {
+    const Plan plan = read_plan_file(args.plan);
+    const TrainingLog log = read_training_log(args.log);
+    const validation::LogComparison c = validation::compare_with_log(plan, log, args.skip, args.log);
+    const std::string text = validation::format_log_comparison(c, args.plan, args.log);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    return kExitOk;
+  } catch (const InputError& e) {
+    print_error(e);
     return kExitBadInput;
   }
 }

@@ -55,6 +55,12 @@ struct ExportLaunchArgs {
   std::string out = ".";    // folder the files go into
 };
 
+struct CompareLogArgs {
+  std::string plan;
+  std::string log;
+  int64_t skip = 1;  // logged iterations left out at the start (warm-up)
+};
+
 struct CheckArgs {
   std::string plan;
 };
@@ -107,6 +113,7 @@ int run_simulate(const SimulateArgs& args);
 void write_simulated_trace(const Plan& plan, const std::string& path);
 int run_check(const CheckArgs& args);
 int run_export_launch(const ExportLaunchArgs& args);
+int run_compare_log(const CompareLogArgs& args);
 // Executor commands; without the executor built they say so and fail.
 // `moeplan data ...` replaces this process by moeplan-data (next to this executable) with the
 // same arguments.

@@ -135,6 +135,14 @@ int main(int argc, char** argv) {
       ->required()->check(CLI::IsMember({"smp", "megatron", "torchtitan"}));
   launch_cmd->add_option("--out", launch_args.out, "Folder for the files")->capture_default_str();
 
+  CompareLogArgs compare_log;
+  CLI::App* compare_log_cmd = app.add_subcommand(
+      "compare", "Put a plan's prediction beside a run's log from Megatron-LM, torchtitan or SMP's script");
+  compare_log_cmd->add_option("plan", compare_log.plan, "plan.json")->required();
+  compare_log_cmd->add_option("--log", compare_log.log, "The run's log (its per-iteration lines)")->required();
+  compare_log_cmd->add_option("--skip-iterations", compare_log.skip, "Logged iterations left out at the start")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+
   CLI::App* simulate_cmd = app.add_subcommand("simulate", "Simulate one training step of a plan");
   simulate_cmd->add_option("plan", simulate.plan, "plan.json")->required();
   simulate_cmd->add_option("--trace", simulate.trace, "Write the step as a Chrome trace (Perfetto, chrome://tracing)");
@@ -304,6 +312,7 @@ int main(int argc, char** argv) {
   if (search_cmd->parsed()) return run_search(search);
   if (check_cmd->parsed()) return run_check(check);
   if (launch_cmd->parsed()) return run_export_launch(launch_args);
+  if (compare_log_cmd->parsed()) return run_compare_log(compare_log);
   if (simulate_cmd->parsed()) return run_simulate(simulate);
   if (data_cmd->parsed()) return run_data(data_cmd->remaining(), argv[0]);
   if (view_cmd->parsed()) return run_view(view_cmd->remaining(), argv[0]);

@@ -513,6 +513,11 @@ void check_torchtitan(const RunConfig& c, Sink& sink) {
       return checkpointing_name(p) +
              ": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block";
     });
+  if (c.training.seq_len % (2 * std::max<int64_t>(1, tp)) != 0)
+    sink(Rule::kTorchtitanLayouts, "training.seq_len", [&] {
+      return "= " + str(c.training.seq_len) + " is not a multiple of 2 x tensor_parallel_degree = " + str(2 * tp) +
+             " (torchtitan's sequence split)";
+    });
   if (p.activation_offloading)
     sink(Rule::kTorchtitanLayouts, "parallel.activation_offloading",
          [&] { return std::string("= true: torchtitan does not offload activations"); });

@@ -43,18 +43,15 @@ void model_args(const Plan& plan, Args& a) {
 
 void layout_args(const Plan& plan, Args& a) {
   const ParallelConfig& p = plan.parallel;
-  const int64_t layers = plan.model.num_layers;
   a.push_back({"--tensor-model-parallel-size", std::to_string(p.tensor_parallel_degree)});
   if (p.sequence_parallel) a.push_back({"--sequence-parallel", ""});
   a.push_back({"--pipeline-model-parallel-size", std::to_string(p.pipeline_parallel_degree)});
   if (p.first_stage_layers > 0) a.push_back({"--decoder-first-pipeline-num-layers", std::to_string(p.first_stage_layers)});
   if (p.last_stage_layers > 0) a.push_back({"--decoder-last-pipeline-num-layers", std::to_string(p.last_stage_layers)});
-  if (p.virtual_pipeline_degree > 1) {
-    // Blocks per chunk of a middle stage: with uneven ends the others still split evenly.
-    const int64_t ends = (p.first_stage_layers > 0) + (p.last_stage_layers > 0);
-    const int64_t middle = (layers - p.first_stage_layers - p.last_stage_layers) / (p.pipeline_parallel_degree - ends);
-    a.push_back({"--num-layers-per-virtual-pipeline-stage", std::to_string(middle / p.virtual_pipeline_degree)});
-  }
+  // Chunks per stage rather than blocks per chunk: Megatron-LM takes only this form with uneven
+  // end stages.
+  if (p.virtual_pipeline_degree > 1)
+    a.push_back({"--num-virtual-stages-per-pipeline-rank", std::to_string(p.virtual_pipeline_degree)});
   if (!plan.model.dense()) {
     a.push_back({"--num-experts", std::to_string(plan.model.num_experts)});
     a.push_back({"--moe-router-topk", std::to_string(plan.model.experts_per_token)});

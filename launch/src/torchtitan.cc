@@ -38,7 +38,8 @@ std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
   toml += "[model]\n" + line("name", quoted(m.dense() ? "llama3" : "llama4")) + line("flavor", quoted(m.name));
   if (t.fp8) toml += line("converters", "[\"float8\"]");
   toml += "\n[optimizer]\n" + line("name", quoted("AdamW")) + line("lr", number(t.learning_rate)) +
-          line("weight_decay", number(t.weight_decay)) + "\n";
+          line("weight_decay", number(t.weight_decay)) +
+          line("beta1", number(t.adam_beta1)) + line("beta2", number(t.adam_beta2)) + "\n";
   toml += "[lr_scheduler]\n" + line("warmup_steps", t.warmup_steps) + line("decay_type", quoted("cosine")) +
           line("min_lr_factor", number(t.min_learning_rate / t.learning_rate)) + "\n";
 
@@ -47,8 +48,7 @@ std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
   // pipeline the local batch is the step's micro-batches, split by the schedule.
   toml += line("local_batch_size", pipelined ? p.micro_batch_size * p.gradient_accumulation_steps : p.micro_batch_size);
   toml += line("global_batch_size", global_batch_sequences(plan));
-  toml += line("seq_len", t.seq_len) + line("steps", t.steps) + line("max_norm", number(t.max_grad_norm)) +
-          line("seed", t.seed);
+  toml += line("seq_len", t.seq_len) + line("steps", t.steps) + line("max_norm", number(t.max_grad_norm));
   const bool fp32 = t.precision == Precision::kFp32;
   toml += line("mixed_precision_param", quoted(fp32 ? "float32" : "bfloat16"));
   toml += line("mixed_precision_reduce", quoted(fp32 || t.fp32_gradients ? "float32" : "bfloat16")) + "\n";
@@ -74,6 +74,7 @@ std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
   }
   toml += "\n[activation_checkpoint]\n" +
           line("mode", quoted(p.activation_checkpointing == Checkpointing::kFull ? "full" : "none"));
+  toml += "\n[debug]\n" + line("seed", t.seed);
 
   // Run from torchtitan's folder; data and other overrides go after it.
   const std::string sh = torchrun_script(plan, "torchtitan training", "",

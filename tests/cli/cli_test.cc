@@ -14,6 +14,8 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/training_log.h"
+#include "moeplan/validation/compare_log.h"
 #include "moeplan/validation/matrix.h"
 #include "test_support.h"
 
@@ -369,6 +371,46 @@ TEST_F(Cli, ExportLaunchWritesEachFrameworksFilesAndRefusesByRule) {
   EXPECT_NE(missing.err.find("nothing.json"), std::string::npos) << show(missing);
   const Outcome unknown = dir.moeplan("export-launch m.json --to deepspeed");
   EXPECT_EQ(unknown.exit_code, 2) << show(unknown);
+}
+
+// A Megatron-LM run's log beside the plan it ran: medians after the first (warm-up) iteration,
+// errors as `moeplan run` reports them (measured over predicted, less one), the memory report and
+// the timers as phases; a torchtitan and an SMP log converted to the plan's step; a bad log
+// refused by line.
+TEST_F(Cli, CompareLogPutsARunBesideItsPlan) {
+  Workdir dir;
+  ASSERT_EQ(dir.moeplan("search --target megatron --gpus 64 --out m.json").exit_code, 0);
+  const Plan plan = read_plan_file((dir / "m.json").string());
+  ASSERT_EQ(plan.training.global_batch_tokens, 2048 * 2048);  // the sample log's global batch size
+  const std::string log = test::data_path("logs/megatron.log");
+  const Outcome run = dir.moeplan("compare m.json --log " + log);
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  EXPECT_NE(run.out.find("(Megatron-LM, median of 3 logged iterations, the first 1 skipped)"), std::string::npos)
+      << run.out;
+  char row[128];
+  std::snprintf(row, sizeof row, "| step time (s) | 31.02 | %.4g | %+.1f%% |", plan.prediction.step_time_s,
+                100 * (31.02 / plan.prediction.step_time_s - 1));
+  EXPECT_NE(run.out.find(row), std::string::npos) << row << "\n" << run.out;
+  EXPECT_NE(run.out.find("| peak allocated per GPU, rank 0 (GiB) | 34.3 |"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("| phase forward-backward (s) | 30.2 |"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("| phase optimizer (s) | 0.3 |"), std::string::npos) << run.out;
+
+  const TrainingLog titan = read_training_log(test::data_path("logs/torchtitan.log"));
+  const validation::LogComparison t = validation::compare_with_log(plan, titan, 1, "torchtitan.log");
+  ASSERT_FALSE(t.figures.empty());
+  EXPECT_DOUBLE_EQ(t.figures[0].measured, 2048.0 * 2048 / (2205.0 * 64));  // median tps x 64 GPUs
+  const TrainingLog smp = read_training_log(test::data_path("logs/smp.log"));
+  const validation::LogComparison s = validation::compare_with_log(plan, smp, 1, "smp.log");
+  EXPECT_DOUBLE_EQ(s.figures[0].measured, 2048.0 / 1.30);  // sequences per step over median speed
+  EXPECT_EQ(s.iterations, 3);
+
+  const Outcome none_left = dir.moeplan("compare m.json --log " + log + " --skip-iterations 4");
+  EXPECT_EQ(none_left.exit_code, 2) << show(none_left);
+  EXPECT_NE(none_left.err.find("none left after the 4 skipped"), std::string::npos) << show(none_left);
+  dir.write("bad.log", test::read_text(log).substr(0, 600) + " iteration 5/100 | elapsed time per iteration (ms): x |\n");
+  const Outcome bad = dir.moeplan("compare m.json --log bad.log");
+  EXPECT_EQ(bad.exit_code, 2) << show(bad);
+  EXPECT_NE(bad.err.find("moeplan: error: bad.log: line "), std::string::npos) << show(bad);
 }
 
 TEST_F(Cli, CheckOnATruncatedPlanIsOneLineNamingTheFile) {

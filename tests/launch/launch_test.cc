@@ -160,7 +160,7 @@ TEST(ExportLaunch, MegatronArgumentsFollowThePlan) {
   const auto a = megatron_args(file(files, "megatron-args.txt").text);
   EXPECT_EQ(a.at("--tensor-model-parallel-size"), "1");
   EXPECT_EQ(a.at("--pipeline-model-parallel-size"), "4");
-  EXPECT_EQ(a.at("--num-layers-per-virtual-pipeline-stage"), "4");  // 32 blocks / 4 stages / 2 chunks
+  EXPECT_EQ(a.at("--num-virtual-stages-per-pipeline-rank"), "2");
   EXPECT_EQ(a.at("--expert-model-parallel-size"), "8");
   EXPECT_EQ(a.count("--use-distributed-optimizer"), 1u);
   EXPECT_EQ(a.at("--recompute-granularity"), "selective");

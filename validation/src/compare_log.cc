@@ -1,0 +1,108 @@
+#include "moeplan/validation/compare_log.h"
+
+#include <cstdio>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/fit.h"
+#include "moeplan/core/run_report.h"
+
+namespace moeplan::validation {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// The median of a timer's reports after the first `skip`, which fall in the skipped iterations.
+double timer_median(const std::vector<double>& reports, int64_t skip) {
+  if (static_cast<int64_t>(reports.size()) <= skip) return median(reports);
+  return median(std::vector<double>(reports.begin() + skip, reports.end()));
+}
+
+std::string figure(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, v >= 1000 ? "%.0f" : "%.4g", v);
+  return text;
+}
+
+double predicted_seconds(const Prediction& p, const std::vector<std::string>& names) {
+  double s = 0;
+  for (const TimeItem& item : p.time)
+    for (const std::string& n : names)
+      if (item.name == n) s += item.seconds;
+  return s;
+}
+
+}  // namespace
+
+LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t skip, const std::string& origin) {
+  LogComparison c;
+  c.format = log.format;
+  const std::vector<LoggedIteration>& all = log.iterations;
+  if (static_cast<int64_t>(all.size()) <= skip)
+    throw InputError(origin, {{"", "holds " + std::to_string(all.size()) + " iteration lines, none left after the " +
+                                       std::to_string(skip) + " skipped (--skip-iterations)"}});
+  c.skipped = skip;
+  c.iterations = static_cast<int64_t>(all.size()) - skip;
+
+  const double seq = static_cast<double>(plan.training.seq_len);
+  const double step_tokens = static_cast<double>(plan.training.global_batch_tokens);
+  const double world = static_cast<double>(plan.parallel.world_size);
+  std::vector<double> step_s, tflops;
+  double memory = log.max_allocated_bytes;
+  for (size_t i = static_cast<size_t>(skip); i < all.size(); ++i) {
+    const LoggedIteration& it = all[i];
+    switch (log.format) {
+      case LogFormat::kMegatron:
+        step_s.push_back(it.step_ms / 1000.0);
+        if (it.global_batch > 0 && static_cast<double>(it.global_batch) * seq != step_tokens && c.notes.empty())
+          c.notes.push_back("line " + std::to_string(it.line) + ": global batch size " + std::to_string(it.global_batch) +
+                            " sequences, the plan's is " + std::to_string(plan.training.global_batch_tokens /
+                                                                          plan.training.seq_len));
+        break;
+      case LogFormat::kTorchtitan: step_s.push_back(step_tokens / (it.tokens_per_s_per_gpu * world)); break;
+      case LogFormat::kSmp:
+        // Speed is the job's sequences per second over one micro-batch of every reader.
+        step_s.push_back(step_tokens / (it.samples_per_s * seq));
+        break;
+    }
+    if (it.tflops_per_gpu > 0) tflops.push_back(it.tflops_per_gpu);
+    memory = std::max(memory, it.memory_bytes);
+  }
+  const double measured_step = median(step_s);
+  c.figures.push_back({"step time (s)", measured_step, plan.prediction.step_time_s});
+  c.figures.push_back({"tokens/s", step_tokens / measured_step, plan.prediction.tokens_per_s});
+  if (!tflops.empty())
+    c.figures.push_back({"TFLOP/s per GPU (as " + std::string(log_format_name(log.format)) + " counts)", median(tflops),
+                         plan.prediction.tflops_per_gpu});
+  if (memory > 0)
+    c.figures.push_back({log.format == LogFormat::kMegatron ? "peak allocated per GPU, rank 0 (GiB)"
+                                                            : "peak reserved per GPU (GiB)",
+                         memory / kGiB, static_cast<double>(plan.prediction.memory.device_total_bytes) / kGiB});
+  // Megatron-LM's timers: the forward and backward of every micro-batch (their compute,
+  // recomputation and the communication they wait for), and the optimizer step.
+  if (const auto fb = log.timer_max_ms.find("forward-backward"); fb != log.timer_max_ms.end())
+    c.figures.push_back({"phase forward-backward (s)", timer_median(fb->second, skip) / 1000.0,
+                         predicted_seconds(plan.prediction, {"compute", "recompute", "exposed_comm"})});
+  if (const auto opt = log.timer_max_ms.find("optimizer"); opt != log.timer_max_ms.end())
+    c.figures.push_back({"phase optimizer (s)", timer_median(opt->second, skip) / 1000.0,
+                         predicted_seconds(plan.prediction, {"optimizer"})});
+  return c;
+}
+
+std::string format_log_comparison(const LogComparison& c, const std::string& plan_name, const std::string& log_name) {
+  std::string out = "moeplan compare: " + plan_name + " against " + log_name + " (" +
+                    std::string(log_format_name(c.format)) + ", median of " + std::to_string(c.iterations) +
+                    " logged iterations, the first " + std::to_string(c.skipped) + " skipped)\n\n";
+  out += "| figure | measured | predicted | error (measured / predicted - 1) |\n|---|---:|---:|---:|\n";
+  for (const LogFigure& f : c.figures) {
+    char error[32] = "-";
+    if (f.predicted > 0) std::snprintf(error, sizeof error, "%+.1f%%", 100 * relative_error(f.measured, f.predicted));
+    out += "| " + f.name + " | " + figure(f.measured) + " | " + (f.predicted > 0 ? figure(f.predicted) : "-") + " | " +
+           error + " |\n";
+  }
+  for (const std::string& n : c.notes) out += "\nnote: " + n;
+  if (!c.notes.empty()) out += "\n";
+  return out;
+}
+
+}  // namespace moeplan::validation
