@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +23,7 @@
 #include "moeplan/validation/compare_log.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
+#include "moeplan/planner/training_time.h"
 #include "moeplan/simulator/op_costs.h"
 #include "moeplan/simulator/step.h"
 
@@ -148,11 +151,142 @@ void note_unmeasured_splits(const planner::SearchResult& result, const RunConfig
 
 }  // namespace
 
+// "N" or "A:B", both at least 1 and A <= B.
+std::pair<int64_t, int64_t> parse_gpus(const std::string& spec) {
+  const size_t colon = spec.find(':');
+  auto count = [&](const std::string& text) -> int64_t {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(text.c_str(), &end, 10);
+    if (text.empty() || *end != '\0' || errno == ERANGE || v < 1 || v > (1 << 20))
+      throw InputError("--gpus", {{"", "= \"" + spec.substr(0, 32) + "\": expected a GPU count in [1, 1048576] or a range A:B"}});
+    return v;
+  };
+  if (colon == std::string::npos) {
+    const int64_t n = count(spec);
+    return {n, n};
+  }
+  const int64_t lo = count(spec.substr(0, colon)), hi = count(spec.substr(colon + 1));
+  if (lo > hi) throw InputError("--gpus", {{"", "= \"" + spec + "\": the range's first size exceeds its last"}});
+  return {lo, hi};
+}
+
+// The model states a checkpoint saves, per GPU: parameters, master weights, optimizer states.
+double checkpoint_bytes(const planner::Candidate& c) {
+  return static_cast<double>(c.memory.parameters + c.memory.master_weights + c.memory.optimizer_states);
+}
+
+std::string days_text(double seconds) {
+  if (!std::isfinite(seconds)) return "never";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", seconds / 86400.0);
+  return text;
+}
+
+std::string dollars_text(double dollars) {
+  if (dollars < 0) return "-";
+  char text[32];
+  std::snprintf(text, sizeof text, "$%.0f", dollars);
+  return text;
+}
+
+// Each ranked plan's days and dollars to train the tokens asked for.
+void print_training_time(const planner::SearchResult& result, const ClusterSpec& cluster, const SearchArgs& args) {
+  std::printf("\nto train %.3g tokens on %lld x %s (%s per instance-hour, %.2g node failures per node-hour, "
+              "restart %.0f min):\n  #       days  goodput  checkpoint every   instance-hours      dollars\n",
+              args.train_tokens, static_cast<long long>(cluster.num_nodes), cluster.name.c_str(),
+              cluster.instance_price_per_hour > 0 ? dollars_text(cluster.instance_price_per_hour).c_str() : "no price",
+              cluster.node_failures_per_hour, args.restart_minutes);
+  for (size_t i = 0; i < result.ranked.size() && i < static_cast<size_t>(args.top); ++i) {
+    const planner::Candidate& c = result.ranked[i];
+    const planner::TrainingTime t = planner::training_time(cluster, cluster.num_nodes, args.train_tokens,
+                                                           c.estimate.tokens_per_s, checkpoint_bytes(c),
+                                                           args.restart_minutes * 60.0);
+    std::printf("%3zu %10s  %6.1f%%  %12.1f min  %15.0f %12s\n", i + 1, days_text(t.seconds).c_str(), 100 * t.goodput,
+                t.checkpoint_interval_s / 60.0, t.instance_hours, dollars_text(t.dollars).c_str());
+  }
+}
+
+// A range of cluster sizes: the best plan of each, its days and dollars for the tokens asked
+// for, and the size the objective picks among those within the deadline, written as the plan.
+int search_sizes(const SearchArgs& args, const ModelSpec& model, const ClusterSpec& largest,
+                 planner::SearchOptions options, int64_t min_gpus, int64_t max_gpus) {
+  const std::vector<int64_t> sizes = planner::cluster_sizes(min_gpus, max_gpus, largest.gpus_per_node);
+  if (sizes.empty())
+    throw InputError("--gpus", {{"", "= " + args.gpus + " holds no whole number of " + largest.name + " instances (" +
+                                         std::to_string(largest.gpus_per_node) + " GPUs each)"}});
+  const double tokens = args.train_tokens > 0 ? args.train_tokens : 0;
+  std::printf("moeplan search: %s on %s, %lld to %lld GPUs, global batch %lld tokens%s\n", model.name.c_str(),
+              largest.name.c_str(), static_cast<long long>(sizes.front()), static_cast<long long>(sizes.back()),
+              static_cast<long long>(options.training.global_batch_tokens),
+              tokens > 0 ? (", " + std::to_string(static_cast<long long>(tokens)) + " tokens to train").c_str() : "");
+  std::printf("\n  GPUs  instances  plan                                              tokens/s      days  goodput      dollars\n");
+  struct Row {
+    int64_t gpus;
+    ClusterSpec cluster;
+    planner::SearchOptions options;
+    planner::SearchResult result;
+    planner::TrainingTime time;
+  };
+  std::optional<Row> chosen;
+  auto score = [&](const Row& r) {
+    const double per_s = r.result.ranked.front().estimate.tokens_per_s;
+    if (args.objective == "time") return tokens > 0 ? r.time.seconds : 1.0 / per_s;
+    const double dollars_per_s = static_cast<double>(r.cluster.num_nodes) * r.cluster.instance_price_per_hour / 3600.0;
+    return tokens > 0 ? r.time.dollars : dollars_per_s / per_s;  // cost and tokens-per-dollar rank alike
+  };
+  for (const int64_t gpus : sizes) {
+    Row row{gpus, planner::size_cluster(largest, gpus), options, {}, {}};
+    row.options.gpus = gpus;
+    row.result = planner::search(model, row.cluster, row.options);
+    if (row.result.ranked.empty()) {
+      std::printf("%6lld %10lld  no plan (`moeplan search --gpus %lld --explain` says why)\n", static_cast<long long>(gpus),
+                  static_cast<long long>(row.cluster.num_nodes), static_cast<long long>(gpus));
+      continue;
+    }
+    const planner::Candidate& best = row.result.ranked.front();
+    row.time = planner::training_time(row.cluster, row.cluster.num_nodes, tokens, best.estimate.tokens_per_s,
+                                      checkpoint_bytes(best), args.restart_minutes * 60.0);
+    const bool in_time = args.deadline_days <= 0 || row.time.seconds <= args.deadline_days * 86400.0;
+    std::printf("%6lld %10lld  %-48s %10.0f %9s  %6.1f%% %12s%s\n", static_cast<long long>(gpus),
+                static_cast<long long>(row.cluster.num_nodes), describe(best.parallel).c_str(), best.estimate.tokens_per_s,
+                tokens > 0 ? days_text(row.time.seconds).c_str() : "-", 100 * row.time.goodput,
+                tokens > 0 ? dollars_text(row.time.dollars).c_str() : "-", in_time ? "" : "  (over the deadline)");
+    if (in_time && (!chosen || score(row) < score(*chosen))) chosen = std::move(row);
+  }
+  if (!chosen) {
+    std::fprintf(stderr, "moeplan: no cluster size of %s %s\n", args.gpus.c_str(),
+                 args.deadline_days > 0 ? "trains the tokens within the deadline" : "has a plan");
+    return kExitNoPlan;
+  }
+  const Plan plan = planner::make_plan(model, chosen->cluster, chosen->options, chosen->result, args.command);
+  const char* what = args.objective == "time" ? "fastest" : "cheapest";
+  std::printf("\n%s cluster%s: %lld x %s (%lld GPUs), %s", what,
+              args.deadline_days > 0 ? (" within " + days_text(args.deadline_days * 86400.0) + " days").c_str() : "",
+              static_cast<long long>(chosen->cluster.num_nodes), chosen->cluster.name.c_str(),
+              static_cast<long long>(chosen->gpus), describe(plan.parallel).c_str());
+  if (tokens > 0)
+    std::printf(", %s days, %s", days_text(chosen->time.seconds).c_str(), dollars_text(chosen->time.dollars).c_str());
+  std::printf("\n");
+  if (!args.out.empty()) {
+    write_file_atomic(args.out, plan_to_text(plan));
+    std::printf("wrote %s\n", args.out.c_str());
+  }
+  return kExitOk;
+}
+
 int run_search(const SearchArgs& args) {
   try {
+    const auto [min_gpus, max_gpus] = parse_gpus(args.gpus);
+    if (args.deadline_days > 0 && args.train_tokens <= 0)
+      throw InputError("--deadline-days", {{"", "needs --train-tokens (the tokens to train within it)"}});
     const std::string dir = profile_dir(args.profiles);
     const ModelSpec model = load_model(args.model, dir);
-    ClusterSpec cluster = planner::size_cluster(load_hardware(args.instance, dir), args.gpus);
+    const ClusterSpec instance = load_hardware(args.instance, dir);
+    if (args.objective != "time" && instance.instance_price_per_hour <= 0)
+      throw InputError("--objective", {{"", "= " + args.objective + " needs the instance's price: " + instance.name +
+                                                 " has no cost.instance_price_per_hour"}});
+    ClusterSpec cluster = planner::size_cluster(instance, max_gpus);
     // What the training framework runs: its kernel set (the attention kernel follows it unless
     // given).
     for (const auto& [name, value] : kKernelNames)
@@ -164,7 +298,7 @@ int run_search(const SearchArgs& args) {
       if (name == args.attention) cluster.attention = value;
 
     planner::SearchOptions options;
-    options.gpus = args.gpus;
+    options.gpus = max_gpus;
     options.training.fp8 = args.fp8;
     options.training.seq_len = args.seq_len;
     options.training.steps = args.steps;
@@ -175,7 +309,7 @@ int run_search(const SearchArgs& args) {
       throw InputError("--min-learning-rate", {{"", "must not exceed --learning-rate"}});
     options.training.global_batch_tokens = args.global_batch_tokens > 0
                                                ? args.global_batch_tokens
-                                               : planner::default_global_batch_tokens(args.gpus, args.seq_len);
+                                               : planner::default_global_batch_tokens(max_gpus, args.seq_len);
     for (const auto& [name, value] : kTargetNames)
       if (name == args.target) options.target = value;
     // Megatron-LM's, torchtitan's and SMP's bf16 training keeps fp32 parameters and optimizer
@@ -239,12 +373,14 @@ int run_search(const SearchArgs& args) {
                                  " is not a multiple of seq-len = " + std::to_string(args.seq_len) +
                                  " (the batch is made of whole sequences)"}});
 
+    if (min_gpus != max_gpus) return search_sizes(args, model, cluster, options, min_gpus, max_gpus);
+
     const ParamCounts params = count_parameters(model);
     if (!args.json) {
       std::printf("moeplan search: %s (%.1fB parameters, %.1fB active per token) on %lld x %s (%lld x %s)\n",
                   model.name.c_str(), static_cast<double>(params.total()) / 1e9,
                   static_cast<double>(params.active()) / 1e9, static_cast<long long>(cluster.num_nodes),
-                  cluster.name.c_str(), static_cast<long long>(args.gpus), cluster.gpu_name.c_str());
+                  cluster.name.c_str(), static_cast<long long>(max_gpus), cluster.gpu_name.c_str());
       std::printf("global batch %lld tokens (seq-len %lld), precision %s, expert load imbalance %.2f\n",
                   static_cast<long long>(options.training.global_batch_tokens),
                   static_cast<long long>(args.seq_len), precision.c_str(), args.expert_load_imbalance);
@@ -259,7 +395,7 @@ int run_search(const SearchArgs& args) {
     if (args.explain) print_explain(s);
     if (result.ranked.empty()) {
       std::fprintf(stderr, "moeplan: no plan for %s on %lld GPU(s) of %s\n", model.name.c_str(),
-                   static_cast<long long>(args.gpus), cluster.name.c_str());
+                   static_cast<long long>(max_gpus), cluster.name.c_str());
       for (const std::string& line : planner::explain_no_plan(result, cluster))
         std::fprintf(stderr, "moeplan:   %s\n", line.c_str());
       return kExitNoPlan;
@@ -271,6 +407,7 @@ int run_search(const SearchArgs& args) {
       std::fwrite(text.data(), 1, text.size(), stdout);
     } else {
       print_table(result, cluster, static_cast<size_t>(args.top));
+      if (args.train_tokens > 0) print_training_time(result, cluster, args);
       note_unmeasured_splits(result, RunConfig{model, cluster, ParallelConfig{}, options.moe, options.training},
                              static_cast<size_t>(args.top));
     }

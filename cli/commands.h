@@ -12,7 +12,13 @@
 namespace moeplan::cli {
 
 struct SearchArgs {
-  int64_t gpus = 0;
+  std::string gpus;  // "N" or a range "A:B" of cluster sizes
+  // Time and money: tokens to train (0: not asked), what ranks the cluster sizes of a range,
+  // the longest training wanted, and how long a restart after a failure takes.
+  double train_tokens = 0;
+  std::string objective = "time";
+  double deadline_days = 0;
+  double restart_minutes = 10;
   std::string instance = "p4d.24xlarge";
   std::string model = "mixtral-8x7b";
   std::string profiles;  // folder with hardware/ and models/; empty: the default

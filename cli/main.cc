@@ -3,6 +3,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <map>
+
 #include "commands.h"
 #include "moeplan/validation/compare_profiles.h"
 #include "moeplan/validation/published.h"
@@ -31,7 +33,23 @@ int main(int argc, char** argv) {
   SearchArgs search;
   search.command = command_line(argc, argv);
   CLI::App* search_cmd = app.add_subcommand("search", "Search parallel configurations and write the best as a plan");
-  search_cmd->add_option("--gpus", search.gpus, "Number of GPUs (ranks)")->required()->check(CLI::Range(1, 1 << 20));
+  search_cmd->add_option("--gpus", search.gpus,
+                         "Number of GPUs (ranks), or a range A:B of cluster sizes to search (whole nodes)")
+      ->required();
+  search_cmd->add_option("--train-tokens", search.train_tokens,
+                         "Tokens to train (e.g. 1T, 300B, 2.5e12): prints each plan's days and dollars")
+      ->transform(CLI::AsNumberWithUnit(std::map<std::string, double>{{"K", 1e3}, {"M", 1e6}, {"B", 1e9}, {"T", 1e12}},
+                                        CLI::AsNumberWithUnit::CASE_SENSITIVE))
+      ->check(CLI::Range(0.0, 1e18));
+  search_cmd->add_option("--objective", search.objective,
+                         "What ranks the cluster sizes of a --gpus range: time, cost or tokens-per-dollar")
+      ->capture_default_str()->check(CLI::IsMember({"time", "cost", "tokens-per-dollar"}));
+  search_cmd->add_option("--deadline-days", search.deadline_days,
+                         "With --train-tokens: only cluster sizes that train them within this many days")
+      ->check(CLI::Range(0.0, 1e6));
+  search_cmd->add_option("--restart-minutes", search.restart_minutes,
+                         "Minutes a restart after a node failure takes (detect, replace, reload)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1e5));
   search_cmd->add_option("--instance", search.instance, "Hardware profile name or .json file")->capture_default_str();
   search_cmd->add_option("--model", search.model, "Model profile name, or a profile or Hugging Face config.json file")
       ->capture_default_str();

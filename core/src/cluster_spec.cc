@@ -334,6 +334,11 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
     c.pcie_bandwidth_bytes_per_s = host->number("pcie_bandwidth_bytes_per_s", 1.0, kMaxRate);
     host->finish();
   }
+  if (auto cost = r.object("cost", true)) {
+    c.instance_price_per_hour = cost->number("instance_price_per_hour", 0.0, 1e6, 0.0);
+    c.node_failures_per_hour = cost->number("node_failures_per_hour", 0.0, 1.0, 0.0);
+    cost->finish();
+  }
   if (auto fw = r.object("framework")) {
     c.framework_overhead_bytes = fw->integer("overhead_bytes", 0, kMaxBytes);
     c.fragmentation_factor = fw->number("fragmentation_factor", 1.0, 4.0);
@@ -480,6 +485,14 @@ Json to_json(const ClusterSpec& c) {
   host["memory_bytes"] = sourced("host.memory_bytes", c.host_memory_bytes);
   host["pcie_bandwidth_bytes_per_s"] = sourced("host.pcie_bandwidth_bytes_per_s", c.pcie_bandwidth_bytes_per_s);
   j["host"] = host;
+  // The cost object where given (absent reads back as zeros).
+  Json cost = Json::object();
+  for (const auto& [name, value] : {std::pair<const char*, double>{"instance_price_per_hour", c.instance_price_per_hour},
+                                    {"node_failures_per_hour", c.node_failures_per_hour}}) {
+    const std::string path = std::string("cost.") + name;
+    if (value != 0 || c.sources.contains(path)) cost[name] = sourced(path, value);
+  }
+  if (!cost.empty()) j["cost"] = cost;
   Json fw;
   fw["overhead_bytes"] = sourced("framework.overhead_bytes", c.framework_overhead_bytes);
   fw["fragmentation_factor"] = sourced("framework.fragmentation_factor", c.fragmentation_factor);

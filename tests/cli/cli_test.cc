@@ -15,6 +15,7 @@
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/core/training_log.h"
+#include "moeplan/planner/training_time.h"
 #include "moeplan/validation/compare_log.h"
 #include "moeplan/validation/matrix.h"
 #include "test_support.h"
@@ -411,6 +412,44 @@ TEST_F(Cli, CompareLogPutsARunBesideItsPlan) {
   const Outcome bad = dir.moeplan("compare m.json --log bad.log");
   EXPECT_EQ(bad.exit_code, 2) << show(bad);
   EXPECT_NE(bad.err.find("moeplan: error: bad.log: line "), std::string::npos) << show(bad);
+}
+
+// Time and money: a range of cluster sizes with tokens to train and a deadline; the plan of
+// the size chosen is written, and its days and dollars follow from its prediction, the
+// profile's price and the goodput model. Bad requests are refused naming the flag.
+TEST_F(Cli, SearchPricesClusterSizesAndKeepsToTheDeadline) {
+  Workdir dir;
+  const Outcome run = dir.moeplan("search --gpus 16:256 --train-tokens 1T --deadline-days 30 --objective cost --out c.json");
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  EXPECT_NE(run.out.find("(over the deadline)"), std::string::npos) << run.out;
+  const size_t chosen = run.out.find("cheapest cluster within 30.0 days: ");
+  ASSERT_NE(chosen, std::string::npos) << run.out;
+  const Plan plan = read_plan_file((dir / "c.json").string());
+  const planner::TrainingTime t =
+      planner::training_time(plan.cluster, plan.cluster.num_nodes, 1e12, plan.prediction.tokens_per_s,
+                             0, 600);  // bounds: the checkpoint pause only lowers goodput further
+  EXPECT_LE(t.seconds, 30 * 86400.0 * 1.01);
+  EXPECT_GT(plan.cluster.instance_price_per_hour, 0);
+  char line[128];
+  std::snprintf(line, sizeof line, "%lld x p4d.24xlarge (%lld GPUs)", static_cast<long long>(plan.cluster.num_nodes),
+                static_cast<long long>(plan.parallel.world_size));
+  EXPECT_NE(run.out.find(line, chosen), std::string::npos) << line << "\n" << run.out;
+  // One size: each ranked plan's days and dollars.
+  const Outcome one = dir.moeplan("search --gpus 64 --train-tokens 300B --top 2 --out o.json");
+  ASSERT_EQ(one.exit_code, 0) << show(one);
+  EXPECT_NE(one.out.find("to train 3e+11 tokens on 8 x p4d.24xlarge"), std::string::npos) << one.out;
+
+  EXPECT_EQ(dir.moeplan("search --gpus 64:16 --out x.json").exit_code, 2);
+  const Outcome deadline = dir.moeplan("search --gpus 16:64 --deadline-days 3 --out x.json");
+  EXPECT_EQ(deadline.exit_code, 2) << show(deadline);
+  EXPECT_NE(deadline.err.find("--deadline-days: needs --train-tokens"), std::string::npos) << show(deadline);
+  const Outcome unpriced = dir.moeplan("search --gpus 2 --instance local-cpu --model mixtral-tiny --seq-len 256 "
+                                       "--objective cost --out x.json");
+  EXPECT_EQ(unpriced.exit_code, 2) << show(unpriced);
+  EXPECT_NE(unpriced.err.find("no cost.instance_price_per_hour"), std::string::npos) << show(unpriced);
+  const Outcome late = dir.moeplan("search --gpus 16:32 --train-tokens 1T --deadline-days 1 --out x.json");
+  EXPECT_EQ(late.exit_code, 1) << show(late);
+  EXPECT_FALSE(fs::exists(dir / "x.json"));
 }
 
 TEST_F(Cli, CheckOnATruncatedPlanIsOneLineNamingTheFile) {

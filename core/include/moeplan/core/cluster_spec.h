@@ -195,6 +195,11 @@ struct ClusterSpec {
   AfterCompute after_compute;
   int64_t memory_headroom_bytes = 0;     // kept free on purpose
 
+  // What running the instances costs (the profile's "cost" object; 0 where not given): the
+  // on-demand price of one instance for an hour, in US dollars, and how often a node fails.
+  double instance_price_per_hour = 0;
+  double node_failures_per_hour = 0;
+
   SourceMap sources;  // field path -> public source of the number
 
   int64_t world_size() const { return gpus_per_node * num_nodes; }
