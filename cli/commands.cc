@@ -283,6 +283,17 @@ int run_search(const SearchArgs& args) {
     const std::string dir = profile_dir(args.profiles);
     const ModelSpec model = load_model(args.model, dir);
     const ClusterSpec instance = load_hardware(args.instance, dir);
+    const bool range = min_gpus != max_gpus;
+    if (range && (args.json || args.explain))
+      throw InputError("--gpus", {{"", "= " + args.gpus + ": a range prints its own table; --json and --explain take one size"}});
+    if (!range && args.deadline_days > 0)
+      throw InputError("--deadline-days", {{"", "picks among the sizes of a --gpus range (A:B)"}});
+    if (!range && args.objective != "time")
+      throw InputError("--objective", {{"", "= " + args.objective + " ranks the sizes of a --gpus range (A:B)"}});
+    // A range plans every size for the batch of its largest whole-node size, so their days compare.
+    int64_t batch_gpus = max_gpus;
+    if (const auto sizes = planner::cluster_sizes(min_gpus, max_gpus, instance.gpus_per_node); range && !sizes.empty())
+      batch_gpus = sizes.back();
     if (args.objective != "time" && instance.instance_price_per_hour <= 0)
       throw InputError("--objective", {{"", "= " + args.objective + " needs the instance's price: " + instance.name +
                                                  " has no cost.instance_price_per_hour"}});
@@ -309,7 +320,7 @@ int run_search(const SearchArgs& args) {
       throw InputError("--min-learning-rate", {{"", "must not exceed --learning-rate"}});
     options.training.global_batch_tokens = args.global_batch_tokens > 0
                                                ? args.global_batch_tokens
-                                               : planner::default_global_batch_tokens(max_gpus, args.seq_len);
+                                               : planner::default_global_batch_tokens(batch_gpus, args.seq_len);
     for (const auto& [name, value] : kTargetNames)
       if (name == args.target) options.target = value;
     // Megatron-LM's, torchtitan's and SMP's bf16 training keeps fp32 parameters and optimizer
@@ -373,7 +384,7 @@ int run_search(const SearchArgs& args) {
                                  " is not a multiple of seq-len = " + std::to_string(args.seq_len) +
                                  " (the batch is made of whole sequences)"}});
 
-    if (min_gpus != max_gpus) return search_sizes(args, model, cluster, options, min_gpus, max_gpus);
+    if (range) return search_sizes(args, model, cluster, options, min_gpus, max_gpus);
 
     const ParamCounts params = count_parameters(model);
     if (!args.json) {

@@ -479,6 +479,18 @@ void check_megatron(const RunConfig& c, Sink& sink) {
       return std::string("= \"bf16\": Megatron-LM keeps fp32 main parameters and optimizer states (its --bf16 is "
                          "mixed precision; plan with mixed)");
     });
+  // Interleaving with uneven ends: every stage's blocks split into the V chunks evenly.
+  if (const int64_t vp = p.virtual_pipeline_degree; vp > 1 && (p.first_stage_layers > 0 || p.last_stage_layers > 0)) {
+    const int64_t others = p.pipeline_parallel_degree - (p.first_stage_layers > 0) - (p.last_stage_layers > 0);
+    const int64_t middle =
+        others > 0 ? (c.model.num_layers - p.first_stage_layers - p.last_stage_layers) / others : vp;
+    if (p.first_stage_layers % vp != 0 || p.last_stage_layers % vp != 0 || middle % vp != 0)
+      sink(Rule::kMegatronLayouts, "parallel.virtual_pipeline_degree", [&] {
+        return "= " + str(vp) + " with first_stage_layers = " + str(p.first_stage_layers) + ", last_stage_layers = " +
+               str(p.last_stage_layers) + " and " + str(middle) +
+               " blocks on each other stage: Megatron-LM splits every stage into equal chunks";
+      });
+  }
   if (!ranks_ordered(p, Placement{}))  // the default placement: P, R, S, E, T outermost first
     sink(Rule::kFrameworkRankOrder, "parallel.placement", [&] {
       return "= \"" + p.placement.to_string() +
@@ -529,6 +541,17 @@ void check_torchtitan(const RunConfig& c, Sink& sink) {
   if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
     sink(Rule::kTorchtitanLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
          [&] { return std::string("is set: moeplan exports equal pipeline stages to torchtitan"); });
+  if (c.training.precision == Precision::kMixed && !c.training.fp32_gradients)
+    sink(Rule::kTorchtitanLayouts, "training.fp32_gradients", [&] {
+      return std::string("= false: torchtitan reduces gradients in fp32 (mixed_precision_reduce)");
+    });
+  // Its mixed precision is FSDP's: without sharding, tensor or pipeline parallelism trains in
+  // fp32, and replicas over them are DDP, which it runs on one mesh dimension only.
+  if (p.hybrid_shard_degree * p.expert_parallel_degree == 1 && (tp > 1 || p.pipeline_parallel_degree > 1))
+    sink(Rule::kTorchtitanLayouts, "parallel.hybrid_shard_degree", [&] {
+      return std::string("= 1 with expert_parallel_degree = 1 under tensor or pipeline parallelism: torchtitan "
+                         "applies mixed precision and replicas through FSDP, so the shard degree must exceed 1");
+    });
   if (c.training.precision == Precision::kBf16)
     sink(Rule::kTorchtitanLayouts, "training.precision", [&] {
       return std::string("= \"bf16\": torchtitan keeps fp32 parameters and computes in bf16 (plan with mixed)");

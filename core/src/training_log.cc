@@ -55,6 +55,9 @@ std::optional<double> number_at(std::string_view s) {
   return v;
 }
 
+// Counts read from a log (iterations, batch sizes) stay far from int64's range.
+constexpr double kMaxCount = 1e15;
+
 // The number after `key` in `s`; nullopt when the key is missing or no number follows.
 std::optional<double> after(std::string_view s, std::string_view key) {
   const size_t at = s.find(key);
@@ -77,6 +80,9 @@ class Reader {
       megatron_timer(number, text, dots);
     else if (text.find("step:") != std::string::npos && text.find("tps:") != std::string::npos)
       torchtitan(number, text);
+    else if (text.find("'train_runtime':") != std::string::npos &&
+             text.find("'train_steps_per_second':") != std::string::npos)
+      trainer(number, text);
     else if (text.find("Batch ") != std::string::npos && text.find(" Loss: ") != std::string::npos &&
              text.find("samples/sec") != std::string::npos && text.find("Running Avg") == std::string::npos)
       smp(number, text);
@@ -85,8 +91,9 @@ class Reader {
   TrainingLog finish() {
     if (log_.iterations.empty())
       throw InputError(origin_, {{"", "holds no iteration line of Megatron-LM (\"iteration N/M | ... elapsed time per "
-                                      "iteration (ms): ...\"), torchtitan (\"step: N  loss: ...  tps: ...\") or SMP's "
-                                      "example script (\"Batch N Loss: ..., Speed: ... samples/sec\")"}});
+                                      "iteration (ms): ...\"), torchtitan (\"step: N  loss: ...  tps: ...\"), SMP's "
+                                      "example script (\"Batch N Loss: ..., Speed: ... samples/sec\") or the "
+                                      "Hugging Face Trainer ({'train_runtime': ..., 'train_steps_per_second': ...})"}});
     return std::move(log_);
   }
 
@@ -111,12 +118,14 @@ class Reader {
     it.line = number;
     const auto iteration = after(text, " iteration ");
     const auto ms = after(text, "elapsed time per iteration (ms):");
-    if (!iteration || *iteration < 0 || !ms || *ms <= 0)
+    const auto batch = after(text, "global batch size:");
+    if (!iteration || *iteration < 0 || *iteration > kMaxCount || !ms || *ms <= 0 ||
+        (batch && (*batch < 0 || *batch > kMaxCount)))
       bad(number, "is a Megatron-LM iteration line without a readable iteration number and elapsed time");
     it.iteration = static_cast<int64_t>(*iteration);
     it.step_ms = *ms;
     it.tflops_per_gpu = after(text, "throughput per GPU (TFLOP/s/GPU):").value_or(0);
-    it.global_batch = static_cast<int64_t>(after(text, "global batch size:").value_or(0));
+    it.global_batch = static_cast<int64_t>(batch.value_or(0));
     it.loss = after(text, "lm loss:").value_or(0);
     log_.iterations.push_back(it);
   }
@@ -147,13 +156,30 @@ class Reader {
     it.line = number;
     const auto step = after(text, "step:");
     const auto tps = after(text, "tps:");
-    if (!step || *step < 0 || !tps || *tps <= 0)
+    if (!step || *step < 0 || *step > kMaxCount || !tps || *tps <= 0)
       bad(number, "is a torchtitan step line without a readable step and tps");
     it.iteration = static_cast<int64_t>(*step);
     it.tokens_per_s_per_gpu = *tps;
     it.tflops_per_gpu = after(text, "tflops:").value_or(0);
     it.loss = after(text, "loss:").value_or(0);
     if (const auto gib = after(text, "memory:")) it.memory_bytes = *gib * 1024 * 1024 * 1024;
+    log_.iterations.push_back(it);
+  }
+
+  // {'train_runtime': 1234.5, 'train_samples_per_second': 12.3, 'train_steps_per_second': 0.39, ...}
+  void trainer(int64_t number, const std::string& text) {
+    expect(number, LogFormat::kHfTrainer);
+    LoggedIteration it;
+    it.line = number;
+    const auto steps = after(text, "'train_steps_per_second':");
+    const auto samples = after(text, "'train_samples_per_second':");
+    if (!steps || *steps <= 0 || !samples || *samples <= 0)
+      bad(number, "is a Hugging Face Trainer summary without readable train_steps_per_second and "
+                  "train_samples_per_second");
+    it.iteration = static_cast<int64_t>(log_.iterations.size());
+    it.step_ms = 1000.0 / *steps;
+    it.samples_per_s = *samples;
+    it.loss = after(text, "'train_loss':").value_or(0);
     log_.iterations.push_back(it);
   }
 
@@ -164,7 +190,7 @@ class Reader {
     it.line = number;
     const auto batch = after(text, "Batch ");
     const auto speed = after(text, "Speed:");
-    if (!batch || *batch < 0 || !speed || *speed <= 0)
+    if (!batch || *batch < 0 || *batch > kMaxCount || !speed || *speed <= 0)
       bad(number, "is a line of SMP's script without a readable Batch and Speed");
     it.iteration = static_cast<int64_t>(*batch);
     it.samples_per_s = *speed;
@@ -185,6 +211,7 @@ std::string_view log_format_name(LogFormat format) {
     case LogFormat::kMegatron: return "Megatron-LM";
     case LogFormat::kTorchtitan: return "torchtitan";
     case LogFormat::kSmp: return "SMP";
+    case LogFormat::kHfTrainer: return "Hugging Face Trainer";
   }
   return "?";
 }

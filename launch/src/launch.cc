@@ -39,7 +39,7 @@ std::string torchrun_script(const Plan& plan, const std::string& what, const std
          "# MASTER_ADDR set; arguments after the script are passed on.\n"
          "set -euo pipefail\n" +
          setup + "exec torchrun --nnodes " + std::to_string(c.num_nodes) + " --nproc-per-node " +
-         std::to_string(c.gpus_per_node) +
+         std::to_string(plan.parallel.world_size / c.num_nodes) +
          " --node-rank \"${NODE_RANK:-0}\" \\\n"
          "  --master-addr \"${MASTER_ADDR:-localhost}\" --master-port \"${MASTER_PORT:-29500}\" \\\n"
          "  " + entry + " \"$@\"\n";

@@ -35,10 +35,10 @@ void model_args(const Plan& plan, Args& a) {
   a.push_back({"--attention-dropout", number(m.dropout)});
   a.push_back({"--hidden-dropout", number(m.dropout)});
   a.push_back({"--init-method-std", number(m.initializer_range)});
-  // The vocabulary as moeplan planned it; a real tokenizer's size replaces it (Megatron pads it
-  // to a multiple of 128 x T).
+  // The vocabulary as moeplan planned it: NullTokenizer adds an end-of-document token to the
+  // size given (and Megatron pads the sum to a multiple of 128 x T); a real tokenizer replaces it.
   a.push_back({"--tokenizer-type", "NullTokenizer"});
-  a.push_back({"--vocab-size", std::to_string(m.vocab_size)});
+  a.push_back({"--vocab-size", std::to_string(m.vocab_size - 1)});
 }
 
 void layout_args(const Plan& plan, Args& a) {
@@ -60,7 +60,9 @@ void layout_args(const Plan& plan, Args& a) {
     // had a separate expert tensor size.
     a.push_back({"--expert-tensor-parallel-size", std::to_string(p.tensor_parallel_degree)});
     a.push_back({"--moe-router-load-balancing-type", std::string(name_of(kLoadBalancingNames, plan.moe.load_balancing))});
-    a.push_back({"--moe-aux-loss-coeff", number(plan.moe.aux_loss_coef)});
+    // Megatron-LM asserts a zero coefficient unless the router balances by the loss.
+    const bool aux = plan.moe.load_balancing == LoadBalancing::kAuxLoss;
+    a.push_back({"--moe-aux-loss-coeff", aux ? number(plan.moe.aux_loss_coef) : "0"});
     if (plan.moe.z_loss_coef != 0) a.push_back({"--moe-z-loss-coeff", number(plan.moe.z_loss_coef)});
     a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
     a.push_back({"--moe-grouped-gemm", ""});
@@ -105,7 +107,9 @@ void training_args(const Plan& plan, Args& a) {
 
 }  // namespace
 
-std::vector<LaunchFile> export_megatron(const Plan& plan, Diagnostics&) {
+std::vector<LaunchFile> export_megatron(const Plan& plan, Diagnostics& problems) {
+  if (plan.model.rope_theta != static_cast<double>(static_cast<int64_t>(plan.model.rope_theta)))
+    problems.error("model.rope_theta", "= " + number(plan.model.rope_theta) + ": Megatron-LM's --rotary-base is an integer");
   Args args;
   model_args(plan, args);
   layout_args(plan, args);

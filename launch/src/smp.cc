@@ -91,8 +91,10 @@ Json hyperparameters(const Plan& plan) {
 // rms_norm_eps 1e-5, Llama 2 with rms_norm_eps 1e-5; both SwiGLU with RMSNorm, untied, no
 // dropout (train_utils.py get_model_config).
 void model_problems(const ModelSpec& m, Diagnostics& problems) {
-  if (m.mlp != Mlp::kSwiGlu || m.norm != Norm::kRmsNorm)
-    problems.error("model.mlp", "SMP's example script trains Mixtral and Llama models (SwiGLU, RMSNorm)");
+  if (m.mlp != Mlp::kSwiGlu)
+    problems.error("model.mlp", "SMP's example script trains Mixtral and Llama models (SwiGLU)");
+  if (m.norm != Norm::kRmsNorm)
+    problems.error("model.norm", "SMP's example script trains Mixtral and Llama models (RMSNorm)");
   if (!m.dense() && m.rope_theta != 1e6)
     problems.error("model.rope_theta", "= " + number(m.rope_theta) + ": SMP's example script builds Mixtral with 1e6");
   if (m.dense() && m.rope_theta != static_cast<double>(static_cast<int64_t>(m.rope_theta)))
@@ -109,6 +111,10 @@ void model_problems(const ModelSpec& m, Diagnostics& problems) {
 
 std::vector<LaunchFile> export_smp(const Plan& plan, Diagnostics& problems) {
   const ClusterSpec& c = plan.cluster;
+  if (plan.parallel.world_size != c.world_size())
+    problems.error("parallel.world_size", "= " + std::to_string(plan.parallel.world_size) + " uses part of " +
+                                              std::to_string(c.num_nodes) + " x " + c.name +
+                                              ": SageMaker trains on every GPU of its instances");
   if (!ec2_instance(c.name))
     problems.error("cluster.name", "= \"" + c.name +
                                        "\" is not an EC2 instance type: SageMaker trains on ml. instances "

@@ -41,7 +41,7 @@ std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
           line("weight_decay", number(t.weight_decay)) +
           line("beta1", number(t.adam_beta1)) + line("beta2", number(t.adam_beta2)) + "\n";
   toml += "[lr_scheduler]\n" + line("warmup_steps", t.warmup_steps) + line("decay_type", quoted("cosine")) +
-          line("min_lr_factor", number(t.min_learning_rate / t.learning_rate)) + "\n";
+          line("min_lr_factor", number(t.learning_rate > 0 ? t.min_learning_rate / t.learning_rate : 0.0)) + "\n";
 
   toml += "[training]\n";
   // Per data-parallel rank: one micro-batch, accumulated up to the global batch; under a

@@ -392,9 +392,12 @@ TEST_F(Cli, CompareLogPutsARunBesideItsPlan) {
   std::snprintf(row, sizeof row, "| step time (s) | 31.02 | %.4g | %+.1f%% |", plan.prediction.step_time_s,
                 100 * (31.02 / plan.prediction.step_time_s - 1));
   EXPECT_NE(run.out.find(row), std::string::npos) << row << "\n" << run.out;
-  EXPECT_NE(run.out.find("| peak allocated per GPU, rank 0 (GiB) | 34.3 |"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("| peak allocated per GPU, busiest reporting rank (GiB) | 34.3 |"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("| phase forward-backward (s) | 30.2 |"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("| phase optimizer (s) | 0.3 |"), std::string::npos) << run.out;
+  // The framework's TFLOP/s are counted its own way: shown, without an error.
+  EXPECT_NE(run.out.find("| TFLOP/s per GPU (as Megatron-LM counts) | 160.1 | "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find(" | - |\n| peak allocated"), std::string::npos) << run.out;
 
   const TrainingLog titan = read_training_log(test::data_path("logs/torchtitan.log"));
   const validation::LogComparison t = validation::compare_with_log(plan, titan, 1, "torchtitan.log");
@@ -404,6 +407,12 @@ TEST_F(Cli, CompareLogPutsARunBesideItsPlan) {
   const validation::LogComparison s = validation::compare_with_log(plan, smp, 1, "smp.log");
   EXPECT_DOUBLE_EQ(s.figures[0].measured, 2048.0 / 1.30);  // sequences per step over median speed
   EXPECT_EQ(s.iterations, 3);
+  // The Trainer's one summary line: nothing to skip, a step of 1 / train_steps_per_second.
+  const Outcome trainer = dir.moeplan("compare m.json --log " + test::data_path("logs/hf_trainer.log"));
+  ASSERT_EQ(trainer.exit_code, 0) << show(trainer);
+  EXPECT_NE(trainer.out.find("(Hugging Face Trainer, median of 1 logged iterations, the first 0 skipped)"),
+            std::string::npos) << trainer.out;
+  EXPECT_NE(trainer.out.find("| step time (s) | 31.25 |"), std::string::npos) << trainer.out;
 
   const Outcome none_left = dir.moeplan("compare m.json --log " + log + " --skip-iterations 4");
   EXPECT_EQ(none_left.exit_code, 2) << show(none_left);
@@ -443,10 +452,19 @@ TEST_F(Cli, SearchPricesClusterSizesAndKeepsToTheDeadline) {
   const Outcome deadline = dir.moeplan("search --gpus 16:64 --deadline-days 3 --out x.json");
   EXPECT_EQ(deadline.exit_code, 2) << show(deadline);
   EXPECT_NE(deadline.err.find("--deadline-days: needs --train-tokens"), std::string::npos) << show(deadline);
-  const Outcome unpriced = dir.moeplan("search --gpus 2 --instance local-cpu --model mixtral-tiny --seq-len 256 "
+  const Outcome unpriced = dir.moeplan("search --gpus 2:4 --instance local-cpu --model mixtral-tiny --seq-len 256 "
                                        "--objective cost --out x.json");
   EXPECT_EQ(unpriced.exit_code, 2) << show(unpriced);
   EXPECT_NE(unpriced.err.find("no cost.instance_price_per_hour"), std::string::npos) << show(unpriced);
+  // What only a range takes is refused on one size, and what only one size takes on a range.
+  const Outcome single = dir.moeplan("search --gpus 64 --train-tokens 1T --deadline-days 30 --out x.json");
+  EXPECT_EQ(single.exit_code, 2) << show(single);
+  EXPECT_NE(single.err.find("--deadline-days: picks among the sizes of a --gpus range"), std::string::npos) << show(single);
+  EXPECT_NE(dir.moeplan("search --gpus 64 --objective cost --out x.json").err.find("--objective: = cost ranks"),
+            std::string::npos);
+  EXPECT_EQ(dir.moeplan("search --gpus 16:64 --json").exit_code, 2);
+  for (const char* bad : {"0", "-1", "abc", "8:", ":8", "8:16:32"})
+    EXPECT_EQ(dir.moeplan(std::string("search --out x.json --gpus ") + bad).exit_code, 2) << bad;
   const Outcome late = dir.moeplan("search --gpus 16:32 --train-tokens 1T --deadline-days 1 --out x.json");
   EXPECT_EQ(late.exit_code, 1) << show(late);
   EXPECT_FALSE(fs::exists(dir / "x.json"));

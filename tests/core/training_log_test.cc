@@ -63,6 +63,20 @@ TEST(TrainingLog, ReadsSmpScriptLinesWithoutItsValidationLines) {
   EXPECT_DOUBLE_EQ(log.iterations[2].tflops_per_gpu, 105.56);
 }
 
+// The Trainer's summary at the end of train(): steps and samples per second of the whole run.
+TEST(TrainingLog, ReadsTheHuggingFaceTrainerSummary) {
+  const TrainingLog log = parse_training_log(sample("hf_trainer.log"), "hf_trainer.log");
+  EXPECT_EQ(log.format, LogFormat::kHfTrainer);
+  ASSERT_EQ(log.iterations.size(), 1u);
+  EXPECT_EQ(log.iterations[0].line, 6);
+  EXPECT_DOUBLE_EQ(log.iterations[0].step_ms, 1000.0 / 0.032);
+  EXPECT_DOUBLE_EQ(log.iterations[0].samples_per_s, 65.536);
+  EXPECT_DOUBLE_EQ(log.iterations[0].loss, 9.5012);
+  std::string bad = sample("hf_trainer.log");
+  bad.replace(bad.find("0.032"), 5, "'?'");
+  EXPECT_NE(refusal(bad).find("run.log: line 6: is a Hugging Face Trainer summary"), std::string::npos) << refusal(bad);
+}
+
 TEST(TrainingLog, RefusesABadLineByItsNumber) {
   std::string text = sample("megatron.log");
   const size_t at = text.find("31020.0");

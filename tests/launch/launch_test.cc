@@ -171,6 +171,8 @@ TEST(ExportLaunch, MegatronArgumentsFollowThePlan) {
   EXPECT_EQ(a.at("--moe-router-topk"), "2");
   EXPECT_EQ(a.at("--moe-router-load-balancing-type"), "sinkhorn");
   EXPECT_EQ(a.at("--moe-token-dispatcher-type"), "alltoall");
+  EXPECT_EQ(a.at("--moe-aux-loss-coeff"), "0");  // Sinkhorn: Megatron asserts no loss
+  EXPECT_EQ(a.at("--vocab-size"), "31999");      // NullTokenizer adds its end-of-document token
   EXPECT_EQ(a.at("--num-layers"), "32");
   EXPECT_EQ(a.at("--hidden-size"), "4096");
   EXPECT_EQ(a.at("--ffn-hidden-size"), "14336");

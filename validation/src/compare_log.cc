@@ -38,6 +38,8 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
   LogComparison c;
   c.format = log.format;
   const std::vector<LoggedIteration>& all = log.iterations;
+  // The Trainer's summary covers the whole train(): there is no warm-up line to leave out.
+  if (log.format == LogFormat::kHfTrainer) skip = 0;
   if (static_cast<int64_t>(all.size()) <= skip)
     throw InputError(origin, {{"", "holds " + std::to_string(all.size()) + " iteration lines, none left after the " +
                                        std::to_string(skip) + " skipped (--skip-iterations)"}});
@@ -64,6 +66,7 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
         // Speed is the job's sequences per second over one micro-batch of every reader.
         step_s.push_back(step_tokens / (it.samples_per_s * seq));
         break;
+      case LogFormat::kHfTrainer: step_s.push_back(it.step_ms / 1000.0); break;
     }
     if (it.tflops_per_gpu > 0) tflops.push_back(it.tflops_per_gpu);
     memory = std::max(memory, it.memory_bytes);
@@ -73,19 +76,19 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
   c.figures.push_back({"tokens/s", step_tokens / measured_step, plan.prediction.tokens_per_s});
   if (!tflops.empty())
     c.figures.push_back({"TFLOP/s per GPU (as " + std::string(log_format_name(log.format)) + " counts)", median(tflops),
-                         plan.prediction.tflops_per_gpu});
+                         plan.prediction.tflops_per_gpu, false});
   if (memory > 0)
-    c.figures.push_back({log.format == LogFormat::kMegatron ? "peak allocated per GPU, rank 0 (GiB)"
+    c.figures.push_back({log.format == LogFormat::kMegatron ? "peak allocated per GPU, busiest reporting rank (GiB)"
                                                             : "peak reserved per GPU (GiB)",
                          memory / kGiB, static_cast<double>(plan.prediction.memory.device_total_bytes) / kGiB});
   // Megatron-LM's timers: the forward and backward of every micro-batch (their compute,
-  // recomputation and the communication they wait for), and the optimizer step.
+  // recomputation and every wait), and the optimizer step.
+  const double optimizer_s = predicted_seconds(plan.prediction, {"optimizer"});
   if (const auto fb = log.timer_max_ms.find("forward-backward"); fb != log.timer_max_ms.end())
     c.figures.push_back({"phase forward-backward (s)", timer_median(fb->second, skip) / 1000.0,
-                         predicted_seconds(plan.prediction, {"compute", "recompute", "exposed_comm"})});
+                         plan.prediction.step_time_s - optimizer_s});
   if (const auto opt = log.timer_max_ms.find("optimizer"); opt != log.timer_max_ms.end())
-    c.figures.push_back({"phase optimizer (s)", timer_median(opt->second, skip) / 1000.0,
-                         predicted_seconds(plan.prediction, {"optimizer"})});
+    c.figures.push_back({"phase optimizer (s)", timer_median(opt->second, skip) / 1000.0, optimizer_s});
   return c;
 }
 
@@ -96,7 +99,8 @@ std::string format_log_comparison(const LogComparison& c, const std::string& pla
   out += "| figure | measured | predicted | error (measured / predicted - 1) |\n|---|---:|---:|---:|\n";
   for (const LogFigure& f : c.figures) {
     char error[32] = "-";
-    if (f.predicted > 0) std::snprintf(error, sizeof error, "%+.1f%%", 100 * relative_error(f.measured, f.predicted));
+    if (f.predicted > 0 && f.comparable)
+      std::snprintf(error, sizeof error, "%+.1f%%", 100 * relative_error(f.measured, f.predicted));
     out += "| " + f.name + " | " + figure(f.measured) + " | " + (f.predicted > 0 ? figure(f.predicted) : "-") + " | " +
            error + " |\n";
   }

@@ -2,8 +2,10 @@
 // The per-iteration lines other frameworks print while they train, read back: Megatron-LM's
 // "iteration N/M | ... elapsed time per iteration (ms): ..." lines (with its memory report and
 // timers), torchtitan's "step: N  loss: ...  memory: ...GiB(...%)  tps: ...  tflops: ..."
-// lines, and the "Batch N Loss: ..., Speed: ... samples/sec, Model TFLOPS/GPU: ..." lines of
-// SMP's example training script. Other lines are skipped; a line that starts like one of these
+// lines, the "Batch N Loss: ..., Speed: ... samples/sec, Model TFLOPS/GPU: ..." lines of
+// SMP's example training script, and the summary the Hugging Face Trainer prints at the end of
+// train() ({'train_runtime': ..., 'train_samples_per_second': ..., 'train_steps_per_second':
+// ...}; its per-step lines carry no time). Other lines are skipped; a line that starts like one of these
 // but does not read is an error naming its number.
 
 #include <cstdint>
@@ -14,16 +16,16 @@
 
 namespace moeplan {
 
-enum class LogFormat : uint8_t { kMegatron, kTorchtitan, kSmp };
+enum class LogFormat : uint8_t { kMegatron, kTorchtitan, kSmp, kHfTrainer };
 std::string_view log_format_name(LogFormat format);
 
 // One logged iteration; a figure the line does not carry is 0.
 struct LoggedIteration {
   int64_t line = 0;       // 1-based line number in the log
   int64_t iteration = 0;  // as the framework counts (SMP's script counts micro-batches)
-  double step_ms = 0;              // Megatron: elapsed time per iteration
+  double step_ms = 0;              // Megatron: elapsed time per iteration; Trainer: 1 / steps per second
   double tokens_per_s_per_gpu = 0; // torchtitan: tps
-  double samples_per_s = 0;        // SMP: Speed, the whole job's sequences per second
+  double samples_per_s = 0;        // SMP: Speed; Trainer: train_samples_per_second (the whole job's)
   double tflops_per_gpu = 0;       // as the framework counts them
   double memory_bytes = 0;         // torchtitan: max reserved
   int64_t global_batch = 0;        // Megatron: global batch size, in sequences

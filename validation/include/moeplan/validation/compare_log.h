@@ -17,6 +17,7 @@ struct LogFigure {
   std::string name;  // e.g. "step time (s)"
   double measured = 0;
   double predicted = 0;  // 0: the plan predicts no such figure
+  bool comparable = true;  // false: counted another way than the prediction, shown beside it
 };
 
 struct LogComparison {
