@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "moeplan/core/errors.h"
 #include "test_support.h"
@@ -101,6 +104,54 @@ TEST(TrainingLog, RefusesForeignMixedAndBinaryLogs) {
   } catch (const InputError& e) {
     EXPECT_EQ(e.origin(), "/nonexistent/run.log");
   }
+}
+
+// Mutated samples (bytes changed, cut short, numbers replaced by extreme ones, two logs run
+// together) are read or refused with an InputError, never anything else; what is read holds
+// only finite, positive rates. The seed is fixed, so a failure reproduces exactly.
+TEST(TrainingLog, MutatedLogsAreReadOrRefused) {
+  const std::vector<std::string> samples = {sample("megatron.log"), sample("torchtitan.log"), sample("smp.log"),
+                                            sample("hf_trainer.log")};
+  const std::vector<std::string> numbers = {"1e308", "-5", "0", "99999999999999999999", "nan", "inf", "1e-320",
+                                            "1,2,3", "0x10", "."};
+  std::mt19937_64 random(0x6c6f6773);  // "logs"
+  auto below = [&](size_t n) { return static_cast<size_t>(random() % std::max<size_t>(1, n)); };
+  int64_t read = 0, refused = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string text = samples[below(samples.size())];
+    switch (below(4)) {
+      case 0:
+        for (size_t k = 1 + below(16); k > 0; --k) text[below(text.size())] = static_cast<char>(random() & 0xff);
+        break;
+      case 1: text.resize(below(text.size() + 1)); break;
+      case 2:
+        for (size_t k = 1 + below(6); k > 0; --k) {
+          const size_t at = text.find_first_of("0123456789", below(text.size()));
+          if (at == std::string::npos) break;
+          const size_t end = text.find_first_not_of("0123456789.", at);
+          text.replace(at, (end == std::string::npos ? text.size() : end) - at, numbers[below(numbers.size())]);
+        }
+        break;
+      default: text += samples[below(samples.size())]; break;
+    }
+    try {
+      const TrainingLog log = parse_training_log(text, "fuzz.log");
+      ++read;
+      for (const LoggedIteration& it : log.iterations) {
+        ASSERT_TRUE(std::isfinite(it.step_ms) && it.step_ms >= 0) << text;
+        ASSERT_TRUE(std::isfinite(it.tokens_per_s_per_gpu) && it.tokens_per_s_per_gpu >= 0) << text;
+        ASSERT_TRUE(std::isfinite(it.samples_per_s) && it.samples_per_s >= 0) << text;
+        ASSERT_GE(it.iteration, 0) << text;
+        ASSERT_GE(it.global_batch, 0) << text;
+      }
+    } catch (const InputError&) {
+      ++refused;
+    }
+  }
+  std::printf("training-log fuzz: %lld read, %lld refused\n", static_cast<long long>(read),
+              static_cast<long long>(refused));
+  EXPECT_GT(read, 0);
+  EXPECT_GT(refused, 0);
 }
 
 }  // namespace
