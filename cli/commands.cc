@@ -210,11 +210,7 @@ void print_training_time(const planner::SearchResult& result, const ClusterSpec&
 // A range of cluster sizes: the best plan of each, its days and dollars for the tokens asked
 // for, and the size the objective picks among those within the deadline, written as the plan.
 int search_sizes(const SearchArgs& args, const ModelSpec& model, const ClusterSpec& largest,
-                 planner::SearchOptions options, int64_t min_gpus, int64_t max_gpus) {
-  const std::vector<int64_t> sizes = planner::cluster_sizes(min_gpus, max_gpus, largest.gpus_per_node);
-  if (sizes.empty())
-    throw InputError("--gpus", {{"", "= " + args.gpus + " holds no whole number of " + largest.name + " instances (" +
-                                         std::to_string(largest.gpus_per_node) + " GPUs each)"}});
+                 const planner::SearchOptions& options, const std::vector<int64_t>& sizes) {
   const double tokens = args.train_tokens > 0 ? args.train_tokens : 0;
   std::printf("moeplan search: %s on %s, %lld to %lld GPUs, global batch %lld tokens%s\n", model.name.c_str(),
               largest.name.c_str(), static_cast<long long>(sizes.front()), static_cast<long long>(sizes.back()),
@@ -291,9 +287,12 @@ int run_search(const SearchArgs& args) {
     if (!range && args.objective != "time")
       throw InputError("--objective", {{"", "= " + args.objective + " ranks the sizes of a --gpus range (A:B)"}});
     // A range plans every size for the batch of its largest whole-node size, so their days compare.
-    int64_t batch_gpus = max_gpus;
-    if (const auto sizes = planner::cluster_sizes(min_gpus, max_gpus, instance.gpus_per_node); range && !sizes.empty())
-      batch_gpus = sizes.back();
+    const std::vector<int64_t> sizes =
+        range ? planner::cluster_sizes(min_gpus, max_gpus, instance.gpus_per_node) : std::vector<int64_t>{max_gpus};
+    if (sizes.empty())
+      throw InputError("--gpus", {{"", "= " + args.gpus + " holds no whole number of " + instance.name + " instances (" +
+                                           std::to_string(instance.gpus_per_node) + " GPUs each)"}});
+    const int64_t batch_gpus = sizes.back();
     if (args.objective != "time" && instance.instance_price_per_hour <= 0)
       throw InputError("--objective", {{"", "= " + args.objective + " needs the instance's price: " + instance.name +
                                                  " has no cost.instance_price_per_hour"}});
@@ -384,7 +383,7 @@ int run_search(const SearchArgs& args) {
                                  " is not a multiple of seq-len = " + std::to_string(args.seq_len) +
                                  " (the batch is made of whole sequences)"}});
 
-    if (range) return search_sizes(args, model, cluster, options, min_gpus, max_gpus);
+    if (range) return search_sizes(args, model, cluster, options, sizes);
 
     const ParamCounts params = count_parameters(model);
     if (!args.json) {

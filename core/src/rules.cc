@@ -316,6 +316,10 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
     });
 }
 
+std::string checkpointing_name(const ParallelConfig& p) {
+  return "= \"" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + "\"";
+}
+
 // What moeplan's executor trains (executor/): Mixtral-style models, equal pipeline stages, the
 // Megatron splits it implements. The planner and simulator know more layouts than it runs.
 template <class Sink>
@@ -354,8 +358,7 @@ void check_executor(const RunConfig& c, Sink& sink) {
   // One rank trains through the reference trainer, which keeps every activation in memory.
   if (p.world_size == 1 && p.activation_checkpointing != Checkpointing::kNone)
     sink(Rule::kExecutorLayouts, "parallel.activation_checkpointing", [&] {
-      return "= \"" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) +
-             "\" on one rank: the executor recomputes blocks in runs of two or more ranks only";
+      return checkpointing_name(p) + " on one rank: the executor recomputes blocks in runs of two or more ranks only";
     });
   if (p.world_size == 1 && p.activation_offloading)
     sink(Rule::kExecutorLayouts, "parallel.activation_offloading",
@@ -410,10 +413,6 @@ bool ranks_ordered(const ParallelConfig& p, const Placement& order) {
     ++j;
   }
   return true;
-}
-
-std::string checkpointing_name(const ParallelConfig& p) {
-  return "= \"" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + "\"";
 }
 
 // SageMaker's model parallelism library v2 (SMP v2): PyTorch FSDP with hybrid sharding,

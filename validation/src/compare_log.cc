@@ -24,12 +24,11 @@ std::string figure(double v) {
   return text;
 }
 
-double predicted_seconds(const Prediction& p, const std::vector<std::string>& names) {
-  double s = 0;
+// The predicted seconds of one item of the step (0 when the prediction has none).
+double predicted_seconds(const Prediction& p, const std::string& name) {
   for (const TimeItem& item : p.time)
-    for (const std::string& n : names)
-      if (item.name == n) s += item.seconds;
-  return s;
+    if (item.name == name) return item.seconds;
+  return 0;
 }
 
 }  // namespace
@@ -83,7 +82,7 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
                          memory / kGiB, static_cast<double>(plan.prediction.memory.device_total_bytes) / kGiB});
   // Megatron-LM's timers: the forward and backward of every micro-batch (their compute,
   // recomputation and every wait), and the optimizer step.
-  const double optimizer_s = predicted_seconds(plan.prediction, {"optimizer"});
+  const double optimizer_s = predicted_seconds(plan.prediction, "optimizer");
   if (const auto fb = log.timer_max_ms.find("forward-backward"); fb != log.timer_max_ms.end())
     c.figures.push_back({"phase forward-backward (s)", timer_median(fb->second, skip) / 1000.0,
                          plan.prediction.step_time_s - optimizer_s});
