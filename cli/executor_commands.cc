@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "moeplan/core/checksum.h"
+#include "moeplan/core/duration.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/calibrate.h"
 #include "moeplan/executor/device.h"
@@ -20,6 +21,8 @@
 #include "moeplan/executor/collectives.h"
 #include "moeplan/executor/launch.h"
 #include "moeplan/executor/rank_run.h"
+#include "moeplan/executor/rehearsal_fault.h"
+#include "moeplan/executor/stop.h"
 #include "moeplan/executor/trainer.h"
 
 namespace moeplan::cli {
@@ -59,6 +62,8 @@ int report_exception(const char* command, int libtorch_exit) {
 int run_run(const RunArgs& args) {
   try {
     if (args.rehearse) return run_rehearse(args);
+    // From the start: a signal while the plan loads or the ranks start still stops in order.
+    executor::catch_stop_signals();
     const Plan plan = read_plan_file(args.plan);
     executor::RunOptions o;
     o.data_dir = args.data.empty() ? plan.training.data : args.data;
@@ -75,14 +80,22 @@ int run_run(const RunArgs& args) {
     o.init_from = args.init_from;
     o.threads = args.threads;
     o.timeout_seconds = args.timeout_seconds;
+    o.record_routing = args.record_routing;
+    o.replay_routing = args.replay_routing;
+    o.planted_fault = executor::rehearsal_fault_named(args.planted_fault, "--planted-fault");
+    o.grace_seconds = args.grace_seconds;
+    o.max_nonfinite_steps = args.max_nonfinite_steps;
+    if (!args.stop_after.empty()) o.stop_after_seconds = parse_duration_seconds(args.stop_after, "--stop-after");
     o.progress = &std::cout;
     const std::optional<executor::RankEnv> env = executor::rank_env_from_environment();
     if (!env && plan.parallel.world_size > 1)
       // Grace: a collective's timeout, the heartbeat check, and some room.
-      return executor::spawn_local_ranks(args.argv, plan.parallel.world_size, args.timeout_seconds + 15);
+      return executor::spawn_local_ranks(args.argv, plan.parallel.world_size, args.timeout_seconds + 15,
+                                         args.grace_seconds);
     const bool multi = env.has_value();
     if (multi && env->rank != 0) o.progress = nullptr;
     const executor::RunResult r = multi ? executor::run_rank(plan, o, *env) : executor::run_training(plan, o);
+    if (!r.stopped_by.empty()) return kExitStopped;
     if (multi && env->rank != 0) return kExitOk;
     if (r.report) {
       // The run folder holds what `moeplan view run/` shows: the plan, its simulated step and

@@ -201,10 +201,30 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--shrink-micro-batches", run.shrink_micro_batches,
                       "With --rehearse: micro-batches a step at most (0: the plan's)")
       ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 20))->needs(rehearse);
+  // A rehearsal's child runs (docs/executor.md, "Rehearsal"): the rehearsal passes these; hidden.
+  run_cmd->add_option("--record-routing", run.record_routing, "Record every layer's routing into this folder")
+      ->group("")->excludes(rehearse);
+  run_cmd->add_option("--replay-routing", run.replay_routing, "Route as the record in this folder says (one rank)")
+      ->group("")->excludes(rehearse);
+  run_cmd->add_option("--planted-fault", run.planted_fault, "A rehearsal's test hook (MOEPLAN_REHEARSAL_FAULT)")
+      ->group("");
   run_cmd->add_option("--threads", run.threads, "Intra-op threads per rank (default: 1)")->check(CLI::Range(1, 1024));
   run_cmd->add_option("--timeout", run.timeout_seconds, "Seconds a collective may wait for a peer")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{3600}));
+  run_cmd->add_option("--grace-seconds", run.grace_seconds,
+                      "After SIGTERM or SIGINT: seconds to end the step in flight, save and exit (SLURM's KillWait)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{86400}))
+      ->excludes(rehearse);
+  run_cmd->add_option("--max-nonfinite-steps", run.max_nonfinite_steps,
+                      "Steps in a row with a NaN or Inf loss or gradient that are skipped before the run stops")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->excludes(rehearse);
+  run_cmd->add_option("--stop-after", run.stop_after,
+                      "Time limit (3600, 45m, 4h, 1h30m, HH:MM:SS): stop, saved, before a step would pass it")
+      ->excludes(rehearse);
 
   CalibrateArgs calibrate;
   calibrate.command = command_line(argc, argv);

@@ -5,6 +5,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/rehearsal.h"
+#include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
 #include "moeplan/planner/rehearsal.h"
 #include "moeplan/validation/matrix.h"
@@ -26,6 +27,9 @@ int run_rehearse(const RunArgs& args) {
   o.timeout_seconds = args.timeout_seconds;
   o.progress = &std::cout;
   executor::check_rehearsal(plan, o);
+  // The checks run after the ranks, on whole tensors, many of them small: one thread, as the
+  // ranks use (an OpenMP pool spinning on two cores shared with others took most of their time).
+  executor::set_compute_threads(1);
   const executor::TokenDataset data = executor::TokenDataset::open(o.data_dir);
   const Plan small = planner::rehearsal_plan(plan, {args.shrink_width, args.shrink_layers, args.shrink_micro_batches}, data.vocab_size(),
                                              data.block_size(), o.steps);

@@ -8,7 +8,11 @@ namespace moeplan {
 
 Json parse_json_text(std::string_view text, const std::string& origin) {
   try {
-    return Json::parse(text.begin(), text.end());
+    return Json::parse(text.begin(), text.end(), [&](int depth, Json::parse_event_t, Json&) {
+      if (depth > kMaxJsonDepth)
+        throw InputError(origin, {{"", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels"}});
+      return true;
+    });
   } catch (const Json::exception& e) {
     // nlohmann's message is "[json.exception.parse_error.101] parse error at line 1, column 5:
     // syntax error ..." (or out_of_range.406 for a number beyond a double); keep the part after

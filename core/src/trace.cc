@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string_view>
 
@@ -581,18 +582,21 @@ struct Span {
 std::string forward_phase(int64_t k) { return "mb" + std::to_string(k) + " forward"; }
 std::string backward_phase(int64_t k) { return "mb" + std::to_string(k) + " backward"; }
 
-// Phases of every rank at once: [rank] -> name -> span.
-std::vector<std::map<std::string, Span>> all_phases(const Trace& trace) {
-  std::vector<std::map<std::string, Span>> out(static_cast<size_t>(std::max<int64_t>(trace.ranks, 0)));
-  std::vector<int64_t> forwards(out.size(), 0), backwards(out.size(), 0);
+// Phases of every rank with compute events at once: rank -> name -> span. Keyed, not indexed,
+// by rank: a trace of a few bytes may say it has 2^24 ranks.
+using RankPhases = std::map<int64_t, std::map<std::string, Span>>;
+
+RankPhases all_phases(const Trace& trace) {
+  RankPhases out;
+  std::map<int64_t, int64_t> forwards, backwards;
   for (const TraceEvent& e : trace.events) {
     if (e.stream != TraceStream::kCompute || e.rank < 0 || e.rank >= trace.ranks) continue;
-    auto& phases = out[static_cast<size_t>(e.rank)];
+    auto& phases = out[e.rank];
     const int64_t end = e.start_ns + e.duration_ns;
     if (e.name == phase::kForward) {
-      phases[forward_phase(forwards[static_cast<size_t>(e.rank)]++)].add(e.start_ns, end);
+      phases[forward_phase(forwards[e.rank]++)].add(e.start_ns, end);
     } else if (e.name == phase::kBackward) {
-      phases[backward_phase(backwards[static_cast<size_t>(e.rank)]++)].add(e.start_ns, end);
+      phases[backward_phase(backwards[e.rank]++)].add(e.start_ns, end);
     } else if (e.name == phase::kOptimizer) {
       phases[std::string(phase::kOptimizer)].add(e.start_ns, end);
     } else if (auto mb = micro_batch_of(e.name)) {
@@ -623,21 +627,22 @@ std::vector<TracePhase> in_order(const std::map<std::string, Span>& phases) {
 }  // namespace
 
 std::vector<TracePhase> step_phases(const Trace& trace, int64_t rank) {
-  if (rank < 0 || rank >= trace.ranks) return {};
-  return in_order(all_phases(trace)[static_cast<size_t>(rank)]);
+  const RankPhases phases = all_phases(trace);
+  const auto it = phases.find(rank);
+  return it == phases.end() ? std::vector<TracePhase>() : in_order(it->second);
 }
 
 std::vector<PhaseDifference> compare_phases(const Trace& first, const Trace& second) {
-  const auto a = all_phases(first), b = all_phases(second);
+  const RankPhases a = all_phases(first), b = all_phases(second);
   // The ranks both traces have phases for; all of them if they share none.
-  std::vector<size_t> common;
-  for (size_t r = 0; r < std::min(a.size(), b.size()); ++r)
-    if (!a[r].empty() && !b[r].empty()) common.push_back(r);
-  auto longest = [&](const std::vector<std::map<std::string, Span>>& phases, bool only_common) {
+  std::set<int64_t> common;
+  for (const auto& [rank, phases] : a)
+    if (const auto it = b.find(rank); !phases.empty() && it != b.end() && !it->second.empty()) common.insert(rank);
+  auto longest = [&](const RankPhases& phases, bool only_common) {
     std::map<std::string, int64_t> out;
-    for (size_t r = 0; r < phases.size(); ++r) {
-      if (only_common && !std::binary_search(common.begin(), common.end(), r)) continue;
-      for (const auto& [name, span] : phases[r]) out[name] = std::max(out[name], span.end - span.start);
+    for (const auto& [rank, named] : phases) {
+      if (only_common && common.count(rank) == 0) continue;
+      for (const auto& [name, span] : named) out[name] = std::max(out[name], span.end - span.start);
     }
     return out;
   };
@@ -652,28 +657,30 @@ std::vector<PhaseDifference> compare_phases(const Trace& first, const Trace& sec
 }
 
 Trace align_phases(const Trace& moved, const Trace& reference) {
-  const auto mine = all_phases(moved), theirs = all_phases(reference);
+  const RankPhases mine = all_phases(moved), theirs = all_phases(reference);
   // Per rank: phase starts in `moved` and the shift of each, a phase absent from `reference`
   // taking the shift of the phase before it.
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> shifts(mine.size());
-  for (size_t r = 0; r < mine.size(); ++r) {
-    if (r >= theirs.size() || theirs[r].empty()) continue;
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> shifts;
+  for (const auto& [rank, phases] : mine) {
+    const auto ref = theirs.find(rank);
+    if (ref == theirs.end() || ref->second.empty()) continue;
+    auto& starts = shifts[rank];
     std::optional<int64_t> shift;
-    for (const TracePhase& p : in_order(mine[r])) {
-      if (auto it = theirs[r].find(p.name); it != theirs[r].end()) {
+    for (const TracePhase& p : in_order(phases)) {
+      if (auto it = ref->second.find(p.name); it != ref->second.end()) {
         // Phases before the first matched one take its shift.
         if (!shift)
-          for (auto& earlier : shifts[r]) earlier.second = it->second.start - p.start_ns;
+          for (auto& earlier : starts) earlier.second = it->second.start - p.start_ns;
         shift = it->second.start - p.start_ns;
       }
-      shifts[r].emplace_back(p.start_ns, shift.value_or(0));
+      starts.emplace_back(p.start_ns, shift.value_or(0));
     }
-    if (!shift) shifts[r].clear();
+    if (!shift) starts.clear();
   }
   auto shift_at = [&](int64_t rank, int64_t t) -> int64_t {
-    if (rank < 0 || static_cast<size_t>(rank) >= shifts.size()) return 0;
-    const auto& s = shifts[static_cast<size_t>(rank)];
-    if (s.empty()) return 0;
+    const auto found = shifts.find(rank);
+    if (found == shifts.end() || found->second.empty()) return 0;
+    const auto& s = found->second;
     auto it = std::upper_bound(s.begin(), s.end(), std::make_pair(t, INT64_MAX));
     return it == s.begin() ? s.front().second : std::prev(it)->second;
   };

@@ -31,16 +31,32 @@ std::string begin_checkpoint(const std::string& checkpoints_dir, int64_t step) {
   return dir;
 }
 
-CheckpointFile write_checkpoint_shard(const std::string& step_dir, int64_t rank, const NamedTensors& tensors) {
+std::string shard_name(int64_t rank) {
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank));
-  const std::string path = step_dir + "/" + name;
-  const std::string tmp = path + ".tmp";
-  const uint32_t crc = write_tensor_file(tmp, tensors);
-  const auto bytes = static_cast<int64_t>(fs::file_size(tmp));
-  fs::rename(tmp, path);
-  fsync_directory(step_dir);
-  return {name, bytes, crc};
+  return name;
+}
+
+CheckpointFile write_checkpoint_shard(const std::string& step_dir, int64_t rank, const NamedTensors& tensors) {
+  const std::string name = shard_name(rank), path = step_dir + "/" + name, tmp = path + ".tmp";
+  try {
+    const uint32_t crc = write_tensor_file(tmp, tensors);
+    const auto bytes = static_cast<int64_t>(fs::file_size(tmp));
+    fs::rename(tmp, path);
+    fsync_directory(step_dir);
+    return {name, bytes, crc};
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw;
+  }
+}
+
+void remove_checkpoint_shard(const std::string& step_dir, int64_t rank) {
+  const std::string path = step_dir + "/" + shard_name(rank);
+  std::error_code ec;
+  fs::remove(path + ".tmp", ec);
+  fs::remove(path, ec);
 }
 
 void commit_checkpoint(const std::string& step_dir, int64_t step, const Json& state,

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <cassert>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 
@@ -18,6 +19,30 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 
 }  // namespace
 
+void CollectiveActivity::enter(const char* op, const std::string& group) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  inside_ = true;
+  current_ = std::string(op) + " on " + group;
+  since_ = std::chrono::steady_clock::now();
+}
+
+void CollectiveActivity::leave() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  inside_ = false;
+  last_ = std::move(current_);
+  since_ = std::chrono::steady_clock::now();
+}
+
+std::string CollectiveActivity::describe() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f s",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count());
+  if (inside_) return "in " + current_ + " for " + seconds;
+  return "outside any collective for " + std::string(seconds) + " (the last: " + (last_.empty() ? "none yet" : last_) +
+         ")";
+}
+
 Communicator::Communicator(BackendGroup group, std::string name)
     : group_(std::move(group)), name_(std::move(name)) {
   if (group_) {
@@ -29,10 +54,13 @@ Communicator::Communicator(BackendGroup group, std::string name)
 template <class F>
 void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe, const std::string& peer) {
   const auto start = std::chrono::steady_clock::now();
+  if (activity_) activity_->enter(op, name_);
   try {
     f();
+    if (activity_) activity_->leave();
     if (observe && observer_) observer_(op, bytes, start, std::chrono::steady_clock::now());
   } catch (const std::exception& e) {
+    if (activity_) activity_->leave();
     throw CollectiveError(std::string(op) + peer + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
                           std::to_string(size_) + ") failed: " + first_line(e.what()));
   }

@@ -181,7 +181,8 @@ torch::Tensor flash_attention(const torch::Tensor& q, const torch::Tensor& k, co
                                             /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
   // The CPU flash kernel takes grouped-query heads as they are.
   const torch::Tensor qd = q.detach(), kd = k.detach(), vd = v.detach();
-  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(qd, kd, vd, 0.0, causal, mask);
+  torch::Tensor out, logsumexp;  // not a structured binding: clang before 16 cannot capture one
+  std::tie(out, logsumexp) = at::_scaled_dot_product_flash_attention_for_cpu(qd, kd, vd, 0.0, causal, mask);
   TensorList outputs{out};
   attach_backward({q, k, v}, outputs, "FlashAttentionBackward",
                   [qd, kd, vd, out, logsumexp, mask_bias, causal](TensorList&& grads) {

@@ -22,6 +22,8 @@ extern char** environ;
 #include <thread>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
+#include "moeplan/executor/stop.h"
 
 namespace moeplan::executor {
 
@@ -94,6 +96,38 @@ std::string address_towards(const std::string& host, int64_t port) {
   return address;
 }
 
+// A socket listening on IPv4 `host` (a name or an address of this machine) at `port` (0: a free
+// one) for the store server to take over: c10d's own server would listen on every interface,
+// so that any host that reaches this one could read and write the run's keys.
+int listening_socket(const std::string& host, int64_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string where = host + ":" + std::to_string(port);
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr)
+    throw InputError(where, {{"", "the store's address does not resolve to an IPv4 address"}});
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int on = 1;
+  const bool ok = fd >= 0 && ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) == 0 &&
+                  ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0;
+  const std::string reason = std::strerror(errno);
+  ::freeaddrinfo(found);
+  if (!ok) {
+    if (fd >= 0) ::close(fd);
+    throw InputError(where, {{"", "the store cannot listen there (" + reason +
+                                      "); the rank that hosts it must be on that host"}});
+  }
+  return fd;
+}
+
+int64_t port_of(int fd) {
+  sockaddr_in a{};
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  return ntohs(a.sin_port);
+}
+
 }  // namespace
 
 std::optional<RankEnv> rank_env_from_environment() {
@@ -130,10 +164,12 @@ std::optional<RankEnv> rank_env_from_environment() {
   return std::nullopt;
 }
 
-int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t grace_seconds) {
+int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t failure_grace_seconds,
+                      int64_t stop_grace_seconds) {
   // The store lives in this process, so it outlives any rank (a lost rank 0 included).
   c10d::TCPStoreOptions so;
-  so.port = 0;  // any free port
+  so.masterListenFd = listening_socket("127.0.0.1", 0);  // loopback: the ranks are on this machine
+  so.port = static_cast<uint16_t>(port_of(*so.masterListenFd));
   so.isServer = true;
   so.waitWorkers = false;
   auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
@@ -156,7 +192,13 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
     std::vector<char*> envp;
     for (std::string& v : vars) envp.push_back(v.data());
     envp.push_back(nullptr);
+    // The rank starts with stop signals blocked (the mask survives execve) and unblocks them
+    // once it catches them: one sent meanwhile waits instead of killing it half started.
+    sigset_t before;
+    ::pthread_sigmask(SIG_SETMASK, nullptr, &before);
+    block_stop_signals();
     const pid_t pid = ::fork();
+    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &before, nullptr);  // the child keeps them blocked
     if (pid < 0) {
       std::perror("moeplan: fork");
       for (const auto& [p, r] : children) ::kill(p, SIGKILL);
@@ -169,45 +211,70 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
     children[pid] = rank;
   }
 
-  int exit_code = 0;
+  int failed = 0;   // the first failed rank's exit code
+  bool stopped = false;
+  int forwarded = 0;  // the stop signal passed on to the ranks
   constexpr auto kNone = std::chrono::steady_clock::time_point::max();
-  auto deadline = kNone;  // set when a rank failed: the others have until then to exit
+  auto deadline = kNone;  // after a failure or a stop signal: the ranks have until then to exit
+  std::string why;        // what the deadline was for
+  int64_t grace = 0;
   while (!children.empty()) {
+    if (forwarded == 0 && stop_signal() != 0) {
+      forwarded = stop_signal();
+      for (const auto& [p, r] : children) ::kill(p, forwarded);
+      const auto by = stop_signal_time() + std::chrono::seconds(stop_grace_seconds);
+      if (by < deadline) {
+        deadline = by;
+        why = "to stop after " + signal_name(forwarded) + " (--grace-seconds)";
+        grace = stop_grace_seconds;
+      }
+    }
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, deadline != kNone ? WNOHANG : 0);
-    if (pid < 0) break;
-    if (pid == 0) {  // ranks still running after a failure
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) break;
+    if (pid <= 0) {
       if (std::chrono::steady_clock::now() > deadline) {
         for (const auto& [p, r] : children) {
-          std::fprintf(stderr, "moeplan: error: rank %lld did not exit %lld s after a failure: killed\n",
-                       static_cast<long long>(r), static_cast<long long>(grace_seconds));
+          std::fprintf(stderr, "moeplan: error: rank %lld did not exit within %lld s %s: killed\n",
+                       static_cast<long long>(r), static_cast<long long>(grace), why.c_str());
           ::kill(p, SIGKILL);
         }
+        if (failed == 0) failed = 1;
         deadline = kNone;
-      } else {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }
     const auto it = children.find(pid);
     if (it == children.end()) continue;
     const int64_t rank = it->second;
     children.erase(it);
-    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (ok) continue;
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+    if (WIFEXITED(status) && code == kExitOk) continue;
+    if (WIFEXITED(status) && code == kExitStopped) {
+      stopped = true;
+      continue;
+    }
     if (WIFSIGNALED(status))
       std::fprintf(stderr, "moeplan: error: rank %lld was killed by signal %d (%s)\n", static_cast<long long>(rank),
                    WTERMSIG(status), strsignal(WTERMSIG(status)));
-    if (exit_code == 0) exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
-    if (deadline == kNone) deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace_seconds);
+    if (failed == 0) failed = code;
+    const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(failure_grace_seconds);
+    if (by < deadline) {
+      deadline = by;
+      why = "after rank " + std::to_string(rank) + " failed";
+      grace = failure_grace_seconds;
+    }
   }
-  return exit_code;
+  if (failed != 0) return failed;
+  return stopped ? kExitStopped : kExitOk;
 }
 
 c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::milliseconds timeout, StoreRole role) {
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
   so.isServer = role == StoreRole::kRank && env.rank == 0 && !env.store_hosted_elsewhere;
+  if (so.isServer) so.masterListenFd = listening_socket(env.master_addr, env.master_port);
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;

@@ -98,4 +98,9 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
 
 DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}
 
+void DeviceMesh::set_activity(const std::shared_ptr<CollectiveActivity>& activity) {
+  for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &tensor, &pipeline})
+    c->set_activity(activity);
+}
+
 }  // namespace moeplan::executor

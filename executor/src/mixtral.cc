@@ -269,11 +269,13 @@ torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_p
 namespace {
 
 torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x,
-                         LoadBalancing balancing, torch::Tensor& router_logits, torch::Tensor counts) {
+                         LoadBalancing balancing, torch::Tensor& router_logits, torch::Tensor counts,
+                         const std::function<ChosenExperts(const torch::Tensor&)>& replay) {
   const int64_t h = x.size(-1);
   const torch::Tensor tokens = x.reshape({-1, h});
   router_logits = torch::matmul(tokens, w.router.t());
-  const Routing r = route(router_logits, spec.experts_per_token, balancing);
+  const Routing r = replay ? route_to(router_logits, replay(router_logits.detach()).experts)
+                           : route(router_logits, spec.experts_per_token, balancing);
   const torch::Tensor weights = r.weights.to(x.scalar_type());
   const torch::Tensor slots = r.experts.flatten();  // token-major: (t0, s0), (t0, s1), (t1, s0), ...
   const torch::Tensor load = torch::bincount(slots, {}, spec.num_experts);
@@ -297,8 +299,13 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
 
 }  // namespace
 
+void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& output) {
+  torch::NoGradGuard no_grad;
+  out.nonfinite_layers[layer] += torch::isfinite(output).logical_not().any();
+}
+
 ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, const torch::Tensor& input_ids,
-                              LoadBalancing balancing) {
+                              LoadBalancing balancing, const RouteOverride& replay) {
   const int64_t t = input_ids.size(1);
   const torch::ScalarType dtype = w.embed_tokens.scalar_type();
   const Rope rope = rope_tables(spec, t, dtype, input_ids.device());
@@ -306,14 +313,23 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   ForwardResult out;
   out.tokens_per_expert =
       torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
+  out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
   torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
   for (int64_t l = 0; l < spec.num_layers; ++l) {
     const LayerWeights& layer = w.layers[static_cast<size_t>(l)];
     x = x + attention(spec, layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), rope, mask);
     torch::Tensor router_logits;
+    std::function<ChosenExperts(const torch::Tensor&)> replay_layer;
+    if (replay)
+      replay_layer = [&replay, &out, l](const torch::Tensor& logits) {
+        ChosenExperts chosen = replay(l, logits);
+        out.top_k.push_back(chosen.top_k);
+        return chosen;
+      };
     x = x + sparse_moe(spec, layer, rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps), balancing,
-                       router_logits, out.tokens_per_expert[l]);
+                       router_logits, out.tokens_per_expert[l], replay_layer);
     out.router_logits.push_back(router_logits);
+    note_nonfinite(out, l, x);
   }
   x = rms_norm(x, w.norm, spec.rms_norm_eps);
   out.logits = torch::matmul(x, w.lm_head.t()).to(torch::kFloat);
@@ -341,7 +357,7 @@ LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const Forwar
 LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm) {
   LossTerms loss;
   loss.lm = std::move(lm);
-  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token);
+  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k);
   loss.z = router_z_loss(out.router_logits);
   loss.total = loss.lm;
   if (moe.load_balancing == LoadBalancing::kAuxLoss && moe.aux_loss_coef != 0)

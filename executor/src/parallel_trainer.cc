@@ -15,6 +15,7 @@
 #include "moeplan/core/pipeline_schedule.h"
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/hf_checkpoint.h"
+#include "moeplan/executor/nonfinite.h"
 #include "moeplan/executor/routing.h"
 #include "moeplan/executor/runtime.h"
 #include "moeplan/executor/tokens.h"
@@ -73,6 +74,13 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   observe(mesh.pipeline, "pipeline", TraceStream::kCopy);
 }
 
+void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault fault) {
+  recorder_ = std::make_unique<RoutingRecorder>(record_dir, mesh_.rank());
+  model_.record_routing(recorder_.get());
+  model_.plant(fault);
+  fault_ = fault;
+}
+
 StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   using Clock = PhaseClock::Clock;
   const auto start = Clock::now();
@@ -89,10 +97,12 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   r.learning_rate = learning_rate(plan_.training, step_);
   torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
+  nonfinite_layers_ = torch::zeros({spec.num_layers}, torch::kLong);
   if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, counts, sums);
   for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
     const auto f0 = Clock::now();
+    model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + m);
     ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
     const LossTerms terms = model_.loss(out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
@@ -104,6 +114,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     const auto f2 = Clock::now();
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
+    nonfinite_layers_ += out.nonfinite_layers;
     if (!counts_data) continue;
     counts += out.tokens_per_expert;
     sums[0] += terms.lm.item<double>();
@@ -125,7 +136,12 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     grads.push_back(g);
     if (!model_.holds(u)) continue;  // on another pipeline stage
     model_.sum_whole_parameter_grads(u, g);
-    model_.replica_group(model_.units()[u]).all_reduce_sum(g);
+    // The planted fault leaves the first block's dense gradient unreduced in one replica group:
+    // the one whose ranks are at shard and tensor coordinate 0 on the first stage (every rank of
+    // that group skips alike, so no collective waits).
+    const bool unreduced = fault_ == RehearsalFault::kUnreducedGradient && u == 1 && mesh_.coords().s == 0 &&
+                           mesh_.coords().t == 0;
+    if (!unreduced) model_.replica_group(model_.units()[u]).all_reduce_sum(g);
     g.div_(readers);
   }
   // Global norm: each element counted on exactly one rank (what T ranks hold whole, on the first).
@@ -138,14 +154,28 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   }
   mesh_.world.all_reduce_sum(square);
   r.grad_norm = std::sqrt(square.item<double>());
-  const double coef = plan_.training.max_grad_norm / (r.grad_norm + 1e-6);
-  if (coef < 1)
-    for (torch::Tensor& g : grads) g.mul_(coef);
-  optimizer_->step(grads, r.learning_rate);
+  // The loss of the whole world decides, with the norm, whether the update is applied: every
+  // rank sees the same two numbers.
+  mesh_.world.all_reduce_sum(sums);
+  if (std::isfinite(r.grad_norm) && std::isfinite(sums[3].item<double>())) {
+    const double coef = plan_.training.max_grad_norm / (r.grad_norm + 1e-6);
+    if (coef < 1)
+      for (torch::Tensor& g : grads) g.mul_(coef);
+    optimizer_->step(grads, r.learning_rate);
+  } else {
+    r.skipped = true;
+    torch::Tensor blocks = nonfinite_blocks(spec.num_layers);
+    note_nonfinite_outputs(blocks, nonfinite_layers_);
+    for (size_t u = 0; u < grads.size(); ++u)
+      if (model_.owns(model_.units()[u]))
+        note_nonfinite_tensors(blocks, model_.units()[u].block, model_.shards()[u], grads[u]);
+    mesh_.world.all_reduce_sum(blocks);
+    r.nonfinite = describe_nonfinite(blocks);
+  }
   for (torch::Tensor& shard : model_.shards()) shard.mutable_grad() = torch::Tensor();
   clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
+  if (recorder_) recorder_->write(step_);
 
-  mesh_.world.all_reduce_sum(sums);
   mesh_.world.all_reduce_sum(counts);
   const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
@@ -248,10 +278,12 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
         router = receive({sum_size}, torch::kDouble, prev, tag(a.micro_batch, stage, kRouterSums));
       }
       const auto t0 = Clock::now();  // the compute, after the wait for the input
+      model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + a.micro_batch);
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
       router += router_loss_sums(out.router_logits, k, experts);
       if (counts_data) counts += out.tokens_per_expert;
+      nonfinite_layers_ += out.nonfinite_layers;
       if (stage + 1 < stages) {
         f.output = out.hidden;
         send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation));
@@ -365,9 +397,15 @@ NamedTensors ShardedTrainer::state() const {
     if (split == TensorSplit::kWhole && t != 0) return;  // the first T rank saves what all hold
     const std::string suffix = slice_name(h, split, t, mesh_.tensor.size());
     const int64_t n = h.last - h.first;
-    tensors.emplace_back("param/" + suffix, model.shards()[h.unit].detach().narrow(0, h.at, n));
-    tensors.emplace_back("exp_avg/" + suffix, optimizer_->exp_avg()[h.unit].narrow(0, h.at, n));
-    tensors.emplace_back("exp_avg_sq/" + suffix, optimizer_->exp_avg_sq()[h.unit].narrow(0, h.at, n));
+    // The planted fault: rank 0 writes its slices one element off.
+    const bool off_by_one = fault_ == RehearsalFault::kShardOffByOne && mesh_.rank() == 0;
+    auto slice = [&](const torch::Tensor& of) {
+      const torch::Tensor part = of.detach().narrow(0, h.at, n);
+      return off_by_one ? torch::roll(part, 1) : part;
+    };
+    tensors.emplace_back("param/" + suffix, slice(model.shards()[h.unit]));
+    tensors.emplace_back("exp_avg/" + suffix, slice(optimizer_->exp_avg()[h.unit]));
+    tensors.emplace_back("exp_avg_sq/" + suffix, slice(optimizer_->exp_avg_sq()[h.unit]));
   });
   return tensors;
 }

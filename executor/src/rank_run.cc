@@ -30,20 +30,23 @@ namespace {
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
 
-// Every rank bumps its counter in the store twice a second; a rank whose counter stops, and
-// which did not report an error itself, is lost.
+// Every rank bumps its counter in the store twice a second, with what its collectives are doing;
+// a rank whose counter stops, and which did not report an error itself, is lost, and one that
+// beats but has long been outside any collective while the others wait in one is stuck there.
 class Heartbeat {
  public:
   // `store` answers lost(); the beats go through a connection of their own (a store client is
   // not shared between threads).
-  Heartbeat(c10::intrusive_ptr<c10d::Store> store, const RankEnv& env, std::chrono::milliseconds timeout)
-      : store_(std::move(store)), rank_(env.rank) {
+  Heartbeat(c10::intrusive_ptr<c10d::Store> store, const RankEnv& env, std::chrono::milliseconds timeout,
+            std::shared_ptr<const CollectiveActivity> activity)
+      : store_(std::move(store)), rank_(env.rank), activity_(std::move(activity)) {
     beats_ = join_store(env, timeout, StoreRole::kClient);
     thread_ = std::thread([this] {
       int64_t beat = 0;
       while (!stop_) {
         try {
-          beats_->set("beat/" + std::to_string(rank_), bytes_of(std::to_string(++beat)));
+          beats_->set("beat/" + std::to_string(rank_),
+                      bytes_of(std::to_string(++beat) + "\n" + activity_->describe()));
         } catch (const std::exception&) {
           return;  // the store is gone; the collectives will say so
         }
@@ -76,12 +79,20 @@ class Heartbeat {
       const std::vector<std::string> before = read();
       std::this_thread::sleep_for(std::chrono::seconds(2));
       const std::vector<std::string> after = read();
-      std::string names;
-      for (int64_t r = 0; r < world; ++r)
-        if (before[static_cast<size_t>(r)] == after[static_cast<size_t>(r)] &&
-            !store_->check({"error/" + std::to_string(r)}))
+      std::string names, stuck;
+      for (int64_t r = 0; r < world; ++r) {
+        const std::string& beat = after[static_cast<size_t>(r)];
+        if (r == rank_ || store_->check({"error/" + std::to_string(r)})) continue;
+        if (beat == before[static_cast<size_t>(r)]) {
           names += (names.empty() ? "" : ", ") + std::to_string(r);
-      return names.empty() ? "" : "lost rank " + names + " (no heartbeat for 2 s)";
+        } else if (const auto newline = beat.find('\n');
+                   newline != std::string::npos && beat.compare(newline + 1, 7, "outside") == 0) {
+          stuck += (stuck.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " is " + beat.substr(newline + 1));
+        }
+      }
+      std::string said = names.empty() ? "" : "lost rank " + names + " (no heartbeat for 2 s)";
+      if (!stuck.empty()) said += (said.empty() ? "" : "; ") + stuck;
+      return said;
     } catch (const std::exception& e) {
       const std::string what = e.what();
       return "the heartbeats could not be read (" + what.substr(0, what.find('\n')) + ")";
@@ -91,6 +102,7 @@ class Heartbeat {
  private:
   c10::intrusive_ptr<c10d::Store> store_, beats_;
   int64_t rank_;
+  std::shared_ptr<const CollectiveActivity> activity_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
@@ -115,13 +127,15 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   ignore_broken_pipes();
   const auto timeout = std::chrono::milliseconds(1000 * o.timeout_seconds);
   const c10::intrusive_ptr<c10d::Store> store = join_store(env, timeout);
-  Heartbeat heartbeat(store, env, timeout);
+  const auto activity = std::make_shared<CollectiveActivity>();
+  Heartbeat heartbeat(store, env, timeout, activity);
   try {
     if (plan.cluster.device == DeviceKind::kCuda && env.rank == 0 && o.progress)
       *o.progress << gpu_plan_but(plan.cluster)
                   << "runs of more than one rank train on CPU ranks joined by gloo: the sharded executor has "
                      "no GPU path yet\n";
     DeviceMesh mesh(plan.parallel, env.rank, store, timeout, env.bind_address);
+    mesh.set_activity(activity);
     const std::string resume_from = prepare_run_folder(o);
     mesh.world.barrier();  // every rank has looked at the folder before anyone writes to it
     std::unique_ptr<ActivationStore> offload;
@@ -129,12 +143,15 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
       offload = std::make_unique<ActivationStore>(o.out_dir + "/.offload-rank-" + std::to_string(env.rank));
     const int64_t baseline_rss = current_rss_bytes();
     ShardedTrainer trainer(plan, mesh, offload.get());
+    // Only a rehearsal's layout records its routing, and only it plants a fault.
+    if (!o.record_routing.empty()) trainer.rehearse(o.record_routing, o.planted_fault);
     RunRank me;
     me.rank = env.rank;
     me.world_size = env.world_size;
     me.reader = mesh.layout().reader(env.rank);
     me.readers = plan.parallel.data_parallel_degree();
     me.barrier = [&mesh] { mesh.world.barrier(); };
+    me.sum_over_ranks = [&mesh](torch::Tensor& t) { mesh.world.all_reduce_sum(t); };
     me.where = "CPU ranks (gloo, started by " + env.launcher + ")";
     return run_steps(plan, o, data, trainer, me, resume_from, baseline_rss);
   } catch (const CollectiveError& e) {

@@ -121,11 +121,21 @@ Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing metho
   return r;
 }
 
-torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k) {
+Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts) {
+  const torch::Tensor probs = torch::softmax(router_logits, /*dim=*/1, torch::kFloat);
+  Routing r;
+  r.experts = experts;
+  r.weights = torch::gather(probs, 1, experts);
+  r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
+  return r;
+}
+
+torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
+                                  const std::vector<torch::Tensor>& top_k) {
   const torch::Tensor logits = torch::cat(router_logits, 0);
   const int64_t experts = logits.size(1);
   const torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
-  const torch::Tensor selected = std::get<1>(torch::topk(probs, k, -1));
+  const torch::Tensor selected = top_k.empty() ? std::get<1>(torch::topk(probs, k, -1)) : torch::cat(top_k, 0);
   const torch::Tensor mask = torch::one_hot(selected, experts).to(torch::kFloat);  // [N, k, E]
   const torch::Tensor tokens_per_expert = mask.mean(0);                            // [k, E]
   const torch::Tensor prob_per_expert = probs.mean(0);                             // [E]

@@ -305,6 +305,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
   ForwardResult out;
   out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::kLong);
   torch::Tensor x;
   // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
   // schedule, are finished before new ones start.
@@ -320,7 +321,10 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
     prefetch_block(first);
     x = hidden;
   }
-  for (int64_t l = first; l < last; ++l) x = block(l, x, out, shuffle_seed);
+  for (int64_t l = first; l < last; ++l) {
+    x = block(l, x, out, shuffle_seed);
+    note_nonfinite(out, l, x);
+  }
   if (stage + 1 < stages) {
     out.hidden = x;
     return out;
@@ -514,9 +518,16 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
   router_logits = torch::matmul(tokens, router.t());
   const Routing r = route(router_logits, spec.experts_per_token, moe.load_balancing);
   if (count) tokens_per_expert_ = torch::bincount(r.experts.flatten(), {}, spec.num_experts);
+  if (count && recorder_ && tp_rank_ == 0) recorder_->add(micro_batch_, layer, router_logits, r.experts);
+  torch::Tensor sent_to = r.experts;
+  if (fault_ == RehearsalFault::kExpertOnWrongRank && experts_per_rank_ < spec.num_experts) {
+    // The planted fault: expert 0 and the second expert rank's first expert trade places.
+    const int64_t other = experts_per_rank_;
+    sent_to = r.experts.masked_fill(r.experts == 0, other).masked_fill_(r.experts == other, 0);
+  }
   const torch::Tensor weights = r.weights.to(tokens.scalar_type());
-  torch::Tensor out = moe.dispatcher == Dispatcher::kAllGather ? dispatch_all_gather(tokens, r.experts, weights, experts)
-                                                               : dispatch_all_to_all(tokens, r.experts, weights, experts);
+  torch::Tensor out = moe.dispatcher == Dispatcher::kAllGather ? dispatch_all_gather(tokens, sent_to, weights, experts)
+                                                               : dispatch_all_to_all(tokens, sent_to, weights, experts);
   if (shuffle)
     out = all_to_all_autograd(group, out.index_select(0, s.arrival), s.recv_rows, s.send_rows).index_select(0, s.send_inv);
   return out.view(x.sizes());

@@ -117,8 +117,12 @@ TensorFile read_tensor_file(const std::string& path, const std::set<std::string>
   in.read(text.data(), static_cast<std::streamsize>(header_bytes));
   Json header;
   try {
-    header = Json::parse(text);
-  } catch (const Json::parse_error& e) {
+    header = Json::parse(text, [&](int depth, Json::parse_event_t, Json&) {
+      if (depth > kMaxJsonDepth)
+        throw InputError(path, {{"header", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels"}});
+      return true;
+    });
+  } catch (const Json::exception& e) {  // a parse error, or a number beyond a double (out_of_range.406)
     throw InputError(path, {{"header", std::string("malformed JSON: ") + e.what()}});
   }
   if (!header.is_object()) throw InputError(path, {{"header", "must be a JSON object"}});

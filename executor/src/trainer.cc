@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "moeplan/core/phases.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/nonfinite.h"
 #include "moeplan/executor/device.h"
 #include "moeplan/executor/hf_checkpoint.h"
 #include "moeplan/executor/mixtral.h"
@@ -124,6 +126,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
+  if (replay_) replay_->start_step(step_);
   torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(device_));
   const bool mixed = compute_type_ != master_type_;
   std::vector<torch::Tensor> master_grads;
@@ -132,6 +135,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   // The losses stay on the device until the step ends and are read once, rather than copied to
   // the host one micro-batch at a time.
   std::vector<torch::Tensor> sums;
+  torch::Tensor nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(device_));
   // In mixed precision, bf16 copies of the fp32 master weights, made once for the step's
   // micro-batches; after each backward their gradients are added to fp32 accumulators.
   std::vector<torch::Tensor> compute;
@@ -142,10 +146,12 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     compute = params_.tensors();
   }
   const MixtralWeights weights = MixtralWeights::bind(spec, compute);
+  int64_t micro_batch = 0;
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();
-    ForwardResult out = mixtral_forward(spec, weights, ids, plan_.moe.load_balancing);
+    ForwardResult out = mixtral_forward(spec, weights, ids, plan_.moe.load_balancing,
+                                        replay_ ? replay_->micro_batch(micro_batch++) : RouteOverride{});
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     wait_for(device_);  // the spans are of the device's work
@@ -162,6 +168,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
     counts += out.tokens_per_expert;
+    nonfinite_layers += out.nonfinite_layers;
     sums.push_back(torch::stack({terms.lm, terms.aux, terms.z, terms.total}).detach().to(torch::kDouble));
     r.tokens += ids.numel();
   }
@@ -174,10 +181,20 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     for (torch::Tensor& t : params_.tensors()) grads.push_back(t.grad().defined() ? t.grad() : torch::zeros_like(t));
   }
   r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
-  optimizer_->step(grads, r.learning_rate);
+  if (std::isfinite(r.grad_norm) && std::isfinite(mean_losses[3].item<double>())) {
+    optimizer_->step(grads, r.learning_rate);
+  } else {
+    r.skipped = true;
+    torch::Tensor blocks = nonfinite_blocks(spec.num_layers);
+    note_nonfinite_outputs(blocks, nonfinite_layers);
+    for (size_t i = 0; i < grads.size(); ++i)
+      note_nonfinite_tensors(blocks, params_.infos()[i].block, params_.tensors()[i], grads[i]);
+    r.nonfinite = describe_nonfinite(blocks);
+  }
   for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
   wait_for(device_);
   clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
+  if (replay_) replay_->finish_step();
   r.loss = mean_losses[0].item<double>();
   r.aux_loss = mean_losses[1].item<double>();
   r.z_loss = mean_losses[2].item<double>();
@@ -200,6 +217,7 @@ class OneRankTrainer final : public StepTrainer {
   OneRankTrainer(const Plan& plan, torch::Device device) : plan_(plan), model_(plan, device) {}
 
   StepRecord step(const std::vector<torch::Tensor>& micro_batches) override { return model_.step(micro_batches); }
+  void replay_routing(RoutingReplay* replay) { model_.replay_routing(replay); }
   int64_t step_count() const override { return model_.step_count(); }
   NamedTensors state() const override { return model_.state(); }
   const PhaseClock& clock() const override { return model_.clock(); }
@@ -257,6 +275,12 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   me.baseline_device_bytes = device_memory(device.device).used;
   const int64_t baseline_rss = current_rss_bytes();
   OneRankTrainer trainer(plan, device.device);
+  std::unique_ptr<RoutingReplay> replay;
+  if (!o.replay_routing.empty()) {
+    replay = std::make_unique<RoutingReplay>(o.replay_routing, o.out_dir + "/routing-replay.json", plan.model,
+                                             plan.moe.load_balancing);
+    trainer.replay_routing(replay.get());
+  }
   return run_steps(plan, o, data, trainer, me, resume_from, baseline_rss);
 }
 

@@ -666,5 +666,25 @@ TEST(HfConfig, TruncatedAndMissingFiles) {
   EXPECT_EQ(problems_of([&] { read_model_file(missing); }, missing).at(0).message, "cannot open file");
 }
 
+// Found by fuzzing (fuzz/, the trace and plan targets): objects nested 20,000 deep, 120 KB of
+// text, ran the parser out of stack (nlohmann copies a nested value recursively when the object
+// holding it grows). Nesting is refused past kMaxJsonDepth, as any reader sees it.
+TEST(ParseJsonText, NestingDeeperThanTheLimitIsAnInputError) {
+  auto nested = [](int depth) {
+    std::string text;
+    for (int i = 0; i < depth; ++i) text += R"({"a": )";
+    text += "1";
+    for (int i = 0; i < depth; ++i) text += "}";
+    return R"({"schema_version": 1, "model": )" + text + R"(, "after": 2})";
+  };
+  EXPECT_EQ(parse_json_text(nested(100), "t.json")["after"], 2);
+  const auto problems = problems_of([&] { parse_json_text(nested(20'000), "t.json"); }, "t.json");
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].message, "nested deeper than 128 levels");
+  TempDir dir;
+  const std::string path = dir.write("cluster.json", nested(20'000));
+  EXPECT_EQ(problems_of([&] { read_cluster_file(path); }, path).at(0).message, "nested deeper than 128 levels");
+}
+
 }  // namespace
 }  // namespace moeplan

@@ -247,5 +247,29 @@ TEST(TracePhases, AlignmentMovesEachPhaseToTheReferenceStart) {
   EXPECT_EQ(step_phases(aligned, 1)[2].start_ns, 301'000);
 }
 
+// Found by fuzzing (fuzz/trace_fuzzer.cc): a 75-byte trace saying it has 2^24 ranks made the
+// phase functions hold a table of every rank, twice per comparison (gigabytes, and past the
+// fuzzer's 10 s limit). They hold the ranks that have compute events.
+TEST(TracePhases, DeclaredRanksWithoutEventsCostNothing) {
+  TempDir dir;
+  const Trace empty = read_trace_file(
+      dir.write("t.json", R"({"traceEvents": [], "otherData": {"moeplan_trace_version": 1, "ranks": 16777216}})"));
+  ASSERT_EQ(empty.ranks, 16777216);
+  EXPECT_TRUE(step_phases(empty, 0).empty());
+  EXPECT_TRUE(compare_phases(empty, empty).empty());
+  EXPECT_TRUE(align_phases(empty, empty).events.empty());
+  // One step on the last rank of such a trace: its phases, compared with the measured step's.
+  Trace last = empty;
+  last.events.push_back(op("forward", "compute", 16777215, TraceStream::kCompute, 0, 50'000));
+  ASSERT_EQ(step_phases(last, 16777215).size(), 1u);
+  EXPECT_EQ(step_phases(last, 16777215)[0].name, "mb0 forward");
+  // No rank in common: every rank's longest mb0 forward, 50 us against the measured 100 us.
+  const std::vector<PhaseDifference> d = compare_phases(last, measured_step());
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].phase, "mb0 forward");
+  EXPECT_NEAR(d[0].first_s, 50e-6, 1e-12);
+  EXPECT_NEAR(d[0].second_s, 100e-6, 1e-12);
+}
+
 }  // namespace
 }  // namespace moeplan

@@ -86,7 +86,9 @@ using test::input_error_of;
     return ::testing::AssertionFailure() << "dtype " << a.scalar_type() << " vs " << b.scalar_type();
   if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << "shape " << a.sizes() << " vs " << b.sizes();
   const torch::Tensor ca = a.contiguous(), cb = b.contiguous();
-  if (std::memcmp(ca.data_ptr(), cb.data_ptr(), static_cast<size_t>(ca.numel()) * ca.element_size()) != 0)
+  // An empty tensor's data pointer may be null, which memcmp must not be given even for 0 bytes.
+  const size_t bytes = static_cast<size_t>(ca.numel()) * ca.element_size();
+  if (bytes > 0 && std::memcmp(ca.data_ptr(), cb.data_ptr(), bytes) != 0)
     return ::testing::AssertionFailure() << "bytes differ";
   return ::testing::AssertionSuccess();
 }
@@ -456,6 +458,39 @@ TEST(CheckpointRun, DamagedNewestCheckpointIsAnErrorAndAnOlderOneResumes) {
   EXPECT_EQ(metrics[1]["grad_norm"].get<double>(), straight[1]["grad_norm"].get<double>());
   // And step 2 was saved again, whole.
   EXPECT_EQ(open_checkpoint(step2).step, 2);
+}
+
+// Found by fuzzing (fuzz/tensor_file_fuzzer.cc): a number beyond a double in the header is
+// nlohmann's out_of_range, not its parse_error, and escaped the reader as such.
+TEST(TensorFile, HeaderNumberBeyondADoubleIsMalformedJson) {
+  const test::TempDir tmp;
+  const std::string path = tmp.write(
+      "t.safetensors",
+      tensor_file_bytes(R"({"t": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}})", std::string(4, '\0')));
+  const std::string error = input_error_of([&] { read_tensor_file(path); });
+  EXPECT_TRUE(contains(error, path + ": header: malformed JSON")) << error;
+}
+
+// Found by fuzzing (fuzz/, the tensor_file and checkpoint targets): a header whose shape nests
+// 30,000 arrays deep ran out of stack printing it into the error, a manifest whose state does
+// copying it. Both are refused while parsing.
+TEST(TensorFile, HeaderNestedTooDeepIsAnInputError) {
+  const test::TempDir tmp;
+  const std::string shape = std::string(30'000, '[') + std::string(30'000, ']');
+  const std::string path = tmp.write(
+      "t.safetensors",
+      tensor_file_bytes(R"({"t": {"dtype": "F32", "shape": )" + shape + R"(, "data_offsets": [0, 4]}})", std::string(4, '\0')));
+  const std::string error = input_error_of([&] { read_tensor_file(path); });
+  EXPECT_TRUE(contains(error, path + ": header: nested deeper than 128 levels")) << error;
+}
+
+TEST(Checkpoint, ManifestNestedTooDeepDoesNotOpen) {
+  const test::TempDir tmp;
+  const std::string state = std::string(30'000, '[') + std::string(30'000, ']');
+  tmp.write("manifest.json", R"({"schema_version": 1, "kind": "moeplan-checkpoint", "step": 1, "files": [], "state": )" +
+                                 state + "}");
+  const std::string error = input_error_of([&] { open_checkpoint(tmp.path().string()); });
+  EXPECT_TRUE(contains(error, "manifest.json: nested deeper than 128 levels")) << error;
 }
 
 }  // namespace

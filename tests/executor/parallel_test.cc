@@ -287,30 +287,6 @@ TEST_F(Parallel, TensorParallelRouterLossesCountOnce) {
     }
 }
 
-// The process ids of `parent`'s children whose environment holds `entry`.
-std::vector<pid_t> children_with(pid_t parent, const std::string& entry) {
-  std::vector<pid_t> found;
-  for (const auto& p : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = p.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(p.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    std::string state;
-    pid_t ppid = 0;
-    rest >> state >> ppid;
-    if (ppid != parent) continue;
-    std::ifstream environ(p.path() / "environ", std::ios::binary);
-    std::string var;
-    while (std::getline(environ, var, '\0'))
-      if (var == entry) found.push_back(static_cast<pid_t>(std::stoi(name)));
-  }
-  return found;
-}
-
 // SIGKILL of one rank during training: every other rank stops with an error naming it, well
 // within the collective timeout; --resume then goes on from the last checkpoint with the same
 // losses.

@@ -1,11 +1,14 @@
 // `moeplan run --rehearse` through the real binary: the 16-GPU plan of `moeplan search` (tensor
 // and pipeline parallelism with experts) on 16 local CPU ranks (real gloo groups, a real
-// tokenizer and text), checked against one rank; its memory and an [R, S, E] layout's against
-// the memory model; layouts that break a rule.
+// tokenizer and text), checked against one rank that replays its routing, within the rounding
+// bounds of rehearsal_bounds.h; the same layout with each fault the test hook plants, caught by
+// the check that is for it; its memory and an [R, S, E] layout's against the memory model;
+// layouts that break a rule.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
+#include <set>
 
 #include "run_fixture.h"
 
@@ -34,14 +37,17 @@ class Rehearse : public ::testing::Test {
     ASSERT_EQ(setup_, "") << "preparing the data or the plan failed";
   }
 
-  // Rehearses `plan` into a folder named `name` once per test suite.
-  static const Json& rehearsal(const std::string& plan, const std::string& name, Command* printed = nullptr) {
+  // Rehearses `plan` into a folder named `name` once per test suite; `fault` plants one through
+  // the test hook, `flags` are added to the command.
+  static const Json& rehearsal(const std::string& plan, const std::string& name, Command* printed = nullptr,
+                               const std::string& fault = "", const std::string& flags = "") {
     static std::map<std::string, std::pair<Json, Command>> done;
     auto it = done.find(name);
     if (it == done.end()) {
       // 16 ranks share two cores with whatever else runs: collectives may wait long.
-      const Command r = run_moeplan("run " + plan + " --rehearse --data " + data_ + " --out " + dir_->file(name) +
-                                    " --timeout 300");
+      const std::string env = fault.empty() ? "" : "MOEPLAN_REHEARSAL_FAULT=" + fault + " ";
+      const Command r = run_command(env + MOEPLAN_BINARY + " run " + plan + " --rehearse --data " + data_ +
+                                    " --out " + dir_->file(name) + " --timeout 300" + flags);
       Json record;
       if (std::filesystem::exists(dir_->file(name + "/rehearsal.json")))
         record = read_json_file(dir_->file(name + "/rehearsal.json"));
@@ -71,9 +77,22 @@ TEST_F(Rehearse, SixteenGpuPlanRehearsesOnSixteenLocalRanks) {
   EXPECT_NE(r.out.find("verdict: the layout works"), std::string::npos) << show(r);
   ASSERT_TRUE(record.is_object());
   EXPECT_TRUE(record["ready"].get<bool>());
-  // Groups, routing, losses, the checkpoint and the memory per rank.
-  ASSERT_EQ(record["checks"].size(), 4u);
+  EXPECT_FALSE(record.contains("planted_fault"));
+  // Groups, routing, losses and gradient norm, the checkpoint and the memory per rank.
+  ASSERT_EQ(record["checks"].size(), 5u);
   for (const Json& c : record["checks"]) EXPECT_TRUE(c["ok"].get<bool>()) << c.dump();
+  // One rank replayed every slot the layout routed, and the layout's choices are its router's.
+  EXPECT_EQ(record["routing"]["unrecorded"], 0);
+  EXPECT_EQ(record["routing"]["unlike_route"], 0);
+  EXPECT_TRUE(record["routing"]["tokens_per_expert_equal"].get<bool>());
+  EXPECT_EQ(record["routing"]["slots"], 2 * 16 * 128 * 64 * 2);  // steps x layers x sequences x tokens x k
+  // Every difference within its bound, and the bounds derived for this rehearsal.
+  for (const Json* worst : {&record["routing"]["router_logits"], &record["metrics"], &record["state"]["gradient"],
+                            &record["state"]["exp_avg_sq"], &record["state"]["param"]})
+    EXPECT_LE((*worst)["ratio"].get<double>(), 1.0) << worst->dump();
+  EXPECT_GT(record["rounding"]["lambda"].get<double>(), 5.0);
+  EXPECT_EQ(record["rounding"]["unit_roundoff"].get<double>(), std::ldexp(1.0, -24));
+  EXPECT_TRUE(std::filesystem::exists(dir_->file("r16/layout/routing/step-00000002/rank-00000.safetensors")));
   EXPECT_NE(record["checks"][0]["detail"].get<std::string>().find("8 pipeline groups of 2"), std::string::npos)
       << record["checks"][0].dump();
   EXPECT_NE(record["checks"][0]["detail"].get<std::string>().find("8 tensor groups of 2"), std::string::npos)
@@ -96,14 +115,81 @@ TEST_F(Rehearse, SixteenGpuPlanRehearsesOnSixteenLocalRanks) {
                 (plan["parallel"]["pipeline_parallel_degree"].get<int64_t>() *
                  plan["parallel"]["virtual_pipeline_degree"].get<int64_t>()),
             0);
+  // Each step of one rank started from the layout's state before it (step 2 from the layout's
+  // checkpoint of step 1), and the losses agree to their derived bounds.
   const std::vector<Json> layout = read_metrics(dir_->file("r16/layout"));
-  const std::vector<Json> one = read_metrics(dir_->file("r16/reference"));
   ASSERT_EQ(layout.size(), 2u);
-  ASSERT_EQ(one.size(), 2u);
-  for (size_t i = 0; i < 2; ++i)
-    EXPECT_NEAR(layout[i]["loss"].get<double>(), one[i]["loss"].get<double>(), 1e-4 * one[i]["loss"].get<double>());
+  EXPECT_TRUE(std::filesystem::exists(dir_->file("r16/reference/step-2/checkpoints/step-00000001/manifest.json")));
+  for (size_t i = 0; i < 2; ++i) {
+    const std::vector<Json> one = read_metrics(dir_->file("r16/reference/step-" + std::to_string(i + 1)));
+    ASSERT_EQ(one.size(), 1u);
+    EXPECT_EQ(one[0]["step"], i + 1);
+    EXPECT_NEAR(layout[i]["loss"].get<double>(), one[0]["loss"].get<double>(),
+                record["losses"][i]["bound"].get<double>());
+    EXPECT_EQ(layout[i]["tokens_per_expert"], one[0]["tokens_per_expert"]);
+  }
   // The learning rate moved the model: step 2's loss is not step 1's.
   EXPECT_NE(layout[0]["loss"].get<double>(), layout[1]["loss"].get<double>());
+}
+
+// The same layout with a fault planted through the test hook (MOEPLAN_REHEARSAL_FAULT) is not
+// ready, and the check that is for the fault says why. Eight micro-batches a step instead of 32:
+// the mechanics are the same, and the three rehearsals take a quarter of the time.
+class PlantedFault : public Rehearse {
+ protected:
+  // The record of the rehearsal with `fault`, with the failed checks' names.
+  static const Json& faulty(const std::string& fault, std::set<std::string>& failed, Command& r) {
+    const Json& record = rehearsal(dir_->file("p16.json"), "r16-" + fault, &r, fault, " --shrink-micro-batches 8");
+    if (record.is_object())
+      for (const Json& c : record["checks"])
+        if (!c["ok"].get<bool>()) failed.insert(c["check"].get<std::string>());
+    return record;
+  }
+  static void expect_not_ready(const std::string& fault, const Json& record, const Command& r) {
+    EXPECT_EQ(r.exit_code, 1) << show(r);
+    EXPECT_NE(r.out.find("PLANTED FAULT " + fault), std::string::npos) << show(r);
+    EXPECT_NE(r.out.find("NOT READY"), std::string::npos) << show(r);
+    ASSERT_TRUE(record.is_object()) << show(r);
+    EXPECT_FALSE(record["ready"].get<bool>());
+    EXPECT_EQ(record["planted_fault"], fault);
+  }
+};
+
+TEST_F(PlantedFault, ExpertOnTheWrongRankFailsRoutingAndTheGradients) {
+  std::set<std::string> failed;
+  Command r;
+  const Json& record = faulty("expert-on-wrong-rank", failed, r);
+  expect_not_ready("expert-on-wrong-rank", record, r);
+  // Tokens computed by the wrong expert change the next layer's router logits, and the two
+  // experts' gradients are each other's tokens'.
+  EXPECT_TRUE(failed.count("tokens reach their experts")) << show(r);
+  EXPECT_GT(record["routing"]["router_logits"]["ratio"].get<double>(), 10.0) << record["routing"].dump();
+  EXPECT_TRUE(failed.count("shards line up, checkpoint saves and loads")) << show(r);
+  EXPECT_GT(record["state"]["gradient"]["ratio"].get<double>(), 10.0) << record["state"].dump();
+}
+
+TEST_F(PlantedFault, ShardOffByOneFailsTheCheckpointCheck) {
+  std::set<std::string> failed;
+  Command r;
+  const Json& record = faulty("shard-off-by-one", failed, r);
+  expect_not_ready("shard-off-by-one", record, r);
+  EXPECT_TRUE(failed.count("shards line up, checkpoint saves and loads")) << show(r);
+  EXPECT_GT(record["state"]["param"]["ratio"].get<double>(), 10.0) << record["state"].dump();
+}
+
+TEST_F(PlantedFault, UnreducedGradientFailsTheGradientChecks) {
+  std::set<std::string> failed;
+  Command r;
+  const Json& record = faulty("unreduced-gradient", failed, r);
+  expect_not_ready("unreduced-gradient", record, r);
+  // The first block's dense gradient is one rank's part in one replica group: its moments
+  // hold another gradient, and the norm over every gradient moves.
+  EXPECT_TRUE(failed.count("shards line up, checkpoint saves and loads")) << show(r);
+  EXPECT_GT(record["state"]["gradient"]["ratio"].get<double>(), 10.0) << record["state"].dump();
+  EXPECT_NE(record["state"]["gradient"]["where"].get<std::string>().find("model.layers.0."), std::string::npos);
+  EXPECT_TRUE(failed.count("losses and gradient norm are one rank's")) << show(r);
+  // Routing is not what broke.
+  EXPECT_FALSE(failed.count("tokens reach their experts")) << show(r);
 }
 
 // What the memory model says one layout holds over another, the rehearsal measures, to 15%:
@@ -165,6 +251,18 @@ TEST_F(Rehearse, BadRequestsAreRefusedBeforeAnyRankStarts) {
                                     dir_->file("r-stray") + " --shrink-width 16");
   EXPECT_NE(stray.exit_code, 0) << show(stray);
   EXPECT_NE(stray.err.find("--rehearse"), std::string::npos) << show(stray);
+  // The test hook takes the faults it knows only.
+  const Command unknown = run_command("MOEPLAN_REHEARSAL_FAULT=everything " + std::string(MOEPLAN_BINARY) + " " +
+                                      base + " --out " + dir_->file("r-unknown"));
+  EXPECT_EQ(unknown.exit_code, 2) << show(unknown);
+  EXPECT_NE(unknown.err.find("MOEPLAN_REHEARSAL_FAULT"), std::string::npos) << show(unknown);
+  EXPECT_FALSE(std::filesystem::exists(dir_->file("r-unknown")));
+  // A training run plants nothing, whatever its environment: the hook's flag needs a layout
+  // that records its routing for a rehearsal.
+  const Command planted = run_moeplan("run " + dir_->file("p16.json") + " --data " + data_ + " --out " +
+                                      dir_->file("r-planted") + " --planted-fault shard-off-by-one");
+  EXPECT_NE(planted.exit_code, 0) << show(planted);
+  EXPECT_NE(planted.err.find("--record-routing"), std::string::npos) << show(planted);
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 #include <thread>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -129,6 +131,30 @@ inline Command prepare_data(const std::vector<std::string>& inputs, const std::s
   return run_moeplan(("data prepare --input" + files + " --out " + out + " --vocab-size " +
                                      std::to_string(vocab_size) + " --block-size " + std::to_string(block_size) +
                                      " --document-separator %"));
+}
+
+// The process ids of `parent`'s children whose environment holds `entry`.
+inline std::vector<pid_t> children_with(pid_t parent, const std::string& entry) {
+  std::vector<pid_t> found;
+  for (const auto& p : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = p.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(p.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid != parent) continue;
+    std::ifstream environ(p.path() / "environ", std::ios::binary);
+    std::string var;
+    while (std::getline(environ, var, '\0'))
+      if (var == entry) found.push_back(static_cast<pid_t>(std::stoi(name)));
+  }
+  return found;
 }
 
 using executor::read_metrics;  // the metrics.jsonl lines of a run, parsed

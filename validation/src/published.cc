@@ -26,25 +26,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct PublishedCase {
-  std::string name, part, source, note;
-  std::string model, instance;
-  int64_t gpus = 0, seq_len = 0, global_batch_sequences = 0;
-  Precision precision = Precision::kBf16;
-  bool fp8 = false, fp32_gradients = true;
-  std::optional<Kernels> kernels;
-  std::optional<AttentionKernel> attention;
-  std::optional<bool> overlap_gradient_sync;
-  planner::SearchOptions::Pins pins;
-  double published_step_s = 0;
-  // Per-GPU memory where the source gives it, of a stage that holds blocks only (GiB; 0: not
-  // published): parameters with gradients and optimizer states, and the activations kept.
-  double published_states_gib = 0, published_activations_gib = 0;
-};
-
 constexpr std::array<std::string_view, 2> kParts = {"fit", "held-out"};
 
-std::vector<PublishedCase> read_cases(const std::string& path) {
+}  // namespace
+
+std::vector<PublishedCase> read_published_cases(const std::string& path) {
   const Json json = read_json_file(path);
   Diagnostics d;
   ObjectReader top(json, "", d);
@@ -126,6 +112,8 @@ std::vector<PublishedCase> read_cases(const std::string& path) {
   d.throw_if_any(path);
   return out;
 }
+
+namespace {
 
 std::string layout_text(const ParallelConfig& p) {
   std::string s = "T" + std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? "sp" : "") + " P" +
@@ -323,7 +311,7 @@ FitValues fit(const std::vector<Loaded>& loaded, const std::vector<std::string>&
 
 int compare_published(const ComparePublishedOptions& options) {
   try {
-    const std::vector<PublishedCase> cases = read_cases(options.cases);
+    const std::vector<PublishedCase> cases = read_published_cases(options.cases);
     const fs::path base = fs::path(options.cases).parent_path();
     const std::string dir = profile_dir(options.profiles);
     std::vector<Loaded> loaded;

@@ -24,7 +24,13 @@ using Json = nlohmann::ordered_json;
 // Where each hardware or model number came from, keyed by field path ("gpu.memory_bytes").
 using SourceMap = std::map<std::string, std::string>;
 
-// Parses text as JSON. A syntax error becomes an InputError naming origin and byte offset.
+// Deepest nesting the readers take. No moeplan file nests more than a few levels, and nlohmann
+// copies, compares and prints a document recursively, one call per level: a file of a few
+// hundred kilobytes of brackets ran out of stack.
+inline constexpr int kMaxJsonDepth = 128;
+
+// Parses text as JSON. A syntax error, or nesting deeper than kMaxJsonDepth, becomes an
+// InputError naming origin (and the byte offset of a syntax error).
 Json parse_json_text(std::string_view text, const std::string& origin);
 // Reads and parses a file; a missing or unreadable file is an InputError too.
 Json read_json_file(const std::string& path);

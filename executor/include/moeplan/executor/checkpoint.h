@@ -29,8 +29,14 @@ std::string step_folder(const std::string& checkpoints_dir, int64_t step);
 // is not loadable while it is rewritten. Returns the folder's path.
 std::string begin_checkpoint(const std::string& checkpoints_dir, int64_t step);
 
-// Writes one rank's shard atomically.
+// The file name of a rank's shard: rank-00003.safetensors.
+std::string shard_name(int64_t rank);
+
+// Writes one rank's shard atomically: a write that fails leaves no file behind.
 CheckpointFile write_checkpoint_shard(const std::string& step_dir, int64_t rank, const NamedTensors& tensors);
+
+// Removes one rank's shard of a save that failed, and its temporary file if any.
+void remove_checkpoint_shard(const std::string& step_dir, int64_t rank);
 
 // Writes the manifest (the commit point): `state` is the trainer's JSON, `files` every shard.
 void commit_checkpoint(const std::string& step_dir, int64_t step, const Json& state,

@@ -16,6 +16,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -28,6 +30,25 @@ using BackendGroup = c10::intrusive_ptr<c10d::Backend>;
 class CollectiveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// What a rank's collectives are doing, for its peers when one of them waited in vain: the
+// collective in progress, or how long the rank has been outside any (computing, writing a file,
+// or stuck there) and the last one it finished. The communicators of a rank share one; its
+// heartbeat thread reads it.
+class CollectiveActivity {
+ public:
+  void enter(const char* op, const std::string& group);
+  void leave();
+  // "in all-reduce on world for 0.2 s", or "outside any collective for 61.0 s (the last:
+  // all-gather on shard)".
+  std::string describe() const;
+
+ private:
+  mutable std::mutex mutex_;
+  bool inside_ = false;
+  std::string current_, last_;
+  std::chrono::steady_clock::time_point since_ = std::chrono::steady_clock::now();
 };
 
 class Communicator {
@@ -94,6 +115,7 @@ class Communicator {
   using Observer = std::function<void(const char* op, int64_t bytes, std::chrono::steady_clock::time_point start,
                                       std::chrono::steady_clock::time_point end)>;
   void set_observer(Observer observer) { observer_ = std::move(observer); }
+  void set_activity(std::shared_ptr<CollectiveActivity> activity) { activity_ = std::move(activity); }
 
  private:
   // `peer`: " to rank 2" or " from rank 0" for a point-to-point transfer, for errors.
@@ -105,6 +127,7 @@ class Communicator {
   std::string name_ = "this rank";
   int64_t rank_ = 0, size_ = 1;
   Observer observer_;
+  std::shared_ptr<CollectiveActivity> activity_;
 };
 
 // A gloo process group of `size` ranks over a shared store; every member calls this with the

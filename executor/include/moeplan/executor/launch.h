@@ -54,8 +54,12 @@ JoinedWorld join_world(const RankEnv& env, std::chrono::milliseconds timeout, co
 
 // Runs `argv` (this program's arguments) as `world_size` local ranks: hosts the rendezvous
 // store, starts /proc/self/exe once per rank with the moeplan variables set, and waits. When a
-// rank fails, the others get `grace_seconds` to exit on their own (their collectives time out
-// and name the lost rank) before they are killed. Returns 0 when every rank succeeded.
-int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t grace_seconds);
+// rank fails, the others get `failure_grace_seconds` to exit on their own (their collectives
+// time out and name the lost rank) before they are killed. A stop signal caught by this process
+// (catch_stop_signals) goes on to every rank, which then has `stop_grace_seconds` to save and
+// exit. Returns 0 when every rank succeeded, kExitStopped when they stopped early, else the
+// first failed rank's code.
+int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t failure_grace_seconds,
+                      int64_t stop_grace_seconds = 30);
 
 }  // namespace moeplan::executor

@@ -67,6 +67,8 @@ class DeviceMesh {
   const MeshCoords& coords() const { return coords_; }
 
   Communicator world, shard, expert, dense_replicas, expert_replicas, tensor, pipeline;
+  // Every group of the mesh reports into `activity`.
+  void set_activity(const std::shared_ptr<CollectiveActivity>& activity);
 
  private:
   MeshLayout layout_;

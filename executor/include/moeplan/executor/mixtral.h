@@ -17,6 +17,7 @@
 
 #include "moeplan/core/model_spec.h"
 #include "moeplan/core/parallel_config.h"
+#include "moeplan/executor/routing.h"
 
 namespace moeplan::executor {
 
@@ -98,10 +99,22 @@ struct ForwardResult {
   std::vector<torch::Tensor> router_logits;  // per layer [B*T, num_experts], compute dtype
   torch::Tensor tokens_per_expert;           // [layers, num_experts] int64: token-expert slots
   torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
+  // Per layer, when the routing was replayed (RouteOverride): the top-k slots the load-balancing
+  // loss counts.
+  std::vector<torch::Tensor> top_k;
+  // [layers] int64, 1 where a decoder layer's output held a NaN or an Inf (its part on this
+  // rank): where a non-finite loss began. Kept on the device, read only when a step went wrong.
+  torch::Tensor nonfinite_layers;
 };
 
+// Adds 1 to nonfinite_layers[layer] when `output` holds a NaN or an Inf, without a host sync.
+void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& output);
+
+// With `replay`, each layer sends its tokens to the experts it returns instead of its own
+// choice (a rehearsal's reference, routing_record.h).
 ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weights,
-                              const torch::Tensor& input_ids, LoadBalancing balancing);
+                              const torch::Tensor& input_ids, LoadBalancing balancing,
+                              const RouteOverride& replay = {});
 
 struct LossTerms {
   torch::Tensor total;  // lm + aux_coef * aux (aux_loss balancing only) + z_coef * z

@@ -15,8 +15,10 @@
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/mesh.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/rehearsal_fault.h"
 #include "moeplan/executor/run.h"
 #include "moeplan/executor/run_report.h"
+#include "moeplan/executor/routing_record.h"
 #include "moeplan/executor/sharded_model.h"
 #include "moeplan/executor/tensor_file.h"
 
@@ -36,7 +38,7 @@ class ShardedTrainer final : public StepTrainer {
   NamedTensors state() const override;
   // The parameters of which this rank keeps a part (its shard of the dense units and of its
   // experts' units): what it must read to start from a full checkpoint.
-  std::set<std::string> held_parameters() const;
+  std::set<std::string> held_parameters() const override;
   // Takes this rank's shards out of any layout's slices (see SlicedState).
   void load_state(const SlicedState& state, int64_t step, int64_t optimizer_step, Diagnostics& d) override;
   // Each rank reads the tensors of its own shard and experts only.
@@ -45,6 +47,10 @@ class ShardedTrainer final : public StepTrainer {
 
   const PhaseClock& clock() const override { return clock_; }
   ShardedModel& model() { return model_; }
+
+  // A rehearsal's layout: records its routing into `record_dir` (routing_record.h) and plants
+  // `fault` (rehearsal_fault.h, a test hook).
+  void rehearse(const std::string& record_dir, RehearsalFault fault);
 
  private:
   // The forward and backward passes of a step's micro-batches on a pipeline stage; adds the
@@ -57,6 +63,9 @@ class ShardedTrainer final : public StepTrainer {
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
   PhaseClock clock_;
+  std::unique_ptr<RoutingRecorder> recorder_;
+  RehearsalFault fault_ = RehearsalFault::kNone;
+  torch::Tensor nonfinite_layers_;  // this step's, over its micro-batches (mixtral.h)
 };
 
 }  // namespace moeplan::executor

@@ -1,8 +1,10 @@
 #pragma once
 // `moeplan run plan.json --rehearse` (docs/executor.md, "Rehearsal"): a cluster plan's layout,
 // with the model the planner shrank, trained on local CPU ranks as child runs of this program
-// and checked against one rank that trains the same global batch: routing, losses and gradient
-// norm, the checkpoint saved and resumed, and per-rank memory against the memory model.
+// and checked against one rank that trains the same global batch, step by step from the
+// layout's own state and replaying its routing: routing, losses and gradient norm, the
+// checkpoint saved and resumed, and per-rank memory against the memory model. What rounding
+// may explain is bounded by rehearsal_bounds.h; any more is a broken layout.
 
 #include <cstdint>
 #include <functional>
@@ -25,10 +27,10 @@ struct RehearsalOptions {
   std::ostream* progress = nullptr;  // the runs as they finish, the checks and the verdict
 };
 
-// Refuses, naming the field, what cannot be rehearsed here: tensor or pipeline parallelism,
-// the global token shuffle (one rank would route other token sets), more processes than this
-// machine's available memory holds, fewer than 2 steps, a launcher's environment, an --out
-// folder in use. Throws InputError.
+// Refuses, naming the field, what cannot be rehearsed here: a one-rank plan, the global token
+// shuffle (one rank would route other token sets), more processes than this machine's available
+// memory holds, fewer than 2 steps, a launcher's environment, an --out folder in use, and a
+// planted fault (rehearsal_fault.h) the layout cannot carry. Throws InputError.
 void check_rehearsal(const Plan& plan, const RehearsalOptions& options);
 
 // Refuses shrunk plans that break a rule or do not match the data (what the runs would refuse).

@@ -8,12 +8,14 @@
 #include <functional>
 #include <iosfwd>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/rehearsal_fault.h"
 #include "moeplan/executor/run_report.h"
 #include "moeplan/executor/tensor_file.h"
 
@@ -30,6 +32,19 @@ struct RunOptions {
   std::string init_from;         // a Hugging Face Mixtral folder to start from (not with a resumed checkpoint)
   int threads = 0;               // intra-op threads; 0: one (see docs/performance.md)
   int64_t timeout_seconds = 60;  // collectives and rendezvous of a multi-rank run
+  // Stopping early (stop.h): after a stop signal the ranks have this long to end the step in
+  // flight and save; with a time limit they stop, saved, before a next step would pass it.
+  int64_t grace_seconds = 30;
+  int64_t stop_after_seconds = 0;  // 0: no time limit
+  // Steps in a row whose loss or gradients held a NaN or an Inf: each is skipped (no update),
+  // and this many end the run with an error naming where it began.
+  int64_t max_nonfinite_steps = 3;
+  // A rehearsal's runs (rehearsal.h): the layout records its routing into this folder, the
+  // one-rank reference replays the record in that folder (routing_record.h); a layout that
+  // records may carry a fault planted by the rehearsal's test hook (rehearsal_fault.h).
+  std::string record_routing;
+  std::string replay_routing;
+  RehearsalFault planted_fault = RehearsalFault::kNone;
   std::ostream* progress = nullptr;
 };
 
@@ -39,7 +54,8 @@ struct RunResult {
   std::vector<StepRecord> steps;
   int64_t peak_rss_bytes = 0;  // VmHWM of this process
   std::string last_checkpoint;
-  std::optional<RunReport> report;  // on rank 0, when the run trained at least one step
+  std::optional<RunReport> report;  // on rank 0, when the run trained up to its last step
+  std::string stopped_by;  // why the run stopped before its last step ("SIGTERM", "--stop-after 4h"); "" if it did not
 };
 
 // What the loop drives: one rank's part of the model and its optimizer.
@@ -59,6 +75,10 @@ class StepTrainer {
   // The most rows one of this rank's experts computed in a layer of a micro-batch since the
   // last call (0 where the trainer does not count them).
   virtual int64_t take_busiest_expert_rows() { return 0; }
+  // The parameters of which this rank keeps a part: what it reads of a checkpoint to resume
+  // (every rank of a layout holding every shard at once outgrew the memory of a 64-rank
+  // rehearsal). Empty: all of them.
+  virtual std::set<std::string> held_parameters() const { return {}; }
 };
 
 // This rank's place in the run.
@@ -66,6 +86,8 @@ struct RunRank {
   int64_t rank = 0, world_size = 1;
   int64_t reader = 0, readers = 1;  // which of the data readers this rank is
   std::function<void()> barrier = [] {};
+  // Sums a small int64 tensor over every rank, in place (one rank: nothing to do).
+  std::function<void(torch::Tensor&)> sum_over_ranks = [](torch::Tensor&) {};
   std::string where = "CPU rank";  // what measured the run, for the report
   torch::Device device = torch::kCPU;  // where this rank computes
   int64_t baseline_device_bytes = 0;   // device memory in use before the model, as the driver counts it (GPU)

@@ -70,6 +70,11 @@ struct StepRecord {
   int64_t tokens = 0;
   double seconds = 0;
   std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
+  // A NaN or an Inf in the loss or the gradients: the update was not applied (the step's data
+  // is consumed and the schedule moves on, as Megatron-LM skips such iterations), and where
+  // it began.
+  bool skipped = false;
+  std::string nonfinite;
 };
 // Joins the ranks' measurements into trace.json and report.json in out_dir and returns the report.
 RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const std::vector<StepRecord>& steps,

@@ -36,6 +36,8 @@
 #include "moeplan/executor/mesh.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/offload.h"
+#include "moeplan/executor/rehearsal_fault.h"
+#include "moeplan/executor/routing_record.h"
 
 namespace moeplan::executor {
 
@@ -107,6 +109,14 @@ class ShardedModel {
   // since the last call (the load its activations are sized by), and a new count.
   int64_t take_busiest_expert_rows() { return std::exchange(busiest_expert_rows_, 0); }
 
+  // A rehearsal's layout (routing_record.h): the first tensor-parallel rank records every
+  // layer's routing of the micro-batch in progress, numbered as set_micro_batch says.
+  void record_routing(RoutingRecorder* recorder) { recorder_ = recorder; }
+  void set_micro_batch(int64_t micro_batch) { micro_batch_ = micro_batch; }
+  // A fault planted by a rehearsal's test hook (rehearsal_fault.h): the model plants
+  // kExpertOnWrongRank, the trainer the others.
+  void plant(RehearsalFault fault) { fault_ = fault; }
+
  private:
   struct Gathered {
     size_t unit = 0;
@@ -160,6 +170,9 @@ class ShardedModel {
   torch::Tensor tokens_per_expert_;  // of the forward in progress
   int64_t busiest_expert_rows_ = 0;
   std::map<size_t, Communicator::PendingGather> prefetched_;  // by unit
+  RoutingRecorder* recorder_ = nullptr;
+  int64_t micro_batch_ = 0;
+  RehearsalFault fault_ = RehearsalFault::kNone;
 };
 
 // The master and compute types of a precision.

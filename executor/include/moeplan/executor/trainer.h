@@ -13,6 +13,7 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/mixtral.h"
 #include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/routing_record.h"
 #include "moeplan/executor/run.h"
 #include "moeplan/executor/run_report.h"
 #include "moeplan/executor/tensor_file.h"
@@ -38,6 +39,9 @@ class ModelTrainer {
   void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
   const ParameterSet& parameters() const { return params_; }
   const PhaseClock& clock() const { return clock_; }
+  // A rehearsal's reference: every layer sends its tokens where the layout's did
+  // (routing_record.h).
+  void replay_routing(RoutingReplay* replay) { replay_ = replay; }
 
  private:
   const Plan& plan_;
@@ -47,6 +51,7 @@ class ModelTrainer {
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
   PhaseClock clock_;
+  RoutingReplay* replay_ = nullptr;
 };
 
 // A one-rank run, on the GPU the plan's profile names where this machine has one (see

@@ -3,10 +3,33 @@
 // published step times, the fit part and the held-out part of the set summarised on their own.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "moeplan/planner/search.h"
+
 namespace moeplan::validation {
+
+// One published training run (an entry of cases.json) and the layout it used.
+struct PublishedCase {
+  std::string name, part, source, note;
+  std::string model, instance;
+  int64_t gpus = 0, seq_len = 0, global_batch_sequences = 0;
+  Precision precision = Precision::kBf16;
+  bool fp8 = false, fp32_gradients = true;
+  std::optional<Kernels> kernels;
+  std::optional<AttentionKernel> attention;
+  std::optional<bool> overlap_gradient_sync;
+  planner::SearchOptions::Pins pins;
+  double published_step_s = 0;
+  // Per-GPU memory where the source gives it, of a stage that holds blocks only (GiB; 0: not
+  // published): parameters with gradients and optimizer states, and the activations kept.
+  double published_states_gib = 0, published_activations_gib = 0;
+};
+
+// Reads cases.json; throws InputError naming the case and the field at fault.
+std::vector<PublishedCase> read_published_cases(const std::string& path);
 
 struct ComparePublishedOptions {
   std::string cases;  // JSON list of published runs (docs/validation/published/cases.json)

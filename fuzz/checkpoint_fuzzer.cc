@@ -1,0 +1,44 @@
+// Checkpoints (executor/checkpoint.h): a step folder of manifest.json and two rank shards, the
+// input's three parts. Opened as `moeplan run --resume` opens one, then every parameter and
+// AdamW moment of the model put back together from the shards' slices.
+//
+// Options byte: bit 0 puts the shards' true sizes and CRC-32s into the manifest first.
+#include <torch/torch.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fuzz_support.h"
+#include "moeplan/core/errors.h"
+#include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/mixtral.h"
+
+using namespace moeplan;
+using namespace moeplan::executor;
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  torch::set_num_threads(1);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const fuzz::Files in = fuzz::split_files(data, size, 3);
+  fuzz::Scratch& scratch = fuzz::Scratch::get();
+  scratch.clear();
+  std::map<std::string, std::string_view> shards;
+  if (!in.parts[1].empty()) shards["rank-00000.safetensors"] = in.parts[1];
+  if (!in.parts[2].empty()) shards["rank-00001.safetensors"] = in.parts[2];
+  for (const auto& [name, bytes] : shards) scratch.write(name, bytes);
+  scratch.write("manifest.json", (in.options & 1) != 0 ? fuzz::with_true_checksums(in.parts[0], shards)
+                                                       : std::string(in.parts[0]));
+  try {
+    const LoadedCheckpoint checkpoint = open_checkpoint(scratch.dir());
+    SlicedState state;
+    for (const CheckpointFile& f : checkpoint.files) state.add(read_checkpoint_shard(checkpoint, f.name).tensors);
+    Diagnostics d;
+    for (const ParamInfo& info : mixtral_parameters(fuzz::tiny_model()))
+      for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) (void)state.whole(prefix + info.name, info.shape, d);
+  } catch (const InputError&) {
+  }
+  return 0;
+}
