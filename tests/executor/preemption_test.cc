@@ -189,8 +189,10 @@ TEST_F(Preemption, ASignalToOneRankStopsEveryRankAtTheSameStep) {
 TEST_F(Preemption, ASignalBeforeTheFirstStepLeavesAFreshFolder) {
   const std::string out = "before-first-step", err = dir_->file(out + ".err");
   const pid_t launcher = spawn_moeplan(argv(out, {"--steps", "2"}), {}, dir_->file(out + ".out"), err);
+  // As soon as the last rank has started: the ranks hold the signal until they catch it, and
+  // they vote on it before their first step.
   const auto until = Clock::now() + std::chrono::seconds(60);
-  while (!fs::exists(dir_->file(out)) && Clock::now() < until)
+  while (children_with(launcher, "MOEPLAN_RANK=3").empty() && Clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ASSERT_EQ(::kill(launcher, SIGINT), 0);
   const int code = wait_moeplan(launcher, 90);
