@@ -56,7 +56,8 @@ class TensorAllocator final : public c10::Allocator {
 
   TensorBytes bytes() const {
     const std::lock_guard<std::mutex> lock(cache_mutex_);
-    return {live_.load(), peak_.load(), static_cast<int64_t>(mapped_), static_cast<int64_t>(mapped_ - kept_bytes_)};
+    return {live_.load(), peak_.load(), static_cast<int64_t>(mapped_), static_cast<int64_t>(mapped_ - kept_bytes_),
+            static_cast<int64_t>(mapped_peak_live_)};
   }
   void reset_peak() const { peak_.store(live_.load()); }
 

@@ -28,6 +28,7 @@ struct TensorBytes {
   int64_t peak = 0;  // since install_tensor_allocator() or the last reset
   int64_t mapped = 0;       // mappings of blocks of 2 MiB and more, those kept for reuse included
   int64_t mapped_live = 0;  // those of live blocks
+  int64_t mapped_peak_live = 0;  // the most mapped_live ever was: kept mappings stay within it
 };
 TensorBytes tensor_bytes();
 void reset_peak_tensor_bytes();
