@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <linux/filter.h>
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -19,6 +20,7 @@ extern char** environ;
 #include <cstring>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <thread>
 
 #include "moeplan/core/errors.h"
@@ -96,29 +98,39 @@ std::string address_towards(const std::string& host, int64_t port) {
   return address;
 }
 
-// A socket listening on IPv4 `host` (a name or an address of this machine) at `port` (0: a free
-// one) for the store server to take over: c10d's own server would listen on every interface,
-// so that any host that reaches this one could read and write the run's keys.
-int listening_socket(const std::string& host, int64_t port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const std::string where = host + ":" + std::to_string(port);
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr)
-    throw InputError(where, {{"", "the store's address does not resolve to an IPv4 address"}});
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int on = 1;
-  const bool ok = fd >= 0 && ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) == 0 &&
-                  ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0;
-  const std::string reason = std::strerror(errno);
-  ::freeaddrinfo(found);
-  if (!ok) {
-    if (fd >= 0) ::close(fd);
-    throw InputError(where, {{"", "the store cannot listen there (" + reason +
-                                      "); the rank that hosts it must be on that host"}});
+// IPv4 `text` ("10.0.0.1") in host byte order, or nothing.
+std::optional<uint32_t> ipv4(const std::string& text) {
+  in_addr a{};
+  if (::inet_pton(AF_INET, text.c_str(), &a) != 1) return std::nullopt;
+  return ntohl(a.s_addr);
+}
+
+uint32_t mask_of(int bits) { return bits == 0 ? 0 : ~uint32_t{0} << (32 - bits); }
+
+// Drops, in the kernel, every packet to `fd` from an IPv4 source outside `peers`: on a listening
+// TCP socket, the handshakes of other hosts (the connections it accepts inherit the filter). A
+// classic BPF program: load the source address from the IP header, then per range compare its
+// masked bits and accept on a match; locked, so the store server cannot take it off.
+void admit_only(int fd, const std::vector<PeerRange>& peers, const std::string& where) {
+  std::vector<sock_filter> program;
+  program.push_back(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, static_cast<uint32_t>(SKF_NET_OFF) + 12));
+  program.push_back(BPF_STMT(BPF_MISC | BPF_TAX, 0));
+  const size_t n = peers.size(), accept = 2 + 3 * n + 1;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t mask = mask_of(peers[i].bits);
+    const size_t compare = 2 + 3 * i + 2;
+    program.push_back(BPF_STMT(BPF_MISC | BPF_TXA, 0));
+    program.push_back(BPF_STMT(BPF_ALU | BPF_AND | BPF_K, mask));
+    program.push_back(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, peers[i].address & mask,
+                               static_cast<uint8_t>(accept - compare - 1), 0));
   }
-  return fd;
+  program.push_back(BPF_STMT(BPF_RET | BPF_K, 0));            // drop
+  program.push_back(BPF_STMT(BPF_RET | BPF_K, 0xffffffffu));  // keep the whole packet
+  const sock_fprog filter{static_cast<unsigned short>(program.size()), program.data()};
+  const int on = 1;
+  if (::setsockopt(fd, SOL_SOCKET, SO_ATTACH_FILTER, &filter, sizeof filter) != 0 ||
+      ::setsockopt(fd, SOL_SOCKET, SO_LOCK_FILTER, &on, sizeof on) != 0)
+    throw InputError(where, {{"", std::string("the store cannot limit who connects (") + std::strerror(errno) + ")"}});
 }
 
 int64_t port_of(int fd) {
@@ -127,6 +139,8 @@ int64_t port_of(int fd) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
   return ntohs(a.sin_port);
 }
+
+constexpr size_t kMaxStorePeers = 64;  // a classic BPF jump reaches 255 instructions ahead
 
 }  // namespace
 
@@ -168,7 +182,8 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
                       int64_t stop_grace_seconds) {
   // The store lives in this process, so it outlives any rank (a lost rank 0 included).
   c10d::TCPStoreOptions so;
-  so.masterListenFd = listening_socket("127.0.0.1", 0);  // loopback: the ranks are on this machine
+  // Loopback, and this machine's own processes only: the ranks are on this machine.
+  so.masterListenFd = store_listening_socket("127.0.0.1", 0, {PeerRange{0x7f000001, 32}});
   so.port = static_cast<uint16_t>(port_of(*so.masterListenFd));
   so.isServer = true;
   so.waitWorkers = false;
@@ -270,11 +285,128 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
   return stopped ? kExitStopped : kExitOk;
 }
 
+std::vector<PeerRange> parse_store_peers(const std::string& text, const std::string& origin) {
+  Diagnostics d;
+  std::vector<PeerRange> peers;
+  std::string entry;
+  std::istringstream entries(text);
+  while (std::getline(entries, entry, ',')) {
+    entry.erase(0, entry.find_first_not_of(" \t"));
+    entry.erase(entry.find_last_not_of(" \t") + 1);
+    if (entry.empty()) continue;
+    const std::string quoted = "entry \"" + entry + "\"";
+    if (const size_t slash = entry.find('/'); slash != std::string::npos) {
+      const std::optional<uint32_t> address = ipv4(entry.substr(0, slash));
+      const std::string bits = entry.substr(slash + 1);
+      const bool digits = !bits.empty() && bits.size() <= 2 && bits.find_first_not_of("0123456789") == std::string::npos;
+      if (!address || !digits || std::stoi(bits) > 32)
+        d.error("", quoted + " is not a network (an IPv4 address, \"/\" and 0 to 32 bits)");
+      else
+        peers.push_back({*address, std::stoi(bits)});
+      continue;
+    }
+    if (const std::optional<uint32_t> address = ipv4(entry)) {
+      peers.push_back({*address, 32});
+      continue;
+    }
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (::getaddrinfo(entry.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) {
+      d.error("", quoted + " is not an IPv4 address, a network or a host name that resolves to one");
+      continue;
+    }
+    for (const addrinfo* a = found; a != nullptr; a = a->ai_next)
+      peers.push_back({ntohl(reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr), 32});
+    ::freeaddrinfo(found);
+  }
+  if (d.empty() && peers.empty()) d.error("", "names no host: every connection would be refused");
+  if (peers.size() > kMaxStorePeers)
+    d.error("", std::to_string(peers.size()) + " hosts and networks; at most " + std::to_string(kMaxStorePeers) +
+                    " (name a network for more)");
+  d.throw_if_any(origin);
+  return peers;
+}
+
+std::vector<PeerRange> default_store_peers(const std::string& address) {
+  const std::optional<uint32_t> own = ipv4(address);
+  if (!own) return {};
+  ifaddrs* list = nullptr;
+  int bits = 32;
+  if (*own >> 24 != 127 && ::getifaddrs(&list) == 0) {
+    for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next)
+      if (a->ifa_addr != nullptr && a->ifa_netmask != nullptr && a->ifa_addr->sa_family == AF_INET &&
+          ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr) == *own) {
+        const uint32_t mask = ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_netmask)->sin_addr.s_addr);
+        bits = __builtin_popcount(mask);
+      }
+    ::freeifaddrs(list);
+  }
+  return {PeerRange{*own, bits}};
+}
+
+int store_listening_socket(const std::string& host, int64_t port, const std::vector<PeerRange>& peers) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string where = host + ":" + std::to_string(port);
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr)
+    throw InputError(where, {{"", "the store's address does not resolve to an IPv4 address"}});
+  const uint32_t own = ntohl(reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr.s_addr);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int on = 1;
+  const bool ok = fd >= 0 && ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) == 0 &&
+                  ::bind(fd, found->ai_addr, found->ai_addrlen) == 0;
+  const std::string reason = std::strerror(errno);
+  ::freeaddrinfo(found);
+  if (!ok) {
+    if (fd >= 0) ::close(fd);
+    throw InputError(where, {{"", "the store cannot listen there (" + reason +
+                                      "); the rank that hosts it must be on that host"}});
+  }
+  // The filter is in place before the socket listens: no handshake gets past it.
+  std::vector<PeerRange> admitted = peers;
+  admitted.push_back({own, 32});  // this host's own processes, which connect from the address itself
+  try {
+    admit_only(fd, admitted, where);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::listen(fd, SOMAXCONN) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw InputError(where, {{"", "the store cannot listen there (" + why + ")"}});
+  }
+  return fd;
+}
+
+namespace {
+
+// Who may connect to the store this rank 0 hosts: MOEPLAN_STORE_PEERS, else the network of the
+// address it listens on.
+std::vector<PeerRange> store_peers(const RankEnv& env) {
+  if (const char* listed = std::getenv("MOEPLAN_STORE_PEERS"); listed != nullptr)
+    return parse_store_peers(listed, "MOEPLAN_STORE_PEERS");
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return {};
+  char text[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr, text, sizeof text);
+  ::freeaddrinfo(found);
+  return default_store_peers(text);
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::milliseconds timeout, StoreRole role) {
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
   so.isServer = role == StoreRole::kRank && env.rank == 0 && !env.store_hosted_elsewhere;
-  if (so.isServer) so.masterListenFd = listening_socket(env.master_addr, env.master_port);
+  if (so.isServer) so.masterListenFd = store_listening_socket(env.master_addr, env.master_port, store_peers(env));
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;

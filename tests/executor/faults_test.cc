@@ -18,6 +18,7 @@
 #include "moeplan/executor/checkpoint.h"
 #include "moeplan/executor/tensor_file.h"
 #include "run_fixture.h"
+#include "sockets.h"
 
 namespace moeplan::test {
 namespace {
@@ -256,6 +257,13 @@ TEST_F(Faults, ALocalRunListensOnLoopbackOnly) {
   for (int r = 0; r < 4; ++r)
     for (const pid_t p : children_with(launcher, "MOEPLAN_RANK=" + std::to_string(r))) processes.push_back(p);
   const std::vector<std::string> sockets = listening_sockets(processes);
+  // The launcher's one listener is the store: this machine's other loopback addresses (all of
+  // 127/8) are not let in, 127.0.0.1 is.
+  const std::vector<std::string> store = listening_sockets({launcher});
+  ASSERT_EQ(store.size(), 1u);
+  const int port = std::stoi(store[0].substr(store[0].find(':') + 1), nullptr, 16);
+  EXPECT_FALSE(connects_from("127.0.0.2", port)) << "the store took a connection from another address";
+  EXPECT_TRUE(connects_from("127.0.0.1", port));
   ::kill(launcher, SIGTERM);
   EXPECT_EQ(wait_moeplan(launcher, 90), kExitStopped) << read_text(err);
   EXPECT_EQ(processes.size(), 5u);

@@ -43,6 +43,28 @@ std::optional<RankEnv> rank_env_from_environment();
 enum class StoreRole : uint8_t { kRank, kClient };
 c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::milliseconds timeout,
                                            StoreRole role = StoreRole::kRank);
+// Who may connect to a rendezvous store hosted here: IPv4 hosts whose first `bits` bits match
+// `address` (host byte order). Any other host's connection is dropped by the kernel before its
+// handshake (a socket filter on the listening socket), so it reads and writes no key: its
+// connect() times out as if nothing listened there.
+struct PeerRange {
+  uint32_t address = 0;
+  int bits = 32;
+};
+// MOEPLAN_STORE_PEERS' form: comma-separated IPv4 addresses, host names (each of their IPv4
+// addresses) and networks (10.0.0.0/16), at most 64 entries. Throws InputError naming `origin`
+// and the entry.
+std::vector<PeerRange> parse_store_peers(const std::string& text, const std::string& origin);
+// Those a store listening on `address` (an IPv4 address of this host) admits when
+// MOEPLAN_STORE_PEERS is not set: the network of the interface that holds the address (one
+// cluster's hosts share a subnet), or on loopback the address alone.
+std::vector<PeerRange> default_store_peers(const std::string& address);
+// A socket listening on IPv4 `host` (a name or an address of this host) at `port` (0: a free one)
+// for the store server to take over, admitting `peers` only (and this host's own address).
+// c10d's own server would listen on every interface and take any connection. Throws InputError
+// naming host:port when it cannot.
+int store_listening_socket(const std::string& host, int64_t port, const std::vector<PeerRange>& peers);
+
 // The whole world as one gloo group over a joined store, for work that needs no plan's mesh
 // (calibration), and meshes of any layout of the same ranks over that store, each under keys
 // of its own; `prefix` keeps the keys apart from other groups'.
