@@ -216,6 +216,7 @@ TEST_F(Faults, ARankStuckOutsideTheCollectivesIsNamedByTheOthers) {
   EXPECT_NE(said.find("rank 0 is outside any collective for"), std::string::npos) << said;
   EXPECT_NE(said.find("all-reduce on world"), std::string::npos) << "the collective the others waited in\n" << said;
   EXPECT_LT(seconds, kTimeout + 30) << "named within the timeout and the heartbeat check\n" << said;
+  std::printf("a rank stuck outside the collectives: named %.1f s after the start\n", seconds);
 }
 
 // The listening TCP sockets ("address:port" as /proc/net/tcp{,6} write them, in hex) of the

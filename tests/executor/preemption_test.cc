@@ -225,6 +225,7 @@ TEST_F(Preemption, ATimeLimitStopsTheRunSavedBeforeIt) {
       executor::open_checkpoint(executor::latest_checkpoint(dir_->file("time-limit-1") + "/checkpoints"));
   EXPECT_EQ(c.step, static_cast<int64_t>(steps));
   EXPECT_LT(seconds, 60) << "the limit counts from the first step; the process start comes on top";
+  std::printf("--stop-after 3: stopped after %zu steps, %.1f s with the process start\n", steps, seconds);
 
   const Command bad = run_moeplan(args("time-limit-bad", {"--stop-after", "4x"}));
   EXPECT_EQ(bad.exit_code, kExitBadInput) << show(bad);
