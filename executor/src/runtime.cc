@@ -64,7 +64,6 @@ class TensorAllocator final : public c10::Allocator {
  private:
   static constexpr size_t kHeader = c10::gAlignment;  // keeps the data as aligned as the block
 
-  static constexpr size_t kPage = 4096;
   static constexpr size_t kHugePage = size_t{2} << 20;
   static constexpr size_t kLarge = kHugePage;
   static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
