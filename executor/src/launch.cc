@@ -21,6 +21,7 @@ extern char** environ;
 #include <map>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "moeplan/core/errors.h"
@@ -410,7 +411,17 @@ c10::intrusive_ptr<c10d::Store> join_store(const RankEnv& env, std::chrono::mill
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  if (so.isServer) return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  } catch (const c10::DistNetworkError& e) {
+    const std::string what = e.what_without_backtrace();
+    throw std::runtime_error(
+        "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port) +
+        " took no connection from this host within " + std::to_string(timeout.count() / 1000) +
+        " s: its host is not listening there yet, or it does not admit this host (MOEPLAN_STORE_PEERS on rank 0, "
+        "else rank 0's subnet). LibTorch: " + what.substr(0, what.find('\n')));
+  }
 }
 
 JoinedWorld join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix) {

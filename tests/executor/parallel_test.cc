@@ -414,5 +414,41 @@ TEST_F(Parallel, RanksOnTwoHostsTrainTogether) {
   expect_reference_losses(read_metrics(out), reference_, 1, 10, "two hosts");
 }
 
+// The same two hosts with rank 0's store admitting the first host only (MOEPLAN_STORE_PEERS):
+// the second host's ranks never get through to the store, and the run fails within the
+// timeout without a step.
+TEST_F(Parallel, RanksOnAHostTheStoreDoesNotAdmitCannotJoin) {
+  if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  const TwoHosts hosts;
+  if (!hosts.ok()) GTEST_SKIP() << "could not create network namespaces (ip netns and veth, CAP_NET_ADMIN)";
+  const std::string plan = plan_for({"hosts-E2S2R1", 2, 2, "none", false});
+  const std::string out = dir_->file("two-hosts-refused");
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<pid_t> ranks;
+  for (int rank = 0; rank < 4; ++rank)
+    ranks.push_back(spawn_moeplan({"run", plan, "--data", dir_->file("data"), "--out", out, "--steps", "10",
+                                   "--timeout", "8"},
+                                  {"RANK=" + std::to_string(rank), "LOCAL_RANK=" + std::to_string(rank % 2),
+                                   "WORLD_SIZE=4", std::string("MASTER_ADDR=") + TwoHosts::kFirstAddress,
+                                   "MASTER_PORT=29501", std::string("MOEPLAN_STORE_PEERS=") + TwoHosts::kFirstAddress},
+                                  "/dev/null", dir_->file("refused-" + std::to_string(rank) + ".err"),
+                                  {"ip", "netns", "exec", hosts.host(rank / 2)}));
+  std::string said;
+  for (int rank = 0; rank < 4; ++rank) {
+    const int code = wait_moeplan(ranks[static_cast<size_t>(rank)], 120);
+    const std::string err = read_text(dir_->file("refused-" + std::to_string(rank) + ".err"));
+    said += "rank " + std::to_string(rank) + " (exit " + std::to_string(code) + "): " + err + "\n";
+    EXPECT_NE(code, 0) << "rank " << rank << " joined: " << err;
+    if (rank >= 2)
+      EXPECT_NE(err.find("the rendezvous store at 10.231.0.1:29501 took no connection from this host within 8 s"),
+                std::string::npos)
+          << err;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_TRUE(read_metrics(out).empty()) << said;
+  EXPECT_LT(seconds, 90) << said;
+  std::printf("%s", said.c_str());
+}
+
 }  // namespace
 }  // namespace moeplan::test
