@@ -372,6 +372,20 @@ TEST(Checkpoint, MissingShardDoesNotOpen) {
   EXPECT_TRUE(contains(error, shard + ": listed in the manifest but missing")) << error;
 }
 
+// A manifest that names a shard outside its step's folder, where a whole copy of the shard lies
+// with the size and checksum the manifest gives, does not open.
+TEST(Checkpoint, ShardOutsideTheFolderDoesNotOpen) {
+  const test::TempDir tmp;
+  const std::string dir = save(tmp.file("checkpoints"), 7);
+  fs::copy_file(dir + "/rank-00000.safetensors", tmp.file("checkpoints/rank-00000.safetensors"));
+  Json manifest = read_json_file(dir + "/manifest.json");
+  ASSERT_EQ(manifest["files"][0]["name"], "rank-00000.safetensors");
+  manifest["files"][0]["name"] = "../rank-00000.safetensors";
+  std::ofstream(dir + "/manifest.json") << manifest.dump(2);
+  const std::string error = input_error_of([&] { open_checkpoint(dir); });
+  EXPECT_TRUE(contains(error, "files[0].name: must be a file name inside the checkpoint folder")) << error;
+}
+
 TEST(Checkpoint, LatestIsTheHighestCommittedStep) {
   const test::TempDir tmp;
   EXPECT_EQ(latest_checkpoint(tmp.file("none")), "");  // no folder yet: nothing to resume

@@ -428,6 +428,14 @@ TEST_F(HfImport, MalformedFoldersAreRefusedNamingTheFault) {
     std::ofstream(dir + "/config.json") << config.dump(2);
   });
   EXPECT_TRUE(contains(err, "config.json: hidden_size: = 256, the plan's model has 128")) << err;
+  // The index sends a tensor to a file outside the folder, where a whole copy of its shard lies.
+  fs::copy_file(fs::path(hf()) / embed_file, tmp.file(embed_file));
+  err = refused("outside", [&](const std::string& dir) {
+    Json spoilt = index;
+    spoilt["weight_map"][embed] = "../" + embed_file;
+    std::ofstream(dir + "/model.safetensors.index.json") << spoilt.dump(2);
+  });
+  EXPECT_TRUE(contains(err, "weight_map." + embed + ": must name a file in the folder")) << err;
 }
 
 }  // namespace
