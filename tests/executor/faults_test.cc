@@ -29,26 +29,10 @@ class Faults : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new TempDir();
-    const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
-    if (files.empty()) return;
-    const Command r = prepare_data(files, dir_->file("data"), 512, 64);
-    ASSERT_EQ(r.exit_code, 0) << show(r);
-    const std::string model = write_small_model(*dir_, 512);
-    const std::string one_rank = dir_->file("plan-1.json");
-    const Command made = make_plan(model, one_rank, 64, 256, "fp32", 1);
-    ASSERT_EQ(made.exit_code, 0) << show(made);
-    Json plan = read_json_file(one_rank);
-    Json& p = plan["parallel"];
-    p["world_size"] = 4;
-    p["expert_parallel_degree"] = 2;
-    p["hybrid_shard_degree"] = 2;
-    p["replica_degree"] = 1;
-    p["micro_batch_size"] = 1;
-    p["gradient_accumulation_steps"] = 1;
-    plan["cluster"]["num_nodes"] = 2;
-    plan["alternatives"] = Json::array();
-    plan_ = dir_->write("plan-4.json", plan);
-    one_rank_plan_ = one_rank;
+    FourRankPlans plans;
+    write_four_rank_plans(*dir_, plans);
+    plan_ = plans.four_ranks;
+    one_rank_plan_ = plans.one_rank;
   }
   static void TearDownTestSuite() {
     delete dir_;

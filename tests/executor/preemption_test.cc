@@ -23,26 +23,11 @@ class Preemption : public ::testing::Test {
   static constexpr int64_t kSteps = 16, kEvery = 4;
   static void SetUpTestSuite() {
     dir_ = new TempDir();
-    const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
-    if (files.empty()) return;
-    const Command r = prepare_data(files, dir_->file("data"), 512, 64);
-    ASSERT_EQ(r.exit_code, 0) << show(r);
-    const std::string model = write_small_model(*dir_, 512);
-    one_rank_plan_ = dir_->file("plan-1.json");
-    const Command made = make_plan(model, one_rank_plan_, 64, 256, "fp32", 1);
-    ASSERT_EQ(made.exit_code, 0) << show(made);
-    Json plan = read_json_file(one_rank_plan_);
-    Json& p = plan["parallel"];
-    p["world_size"] = 4;
-    p["expert_parallel_degree"] = 2;
-    p["hybrid_shard_degree"] = 2;
-    p["replica_degree"] = 1;
-    p["micro_batch_size"] = 1;
-    p["gradient_accumulation_steps"] = 1;
-    plan["cluster"]["num_nodes"] = 2;
-    plan["training"]["steps"] = 40;
-    plan["alternatives"] = Json::array();
-    plan_ = dir_->write("plan-4.json", plan);
+    FourRankPlans plans;
+    write_four_rank_plans(*dir_, plans, [](Json& plan) { plan["training"]["steps"] = 40; });
+    if (plans.four_ranks.empty()) return;
+    plan_ = plans.four_ranks;
+    one_rank_plan_ = plans.one_rank;
     // The run that is never stopped, timed from its first step to its end: the signals are
     // aimed inside that.
     const pid_t ref = spawn_moeplan(argv("reference", {"--steps", std::to_string(kSteps)}), {}, "/dev/null",

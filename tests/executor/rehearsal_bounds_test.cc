@@ -14,24 +14,13 @@
 #include "moeplan/executor/rehearsal_bounds.h"
 #include "moeplan/executor/rehearsal_fault.h"
 #include "moeplan/executor/routing_record.h"
+#include "run_fixture.h"
 #include "test_support.h"
 
 namespace moeplan::executor {
 namespace {
 
-// The lines of the InputError `f` throws ("" and a failure when it throws none).
-template <class F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    std::string text;
-    for (const std::string& line : e.lines()) text += line + "\n";
-    return text;
-  }
-  ADD_FAILURE() << "no InputError";
-  return "";
-}
+using test::input_error_of;
 
 ModelSpec small_spec() {
   ModelSpec s = test::model("mixtral-tiny");

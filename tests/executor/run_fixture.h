@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -131,6 +132,38 @@ inline Command prepare_data(const std::vector<std::string>& inputs, const std::s
   return run_moeplan(("data prepare --input" + files + " --out " + out + " --vocab-size " +
                                      std::to_string(vocab_size) + " --block-size " + std::to_string(block_size) +
                                      " --document-separator %"));
+}
+
+// What the 4-rank fault and stop tests train: the fortunes text prepared into `dir`/data (a
+// 512-piece vocabulary, 64-token blocks), mixtral-tiny's one-rank plan (plan-1.json) and the
+// same plan on 4 ranks, E2 S2 R1, one micro-batch a step (plan-4.json, `edit` applied last).
+// Both paths stay empty when the fortunes package is missing; a failure fails the caller.
+struct FourRankPlans {
+  std::string one_rank, four_ranks;
+};
+inline void write_four_rank_plans(const TempDir& dir, FourRankPlans& out,
+                                  const std::function<void(Json&)>& edit = nullptr) {
+  const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
+  if (files.empty()) return;
+  const Command r = prepare_data(files, dir.file("data"), 512, 64);
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  const std::string model = write_small_model(dir, 512);
+  const std::string one_rank = dir.file("plan-1.json");
+  const Command made = make_plan(model, one_rank, 64, 256, "fp32", 1);
+  ASSERT_EQ(made.exit_code, 0) << show(made);
+  Json plan = read_json_file(one_rank);
+  Json& p = plan["parallel"];
+  p["world_size"] = 4;
+  p["expert_parallel_degree"] = 2;
+  p["hybrid_shard_degree"] = 2;
+  p["replica_degree"] = 1;
+  p["micro_batch_size"] = 1;
+  p["gradient_accumulation_steps"] = 1;
+  plan["cluster"]["num_nodes"] = 2;
+  plan["alternatives"] = Json::array();
+  if (edit) edit(plan);
+  out.four_ranks = dir.write("plan-4.json", plan);
+  out.one_rank = one_rank;
 }
 
 // The process ids of `parent`'s children whose environment holds `entry`.
