@@ -1,5 +1,5 @@
 #pragma once
-// How a training run is spread over the cluster (SMP v2 semantics, design.md section 2), and
+// How a training run is spread over the cluster (SMP v2 semantics, docs/architecture.md section 6), and
 // the MoE and training settings that go with it.
 
 #include <array>

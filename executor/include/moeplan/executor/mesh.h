@@ -1,5 +1,5 @@
 #pragma once
-// The device mesh [P, R, S, E, T] of a plan (design.md section 2): which coordinates a rank has,
+// The device mesh [P, R, S, E, T] of a plan (docs/architecture.md section 6): which coordinates a rank has,
 // which ranks form each group, and the process groups themselves.
 //
 // Groups, for a rank at (p, r, s, e, t); each keeps the coordinates not written as *:

@@ -1,5 +1,5 @@
 #pragma once
-// Mixtral spread over a device mesh (design.md sections 2 and 5): experts partitioned over the
+// Mixtral spread over a device mesh (docs/architecture.md sections 6 and 10): experts partitioned over the
 // expert group, model states sharded over the shard group as flat parameters, tokens moved to
 // their experts by all-to-all or all-gather, activation checkpointing and offloading.
 //

@@ -1,5 +1,5 @@
 #pragma once
-// Per-rank memory of a training configuration, item by item (design.md section 3).
+// Per-rank memory of a training configuration, item by item (docs/architecture.md section 8).
 // docs/memory-model.md derives every term.
 
 #include <cstdint>

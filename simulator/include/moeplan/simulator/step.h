@@ -1,5 +1,5 @@
 #pragma once
-// The discrete-event simulation of one optimizer step (design.md section 4).
+// The discrete-event simulation of one optimizer step (docs/architecture.md section 9).
 //
 // By default one node's ranks are simulated and every other node is taken to behave like it:
 // under a uniform layout all nodes run the same ops at the same times, so a collective's
