@@ -18,7 +18,7 @@
 #include "moeplan/core/rules.h"
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/units.h"
-#include "moeplan/launch/launch.h"
+#include "moeplan/frameworks/launch.h"
 #include "moeplan/core/training_log.h"
 #include "moeplan/validation/compare_log.h"
 #include "moeplan/planner/memory_model.h"

@@ -1,0 +1,15 @@
+#pragma once
+// SMP's parts, put together in framework.cc.
+
+#include <vector>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/frameworks/launch.h"
+
+namespace moeplan::frameworks {
+
+// The estimator's settings and a Python snippet that launches them (launch.cc).
+std::vector<launch::LaunchFile> export_smp(const Plan& plan, Diagnostics& problems);
+
+}  // namespace moeplan::frameworks
