@@ -19,7 +19,7 @@
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/units.h"
 #include "moeplan/frameworks/launch.h"
-#include "moeplan/core/training_log.h"
+#include "moeplan/frameworks/training_log.h"
 #include "moeplan/validation/compare_log.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"

@@ -16,7 +16,8 @@ extern const Framework kMoeplan;
 namespace {
 
 // THE list of frameworks: adding one is its folder and a line here (and its declaration
-// above).
+// above). A log line is offered to their readers in this order, and the error on a log that
+// holds none of their lines names them in it.
 constexpr std::array<const Framework*, 4> kFrameworks = {
     &frameworks::kMegatron,
     &frameworks::kTorchtitan,

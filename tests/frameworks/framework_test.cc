@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 
+#include "moeplan/core/errors.h"
+#include "moeplan/frameworks/training_log.h"
 #include "moeplan/planner/search.h"
 #include "test_support.h"
 
@@ -30,10 +32,30 @@ TEST(Frameworks, EveryTargetHasOneEntryNamedAsTargetNamesIt) {
   EXPECT_EQ(find_framework("pytorch"), nullptr);
 }
 
-TEST(Frameworks, LaunchFilesAreTheOtherFrameworks) {
-  for (const Framework* f : all_frameworks())
-    EXPECT_EQ(f->export_launch != nullptr, f->target != Target::kMoeplan) << f->name;
+TEST(Frameworks, LaunchFilesAndLogsAreTheOtherFrameworks) {
+  for (const Framework* f : all_frameworks()) {
+    const bool other = f->target != Target::kMoeplan;
+    EXPECT_EQ(f->export_launch != nullptr, other) << f->name;
+    EXPECT_EQ(f->read_log_line != nullptr, other) << f->name;
+    EXPECT_EQ(f->log_lines.empty(), !other) << f->name;
+  }
   EXPECT_EQ(framework(Target::kAny).export_launch, nullptr);
+  EXPECT_EQ(framework(Target::kAny).read_log_line, nullptr);
+}
+
+// A log with no framework's lines is refused naming every framework's, in the registry's order.
+TEST(Frameworks, ALogOfNoFrameworkNamesEveryFrameworksLines) {
+  try {
+    parse_training_log("epoch 1 done\n", "run.log");
+    FAIL() << "a log without iteration lines must be refused";
+  } catch (const InputError& e) {
+    ASSERT_EQ(e.lines().size(), 1u);
+    EXPECT_EQ(e.lines()[0],
+              "run.log: holds no iteration line of Megatron-LM (\"iteration N/M | ... elapsed time per iteration (ms): "
+              "...\"), torchtitan (\"step: N  loss: ...  tps: ...\"), SMP's example script (\"Batch N Loss: ..., "
+              "Speed: ... samples/sec\") or the Hugging Face Trainer ({'train_runtime': ..., "
+              "'train_steps_per_second': ...})");
+  }
 }
 
 // What `moeplan search --target X` trains with unless told otherwise: Megatron-LM's, torchtitan's

@@ -15,6 +15,8 @@ const Framework kMegatron{
     // Every layout is tried; its rules remove what it does not run.
     .capabilities = {},
     .export_launch = export_megatron,
+    .read_log_line = read_megatron_log_line,
+    .log_lines = "Megatron-LM (\"iteration N/M | ... elapsed time per iteration (ms): ...\")",
 };
 
 }  // namespace moeplan::frameworks

@@ -18,8 +18,10 @@ const Framework kMoeplan{
     .capabilities = {.attention_core_recomputation = false,
                      .uneven_pipeline_stages = false,
                      .distributed_optimizer = false},
-    // `moeplan run` trains a plan itself: nothing to export.
+    // `moeplan run` trains a plan itself, and writes its own metrics: nothing to export or read.
     .export_launch = nullptr,
+    .read_log_line = nullptr,
+    .log_lines = "",
 };
 
 }  // namespace moeplan::frameworks

@@ -15,6 +15,9 @@ const Framework kSmp{
     // Every layout is tried; its rules remove what it does not run.
     .capabilities = {},
     .export_launch = export_smp,
+    .read_log_line = read_smp_log_line,
+    .log_lines = "SMP's example script (\"Batch N Loss: ..., Speed: ... samples/sec\") or the Hugging Face Trainer "
+                 "({'train_runtime': ..., 'train_steps_per_second': ...})",
 };
 
 }  // namespace moeplan::frameworks

@@ -15,6 +15,8 @@ const Framework kTorchtitan{
     // Every layout is tried; its rules remove what it does not run.
     .capabilities = {},
     .export_launch = export_torchtitan,
+    .read_log_line = read_torchtitan_log_line,
+    .log_lines = "torchtitan (\"step: N  loss: ...  tps: ...\")",
 };
 
 }  // namespace moeplan::frameworks

@@ -2,8 +2,8 @@
 // The training frameworks moeplan knows, each in one place: SageMaker's model parallelism
 // library v2 (smp), Megatron-LM (megatron), torchtitan (torchtitan) and moeplan's own executor
 // (moeplan). An entry holds everything of its framework that moeplan uses outside the rules:
-// the settings a plan for it starts from, what the search tries for it and the files that
-// launch a plan in it. Each is defined in its own folder
+// the settings a plan for it starts from, what the search tries for it, the files that launch
+// a plan in it and the reader of its training log. Each is defined in its own folder
 // (frameworks/src/<name>/) and listed once, in frameworks/src/registry.cc.
 //
 // The validity rules of a framework (Rule::kSmpLayouts, ...) stay in core/rules.cc, where the
@@ -19,6 +19,7 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/frameworks/launch.h"
+#include "moeplan/frameworks/training_log.h"
 
 namespace moeplan {
 
@@ -51,12 +52,19 @@ struct Framework {
   // The files that launch a plan in it, for a plan that keeps its rules; problems it cannot
   // express go to `problems`. Null: it has none (moeplan trains a plan itself).
   std::vector<launch::LaunchFile> (*export_launch)(const Plan& plan, Diagnostics& problems) = nullptr;
+  // Reads `line` into `log` when it is one of the lines the framework prints while it trains,
+  // and says whether it was (a line of its that carries nothing to read counts too); throws
+  // InputError naming the line when it starts like one but does not read. Null: moeplan reads
+  // no log of it.
+  bool (*read_log_line)(const LogLine& line, TrainingLog& log) = nullptr;
+  // Its lines as a user would recognise them, for the error on a log that holds no one's.
+  std::string_view log_lines = {};
 };
 
-// Every framework.
+// Every framework, in the order a log line is offered to their readers.
 std::span<const Framework* const> all_frameworks();
 // The framework a plan targets. Target::kAny, no framework's limits, has an entry of its own
-// ("any": moeplan's defaults, every layout tried, nothing exported) that
+// ("any": moeplan's defaults, every layout tried, nothing exported, no log) that
 // all_frameworks() does not list.
 const Framework& framework(Target target);
 // The framework named `name` (as --target spells it, "any" included); null when none is.
