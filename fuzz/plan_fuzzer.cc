@@ -9,7 +9,8 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
-#include "moeplan/launch/launch.h"
+#include "moeplan/frameworks/framework.h"
+#include "moeplan/frameworks/launch.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/simulator/analytic.h"
 
@@ -31,10 +32,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const sim::StepEstimate step = sim::estimate_step(config, sim::layout_shapes(plan.cluster, plan.parallel));
   if (!std::isfinite(step.step_time_s) || step.step_time_s <= 0 || !std::isfinite(step.tokens_per_s))
     fuzz::fail("estimate_step gave a step time that is not a positive finite number");
-  try {
-    (void)launch::export_launch(plan, Target::kAny, path);
-  } catch (const InputError&) {
-    // A plan no framework runs as laid out.
+  for (const Framework* f : all_frameworks()) {
+    if (!f->export_launch) continue;
+    try {
+      (void)launch::export_launch(plan, f->target, path);
+    } catch (const InputError&) {
+      // A plan this framework does not run as laid out.
+    }
   }
   // What it writes reads back as the same plan.
   try {

@@ -1,11 +1,11 @@
-// Training logs of other frameworks (core/training_log.h: Megatron-LM, torchtitan, SMP's
-// script, the Hugging Face Trainer), as `moeplan compare --log` reads them.
+// Training logs of other frameworks (moeplan/frameworks/training_log.h: Megatron-LM,
+// torchtitan, SMP's script, the Hugging Face Trainer), as `moeplan compare --log` reads them.
 #include <cstddef>
 #include <cstdint>
 
 #include "fuzz_support.h"
 #include "moeplan/core/errors.h"
-#include "moeplan/core/training_log.h"
+#include "moeplan/frameworks/training_log.h"
 
 using namespace moeplan;
 

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "moeplan/core/units.h"
+#include "moeplan/frameworks/framework.h"
 #include "moeplan/simulator/step.h"
 
 namespace moeplan::planner {
@@ -152,6 +153,7 @@ struct Space {
   const ModelSpec& model;
   const SearchOptions& options;
   const SearchOptions::Pins& pin;
+  const FrameworkCapabilities& capabilities;  // of the target's framework
   const int64_t w;
   std::vector<int64_t> expert_degrees, shard_degrees, tensor_degrees, pipeline_degrees;
   std::vector<OffloadOption> offloads;
@@ -160,7 +162,7 @@ struct Space {
 };
 
 Space::Space(const ModelSpec& m, const ClusterSpec& cluster, const SearchOptions& o)
-    : model(m), options(o), pin(o.pins), w(o.gpus) {
+    : model(m), options(o), pin(o.pins), capabilities(framework(o.target).capabilities), w(o.gpus) {
   expert_degrees = divisors(w);
   for (int64_t e : divisors(model.num_experts)) expert_degrees.push_back(e);
   std::sort(expert_degrees.begin(), expert_degrees.end());
@@ -175,7 +177,7 @@ Space::Space(const ModelSpec& m, const ClusterSpec& cluster, const SearchOptions
   // Recomputing the attention core saves the T x T scores of unfused attention; flash
   // attention keeps none, so there it only costs time.
   checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
-  if (cluster.attention == AttentionKernel::kUnfused && options.target != Target::kMoeplan)
+  if (cluster.attention == AttentionKernel::kUnfused && capabilities.attention_core_recomputation)
     checkpointing.push_back(Checkpointing::kAttentionCore);
   placements = all_placements();
   if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
@@ -201,7 +203,7 @@ std::vector<std::pair<int64_t, int64_t>> Space::stage_splits(int64_t pp) const {
   std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
   if (pin.first_stage_layers || pin.last_stage_layers)
     return {{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
-  if (pp < 3 || model.num_layers % pp == 0 || options.target == Target::kMoeplan) return out;
+  if (pp < 3 || model.num_layers % pp == 0 || !capabilities.uneven_pipeline_stages) return out;
   out.clear();
   const int64_t even = (model.num_layers + pp - 1) / pp;
   for (int64_t middle = even; middle <= even + 1; ++middle) {
@@ -252,7 +254,7 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
   const bool replicated =
       e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (e * s * t * pp) > 1;
   std::vector<bool> optimizer_options = {false};
-  if (replicated && options.target != Target::kMoeplan) optimizer_options = {false, true};
+  if (replicated && capabilities.distributed_optimizer) optimizer_options = {false, true};
   if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
   std::vector<Variant> out;
   for (const auto& ends : stage_splits(pp))

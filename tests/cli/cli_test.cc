@@ -14,7 +14,7 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
-#include "moeplan/core/training_log.h"
+#include "moeplan/frameworks/training_log.h"
 #include "moeplan/planner/training_time.h"
 #include "moeplan/validation/compare_log.h"
 #include "moeplan/validation/matrix.h"

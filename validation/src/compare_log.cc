@@ -37,8 +37,7 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
   LogComparison c;
   c.format = log.format;
   const std::vector<LoggedIteration>& all = log.iterations;
-  // The Trainer's summary covers the whole train(): there is no warm-up line to leave out.
-  if (log.format == LogFormat::kHfTrainer) skip = 0;
+  if (log.format->summarises_run) skip = 0;
   if (static_cast<int64_t>(all.size()) <= skip)
     throw InputError(origin, {{"", "holds " + std::to_string(all.size()) + " iteration lines, none left after the " +
                                        std::to_string(skip) + " skipped (--skip-iterations)"}});
@@ -47,26 +46,16 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
 
   const double seq = static_cast<double>(plan.training.seq_len);
   const double step_tokens = static_cast<double>(plan.training.global_batch_tokens);
-  const double world = static_cast<double>(plan.parallel.world_size);
   std::vector<double> step_s, tflops;
   double memory = log.max_allocated_bytes;
   for (size_t i = static_cast<size_t>(skip); i < all.size(); ++i) {
     const LoggedIteration& it = all[i];
-    switch (log.format) {
-      case LogFormat::kMegatron:
-        step_s.push_back(it.step_ms / 1000.0);
-        if (it.global_batch > 0 && static_cast<double>(it.global_batch) * seq != step_tokens && c.notes.empty())
-          c.notes.push_back("line " + std::to_string(it.line) + ": global batch size " + std::to_string(it.global_batch) +
-                            " sequences, the plan's is " + std::to_string(plan.training.global_batch_tokens /
-                                                                          plan.training.seq_len));
-        break;
-      case LogFormat::kTorchtitan: step_s.push_back(step_tokens / (it.tokens_per_s_per_gpu * world)); break;
-      case LogFormat::kSmp:
-        // Speed is the job's sequences per second over one micro-batch of every reader.
-        step_s.push_back(step_tokens / (it.samples_per_s * seq));
-        break;
-      case LogFormat::kHfTrainer: step_s.push_back(it.step_ms / 1000.0); break;
-    }
+    step_s.push_back(log.format->step_seconds(it, plan));
+    // Megatron-LM logs its global batch size.
+    if (it.global_batch > 0 && static_cast<double>(it.global_batch) * seq != step_tokens && c.notes.empty())
+      c.notes.push_back("line " + std::to_string(it.line) + ": global batch size " + std::to_string(it.global_batch) +
+                        " sequences, the plan's is " + std::to_string(plan.training.global_batch_tokens /
+                                                                      plan.training.seq_len));
     if (it.tflops_per_gpu > 0) tflops.push_back(it.tflops_per_gpu);
     memory = std::max(memory, it.memory_bytes);
   }
@@ -74,12 +63,11 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
   c.figures.push_back({"step time (s)", measured_step, plan.prediction.step_time_s});
   c.figures.push_back({"tokens/s", step_tokens / measured_step, plan.prediction.tokens_per_s});
   if (!tflops.empty())
-    c.figures.push_back({"TFLOP/s per GPU (as " + std::string(log_format_name(log.format)) + " counts)", median(tflops),
+    c.figures.push_back({"TFLOP/s per GPU (as " + std::string(log.format->name) + " counts)", median(tflops),
                          plan.prediction.tflops_per_gpu, false});
   if (memory > 0)
-    c.figures.push_back({log.format == LogFormat::kMegatron ? "peak allocated per GPU, busiest reporting rank (GiB)"
-                                                            : "peak reserved per GPU (GiB)",
-                         memory / kGiB, static_cast<double>(plan.prediction.memory.device_total_bytes) / kGiB});
+    c.figures.push_back({std::string(log.format->memory_figure), memory / kGiB,
+                         static_cast<double>(plan.prediction.memory.device_total_bytes) / kGiB});
   // Megatron-LM's timers: the forward and backward of every micro-batch (their compute,
   // recomputation and every wait), and the optimizer step.
   const double optimizer_s = predicted_seconds(plan.prediction, "optimizer");
@@ -93,7 +81,7 @@ LogComparison compare_with_log(const Plan& plan, const TrainingLog& log, int64_t
 
 std::string format_log_comparison(const LogComparison& c, const std::string& plan_name, const std::string& log_name) {
   std::string out = "moeplan compare: " + plan_name + " against " + log_name + " (" +
-                    std::string(log_format_name(c.format)) + ", median of " + std::to_string(c.iterations) +
+                    std::string(c.format->name) + ", median of " + std::to_string(c.iterations) +
                     " logged iterations, the first " + std::to_string(c.skipped) + " skipped)\n\n";
   out += "| figure | measured | predicted | error (measured / predicted - 1) |\n|---|---:|---:|---:|\n";
   for (const LogFigure& f : c.figures) {

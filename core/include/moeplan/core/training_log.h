@@ -1,12 +1,6 @@
 #pragma once
-// The per-iteration lines other frameworks print while they train, read back: Megatron-LM's
-// "iteration N/M | ... elapsed time per iteration (ms): ..." lines (with its memory report and
-// timers), torchtitan's "step: N  loss: ...  memory: ...GiB(...%)  tps: ...  tflops: ..."
-// lines, the "Batch N Loss: ..., Speed: ... samples/sec, Model TFLOPS/GPU: ..." lines of
-// SMP's example training script, and the summary the Hugging Face Trainer prints at the end of
-// train() ({'train_runtime': ..., 'train_samples_per_second': ..., 'train_steps_per_second':
-// ...}; its per-step lines carry no time). Other lines are skipped; a line that starts like one of these
-// but does not read is an error naming its number.
+// A training log of another framework, read back (each framework reads its own lines:
+// moeplan/frameworks/training_log.h): its iterations, and what printed them.
 
 #include <cstdint>
 #include <map>
@@ -14,10 +8,9 @@
 #include <string_view>
 #include <vector>
 
-namespace moeplan {
+#include "moeplan/core/plan.h"
 
-enum class LogFormat : uint8_t { kMegatron, kTorchtitan, kSmp, kHfTrainer };
-std::string_view log_format_name(LogFormat format);
+namespace moeplan {
 
 // One logged iteration; a figure the line does not carry is 0.
 struct LoggedIteration {
@@ -32,19 +25,26 @@ struct LoggedIteration {
   double loss = 0;
 };
 
+// The lines one program prints while it trains (Megatron-LM, torchtitan, SMP's example
+// script, the Hugging Face Trainer): the name messages give them, and how their figures become
+// the plan's. Each is defined beside the reader of its lines, in frameworks/.
+struct LogSource {
+  std::string_view name;  // e.g. "Megatron-LM"
+  // The seconds of one optimizer step of `plan` that an iteration line measures.
+  double (*step_seconds)(const LoggedIteration& it, const Plan& plan) = nullptr;
+  // One line covers the whole run: there are no warm-up iterations to leave out.
+  bool summarises_run = false;
+  // What its memory figure is, as a comparison names it.
+  std::string_view memory_figure = "peak reserved per GPU (GiB)";
+};
+
 struct TrainingLog {
-  LogFormat format = LogFormat::kMegatron;
+  const LogSource* format = nullptr;  // whose lines these are
   std::vector<LoggedIteration> iterations;
   // Megatron-LM's memory report ("max allocated", rank 0) in bytes; 0 when not logged.
   double max_allocated_bytes = 0;
   // Megatron-LM's timers, "(min, max) time across ranks (ms)": each timer's max per report.
   std::map<std::string, std::vector<double>> timer_max_ms;
 };
-
-// Throws InputError naming the file (and the line) when the log cannot be read, holds lines
-// of more than one framework, or holds no iteration line at all.
-TrainingLog read_training_log(const std::string& path);
-// The same from text; `origin` names it in errors.
-TrainingLog parse_training_log(std::string_view text, const std::string& origin);
 
 }  // namespace moeplan

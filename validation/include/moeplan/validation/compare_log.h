@@ -1,8 +1,8 @@
 #pragma once
 // `moeplan compare plan.json --log FILE`: a run of the plan in another framework (its own
-// per-iteration log lines, core/training_log.h) beside the plan's prediction: step time,
-// tokens per second, the framework's TFLOP/s, peak memory, and Megatron-LM's phases where its
-// timers were logged.
+// per-iteration log lines, moeplan/frameworks/training_log.h) beside the plan's prediction:
+// step time, tokens per second, the framework's TFLOP/s, peak memory, and Megatron-LM's phases
+// where its timers were logged.
 
 #include <cstdint>
 #include <string>
@@ -21,7 +21,7 @@ struct LogFigure {
 };
 
 struct LogComparison {
-  LogFormat format = LogFormat::kMegatron;
+  const LogSource* format = nullptr;  // whose log it is
   int64_t iterations = 0;  // logged iterations compared (after the skipped ones)
   int64_t skipped = 0;
   std::vector<LogFigure> figures;

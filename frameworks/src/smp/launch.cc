@@ -5,10 +5,11 @@
 #include <string>
 #include <vector>
 
-#include "exporters.h"
+#include "launch_files.h"
+#include "smp.h"
 #include "moeplan/core/json_reader.h"
 
-namespace moeplan::launch {
+namespace moeplan::frameworks {
 
 namespace {
 
@@ -109,7 +110,7 @@ void model_problems(const ModelSpec& m, Diagnostics& problems) {
 
 }  // namespace
 
-std::vector<LaunchFile> export_smp(const Plan& plan, Diagnostics& problems) {
+std::vector<launch::LaunchFile> export_smp(const Plan& plan, Diagnostics& problems) {
   const ClusterSpec& c = plan.cluster;
   if (plan.parallel.world_size != c.world_size())
     problems.error("parallel.world_size", "= " + std::to_string(plan.parallel.world_size) + " uses part of " +
@@ -153,4 +154,4 @@ std::vector<LaunchFile> export_smp(const Plan& plan, Diagnostics& problems) {
   return {{"smp.json", json}, {"smp_launch.py", py}};
 }
 
-}  // namespace moeplan::launch
+}  // namespace moeplan::frameworks

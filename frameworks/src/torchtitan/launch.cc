@@ -3,9 +3,10 @@
 #include <string>
 #include <vector>
 
-#include "exporters.h"
+#include "launch_files.h"
+#include "torchtitan.h"
 
-namespace moeplan::launch {
+namespace moeplan::frameworks {
 
 namespace {
 
@@ -16,7 +17,7 @@ std::string line(const std::string& key, int64_t value) { return line(key, std::
 
 }  // namespace
 
-std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
+std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
   const ModelSpec& m = plan.model;
   const ParallelConfig& p = plan.parallel;
   const TrainingConfig& t = plan.training;
@@ -82,4 +83,4 @@ std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&) {
   return {{"torchtitan.toml", toml}, {"torchtitan-launch.sh", sh}};
 }
 
-}  // namespace moeplan::launch
+}  // namespace moeplan::frameworks

@@ -1,19 +1,13 @@
 #pragma once
-// One function per framework, called by export_launch once the plan keeps that framework's
-// rules.
+// What the frameworks' exporters share: numbers and a plan's summary as launch files write
+// them, and the torchrun script that starts a plan's ranks.
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
-#include "moeplan/core/errors.h"
-#include "moeplan/launch/launch.h"
+#include "moeplan/core/plan.h"
 
-namespace moeplan::launch {
-
-std::vector<LaunchFile> export_smp(const Plan& plan, Diagnostics& problems);
-std::vector<LaunchFile> export_megatron(const Plan& plan, Diagnostics& problems);
-std::vector<LaunchFile> export_torchtitan(const Plan& plan, Diagnostics& problems);
+namespace moeplan::frameworks {
 
 // Sequences per optimizer step.
 int64_t global_batch_sequences(const Plan& plan);
@@ -26,4 +20,4 @@ std::string summary(const Plan& plan);
 // script's own arguments. `what` says what runs, for the header.
 std::string torchrun_script(const Plan& plan, const std::string& what, const std::string& setup, const std::string& entry);
 
-}  // namespace moeplan::launch
+}  // namespace moeplan::frameworks

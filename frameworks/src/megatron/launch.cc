@@ -4,9 +4,10 @@
 #include <utility>
 #include <vector>
 
-#include "exporters.h"
+#include "launch_files.h"
+#include "megatron.h"
 
-namespace moeplan::launch {
+namespace moeplan::frameworks {
 
 namespace {
 
@@ -107,7 +108,7 @@ void training_args(const Plan& plan, Args& a) {
 
 }  // namespace
 
-std::vector<LaunchFile> export_megatron(const Plan& plan, Diagnostics& problems) {
+std::vector<launch::LaunchFile> export_megatron(const Plan& plan, Diagnostics& problems) {
   if (plan.model.rope_theta != static_cast<double>(static_cast<int64_t>(plan.model.rope_theta)))
     problems.error("model.rope_theta", "= " + number(plan.model.rope_theta) + ": Megatron-LM's --rotary-base is an integer");
   Args args;
@@ -127,4 +128,4 @@ std::vector<LaunchFile> export_megatron(const Plan& plan, Diagnostics& problems)
   return {{"megatron-args.txt", list}, {"megatron-launch.sh", sh}};
 }
 
-}  // namespace moeplan::launch
+}  // namespace moeplan::frameworks

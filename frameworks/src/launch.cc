@@ -1,11 +1,12 @@
-#include "moeplan/launch/launch.h"
+#include "moeplan/frameworks/launch.h"
 
 #include <cmath>
 #include <cstdio>
 
-#include "exporters.h"
+#include "launch_files.h"
+#include "moeplan/frameworks/framework.h"
 
-namespace moeplan::launch {
+namespace moeplan::frameworks {
 
 int64_t global_batch_sequences(const Plan& plan) {
   return plan.training.seq_len > 0 ? plan.training.global_batch_tokens / plan.training.seq_len : 0;
@@ -45,22 +46,21 @@ std::string torchrun_script(const Plan& plan, const std::string& what, const std
          "  " + entry + " \"$@\"\n";
 }
 
+}  // namespace moeplan::frameworks
+
+namespace moeplan::launch {
+
 std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std::string& origin) {
   const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training, target};
   Diagnostics problems;
   for (const Violation& v : validate(config))
     problems.error(v.field, v.message + " (rule " + std::string(rule_name(v.rule)) + ")");
   std::vector<LaunchFile> files;
-  switch (target) {
-    case Target::kSmp: files = export_smp(plan, problems); break;
-    case Target::kMegatron: files = export_megatron(plan, problems); break;
-    case Target::kTorchtitan: files = export_torchtitan(plan, problems); break;
-    case Target::kAny:
-    case Target::kMoeplan:
-      problems.error("", "export-launch writes files for smp, megatron or torchtitan; `moeplan run` trains the plan "
-                         "itself");
-      break;
-  }
+  if (const auto exporter = framework(target).export_launch)
+    files = exporter(plan, problems);
+  else
+    problems.error("", "export-launch writes files for smp, megatron or torchtitan; `moeplan run` trains the plan "
+                       "itself");
   problems.throw_if_any(origin);
   return files;
 }

@@ -1,6 +1,6 @@
 // export-launch: the files each framework is given, checked field by field against the plan,
 // and the plans each framework cannot run, refused by rule.
-#include "moeplan/launch/launch.h"
+#include "moeplan/frameworks/launch.h"
 
 #include <gtest/gtest.h>
 

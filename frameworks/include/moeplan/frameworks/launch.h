@@ -1,9 +1,9 @@
 #pragma once
 // The files that launch a plan where it will train: SageMaker's model parallelism library v2
 // (a PyTorch estimator's settings and a Python snippet), Megatron-LM (its arguments and a
-// torchrun line) or torchtitan (a job config and a torchrun line). Each exporter applies its
-// framework's rules (core/rules.h, Target) and refuses, naming the rule, a plan that framework
-// cannot run.
+// torchrun line) or torchtitan (a job config and a torchrun line), each written by its
+// framework's entry (framework.h). Each exporter applies its framework's rules (core/rules.h,
+// Target) and refuses, naming the rule, a plan that framework cannot run.
 
 #include <string>
 #include <vector>
@@ -19,8 +19,8 @@ struct LaunchFile {
 };
 
 // Throws InputError (origin `origin`, the plan file's name) listing every rule of `target`
-// the plan breaks, and every field that framework cannot express. `target` is kSmp,
-// kMegatron or kTorchtitan.
+// the plan breaks, and every field that framework cannot express. `target` is that of a
+// framework with launch files (kSmp, kMegatron or kTorchtitan).
 std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std::string& origin);
 
 }  // namespace moeplan::launch

@@ -1,0 +1,22 @@
+// Megatron-LM (Megatron-Core). Its rules, in core/rules.cc check_megatron: Rule::kMegatronLayouts,
+// Rule::kMegatronRouting, Rule::kFrameworkRankOrder.
+#include "megatron.h"
+#include "moeplan/frameworks/framework.h"
+
+namespace moeplan::frameworks {
+
+extern const Framework kMegatron;
+const Framework kMegatron{
+    .name = "megatron",
+    .target = Target::kMegatron,
+    // bf16 training keeps fp32 parameters, gradients and optimizer states; the router is
+    // balanced by an auxiliary loss (--moe-router-load-balancing-type aux_loss).
+    .defaults = {.precision = Precision::kMixed, .fp32_gradients = true, .load_balancing = LoadBalancing::kAuxLoss},
+    // Every layout is tried; its rules remove what it does not run.
+    .capabilities = {},
+    .export_launch = export_megatron,
+    .read_log_line = read_megatron_log_line,
+    .log_lines = "Megatron-LM (\"iteration N/M | ... elapsed time per iteration (ms): ...\")",
+};
+
+}  // namespace moeplan::frameworks

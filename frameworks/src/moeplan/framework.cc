@@ -1,0 +1,27 @@
+// moeplan's own executor (`moeplan run`). Its rules, in core/rules.cc check_executor:
+// Rule::kExecutorTrainsMoe, Rule::kExecutorPipelineLimits, Rule::kExecutorLayouts,
+// Rule::kExecutorTensorSplits.
+#include "moeplan/frameworks/framework.h"
+
+namespace moeplan::frameworks {
+
+extern const Framework kMoeplan;
+const Framework kMoeplan{
+    .name = "moeplan",
+    .target = Target::kMoeplan,
+    // It computes and keeps everything in bf16 (or fp32); Sinkhorn routing needs no loss
+    // trained through the pipeline stages.
+    .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
+    // What Rule::kExecutorLayouts refuses is not tried at all: the executor recomputes whole
+    // blocks or MoE sub-blocks, runs equal stages and shards optimizer states over
+    // hybrid_shard_degree only.
+    .capabilities = {.attention_core_recomputation = false,
+                     .uneven_pipeline_stages = false,
+                     .distributed_optimizer = false},
+    // `moeplan run` trains a plan itself, and writes its own metrics: nothing to export or read.
+    .export_launch = nullptr,
+    .read_log_line = nullptr,
+    .log_lines = "",
+};
+
+}  // namespace moeplan::frameworks

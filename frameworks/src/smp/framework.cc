@@ -1,0 +1,23 @@
+// SageMaker's model parallelism library v2. Its rules, in core/rules.cc check_smp:
+// Rule::kSmpExpertWithTensor, Rule::kSmpNoPipeline, Rule::kSmpLayouts.
+#include "moeplan/frameworks/framework.h"
+#include "smp.h"
+
+namespace moeplan::frameworks {
+
+extern const Framework kSmp;
+const Framework kSmp{
+    .name = "smp",
+    .target = Target::kSmp,
+    // FSDP's mixed precision with the script's bf16 = 1: fp32 parameters and optimizer states,
+    // gradients reduced in bf16; its MoE router balances by Sinkhorn.
+    .defaults = {.precision = Precision::kMixed, .fp32_gradients = false, .load_balancing = LoadBalancing::kSinkhorn},
+    // Every layout is tried; its rules remove what it does not run.
+    .capabilities = {},
+    .export_launch = export_smp,
+    .read_log_line = read_smp_log_line,
+    .log_lines = "SMP's example script (\"Batch N Loss: ..., Speed: ... samples/sec\") or the Hugging Face Trainer "
+                 "({'train_runtime': ..., 'train_steps_per_second': ...})",
+};
+
+}  // namespace moeplan::frameworks
