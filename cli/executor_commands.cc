@@ -19,7 +19,7 @@
 #include "moeplan/executor/model/rehearsal_fault.h"
 #include "moeplan/executor/ranks/collectives.h"
 #include "moeplan/executor/ranks/device.h"
-#include "moeplan/executor/ranks/launch.h"
+#include "moeplan/executor/ranks/rank_start.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/ranks/stop.h"
 #include "moeplan/executor/training/rank_run.h"

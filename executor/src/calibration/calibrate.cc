@@ -22,7 +22,7 @@
 #include "moeplan/executor/ranks/device.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/training/optimizer.h"
-#include "moeplan/executor/training/run_report.h"
+#include "moeplan/executor/training/run_measurement.h"
 #include "moeplan/executor/training/trainer.h"
 
 namespace moeplan::executor {

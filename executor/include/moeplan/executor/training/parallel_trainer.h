@@ -20,7 +20,7 @@
 #include "moeplan/executor/ranks/mesh.h"
 #include "moeplan/executor/training/optimizer.h"
 #include "moeplan/executor/training/run.h"
-#include "moeplan/executor/training/run_report.h"
+#include "moeplan/executor/training/run_measurement.h"
 
 namespace moeplan::executor {
 

@@ -2,7 +2,7 @@
 // One rank of a multi-rank run (moeplan's own launcher, torchrun, SLURM or Open MPI start it).
 
 #include "moeplan/core/plan.h"
-#include "moeplan/executor/ranks/launch.h"
+#include "moeplan/executor/ranks/rank_start.h"
 #include "moeplan/executor/training/trainer.h"
 
 namespace moeplan::executor {

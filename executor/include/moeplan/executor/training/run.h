@@ -17,7 +17,7 @@
 #include "moeplan/executor/io/checkpoint.h"
 #include "moeplan/executor/io/tensor_file.h"
 #include "moeplan/executor/model/rehearsal_fault.h"
-#include "moeplan/executor/training/run_report.h"
+#include "moeplan/executor/training/run_measurement.h"
 
 namespace moeplan::executor {
 

@@ -16,7 +16,7 @@
 #include "moeplan/executor/model/routing_record.h"
 #include "moeplan/executor/training/optimizer.h"
 #include "moeplan/executor/training/run.h"
-#include "moeplan/executor/training/run_report.h"
+#include "moeplan/executor/training/run_measurement.h"
 
 namespace moeplan::executor {
 

@@ -1,4 +1,4 @@
-#include "moeplan/executor/ranks/launch.h"
+#include "moeplan/executor/ranks/rank_start.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>

@@ -1,4 +1,4 @@
-#include "moeplan/executor/training/run_report.h"
+#include "moeplan/executor/training/run_measurement.h"
 
 #include <algorithm>
 #include <cstdio>

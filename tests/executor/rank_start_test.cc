@@ -1,6 +1,6 @@
 // How a rank reads its place in the run from its launcher's environment variables.
 
-#include "moeplan/executor/ranks/launch.h"
+#include "moeplan/executor/ranks/rank_start.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
