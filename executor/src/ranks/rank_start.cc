@@ -6,7 +6,6 @@
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 extern char** environ;
@@ -26,6 +25,7 @@ extern char** environ;
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/exit_codes.h"
+#include "moeplan/core/process.h"
 #include "moeplan/executor/ranks/stop.h"
 
 namespace moeplan::executor {
@@ -191,38 +191,27 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
   auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
   const std::string port = std::to_string(store->getPort());
 
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
   std::map<pid_t, int64_t> children;
   for (int64_t rank = 0; rank < world_size; ++rank) {
-    // Built before fork: the child only calls execve (this process has threads).
-    std::vector<std::string> vars;
+    ChildProgram child;
+    child.path = "/proc/self/exe";
+    child.argv = argv;
+    child.environment.emplace();
     for (char** e = environ; *e; ++e)
-      if (std::strncmp(*e, "MOEPLAN_", 8) != 0) vars.emplace_back(*e);
-    vars.push_back("MOEPLAN_RANK=" + std::to_string(rank));
-    vars.push_back("MOEPLAN_WORLD_SIZE=" + std::to_string(world_size));
-    vars.push_back("MOEPLAN_LOCAL_RANK=" + std::to_string(rank));
-    vars.push_back("MOEPLAN_STORE_ADDR=127.0.0.1");
-    vars.push_back("MOEPLAN_STORE_PORT=" + port);
-    std::vector<char*> envp;
-    for (std::string& v : vars) envp.push_back(v.data());
-    envp.push_back(nullptr);
-    // The rank starts with stop signals blocked (the mask survives execve) and unblocks them
-    // once it catches them: one sent meanwhile waits instead of killing it half started.
-    sigset_t before;
-    ::pthread_sigmask(SIG_SETMASK, nullptr, &before);
-    block_stop_signals();
-    const pid_t pid = ::fork();
-    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &before, nullptr);  // the child keeps them blocked
+      if (std::strncmp(*e, "MOEPLAN_", 8) != 0) child.environment->emplace_back(*e);
+    child.environment->push_back("MOEPLAN_RANK=" + std::to_string(rank));
+    child.environment->push_back("MOEPLAN_WORLD_SIZE=" + std::to_string(world_size));
+    child.environment->push_back("MOEPLAN_LOCAL_RANK=" + std::to_string(rank));
+    child.environment->push_back("MOEPLAN_STORE_ADDR=127.0.0.1");
+    child.environment->push_back("MOEPLAN_STORE_PORT=" + port);
+    // The rank starts with stop signals blocked and unblocks them once it catches them: one
+    // sent meanwhile waits instead of killing it half started.
+    child.blocked_signals = stop_signals();
+    const pid_t pid = start_child(child);
     if (pid < 0) {
       std::perror("moeplan: fork");
       for (const auto& [p, r] : children) ::kill(p, SIGKILL);
       return 1;
-    }
-    if (pid == 0) {
-      ::execve("/proc/self/exe", args.data(), envp.data());
-      ::_exit(127);
     }
     children[pid] = rank;
   }
@@ -245,10 +234,9 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
         grace = stop_grace_seconds;
       }
     }
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid < 0 && errno != EINTR) break;
-    if (pid <= 0) {
+    const ChildPoll poll = poll_children();
+    if (poll.state == ChildPoll::State::kNoChildren) break;
+    if (poll.state == ChildPoll::State::kNoneEnded) {
       if (std::chrono::steady_clock::now() > deadline) {
         for (const auto& [p, r] : children) {
           std::fprintf(stderr, "moeplan: error: rank %lld did not exit within %lld s %s: killed\n",
@@ -261,19 +249,20 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }
-    const auto it = children.find(pid);
+    const ChildExit& ended = poll.ended;
+    const auto it = children.find(ended.pid);
     if (it == children.end()) continue;
     const int64_t rank = it->second;
     children.erase(it);
-    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
-    if (WIFEXITED(status) && code == kExitOk) continue;
-    if (WIFEXITED(status) && code == kExitStopped) {
+    const int code = ended.exited ? ended.code : 1;
+    if (ended.exited && code == kExitOk) continue;
+    if (ended.exited && code == kExitStopped) {
       stopped = true;
       continue;
     }
-    if (WIFSIGNALED(status))
+    if (ended.signal != 0)
       std::fprintf(stderr, "moeplan: error: rank %lld was killed by signal %d (%s)\n", static_cast<long long>(rank),
-                   WTERMSIG(status), strsignal(WTERMSIG(status)));
+                   ended.signal, strsignal(ended.signal));
     if (failed == 0) failed = code;
     const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(failure_grace_seconds);
     if (by < deadline) {

@@ -26,8 +26,7 @@ void on_stop_signal(int signal) {
 sigset_t stop_signal_set() {
   sigset_t set;
   sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
+  for (const int signal : stop_signals()) sigaddset(&set, signal);
   return set;
 }
 
@@ -44,10 +43,7 @@ void catch_stop_signals() {
   ::pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
 }
 
-void block_stop_signals() {
-  const sigset_t set = stop_signal_set();
-  ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
+std::vector<int> stop_signals() { return {SIGTERM, SIGINT}; }
 
 int stop_signal() { return g_signal.load(); }
 

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moeplan::executor {
 
@@ -18,9 +19,9 @@ namespace moeplan::executor {
 // this process with them blocked.
 void catch_stop_signals();
 
-// Blocks SIGTERM and SIGINT in the calling thread: a launcher calls it in a forked child before
-// execve, so that a signal sent while the rank starts waits until the rank catches it.
-void block_stop_signals();
+// SIGTERM and SIGINT: a launcher starts a rank with them blocked (ChildProgram::blocked_signals),
+// so that one sent while the rank starts waits until the rank catches it.
+std::vector<int> stop_signals();
 
 // The first stop signal caught (SIGTERM, SIGINT), or 0.
 int stop_signal();
