@@ -467,37 +467,28 @@ RehearsalCheck check_memory(const Rehearsing& c, Json& record, const PredictTens
                    (scaled > limit ? " (above its limit, if this error carried over to the GPUs)" : "")};
 }
 
-}  // namespace
-
-Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, const RehearsalOptions& o,
-                   const RunProgram& run, const PredictTensorBytes& predict, int64_t plan_tensor_bytes) {
-  const int64_t steps = o.steps;
-  // Progress and verdict lines, when someone reads them.
-  auto say = [&](const char* f, auto... values) {
-    if (!o.progress) return;
+// Progress and verdict lines, printf-style, when someone reads them.
+class Say {
+ public:
+  explicit Say(std::ostream* out) : out_(out) {}
+  template <class... Values>
+  void operator()(const char* f, Values... values) const {
+    if (!out_) return;
     char line[1024];
     std::snprintf(line, sizeof line, f, values...);
-    *o.progress << line << std::flush;
-  };
-  fs::create_directories(o.out_dir);
-  const std::string out = fs::absolute(o.out_dir).string();
-  write_file_atomic(out + "/plan.json", plan_to_text(small));
-  write_file_atomic(out + "/reference-plan.json", plan_to_text(reference));
+    *out_ << line << std::flush;
+  }
+  std::ostream* stream() const { return out_; }
 
+ private:
+  std::ostream* out_;
+};
+
+// What is rehearsed: the plan, its layout, and how the model and the batch were shrunk.
+void say_what_is_rehearsed(const Say& say, const Plan& plan, const Plan& small, const RehearsalOptions& o,
+                           RehearsalFault fault) {
   const ModelSpec& m = small.model;
   const ParallelConfig& p = small.parallel;
-  // One rounding bound for every comparison: each step's router logits (every element), each
-  // parameter's gradient (every element) and the four step metrics.
-  int64_t parameters = 0;
-  for (const ParamInfo& info : mixtral_parameters(m)) parameters += info.numel();
-  const int64_t tokens = small.training.global_batch_tokens;
-  const double comparisons = static_cast<double>(steps) *
-                             (static_cast<double>(tokens * m.num_layers * m.num_experts + parameters) + 4);
-  const Rehearsing ctx{plan, small, out, steps,
-                       rounding_budget(m, small.training.seq_len, tokens, parameters),
-                       RoundingBound(comparisons, kFalseAlarm)};
-  const RehearsalFault fault = rehearsal_fault_from_environment();
-  Rehearsal result;
   say("rehearsing %s (%s on %s x %lld GPUs) on %lld local CPU ranks\n", o.plan_path.c_str(),
       plan.model.name.c_str(), plan.cluster.name.c_str(), static_cast<long long>(plan.parallel.world_size),
       static_cast<long long>(p.world_size));
@@ -521,9 +512,20 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
       static_cast<long long>(small.training.seq_len), static_cast<long long>(plan.training.seq_len),
       static_cast<long long>(small.parallel.gradient_accumulation_steps),
       static_cast<long long>(small.parallel.micro_batch_size),
-      static_cast<long long>(plan.parallel.gradient_accumulation_steps), static_cast<long long>(steps));
+      static_cast<long long>(plan.parallel.gradient_accumulation_steps), static_cast<long long>(o.steps));
+}
 
-  const std::string record_dir = out + "/layout/routing";
+// Which of the child runs finished: the layout's steps 1..N-1, its step N resumed, and the
+// one-rank reference of every step.
+struct ChildRuns {
+  bool trained = false, resumed = false, referenced = false;
+};
+
+// The layout saves after every step and records its routing; the reference takes each step from
+// the layout's state before it, replaying that routing. Each run stops the ones after it when it
+// fails.
+ChildRuns run_layout_and_reference(const RehearsalOptions& o, const std::string& out, const RunProgram& run,
+                                   RehearsalFault fault, const Say& say) {
   auto child = [&](const std::string& plan_file, const std::string& folder, int64_t last, bool resume, int64_t every,
                    const std::vector<std::string>& extra, const std::string& log) {
     std::vector<std::string> argv{"run", plan_file, "--data", o.data_dir, "--out", out + "/" + folder, "--steps",
@@ -538,68 +540,81 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
     say("  %-44s %s in %.0f s (%s)\n",
         (folder + (resume ? " resumed to step " : " steps 1-") + std::to_string(last)).c_str(),
         code == 0 ? "done" : "FAILED", seconds, log.c_str());
-    if (code != 0 && o.progress) *o.progress << tail(out + "/" + log, 8) << std::flush;
+    if (code != 0 && say.stream()) *say.stream() << tail(out + "/" + log, 8) << std::flush;
     return code == 0;
   };
-
-  std::vector<RehearsalCheck>& checks = result.checks;
-  const int64_t saved = steps - 1;
-  // The layout saves after every step: the reference takes each step from the state before it.
+  const int64_t steps = o.steps;
+  const std::string record_dir = out + "/layout/routing";
+  ChildRuns done;
   std::vector<std::string> record{"--record-routing", record_dir};
   if (fault != RehearsalFault::kNone) record.insert(record.end(), {"--planted-fault", std::string(name_of(fault))});
-  const bool trained = child(out + "/plan.json", "layout", saved, false, 1, record, "layout.log");
-  const bool resumed = trained && child(out + "/plan.json", "layout", steps, true, 1, record, "resume.log");
-  bool referenced = resumed;
-  for (int64_t s = 1; s <= steps && referenced; ++s) {
+  done.trained = child(out + "/plan.json", "layout", steps - 1, false, 1, record, "layout.log");
+  done.resumed = done.trained && child(out + "/plan.json", "layout", steps, true, 1, record, "resume.log");
+  done.referenced = done.resumed;
+  for (int64_t s = 1; s <= steps && done.referenced; ++s) {
     const std::string folder = "reference/step-" + std::to_string(s);
     if (s > 1) {
       const std::string from = step_folder(out + "/layout/checkpoints", s - 1);
       fs::create_directories(out + "/" + folder + "/checkpoints");
       fs::copy(from, step_folder(out + "/" + folder + "/checkpoints", s - 1), fs::copy_options::recursive);
     }
-    referenced = child(out + "/reference-plan.json", folder, s, s > 1, s, {"--replay-routing", record_dir},
-                       "reference-step-" + std::to_string(s) + ".log");
+    done.referenced = child(out + "/reference-plan.json", folder, s, s > 1, s, {"--replay-routing", record_dir},
+                            "reference-step-" + std::to_string(s) + ".log");
   }
+  return done;
+}
 
-  checks.push_back({"process groups form and train", trained,
-                    std::to_string(p.world_size) + " ranks: " + describe_groups(p, plan.cluster.gpus_per_node)});
-  Json record_json;
-  record_json["plan"] = o.plan_path;
-  record_json["layout"] = describe(p);
-  record_json["model"] = to_json(m);
-  record_json["steps"] = steps;
-  if (fault != RehearsalFault::kNone) record_json["planted_fault"] = std::string(name_of(fault));
-  record_json["rounding"] = {{"unit_roundoff", kUnitRoundoff},
-                             {"lambda", ctx.bound.lambda()},
-                             {"false_alarm_probability", kFalseAlarm},
-                             {"comparisons", comparisons},
-                             {"gradient_bound", gradient_bound(ctx.budget, ctx.bound, false)}};
-  if (!trained || !resumed) {
+// rehearsal.json's account of what was rehearsed and the rounding bound it was held to.
+Json rehearsal_record(const Rehearsing& c, const RehearsalOptions& o, RehearsalFault fault, double comparisons) {
+  Json record;
+  record["plan"] = o.plan_path;
+  record["layout"] = describe(c.small.parallel);
+  record["model"] = to_json(c.small.model);
+  record["steps"] = c.steps;
+  if (fault != RehearsalFault::kNone) record["planted_fault"] = std::string(name_of(fault));
+  record["rounding"] = {{"unit_roundoff", kUnitRoundoff},
+                        {"lambda", c.bound.lambda()},
+                        {"false_alarm_probability", kFalseAlarm},
+                        {"comparisons", comparisons},
+                        {"gradient_bound", gradient_bound(c.budget, c.bound, false)}};
+  return record;
+}
+
+// The checks of the runs' outputs, once every run finished; else which run failed.
+void check_runs(const Rehearsing& c, const ChildRuns& runs, Json& record, const PredictTensorBytes& predict,
+                int64_t plan_tensor_bytes, const Say& say, std::vector<RehearsalCheck>& checks) {
+  if (!runs.trained || !runs.resumed) {
     checks.push_back({"checkpoint saves and loads", false,
-                      std::string("the layout's run failed; see ") + (trained ? "resume.log" : "layout.log")});
-  } else if (!referenced) {
-    checks.push_back({"one-rank reference", false, "a reference run failed; see reference-step-*.log"});
-  } else {
-    // A file the runs should have left and did not, or a damaged one, fails the check it feeds.
-    auto guarded = [&](const char* name, const std::function<RehearsalCheck()>& body) {
-      try {
-        checks.push_back(body());
-      } catch (const InputError& e) {
-        checks.push_back({name, false, e.lines().empty() ? "unreadable output" : e.lines().front()});
-      } catch (const std::exception& e) {
-        checks.push_back({name, false, e.what()});
-      }
-    };
-    const auto start = std::chrono::steady_clock::now();
-    guarded("tokens reach their experts", [&] { return check_routing(ctx, record_json); });
-    guarded("losses and gradient norm are one rank's", [&] { return check_losses(ctx, record_json); });
-    guarded("shards line up, checkpoint saves and loads", [&] { return check_shards(ctx, record_json); });
-    guarded("memory per rank as the memory model says",
-            [&] { return check_memory(ctx, record_json, predict, plan_tensor_bytes); });
-    say("  %-44s done in %.0f s\n", "checks",
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+                      std::string("the layout's run failed; see ") + (runs.trained ? "resume.log" : "layout.log")});
+    return;
   }
+  if (!runs.referenced) {
+    checks.push_back({"one-rank reference", false, "a reference run failed; see reference-step-*.log"});
+    return;
+  }
+  // A file the runs should have left and did not, or a damaged one, fails the check it feeds.
+  auto guarded = [&](const char* name, const std::function<RehearsalCheck()>& body) {
+    try {
+      checks.push_back(body());
+    } catch (const InputError& e) {
+      checks.push_back({name, false, e.lines().empty() ? "unreadable output" : e.lines().front()});
+    } catch (const std::exception& e) {
+      checks.push_back({name, false, e.what()});
+    }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  guarded("tokens reach their experts", [&] { return check_routing(c, record); });
+  guarded("losses and gradient norm are one rank's", [&] { return check_losses(c, record); });
+  guarded("shards line up, checkpoint saves and loads", [&] { return check_shards(c, record); });
+  guarded("memory per rank as the memory model says",
+          [&] { return check_memory(c, record, predict, plan_tensor_bytes); });
+  say("  %-44s done in %.0f s\n", "checks",
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
 
+// Every check and the verdict, said and written into rehearsal.json; whether every check passed.
+bool give_verdict(const std::vector<RehearsalCheck>& checks, Json& record, const std::string& out,
+                  RehearsalFault fault, const Say& say) {
   bool ready = true;
   Json listed = Json::array();
   say("%s", "\n");
@@ -608,15 +623,49 @@ Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, c
     listed.push_back({{"check", c.name}, {"ok", c.ok}, {"detail", c.detail}});
     ready = ready && c.ok;
   }
-  record_json["checks"] = listed;
-  record_json["ready"] = ready;
-  write_file_atomic(out + "/rehearsal.json", record_json.dump(2) + "\n");
+  record["checks"] = listed;
+  record["ready"] = ready;
+  write_file_atomic(out + "/rehearsal.json", record.dump(2) + "\n");
   say("\nverdict: %s\n",
       ready ? "the layout works; ready for the cluster" : "NOT READY: fix what failed above before booking the cluster");
   if (fault != RehearsalFault::kNone)
     say("(with the planted fault %s of %s)\n", std::string(name_of(fault)).c_str(), kRehearsalFaultVariable);
   say("wrote %s/rehearsal.json\n", out.c_str());
-  result.ready = ready;
+  return ready;
+}
+
+}  // namespace
+
+Rehearsal rehearse(const Plan& plan, const Plan& small, const Plan& reference, const RehearsalOptions& o,
+                   const RunProgram& run, const PredictTensorBytes& predict, int64_t plan_tensor_bytes) {
+  const Say say(o.progress);
+  fs::create_directories(o.out_dir);
+  const std::string out = fs::absolute(o.out_dir).string();
+  write_file_atomic(out + "/plan.json", plan_to_text(small));
+  write_file_atomic(out + "/reference-plan.json", plan_to_text(reference));
+
+  const ModelSpec& m = small.model;
+  // One rounding bound for every comparison: each step's router logits (every element), each
+  // parameter's gradient (every element) and the four step metrics.
+  int64_t parameters = 0;
+  for (const ParamInfo& info : mixtral_parameters(m)) parameters += info.numel();
+  const int64_t tokens = small.training.global_batch_tokens;
+  const double comparisons = static_cast<double>(o.steps) *
+                             (static_cast<double>(tokens * m.num_layers * m.num_experts + parameters) + 4);
+  const Rehearsing ctx{plan, small, out, o.steps,
+                       rounding_budget(m, small.training.seq_len, tokens, parameters),
+                       RoundingBound(comparisons, kFalseAlarm)};
+  const RehearsalFault fault = rehearsal_fault_from_environment();
+  say_what_is_rehearsed(say, plan, small, o, fault);
+  const ChildRuns runs = run_layout_and_reference(o, out, run, fault, say);
+
+  Rehearsal result;
+  const ParallelConfig& p = small.parallel;
+  result.checks.push_back({"process groups form and train", runs.trained,
+                           std::to_string(p.world_size) + " ranks: " + describe_groups(p, plan.cluster.gpus_per_node)});
+  Json record = rehearsal_record(ctx, o, fault, comparisons);
+  check_runs(ctx, runs, record, predict, plan_tensor_bytes, say, result.checks);
+  result.ready = give_verdict(result.checks, record, out, fault, say);
   return result;
 }
 
