@@ -6,8 +6,8 @@
 
 #include <chrono>
 
-#include "moeplan/executor/runtime.h"
-#include "moeplan/executor/trainer.h"
+#include "moeplan/executor/ranks/runtime.h"
+#include "moeplan/executor/training/trainer.h"
 #include "test_support.h"
 
 namespace moeplan {

@@ -89,7 +89,7 @@ struct RunArgs {
   std::string init_from;  // Hugging Face folder to start from
   bool rehearse = false;  // the plan's layout on local ranks with the model shrunk
   int64_t shrink_width = 32, shrink_layers = 2, shrink_micro_batches = 32;
-  std::string record_routing, replay_routing, planted_fault;  // a rehearsal's child runs (executor/run.h)
+  std::string record_routing, replay_routing, planted_fault;  // a rehearsal's child runs (executor/training/run.h)
   int threads = 0;
   int64_t timeout_seconds = 60;
   int64_t grace_seconds = 30;  // after SIGTERM or SIGINT, to end the step in flight and save

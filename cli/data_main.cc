@@ -5,7 +5,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/exit_codes.h"
-#include "moeplan/executor/data_prepare.h"
+#include "moeplan/executor/io/data_prepare.h"
 
 int main(int argc, char** argv) {
   using namespace moeplan;

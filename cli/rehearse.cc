@@ -4,9 +4,9 @@
 #include "commands.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
-#include "moeplan/executor/rehearsal.h"
-#include "moeplan/executor/runtime.h"
-#include "moeplan/executor/tokens.h"
+#include "moeplan/executor/io/tokens.h"
+#include "moeplan/executor/ranks/runtime.h"
+#include "moeplan/executor/rehearsal/rehearsal.h"
 #include "moeplan/planner/rehearsal.h"
 #include "moeplan/validation/matrix.h"
 

@@ -1,4 +1,4 @@
-// Checkpoints (executor/checkpoint.h): a step folder of manifest.json and two rank shards, the
+// Checkpoints (executor/io/checkpoint.h): a step folder of manifest.json and two rank shards, the
 // input's three parts. Opened as `moeplan run --resume` opens one, then every parameter and
 // AdamW moment of the model put back together from the shards' slices.
 //
@@ -10,8 +10,8 @@
 
 #include "fuzz_support.h"
 #include "moeplan/core/errors.h"
-#include "moeplan/executor/checkpoint.h"
-#include "moeplan/executor/mixtral.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/model/mixtral.h"
 
 using namespace moeplan;
 using namespace moeplan::executor;

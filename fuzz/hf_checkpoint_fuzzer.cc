@@ -1,4 +1,4 @@
-// Hugging Face model folders (executor/hf_checkpoint.h), as `moeplan run --init-from` reads
+// Hugging Face model folders (executor/model/hf_checkpoint.h), as `moeplan run --init-from` reads
 // one: config.json, model.safetensors.index.json and one shard, the input's three parts. With
 // no index the shard is model.safetensors, else model-00001-of-00001.safetensors.
 #include <torch/torch.h>
@@ -8,8 +8,8 @@
 
 #include "fuzz_support.h"
 #include "moeplan/core/errors.h"
-#include "moeplan/executor/hf_checkpoint.h"
-#include "moeplan/executor/mixtral.h"
+#include "moeplan/executor/model/hf_checkpoint.h"
+#include "moeplan/executor/model/mixtral.h"
 
 using namespace moeplan;
 using namespace moeplan::executor;

@@ -16,10 +16,10 @@
 
 #include "fuzz_support.h"
 #include "moeplan/core/errors.h"
-#include "moeplan/executor/checkpoint.h"
-#include "moeplan/executor/hf_checkpoint.h"
-#include "moeplan/executor/mixtral.h"
-#include "moeplan/executor/tensor_file.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/io/tensor_file.h"
+#include "moeplan/executor/model/hf_checkpoint.h"
+#include "moeplan/executor/model/mixtral.h"
 
 namespace {
 

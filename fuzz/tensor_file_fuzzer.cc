@@ -1,4 +1,4 @@
-// Tensor files in the safetensors layout (executor/tensor_file.h): checkpoint shards and
+// Tensor files in the safetensors layout (executor/io/tensor_file.h): checkpoint shards and
 // Hugging Face shards. The whole file, then one tensor of it alone, as read_hf_parameters asks.
 #include <torch/torch.h>
 
@@ -7,7 +7,7 @@
 
 #include "fuzz_support.h"
 #include "moeplan/core/errors.h"
-#include "moeplan/executor/tensor_file.h"
+#include "moeplan/executor/io/tensor_file.h"
 
 using namespace moeplan;
 

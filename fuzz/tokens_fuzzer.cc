@@ -1,4 +1,4 @@
-// Prepared data folders (executor/tokens.h): manifest.json, index.bin and tokens.bin, the
+// Prepared data folders (executor/io/tokens.h): manifest.json, index.bin and tokens.bin, the
 // input's three parts, opened as training opens one, then its first and last blocks read.
 //
 // Options byte: bit 0 puts the files' true sizes and CRC-32s into the manifest first.
@@ -9,7 +9,7 @@
 
 #include "fuzz_support.h"
 #include "moeplan/core/errors.h"
-#include "moeplan/executor/tokens.h"
+#include "moeplan/executor/io/tokens.h"
 
 using namespace moeplan;
 using namespace moeplan::executor;

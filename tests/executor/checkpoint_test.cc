@@ -17,9 +17,9 @@
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
-#include "moeplan/executor/checkpoint.h"
-#include "moeplan/executor/parallel_trainer.h"
-#include "moeplan/executor/tensor_file.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/io/tensor_file.h"
+#include "moeplan/executor/training/parallel_trainer.h"
 #include "run_fixture.h"
 #include "test_support.h"
 

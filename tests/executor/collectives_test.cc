@@ -12,9 +12,9 @@
 #include <functional>
 #include <thread>
 
-#include "moeplan/executor/calibrate.h"
-#include "moeplan/executor/collectives.h"
-#include "moeplan/executor/runtime.h"
+#include "moeplan/executor/calibration/calibrate.h"
+#include "moeplan/executor/ranks/collectives.h"
+#include "moeplan/executor/ranks/runtime.h"
 #include "test_support.h"
 
 namespace moeplan::executor {

@@ -11,7 +11,7 @@
 #include <random>
 #include <thread>
 
-#include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/io/checkpoint.h"
 #include "run_fixture.h"
 
 namespace moeplan::test {

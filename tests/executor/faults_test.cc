@@ -15,8 +15,8 @@
 #include "moeplan/core/exit_codes.h"
 
 #include "moeplan/core/checksum.h"
-#include "moeplan/executor/checkpoint.h"
-#include "moeplan/executor/tensor_file.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/io/tensor_file.h"
 #include "run_fixture.h"
 #include "sockets.h"
 

@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 
 #include "moeplan/core/cluster_spec.h"
-#include "moeplan/executor/device.h"
-#include "moeplan/executor/kernels.h"
-#include "moeplan/executor/trainer.h"
+#include "moeplan/executor/model/kernels.h"
+#include "moeplan/executor/ranks/device.h"
+#include "moeplan/executor/training/trainer.h"
 #include "run_fixture.h"
 #include "test_support.h"
 

@@ -18,12 +18,12 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/model_spec.h"
-#include "moeplan/executor/checkpoint.h"
-#include "moeplan/executor/mixtral.h"
-#include "moeplan/executor/tensor_file.h"
-#include "moeplan/executor/tokens.h"
-#include "moeplan/executor/hf_checkpoint.h"
-#include "moeplan/executor/parallel_trainer.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/io/tensor_file.h"
+#include "moeplan/executor/io/tokens.h"
+#include "moeplan/executor/model/hf_checkpoint.h"
+#include "moeplan/executor/model/mixtral.h"
+#include "moeplan/executor/training/parallel_trainer.h"
 #include "run_fixture.h"
 #include "test_support.h"
 

@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-#include "moeplan/executor/kernels.h"
+#include "moeplan/executor/model/kernels.h"
 
 namespace moeplan::executor {
 namespace {

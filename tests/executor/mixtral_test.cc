@@ -7,7 +7,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "moeplan/executor/mixtral.h"
+#include "moeplan/executor/model/mixtral.h"
 #include "test_support.h"
 
 namespace moeplan::executor {

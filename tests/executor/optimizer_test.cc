@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "moeplan/executor/optimizer.h"
+#include "moeplan/executor/training/optimizer.h"
 
 namespace moeplan::executor {
 namespace {

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "moeplan/core/exit_codes.h"
-#include "moeplan/executor/checkpoint.h"
+#include "moeplan/executor/io/checkpoint.h"
 #include "run_fixture.h"
 
 namespace moeplan::test {

@@ -9,11 +9,11 @@
 #include <cstdlib>
 
 #include "moeplan/core/errors.h"
-#include "moeplan/executor/mixtral.h"
-#include "moeplan/executor/optimizer.h"
-#include "moeplan/executor/rehearsal_bounds.h"
-#include "moeplan/executor/rehearsal_fault.h"
-#include "moeplan/executor/routing_record.h"
+#include "moeplan/executor/model/mixtral.h"
+#include "moeplan/executor/model/rehearsal_fault.h"
+#include "moeplan/executor/model/routing_record.h"
+#include "moeplan/executor/rehearsal/rehearsal_bounds.h"
+#include "moeplan/executor/training/optimizer.h"
 #include "run_fixture.h"
 #include "test_support.h"
 

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "moeplan/executor/routing.h"
+#include "moeplan/executor/model/routing.h"
 
 namespace moeplan::executor {
 namespace {

@@ -21,7 +21,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
-#include "moeplan/executor/trainer.h"
+#include "moeplan/executor/training/trainer.h"
 #include "test_support.h"
 
 namespace moeplan::test {

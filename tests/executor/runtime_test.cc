@@ -1,6 +1,6 @@
 // The live-tensor counter behind report.json's peak_tensor_bytes_per_rank.
 
-#include "moeplan/executor/runtime.h"
+#include "moeplan/executor/ranks/runtime.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>

@@ -1,45 +1,31 @@
 #include "moeplan/validation/matrix.h"
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <stdexcept>
 
-extern char** environ;
+#include "moeplan/core/process.h"
 
 namespace moeplan::validation {
 
 std::string self_path() {
-  std::string self(4096, '\0');
-  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
-  if (n <= 0) throw std::runtime_error("cannot find this program (/proc/self/exe)");
-  self.resize(static_cast<size_t>(n));
-  return self;
+  const std::optional<std::string> self = this_program_path();
+  if (!self) throw std::runtime_error("cannot find this program (/proc/self/exe)");
+  return *self;
 }
 
 // Runs argv with its output into log; the exit code (or 128 + signal).
 int run_logged(const std::vector<std::string>& argv, const std::string& log) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return 127;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  ChildProgram child;
+  child.path = argv[0];
+  child.argv = argv;
+  child.output_path = log;
+  const pid_t pid = start_child(child);
+  if (pid < 0) return 127;
+  const ChildExit ended = wait_for_child(pid);
+  return ended.exited ? ended.code : 128 + ended.signal;
 }
 
 std::string last_line(const std::string& path) {

@@ -1,0 +1,166 @@
+#pragma once
+// Mixtral exactly as Hugging Face's MixtralForCausalLM defines it: RMSNorm, RoPE, grouped-query
+// attention with an optional sliding window, and the sparse MoE block (bias-free router, fp32
+// softmax, top-k, renormalised weights, SwiGLU experts), with an untied lm head.
+//
+// The model is a list of named parameters (Hugging Face names) plus a forward function over
+// them. Experts are separate parameters so that a rank can hold any subset of them, and every
+// parameter is initialised from (seed, name) alone, so the initial weights of a run do not
+// depend on how it is later split over ranks.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/model_spec.h"
+#include "moeplan/core/parallel_config.h"
+#include "moeplan/executor/model/routing.h"
+
+namespace moeplan::executor {
+
+enum class InitKind : uint8_t { kNormal, kOnes };
+
+struct ParamInfo {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+  std::vector<int64_t> shape;  // as in Hugging Face (Linear weights are [out, in])
+  int64_t block = 0;           // 0: embedding; 1..L: decoder layer L-1; L+1: final norm and lm head
+  int64_t expert = -1;         // expert index, -1 for dense parameters
+  InitKind init = InitKind::kNormal;
+  double init_std = 0;
+  bool weight_decay = true;  // matrices decay; norm weights do not (as Megatron does)
+
+  int64_t numel() const;
+};
+
+// Every parameter of the model in Hugging Face's order.
+std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec);
+
+// How a parameter is split over the T ranks of a tensor-parallel group (Megatron-LM): the
+// column-parallel layers (q, k, v, w1, w3) and the vocabulary-parallel embedding and lm head
+// by rows of their [out, in] weight, the row-parallel ones (o, w2) by columns; norms and the
+// router stay whole on every rank.
+enum class TensorSplit : uint8_t { kWhole, kRows, kColumns };
+TensorSplit tensor_split(const ParamInfo& info);
+// The part of a whole parameter that tensor-parallel rank `index` of `ranks` holds (a view).
+torch::Tensor tensor_part(const torch::Tensor& whole, TensorSplit split, int64_t index, int64_t ranks);
+// The parameter as rank `index` of `ranks` holds it: same name, the shape of its part.
+ParamInfo tensor_part_info(const ParamInfo& info, int64_t ranks);
+
+// The seed of one parameter: a function of the run's seed and the parameter's name only.
+uint64_t parameter_seed(uint64_t run_seed, const std::string& name);
+
+// Fills t (the whole parameter, fp32 or lower) with its deterministic initial values.
+void initialize_parameter(torch::Tensor& t, const ParamInfo& info, uint64_t run_seed);
+
+// Parameters of one rank. Built on the meta device (no memory), then materialised and
+// initialised; `check_materialized` proves nothing is left on meta.
+class ParameterSet {
+ public:
+  // Shapes only: every tensor is on the meta device.
+  static ParameterSet on_meta(std::vector<ParamInfo> infos);
+  void materialize(uint64_t run_seed, torch::ScalarType dtype);
+  // Throws std::logic_error naming the first parameter still on the meta device.
+  void check_materialized() const;
+  // Moves every tensor to `device` (before gradients or an optimizer refer to them).
+  void move_to(const torch::Device& device);
+
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  std::vector<torch::Tensor>& tensors() { return tensors_; }
+  const std::vector<torch::Tensor>& tensors() const { return tensors_; }
+  int64_t numel() const;
+  // Index of a parameter by name, or -1.
+  int64_t find(const std::string& name) const;
+
+ private:
+  std::vector<ParamInfo> infos_;
+  std::vector<torch::Tensor> tensors_;
+};
+
+// Tensors of one decoder layer, viewed by role.
+struct LayerWeights {
+  torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_attention_norm, router;
+  std::vector<torch::Tensor> w1, w2, w3;  // per expert
+};
+
+struct MixtralWeights {
+  torch::Tensor embed_tokens;
+  std::vector<LayerWeights> layers;
+  torch::Tensor norm, lm_head;
+
+  // Binds tensors (same order as mixtral_parameters) to their roles.
+  static MixtralWeights bind(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors);
+};
+
+struct ForwardResult {
+  torch::Tensor logits;                      // [B, T, vocab], fp32 as in Hugging Face
+  std::vector<torch::Tensor> router_logits;  // per layer [B*T, num_experts], compute dtype
+  torch::Tensor tokens_per_expert;           // [layers, num_experts] int64: token-expert slots
+  torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
+  // Per layer, when the routing was replayed (RouteOverride): the top-k slots the load-balancing
+  // loss counts.
+  std::vector<torch::Tensor> top_k;
+  // [layers] int64, 1 where a decoder layer's output held a NaN or an Inf (its part on this
+  // rank): where a non-finite loss began. Kept on the device, read only when a step went wrong.
+  torch::Tensor nonfinite_layers;
+};
+
+// Adds 1 to nonfinite_layers[layer] when `output` holds a NaN or an Inf, without a host sync.
+void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& output);
+
+// With `replay`, each layer sends its tokens to the experts it returns instead of its own
+// choice (a rehearsal's reference, routing_record.h).
+ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weights,
+                              const torch::Tensor& input_ids, LoadBalancing balancing,
+                              const RouteOverride& replay = {});
+
+struct LossTerms {
+  torch::Tensor total;  // lm + aux_coef * aux (aux_loss balancing only) + z_coef * z
+  torch::Tensor lm;     // next-token cross entropy, nats per predicted token
+  torch::Tensor aux;    // Hugging Face load_balancing_loss_func (computed for every method)
+  torch::Tensor z;      // router z-loss
+};
+
+// Building blocks of the forward pass, shared by the sharded model.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+struct Rope {
+  torch::Tensor cos, sin;  // [T, head_dim], compute dtype
+};
+Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype,
+                 const torch::Device& device = torch::kCPU);
+// The attention mask beyond causality: none (an undefined tensor) when the model attends to
+// every earlier position, else 0 where attention is allowed and -inf in the future and beyond
+// the sliding window: [T, T].
+torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype,
+                                  const torch::Device& device = torch::kCPU);
+// Self-attention of x [B, T, hidden] with the q/k/v/o projections of w (no norm, no residual):
+// LibTorch's scaled-dot-product attention (flash attention on CPU and GPU where it applies),
+// causal, or under mask_bias where that is defined.
+torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                        const torch::Tensor& mask_bias);
+// One SwiGLU expert on rows [n, hidden]: w2(silu(w1 x) * w3 x).
+torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
+                         const torch::Tensor& w3);
+// Experts on rows [n, hidden] grouped by expert (rows_per_expert of each, in order), each
+// expert's weights given by `weights`: their outputs in the rows' order. Each group runs as one
+// matrix multiply per weight, its rows padded to expert_row_multiple() where the CPU's 16-bit
+// multiply wants few shapes.
+struct ExpertWeights {
+  torch::Tensor w1, w2, w3;
+};
+using ExpertWeightsFn = std::function<ExpertWeights(int64_t expert)>;
+torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_per_expert, const ExpertWeightsFn& weights);
+int64_t expert_row_multiple(const torch::Tensor& rows);
+
+// Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
+LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
+                       const torch::Tensor& input_ids);
+// The same with the lm term computed elsewhere (a vocabulary-parallel cross entropy).
+LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm);
+// Next-token labels of input_ids [B, T]: input_ids[:, 1:], and kIgnoreLabel at the last position.
+inline constexpr int64_t kIgnoreLabel = -100;
+torch::Tensor next_token_labels(const torch::Tensor& input_ids);
+
+}  // namespace moeplan::executor

@@ -1,0 +1,92 @@
+#pragma once
+// A rehearsal's routing record (docs/executor.md, "Rehearsal"). The layout's ranks write, each
+// step, the router logits of every layer and micro-batch they routed and the experts they sent
+// each token to. The one-rank reference replays those choices instead of making its own, so
+// that the two compute the same function and differ only by the order of their sums; while it
+// replays, it compares its own router logits with the layout's and says where its own routing
+// would have chosen otherwise.
+//
+// Micro-batches are numbered as the one-rank reference reads them: reader r's micro-batch m of
+// a step is r x G + m, G the micro-batches a reader trains a step (run.h).
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moeplan/core/json_reader.h"
+#include "moeplan/core/model_spec.h"
+#include "moeplan/core/parallel_config.h"
+#include "moeplan/executor/model/routing.h"
+
+namespace moeplan::executor {
+
+// What one rank of the layout routed in a step.
+class RoutingRecorder {
+ public:
+  RoutingRecorder(std::string dir, int64_t rank) : dir_(std::move(dir)), rank_(rank) {}
+  // One layer of one micro-batch: logits [tokens, experts], experts [tokens, k].
+  void add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits, const torch::Tensor& experts);
+  // Writes the step's record, <dir>/step-<8 digits>/rank-<5 digits>.safetensors (logits F32,
+  // experts U8, named "m<micro-batch>/l<layer>/logits" and ".../experts"), and starts the next.
+  void write(int64_t step);
+
+ private:
+  // Host buffers rather than tensors: a rehearsal measures the live tensors of a step, and the
+  // record is not part of training.
+  struct Entry {
+    int64_t micro_batch = 0, layer = 0, tokens = 0, experts = 0, k = 0;
+    std::vector<float> logits;
+    std::vector<uint8_t> chosen;
+  };
+  std::string dir_;
+  int64_t rank_ = 0;
+  std::vector<Entry> entries_;
+};
+
+// What the reference found while it replayed one step.
+struct ReplayedStep {
+  int64_t step = 0;
+  int64_t slots = 0;         // token-expert slots replayed
+  int64_t unrecorded = 0;    // (micro-batch, layer) pairs the record lacks: routed by the reference itself
+  int64_t unlike_route = 0;  // slots where the layout's choice is not route() of its own logits
+  int64_t near_ties = 0;     // slots that route() of the reference's own logits sends elsewhere
+  // Per layer, over its micro-batches: the largest root mean square over tokens of the norm of
+  // the difference between the reference's router logits and the layout's, and where.
+  std::vector<double> logit_difference;
+  std::vector<int64_t> logit_difference_micro_batch;
+
+  Json to_json() const;
+};
+
+// The reference's side: the record read one step at a time.
+class RoutingReplay {
+ public:
+  // The record in `dir`; the findings go to `findings_path` (routing-replay.json) after each step.
+  RoutingReplay(std::string dir, std::string findings_path, const ModelSpec& spec, LoadBalancing method)
+      : dir_(std::move(dir)), findings_path_(std::move(findings_path)), spec_(spec), method_(method) {}
+  // Reads the record of `step`; InputError naming the folder when it has none.
+  void start_step(int64_t step);
+  // The choices of micro-batch `micro_batch`, layer by layer.
+  RouteOverride micro_batch(int64_t micro_batch);
+  // Adds the step's findings to the file (a JSON object {"steps": [...]}).
+  void finish_step();
+
+ private:
+  ChosenExperts replay(int64_t micro_batch, int64_t layer, const torch::Tensor& logits);
+
+  std::string dir_, findings_path_;
+  ModelSpec spec_;
+  LoadBalancing method_;
+  std::map<std::pair<int64_t, int64_t>, std::pair<torch::Tensor, torch::Tensor>> record_;  // logits, experts
+  ReplayedStep current_;
+  std::vector<ReplayedStep> done_;
+};
+
+// Reads a routing-replay.json; InputError with the field path on anything else.
+std::vector<ReplayedStep> read_replayed_steps(const std::string& path);
+
+}  // namespace moeplan::executor

@@ -1,0 +1,83 @@
+#pragma once
+// The device mesh [P, R, S, E, T] of a plan (docs/architecture.md section 6): which coordinates a rank has,
+// which ranks form each group, and the process groups themselves.
+//
+// Groups, for a rank at (p, r, s, e, t); each keeps the coordinates not written as *:
+//   shard group           ranks (p, r, *, e, t): model states are sharded over it (all-gather,
+//                         reduce-scatter);
+//   expert group          ranks (p, r, s, *, t): tokens travel inside it (all-to-all, all-gather);
+//   dense replica group   ranks (p, *, s, *, t): dense gradients are summed over it after the
+//                         reduce-scatter;
+//   expert replica group  ranks (p, *, s, e, t): expert gradients are summed over it;
+//   tensor group          ranks (p, r, s, e, *): each block's matrices are split over it, and the
+//                         sequence between them (Megatron's tensor and sequence parallelism);
+//   pipeline group        ranks (*, r, s, e, t): the stages of one pipeline;
+//   world                 every rank: loss, gradient norm, counts.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/parallel_config.h"
+#include "moeplan/executor/ranks/collectives.h"
+
+namespace moeplan::executor {
+
+struct MeshCoords {
+  int64_t r = 0, s = 0, e = 0, t = 0, p = 0;
+  int64_t of(MeshDim d) const;
+  int64_t& of(MeshDim d);
+  bool operator==(const MeshCoords&) const = default;
+};
+
+// Pure rank arithmetic of a valid ParallelConfig.
+class MeshLayout {
+ public:
+  explicit MeshLayout(const ParallelConfig& parallel);
+  int64_t world_size() const { return world_size_; }
+  MeshCoords coords(int64_t rank) const;
+  int64_t rank_of(const MeshCoords& c) const;
+  // The ranks that share every coordinate of `rank` except those in `varying`, ascending (so a
+  // rank's index in a one-dimension group is its coordinate along that dimension).
+  std::vector<int64_t> group(int64_t rank, const std::vector<MeshDim>& varying) const;
+  // Which of the W / (T P) data readers a rank is: the ranks of one tensor-parallel group and of
+  // one pipeline read the same micro-batches. Without T and P it is the rank itself.
+  int64_t reader(int64_t rank) const;
+
+ private:
+  ParallelConfig parallel_;
+  int64_t world_size_ = 1;
+};
+
+class DeviceMesh {
+ public:
+  // Forms every group this rank belongs to over `store` (every rank of the world calls it).
+  DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::intrusive_ptr<c10d::Store>& store,
+             std::chrono::milliseconds timeout, const std::string& address = "127.0.0.1");
+  // One rank alone: every group is this rank.
+  explicit DeviceMesh(const ParallelConfig& parallel);
+
+  const MeshLayout& layout() const { return layout_; }
+  int64_t rank() const { return rank_; }
+  const MeshCoords& coords() const { return coords_; }
+
+  Communicator world, shard, expert, dense_replicas, expert_replicas, tensor, pipeline;
+  // Every group of the mesh reports into `activity`.
+  void set_activity(const std::shared_ptr<CollectiveActivity>& activity);
+
+ private:
+  MeshLayout layout_;
+  int64_t rank_ = 0;
+  MeshCoords coords_;
+};
+
+// Forms a mesh of another layout of the same ranks (every rank calls it alike, in the same
+// order), for work that tries several layouts in one process (calibration).
+using MeshMaker = std::function<std::unique_ptr<DeviceMesh>(const ParallelConfig& parallel)>;
+
+}  // namespace moeplan::executor

@@ -1,0 +1,211 @@
+#include "moeplan/executor/model/hf_checkpoint.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/json_reader.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/model/mixtral.h"
+
+namespace moeplan::executor {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The step folder a path names: itself (it has a manifest), or the newest step of it or of
+// its checkpoints/ folder.
+std::string step_folder(const std::string& path) {
+  std::error_code ec;
+  if (fs::exists(fs::path(path) / "manifest.json", ec)) return path;
+  for (const fs::path& dir : {fs::path(path) / "checkpoints", fs::path(path)}) {
+    if (!fs::is_directory(dir, ec)) continue;
+    const std::string latest = latest_checkpoint(dir.string());
+    if (!latest.empty()) return latest;
+  }
+  throw InputError(path, {{"", "no checkpoint here (a step folder with manifest.json, a checkpoints folder or a "
+                               "run folder)"}});
+}
+
+std::string torch_dtype_name(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kHalf: return "float16";
+    default: return c10::toString(t);
+  }
+}
+
+std::string shard_name(size_t k, size_t n) {
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+  return name;
+}
+
+}  // namespace
+
+HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& out_dir, int64_t max_shard_bytes) {
+  if (max_shard_bytes < 1) throw InputError("--max-shard-bytes", {{"", "must be at least 1"}});
+  HfExport out;
+  out.checkpoint = step_folder(checkpoint);
+  const LoadedCheckpoint ck = open_checkpoint(out.checkpoint);
+  out.step = ck.step;
+  if (!ck.state.contains("model"))
+    throw InputError(out.checkpoint + "/manifest.json", {{"state.model", "missing: the checkpoint does not say its model"}});
+  const ModelSpec spec = model_from_json(Json::parse(ck.state["model"].dump()), out.checkpoint + "/manifest.json");
+
+  // Refuse to mix with another checkpoint: nothing already there is overwritten.
+  std::error_code ec;
+  if (fs::exists(fs::path(out_dir) / "config.json", ec) || fs::exists(fs::path(out_dir) / "model.safetensors.index.json", ec))
+    throw InputError(out_dir, {{"", "already holds a Hugging Face checkpoint; choose an empty folder"}});
+  fs::create_directories(out_dir, ec);
+  if (ec) throw InputError(out_dir, {{"", "cannot create: " + ec.message()}});
+
+  SlicedState state;
+  for (const CheckpointFile& f : ck.files) {
+    TensorFile shard = read_checkpoint_shard(ck, f.name);
+    NamedTensors params;
+    for (auto& [name, tensor] : shard.tensors)
+      if (name.rfind("param/", 0) == 0) params.emplace_back(std::move(name), std::move(tensor));
+    state.add(params);
+  }
+  Diagnostics d;
+  NamedTensors tensors;
+  for (const ParamInfo& info : mixtral_parameters(spec)) {
+    torch::Tensor t = state.whole("param/" + info.name, info.shape, d);
+    if (t.defined()) tensors.emplace_back(info.name, t.contiguous());
+  }
+  d.throw_if_any(out.checkpoint);
+
+  // Shards of whole tensors in the model's order.
+  std::vector<NamedTensors> shards(1);
+  int64_t in_shard = 0;
+  for (auto& named : tensors) {
+    const int64_t bytes = static_cast<int64_t>(named.second.numel() * named.second.element_size());
+    if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    in_shard += bytes;
+    out.bytes += bytes;
+    shards.back().push_back(std::move(named));
+  }
+  Json weight_map = Json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const std::string name = shard_name(k, shards.size());
+    const fs::path path = fs::path(out_dir) / name;
+    const std::string tmp = path.string() + ".tmp";
+    write_tensor_file(tmp, shards[k], {{"format", "pt"}});
+    fs::rename(tmp, path, ec);
+    if (ec) throw InputError(path.string(), {{"", "cannot rename into place: " + ec.message()}});
+    for (const auto& [tensor_name, t] : shards[k]) weight_map[tensor_name] = name;
+    out.tensors += static_cast<int64_t>(shards[k].size());
+    out.files.push_back(name);
+  }
+  Json index;
+  index["metadata"] = {{"total_size", out.bytes}};
+  index["weight_map"] = weight_map;
+  write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  out.files.push_back("model.safetensors.index.json");
+  const torch::ScalarType dtype = shards.front().empty() ? torch::kFloat : shards.front().front().second.scalar_type();
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), to_hf_config(spec, torch_dtype_name(dtype)).dump(2) + "\n");
+  out.files.push_back("config.json");
+  return out;
+}
+
+SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, torch::ScalarType dtype,
+                               const std::set<std::string>* wanted) {
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  std::error_code ec;
+  if (!fs::exists(config_path, ec))
+    throw InputError(dir, {{"", "no config.json: not a Hugging Face model folder"}});
+  const Json config = read_json_file(config_path);
+  const ModelSpec theirs = model_from_hf_config(config, config_path);
+  Diagnostics d;
+  auto same = [&](const char* field, int64_t a, int64_t b) {
+    if (a != b) d.error(field, "= " + std::to_string(a) + ", the plan's model has " + std::to_string(b));
+  };
+  same("vocab_size", theirs.vocab_size, model.vocab_size);
+  same("hidden_size", theirs.hidden_size, model.hidden_size);
+  same("intermediate_size", theirs.intermediate_size, model.intermediate_size);
+  same("num_hidden_layers", theirs.num_layers, model.num_layers);
+  same("num_attention_heads", theirs.num_attention_heads, model.num_attention_heads);
+  same("num_key_value_heads", theirs.num_key_value_heads, model.num_key_value_heads);
+  same("head_dim", theirs.head_dim, model.head_dim);
+  same("num_local_experts", theirs.num_experts, model.num_experts);
+  same("num_experts_per_tok", theirs.experts_per_token, model.experts_per_token);
+  same("tie_word_embeddings", theirs.tie_word_embeddings, model.tie_word_embeddings);
+  d.throw_if_any(config_path);
+  // The dtype config.json declares, which every tensor must have.
+  std::string declared;
+  if (config.contains("torch_dtype") && config["torch_dtype"].is_string()) declared = config["torch_dtype"].get<std::string>();
+
+  // Which file holds each tensor.
+  std::map<std::string, std::string> file_of;
+  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  const std::vector<ParamInfo> params = mixtral_parameters(model);
+  if (fs::exists(index_path, ec)) {
+    const Json index = read_json_file(index_path.string());
+    const Json* map = index.is_object() && index.contains("weight_map") ? &index["weight_map"] : nullptr;
+    if (map == nullptr || !map->is_object())
+      throw InputError(index_path.string(), {{"weight_map", "missing or not an object of tensor -> file"}});
+    for (const auto& [name, file] : map->items()) {
+      if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos)
+        throw InputError(index_path.string(), {{"weight_map." + name, "must name a file in the folder, got " + file.dump()}});
+      file_of[name] = file.get<std::string>();
+    }
+  } else if (fs::exists(fs::path(dir) / "model.safetensors", ec)) {
+    for (const ParamInfo& info : params) file_of[info.name] = "model.safetensors";
+  } else {
+    throw InputError(dir, {{"", "neither model.safetensors.index.json nor model.safetensors"}});
+  }
+
+  std::map<std::string, std::set<std::string>> needed;  // file -> tensors
+  std::map<std::string, const ParamInfo*> info_of;
+  for (const ParamInfo& info : params) {
+    if (wanted != nullptr && wanted->count(info.name) == 0) continue;
+    const auto it = file_of.find(info.name);
+    if (it == file_of.end()) {
+      d.error(info.name, "is not in the checkpoint");
+      continue;
+    }
+    needed[it->second].insert(info.name);
+    info_of[info.name] = &info;
+  }
+  d.throw_if_any(index_path.string());
+
+  SlicedState state;
+  for (const auto& [file, names] : needed) {
+    const std::string path = (fs::path(dir) / file).string();
+    TensorFile t = read_tensor_file(path, &names);
+    NamedTensors tensors;
+    for (auto& [name, tensor] : t.tensors) {
+      const ParamInfo& info = *info_of.at(name);
+      const torch::ScalarType type = tensor.scalar_type();
+      if (type != torch::kFloat && type != torch::kBFloat16 && type != torch::kHalf) {
+        d.error(name + ".dtype", safetensors_dtype(type) + " is not a floating-point type (F32, BF16, F16)");
+        continue;
+      }
+      if (!declared.empty() && torch_dtype_name(type) != declared) {
+        d.error(name + ".dtype", safetensors_dtype(type) + ", but config.json says torch_dtype \"" + declared + "\"");
+        continue;
+      }
+      if (tensor.sizes().vec() != info.shape) {
+        d.error(name + ".shape", "is " + c10::str(tensor.sizes()) + ", the model needs " + c10::str(c10::IntArrayRef(info.shape)));
+        continue;
+      }
+      const torch::Tensor values = tensor.to(dtype);
+      tensors.emplace_back("param/" + name, values);
+      tensors.emplace_back("exp_avg/" + name, torch::zeros_like(values));
+      tensors.emplace_back("exp_avg_sq/" + name, torch::zeros_like(values));
+    }
+    d.throw_if_any(path);
+    state.add(tensors);
+  }
+  return state;
+}
+
+}  // namespace moeplan::executor

@@ -1,0 +1,369 @@
+#include "moeplan/executor/model/mixtral.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cassert>
+#include <cmath>
+#include <stdexcept>
+#include <string_view>
+
+#include "moeplan/executor/model/kernels.h"
+#include "moeplan/executor/model/routing.h"
+
+namespace moeplan::executor {
+
+int64_t ParamInfo::numel() const {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
+  const int64_t h = spec.hidden_size, heads = spec.num_attention_heads, kv = spec.num_key_value_heads;
+  const int64_t hd = spec.head_dim, ffn = spec.intermediate_size, layers = spec.num_layers;
+  const double std = spec.initializer_range;
+  std::vector<ParamInfo> p;
+  auto matrix = [&](std::string name, std::vector<int64_t> shape, int64_t block, int64_t expert = -1) {
+    p.push_back({std::move(name), std::move(shape), block, expert, InitKind::kNormal, std, true});
+  };
+  auto norm = [&](std::string name, int64_t block) {
+    p.push_back({std::move(name), {h}, block, -1, InitKind::kOnes, 0, false});
+  };
+  matrix("model.embed_tokens.weight", {spec.vocab_size, h}, 0);
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string prefix = "model.layers." + std::to_string(l) + ".";
+    const int64_t block = l + 1;
+    norm(prefix + "input_layernorm.weight", block);
+    matrix(prefix + "self_attn.q_proj.weight", {heads * hd, h}, block);
+    matrix(prefix + "self_attn.k_proj.weight", {kv * hd, h}, block);
+    matrix(prefix + "self_attn.v_proj.weight", {kv * hd, h}, block);
+    matrix(prefix + "self_attn.o_proj.weight", {h, heads * hd}, block);
+    norm(prefix + "post_attention_layernorm.weight", block);
+    matrix(prefix + "block_sparse_moe.gate.weight", {spec.num_experts, h}, block);
+    for (int64_t e = 0; e < spec.num_experts; ++e) {
+      const std::string expert = prefix + "block_sparse_moe.experts." + std::to_string(e) + ".";
+      matrix(expert + "w1.weight", {ffn, h}, block, e);
+      matrix(expert + "w2.weight", {h, ffn}, block, e);
+      matrix(expert + "w3.weight", {ffn, h}, block, e);
+    }
+  }
+  norm("model.norm.weight", layers + 1);
+  matrix("lm_head.weight", {spec.vocab_size, h}, layers + 1);
+  return p;
+}
+
+namespace {
+
+// splitmix64: a full-avalanche mix, so nearby seeds and names give unrelated streams.
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+TensorSplit tensor_split(const ParamInfo& info) {
+  auto ends_with = [&](std::string_view suffix) {
+    return info.name.size() >= suffix.size() && info.name.compare(info.name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("q_proj.weight") || ends_with("k_proj.weight") || ends_with("v_proj.weight") ||
+      ends_with("w1.weight") || ends_with("w3.weight") || ends_with("embed_tokens.weight") ||
+      info.name == "lm_head.weight")
+    return TensorSplit::kRows;
+  if (ends_with("o_proj.weight") || ends_with("w2.weight")) return TensorSplit::kColumns;
+  return TensorSplit::kWhole;
+}
+
+torch::Tensor tensor_part(const torch::Tensor& whole, TensorSplit split, int64_t index, int64_t ranks) {
+  if (split == TensorSplit::kWhole || ranks == 1) return whole;
+  const int64_t dim = split == TensorSplit::kRows ? 0 : 1;
+  const int64_t n = whole.size(dim) / ranks;
+  return whole.narrow(dim, index * n, n);
+}
+
+ParamInfo tensor_part_info(const ParamInfo& info, int64_t ranks) {
+  ParamInfo part = info;
+  const TensorSplit split = tensor_split(info);
+  if (split != TensorSplit::kWhole) part.shape[split == TensorSplit::kRows ? 0 : 1] /= ranks;
+  return part;
+}
+
+uint64_t parameter_seed(uint64_t run_seed, const std::string& name) {
+  uint64_t h = 0xCBF29CE484222325ULL;  // FNV-1a over the name
+  for (const unsigned char ch : name) h = (h ^ ch) * 0x100000001B3ULL;
+  return mix(mix(run_seed) ^ h);
+}
+
+void initialize_parameter(torch::Tensor& t, const ParamInfo& info, uint64_t run_seed) {
+  torch::NoGradGuard no_grad;
+  switch (info.init) {
+    case InitKind::kOnes:
+      t.fill_(1.0);
+      return;
+    case InitKind::kNormal: {
+      // Drawn in fp32 whatever the storage type, so fp32 and bf16 runs start from the same values
+      // (rounded).
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(run_seed, info.name));
+      torch::Tensor values = torch::empty(info.shape, torch::kFloat);
+      values.normal_(0.0, info.init_std, generator);
+      t.copy_(values);
+      return;
+    }
+  }
+}
+
+ParameterSet ParameterSet::on_meta(std::vector<ParamInfo> infos) {
+  ParameterSet set;
+  set.infos_ = std::move(infos);
+  for (const ParamInfo& info : set.infos_)
+    set.tensors_.push_back(torch::empty(info.shape, torch::TensorOptions().device(torch::kMeta)));
+  return set;
+}
+
+void ParameterSet::materialize(uint64_t run_seed, torch::ScalarType dtype) {
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    torch::Tensor t = torch::empty(infos_[i].shape, torch::TensorOptions().dtype(dtype));
+    initialize_parameter(t, infos_[i], run_seed);
+    tensors_[i] = t;
+  }
+}
+
+void ParameterSet::move_to(const torch::Device& device) {
+  for (torch::Tensor& t : tensors_) t = t.to(device);
+}
+
+void ParameterSet::check_materialized() const {
+  for (size_t i = 0; i < tensors_.size(); ++i)
+    if (!tensors_[i].defined() || tensors_[i].is_meta())
+      throw std::logic_error("parameter " + infos_[i].name + " is still on the meta device");
+}
+
+int64_t ParameterSet::numel() const {
+  int64_t n = 0;
+  for (const ParamInfo& info : infos_) n += info.numel();
+  return n;
+}
+
+int64_t ParameterSet::find(const std::string& name) const {
+  for (size_t i = 0; i < infos_.size(); ++i)
+    if (infos_[i].name == name) return static_cast<int64_t>(i);
+  return -1;
+}
+
+MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<torch::Tensor>& t) {
+  [[maybe_unused]] const size_t per_layer = 7 + 3 * static_cast<size_t>(spec.num_experts);
+  assert(t.size() == 3 + per_layer * static_cast<size_t>(spec.num_layers) && "one tensor per parameter");
+  MixtralWeights w;
+  size_t i = 0;
+  w.embed_tokens = t[i++];
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    LayerWeights layer;
+    layer.input_norm = t[i++];
+    layer.q_proj = t[i++];
+    layer.k_proj = t[i++];
+    layer.v_proj = t[i++];
+    layer.o_proj = t[i++];
+    layer.post_attention_norm = t[i++];
+    layer.router = t[i++];
+    for (int64_t e = 0; e < spec.num_experts; ++e) {
+      layer.w1.push_back(t[i++]);
+      layer.w2.push_back(t[i++]);
+      layer.w3.push_back(t[i++]);
+    }
+    w.layers.push_back(std::move(layer));
+  }
+  w.norm = t[i++];
+  w.lm_head = t[i++];
+  return w;
+}
+
+using torch::indexing::Slice;
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return fused_rms_norm(x, weight, eps);
+}
+
+Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype, const torch::Device& device) {
+  const int64_t d = spec.head_dim;
+  const torch::Tensor exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
+  const torch::Tensor inv_freq = 1.0 / torch::pow(spec.rope_theta, exponents);
+  const torch::Tensor positions = torch::arange(seq_len, torch::kLong).to(torch::kFloat);
+  const torch::Tensor freqs = torch::outer(positions, inv_freq);
+  const torch::Tensor emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos().to(device, dtype), emb.sin().to(device, dtype)};
+}
+
+torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                        const torch::Tensor& mask_bias) {
+  const int64_t b = x.size(0), t = x.size(1);
+  const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
+  const torch::Tensor q = fused_rotary(torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}), rope.cos, rope.sin)
+                              .transpose(1, 2);
+  const torch::Tensor k = fused_rotary(torch::matmul(x, w.k_proj.t()).view({b, t, kv, hd}), rope.cos, rope.sin)
+                              .transpose(1, 2);
+  const torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
+  // Grouped-query attention: each key/value head serves heads / kv query heads, unrepeated.
+  const torch::Tensor out = flash_attention(q, k, v, mask_bias);
+  return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * hd}), w.o_proj.t());
+}
+
+torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::ScalarType dtype,
+                                  const torch::Device& device) {
+  if (!spec.sliding_window) return {};
+  const torch::Tensor i = torch::arange(t, torch::kLong).unsqueeze(1);
+  const torch::Tensor j = torch::arange(t, torch::kLong).unsqueeze(0);
+  const torch::Tensor masked = (j > i) | (i - j >= *spec.sliding_window);
+  return torch::zeros({t, t}, dtype).masked_fill(masked, -std::numeric_limits<float>::infinity()).to(device);
+}
+
+torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
+                         const torch::Tensor& w3) {
+  return torch::matmul(torch::silu(torch::matmul(in, w1.t())) * torch::matmul(in, w3.t()), w2.t());
+}
+
+int64_t expert_row_multiple(const torch::Tensor& rows) {
+  // oneDNN, LibTorch's 16-bit matrix multiply on the CPU, builds and caches a kernel per shape:
+  // with the rows per expert changing every step, most of its multiplies would build one (a
+  // third of the speed). Rows in multiples of 64 keep to a few shapes. MKL's fp32 multiply and
+  // the GPU's need none.
+  return rows.device().is_cpu() && rows.element_size() < 4 ? 64 : 1;
+}
+
+torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_per_expert, const ExpertWeightsFn& weights) {
+  const int64_t experts = static_cast<int64_t>(rows_per_expert.size());
+  const int64_t multiple = expert_row_multiple(rows);
+  std::vector<int64_t> padded(rows_per_expert.begin(), rows_per_expert.end());
+  for (int64_t& n : padded) n = (n + multiple - 1) / multiple * multiple;
+  // Padding rows (copies of row 0) are computed and dropped; the gradient of the rows kept is
+  // exactly what it would be without them.
+  torch::Tensor input = rows, kept;
+  if (multiple > 1) {
+    std::vector<int64_t> source, position;
+    int64_t begin = 0, padded_begin = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t n = rows_per_expert[static_cast<size_t>(e)];
+      for (int64_t i = 0; i < padded[static_cast<size_t>(e)]; ++i) source.push_back(i < n ? begin + i : 0);
+      for (int64_t i = 0; i < n; ++i) position.push_back(padded_begin + i);
+      begin += n;
+      padded_begin += padded[static_cast<size_t>(e)];
+    }
+    input = rows.index_select(0, torch::tensor(source, torch::dtype(torch::kLong).device(rows.device())));
+    kept = torch::tensor(position, torch::dtype(torch::kLong).device(rows.device()));
+  }
+  // Split, not sliced: the backward of a split concatenates the experts' input gradients once,
+  // where each slice's would be a zero-filled copy of the whole, summed into the rest.
+  const std::vector<torch::Tensor> parts = torch::split_with_sizes(input, padded);
+  std::vector<torch::Tensor> outputs;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows_per_expert[static_cast<size_t>(e)] == 0) continue;
+    const ExpertWeights w = weights(e);
+    outputs.push_back(expert_ffn(parts[static_cast<size_t>(e)], w.w1, w.w2, w.w3));
+  }
+  if (outputs.empty()) return rows * 0;  // still tied to the input, for collectives in backward
+  const torch::Tensor out = torch::cat(outputs, 0);
+  return kept.defined() ? out.index_select(0, kept) : out;
+}
+
+namespace {
+
+torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x,
+                         LoadBalancing balancing, torch::Tensor& router_logits, torch::Tensor counts,
+                         const std::function<ChosenExperts(const torch::Tensor&)>& replay) {
+  const int64_t h = x.size(-1);
+  const torch::Tensor tokens = x.reshape({-1, h});
+  router_logits = torch::matmul(tokens, w.router.t());
+  const Routing r = replay ? route_to(router_logits, replay(router_logits.detach()).experts)
+                           : route(router_logits, spec.experts_per_token, balancing);
+  const torch::Tensor weights = r.weights.to(x.scalar_type());
+  const torch::Tensor slots = r.experts.flatten();  // token-major: (t0, s0), (t0, s1), (t1, s0), ...
+  const torch::Tensor load = torch::bincount(slots, {}, spec.num_experts);
+  counts.copy_(load);
+  // Group the token-expert slots by expert once (a stable sort keeps tokens in order), so each
+  // expert reads a contiguous slice: one gather and one scatter per layer instead of one each
+  // per expert.
+  const torch::Tensor order = std::get<1>(torch::sort(slots, /*stable=*/c10::optional<bool>(true), /*dim=*/0));
+  const torch::Tensor token_of = torch::div(order, spec.experts_per_token, "floor");
+  const torch::Tensor gathered = tokens.index_select(0, token_of);
+  const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
+  // The experts' row counts on the host, where the loop over experts needs them: on a GPU the
+  // host waits here, with the sort and gathers above already queued.
+  const torch::Tensor host_load = load.cpu();
+  const torch::Tensor expert_out = grouped_experts(
+      gathered, c10::IntArrayRef(host_load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
+      [&w](int64_t e) { return ExpertWeights{w.w1[e], w.w2[e], w.w3[e]}; });
+  const torch::Tensor out = torch::zeros_like(tokens).index_add(0, token_of, expert_out * slot_weights);
+  return out.view(x.sizes());
+}
+
+}  // namespace
+
+void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& output) {
+  torch::NoGradGuard no_grad;
+  out.nonfinite_layers[layer] += torch::isfinite(output).logical_not().any();
+}
+
+ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, const torch::Tensor& input_ids,
+                              LoadBalancing balancing, const RouteOverride& replay) {
+  const int64_t t = input_ids.size(1);
+  const torch::ScalarType dtype = w.embed_tokens.scalar_type();
+  const Rope rope = rope_tables(spec, t, dtype, input_ids.device());
+  const torch::Tensor mask = attention_mask_bias(spec, t, dtype, input_ids.device());
+  ForwardResult out;
+  out.tokens_per_expert =
+      torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
+  out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
+  torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    const LayerWeights& layer = w.layers[static_cast<size_t>(l)];
+    x = x + attention(spec, layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), rope, mask);
+    torch::Tensor router_logits;
+    std::function<ChosenExperts(const torch::Tensor&)> replay_layer;
+    if (replay)
+      replay_layer = [&replay, &out, l](const torch::Tensor& logits) {
+        ChosenExperts chosen = replay(l, logits);
+        out.top_k.push_back(chosen.top_k);
+        return chosen;
+      };
+    x = x + sparse_moe(spec, layer, rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps), balancing,
+                       router_logits, out.tokens_per_expert[l], replay_layer);
+    out.router_logits.push_back(router_logits);
+    note_nonfinite(out, l, x);
+  }
+  x = rms_norm(x, w.norm, spec.rms_norm_eps);
+  out.logits = torch::matmul(x, w.lm_head.t()).to(torch::kFloat);
+  return out;
+}
+
+torch::Tensor next_token_labels(const torch::Tensor& input_ids) {
+  torch::Tensor labels = torch::full_like(input_ids, kIgnoreLabel);
+  labels.index_put_({Slice(), Slice(0, -1)}, input_ids.index({Slice(), Slice(1, torch::indexing::None)}));
+  return labels;
+}
+
+LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
+                       const torch::Tensor& input_ids) {
+  const int64_t vocab = out.logits.size(-1);
+  // Each position predicts the next token; the last position has none and is ignored. The
+  // logits are read in place (a slice of them would be copied by the reshape).
+  const torch::Tensor labels = next_token_labels(input_ids);
+  return mixtral_loss_from_lm(spec, moe, out,
+                      torch::nn::functional::cross_entropy(
+                          out.logits.reshape({-1, vocab}), labels.reshape({-1}),
+                          torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel)));
+}
+
+LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm) {
+  LossTerms loss;
+  loss.lm = std::move(lm);
+  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k);
+  loss.z = router_z_loss(out.router_logits);
+  loss.total = loss.lm;
+  if (moe.load_balancing == LoadBalancing::kAuxLoss && moe.aux_loss_coef != 0)
+    loss.total = loss.total + moe.aux_loss_coef * loss.aux;
+  if (moe.z_loss_coef != 0) loss.total = loss.total + moe.z_loss_coef * loss.z;
+  return loss;
+}
+
+}  // namespace moeplan::executor

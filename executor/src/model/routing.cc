@@ -1,0 +1,173 @@
+#include "moeplan/executor/model/routing.h"
+
+#include <algorithm>
+#include <cassert>
+#include <numeric>
+
+namespace moeplan::executor {
+
+torch::Tensor sinkhorn(const torch::Tensor& logits, double tol, int max_iterations) {
+  // exp(logits) as in Megatron, with each row's maximum taken out first: a row scale is absorbed
+  // by the row factors d0, so the balanced matrix is the same, and peaked logits cannot overflow.
+  const torch::Tensor cost = torch::exp(logits - std::get<0>(logits.max(1, /*keepdim=*/true)));
+  torch::Tensor d0 = torch::ones({cost.size(0)}, cost.options());
+  torch::Tensor d1 = torch::ones({cost.size(1)}, cost.options());
+  constexpr double kEps = 1e-8;
+  torch::Tensor d1_old = d1;
+  // Reading the change back waits for the device: on a GPU it is read every fourth iteration
+  // (the iterations between run queued), so a converged matrix may get up to three more.
+  const int check_every = logits.device().is_cpu() ? 1 : 4;
+  for (int i = 0; i < max_iterations; ++i) {
+    d0 = (1.0 / static_cast<double>(d0.size(0))) / (torch::sum(d1 * cost, 1) + kEps);
+    d1 = (1.0 / static_cast<double>(d1.size(0))) / (torch::sum(d0.unsqueeze(1) * cost, 0) + kEps);
+    // Megatron stops on the mean absolute change of d1; d1's scale follows the logits', so the
+    // change is measured relative to d1 here, which stops at the same balance for any scale.
+    if ((i + 1) % check_every == 0 &&
+        (torch::mean(torch::abs(d1_old - d1)) / torch::mean(torch::abs(d1))).item<double>() <= tol)
+      break;
+    d1_old = d1;
+  }
+  return d1 * cost * d0.unsqueeze(1);
+}
+
+torch::Tensor balanced_assignment(const torch::Tensor& scores_in, int64_t k) {
+  // A sequential greedy pass: on the host, whatever device the scores are on.
+  const torch::Tensor scores = scores_in.to(torch::kCPU, torch::kFloat).contiguous();
+  const int64_t tokens = scores.size(0), experts = scores.size(1);
+  const int64_t capacity = (tokens * k + experts - 1) / experts;
+  const float* s = scores.data_ptr<float>();
+  // All (token, expert) pairs by falling score; ties by token, then expert, so the result is
+  // deterministic.
+  std::vector<int64_t> order(static_cast<size_t>(tokens * experts));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [s](int64_t a, int64_t b) { return s[a] > s[b]; });
+  torch::Tensor chosen = torch::full({tokens, k}, -1, torch::kLong);
+  int64_t* c = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> filled(static_cast<size_t>(tokens), 0), load(static_cast<size_t>(experts), 0);
+  auto has = [&](int64_t t, int64_t e) {
+    for (int64_t j = 0; j < filled[t]; ++j)
+      if (c[t * k + j] == e) return true;
+    return false;
+  };
+  for (const int64_t pair : order) {
+    const int64_t t = pair / experts, e = pair % experts;
+    if (filled[t] < k && load[e] < capacity) {
+      c[t * k + filled[t]++] = e;
+      ++load[e];
+    }
+  }
+  // A token can be left short when the only experts with room are ones it already has. Then
+  // some token u on a full expert e (one t lacks) moves to an expert f with room that u lacks,
+  // and t takes e. Only if no such move exists does t go over capacity.
+  auto slot_of = [&](int64_t t, int64_t e) {
+    for (int64_t j = 0; j < filled[t]; ++j)
+      if (c[t * k + j] == e) return j;
+    return int64_t{-1};
+  };
+  for (int64_t t = 0; t < tokens; ++t) {
+    while (filled[t] < k) {
+      bool placed = false;
+      for (int64_t e = 0; e < experts && !placed; ++e) {
+        if (has(t, e)) continue;
+        for (int64_t u = 0; u < tokens && !placed; ++u) {
+          const int64_t j = slot_of(u, e);
+          if (u == t || j < 0) continue;
+          for (int64_t f = 0; f < experts; ++f) {
+            if (load[f] >= capacity || has(u, f)) continue;
+            c[u * k + j] = f;  // u moves from e to f
+            ++load[f];
+            c[t * k + filled[t]++] = e;  // t takes u's place on e
+            placed = true;
+            break;
+          }
+        }
+      }
+      if (placed) continue;
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (!has(t, e) && (best < 0 || s[t * experts + e] > s[t * experts + best])) best = e;
+      assert(best >= 0 && "k must not exceed the number of experts");
+      c[t * k + filled[t]++] = best;
+      ++load[best];
+    }
+  }
+  return chosen.to(scores_in.device());
+}
+
+Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing method) {
+  const torch::Tensor probs = torch::softmax(router_logits, /*dim=*/1, torch::kFloat);
+  Routing r;
+  switch (method) {
+    case LoadBalancing::kAuxLoss:
+    case LoadBalancing::kNone: {
+      auto [w, e] = torch::topk(probs, k, /*dim=*/-1);
+      r.weights = w;
+      r.experts = e;
+      break;
+    }
+    case LoadBalancing::kSinkhorn: {
+      torch::NoGradGuard no_grad;
+      r.experts = std::get<1>(torch::topk(sinkhorn(router_logits.detach().to(torch::kFloat)), k, 1));
+      break;
+    }
+    case LoadBalancing::kBalanced: {
+      torch::NoGradGuard no_grad;
+      r.experts = balanced_assignment(probs.detach(), k);
+      break;
+    }
+  }
+  if (!r.weights.defined()) r.weights = torch::gather(probs, 1, r.experts);
+  r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
+  return r;
+}
+
+Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts) {
+  const torch::Tensor probs = torch::softmax(router_logits, /*dim=*/1, torch::kFloat);
+  Routing r;
+  r.experts = experts;
+  r.weights = torch::gather(probs, 1, experts);
+  r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
+  return r;
+}
+
+torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
+                                  const std::vector<torch::Tensor>& top_k) {
+  const torch::Tensor logits = torch::cat(router_logits, 0);
+  const int64_t experts = logits.size(1);
+  const torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
+  const torch::Tensor selected = top_k.empty() ? std::get<1>(torch::topk(probs, k, -1)) : torch::cat(top_k, 0);
+  const torch::Tensor mask = torch::one_hot(selected, experts).to(torch::kFloat);  // [N, k, E]
+  const torch::Tensor tokens_per_expert = mask.mean(0);                            // [k, E]
+  const torch::Tensor prob_per_expert = probs.mean(0);                             // [E]
+  return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(experts);
+}
+
+torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits) {
+  const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
+  return torch::logsumexp(logits, -1).square().mean();
+}
+
+torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor sums = torch::zeros({k * experts + experts + 2}, torch::kDouble);
+  if (router_logits.empty()) return sums;
+  const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
+  const torch::Tensor probs = torch::softmax(logits, -1);
+  const torch::Tensor selected = std::get<1>(torch::topk(probs, k, -1));
+  sums.narrow(0, 0, k * experts).copy_(torch::one_hot(selected, experts).sum(0).flatten());
+  sums.narrow(0, k * experts, experts).copy_(probs.sum(0));
+  sums[k * experts + experts] = torch::logsumexp(logits, -1).square().sum().item<double>();
+  sums[k * experts + experts + 1] = static_cast<double>(logits.size(0));
+  return sums;
+}
+
+std::pair<double, double> router_losses_of_sums(const torch::Tensor& sums, int64_t k, int64_t experts) {
+  const double rows = sums[k * experts + experts + 1].item<double>();
+  if (rows == 0) return {0, 0};
+  const torch::Tensor share = sums.narrow(0, 0, k * experts).view({k, experts}) / rows;
+  const torch::Tensor mean_prob = sums.narrow(0, k * experts, experts) / rows;
+  const double aux = (share * mean_prob.unsqueeze(0)).sum().item<double>() * static_cast<double>(experts);
+  return {aux, sums[k * experts + experts].item<double>() / rows};
+}
+
+}  // namespace moeplan::executor

@@ -1,0 +1,197 @@
+#include "moeplan/executor/model/routing_record.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/executor/io/tensor_file.h"
+
+namespace moeplan::executor {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string step_dir(const std::string& dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return dir + "/" + name;
+}
+
+std::string key(int64_t micro_batch, int64_t layer, const char* what) {
+  return "m" + std::to_string(micro_batch) + "/l" + std::to_string(layer) + "/" + what;
+}
+
+// Slots of `a` [tokens, k] whose expert is not among the same token's experts in `b`: a token's
+// k experts are a set (the order of its slots only orders two additions, which commute).
+int64_t slots_unlike(const torch::Tensor& a, const torch::Tensor& b, int64_t experts) {
+  const torch::Tensor in_a = torch::one_hot(a, experts).sum(1).clamp_max(1);
+  const torch::Tensor in_b = torch::one_hot(b, experts).sum(1).clamp_max(1);
+  return a.numel() - (in_a * in_b).sum().item<int64_t>();
+}
+
+}  // namespace
+
+void RoutingRecorder::add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits,
+                          const torch::Tensor& experts) {
+  torch::NoGradGuard no_grad;
+  Entry e;
+  e.micro_batch = micro_batch;
+  e.layer = layer;
+  e.tokens = logits.size(0);
+  e.experts = logits.size(1);
+  e.k = experts.size(1);
+  const torch::Tensor values = logits.detach().to(torch::kCPU, torch::kFloat).contiguous();
+  e.logits.assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
+  const torch::Tensor chosen = experts.to(torch::kCPU, torch::kLong).contiguous();
+  const int64_t* c = chosen.data_ptr<int64_t>();
+  for (int64_t i = 0; i < chosen.numel(); ++i) e.chosen.push_back(static_cast<uint8_t>(c[i]));
+  entries_.push_back(std::move(e));
+}
+
+void RoutingRecorder::write(int64_t step) {
+  const std::string dir = step_dir(dir_, step);
+  std::error_code ec;
+  fs::create_directories(dir, ec);  // every rank of the layout makes it; one succeeds
+  NamedTensors tensors;
+  for (Entry& e : entries_) {
+    tensors.emplace_back(key(e.micro_batch, e.layer, "logits"),
+                         torch::from_blob(e.logits.data(), {e.tokens, e.experts}, torch::kFloat));
+    tensors.emplace_back(key(e.micro_batch, e.layer, "experts"),
+                         torch::from_blob(e.chosen.data(), {e.tokens, e.k}, torch::kByte));
+  }
+  char name[32];
+  std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank_));
+  const std::string path = dir + "/" + name;
+  write_tensor_file(path + ".tmp", tensors, {{"step", std::to_string(step)}, {"rank", std::to_string(rank_)}});
+  fs::rename(path + ".tmp", path);
+  entries_.clear();
+}
+
+Json ReplayedStep::to_json() const {
+  return {{"step", step},
+          {"slots", slots},
+          {"unrecorded", unrecorded},
+          {"unlike_route", unlike_route},
+          {"near_ties", near_ties},
+          {"logit_difference", logit_difference},
+          {"logit_difference_micro_batch", logit_difference_micro_batch}};
+}
+
+void RoutingReplay::start_step(int64_t step) {
+  const std::string dir = step_dir(dir_, step);
+  if (!fs::is_directory(dir))
+    throw InputError(dir, {{"", "no routing record of step " + std::to_string(step) + " (the layout's run writes it)"}});
+  record_.clear();
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  std::sort(files.begin(), files.end());
+  for (const std::string& file : files)
+    for (auto& [name, tensor] : read_tensor_file(file).tensors) {
+      // "m<micro-batch>/l<layer>/<what>"
+      long long micro = -1, layer = -1;
+      char what[16] = {};
+      if (std::sscanf(name.c_str(), "m%lld/l%lld/%15s", &micro, &layer, what) != 3)
+        throw InputError(file, {{name, "is not a routing record's tensor (m<micro-batch>/l<layer>/logits or experts)"}});
+      auto& slot = record_[{micro, layer}];
+      (std::string(what) == "logits" ? slot.first : slot.second) = tensor;
+    }
+  current_ = ReplayedStep{};
+  current_.step = step;
+  current_.logit_difference.assign(static_cast<size_t>(spec_.num_layers), 0.0);
+  current_.logit_difference_micro_batch.assign(static_cast<size_t>(spec_.num_layers), -1);
+}
+
+RouteOverride RoutingReplay::micro_batch(int64_t micro_batch) {
+  return [this, micro_batch](int64_t layer, const torch::Tensor& logits) { return replay(micro_batch, layer, logits); };
+}
+
+ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const torch::Tensor& logits) {
+  torch::NoGradGuard no_grad;
+  const int64_t k = spec_.experts_per_token, experts = spec_.num_experts;
+  const torch::Tensor own = route(logits, k, method_).experts;
+  current_.slots += own.numel();
+  const auto it = record_.find({micro_batch, layer});
+  if (it == record_.end() || !it->second.first.defined() || !it->second.second.defined() ||
+      it->second.first.sizes() != logits.sizes() || it->second.second.size(0) != logits.size(0) ||
+      it->second.second.size(1) != k) {
+    ++current_.unrecorded;
+    return {own, std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1))};
+  }
+  const torch::Tensor recorded_logits = it->second.first.to(logits.scalar_type());
+  const torch::Tensor chosen = it->second.second.to(torch::kLong);
+  // The layout routes as the plan says: its choice is route() of its own logits, exactly.
+  current_.unlike_route += slots_unlike(chosen, route(recorded_logits, k, method_).experts, experts);
+  current_.near_ties += slots_unlike(chosen, own, experts);
+  const double difference = (logits.to(torch::kDouble) - recorded_logits.to(torch::kDouble)).norm().item<double>() /
+                            std::sqrt(static_cast<double>(logits.size(0)));
+  double& worst = current_.logit_difference[static_cast<size_t>(layer)];
+  if (!(difference <= worst)) {  // a NaN stays
+    worst = difference;
+    current_.logit_difference_micro_batch[static_cast<size_t>(layer)] = micro_batch;
+  }
+  // The load-balancing loss counts the k largest probabilities of the layout's logits, as the
+  // layout's own loss did.
+  return {chosen, std::get<1>(torch::topk(torch::softmax(recorded_logits, -1, torch::kFloat), k, -1))};
+}
+
+void RoutingReplay::finish_step() {
+  done_.push_back(current_);
+  Json steps = Json::array();
+  for (const ReplayedStep& s : done_) steps.push_back(s.to_json());
+  write_file_atomic(findings_path_, Json{{"steps", steps}}.dump(2) + "\n");
+}
+
+std::vector<ReplayedStep> read_replayed_steps(const std::string& path) {
+  const Json doc = read_json_file(path);
+  Diagnostics d;
+  ObjectReader top(doc, "", d);
+  std::vector<ReplayedStep> steps;
+  const Json* list = top.child("steps");
+  if (list != nullptr && !list->is_array()) d.error("steps", "expected an array, got " + describe_json(*list));
+  if (list != nullptr && list->is_array())
+    for (size_t i = 0; i < list->size(); ++i) {
+      const std::string at = "steps[" + std::to_string(i) + "]";
+      ObjectReader o((*list)[i], at, d);
+      if (!o.ok()) continue;
+      ReplayedStep s;
+      constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+      s.step = o.integer("step", 1, kMax);
+      s.slots = o.integer("slots", 0, kMax);
+      s.unrecorded = o.integer("unrecorded", 0, kMax);
+      s.unlike_route = o.integer("unlike_route", 0, kMax);
+      s.near_ties = o.integer("near_ties", 0, kMax);
+      for (const char* field : {"logit_difference", "logit_difference_micro_batch"}) {
+        const Json* values = o.child(field);
+        if (values == nullptr) continue;
+        if (!values->is_array()) {
+          d.error(o.path_of(field), "expected an array, got " + describe_json(*values));
+          continue;
+        }
+        for (size_t j = 0; j < values->size(); ++j) {
+          const Json& v = (*values)[j];
+          // A logit difference that was not finite is written as null.
+          if (std::string(field) == "logit_difference") {
+            if (!v.is_number() && !v.is_null())
+              d.error(o.path_of(field) + "[" + std::to_string(j) + "]", "expected a number, got " + describe_json(v));
+            s.logit_difference.push_back(v.is_number() ? v.get<double>() : std::nan(""));
+          } else {
+            if (!v.is_number_integer())
+              d.error(o.path_of(field) + "[" + std::to_string(j) + "]", "expected an integer, got " + describe_json(v));
+            s.logit_difference_micro_batch.push_back(v.is_number_integer() ? v.get<int64_t>() : -1);
+          }
+        }
+      }
+      o.finish();
+      steps.push_back(std::move(s));
+    }
+  top.finish();
+  d.throw_if_any(path);
+  return steps;
+}
+
+}  // namespace moeplan::executor

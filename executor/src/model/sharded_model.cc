@@ -1,0 +1,613 @@
+#include "moeplan/executor/model/sharded_model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <cassert>
+#include <c10/core/CPUAllocator.h>
+
+#include <cstring>
+
+#include "moeplan/executor/model/autograd_ops.h"
+#include "moeplan/executor/model/routing.h"
+
+namespace moeplan::executor {
+
+torch::ScalarType master_type(Precision p) { return p == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat; }
+torch::ScalarType compute_type(Precision p) { return p == Precision::kFp32 ? torch::kFloat : torch::kBFloat16; }
+
+namespace {
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
+std::vector<FlatUnit> flat_units(const ModelSpec& spec, const std::vector<ParamInfo>& infos, int64_t expert_degree,
+                                 int64_t expert_rank, int64_t shard_degree) {
+  const int64_t per_rank = spec.num_experts / expert_degree;
+  const int64_t first = expert_rank * per_rank;
+  std::vector<FlatUnit> units;
+  auto add = [&](std::string name, int64_t block, bool experts, auto&& take) {
+    FlatUnit u{std::move(name), block, experts, {}, {}, 0, 0};
+    for (size_t i = 0; i < infos.size(); ++i)
+      if (infos[i].block == block && take(infos[i])) {
+        u.params.push_back(static_cast<int64_t>(i));
+        u.offsets.push_back(u.numel);
+        u.numel += infos[i].numel();
+      }
+    u.shard_numel = ceil_div(u.numel, shard_degree);
+    units.push_back(std::move(u));
+  };
+  add("embed", 0, false, [](const ParamInfo&) { return true; });
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    const std::string prefix = "layers." + std::to_string(l);
+    add(prefix + ".dense", l + 1, false, [](const ParamInfo& p) { return p.expert < 0; });
+    add(prefix + ".experts", l + 1, true,
+        [&](const ParamInfo& p) { return p.expert >= first && p.expert < first + per_rank; });
+  }
+  add("head", spec.num_layers + 1, false, [](const ParamInfo&) { return true; });
+  return units;
+}
+
+ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
+    : plan_(plan), mesh_(mesh), master_type_(master_type(plan.training.precision)),
+      compute_type_(compute_type(plan.training.precision)), local_spec_(plan.model),
+      tp_(plan.parallel.tensor_parallel_degree), tp_rank_(mesh.coords().t) {
+  const ParallelConfig& p = plan.parallel;
+  experts_per_rank_ = plan.model.num_experts / p.expert_parallel_degree;
+  first_expert_ = mesh.coords().e * experts_per_rank_;
+  local_spec_.num_attention_heads /= tp_;
+  local_spec_.num_key_value_heads /= tp_;
+  pp_ = p.pipeline_parallel_degree;
+  pp_rank_ = mesh.coords().p;
+  chunks_ = p.virtual_pipeline_degree;
+  layers_per_chunk_ = plan.model.num_layers / (pp_ * chunks_);
+  const std::vector<ParamInfo> whole = mixtral_parameters(plan.model);
+  for (const ParamInfo& info : whole) {
+    infos_.push_back(tensor_part_info(info, tp_));
+    splits_.push_back(tensor_split(info));
+  }
+  units_ = flat_units(plan.model, infos_, p.expert_parallel_degree, mesh.coords().e, p.hybrid_shard_degree);
+
+  // Shapes only until here: the whole model exists on the meta device, no memory is used.
+  const ParameterSet meta = ParameterSet::on_meta(infos_);
+  const auto seed = static_cast<uint64_t>(plan.training.seed);
+  torch::NoGradGuard no_grad;
+  for (const FlatUnit& u : units_) {
+    // The stage of a unit: virtual stage v (of P x V) is chunk v / P of pipeline rank v % P.
+    const int64_t layer = std::clamp<int64_t>(u.block - 1, 0, plan.model.num_layers - 1);
+    held_.push_back(layer / layers_per_chunk_ % pp_ == pp_rank_);
+    if (!held_.back()) {
+      shards_.push_back(torch::zeros({0}, torch::TensorOptions().dtype(master_type_)).requires_grad_(true));
+      decay_masks_.push_back(torch::zeros({0}, torch::kBool));
+      whole_masks_.emplace_back();
+      continue;
+    }
+    const int64_t begin = shard_begin(u), end = begin + u.shard_numel;
+    torch::Tensor shard = torch::zeros({u.shard_numel}, torch::TensorOptions().dtype(master_type_));
+    torch::Tensor decay = torch::zeros({u.shard_numel}, torch::kBool);
+    torch::Tensor whole_mask = torch::zeros({u.shard_numel}, torch::kBool);
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const auto param = static_cast<size_t>(u.params[j]);
+      const ParamInfo& info = infos_[param];
+      const int64_t a = std::max(begin, u.offsets[j]), b = std::min(end, u.offsets[j] + info.numel());
+      if (a >= b) continue;  // the parameter lies in other ranks' shards: not drawn here
+      // A parameter's values come from one seeded stream, so they are drawn whole and this
+      // rank's part of them kept.
+      torch::Tensor values = torch::empty(whole[param].shape, torch::TensorOptions().dtype(master_type_));
+      initialize_parameter(values, whole[param], seed);
+      const torch::Tensor part = tensor_part(values, splits_[param], tp_rank_, tp_).contiguous().flatten();
+      shard.narrow(0, a - begin, b - a).copy_(part.narrow(0, a - u.offsets[j], b - a));
+      if (info.weight_decay) decay.narrow(0, a - begin, b - a).fill_(true);
+      if (splits_[param] == TensorSplit::kWhole) whole_mask.narrow(0, a - begin, b - a).fill_(true);
+    }
+    shards_.push_back(shard.requires_grad_(true));
+    decay_masks_.push_back(decay);
+    whole_masks_.push_back(tp_ > 1 && whole_mask.any().item<bool>() ? whole_mask : torch::Tensor());
+  }
+  for (const torch::Tensor& s : shards_)
+    if (s.is_meta()) throw std::logic_error("a parameter shard is still on the meta device");
+  (void)meta;
+}
+
+void ShardedModel::sum_whole_parameter_grads(size_t unit, torch::Tensor& grad) {
+  const torch::Tensor& mask = whole_masks_[unit];
+  if (!mask.defined()) return;
+  torch::Tensor part = grad.masked_select(mask);
+  mesh_.tensor.all_reduce_sum(part);
+  grad.masked_scatter_(mask, part);
+}
+
+Communicator& ShardedModel::replica_group(const FlatUnit& unit) {
+  return unit.experts ? mesh_.expert_replicas : mesh_.dense_replicas;
+}
+
+bool ShardedModel::owns(const FlatUnit& unit) const {
+  const MeshCoords& c = mesh_.coords();
+  if (!held_[static_cast<size_t>(&unit - units_.data())]) return false;
+  return unit.experts ? c.r == 0 : c.r == 0 && c.e == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gathering and freeing flat parameters.
+
+ShardedModel::Gathered ShardedModel::gather(size_t index) {
+  const FlatUnit& u = units_[index];
+  Gathered g;
+  g.unit = index;
+  torch::Tensor& shard = shards_[index];
+  if (mesh_.shard.size() == 1 && compute_type_ == master_type_) {
+    g.flat = shard;  // nothing to gather or convert: compute on the master itself
+  } else {
+    Communicator& comm = mesh_.shard;
+    std::vector<torch::Tensor> out;
+    if (auto it = prefetched_.find(index); it != prefetched_.end()) {
+      out.push_back(comm.finish_all_gather(it->second));
+      prefetched_.erase(it);
+    } else {
+      out.push_back(comm.all_gather(shard.detach().to(compute_type_)));
+    }
+    const torch::ScalarType master = master_type_;
+    attach_backward({shard}, out, "GatherUnitBackward", [&comm, master, n = out[0].numel(),
+                                                          type = compute_type_](std::vector<torch::Tensor>&& grads) {
+      const torch::Tensor grad = grads[0].defined() ? grads[0] : torch::zeros({n}, torch::TensorOptions().dtype(type));
+      return std::vector<torch::Tensor>{comm.reduce_scatter_sum(grad).to(master)};
+    });
+    g.flat = out[0];
+    g.releasable = true;
+  }
+  std::vector<int64_t> sizes;
+  for (const int64_t p : u.params) sizes.push_back(infos_[static_cast<size_t>(p)].numel());
+  sizes.push_back(g.flat.numel() - u.numel);  // padding
+  const std::vector<torch::Tensor> pieces = g.flat.split_with_sizes(sizes);
+  for (size_t j = 0; j < u.params.size(); ++j)
+    g.params.push_back(pieces[j].view(infos_[static_cast<size_t>(u.params[j])].shape));
+  return g;
+}
+
+void ShardedModel::prefetch(size_t index) {
+  // Nothing to move, or a unit of another pipeline stage.
+  if (mesh_.shard.size() == 1 || !held_[index] || prefetched_.count(index) != 0) return;
+  prefetched_.emplace(index, mesh_.shard.start_all_gather(shards_[index].detach().to(compute_type_)));
+}
+
+void ShardedModel::prefetch_block(int64_t layer) {
+  if (layer < 0) return;  // the embedding needs no weights in backward
+  if (layer >= plan_.model.num_layers) {
+    prefetch(units_.size() - 1);  // the final norm and lm head
+    return;
+  }
+  prefetch(static_cast<size_t>(1 + 2 * layer));  // dense
+  prefetch(static_cast<size_t>(2 + 2 * layer));  // experts
+}
+
+// Frees the gathered copy's memory. The views that autograd saved keep pointing at the same
+// storage, which regather_in_backward fills again before they are read.
+void ShardedModel::release(const Gathered& g) {
+  if (!g.releasable) return;
+  c10::StorageImpl* storage = g.flat.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, g.flat.device()));
+  storage->set_nbytes(0);
+}
+
+torch::Tensor ShardedModel::regather_in_backward(const torch::Tensor& y, const std::vector<Gathered>& units) {
+  std::vector<Gathered> again;
+  for (const Gathered& g : units)
+    if (g.releasable) again.push_back(g);
+  if (again.empty()) return y;
+  std::vector<torch::Tensor> out{y};
+  attach_backward({y}, out, "RegatherBackward", [this, again](std::vector<torch::Tensor>&& grads) {
+    torch::NoGradGuard no_grad;
+    for (const Gathered& g : again) {
+      torch::Tensor values;
+      if (auto it = prefetched_.find(g.unit); it != prefetched_.end()) {
+        values = mesh_.shard.finish_all_gather(it->second);
+        prefetched_.erase(it);
+      } else {
+        values = mesh_.shard.all_gather(shards_[g.unit].detach().to(compute_type_));
+      }
+      // Written below autograd (no version bump): the saved views see the same values as in
+      // forward. The gathered memory itself moves into the unit's storage when it is all of it.
+      c10::StorageImpl* storage = g.flat.storage().unsafeGetStorageImpl();
+      c10::StorageImpl* gathered = values.storage().unsafeGetStorageImpl();
+      const size_t bytes = values.nbytes();
+      if (values.storage_offset() == 0 && gathered->nbytes() == bytes) {
+        storage->set_data_ptr_noswap(gathered->set_data_ptr(at::DataPtr(nullptr, values.device())));
+        gathered->set_nbytes(0);
+      } else {
+        storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
+        std::memcpy(storage->data_ptr().get(), values.data_ptr(), bytes);
+      }
+      storage->set_nbytes(bytes);
+    }
+    // The block before this one runs backward next: its units move while this one computes.
+    prefetch_block(units_[again.front().unit].block - 2);
+    return std::vector<torch::Tensor>{grads[0]};
+  });
+  return out[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation checkpointing: fn runs without autograd in forward and again, with it, in backward.
+// Input 0 (the activation) may be offloaded; other inputs are parameter views kept as they are.
+
+std::vector<torch::Tensor> ShardedModel::checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs,
+                                                    int64_t layer) {
+  std::vector<torch::Tensor> outputs;
+  {
+    torch::NoGradGuard no_grad;
+    outputs = fn(inputs, false);
+  }
+  if (!torch::GradMode::is_enabled()) return outputs;
+  std::vector<torch::Tensor> saved;
+  for (const torch::Tensor& t : inputs) saved.push_back(t.detach());
+  const bool offloaded = offload_ != nullptr;
+  if (offloaded) {
+    offload_->put(layer, saved[0]);
+    saved[0] = torch::Tensor();
+  }
+  std::vector<bool> needs_grad;
+  for (const torch::Tensor& t : inputs) needs_grad.push_back(t.requires_grad());
+  attach_backward(inputs, outputs, "CheckpointBackward",
+                  [this, fn, saved, offloaded, layer, needs_grad](std::vector<torch::Tensor>&& grads) {
+                    std::vector<torch::Tensor> in;
+                    for (size_t i = 0; i < saved.size(); ++i) {
+                      torch::Tensor t = i == 0 && offloaded ? offload_->take(layer) : saved[i];
+                      in.push_back(t.detach().requires_grad_(needs_grad[i]));
+                    }
+                    if (offloaded)
+                      for (int64_t k = 1; k <= horizon_; ++k) offload_->prefetch(layer - k);
+                    prefetch_block(layer - 1);  // the next block to run backward
+                    std::vector<torch::Tensor> again;
+                    {
+                      torch::AutoGradMode enable(true);
+                      again = fn(in, true);
+                    }
+                    std::vector<torch::Tensor> roots, root_grads;
+                    for (size_t j = 0; j < again.size(); ++j)
+                      if (grads[j].defined() && again[j].requires_grad()) {
+                        roots.push_back(again[j]);
+                        root_grads.push_back(grads[j]);
+                      }
+                    torch::autograd::backward(roots, root_grads);
+                    std::vector<torch::Tensor> result;
+                    for (const torch::Tensor& t : in) result.push_back(t.grad());
+                    return result;
+                  });
+  return outputs;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The forward pass.
+
+LayerWeights ShardedModel::dense_weights(const Gathered& dense) const {
+  LayerWeights w;
+  const auto& p = dense.params;  // input norm, q, k, v, o, post-attention norm, router
+  w.input_norm = p[0];
+  w.q_proj = p[1];
+  w.k_proj = p[2];
+  w.v_proj = p[3];
+  w.o_proj = p[4];
+  w.post_attention_norm = p[5];
+  w.router = p[6];
+  return w;
+}
+
+ForwardResult ShardedModel::forward(const torch::Tensor& input_ids, uint64_t shuffle_seed) {
+  return forward_chunk(0, input_ids, torch::Tensor(), shuffle_seed);
+}
+
+ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& input_ids, const torch::Tensor& hidden,
+                                          uint64_t shuffle_seed) {
+  const ModelSpec& spec = plan_.model;
+  const int64_t t = input_ids.size(1);
+  if (!rope_.cos.defined() || rope_.cos.size(0) != t) {
+    rope_ = rope_tables(spec, t, compute_type_);
+    mask_ = attention_mask_bias(spec, t, compute_type_);
+  }
+  const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
+  const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
+  ForwardResult out;
+  out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::kLong);
+  torch::Tensor x;
+  // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
+  // schedule, are finished before new ones start.
+  for (auto& [unit, pending] : prefetched_) mesh_.shard.finish_all_gather(pending);
+  prefetched_.clear();
+  if (stage == 0) {
+    prefetch(0);
+    prefetch_block(first);  // moves while the embedding is looked up
+    const Gathered embed = gather(0);
+    x = this->embed(embed.params[0], input_ids);  // its backward needs only the ids
+    release(embed);
+  } else {
+    prefetch_block(first);
+    x = hidden;
+  }
+  for (int64_t l = first; l < last; ++l) {
+    x = block(l, x, out, shuffle_seed);
+    note_nonfinite(out, l, x);
+  }
+  if (stage + 1 < stages) {
+    out.hidden = x;
+    return out;
+  }
+  const Gathered head = gather(units_.size() - 1);
+  x = gather_sequence(rms_norm(x, head.params[0], spec.rms_norm_eps));
+  torch::Tensor logits = torch::matmul(x, head.params[1].t()).to(torch::kFloat);
+  release(head);
+  out.logits = regather_in_backward(logits, {head});
+  if (offload_)  // the last blocks are the first ones backward needs
+    for (int64_t k = 1; k <= horizon_; ++k) offload_->prefetch(spec.num_layers - k);
+  return out;
+}
+
+torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed) {
+  const ModelSpec& spec = plan_.model;
+  const size_t dense_unit = static_cast<size_t>(1 + 2 * l), expert_unit = dense_unit + 1;
+  torch::Tensor counts = out.tokens_per_expert[l];
+  // This block's units were started by the one before; the next block's move while it computes.
+  prefetch_block(l + 1);
+  switch (plan_.parallel.activation_checkpointing) {
+    case Checkpointing::kNone: {
+      const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
+      const LayerWeights w = dense_weights(dense);
+      const torch::Tensor h = x + scatter_sequence(attention(
+                                      local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
+                                      rope_, mask_));
+      torch::Tensor router_logits;
+      const torch::Tensor moe_out =
+          moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)), w.router, experts, true,
+              router_logits, shuffle_seed);
+      out.router_logits.push_back(router_logits);
+      counts.copy_(tokens_per_expert_);
+      const torch::Tensor y = h + scatter_sequence(moe_out);
+      release(dense);
+      release(experts);
+      return regather_in_backward(y, {dense, experts});
+    }
+    case Checkpointing::kSelective: {
+      // Attention keeps its activations; the MoE sub-block is recomputed in backward.
+      const Gathered dense = gather(dense_unit);
+      const LayerWeights w = dense_weights(dense);
+      const torch::Tensor h = x + scatter_sequence(attention(
+                                      local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
+                                      rope_, mask_));
+      BlockFn fn = [this, l, expert_unit, counts, shuffle_seed](const std::vector<torch::Tensor>& in, bool recompute) {
+        const Gathered experts = gather(expert_unit);
+        torch::Tensor router_logits;
+        const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps)), in[2],
+                                          experts, !recompute, router_logits, shuffle_seed);
+        if (!recompute) counts.copy_(tokens_per_expert_);
+        return std::vector<torch::Tensor>{in[0] + scatter_sequence(moe_out), router_logits};
+      };
+      const std::vector<torch::Tensor> outs = checkpoint(fn, {h, w.post_attention_norm, w.router}, l);
+      out.router_logits.push_back(outs[1]);
+      release(dense);
+      return regather_in_backward(outs[0], {dense});
+    }
+    case Checkpointing::kFull: {
+      BlockFn fn = [this, l, dense_unit, expert_unit, counts, shuffle_seed](const std::vector<torch::Tensor>& in,
+                                                                            bool recompute) {
+        const ModelSpec& spec = plan_.model;
+        const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
+        const LayerWeights w = dense_weights(dense);
+        const torch::Tensor h = in[0] + scatter_sequence(attention(
+                                            local_spec_, w,
+                                            gather_sequence(rms_norm(in[0], w.input_norm, spec.rms_norm_eps)), rope_,
+                                            mask_));
+        torch::Tensor router_logits;
+        const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)),
+                                          w.router, experts, !recompute, router_logits, shuffle_seed);
+        if (!recompute) counts.copy_(tokens_per_expert_);
+        return std::vector<torch::Tensor>{h + scatter_sequence(moe_out), router_logits};
+      };
+      const std::vector<torch::Tensor> outs = checkpoint(fn, {x}, l);
+      out.router_logits.push_back(outs[1]);
+      return outs[0];
+    }
+    case Checkpointing::kAttentionCore:
+      break;  // refused by check_run_inputs
+  }
+  assert(false && "attention_core checkpointing reached the executor");
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor and sequence parallelism.
+
+torch::Tensor ShardedModel::gather_sequence(const torch::Tensor& x) {
+  if (tp_ == 1) return x;
+  // The collectives work along dimension 0: the sequence goes first for the move.
+  // Contiguous again, so that the matrix products that read it share one saved copy.
+  return all_gather_autograd(mesh_.tensor, x.transpose(0, 1).contiguous()).transpose(0, 1).contiguous();
+}
+
+torch::Tensor ShardedModel::scatter_sequence(const torch::Tensor& partial) {
+  if (tp_ == 1) return partial;
+  return reduce_scatter_autograd(mesh_.tensor, partial.transpose(0, 1).contiguous()).transpose(0, 1);
+}
+
+// A vocabulary-parallel lookup: each T rank holds rows [t V / T, (t + 1) V / T) of the table and
+// gives zeros for the other tokens; the reduce-scatter sums the parts and splits the sequence.
+torch::Tensor ShardedModel::embed(const torch::Tensor& table, const torch::Tensor& input_ids) {
+  if (tp_ == 1) return torch::embedding(table, input_ids);
+  const int64_t rows = table.size(0);
+  const torch::Tensor local = input_ids - tp_rank_ * rows;
+  const torch::Tensor inside = ((local >= 0) & (local < rows)).unsqueeze(-1).to(table.scalar_type());
+  return scatter_sequence(torch::embedding(table, local.clamp(0, rows - 1)) * inside);
+}
+
+LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& input_ids) {
+  if (tp_ == 1) return mixtral_loss(plan_.model, plan_.moe, out, input_ids);
+  // Cross entropy over logits split by vocabulary (Megatron-LM's vocab-parallel cross entropy):
+  // the maximum, the sum of exponentials and the label's logit are each combined over the T
+  // ranks, so every rank gets the loss of the whole vocabulary, and each logit its gradient on
+  // the one rank that holds it.
+  const int64_t part = out.logits.size(-1);
+  const torch::Tensor logits = out.logits.reshape({-1, part});
+  const torch::Tensor labels = next_token_labels(input_ids).reshape({-1});
+  torch::Tensor max = std::get<0>(logits.detach().max(-1));
+  max = std::get<0>(mesh_.tensor.all_gather(max.unsqueeze(0)).max(0));
+  const torch::Tensor shifted = logits - max.unsqueeze(-1);
+  const torch::Tensor sum_exp = all_reduce_autograd(mesh_.tensor, shifted.exp().sum(-1));
+  const torch::Tensor local = labels - tp_rank_ * part;
+  const torch::Tensor mine = (local >= 0) & (local < part);
+  const torch::Tensor picked = shifted.gather(1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine;
+  const torch::Tensor label_logit = all_reduce_autograd(mesh_.tensor, picked);
+  const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
+  const torch::Tensor lm = ((sum_exp.log() - label_logit) * counted).sum() / counted.sum();
+  return mixtral_loss_from_lm(plan_.model, plan_.moe, out, lm);
+}
+
+namespace {
+
+// The global token shuffle of an expert group: a random permutation of the group's tokens
+// (the same on every member), of which each rank takes an equal consecutive part.
+struct TokenShuffle {
+  std::vector<int64_t> send_rows, recv_rows;
+  torch::Tensor send_order;    // this rank's tokens in the order they leave
+  torch::Tensor arrival;       // arrival index -> local shuffled position
+  torch::Tensor arrival_inv;   // local shuffled position -> arrival index
+  torch::Tensor send_inv;      // leaving index -> original token
+};
+
+TokenShuffle make_shuffle(int64_t ranks, int64_t me, int64_t n, uint64_t seed) {
+  const int64_t total = ranks * n;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const torch::Tensor perm = torch::randperm(total, generator, torch::kLong);  // position -> token
+  const torch::Tensor position = torch::argsort(perm);                         // token -> position
+  TokenShuffle s;
+  const torch::Tensor mine = position.narrow(0, me * n, n);  // positions of my tokens
+  s.send_order = std::get<1>(torch::sort(mine, c10::optional<bool>(true), 0));
+  s.send_inv = torch::argsort(s.send_order);
+  const torch::Tensor dest = torch::div(mine, n, "floor");
+  const torch::Tensor my_positions = torch::arange(me * n, me * n + n, torch::kLong);
+  const torch::Tensor src = torch::div(perm.narrow(0, me * n, n), n, "floor");
+  const torch::Tensor send_counts = torch::bincount(dest, {}, ranks), recv_counts = torch::bincount(src, {}, ranks);
+  for (int64_t r = 0; r < ranks; ++r) {
+    s.send_rows.push_back(send_counts[r].item<int64_t>());
+    s.recv_rows.push_back(recv_counts[r].item<int64_t>());
+  }
+  // Rows arrive grouped by source rank, each group in position order.
+  s.arrival = std::get<1>(torch::sort(src * total + my_positions, c10::optional<bool>(true), 0));
+  s.arrival_inv = torch::argsort(s.arrival);
+  return s;
+}
+
+uint64_t mix_seed(uint64_t seed, int64_t layer) {
+  uint64_t x = seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(layer + 1);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const torch::Tensor& router,
+                                const Gathered& experts, bool count, torch::Tensor& router_logits,
+                                uint64_t shuffle_seed) {
+  const ModelSpec& spec = plan_.model;
+  const MoeConfig& moe = plan_.moe;
+  Communicator& group = mesh_.expert;
+  torch::Tensor tokens = x.reshape({-1, x.size(-1)});
+  const bool shuffle = moe.global_token_shuffle && group.size() > 1;
+  TokenShuffle s;
+  if (shuffle) {
+    s = make_shuffle(group.size(), group.rank(), tokens.size(0), mix_seed(shuffle_seed, layer));
+    tokens = all_to_all_autograd(group, tokens.index_select(0, s.send_order), s.send_rows, s.recv_rows)
+                 .index_select(0, s.arrival_inv);
+  }
+  router_logits = torch::matmul(tokens, router.t());
+  const Routing r = route(router_logits, spec.experts_per_token, moe.load_balancing);
+  if (count) tokens_per_expert_ = torch::bincount(r.experts.flatten(), {}, spec.num_experts);
+  if (count && recorder_ && tp_rank_ == 0) recorder_->add(micro_batch_, layer, router_logits, r.experts);
+  torch::Tensor sent_to = r.experts;
+  if (fault_ == RehearsalFault::kExpertOnWrongRank && experts_per_rank_ < spec.num_experts) {
+    // The planted fault: expert 0 and the second expert rank's first expert trade places.
+    const int64_t other = experts_per_rank_;
+    sent_to = r.experts.masked_fill(r.experts == 0, other).masked_fill_(r.experts == other, 0);
+  }
+  const torch::Tensor weights = r.weights.to(tokens.scalar_type());
+  torch::Tensor out = moe.dispatcher == Dispatcher::kAllGather ? dispatch_all_gather(tokens, sent_to, weights, experts)
+                                                               : dispatch_all_to_all(tokens, sent_to, weights, experts);
+  if (shuffle)
+    out = all_to_all_autograd(group, out.index_select(0, s.arrival), s.recv_rows, s.send_rows).index_select(0, s.send_inv);
+  return out.view(x.sizes());
+}
+
+torch::Tensor ShardedModel::local_experts(const torch::Tensor& rows, const std::vector<int64_t>& rows_per_expert,
+                                          const Gathered& local) {
+  busiest_expert_rows_ = std::max(busiest_expert_rows_, rows.size(0));
+  const auto& p = local.params;  // w1, w2, w3 of each local expert
+  return grouped_experts(rows, rows_per_expert, [&p](int64_t j) {
+    return ExpertWeights{p[static_cast<size_t>(3 * j)], p[static_cast<size_t>(3 * j + 1)], p[static_cast<size_t>(3 * j + 2)]};
+  });
+}
+
+torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, const torch::Tensor& experts,
+                                                const torch::Tensor& weights, const Gathered& local) {
+  const int64_t k = plan_.model.experts_per_token, num_experts = plan_.model.num_experts;
+  const torch::Tensor slots = experts.flatten();
+  const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
+  const torch::Tensor token_of = torch::div(order, k, "floor");
+  const torch::Tensor load = torch::bincount(slots, {}, num_experts);  // slots per expert, from this rank
+  const torch::Tensor sorted = tokens.index_select(0, token_of);        // grouped by expert
+  const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
+  Communicator& group = mesh_.expert;
+  const int64_t ranks = group.size(), n = experts_per_rank_, first = first_expert_;
+  torch::Tensor y;
+  if (ranks == 1) {
+    const std::vector<int64_t> per_expert(load.data_ptr<int64_t>(), load.data_ptr<int64_t>() + num_experts);
+    y = local_experts(sorted, per_expert, local);
+  } else {
+    const torch::Tensor all_load = group.all_gather(load.unsqueeze(0));  // [ranks, experts]
+    const auto* a = all_load.data_ptr<int64_t>();
+    std::vector<int64_t> send(static_cast<size_t>(ranks), 0), recv(static_cast<size_t>(ranks), 0),
+        per_expert(static_cast<size_t>(n), 0);
+    for (int64_t r = 0; r < ranks; ++r)
+      for (int64_t j = 0; j < n; ++j) {
+        send[static_cast<size_t>(r)] += a[group.rank() * num_experts + r * n + j];
+        recv[static_cast<size_t>(r)] += a[r * num_experts + first + j];
+        per_expert[static_cast<size_t>(j)] += a[r * num_experts + first + j];
+      }
+    const torch::Tensor received = all_to_all_autograd(group, sorted, send, recv);  // by source, then expert
+    // Regroup by expert, then source, so that each local expert reads one slice.
+    std::vector<int64_t> index;
+    index.reserve(static_cast<size_t>(received.size(0)));
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t source_begin = 0;
+      for (int64_t r = 0; r < ranks; ++r) {
+        int64_t start = source_begin;
+        for (int64_t i = 0; i < j; ++i) start += a[r * num_experts + first + i];
+        for (int64_t i = 0; i < a[r * num_experts + first + j]; ++i) index.push_back(start + i);
+        source_begin += recv[static_cast<size_t>(r)];
+      }
+    }
+    const torch::Tensor by_expert = torch::tensor(index, torch::kLong);
+    const torch::Tensor computed = local_experts(received.index_select(0, by_expert), per_expert, local);
+    const torch::Tensor back = computed.index_select(0, torch::argsort(by_expert));
+    y = all_to_all_autograd(group, back, recv, send);  // this rank's slots, in the order they left
+  }
+  return torch::zeros_like(tokens).index_add(0, token_of, y * slot_weights);
+}
+
+torch::Tensor ShardedModel::dispatch_all_gather(const torch::Tensor& tokens, const torch::Tensor& experts,
+                                                const torch::Tensor& weights, const Gathered& local) {
+  const int64_t k = plan_.model.experts_per_token;
+  Communicator& group = mesh_.expert;
+  const torch::Tensor all_tokens = all_gather_autograd(group, tokens);  // [ranks * N, hidden]
+  const torch::Tensor all_weights = all_gather_autograd(group, weights);
+  const torch::Tensor all_experts = group.all_gather(experts).flatten();
+  const torch::Tensor mine =
+      torch::nonzero((all_experts >= first_expert_) & (all_experts < first_expert_ + experts_per_rank_)).flatten();
+  const torch::Tensor local_expert = all_experts.index_select(0, mine) - first_expert_;
+  const torch::Tensor order = std::get<1>(torch::sort(local_expert, c10::optional<bool>(true), 0));
+  const torch::Tensor slot = mine.index_select(0, order);
+  const torch::Tensor token_of = torch::div(slot, k, "floor");
+  const torch::Tensor counts = torch::bincount(local_expert, {}, experts_per_rank_);
+  const std::vector<int64_t> per_expert(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + experts_per_rank_);
+  const torch::Tensor y = local_experts(all_tokens.index_select(0, token_of), per_expert, local);
+  const torch::Tensor partial = torch::zeros_like(all_tokens)
+                                    .index_add(0, token_of, y * all_weights.flatten().index_select(0, slot).unsqueeze(-1));
+  return reduce_scatter_autograd(group, partial);  // this rank's tokens, summed over the experts of the group
+}
+
+}  // namespace moeplan::executor

@@ -1,0 +1,250 @@
+#include "moeplan/executor/ranks/collectives.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <cassert>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+
+namespace moeplan::executor {
+
+namespace {
+
+// Sums of bf16 tensors are taken in fp32 and rounded once, as the one-rank step adds them.
+bool sums_wide(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+}  // namespace
+
+void CollectiveActivity::enter(const char* op, const std::string& group) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  inside_ = true;
+  current_ = std::string(op) + " on " + group;
+  since_ = std::chrono::steady_clock::now();
+}
+
+void CollectiveActivity::leave() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  inside_ = false;
+  last_ = std::move(current_);
+  since_ = std::chrono::steady_clock::now();
+}
+
+std::string CollectiveActivity::describe() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f s",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count());
+  if (inside_) return "in " + current_ + " for " + seconds;
+  return "outside any collective for " + std::string(seconds) + " (the last: " + (last_.empty() ? "none yet" : last_) +
+         ")";
+}
+
+Communicator::Communicator(BackendGroup group, std::string name)
+    : group_(std::move(group)), name_(std::move(name)) {
+  if (group_) {
+    rank_ = group_->getRank();
+    size_ = group_->getSize();
+  }
+}
+
+template <class F>
+void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe, const std::string& peer) {
+  const auto start = std::chrono::steady_clock::now();
+  if (activity_) activity_->enter(op, name_);
+  try {
+    f();
+    if (activity_) activity_->leave();
+    if (observe && observer_) observer_(op, bytes, start, std::chrono::steady_clock::now());
+  } catch (const std::exception& e) {
+    if (activity_) activity_->leave();
+    throw CollectiveError(std::string(op) + peer + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
+                          std::to_string(size_) + ") failed: " + first_line(e.what()));
+  }
+}
+
+void Communicator::all_reduce_sum(torch::Tensor& t) {
+  if (size_ == 1) return;
+  run("all-reduce", static_cast<int64_t>(t.nbytes()), [&] {
+    const bool widen = sums_wide(t);
+    std::vector<torch::Tensor> tensors{widen ? t.to(torch::kFloat) : t.contiguous()};
+    group_->allreduce(tensors)->wait();
+    if (widen || !t.is_contiguous()) t.copy_(tensors[0]);
+  });
+}
+
+torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
+  PendingGather pending = start_all_gather(shard);
+  return finish_all_gather(pending);
+}
+
+Communicator::PendingGather Communicator::start_all_gather(const torch::Tensor& shard) {
+  PendingGather p;
+  p.start = std::chrono::steady_clock::now();
+  if (size_ == 1) {
+    p.gathered = shard.clone();
+    return p;
+  }
+  run("all-gather", 0, [&] {
+    p.input = shard.contiguous();
+    // Into one result tensor, rank r's part at rows r (all_gather_into_tensor).
+    std::vector<int64_t> shape = p.input.sizes().vec();
+    shape[0] *= size_;
+    p.gathered = torch::empty(shape, p.input.options());
+    p.work = group_->_allgather_base(p.gathered, p.input);
+  }, /*observe=*/false);
+  return p;
+}
+
+torch::Tensor Communicator::finish_all_gather(PendingGather& p) {
+  if (p.work) {
+    const auto start = p.start;
+    run("all-gather", static_cast<int64_t>(p.gathered.nbytes()), [&] { p.work->wait(); }, /*observe=*/false);
+    if (observer_) observer_("all-gather", static_cast<int64_t>(p.gathered.nbytes()), start, std::chrono::steady_clock::now());
+    p.work.reset();
+  }
+  p.input = torch::Tensor();
+  return p.gathered;
+}
+
+torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
+  if (full.size(0) % size_ != 0)
+    throw CollectiveError("reduce-scatter on " + name_ + ": " + std::to_string(full.size(0)) +
+                          " rows do not split into " + std::to_string(size_) + " equal chunks");
+  if (size_ == 1) return full.clone();
+  torch::Tensor result;
+  run("reduce-scatter", static_cast<int64_t>(full.nbytes()), [&] {
+    const bool widen = sums_wide(full);
+    std::vector<int64_t> shape = full.sizes().vec();
+    shape[0] /= size_;
+    if (group_->getBackendName() == "gloo") {
+      // gloo's own reduce-scatter takes twice as long as an all-to-all of the equal chunks and a
+      // local sum, which move the same bytes as a ring (docs/decisions.md).
+      torch::Tensor sent = full.contiguous();
+      torch::Tensor received = torch::empty_like(sent);
+      std::vector<int64_t> equal;  // empty split lists: equal chunks
+      group_->alltoall_base(received, sent, equal, equal)->wait();
+      shape.insert(shape.begin(), size_);
+      received = received.view(shape);
+      result = (widen ? received.to(torch::kFloat) : received).sum(0).to(full.scalar_type());
+      return;
+    }
+    torch::Tensor input = widen ? full.to(torch::kFloat) : full.contiguous();
+    torch::Tensor output = torch::empty(shape, input.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    group_->_reduce_scatter_base(output, input, options)->wait();
+    result = widen ? output.to(full.scalar_type()) : output;
+  });
+  return result;
+}
+
+torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::vector<int64_t>& send_rows,
+                                       const std::vector<int64_t>& recv_rows) {
+  assert(static_cast<int64_t>(send_rows.size()) == size_ && static_cast<int64_t>(recv_rows.size()) == size_ &&
+         "one split per rank");
+  if (size_ == 1) return input.clone();
+  torch::Tensor result;
+  run("all-to-all", static_cast<int64_t>(input.nbytes()), [&] {
+    std::vector<int64_t> send = send_rows, recv = recv_rows;
+    torch::Tensor in = input.contiguous();
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape[0] = std::accumulate(recv.begin(), recv.end(), int64_t{0});
+    torch::Tensor out = torch::empty(shape, in.options());
+    group_->alltoall_base(out, in, recv, send)->wait();
+    result = out;
+  });
+  return result;
+}
+
+void Communicator::broadcast(torch::Tensor& t, int64_t root) {
+  if (size_ == 1) return;
+  run("broadcast", static_cast<int64_t>(t.nbytes()), [&] {
+    std::vector<torch::Tensor> tensors{t.contiguous()};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    group_->broadcast(tensors, options)->wait();
+    if (!t.is_contiguous()) t.copy_(tensors[0]);
+  });
+}
+
+void Communicator::barrier() {
+  if (size_ == 1) return;
+  run("barrier", 0, [&] { group_->barrier()->wait(); });
+}
+
+void Communicator::check_peer(const char* op, int64_t peer, int64_t tag) const {
+  const std::string where = std::string(op) + " on " + name_ + " (rank " + std::to_string(rank_) + " of " +
+                            std::to_string(size_) + ")";
+  if (size_ == 1) throw std::logic_error(where + ": a group of one has no peer");
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    throw std::logic_error(where + ": rank " + std::to_string(peer) + " is not another rank of the group");
+  if (tag < 0 || tag > std::numeric_limits<int32_t>::max())
+    throw std::logic_error(where + ": tag " + std::to_string(tag) + " is not a non-negative 32-bit integer");
+}
+
+void Communicator::send(const torch::Tensor& t, int64_t dst, int64_t tag) {
+  PendingTransfer pending = start_send(t, dst, tag);
+  finish_transfer(pending);
+}
+
+torch::Tensor Communicator::recv(c10::IntArrayRef shape, torch::ScalarType type, int64_t src, int64_t tag) {
+  PendingTransfer pending = start_recv(shape, type, src, tag);
+  return finish_transfer(pending);
+}
+
+Communicator::PendingTransfer Communicator::start_send(const torch::Tensor& t, int64_t dst, int64_t tag) {
+  check_peer("send", dst, tag);
+  PendingTransfer p;
+  p.peer = dst;
+  p.sending = true;
+  p.start = std::chrono::steady_clock::now();
+  run("send", 0, [&] {
+    p.buffer = t.contiguous();
+    std::vector<torch::Tensor> tensors{p.buffer};
+    p.work = group_->send(tensors, static_cast<int>(dst), static_cast<int>(tag));
+  }, /*observe=*/false, " to rank " + std::to_string(dst));
+  return p;
+}
+
+Communicator::PendingTransfer Communicator::start_recv(c10::IntArrayRef shape, torch::ScalarType type, int64_t src,
+                                                       int64_t tag) {
+  check_peer("recv", src, tag);
+  PendingTransfer p;
+  p.peer = src;
+  p.start = std::chrono::steady_clock::now();
+  run("recv", 0, [&] {
+    p.buffer = torch::empty(shape, torch::TensorOptions().dtype(type));
+    std::vector<torch::Tensor> tensors{p.buffer};
+    p.work = group_->recv(tensors, static_cast<int>(src), static_cast<int>(tag));
+  }, /*observe=*/false, " from rank " + std::to_string(src));
+  return p;
+}
+
+torch::Tensor Communicator::finish_transfer(PendingTransfer& p) {
+  const char* op = p.sending ? "send" : "recv";
+  if (p.work) {
+    const int64_t bytes = static_cast<int64_t>(p.buffer.nbytes());
+    // gloo waits as long as the group's timeout, then throws: no hang on a silent peer.
+    const std::string peer = (p.sending ? " to rank " : " from rank ") + std::to_string(p.peer);
+    run(op, bytes, [&] { p.work->wait(); }, /*observe=*/false, peer);
+    if (observer_) observer_(op, bytes, p.start, std::chrono::steady_clock::now());
+    p.work.reset();
+  }
+  torch::Tensor received = p.sending ? torch::Tensor() : p.buffer;
+  p.buffer = torch::Tensor();
+  return received;
+}
+
+BackendGroup make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
+                             int size, std::chrono::milliseconds timeout, const std::string& address) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+}
+
+}  // namespace moeplan::executor

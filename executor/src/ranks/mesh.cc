@@ -1,0 +1,106 @@
+#include "moeplan/executor/ranks/mesh.h"
+
+#include <algorithm>
+
+namespace moeplan::executor {
+
+int64_t MeshCoords::of(MeshDim d) const { return const_cast<MeshCoords*>(this)->of(d); }
+
+int64_t& MeshCoords::of(MeshDim d) {
+  switch (d) {
+    case MeshDim::kReplica: return r;
+    case MeshDim::kShard: return s;
+    case MeshDim::kExpert: return e;
+    case MeshDim::kTensor: return t;
+    case MeshDim::kPipeline: return p;
+  }
+  return r;
+}
+
+MeshLayout::MeshLayout(const ParallelConfig& parallel) : parallel_(parallel), world_size_(parallel.world_size) {}
+
+MeshCoords MeshLayout::coords(int64_t rank) const {
+  MeshCoords c;
+  for (const MeshDim d : kAllMeshDims) c.of(d) = (rank / parallel_.stride(d)) % parallel_.degree(d);
+  return c;
+}
+
+int64_t MeshLayout::rank_of(const MeshCoords& c) const {
+  int64_t rank = 0;
+  for (const MeshDim d : kAllMeshDims) rank += c.of(d) * parallel_.stride(d);
+  return rank;
+}
+
+int64_t MeshLayout::reader(int64_t rank) const {
+  // The readers in rank order: those at t = 0 and p = 0.
+  const MeshCoords mine = coords(rank);
+  int64_t index = 0;
+  for (int64_t other = 0; other < world_size_; ++other) {
+    const MeshCoords c = coords(other);
+    if (c.t != 0 || c.p != 0) continue;
+    if (c.r == mine.r && c.s == mine.s && c.e == mine.e) return index;
+    ++index;
+  }
+  return index;
+}
+
+std::vector<int64_t> MeshLayout::group(int64_t rank, const std::vector<MeshDim>& varying) const {
+  const MeshCoords mine = coords(rank);
+  std::vector<int64_t> ranks;
+  for (int64_t other = 0; other < world_size_; ++other) {
+    const MeshCoords c = coords(other);
+    bool same = true;
+    for (const MeshDim d : kAllMeshDims)
+      if (std::find(varying.begin(), varying.end(), d) == varying.end() && c.of(d) != mine.of(d)) same = false;
+    if (same) ranks.push_back(other);
+  }
+  return ranks;
+}
+
+namespace {
+
+std::string join(const std::vector<int64_t>& ranks) {
+  std::string s;
+  for (const int64_t r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
+// A group's members call this with the same ranks; a group of one needs no process group.
+Communicator make_group(const std::string& kind, const std::vector<int64_t>& ranks, int64_t rank,
+                        const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout,
+                        const std::string& address) {
+  const std::string name = kind + " {" + join(ranks) + "}";
+  if (ranks.size() == 1) return Communicator(BackendGroup(), name);
+  const auto me = std::find(ranks.begin(), ranks.end(), rank) - ranks.begin();
+  return Communicator(make_gloo_group(store, "group/" + kind + "/" + join(ranks) + "/", static_cast<int>(me),
+                                      static_cast<int>(ranks.size()), timeout, address),
+                      name);
+}
+
+}  // namespace
+
+DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::intrusive_ptr<c10d::Store>& store,
+                       std::chrono::milliseconds timeout, const std::string& address)
+    : layout_(parallel), rank_(rank), coords_(layout_.coords(rank)) {
+  using D = MeshDim;
+  // Every rank creates its groups in the same order, so that no rank waits on a group its peer
+  // has not reached.
+  world = make_group("world", layout_.group(rank, {kAllMeshDims.begin(), kAllMeshDims.end()}), rank, store, timeout,
+                     address);
+  shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address);
+  expert = make_group("expert", layout_.group(rank, {D::kExpert}), rank, store, timeout, address);
+  dense_replicas =
+      make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert}), rank, store, timeout, address);
+  expert_replicas = make_group("expert-replica", layout_.group(rank, {D::kReplica}), rank, store, timeout, address);
+  tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address);
+  pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address);
+}
+
+DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}
+
+void DeviceMesh::set_activity(const std::shared_ptr<CollectiveActivity>& activity) {
+  for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &tensor, &pipeline})
+    c->set_activity(activity);
+}
+
+}  // namespace moeplan::executor

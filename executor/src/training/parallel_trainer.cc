@@ -1,0 +1,452 @@
+#include "moeplan/executor/training/parallel_trainer.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+#include "moeplan/core/checksum.h"
+#include "moeplan/core/errors.h"
+#include "moeplan/core/phases.h"
+#include "moeplan/core/pipeline_schedule.h"
+#include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/io/tokens.h"
+#include "moeplan/executor/model/hf_checkpoint.h"
+#include "moeplan/executor/model/routing.h"
+#include "moeplan/executor/ranks/runtime.h"
+#include "moeplan/executor/training/nonfinite.h"
+
+namespace moeplan::executor {
+namespace fs = std::filesystem;
+
+// ---------------------------------------------------------------------------------------------
+// The trainer.
+
+namespace {
+
+std::string category_of(const char* op) {
+  std::string c = op;
+  std::replace(c.begin(), c.end(), '-', '_');
+  return c;
+}
+
+uint64_t shuffle_seed(int64_t seed, int64_t step, int64_t micro) {
+  uint64_t x = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ULL ^ static_cast<uint64_t>(step) << 20 ^
+               static_cast<uint64_t>(micro);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationStore* offload)
+    : plan_(plan), mesh_(mesh), model_(plan, mesh) {
+  optimizer_ = std::make_unique<AdamW>(AdamW::with_decay_masks(
+      model_.shards(), model_.decay_masks(),
+      AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay}));
+  if (offload) {
+    model_.set_offload(offload, plan.parallel.activation_loading_horizon);
+    offload->set_observer([this](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,
+                                 PhaseClock::Clock::time_point end) {
+      clock_.add(op, "copy", TraceStream::kCopy, start, end, static_cast<double>(bytes));
+    });
+  }
+  clock_.set_rank(mesh.rank());
+  auto observe = [this](Communicator& comm, const std::string& group, TraceStream stream) {
+    comm.set_observer([this, group, stream](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,
+                                            PhaseClock::Clock::time_point end) {
+      clock_.add(group + "." + category_of(op), category_of(op), stream, start, end, static_cast<double>(bytes));
+    });
+  };
+  observe(mesh.expert, "expert", TraceStream::kExpertComm);
+  observe(mesh.shard, "shard", TraceStream::kShardGather);
+  observe(mesh.dense_replicas, "dense_replicas", TraceStream::kGradComm);
+  observe(mesh.expert_replicas, "expert_replicas", TraceStream::kGradComm);
+  observe(mesh.world, "world", TraceStream::kGradComm);
+  // The tensor-parallel collectives sit on the compute chain between a block's parts; the
+  // measured trace shows them beside the expert group's.
+  observe(mesh.tensor, "tensor", TraceStream::kExpertComm);
+  // Activations and gradients between pipeline stages, from the start of a transfer to its end.
+  observe(mesh.pipeline, "pipeline", TraceStream::kCopy);
+}
+
+void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault fault) {
+  recorder_ = std::make_unique<RoutingRecorder>(record_dir, mesh_.rank());
+  model_.record_routing(recorder_.get());
+  model_.plant(fault);
+  fault_ = fault;
+}
+
+StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
+  using Clock = PhaseClock::Clock;
+  const auto start = Clock::now();
+  clock_.start_step();
+  const ModelSpec& spec = plan_.model;
+  const int64_t ga = static_cast<int64_t>(micro_batches.size());
+  // The data readers: the ranks of a tensor-parallel group train on the same micro-batches,
+  // and the first of them counts them.
+  const double readers = static_cast<double>(plan_.parallel.data_parallel_degree());
+  const bool counts_data = mesh_.coords().t == 0;
+  const double tp = static_cast<double>(mesh_.tensor.size());
+  StepRecord r;
+  r.step = ++step_;
+  r.learning_rate = learning_rate(plan_.training, step_);
+  torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
+  nonfinite_layers_ = torch::zeros({spec.num_layers}, torch::kLong);
+  if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, counts, sums);
+  for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
+    const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
+    const auto f0 = Clock::now();
+    model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + m);
+    ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
+    const LossTerms terms = model_.loss(out, ids);
+    out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
+    const auto f1 = Clock::now();
+    // Every T rank computes the router's losses from the same logits, and the router's gradient
+    // is summed over them: each takes 1/T of those terms, so they count once.
+    const torch::Tensor router_terms = terms.total - terms.lm;
+    ((terms.lm + router_terms / tp) / static_cast<double>(ga)).backward();
+    const auto f2 = Clock::now();
+    clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
+    clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
+    nonfinite_layers_ += out.nonfinite_layers;
+    if (!counts_data) continue;
+    counts += out.tokens_per_expert;
+    sums[0] += terms.lm.item<double>();
+    sums[1] += terms.aux.item<double>();
+    sums[2] += terms.z.item<double>();
+    sums[3] += terms.total.item<double>();
+    sums[4] += static_cast<double>(ids.numel());
+  }
+
+  // Gradients: reduce-scattered over the shard group during backward; now summed over the
+  // tensor-parallel group (the parameters its ranks hold whole) and the replicas, and averaged
+  // over every reader's tokens.
+  const auto o0 = Clock::now();
+  std::vector<torch::Tensor> grads;
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < model_.units().size(); ++u) {
+    torch::Tensor& shard = model_.shards()[u];
+    torch::Tensor g = shard.grad().defined() ? shard.grad() : torch::zeros_like(shard);
+    grads.push_back(g);
+    if (!model_.holds(u)) continue;  // on another pipeline stage
+    model_.sum_whole_parameter_grads(u, g);
+    // The planted fault leaves the first block's dense gradient unreduced in one replica group:
+    // the one whose ranks are at shard and tensor coordinate 0 on the first stage (every rank of
+    // that group skips alike, so no collective waits).
+    const bool unreduced = fault_ == RehearsalFault::kUnreducedGradient && u == 1 && mesh_.coords().s == 0 &&
+                           mesh_.coords().t == 0;
+    if (!unreduced) model_.replica_group(model_.units()[u]).all_reduce_sum(g);
+    g.div_(readers);
+  }
+  // Global norm: each element counted on exactly one rank (what T ranks hold whole, on the first).
+  torch::Tensor square = torch::zeros({1}, torch::kFloat);
+  for (size_t u = 0; u < grads.size(); ++u) {
+    if (!model_.owns(model_.units()[u])) continue;
+    torch::Tensor g = grads[u].to(torch::kFloat);
+    if (model_.whole_mask(u).defined() && !counts_data) g = g.masked_fill(model_.whole_mask(u), 0);
+    square += g.square().sum();
+  }
+  mesh_.world.all_reduce_sum(square);
+  r.grad_norm = std::sqrt(square.item<double>());
+  // The loss of the whole world decides, with the norm, whether the update is applied: every
+  // rank sees the same two numbers.
+  mesh_.world.all_reduce_sum(sums);
+  if (std::isfinite(r.grad_norm) && std::isfinite(sums[3].item<double>())) {
+    const double coef = plan_.training.max_grad_norm / (r.grad_norm + 1e-6);
+    if (coef < 1)
+      for (torch::Tensor& g : grads) g.mul_(coef);
+    optimizer_->step(grads, r.learning_rate);
+  } else {
+    r.skipped = true;
+    torch::Tensor blocks = nonfinite_blocks(spec.num_layers);
+    note_nonfinite_outputs(blocks, nonfinite_layers_);
+    for (size_t u = 0; u < grads.size(); ++u)
+      if (model_.owns(model_.units()[u]))
+        note_nonfinite_tensors(blocks, model_.units()[u].block, model_.shards()[u], grads[u]);
+    mesh_.world.all_reduce_sum(blocks);
+    r.nonfinite = describe_nonfinite(blocks);
+  }
+  for (torch::Tensor& shard : model_.shards()) shard.mutable_grad() = torch::Tensor();
+  clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
+  if (recorder_) recorder_->write(step_);
+
+  mesh_.world.all_reduce_sum(counts);
+  const double n = readers * static_cast<double>(ga);
+  r.loss = sums[0].item<double>() / n;
+  r.aux_loss = sums[1].item<double>() / n;
+  r.z_loss = sums[2].item<double>() / n;
+  r.total_loss = sums[3].item<double>() / n;
+  r.tokens = static_cast<int64_t>(sums[4].item<double>());
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    std::vector<int64_t> row;
+    for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(counts[l][e].item<int64_t>());
+    r.tokens_per_expert.push_back(std::move(row));
+  }
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return r;
+}
+
+// The micro-batches of a step through this rank's pipeline stage in the schedule's order
+// (core/pipeline_schedule.h: 1F1B, or the interleaved schedule with V chunks). A chunk's input
+// comes from the previous pipeline rank and its output goes to the next one; gradients go the
+// other way. Sends are started and never waited for inside the schedule (a gloo send waits for
+// its receiver, so no rank blocks on a peer that waits on it); their buffers are let go of as
+// soon as a message from the peer proves that the peer has received them (the peer's schedule
+// says which of ours it has taken before it sends each message), so that they do not pile up
+// over the step's micro-batches. Receives wait. With each activation go the router-loss sums of the
+// layers before it (routing.h), so that the last stage reports the load-balancing and z-losses
+// of all the layers; those losses are not in the objective here (the executor refuses such
+// plans).
+void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts,
+                                  torch::Tensor& sums) {
+  using Clock = PhaseClock::Clock;
+  const ModelSpec& spec = plan_.model;
+  Communicator& pipe = mesh_.pipeline;
+  const int64_t ranks = pipe.size(), me = pipe.rank(), chunks = plan_.parallel.virtual_pipeline_degree;
+  const int64_t stages = ranks * chunks, ga = static_cast<int64_t>(micro_batches.size());
+  const int64_t prev = (me + ranks - 1) % ranks, next = (me + 1) % ranks;
+  const bool counts_data = mesh_.coords().t == 0;
+  const int64_t k = spec.experts_per_token, experts = spec.num_experts, sum_size = k * experts + experts + 2;
+  const torch::Tensor& first = micro_batches.front();
+  const std::vector<int64_t> hidden_shape{first.size(0), first.size(1) / mesh_.tensor.size(), spec.hidden_size};
+  const torch::ScalarType hidden_type = compute_type(plan_.training.precision);
+  enum Kind : int64_t { kActivation, kRouterSums, kGradient };
+  // A transfer's tag names its micro-batch, the virtual stage it goes to and what it carries.
+  auto tag = [&](int64_t micro, int64_t stage, Kind kind) { return (micro * stages + stage) * 3 + kind; };
+  struct InFlight {
+    torch::Tensor input;   // the received activation (a leaf whose gradient goes back)
+    torch::Tensor output;  // the chunk's output, or the loss of the last stage
+  };
+  std::map<std::pair<int64_t, int64_t>, InFlight> live;  // by (micro-batch, chunk)
+  // Our sends, by tag, and for each peer the tags of ours it receives in the order it does,
+  // with, for each message it sends us, how many of those it has received by then.
+  std::map<int64_t, Communicator::PendingTransfer> sends;
+  struct Peer {
+    std::vector<int64_t> takes;               // our tags, in the order the peer receives them
+    std::map<int64_t, size_t> taken_before;   // its message's tag -> takes received by then
+    size_t settled = 0;                       // takes already let go of
+  };
+  std::map<int64_t, Peer> peers;
+  for (const int64_t q : {prev, next}) {
+    if (peers.count(q) != 0) continue;
+    Peer& peer = peers[q];
+    const bool after_me = (q + ranks - 1) % ranks == me, before_me = (q + 1) % ranks == me;
+    for (const PipelineAction& b : pipeline_schedule(ranks, q, ga, chunks)) {
+      const int64_t sq = b.chunk * ranks + q;
+      if (b.forward) {
+        if (sq > 0 && after_me) {
+          peer.takes.push_back(tag(b.micro_batch, sq, kActivation));
+          peer.takes.push_back(tag(b.micro_batch, sq, kRouterSums));
+        }
+        if (sq + 1 < stages && before_me) {
+          peer.taken_before[tag(b.micro_batch, sq + 1, kActivation)] = peer.takes.size();
+          peer.taken_before[tag(b.micro_batch, sq + 1, kRouterSums)] = peer.takes.size();
+        }
+      } else {
+        if (sq + 1 < stages && before_me) peer.takes.push_back(tag(b.micro_batch, sq, kGradient));
+        if (sq > 0 && after_me) peer.taken_before[tag(b.micro_batch, sq - 1, kGradient)] = peer.takes.size();
+      }
+    }
+  }
+  auto send = [&](const torch::Tensor& t, int64_t to, int64_t tag_of) {
+    sends.emplace(tag_of, pipe.start_send(t, to, tag_of));
+  };
+  auto receive = [&](c10::IntArrayRef shape, torch::ScalarType type, int64_t from, int64_t tag_of) {
+    torch::Tensor t = pipe.recv(shape, type, from, tag_of);
+    Peer& peer = peers.at(from);
+    for (const size_t taken = peer.taken_before.at(tag_of); peer.settled < taken; ++peer.settled)
+      if (const auto it = sends.find(peer.takes[peer.settled]); it != sends.end()) {
+        pipe.finish_transfer(it->second);  // received by the peer: done at once
+        sends.erase(it);
+      }
+    return t;
+  };
+  for (const PipelineAction& a : pipeline_schedule(ranks, me, ga, chunks)) {
+    const int64_t stage = a.chunk * ranks + me;
+    const torch::Tensor& ids = micro_batches[static_cast<size_t>(a.micro_batch)];
+    if (a.forward) {
+      InFlight f;
+      torch::Tensor router = torch::zeros({sum_size}, torch::kDouble);
+      if (stage > 0) {
+        f.input = receive(hidden_shape, hidden_type, prev, tag(a.micro_batch, stage, kActivation)).requires_grad_(true);
+        router = receive({sum_size}, torch::kDouble, prev, tag(a.micro_batch, stage, kRouterSums));
+      }
+      const auto t0 = Clock::now();  // the compute, after the wait for the input
+      model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + a.micro_batch);
+      ForwardResult out =
+          model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
+      router += router_loss_sums(out.router_logits, k, experts);
+      if (counts_data) counts += out.tokens_per_expert;
+      nonfinite_layers_ += out.nonfinite_layers;
+      if (stage + 1 < stages) {
+        f.output = out.hidden;
+        send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation));
+        send(router, next, tag(a.micro_batch, stage + 1, kRouterSums));
+      } else {
+        const LossTerms terms = model_.loss(out, ids);
+        f.output = terms.lm / static_cast<double>(ga);
+        if (counts_data) {
+          const auto [aux, z] = router_losses_of_sums(router, k, experts);
+          sums[0] += terms.lm.item<double>();
+          sums[1] += aux;
+          sums[2] += z;
+          sums[3] += terms.lm.item<double>();
+          sums[4] += static_cast<double>(ids.numel());
+        }
+      }
+      live.emplace(std::make_pair(a.micro_batch, a.chunk), std::move(f));
+      clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, t0, Clock::now());
+    } else {
+      const auto at = live.find({a.micro_batch, a.chunk});
+      if (at == live.end()) throw std::logic_error("a pipeline backward before its forward");
+      InFlight f = std::move(at->second);
+      live.erase(at);
+      torch::Tensor grad;
+      if (stage + 1 < stages) grad = receive(hidden_shape, hidden_type, next, tag(a.micro_batch, stage, kGradient));
+      const auto t0 = Clock::now();
+      if (grad.defined())
+        torch::autograd::backward({f.output}, {grad});
+      else
+        f.output.backward();
+      if (stage > 0)
+        send(f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input), prev,
+             tag(a.micro_batch, stage - 1, kGradient));
+      clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, t0, Clock::now());
+    }
+  }
+  for (auto& [tag_of, transfer] : sends) pipe.finish_transfer(transfer);
+}
+
+namespace {
+
+// A parameter's part of this rank's shard of a flat unit: elements [first, last) of the
+// parameter's flattened values, stored from element `at` of the unit's shard.
+struct HeldSlice {
+  size_t unit;
+  int64_t param;
+  const ParamInfo* info;  // this rank's part of the parameter
+  int64_t first, last, at;
+};
+
+// Every such part, unit by unit (the replicated units included).
+template <class F>
+void for_each_held_slice(ShardedModel& model, F&& f) {
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    if (!model.holds(u)) continue;  // on another pipeline stage
+    const FlatUnit& unit = model.units()[u];
+    const int64_t begin = model.shard_begin(unit), end = begin + unit.shard_numel;
+    for (size_t j = 0; j < unit.params.size(); ++j) {
+      const ParamInfo& info = model.infos()[static_cast<size_t>(unit.params[j])];
+      const int64_t a = std::max(begin, unit.offsets[j]), b = std::min(end, unit.offsets[j] + info.numel());
+      if (a < b) f(HeldSlice{u, unit.params[j], &info, a - unit.offsets[j], b - unit.offsets[j], a - begin});
+    }
+  }
+}
+
+// Where a held slice lies in the checkpoint's naming of the whole parameter: "<name>@<first>"
+// for a range of its flattened values, or, for a part split by columns over the T ranks,
+// "<name>#cols<c0>:<c1>of<C>@<first>", a range of the flattened columns [c0, c1) of C.
+std::string slice_name(const HeldSlice& h, TensorSplit split, int64_t tp_rank, int64_t tp) {
+  switch (tp == 1 ? TensorSplit::kWhole : split) {
+    case TensorSplit::kWhole: return h.info->name + "@" + std::to_string(h.first);
+    case TensorSplit::kRows: return h.info->name + "@" + std::to_string(tp_rank * h.info->numel() + h.first);
+    case TensorSplit::kColumns: {
+      const int64_t columns = h.info->shape[1], c0 = tp_rank * columns;
+      return h.info->name + "#cols" + std::to_string(c0) + ":" + std::to_string(c0 + columns) + "of" +
+             std::to_string(columns * tp) + "@" + std::to_string(h.first);
+    }
+  }
+  return h.info->name;
+}
+
+// The values of a held slice from a checkpoint of any layout.
+torch::Tensor held_values(const SlicedState& state, const std::string& key, const HeldSlice& h, TensorSplit split,
+                          int64_t tp_rank, int64_t tp, Diagnostics& d) {
+  switch (tp == 1 ? TensorSplit::kWhole : split) {
+    case TensorSplit::kWhole: return state.range(key, h.first, h.last, d);
+    case TensorSplit::kRows: {
+      const int64_t at = tp_rank * h.info->numel();
+      return state.range(key, at + h.first, at + h.last, d);
+    }
+    case TensorSplit::kColumns: {
+      std::vector<int64_t> shape = h.info->shape;
+      shape[1] *= tp;
+      const torch::Tensor whole = state.whole(key, shape, d);
+      if (!whole.defined()) return whole;
+      return tensor_part(whole, split, tp_rank, tp).contiguous().flatten().narrow(0, h.first, h.last - h.first);
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+NamedTensors ShardedTrainer::state() const {
+  NamedTensors tensors;
+  auto& model = const_cast<ShardedModel&>(model_);
+  const int64_t t = mesh_.coords().t;
+  for_each_held_slice(model, [&](const HeldSlice& h) {
+    if (!model.owns(model.units()[h.unit])) return;  // one replica saves
+    const TensorSplit split = model.split_of(h.param);
+    if (split == TensorSplit::kWhole && t != 0) return;  // the first T rank saves what all hold
+    const std::string suffix = slice_name(h, split, t, mesh_.tensor.size());
+    const int64_t n = h.last - h.first;
+    // The planted fault: rank 0 writes its slices one element off.
+    const bool off_by_one = fault_ == RehearsalFault::kShardOffByOne && mesh_.rank() == 0;
+    auto slice = [&](const torch::Tensor& of) {
+      const torch::Tensor part = of.detach().narrow(0, h.at, n);
+      return off_by_one ? torch::roll(part, 1) : part;
+    };
+    tensors.emplace_back("param/" + suffix, slice(model.shards()[h.unit]));
+    tensors.emplace_back("exp_avg/" + suffix, slice(optimizer_->exp_avg()[h.unit]));
+    tensors.emplace_back("exp_avg_sq/" + suffix, slice(optimizer_->exp_avg_sq()[h.unit]));
+  });
+  return tensors;
+}
+
+std::set<std::string> ShardedTrainer::held_parameters() const {
+  // As load_state reads: every unit this rank keeps a shard of.
+  std::set<std::string> names;
+  for_each_held_slice(const_cast<ShardedModel&>(model_), [&](const HeldSlice& h) { names.insert(h.info->name); });
+  return names;
+}
+
+void ShardedTrainer::load_state(const SlicedState& state, int64_t step, int64_t optimizer_step, Diagnostics& d) {
+  torch::NoGradGuard no_grad;
+  for_each_held_slice(model_, [&](const HeldSlice& h) {
+    const std::pair<const char*, torch::Tensor> targets[] = {{"param/", model_.shards()[h.unit]},
+                                                              {"exp_avg/", optimizer_->exp_avg()[h.unit]},
+                                                              {"exp_avg_sq/", optimizer_->exp_avg_sq()[h.unit]}};
+    for (const auto& [prefix, into] : targets) {
+      const std::string key = prefix + h.info->name;
+      const torch::Tensor values =
+          held_values(state, key, h, model_.split_of(h.param), mesh_.coords().t, mesh_.tensor.size(), d);
+      if (!values.defined()) continue;
+      if (values.scalar_type() != into.scalar_type()) {
+        d.error(key, std::string("is ") + c10::toString(values.scalar_type()) + ", this run keeps " +
+                         c10::toString(into.scalar_type()));
+        continue;
+      }
+      into.narrow(0, h.at, h.last - h.first).copy_(values);
+    }
+  });
+  step_ = step;
+  optimizer_->set_step_count(optimizer_step);
+}
+
+void ShardedTrainer::load_hugging_face(const std::string& dir) {
+  const std::set<std::string> held = held_parameters();
+  const torch::ScalarType dtype = plan_.training.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+  const SlicedState sliced = read_hf_parameters(dir, plan_.model, dtype, &held);
+  Diagnostics d;
+  load_state(sliced, 0, 0, d);
+  d.throw_if_any(dir);
+}
+
+}  // namespace moeplan::executor
