@@ -153,6 +153,8 @@ void add_output_options(CLI::App& cmd, Search& s) {
   add_choice(cmd, "--estimator", r.options.estimator, planner::kEstimatorNames,
              "Rank by the step simulator or the analytic estimate")
       ->capture_default_str();
+  cmd.add_flag_callback("--exhaustive", [&r] { r.options.prune = false; },
+                        "Simulate every candidate that fits instead of pruning by the compute bound");
   cmd.add_flag("--explain", s.explain, "Show how many candidates each rule or limit removed");
   cmd.add_flag("--json", s.json, "Print the plan as JSON instead of the table");
   cmd.add_option("--out", s.out, "Plan file to write (empty: none)")->capture_default_str();
