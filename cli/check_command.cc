@@ -40,7 +40,7 @@ int run_check(const Check& args) {
     if (!problems.empty()) return kExitNoPlan;
     std::printf("%s: ok: %s on %lld x %s, %.1f of %.1f GiB per GPU\n", args.plan.c_str(),
                 describe(plan.parallel).c_str(), static_cast<long long>(plan.cluster.num_nodes),
-                plan.cluster.name.c_str(), gib(memory.device_total), gib(limit));
+                plan.cluster.name.c_str(), in_gib(memory.device_total), in_gib(limit));
     return kExitOk;
   } catch (const InputError& e) {
     print_error(e);

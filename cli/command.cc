@@ -25,7 +25,7 @@ void print_error(const InputError& e) {
   for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
 }
 
-double gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
+double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
 
 int exec_sibling(const char* name, const char* command, const char* built_with, const std::vector<std::string>& args,
                  const char* argv0) {

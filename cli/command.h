@@ -53,7 +53,7 @@ void print_error(const InputError& e);
 void write_simulated_trace(const Plan& plan, const std::string& path);
 
 // Bytes in GiB, for tables.
-double gib(int64_t bytes);
+double in_gib(int64_t bytes);
 
 // Runs the executable `name` next to the real path of this one in this process's place, with
 // `args`; returns only when it cannot, having said so (it is built with `built_with`).

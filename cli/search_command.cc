@@ -179,7 +179,7 @@ void print_table(const planner::SearchResult& result, const ClusterSpec& cluster
                 std::string(name_of(kCheckpointingNames, p.activation_checkpointing)).c_str(), offload.c_str(),
                 static_cast<long long>(p.micro_batch_size), static_cast<long long>(p.gradient_accumulation_steps),
                 e.step_time_s, e.compute_s, e.recompute_s, e.exposed_comm_s, e.tokens_per_s, e.tflops_per_gpu, 100.0 * e.mfu,
-                gib(c.memory.device_total), gib(cluster.usable_memory_bytes()));
+                in_gib(c.memory.device_total), in_gib(cluster.usable_memory_bytes()));
   }
 }
 
