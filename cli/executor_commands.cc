@@ -8,7 +8,8 @@
 #include <ctime>
 #include <fstream>
 
-#include "commands.h"
+#include "command.h"
+#include "executor_commands.h"
 #include "moeplan/core/checksum.h"
 #include "moeplan/core/duration.h"
 #include "moeplan/core/errors.h"
@@ -28,10 +29,6 @@
 namespace moeplan::cli {
 
 namespace {
-
-void print_error(const InputError& e) {
-  for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
-}
 
 // Called inside a catch block: one line per problem on stderr, and the exit code. Nothing is
 // left to abort the process.
@@ -118,14 +115,6 @@ int run_run(const RunArgs& args) {
 }
 
 namespace {
-
-// CLI11 has checked the name already.
-template <class Enum, size_t N>
-Enum parse_choice(const std::array<std::pair<std::string_view, Enum>, N>& names, const std::string& text) {
-  for (const auto& [name, value] : names)
-    if (name == text) return value;
-  return names.front().second;
-}
 
 std::string host_name() {
   char name[256] = {};
@@ -225,8 +214,8 @@ int run_calibrate(const CalibrateArgs& args) {
     o.model = load_model(args.model, dir);
     const ClusterSpec base = load_hardware(args.base, dir);
     o.seq_len = args.seq_len;
-    o.precision = parse_choice(kPrecisionNames, args.precision);
-    o.load_balancing = parse_choice(kLoadBalancingNames, args.load_balancing);
+    o.precision = args.precision;
+    o.load_balancing = args.load_balancing;
     o.max_micro_batch = args.max_micro_batch;
     o.quick = args.quick;
     o.passes = args.passes;

@@ -1,7 +1,8 @@
 // Stand-ins for the executor commands when moeplan was built without LibTorch.
 #include <cstdio>
 
-#include "commands.h"
+#include "command.h"
+#include "executor_commands.h"
 
 namespace moeplan::cli {
 

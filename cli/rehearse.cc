@@ -1,8 +1,9 @@
 // `moeplan run plan.json --rehearse`: the planner shrinks the plan, the executor rehearses it.
 #include <iostream>
 
-#include "commands.h"
+#include "executor_commands.h"
 #include "moeplan/core/errors.h"
+#include "moeplan/core/exit_codes.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/io/tokens.h"
 #include "moeplan/executor/ranks/runtime.h"

@@ -429,12 +429,18 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   return result;
 }
 
+std::string describe(const SearchStats& s) {
+  return std::to_string(s.enumerated) + " configurations: " + std::to_string(s.rule_valid) + " valid, " +
+         std::to_string(s.fitting) + " fit in memory, " + std::to_string(s.simulated) +
+         " simulated (the rest pruned by a lower bound)";
+}
+
 Prediction predict(const RunConfig& config, Estimator estimator) {
   const bool simulate = estimator == Estimator::kSimulator;
   const sim::StepEstimate step = simulate ? sim::simulate_step(config).estimate
                                           : sim::estimate_step(config, sim::layout_shapes(config.cluster, config.parallel));
   Prediction p;
-  p.estimator = simulate ? "simulator" : "analytic";
+  p.estimator = name_of(kEstimatorNames, estimator);
   p.step_time_s = step.step_time_s;
   p.tokens_per_s = step.tokens_per_s;
   p.tflops_per_gpu = step.tflops_per_gpu;

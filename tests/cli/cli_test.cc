@@ -281,6 +281,33 @@ TEST_F(Cli, OneGpuHasNoPlanAndSaysByHowMuch) {
       << show(run);
 }
 
+// The compute bound only prunes candidates that cannot win: simulating every candidate that fits
+// chooses the same plan. On two CPU ranks of mixtral-tiny 180 candidates fit and the pruned
+// search simulates 5 of them.
+TEST_F(Cli, ExhaustiveSearchSimulatesEveryCandidateThatFitsAndChoosesTheSamePlan) {
+  Workdir dir;
+  const std::string search = "search --gpus 2 --instance local-cpu --model mixtral-tiny --seq-len 256 "
+                             "--global-batch-tokens 4096 --precision fp32 --explain --out ";
+  const Outcome pruned = dir.moeplan(search + "pruned.json");
+  ASSERT_EQ(pruned.exit_code, 0) << show(pruned);
+  const Outcome every = dir.moeplan(search + "every.json --exhaustive");
+  ASSERT_EQ(every.exit_code, 0) << show(every);
+  // A row of --explain: its count.
+  auto row = [](const Outcome& run, const std::string& name) -> int64_t {
+    for (const std::string& line : lines_of(run.out))
+      if (starts_with(line, "  " + name)) return std::stoll(line.substr(line.rfind(' ') + 1));
+    return -1;
+  };
+  const std::string simulated = "simulated (others pruned by a lower bound)";
+  EXPECT_GT(row(pruned, simulated), 0) << show(pruned);
+  EXPECT_LT(row(pruned, simulated), row(every, simulated)) << show(every);
+  EXPECT_EQ(row(every, simulated), row(every, "fit in memory")) << show(every);
+  const Plan a = read_plan_file((dir / "pruned.json").string());
+  const Plan b = read_plan_file((dir / "every.json").string());
+  EXPECT_EQ(a.parallel, b.parallel);
+  EXPECT_EQ(a.prediction.step_time_s, b.prediction.step_time_s);
+}
+
 TEST_F(Cli, UnknownModelIsOneLineNamingTheFlag) {
   Workdir dir;
   const Outcome run = dir.moeplan("search --gpus 16 --model nosuchmodel");

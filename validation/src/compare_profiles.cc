@@ -13,7 +13,6 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/exit_codes.h"
 #include "moeplan/core/fit.h"
-#include "moeplan/core/json_reader.h"
 #include "moeplan/core/profile_files.h"
 #include "moeplan/validation/matrix.h"
 
@@ -82,10 +81,6 @@ Figures figures_of(const ClusterSpec& a, const ClusterSpec& b) {
   return f;
 }
 
-double predicted_step(const std::string& plan) {
-  return read_json_file(plan).at("prediction").at("step_time_s").get<double>();
-}
-
 }  // namespace
 
 int compare_profiles(const CompareProfilesOptions& options) {
@@ -127,7 +122,6 @@ int compare_profiles(const CompareProfilesOptions& options) {
     const int64_t ranks = options.ranks > 0 ? options.ranks : a.gpus_per_node;
     const std::vector<MatrixConfig> configs = validation_matrix(ranks, model, options.seq_len, options.quick);
     const MatrixSetting setting{ranks, options.model, options.profiles, options.seq_len, options.global_batch_tokens, options.precision};
-    const std::string self = self_path();
     const fs::path dir =
         options.out.empty() ? fs::temp_directory_path() / ("moeplan-compare-" + std::to_string(::getpid())) : fs::path(options.out);
     fs::create_directories(dir);
@@ -140,10 +134,7 @@ int compare_profiles(const CompareProfilesOptions& options) {
       double step[2] = {0, 0};
       for (int k = 0; k < 2; ++k) {
         const std::string plan = (dir / (c.name + (k == 0 ? "-first" : "-second") + ".json")).string();
-        const std::string log = plan.substr(0, plan.size() - 5) + ".log";
-        if (run_logged(pinned_search(self, setting, c, k == 0 ? options.first : options.second, plan), log) != 0)
-          throw std::runtime_error(c.name + ": search found no plan: " + last_line(log));
-        step[k] = predicted_step(plan);
+        step[k] = pinned_plan(setting, c, k == 0 ? options.first : options.second, plan).prediction.step_time_s;
       }
       const double diff = step[1] / step[0] - 1;
       d.push_back(std::abs(diff));

@@ -6,7 +6,9 @@
 #include <optional>
 #include <stdexcept>
 
+#include "moeplan/core/errors.h"
 #include "moeplan/core/process.h"
+#include "moeplan/planner/request.h"
 
 namespace moeplan::validation {
 
@@ -43,7 +45,8 @@ std::string config_name(const MatrixConfig& c, int64_t ranks) {
   char name[96];
   std::snprintf(name, sizeof name, "E%lldS%lldR%lld%s-%s%s-mbs%lld", static_cast<long long>(c.e),
                 static_cast<long long>(c.s), static_cast<long long>(ranks / (c.e * c.s * c.t * c.p)), split.c_str(),
-                c.checkpointing.c_str(), c.offload ? "-offload" : "", static_cast<long long>(c.mbs));
+                std::string(name_of(kCheckpointingNames, c.checkpointing)).c_str(), c.offload ? "-offload" : "",
+                static_cast<long long>(c.mbs));
   return name;
 }
 
@@ -56,12 +59,14 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   if (ranks > 1) layouts.emplace_back(1, ranks);
   if (ranks >= 4 && model.num_experts % 2 == 0) layouts.emplace_back(2, ranks / 2);
   struct Variant {
-    const char* ckpt;
+    Checkpointing ckpt;
     bool offload;
     int64_t mbs;
   };
-  const std::vector<Variant> variants{{"none", false, 1}, {"none", false, 4},     {"full", false, 2},
-                                      {"selective", true, 2}, {"selective", false, 4}, {"full", true, 2}};
+  constexpr Checkpointing kNone = Checkpointing::kNone, kFull = Checkpointing::kFull,
+                          kSelective = Checkpointing::kSelective;
+  const std::vector<Variant> variants{{kNone, false, 1},     {kNone, false, 4},      {kFull, false, 2},
+                                      {kSelective, true, 2}, {kSelective, false, 4}, {kFull, true, 2}};
   // A configuration of degrees (E, S, T, P) with a variant's checkpointing, offload and micro-batch.
   auto config = [&](int64_t e, int64_t s, int64_t t, int64_t p, const Variant& v) {
     MatrixConfig c;
@@ -88,8 +93,8 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   // where the blocks divide into its stages.
   const bool splits = model.num_attention_heads % ranks == 0 && model.num_key_value_heads % ranks == 0 &&
                       model.intermediate_size % ranks == 0 && model.vocab_size % ranks == 0 && seq_len % ranks == 0;
-  const std::vector<Variant> tensor_variants{{"none", false, 4}, {"full", false, 2}};
-  const std::vector<Variant> pipeline_variants{{"none", false, 2}, {"selective", false, 4}};
+  const std::vector<Variant> tensor_variants{{kNone, false, 4}, {kFull, false, 2}};
+  const std::vector<Variant> pipeline_variants{{kNone, false, 2}, {kSelective, false, 4}};
   for (size_t i = 0; i < (quick ? 1u : 2u); ++i) {
     for (const bool tensor : {true, false}) {
       if (tensor ? !splits : model.num_layers % ranks != 0) continue;
@@ -114,7 +119,7 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
                                 "--global-batch-tokens",
                                 std::to_string(setting.global_batch_tokens),
                                 "--precision",
-                                setting.precision,
+                                std::string(name_of(kPrecisionNames, setting.precision)),
                                 "--max-micro-batch",
                                 "64",
                                 "--expert-parallel-degree",
@@ -126,7 +131,7 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
                                 "--pipeline-parallel-degree",
                                 std::to_string(c.p),
                                 "--checkpointing",
-                                c.checkpointing,
+                                std::string(name_of(kCheckpointingNames, c.checkpointing)),
                                 "--offload",
                                 c.offload ? "on" : "off",
                                 "--micro-batch",
@@ -136,6 +141,39 @@ std::vector<std::string> pinned_search(const std::string& self, const MatrixSett
                                 plan};
   if (!setting.profiles.empty()) argv.insert(argv.end(), {"--profiles", setting.profiles});
   return argv;
+}
+
+Plan pinned_plan(const MatrixSetting& setting, const MatrixConfig& c, const std::string& profile,
+                 const std::string& path) {
+  planner::SearchRequest r;
+  r.instance = profile;
+  r.model = setting.model;
+  r.profiles = setting.profiles;
+  r.gpus = {setting.ranks, setting.ranks, std::to_string(setting.ranks)};
+  r.options.training.seq_len = setting.seq_len;
+  r.options.training.global_batch_tokens = setting.global_batch_tokens;
+  r.precision = setting.precision;
+  r.options.max_micro_batch = 64;
+  r.options.target = Target::kMoeplan;
+  planner::SearchOptions::Pins& pin = r.options.pins;
+  pin.expert_parallel_degree = c.e;
+  pin.hybrid_shard_degree = c.s;
+  pin.tensor_parallel_degree = c.t;
+  pin.pipeline_parallel_degree = c.p;
+  pin.checkpointing = c.checkpointing;
+  pin.offloading = c.offload;
+  pin.micro_batch_size = c.mbs;
+  std::string command = "moeplan";
+  const std::vector<std::string> words = pinned_search(command, setting, c, profile, path);
+  for (size_t i = 1; i < words.size(); ++i) command += " " + words[i];
+  try {
+    const planner::SearchOutcome found = planner::plan_search(r, command);
+    if (!found.plan) throw std::runtime_error(c.name + ": search found no plan: " + planner::describe(found.result.stats));
+    write_file_atomic(path, plan_to_text(*found.plan));
+    return *found.plan;
+  } catch (const InputError& e) {
+    throw std::runtime_error(c.name + ": search found no plan: moeplan: error: " + e.lines().back());
+  }
 }
 
 }  // namespace moeplan::validation

@@ -195,6 +195,16 @@ constexpr std::array<FitParameter, 6> kFitParameters{{
     {"overlap_slowdown", &ClusterSpec::overlap_slowdown, false, 0.0, 1.0},
 }};
 
+}  // namespace
+
+std::vector<std::string> fit_parameter_names() {
+  std::vector<std::string> names;
+  for (const FitParameter& p : kFitParameters) names.emplace_back(p.name);
+  return names;
+}
+
+namespace {
+
 // Values per (chip, parameter); absent ones leave the profile's.
 using FitValues = std::map<std::pair<std::string, std::string_view>, double>;
 

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "moeplan/core/plan.h"
@@ -18,6 +20,8 @@
 namespace moeplan::planner {
 
 enum class Estimator : uint8_t { kAnalytic, kSimulator };
+inline constexpr std::array<std::pair<std::string_view, Estimator>, 2> kEstimatorNames{
+    {{"simulator", Estimator::kSimulator}, {"analytic", Estimator::kAnalytic}}};
 
 struct SearchOptions {
   int64_t gpus = 16;
@@ -82,6 +86,9 @@ ClusterSpec size_cluster(ClusterSpec profile, int64_t gpus);
 int64_t default_global_batch_tokens(int64_t gpus, int64_t seq_len);
 
 SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options);
+
+// "N configurations: V valid, F fit in memory, S simulated (the rest pruned by a lower bound)".
+std::string describe(const SearchStats& stats);
 
 // Memory and time prediction of one configuration, as written into plan.json.
 Prediction predict(const RunConfig& config, Estimator estimator = Estimator::kSimulator);

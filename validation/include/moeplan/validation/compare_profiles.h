@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "moeplan/core/parallel_config.h"
+
 namespace moeplan::validation {
 
 struct CompareProfilesOptions {
@@ -14,7 +16,7 @@ struct CompareProfilesOptions {
   int64_t ranks = 0;  // 0: the first profile's gpus_per_node
   int64_t seq_len = 256;
   int64_t global_batch_tokens = 4096;
-  std::string precision = "fp32";
+  Precision precision = Precision::kFp32;
   bool quick = false;
   int64_t top = 10;
   std::string out;  // where the plans go; empty: a temporary folder, removed

@@ -1,20 +1,22 @@
 #pragma once
 // The matrix `moeplan validate` runs and `moeplan compare-profiles` predicts: configurations
-// of one node's ranks, each planned by `moeplan search` with its choices fixed, and the helpers
-// that run this program's subcommands as child processes.
+// of one node's ranks, each planned by the planner's search with its choices fixed, and the
+// helpers that run this program's subcommands as child processes.
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "moeplan/core/model_spec.h"
+#include "moeplan/core/parallel_config.h"
+#include "moeplan/core/plan.h"
 
 namespace moeplan::validation {
 
 struct MatrixConfig {
   std::string name;  // e.g. E2S1R1-full-offload-mbs2, E1S1R1T2-none-mbs4
   int64_t e = 1, s = 1, t = 1, p = 1, mbs = 1;
-  std::string checkpointing = "none";
+  Checkpointing checkpointing = Checkpointing::kNone;
   bool offload = false;
 };
 
@@ -23,7 +25,7 @@ struct MatrixSetting {
   int64_t ranks = 2;
   std::string model, profiles;  // profiles: folder with hardware/ and models/; empty: the default
   int64_t seq_len = 256, global_batch_tokens = 4096;
-  std::string precision = "fp32";
+  Precision precision = Precision::kFp32;
 };
 
 // Layouts of `ranks` ranks (every degree a power of two here), each with a different mix of
@@ -32,7 +34,13 @@ struct MatrixSetting {
 // where the model's shapes and `seq_len` allow (2 each; 1 each when quick).
 std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& model, int64_t seq_len, bool quick);
 
-// The command line of `moeplan search` with c's choices fixed, on `profile`, writing `plan`.
+// The plan of c on `profile` (a hardware profile), searched with c's choices fixed, written to
+// `path`; throws std::runtime_error "<c.name>: search found no plan: <why>" when there is none.
+Plan pinned_plan(const MatrixSetting& setting, const MatrixConfig& c, const std::string& profile,
+                 const std::string& path);
+
+// The same search as a command line of `self` (`moeplan search` with c's choices fixed, on
+// `profile`, writing `plan`); the plan records it as the command that made it.
 std::vector<std::string> pinned_search(const std::string& self, const MatrixSetting& setting, const MatrixConfig& c,
                                        const std::string& profile, const std::string& plan);
 

@@ -39,6 +39,9 @@ struct ComparePublishedOptions {
   std::vector<std::string> fit;  // kernel-model numbers fitted on the fit part, per chip
 };
 
+// The kernel-model numbers --fit may name, in the order --help lists them.
+std::vector<std::string> fit_parameter_names();
+
 // Prints the table; returns an exit code (moeplan/core/exit_codes.h): with check, kExitNoPlan
 // when a bound is broken.
 int compare_published(const ComparePublishedOptions& options);

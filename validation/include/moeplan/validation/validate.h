@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "moeplan/core/parallel_config.h"
+
 namespace moeplan::validation {
 
 struct ValidateOptions {
@@ -19,7 +21,7 @@ struct ValidateOptions {
   int64_t rounds = 0;  // 0: 3, or 1 with quick
   int64_t seq_len = 256;
   int64_t global_batch_tokens = 4096;
-  std::string precision = "fp32";
+  Precision precision = Precision::kFp32;
   bool quick = false;
   bool check = false;
   double max_median_error = 0.10, max_worst_error = 0.20, max_memory_error = 0.15, min_kendall = 0.8;
