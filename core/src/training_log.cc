@@ -65,6 +65,31 @@ std::optional<double> after(std::string_view s, std::string_view key) {
   return number_at(s.substr(at + key.size()));
 }
 
+// An iteration or batch number as read: there, and a count.
+bool is_count(const std::optional<double>& v) { return v && *v >= 0 && *v <= kMaxCount; }
+
+// Where one format's iteration line keeps its numbers.
+struct IterationKeys {
+  LogFormat format;
+  std::string_view iteration;           // the iteration number
+  std::string_view rate;                // a positive number: the elapsed time or a throughput
+  double LoggedIteration::*rate_field;  // where that number goes
+  std::string_view tflops;              // TFLOP/s per GPU, where logged
+  std::string_view loss;                // where logged
+  const char* unreadable;               // what a line is whose iteration or rate cannot be read
+};
+
+constexpr IterationKeys kMegatronIteration{
+    LogFormat::kMegatron, " iteration ", "elapsed time per iteration (ms):", &LoggedIteration::step_ms,
+    "throughput per GPU (TFLOP/s/GPU):", "lm loss:",
+    "is a Megatron-LM iteration line without a readable iteration number and elapsed time"};
+constexpr IterationKeys kTorchtitanIteration{LogFormat::kTorchtitan, "step:", "tps:",
+                                             &LoggedIteration::tokens_per_s_per_gpu, "tflops:", "loss:",
+                                             "is a torchtitan step line without a readable step and tps"};
+constexpr IterationKeys kSmpIteration{LogFormat::kSmp, "Batch ", "Speed:", &LoggedIteration::samples_per_s,
+                                      "Model TFLOPS/GPU:", "Loss:",
+                                      "is a line of SMP's script without a readable Batch and Speed"};
+
 class Reader {
  public:
   explicit Reader(std::string origin) : origin_(std::move(origin)) {}
@@ -112,21 +137,27 @@ class Reader {
     }
   }
 
-  void megatron(int64_t number, const std::string& text) {
-    expect(number, LogFormat::kMegatron);
+  // An iteration line of the format `keys` describes; `rest_readable` false (a number of the
+  // format's own that cannot be read) makes the line unreadable too.
+  LoggedIteration iteration_line(int64_t number, const std::string& text, const IterationKeys& keys,
+                                 bool rest_readable = true) {
+    expect(number, keys.format);
     LoggedIteration it;
     it.line = number;
-    const auto iteration = after(text, " iteration ");
-    const auto ms = after(text, "elapsed time per iteration (ms):");
-    const auto batch = after(text, "global batch size:");
-    if (!iteration || *iteration < 0 || *iteration > kMaxCount || !ms || *ms <= 0 ||
-        (batch && (*batch < 0 || *batch > kMaxCount)))
-      bad(number, "is a Megatron-LM iteration line without a readable iteration number and elapsed time");
+    const auto iteration = after(text, keys.iteration);
+    const auto rate = after(text, keys.rate);
+    if (!is_count(iteration) || !rate || *rate <= 0 || !rest_readable) bad(number, keys.unreadable);
     it.iteration = static_cast<int64_t>(*iteration);
-    it.step_ms = *ms;
-    it.tflops_per_gpu = after(text, "throughput per GPU (TFLOP/s/GPU):").value_or(0);
+    it.*keys.rate_field = *rate;
+    it.tflops_per_gpu = after(text, keys.tflops).value_or(0);
+    it.loss = after(text, keys.loss).value_or(0);
+    return it;
+  }
+
+  void megatron(int64_t number, const std::string& text) {
+    const auto batch = after(text, "global batch size:");
+    LoggedIteration it = iteration_line(number, text, kMegatronIteration, !batch || is_count(batch));
     it.global_batch = static_cast<int64_t>(batch.value_or(0));
-    it.loss = after(text, "lm loss:").value_or(0);
     log_.iterations.push_back(it);
   }
 
@@ -151,17 +182,7 @@ class Reader {
   }
 
   void torchtitan(int64_t number, const std::string& text) {
-    expect(number, LogFormat::kTorchtitan);
-    LoggedIteration it;
-    it.line = number;
-    const auto step = after(text, "step:");
-    const auto tps = after(text, "tps:");
-    if (!step || *step < 0 || *step > kMaxCount || !tps || *tps <= 0)
-      bad(number, "is a torchtitan step line without a readable step and tps");
-    it.iteration = static_cast<int64_t>(*step);
-    it.tokens_per_s_per_gpu = *tps;
-    it.tflops_per_gpu = after(text, "tflops:").value_or(0);
-    it.loss = after(text, "loss:").value_or(0);
+    LoggedIteration it = iteration_line(number, text, kTorchtitanIteration);
     if (const auto gib = after(text, "memory:")) it.memory_bytes = *gib * 1024 * 1024 * 1024;
     log_.iterations.push_back(it);
   }
@@ -185,18 +206,7 @@ class Reader {
 
   void smp(int64_t number, const std::string& text) {
     if (text.find("Validation") != std::string::npos) return;
-    expect(number, LogFormat::kSmp);
-    LoggedIteration it;
-    it.line = number;
-    const auto batch = after(text, "Batch ");
-    const auto speed = after(text, "Speed:");
-    if (!batch || *batch < 0 || *batch > kMaxCount || !speed || *speed <= 0)
-      bad(number, "is a line of SMP's script without a readable Batch and Speed");
-    it.iteration = static_cast<int64_t>(*batch);
-    it.samples_per_s = *speed;
-    it.tflops_per_gpu = after(text, "Model TFLOPS/GPU:").value_or(0);
-    it.loss = after(text, "Loss:").value_or(0);
-    log_.iterations.push_back(it);
+    log_.iterations.push_back(iteration_line(number, text, kSmpIteration));
   }
 
   std::string origin_;
