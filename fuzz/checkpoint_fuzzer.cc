@@ -16,23 +16,14 @@
 using namespace moeplan;
 using namespace moeplan::executor;
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  torch::set_num_threads(1);
-  return 0;
-}
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const fuzz::Files in = fuzz::split_files(data, size, 3);
-  fuzz::Scratch& scratch = fuzz::Scratch::get();
-  scratch.clear();
+  const fuzz::Files in = fuzz::start_folder(data, size, 3);
   std::map<std::string, std::string_view> shards;
   if (!in.parts[1].empty()) shards["rank-00000.safetensors"] = in.parts[1];
   if (!in.parts[2].empty()) shards["rank-00001.safetensors"] = in.parts[2];
-  for (const auto& [name, bytes] : shards) scratch.write(name, bytes);
-  scratch.write("manifest.json", (in.options & 1) != 0 ? fuzz::with_true_checksums(in.parts[0], shards)
-                                                       : std::string(in.parts[0]));
+  fuzz::write_with_manifest(in.parts[0], shards, (in.options & 1) != 0);
   try {
-    const LoadedCheckpoint checkpoint = open_checkpoint(scratch.dir());
+    const LoadedCheckpoint checkpoint = open_checkpoint(fuzz::Scratch::get().dir());
     SlicedState state;
     for (const CheckpointFile& f : checkpoint.files) state.add(read_checkpoint_shard(checkpoint, f.name).tensors);
     Diagnostics d;

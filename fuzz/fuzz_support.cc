@@ -41,6 +41,11 @@ std::string join_files(uint8_t options, const std::vector<std::string>& parts) {
   return out;
 }
 
+Files start_folder(const uint8_t* data, size_t size, size_t count) {
+  Scratch::get().clear();
+  return split_files(data, size, count);
+}
+
 std::string with_true_checksums(std::string_view manifest, const std::map<std::string, std::string_view>& files) {
   Json json = Json::parse(manifest.begin(), manifest.end(), nullptr, /*allow_exceptions=*/false);
   if (!json.is_object() || !json.contains("files")) return std::string(manifest);
@@ -58,6 +63,13 @@ std::string with_true_checksums(std::string_view manifest, const std::map<std::s
       if (listed.contains(name) && listed[name].is_object()) put(listed[name], bytes);
   }
   return json.dump(1, ' ', false, Json::error_handler_t::replace);
+}
+
+void write_with_manifest(std::string_view manifest, const std::map<std::string, std::string_view>& files,
+                         bool true_checksums) {
+  Scratch& scratch = Scratch::get();
+  for (const auto& [name, bytes] : files) scratch.write(name, bytes);
+  scratch.write("manifest.json", true_checksums ? with_true_checksums(manifest, files) : std::string(manifest));
 }
 
 const ModelSpec& tiny_model() {

@@ -23,6 +23,9 @@ struct Files {
 };
 Files split_files(const uint8_t* data, size_t size, size_t count);
 std::string join_files(uint8_t options, const std::vector<std::string>& parts);
+// split_files, for a target that reads the files from Scratch: emptied of the previous
+// input's files first.
+Files start_folder(const uint8_t* data, size_t size, size_t count);
 
 // The manifest of a folder with the true size and CRC-32 of each file in `files` (name ->
 // bytes) where it lists that file, as a checkpoint ("files": [{"name", "bytes", "crc32"}]) or a
@@ -30,6 +33,10 @@ std::string join_files(uint8_t options, const std::vector<std::string>& parts);
 // gets past the checksums to the checks behind them. Text that is not such a manifest is
 // returned as it is.
 std::string with_true_checksums(std::string_view manifest, const std::map<std::string, std::string_view>& files);
+// Writes `files` (name -> bytes) to Scratch, and `manifest` beside them as manifest.json: with
+// their true sizes and CRC-32s where `true_checksums`.
+void write_with_manifest(std::string_view manifest, const std::map<std::string, std::string_view>& files,
+                         bool true_checksums);
 
 // The model the executor's targets read checkpoints of: Mixtral's layout at a size whose whole
 // state is a few kilobytes.

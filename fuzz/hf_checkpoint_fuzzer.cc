@@ -14,15 +14,9 @@
 using namespace moeplan;
 using namespace moeplan::executor;
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  torch::set_num_threads(1);
-  return 0;
-}
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const fuzz::Files in = fuzz::split_files(data, size, 3);
+  const fuzz::Files in = fuzz::start_folder(data, size, 3);
   fuzz::Scratch& scratch = fuzz::Scratch::get();
-  scratch.clear();
   scratch.write("config.json", in.parts[0]);
   if (in.parts[1].empty()) {
     scratch.write("model.safetensors", in.parts[2]);

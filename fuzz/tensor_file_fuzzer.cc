@@ -11,11 +11,6 @@
 
 using namespace moeplan;
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  torch::set_num_threads(1);
-  return 0;
-}
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = fuzz::Scratch::get().write("shard.safetensors", data, size);
   try {

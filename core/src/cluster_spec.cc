@@ -406,37 +406,43 @@ ClusterSpec read_cluster_file(const std::string& path) {
   return cluster_from_json(read_json_file(path), path);
 }
 
-Json to_json(const ClusterSpec& c) {
-  auto sourced = [&](const std::string& path, const Json& value) {
-    auto it = c.sources.find(path);
-    if (it == c.sources.end()) return value;
-    Json j;
-    j["value"] = value;
-    j["source"] = it->second;
-    return j;
-  };
+namespace {
+
+// `value`, or {"value": value, "source": ...} where the profile gave the field at `path` a
+// source.
+Json sourced(const ClusterSpec& c, const std::string& path, const Json& value) {
+  auto it = c.sources.find(path);
+  if (it == c.sources.end()) return value;
   Json j;
-  j["name"] = sourced("name", c.name);
-  j["description"] = sourced("description", c.description);
-  j["gpus_per_node"] = sourced("gpus_per_node", c.gpus_per_node);
-  j["num_nodes"] = sourced("num_nodes", c.num_nodes);
+  j["value"] = value;
+  j["source"] = it->second;
+  return j;
+}
+
+// A measured curve as [[x, y], ...].
+Json curve_json(const CurvePoints& curve) {
+  Json points = Json::array();
+  for (const auto& [x, y] : curve) points.push_back({x, y});
+  return points;
+}
+
+Json gpu_json(const ClusterSpec& c) {
   Json gpu;
-  gpu["name"] = sourced("gpu.name", c.gpu_name);
+  gpu["name"] = sourced(c, "gpu.name", c.gpu_name);
   if (c.device != DeviceKind::kCuda || c.sources.contains("gpu.device"))
-    gpu["device"] = sourced("gpu.device", std::string(name_of(kDeviceKindNames, c.device)));
-  gpu["memory_bytes"] = sourced("gpu.memory_bytes", c.gpu_memory_bytes);
-  gpu["peak_bf16_flops"] = sourced("gpu.peak_bf16_flops", c.peak_bf16_flops);
-  gpu["peak_fp32_flops"] = sourced("gpu.peak_fp32_flops", c.peak_fp32_flops);
-  gpu["memory_bandwidth_bytes_per_s"] =
-      sourced("gpu.memory_bandwidth_bytes_per_s", c.hbm_bandwidth_bytes_per_s);
+    gpu["device"] = sourced(c, "gpu.device", std::string(name_of(kDeviceKindNames, c.device)));
+  gpu["memory_bytes"] = sourced(c, "gpu.memory_bytes", c.gpu_memory_bytes);
+  gpu["peak_bf16_flops"] = sourced(c, "gpu.peak_bf16_flops", c.peak_bf16_flops);
+  gpu["peak_fp32_flops"] = sourced(c, "gpu.peak_fp32_flops", c.peak_fp32_flops);
+  gpu["memory_bandwidth_bytes_per_s"] = sourced(c, "gpu.memory_bandwidth_bytes_per_s", c.hbm_bandwidth_bytes_per_s);
   // The kernel model's numbers, where given (absent reads back as the same default).
   auto optional = [&](const char* name, double value, double absent) {
     const std::string path = std::string("gpu.") + name;
-    if (value != absent || c.sources.contains(path)) gpu[name] = sourced(path, value);
+    if (value != absent || c.sources.contains(path)) gpu[name] = sourced(c, path, value);
   };
   optional("peak_fp8_flops", c.peak_fp8_flops, 0.0);
   if (c.streaming_multiprocessors > 0 || c.sources.contains("gpu.streaming_multiprocessors"))
-    gpu["streaming_multiprocessors"] = sourced("gpu.streaming_multiprocessors", c.streaming_multiprocessors);
+    gpu["streaming_multiprocessors"] = sourced(c, "gpu.streaming_multiprocessors", c.streaming_multiprocessors);
   optional("matmul_peak_efficiency", c.matmul_peak_efficiency, 0.0);
   optional("fp8_matmul_peak_efficiency", c.fp8_matmul_peak_efficiency, 0.0);
   optional("memory_bound_efficiency", c.memory_bound_efficiency, 1.0);
@@ -451,12 +457,21 @@ Json to_json(const ClusterSpec& c) {
       eff["source"] = it->second;
     gpu["matmul_efficiency"] = eff;
   }
-  j["gpu"] = gpu;
-  Json intra;
-  intra["fabric"] = sourced("intra_node.fabric", c.intra_node_fabric);
-  intra["bandwidth_bytes_per_s"] = sourced("intra_node.bandwidth_bytes_per_s", c.intra_node_bandwidth_bytes_per_s);
-  intra["latency_s"] = sourced("intra_node.latency_s", c.intra_node_latency_s);
-  intra["collective_base_latency_s"] = sourced("intra_node.collective_base_latency_s", c.collective_base_latency_s);
+  return gpu;
+}
+
+// A link's fabric, bandwidth and latency, under `section` (intra_node or inter_node).
+Json link_json(const ClusterSpec& c, const std::string& section, const std::string& fabric,
+               double bandwidth_bytes_per_s, double latency_s) {
+  Json link;
+  link["fabric"] = sourced(c, section + ".fabric", fabric);
+  link["bandwidth_bytes_per_s"] = sourced(c, section + ".bandwidth_bytes_per_s", bandwidth_bytes_per_s);
+  link["latency_s"] = sourced(c, section + ".latency_s", latency_s);
+  return link;
+}
+
+// The fitted collectives, where any is given (else an object with none of them).
+Json collectives_json(const ClusterSpec& c) {
   const std::pair<const char*, const CollectiveFit*> fits[] = {{"all_gather", &c.all_gather_fit},
                                                                {"reduce_scatter", &c.reduce_scatter_fit},
                                                                {"all_reduce", &c.all_reduce_fit},
@@ -466,85 +481,104 @@ Json to_json(const ClusterSpec& c) {
   for (const auto& [name, fit] : fits)
     if (fit->given()) {
       collectives[name] = {{"latency_s", fit->latency_s}, {"bandwidth_bytes_per_s", fit->bandwidth_bytes_per_s}};
-      if (!fit->points.empty()) {
-        Json measured = Json::array();
-        for (const auto& [b, seconds] : fit->points) measured.push_back({b, seconds});
-        collectives[name]["points"] = measured;
-      }
+      if (!fit->points.empty()) collectives[name]["points"] = curve_json(fit->points);
     }
+  return collectives;
+}
+
+Json intra_node_json(const ClusterSpec& c) {
+  Json intra = link_json(c, "intra_node", c.intra_node_fabric, c.intra_node_bandwidth_bytes_per_s,
+                         c.intra_node_latency_s);
+  intra["collective_base_latency_s"] = sourced(c, "intra_node.collective_base_latency_s", c.collective_base_latency_s);
+  const Json collectives = collectives_json(c);
   if (collectives.contains("all_gather") || collectives.contains("all_to_all") || collectives.contains("all_reduce") ||
       collectives.contains("reduce_scatter"))
     intra["collectives"] = collectives;
-  j["intra_node"] = intra;
-  Json inter;
-  inter["fabric"] = sourced("inter_node.fabric", c.inter_node_fabric);
-  inter["bandwidth_bytes_per_s"] = sourced("inter_node.bandwidth_bytes_per_s", c.inter_node_bandwidth_bytes_per_s);
-  inter["latency_s"] = sourced("inter_node.latency_s", c.inter_node_latency_s);
-  j["inter_node"] = inter;
-  Json host;
-  host["memory_bytes"] = sourced("host.memory_bytes", c.host_memory_bytes);
-  host["pcie_bandwidth_bytes_per_s"] = sourced("host.pcie_bandwidth_bytes_per_s", c.pcie_bandwidth_bytes_per_s);
-  j["host"] = host;
-  // The cost object where given (absent reads back as zeros).
+  return intra;
+}
+
+// The cost object where given (absent reads back as zeros).
+Json cost_json(const ClusterSpec& c) {
   Json cost = Json::object();
   for (const auto& [name, value] : {std::pair<const char*, double>{"instance_price_per_hour", c.instance_price_per_hour},
                                     {"node_failures_per_hour", c.node_failures_per_hour}}) {
     const std::string path = std::string("cost.") + name;
-    if (value != 0 || c.sources.contains(path)) cost[name] = sourced(path, value);
+    if (value != 0 || c.sources.contains(path)) cost[name] = sourced(c, path, value);
   }
-  if (!cost.empty()) j["cost"] = cost;
+  return cost;
+}
+
+Json op_times_json(const ClusterSpec& c) {
+  const OpTimes& t = c.op_times;
+  Json times;
+  if (auto it = c.sources.find("framework.op_times"); it != c.sources.end()) times["source"] = it->second;
+  times["shapes"] = {{"hidden_size", t.hidden_size},
+                     {"intermediate_size", t.intermediate_size},
+                     {"num_attention_heads", t.num_attention_heads},
+                     {"num_key_value_heads", t.num_key_value_heads},
+                     {"head_dim", t.head_dim},
+                     {"num_experts", t.num_experts},
+                     {"experts_per_token", t.experts_per_token},
+                     {"vocab_size", t.vocab_size},
+                     {"seq_len", t.seq_len},
+                     {"precision", t.precision}};
+  if (t.num_layers > 0) times["shapes"]["num_layers"] = t.num_layers;
+  for (std::string_view name : kOpTimeCurves)
+    if (const CurvePoints& curve = op_time_curve(t, name); !curve.empty()) times[std::string(name)] = curve_json(curve);
+  for (const TensorSplitTimes& split : t.tensor_splits) {
+    Json entry;
+    entry["tensor_parallel_degree"] = split.tensor_parallel_degree;
+    for (std::string_view name : kTensorSplitCurves)
+      if (const CurvePoints& curve = split_curve(split, name); !curve.empty())
+        entry[std::string(name)] = curve_json(curve);
+    times["tensor_splits"].push_back(entry);
+  }
+  return times;
+}
+
+Json after_compute_json(const ClusterSpec& c) {
+  Json after;
+  if (auto it = c.sources.find("framework.collective_after_compute"); it != c.sources.end())
+    after["source"] = it->second;
+  for (std::string_view kind : kAfterComputeKinds)
+    if (const CurvePoints& curve = *c.after_compute.of(kind); !curve.empty())
+      after[std::string(kind)] = curve_json(curve);
+  return after;
+}
+
+Json framework_json(const ClusterSpec& c) {
   Json fw;
-  fw["overhead_bytes"] = sourced("framework.overhead_bytes", c.framework_overhead_bytes);
-  fw["fragmentation_factor"] = sourced("framework.fragmentation_factor", c.fragmentation_factor);
-  fw["kernels"] = sourced("framework.kernels", std::string(name_of(kKernelNames, c.kernels)));
-  fw["attention"] = sourced("framework.attention", std::string(name_of(kAttentionKernelNames, c.attention)));
-  fw["overlap_slowdown"] = sourced("framework.overlap_slowdown", c.overlap_slowdown);
-  fw["headroom_bytes"] = sourced("framework.headroom_bytes", c.memory_headroom_bytes);
-  fw["comm_overlaps_compute"] = sourced("framework.comm_overlaps_compute", c.comm_overlaps_compute);
-  fw["overlap_gradient_sync"] = sourced("framework.overlap_gradient_sync", c.overlap_gradient_sync);
-  if (!c.op_times.empty()) {
-    const OpTimes& t = c.op_times;
-    Json times;
-    if (auto it = c.sources.find("framework.op_times"); it != c.sources.end()) times["source"] = it->second;
-    times["shapes"] = {{"hidden_size", t.hidden_size},
-                       {"intermediate_size", t.intermediate_size},
-                       {"num_attention_heads", t.num_attention_heads},
-                       {"num_key_value_heads", t.num_key_value_heads},
-                       {"head_dim", t.head_dim},
-                       {"num_experts", t.num_experts},
-                       {"experts_per_token", t.experts_per_token},
-                       {"vocab_size", t.vocab_size},
-                       {"seq_len", t.seq_len},
-                       {"precision", t.precision}};
-    if (t.num_layers > 0) times["shapes"]["num_layers"] = t.num_layers;
-    for (std::string_view name : kOpTimeCurves) {
-      Json curve = Json::array();
-      for (const auto& [x, sec] : op_time_curve(t, name)) curve.push_back({x, sec});
-      if (!curve.empty()) times[std::string(name)] = curve;
-    }
-    for (const TensorSplitTimes& split : t.tensor_splits) {
-      Json entry;
-      entry["tensor_parallel_degree"] = split.tensor_parallel_degree;
-      for (std::string_view name : kTensorSplitCurves) {
-        Json curve = Json::array();
-        for (const auto& [x, sec] : split_curve(split, name)) curve.push_back({x, sec});
-        if (!curve.empty()) entry[std::string(name)] = curve;
-      }
-      times["tensor_splits"].push_back(entry);
-    }
-    fw["op_times"] = times;
-  }
-  if (!c.after_compute.empty()) {
-    Json after;
-    if (auto it = c.sources.find("framework.collective_after_compute"); it != c.sources.end()) after["source"] = it->second;
-    for (std::string_view kind : kAfterComputeKinds) {
-      Json curve = Json::array();
-      for (const auto& [seconds, extra] : *c.after_compute.of(kind)) curve.push_back({seconds, extra});
-      if (!curve.empty()) after[std::string(kind)] = curve;
-    }
-    fw["collective_after_compute"] = after;
-  }
-  j["framework"] = fw;
+  fw["overhead_bytes"] = sourced(c, "framework.overhead_bytes", c.framework_overhead_bytes);
+  fw["fragmentation_factor"] = sourced(c, "framework.fragmentation_factor", c.fragmentation_factor);
+  fw["kernels"] = sourced(c, "framework.kernels", std::string(name_of(kKernelNames, c.kernels)));
+  fw["attention"] = sourced(c, "framework.attention", std::string(name_of(kAttentionKernelNames, c.attention)));
+  fw["overlap_slowdown"] = sourced(c, "framework.overlap_slowdown", c.overlap_slowdown);
+  fw["headroom_bytes"] = sourced(c, "framework.headroom_bytes", c.memory_headroom_bytes);
+  fw["comm_overlaps_compute"] = sourced(c, "framework.comm_overlaps_compute", c.comm_overlaps_compute);
+  fw["overlap_gradient_sync"] = sourced(c, "framework.overlap_gradient_sync", c.overlap_gradient_sync);
+  if (!c.op_times.empty()) fw["op_times"] = op_times_json(c);
+  if (!c.after_compute.empty()) fw["collective_after_compute"] = after_compute_json(c);
+  return fw;
+}
+
+}  // namespace
+
+Json to_json(const ClusterSpec& c) {
+  Json j;
+  j["name"] = sourced(c, "name", c.name);
+  j["description"] = sourced(c, "description", c.description);
+  j["gpus_per_node"] = sourced(c, "gpus_per_node", c.gpus_per_node);
+  j["num_nodes"] = sourced(c, "num_nodes", c.num_nodes);
+  j["gpu"] = gpu_json(c);
+  j["intra_node"] = intra_node_json(c);
+  j["inter_node"] = link_json(c, "inter_node", c.inter_node_fabric, c.inter_node_bandwidth_bytes_per_s,
+                              c.inter_node_latency_s);
+  Json host;
+  host["memory_bytes"] = sourced(c, "host.memory_bytes", c.host_memory_bytes);
+  host["pcie_bandwidth_bytes_per_s"] = sourced(c, "host.pcie_bandwidth_bytes_per_s", c.pcie_bandwidth_bytes_per_s);
+  j["host"] = host;
+  if (Json cost = cost_json(c); !cost.empty()) j["cost"] = cost;
+  j["framework"] = framework_json(c);
   return j;
 }
 

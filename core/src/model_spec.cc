@@ -13,6 +13,18 @@ constexpr int64_t kMaxDim = int64_t{1} << 24;
 constexpr int64_t kMaxLayers = 4096;
 constexpr int64_t kMaxExperts = 4096;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;
+
+// The fields Hugging Face's config.json names otherwise: {ours, theirs}.
+constexpr std::array<std::pair<std::string_view, std::string_view>, 3> kHfNames{
+    {{"experts_per_token", "num_experts_per_tok"}, {"num_layers", "num_hidden_layers"},
+     {"num_experts", "num_local_experts"}}};
+
+// The name config.json gives the field moeplan calls `ours`.
+std::string_view hf_name(std::string_view ours) {
+  for (const auto& [name, theirs] : kHfNames)
+    if (name == ours) return theirs;
+  return ours;
+}
 }  // namespace
 
 ParamCounts count_parameters(const ModelSpec& m) {
@@ -169,14 +181,7 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
   }
   if (d.empty()) {
     // Rules speak of moeplan's names; report the config's own.
-    for (Violation& v : validate_model(m)) {
-      static constexpr std::array<std::pair<std::string_view, std::string_view>, 3> kHfNames{
-          {{"experts_per_token", "num_experts_per_tok"}, {"num_layers", "num_hidden_layers"},
-           {"num_experts", "num_local_experts"}}};
-      for (const auto& [ours, theirs] : kHfNames)
-        if (v.field == ours) v.field = theirs;
-      d.error(v.field, v.message);
-    }
+    for (const Violation& v : validate_model(m)) d.error(std::string(hf_name(v.field)), v.message);
   }
   d.throw_if_any(origin);
   return m;
@@ -189,6 +194,20 @@ ModelSpec read_model_file(const std::string& path) {
 }
 
 namespace {
+
+// The sizes, in the same order in both formats, under config.json's names where `hf_names`.
+void put_sizes(const ModelSpec& m, bool hf_names, Json& j) {
+  for (const auto& [field, value] : {std::pair<std::string_view, int64_t>{"vocab_size", m.vocab_size},
+                                     {"hidden_size", m.hidden_size},
+                                     {"intermediate_size", m.intermediate_size},
+                                     {"num_layers", m.num_layers},
+                                     {"num_attention_heads", m.num_attention_heads},
+                                     {"num_key_value_heads", m.num_key_value_heads},
+                                     {"head_dim", m.head_dim},
+                                     {"num_experts", m.num_experts},
+                                     {"experts_per_token", m.experts_per_token}})
+    j[std::string(hf_names ? hf_name(field) : field)] = value;
+}
 
 // The fields both formats name alike.
 void put_positions_and_norms(const ModelSpec& m, Json& j) {
@@ -208,15 +227,7 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
   j["_name_or_path"] = m.name;
   j["architectures"] = {"MixtralForCausalLM"};
   j["model_type"] = "mixtral";
-  j["vocab_size"] = m.vocab_size;
-  j["hidden_size"] = m.hidden_size;
-  j["intermediate_size"] = m.intermediate_size;
-  j["num_hidden_layers"] = m.num_layers;
-  j["num_attention_heads"] = m.num_attention_heads;
-  j["num_key_value_heads"] = m.num_key_value_heads;
-  j["head_dim"] = m.head_dim;
-  j["num_local_experts"] = m.num_experts;
-  j["num_experts_per_tok"] = m.experts_per_token;
+  put_sizes(m, /*hf_names=*/true, j);
   put_positions_and_norms(m, j);
   j["hidden_act"] = "silu";
   j["attention_dropout"] = 0.0;
@@ -230,15 +241,7 @@ Json to_json(const ModelSpec& m) {
   Json j;
   j["name"] = m.name;
   j["source"] = m.source;
-  j["vocab_size"] = m.vocab_size;
-  j["hidden_size"] = m.hidden_size;
-  j["intermediate_size"] = m.intermediate_size;
-  j["num_layers"] = m.num_layers;
-  j["num_attention_heads"] = m.num_attention_heads;
-  j["num_key_value_heads"] = m.num_key_value_heads;
-  j["head_dim"] = m.head_dim;
-  j["num_experts"] = m.num_experts;
-  j["experts_per_token"] = m.experts_per_token;
+  put_sizes(m, /*hf_names=*/false, j);
   put_positions_and_norms(m, j);
   j["mlp"] = std::string(name_of(kMlpNames, m.mlp));
   if (m.norm != Norm::kRmsNorm) j["norm"] = std::string(name_of(kNormNames, m.norm));

@@ -69,10 +69,8 @@ int64_t ParallelConfig::stride(MeshDim d) const {
   return s;
 }
 
-ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d) {
-  ParallelConfig p;
-  ObjectReader r(json, path, d);
-  if (!r.ok()) return p;
+static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
+  Diagnostics& d = r.diagnostics();
   const size_t problems_before = d.items().size();
   p.world_size = r.integer("world_size", 1, kMaxDegree);
   p.expert_parallel_degree = r.integer("expert_parallel_degree", 1, kMaxDegree);
@@ -113,14 +111,14 @@ ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnost
                   (p.pipeline_parallel_degree != 1 ? " * pipeline_parallel_degree" : "") +
                   ") = " + std::to_string(p.world_size / rest));
   }
-  r.finish();
-  return p;
 }
 
-MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d) {
-  MoeConfig m;
-  ObjectReader r(json, path, d);
-  if (!r.ok()) return m;
+ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d) {
+  return read_object<ParallelConfig>(json, path, d, read_parallel_fields);
+}
+
+static void read_moe_fields(ObjectReader& r, MoeConfig& m) {
+  Diagnostics& d = r.diagnostics();
   m.load_balancing = r.choice<LoadBalancing>("load_balancing", kLoadBalancingNames, LoadBalancing::kSinkhorn);
   m.dispatcher = r.choice<Dispatcher>("dispatcher", kDispatcherNames, Dispatcher::kAllToAll);
   m.global_token_shuffle = r.boolean("global_token_shuffle", false);
@@ -143,14 +141,13 @@ MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d) {
       }
     }
   }
-  r.finish();
-  return m;
 }
 
-TrainingConfig read_training(const Json& json, const std::string& path, Diagnostics& d) {
-  TrainingConfig t;
-  ObjectReader r(json, path, d);
-  if (!r.ok()) return t;
+MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d) {
+  return read_object<MoeConfig>(json, path, d, read_moe_fields);
+}
+
+static void read_training_fields(ObjectReader& r, TrainingConfig& t) {
   t.seq_len = r.integer("seq_len", 1, int64_t{1} << 24);
   t.global_batch_tokens = r.integer("global_batch_tokens", 1, kMaxTokens);
   t.precision = r.choice<Precision>("precision", kPrecisionNames, Precision::kBf16);
@@ -166,8 +163,10 @@ TrainingConfig read_training(const Json& json, const std::string& path, Diagnost
   t.max_grad_norm = r.number("max_grad_norm", 0.0, 1e9, 1.0);
   t.seed = r.integer("seed", 0, INT64_MAX, 12345);
   t.data = r.string("data", "");
-  r.finish();
-  return t;
+}
+
+TrainingConfig read_training(const Json& json, const std::string& path, Diagnostics& d) {
+  return read_object<TrainingConfig>(json, path, d, read_training_fields);
 }
 
 Json to_json(const ParallelConfig& p) {

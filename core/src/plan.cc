@@ -49,10 +49,8 @@ std::string sum_text(const std::vector<MemoryItem>& items) {
   return total < 0 ? std::string("more than 2^63") : std::to_string(total);
 }
 
-Prediction read_prediction(const Json& json, const std::string& path, Diagnostics& d) {
-  Prediction p;
-  ObjectReader r(json, path, d);
-  if (!r.ok()) return p;
+static void read_prediction_fields(ObjectReader& r, Prediction& p) {
+  Diagnostics& d = r.diagnostics();
   p.estimator = r.string("estimator");
   p.step_time_s = r.number("step_time_s", 0.0, kMaxSeconds);
   p.tokens_per_s = r.number("tokens_per_s", 0.0, kMaxRate);
@@ -87,8 +85,10 @@ Prediction read_prediction(const Json& json, const std::string& path, Diagnostic
         p.time.push_back({it.key(), t.number(it.key(), 0.0, kMaxSeconds)});
     }
   }
-  r.finish();
-  return p;
+}
+
+Prediction read_prediction(const Json& json, const std::string& path, Diagnostics& d) {
+  return read_object<Prediction>(json, path, d, read_prediction_fields);
 }
 
 Json to_json(const Prediction& p) {

@@ -126,23 +126,23 @@ int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size) {
   return cluster.host_memory_bytes / ranks_per_node;
 }
 
-MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
-  const ModelSpec& m = c.model;
-  const ParallelConfig& p = c.parallel;
-  const Precision precision = c.training.precision;
-  const int64_t a = precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
-  // The stage with the most blocks (with the first stage's micro-batches in flight), or one
-  // that holds blocks only.
-  int64_t stage_layers = 0;
-  for (int64_t i = 0; i < pp; ++i) stage_layers = std::max(stage_layers, moeplan::stage_layers(m.num_layers, p, i));
-  const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree, p.tensor_parallel_degree,
-                                       p.pipeline_parallel_degree, stage_layers, view == StageView::kBusiest);
-  const TensorSplit split{p.tensor_parallel_degree, p.sequence_parallel};
-  const int64_t shard = sizes.shard_params;
+namespace {
 
-  MemoryEstimate out;
-  switch (precision) {
+// The stage with the most blocks (with the first stage's micro-batches in flight), or one
+// that holds blocks only: its blocks.
+int64_t busiest_stage_layers(const ModelSpec& m, const ParallelConfig& p) {
+  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  int64_t layers = 0;
+  for (int64_t i = 0; i < pp; ++i) layers = std::max(layers, stage_layers(m.num_layers, p, i));
+  return layers;
+}
+
+// Parameters, gradients, master weights and optimizer moments of the rank's shard, and what
+// sharding gathers of one unit at a time; `a` is the compute dtype's bytes.
+void add_model_states(const RunConfig& c, const ShardSizes& sizes, int64_t a, MemoryEstimate& out) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t shard = sizes.shard_params;
+  switch (c.training.precision) {
     case Precision::kBf16:  // parameters, gradients and moments all in bf16
       out.parameters = 2 * shard;
       out.gradients = 2 * shard;
@@ -174,45 +174,68 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
     out.gathered_parameters = 2 * sizes.largest_unit_params * a;
     out.gradient_buffers = sizes.largest_unit_params * a;
   }
+}
 
-  const int64_t tokens = p.micro_batch_size * c.training.seq_len;
-  const auto slots = static_cast<int64_t>(
-      std::ceil(static_cast<double>(m.experts_per_token * tokens) *
-                busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree)));
-  const BlockActivations block = block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a,
-                                                   c.cluster.kernels, c.cluster.attention, split, c.training.fp8);
-  int64_t stored_per_block = 0;  // kept from forward to backward
-  int64_t working_set = 0;       // one block recomputed during backward
-  switch (p.activation_checkpointing) {
-    case Checkpointing::kNone: stored_per_block = block.full(); break;
+// Token-expert slots on the busiest expert's rank for one micro-batch of `tokens`.
+int64_t busiest_rank_slots(const RunConfig& c, int64_t tokens) {
+  return static_cast<int64_t>(
+      std::ceil(static_cast<double>(c.model.experts_per_token * tokens) *
+                busiest_expert_rank_load(c.model, c.moe, c.parallel.expert_parallel_degree)));
+}
+
+// What one block keeps from forward to backward, and what the block recomputed during
+// backward holds meanwhile.
+struct KeptActivations {
+  int64_t stored_per_block = 0;
+  int64_t working_set = 0;
+};
+
+KeptActivations kept_activations(const BlockActivations& block, Checkpointing checkpointing) {
+  KeptActivations kept;
+  switch (checkpointing) {
+    case Checkpointing::kNone: kept.stored_per_block = block.full(); break;
     case Checkpointing::kSelective:
-      stored_per_block = block.attention + block.block_input;  // the MoE sub-block's input
-      working_set = block.moe;
+      kept.stored_per_block = block.attention + block.block_input;  // the MoE sub-block's input
+      kept.working_set = block.moe;
       break;
     case Checkpointing::kFull:
-      stored_per_block = block.block_input;
-      working_set = block.full();
+      kept.stored_per_block = block.block_input;
+      kept.working_set = block.full();
       break;
     case Checkpointing::kAttentionCore:  // the core's tensors are made again from q, k and v
-      stored_per_block = block.full() - block.core;
-      working_set = block.core;
+      kept.stored_per_block = block.full() - block.core;
+      kept.working_set = block.core;
       break;
   }
-  out.activation_working_set = working_set;
-  // What offloading moves is the checkpointed input (the block input, which is also the MoE
-  // sub-block's input under selective checkpointing); attention's activations stay.
-  const int64_t offloadable = recomputes_moe(p.activation_checkpointing) ? block.block_input : 0;
-  const int64_t resident = stored_per_block - offloadable;
-  // A pipeline stage keeps its blocks' activations for every micro-batch in flight: under 1F1B
-  // the first stage runs P forwards before its first backward.
-  // Interleaved (V chunks of L / (P V) blocks), rank 0 runs 2 (P - 1) + (V - 1) P chunk
-  // forwards before its first backward, and keeps them and the one in use.
+  return kept;
+}
+
+// A pipeline stage keeps its blocks' activations for every micro-batch in flight: under 1F1B
+// the first stage runs P forwards before its first backward.
+// Interleaved (V chunks of L / (P V) blocks), rank 0 runs 2 (P - 1) + (V - 1) P chunk
+// forwards before its first backward, and keeps them and the one in use.
+double micro_batches_in_flight(const ParallelConfig& p) {
+  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
   const int64_t vp = std::max<int64_t>(1, p.virtual_pipeline_degree);
   double in_flight = static_cast<double>(std::min(pp, p.gradient_accumulation_steps));
   if (vp > 1) {
     const int64_t chunks = std::min(2 * (pp - 1) + (vp - 1) * pp + 1, p.gradient_accumulation_steps * vp);
     in_flight = static_cast<double>(chunks) / static_cast<double>(vp);
   }
+  return in_flight;
+}
+
+// The activations the stage's `stage_layers` blocks keep on the device and, offloaded, on the
+// host.
+void add_activations(const ParallelConfig& p, const BlockActivations& block, int64_t stage_layers,
+                     MemoryEstimate& out) {
+  const KeptActivations kept = kept_activations(block, p.activation_checkpointing);
+  out.activation_working_set = kept.working_set;
+  // What offloading moves is the checkpointed input (the block input, which is also the MoE
+  // sub-block's input under selective checkpointing); attention's activations stay.
+  const int64_t offloadable = recomputes_moe(p.activation_checkpointing) ? block.block_input : 0;
+  const int64_t resident = kept.stored_per_block - offloadable;
+  const double in_flight = micro_batches_in_flight(p);
   int64_t blocks_on_device = stage_layers;
   if (p.activation_offloading && offloadable > 0) {
     // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.
@@ -224,38 +247,73 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   const double offloadable_on_device =
       p.activation_offloading ? static_cast<double>(blocks_on_device) : in_flight * layers;
   out.activations = to_bytes(in_flight * layers * static_cast<double>(resident) +
-                             offloadable_on_device * static_cast<double>(offloadable) + static_cast<double>(working_set));
+                             offloadable_on_device * static_cast<double>(offloadable) +
+                             static_cast<double>(kept.working_set));
+}
 
-  // With sequence parallelism a rank routes (and dispatches) its 1/T of the tokens.
-  const double sequence_share =
-      p.sequence_parallel ? static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree)) : 1.0;
-  const double t = static_cast<double>(tokens) / sequence_share;
-  if (p.expert_parallel_degree > 1) {
-    // All-to-all: the k copies of each local token going out, and the slots coming in.
-    // All-gather: every token of the expert group, and the slots computed here.
-    const double sent = c.moe.dispatcher == Dispatcher::kAllToAll
-                            ? static_cast<double>(m.experts_per_token) * t
-                            : static_cast<double>(p.expert_parallel_degree) * t;
-    out.moe_dispatch_buffers =
-        to_bytes((sent + static_cast<double>(slots) / sequence_share) * static_cast<double>(m.hidden_size * a));
-  }
-  // Logits in the compute dtype and the fp32 log-probabilities the loss keeps. They are freed
-  // when the lm head has run backward, before any block does: the peak is either at the loss
-  // (kept activations + logits) or in a block's backward (kept activations + its recompute
-  // working set, gathered units, gradient buffers and dispatch buffers). Only what the logits add
-  // over the second is counted.
+// With sequence parallelism a rank routes (and dispatches) its 1/T of the tokens.
+double sequence_share(const ParallelConfig& p) {
+  return p.sequence_parallel ? static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree)) : 1.0;
+}
+
+// The expert exchange's buffers for one micro-batch of `tokens` with `slots` on this rank.
+// All-to-all: the k copies of each local token going out, and the slots coming in.
+// All-gather: every token of the expert group, and the slots computed here.
+int64_t dispatch_buffer_bytes(const RunConfig& c, int64_t tokens, int64_t slots, int64_t a) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  if (p.expert_parallel_degree <= 1) return 0;
+  const double share = sequence_share(p);
+  const double t = static_cast<double>(tokens) / share;
+  const double sent = c.moe.dispatcher == Dispatcher::kAllToAll ? static_cast<double>(m.experts_per_token) * t
+                                                                : static_cast<double>(p.expert_parallel_degree) * t;
+  return to_bytes((sent + static_cast<double>(slots) / share) * static_cast<double>(m.hidden_size * a));
+}
+
+// Logits in the compute dtype and the fp32 log-probabilities the loss keeps. They are freed
+// when the lm head has run backward, before any block does: the peak is either at the loss
+// (kept activations + logits) or in a block's backward (kept activations + its recompute
+// working set, gathered units, gradient buffers and dispatch buffers). Only what the logits add
+// over the second is counted.
+int64_t logits_bytes(const RunConfig& c, int64_t tokens, int64_t a, const MemoryEstimate& out) {
   // The vocabulary is split over the tensor-parallel ranks (padded to a multiple of T).
-  const double vocab_share = static_cast<double>(ceil_div(m.vocab_size, std::max<int64_t>(1, p.tensor_parallel_degree)));
-  const int64_t loss_bytes =
-      to_bytes(static_cast<double>(tokens) * vocab_share * static_cast<double>(a + kBytesFp32));
-  const int64_t block_backward = working_set + out.gathered_parameters + out.gradient_buffers + out.moe_dispatch_buffers;
-  out.logits = std::max<int64_t>(0, loss_bytes - block_backward);
-  out.framework_overhead = c.cluster.framework_overhead_bytes;
+  const double vocab_share =
+      static_cast<double>(ceil_div(c.model.vocab_size, std::max<int64_t>(1, c.parallel.tensor_parallel_degree)));
+  const int64_t loss_bytes = to_bytes(static_cast<double>(tokens) * vocab_share * static_cast<double>(a + kBytesFp32));
+  const int64_t block_backward =
+      out.activation_working_set + out.gathered_parameters + out.gradient_buffers + out.moe_dispatch_buffers;
+  return std::max<int64_t>(0, loss_bytes - block_backward);
+}
+
+// The framework's own, fragmentation of the transient items, and the device total.
+void add_totals(const ClusterSpec& cluster, MemoryEstimate& out) {
+  out.framework_overhead = cluster.framework_overhead_bytes;
   const int64_t transient = out.gathered_parameters + out.gradient_buffers + out.activations +
                             out.moe_dispatch_buffers + out.logits;
-  out.fragmentation =
-      to_bytes(std::round(static_cast<double>(transient) * (c.cluster.fragmentation_factor - 1.0)));
+  out.fragmentation = to_bytes(std::round(static_cast<double>(transient) * (cluster.fragmentation_factor - 1.0)));
   out.device_total = out.model_states() + transient + out.framework_overhead + out.fragmentation;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const int64_t a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
+  const int64_t stage_layers = busiest_stage_layers(m, p);
+  const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree, p.tensor_parallel_degree,
+                                       p.pipeline_parallel_degree, stage_layers, view == StageView::kBusiest);
+  MemoryEstimate out;
+  add_model_states(c, sizes, a, out);
+  const int64_t tokens = p.micro_batch_size * c.training.seq_len;
+  const int64_t slots = busiest_rank_slots(c, tokens);
+  const TensorSplit split{p.tensor_parallel_degree, p.sequence_parallel};
+  const BlockActivations block = block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a,
+                                                   c.cluster.kernels, c.cluster.attention, split, c.training.fp8);
+  add_activations(p, block, stage_layers, out);
+  out.moe_dispatch_buffers = dispatch_buffer_bytes(c, tokens, slots, a);
+  out.logits = logits_bytes(c, tokens, a, out);
+  add_totals(c.cluster, out);
   return out;
 }
 

@@ -26,154 +26,210 @@ double region_seconds(const CostModel& cost, const OpCosts& o, const ParallelCon
   return measured > 0 ? measured : cost.tensor_region_seconds(bytes, g, p.sequence_parallel);
 }
 
-StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, const OpCosts& o) {
-  const ParallelConfig& p = c.parallel;
-  const CostModel cost(c.cluster);
-  const double layers = static_cast<double>(c.model.num_layers);
-  const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  auto region = [&](double bytes, const GroupShape& g, bool backward = false) {
-    return region_seconds(cost, o, p, bytes, g, backward);
-  };
+// What every part of one stage's estimate reads.
+struct Stage {
+  const RunConfig& c;
+  const LayoutShapes& shapes;
+  const OpCosts& o;
+  CostModel cost;
+  double layers;
 
-  // The busiest expert's rank sets the pace of every block.
-  const double compute =
-      layers * (o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s) +
-      o.head_s;
-  double recompute = 0;
-  if (p.activation_checkpointing == Checkpointing::kFull)
-    recompute = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
-  if (p.activation_checkpointing == Checkpointing::kSelective) recompute = layers * o.moe_forward_busiest_s;
-  if (p.activation_checkpointing == Checkpointing::kAttentionCore) recompute = layers * o.core_forward_s;
-
-  // Token dispatch: forward and backward each dispatch and combine once per layer; a
-  // recomputed MoE block does its forward pair again.
-  double expert_comm = 0;
-  double expert_chain_min = 0;
-  double nic_bytes_a2a = 0;
-  if (p.expert_parallel_degree > 1) {
-    double per_exchange;
-    if (c.moe.dispatcher == Dispatcher::kAllToAll) {
-      per_exchange = cost.all_to_all_seconds(o.dispatch_send_bytes, shapes.expert);
-    } else {
-      // Gather every rank's tokens, then reduce-scatter the expert outputs back.
-      const double group_bytes = static_cast<double>(p.expert_parallel_degree * p.micro_batch_size *
-                                                     c.training.seq_len * c.model.hidden_size) * a;
-      per_exchange = 0.5 * (cost.all_gather_seconds(group_bytes, shapes.expert) +
-                            cost.reduce_scatter_seconds(group_bytes, shapes.expert));
-    }
-    const double exchanges = 4.0 + (recomputes_moe(p.activation_checkpointing) ? 2.0 : 0.0);
-    // Under tensor parallelism the backward dispatch (the input gradients going home) runs
-    // beside the experts' weight gradients, after the tensor-parallel collective before it, and
-    // the next block's backward combine beside attention's.
-    const bool tensor = p.tensor_parallel_degree > 1;
-    const double moe_beside =
-        std::max(0.0, o.tensor_moe_overlap_s - (tensor ? region(o.tensor_moe_bytes, shapes.tensor, true) : 0.0));
-    const double attention_beside =
-        std::max(0.0, o.tensor_overlap_s - (tensor ? region(o.tensor_bytes, shapes.tensor, true) : 0.0));
-    expert_comm = layers * (exchanges * per_exchange - std::min(per_exchange, moe_beside) -
-                            std::min(per_exchange, attention_beside));
-    if (c.moe.dispatcher == Dispatcher::kAllToAll) {
-      GroupShape alone = shapes.expert;
-      alone.groups_per_node = 1;
-      const double alone_s = cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
-      expert_chain_min = layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
-                                   std::min(alone_s, o.tensor_overlap_s));
-      nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, shapes.expert).nic_bytes_per_node *
-                      static_cast<double>(shapes.expert.groups_per_node);
-    }
+  double region(double bytes, const GroupShape& g, bool backward = false) const {
+    return region_seconds(cost, o, c.parallel, bytes, g, backward);
   }
+};
 
-  // Tensor parallelism: two all-reduces per block in forward, two in backward, and those of
-  // what is recomputed, on the compute chain.
+// The parts of a stage's time, per micro-batch (the gradient sync: per step), as the steps
+// below add them.
+struct StageTimes {
+  double compute = 0;
+  double recompute = 0;
+  double expert_comm = 0;
+  double expert_chain_min = 0;  // the same, each group alone on the node's card
+  double nic_bytes_a2a = 0;     // through each node's card
   double tensor_comm = 0;
   double tensor_chain_min = 0;  // the same, each group alone on the node's card
-  double beside_compute = 0;    // per micro-batch: communication running beside compute
-  if (p.tensor_parallel_degree > 1) {
-    GroupShape alone = shapes.tensor;
-    alone.groups_per_node = 1;
-    auto per_layer = [&](const GroupShape& g) {
-      const double attention = region(o.tensor_bytes, g);
-      const double moe = region(o.tensor_moe_bytes, g);
-      // Backward's collectives run beside the weight gradients of the regions' first GEMMs.
-      double all = attention + moe + std::max(0.0, region(o.tensor_bytes, g, true) - o.tensor_overlap_s) +
-                   std::max(0.0, region(o.tensor_moe_bytes, g, true) - o.tensor_moe_overlap_s);
-      if (p.activation_checkpointing == Checkpointing::kFull) all += attention + moe;
-      if (p.activation_checkpointing == Checkpointing::kSelective) all += moe;
-      return all;
-    };
-    tensor_comm = layers * per_layer(shapes.tensor);
-    beside_compute += layers * (std::min(region(o.tensor_bytes, shapes.tensor, true), o.tensor_overlap_s) +
-                                std::min(region(o.tensor_moe_bytes, shapes.tensor, true), o.tensor_moe_overlap_s));
-    // The bound counts forward's and recompute's alone: backward's may hide behind the weight
-    // gradients entirely.
-    tensor_chain_min =
-        layers * (per_layer(alone) - std::max(0.0, region(o.tensor_bytes, alone, true) - o.tensor_overlap_s) -
-                  std::max(0.0, region(o.tensor_moe_bytes, alone, true) - o.tensor_moe_overlap_s));
-  }
-
-  // Sharded model states: each block's unit is gathered for forward and again for backward,
-  // and its gradient reduce-scattered, behind the compute of the neighbouring block.
+  double beside_compute = 0;    // communication running beside compute
   double shard_comm_exposed = 0;
-  double gather_stream_min = 0;  // per micro-batch
-  double nic_bytes = 0;          // per micro-batch, through each node's card
-  if (p.hybrid_shard_degree > 1) {
-    const double gather = cost.all_gather_seconds(o.unit_bytes, shapes.shard);
-    const double scatter = cost.reduce_scatter_seconds(o.unit_bytes, shapes.shard);
-    const double per_block_comm = 2.0 * gather + scatter;
-    const double per_block_compute = (compute + recompute - o.head_s) / layers;
-    // The first gather has nothing to hide behind; the rest overlap block by block.
-    shard_comm_exposed = gather + layers * std::max(0.0, per_block_comm - per_block_compute);
-    beside_compute += layers * std::min(per_block_comm, per_block_compute);
-    // The gather stream runs 2 L gathers per micro-batch, the gradient stream L reduce-scatters.
-    const CollectiveCost g = cost.all_gather_cost(o.unit_bytes, shapes.shard);
-    GroupShape alone = shapes.shard;
-    alone.groups_per_node = 1;
-    gather_stream_min = 2.0 * layers * cost.all_gather_seconds(o.unit_bytes, alone);
-    nic_bytes += 3.0 * layers * g.nic_bytes_per_node * static_cast<double>(shapes.shard.groups_per_node);
-  }
-
-  // Activation offload: every stored block activation goes to the host and comes back.
+  double gather_stream_min = 0;
+  double nic_bytes = 0;  // through each node's card
   double offload_exposed = 0;
-  if (p.activation_offloading) {
-    const double copies = 2.0 * layers * cost.pcie_seconds(o.offload_bytes);
-    offload_exposed = std::max(0.0, copies - (compute + recompute));
-  }
+  double full_sync = 0;  // per step
+  double grad_sync = 0;  // per step: what the backward does not hide of full_sync
+};
 
-  // Gradient sync across replicas once per step: dense shards over E x R (hierarchically: E,
-  // then R on 1/E of the bytes), expert shards over R.
+// The busiest expert's rank sets the pace of every block.
+void add_compute(const Stage& s, StageTimes& t) {
+  const ParallelConfig& p = s.c.parallel;
+  const OpCosts& o = s.o;
+  const double layers = s.layers;
+  t.compute =
+      layers * (o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s) +
+      o.head_s;
+  if (p.activation_checkpointing == Checkpointing::kFull)
+    t.recompute = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
+  if (p.activation_checkpointing == Checkpointing::kSelective) t.recompute = layers * o.moe_forward_busiest_s;
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore) t.recompute = layers * o.core_forward_s;
+}
+
+// Token dispatch: forward and backward each dispatch and combine once per layer; a
+// recomputed MoE block does its forward pair again.
+void add_expert_exchange(const Stage& s, StageTimes& t) {
+  const RunConfig& c = s.c;
+  const ParallelConfig& p = c.parallel;
+  const OpCosts& o = s.o;
+  const CostModel& cost = s.cost;
+  const double layers = s.layers;
+  if (p.expert_parallel_degree <= 1) return;
+  double per_exchange;
+  if (c.moe.dispatcher == Dispatcher::kAllToAll) {
+    per_exchange = cost.all_to_all_seconds(o.dispatch_send_bytes, s.shapes.expert);
+  } else {
+    // Gather every rank's tokens, then reduce-scatter the expert outputs back.
+    const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
+    const double group_bytes = static_cast<double>(p.expert_parallel_degree * p.micro_batch_size *
+                                                   c.training.seq_len * c.model.hidden_size) * a;
+    per_exchange = 0.5 * (cost.all_gather_seconds(group_bytes, s.shapes.expert) +
+                          cost.reduce_scatter_seconds(group_bytes, s.shapes.expert));
+  }
+  const double exchanges = 4.0 + (recomputes_moe(p.activation_checkpointing) ? 2.0 : 0.0);
+  // Under tensor parallelism the backward dispatch (the input gradients going home) runs
+  // beside the experts' weight gradients, after the tensor-parallel collective before it, and
+  // the next block's backward combine beside attention's.
+  const bool tensor = p.tensor_parallel_degree > 1;
+  const double moe_beside =
+      std::max(0.0, o.tensor_moe_overlap_s - (tensor ? s.region(o.tensor_moe_bytes, s.shapes.tensor, true) : 0.0));
+  const double attention_beside =
+      std::max(0.0, o.tensor_overlap_s - (tensor ? s.region(o.tensor_bytes, s.shapes.tensor, true) : 0.0));
+  t.expert_comm = layers * (exchanges * per_exchange - std::min(per_exchange, moe_beside) -
+                            std::min(per_exchange, attention_beside));
+  if (c.moe.dispatcher == Dispatcher::kAllToAll) {
+    GroupShape alone = s.shapes.expert;
+    alone.groups_per_node = 1;
+    const double alone_s = cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
+    t.expert_chain_min = layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
+                                   std::min(alone_s, o.tensor_overlap_s));
+    t.nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.expert).nic_bytes_per_node *
+                      static_cast<double>(s.shapes.expert.groups_per_node);
+  }
+}
+
+// Tensor parallelism: two all-reduces per block in forward, two in backward, and those of
+// what is recomputed, on the compute chain.
+void add_tensor_collectives(const Stage& s, StageTimes& t) {
+  const ParallelConfig& p = s.c.parallel;
+  const OpCosts& o = s.o;
+  const double layers = s.layers;
+  if (p.tensor_parallel_degree <= 1) return;
+  GroupShape alone = s.shapes.tensor;
+  alone.groups_per_node = 1;
+  auto per_layer = [&](const GroupShape& g) {
+    const double attention = s.region(o.tensor_bytes, g);
+    const double moe = s.region(o.tensor_moe_bytes, g);
+    // Backward's collectives run beside the weight gradients of the regions' first GEMMs.
+    double all = attention + moe + std::max(0.0, s.region(o.tensor_bytes, g, true) - o.tensor_overlap_s) +
+                 std::max(0.0, s.region(o.tensor_moe_bytes, g, true) - o.tensor_moe_overlap_s);
+    if (p.activation_checkpointing == Checkpointing::kFull) all += attention + moe;
+    if (p.activation_checkpointing == Checkpointing::kSelective) all += moe;
+    return all;
+  };
+  t.tensor_comm = layers * per_layer(s.shapes.tensor);
+  t.beside_compute += layers * (std::min(s.region(o.tensor_bytes, s.shapes.tensor, true), o.tensor_overlap_s) +
+                                std::min(s.region(o.tensor_moe_bytes, s.shapes.tensor, true), o.tensor_moe_overlap_s));
+  // The bound counts forward's and recompute's alone: backward's may hide behind the weight
+  // gradients entirely.
+  t.tensor_chain_min =
+      layers * (per_layer(alone) - std::max(0.0, s.region(o.tensor_bytes, alone, true) - o.tensor_overlap_s) -
+                std::max(0.0, s.region(o.tensor_moe_bytes, alone, true) - o.tensor_moe_overlap_s));
+}
+
+// Sharded model states: each block's unit is gathered for forward and again for backward,
+// and its gradient reduce-scattered, behind the compute of the neighbouring block.
+void add_sharded_states(const Stage& s, StageTimes& t) {
+  const OpCosts& o = s.o;
+  const CostModel& cost = s.cost;
+  const double layers = s.layers;
+  if (s.c.parallel.hybrid_shard_degree <= 1) return;
+  const double gather = cost.all_gather_seconds(o.unit_bytes, s.shapes.shard);
+  const double scatter = cost.reduce_scatter_seconds(o.unit_bytes, s.shapes.shard);
+  const double per_block_comm = 2.0 * gather + scatter;
+  const double per_block_compute = (t.compute + t.recompute - o.head_s) / layers;
+  // The first gather has nothing to hide behind; the rest overlap block by block.
+  t.shard_comm_exposed = gather + layers * std::max(0.0, per_block_comm - per_block_compute);
+  t.beside_compute += layers * std::min(per_block_comm, per_block_compute);
+  // The gather stream runs 2 L gathers per micro-batch, the gradient stream L reduce-scatters.
+  const CollectiveCost g = cost.all_gather_cost(o.unit_bytes, s.shapes.shard);
+  GroupShape alone = s.shapes.shard;
+  alone.groups_per_node = 1;
+  t.gather_stream_min = 2.0 * layers * cost.all_gather_seconds(o.unit_bytes, alone);
+  t.nic_bytes += 3.0 * layers * g.nic_bytes_per_node * static_cast<double>(s.shapes.shard.groups_per_node);
+}
+
+// Activation offload: every stored block activation goes to the host and comes back.
+void add_activation_offload(const Stage& s, StageTimes& t) {
+  if (!s.c.parallel.activation_offloading) return;
+  const double copies = 2.0 * s.layers * s.cost.pcie_seconds(s.o.offload_bytes);
+  t.offload_exposed = std::max(0.0, copies - (t.compute + t.recompute));
+}
+
+// Gradient sync across replicas once per step: dense shards over E x R (hierarchically: E,
+// then R on 1/E of the bytes), expert shards over R.
+void add_gradient_sync(const Stage& s, StageTimes& t) {
+  const ParallelConfig& p = s.c.parallel;
+  const OpCosts& o = s.o;
+  const CostModel& cost = s.cost;
   const double e = static_cast<double>(p.expert_parallel_degree);
   auto sync = [&](double bytes, const GroupShape& g) {
     return p.distributed_optimizer ? cost.reduce_scatter_seconds(bytes, g) + cost.all_gather_seconds(bytes, g)
                                    : cost.all_reduce_seconds(bytes, g);
   };
-  const double full_sync =
-      sync(o.dense_shard_bytes, shapes.expert) + sync(o.dense_shard_bytes / e + o.expert_shard_bytes, shapes.replica);
-  double grad_sync = full_sync;
+  t.full_sync =
+      sync(o.dense_shard_bytes, s.shapes.expert) + sync(o.dense_shard_bytes / e + o.expert_shard_bytes, s.shapes.replica);
+  t.grad_sync = t.full_sync;
   // On GPUs the sync runs behind the last micro-batch's backward, block by block, where the
   // framework starts it there.
-  if (c.cluster.gradient_sync_overlaps_backward())
-    grad_sync = std::max(full_sync / layers, full_sync - (compute + recompute) * 2.0 / 3.0);
+  if (s.c.cluster.gradient_sync_overlaps_backward())
+    t.grad_sync = std::max(t.full_sync / s.layers, t.full_sync - (t.compute + t.recompute) * 2.0 / 3.0);
+}
 
-  const double accum = static_cast<double>(p.gradient_accumulation_steps);
+// The step: every micro-batch's parts, the sync and the optimizer, and the busiest resource's
+// work as the bound below it.
+StepEstimate step_of_stage(const Stage& s, const StageTimes& t) {
+  const ClusterSpec& cluster = s.c.cluster;
+  const OpCosts& o = s.o;
+  const double accum = static_cast<double>(s.c.parallel.gradient_accumulation_steps);
   StepEstimate out;
-  out.compute_s = accum * compute;
-  out.recompute_s = accum * recompute;
-  out.expert_comm_s = accum * (expert_comm + tensor_comm);
-  out.shard_comm_exposed_s = accum * shard_comm_exposed;
-  out.offload_exposed_s = accum * offload_exposed;
-  out.grad_sync_s = grad_sync;
+  out.compute_s = accum * t.compute;
+  out.recompute_s = accum * t.recompute;
+  out.expert_comm_s = accum * (t.expert_comm + t.tensor_comm);
+  out.shard_comm_exposed_s = accum * t.shard_comm_exposed;
+  out.offload_exposed_s = accum * t.offload_exposed;
+  out.grad_sync_s = t.grad_sync;
   out.optimizer_s = o.optimizer_s;
-  if (c.cluster.comm_overlaps_compute)
-    out.contention_s = c.cluster.overlap_slowdown * (accum * beside_compute + full_sync - grad_sync);
+  if (cluster.comm_overlaps_compute)
+    out.contention_s = cluster.overlap_slowdown * (accum * t.beside_compute + t.full_sync - t.grad_sync);
   // The busiest resource's work: the compute chain, the gather stream, or a node's card
   // (shared fairly, so it never idles while it has bytes to move).
-  const double card_s = accum * (nic_bytes + nic_bytes_a2a) / c.cluster.inter_node_bandwidth_bytes_per_s;
-  out.lower_bound_s = std::max({accum * (compute + recompute + expert_chain_min + tensor_chain_min) + o.optimizer_s,
-                                accum * gather_stream_min, card_s});
+  const double card_s = accum * (t.nic_bytes + t.nic_bytes_a2a) / cluster.inter_node_bandwidth_bytes_per_s;
+  out.lower_bound_s =
+      std::max({accum * (t.compute + t.recompute + t.expert_chain_min + t.tensor_chain_min) + o.optimizer_s,
+                accum * t.gather_stream_min, card_s});
   out.exposed_comm_s = out.expert_comm_s + out.shard_comm_exposed_s + out.offload_exposed_s + out.grad_sync_s;
   out.step_time_s = out.compute_s + out.recompute_s + out.exposed_comm_s + out.optimizer_s + out.contention_s;
   split_compute(o, out);
   return out;
+}
+
+StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, const OpCosts& o) {
+  const Stage stage{c, shapes, o, CostModel(c.cluster), static_cast<double>(c.model.num_layers)};
+  StageTimes t;
+  add_compute(stage, t);
+  add_expert_exchange(stage, t);
+  add_tensor_collectives(stage, t);
+  add_sharded_states(stage, t);
+  add_activation_offload(stage, t);
+  add_gradient_sync(stage, t);
+  return step_of_stage(stage, t);
 }
 
 }  // namespace

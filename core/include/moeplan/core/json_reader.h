@@ -87,6 +87,18 @@ class ObjectReader {
   std::set<std::string, std::less<>> known_;
 };
 
+// Reads the object at `path` into a default T by `fields(reader, t)`, then reports the keys
+// `fields` did not ask for; a default T where the value is not an object.
+template <class T, class Fields>
+T read_object(const Json& json, const std::string& path, Diagnostics& d, Fields&& fields) {
+  T out;
+  ObjectReader r(json, path, d);
+  if (!r.ok()) return out;
+  fields(r, out);
+  r.finish();
+  return out;
+}
+
 // Short description of a JSON value for messages: `string "two"`, `number -3`, `object`.
 std::string describe_json(const Json& value);
 
