@@ -197,8 +197,9 @@ struct Workload {
   std::vector<std::unique_ptr<SplitModel>> split_models;
   void form_split_models();
 
-  // A weight of `shape` on the device, drawn at `scale`, that takes a gradient.
-  torch::Tensor weight(std::vector<int64_t> shape, double scale = 0.02) const;
+  // A weight of `shape` on the device, drawn with a standard deviation of 0.02, that takes a
+  // gradient.
+  torch::Tensor weight(std::vector<int64_t> shape) const;
 };
 
 // -- Each measurement's figures, seconds unless the name says otherwise.
