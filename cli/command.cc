@@ -1,11 +1,10 @@
 #include "command.h"
 
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 
+#include "moeplan/core/process.h"
 #include "moeplan/core/units.h"
 
 namespace moeplan::cli {
@@ -29,18 +28,12 @@ double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<d
 
 int exec_sibling(const char* name, const char* command, const char* built_with, const std::vector<std::string>& args,
                  const char* argv0) {
-  std::string self(4096, '\0');
-  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
-  self = n > 0 ? self.substr(0, static_cast<size_t>(n)) : std::string(argv0);
+  const std::string self = this_program_path().value_or(argv0);
   const auto slash = self.rfind('/');
   const std::string tool = (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/" + name;
-  std::vector<std::string> storage{tool};
-  storage.insert(storage.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& s : storage) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  std::fflush(stdout);
-  ::execv(tool.c_str(), argv.data());
+  std::vector<std::string> argv{tool};
+  argv.insert(argv.end(), args.begin(), args.end());
+  replace_this_process(tool, argv);
   std::fprintf(stderr, "moeplan: error: %s: cannot run %s (%s); it is built with %s\n", command, tool.c_str(),
                std::strerror(errno), built_with);
   return kExitBadInput;
