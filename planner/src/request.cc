@@ -93,18 +93,18 @@ PreparedSearch prepare_search(const SearchRequest& r) {
   if (r.goal.deadline_days > 0 && r.goal.tokens <= 0)
     throw InputError("--deadline-days", {{"", "needs --train-tokens (the tokens to train within it)"}});
   const std::string dir = profile_dir(r.profiles);
-  PreparedSearch s{load_model(r.model, dir), {}, r.gpus, {}, r.options, r.goal};
+  const GpuRange gpus = parse_gpu_range(r.gpus);
+  PreparedSearch s{load_model(r.model, dir), {}, gpus, {}, r.options, r.goal};
   const ClusterSpec instance = load_hardware(r.instance, dir);
-  s.sizes = r.gpus.is_range() ? cluster_sizes(r.gpus.min, r.gpus.max, instance.gpus_per_node)
-                              : std::vector<int64_t>{r.gpus.max};
-  s.cluster = size_cluster(instance, r.gpus.max);
+  s.sizes = gpus.is_range() ? cluster_sizes(gpus.min, gpus.max, instance.gpus_per_node) : std::vector<int64_t>{gpus.max};
+  s.cluster = size_cluster(instance, gpus.max);
   check_sizes(s, instance);
   if (r.kernels) {
     s.cluster.kernels = *r.kernels;
     s.cluster.attention = *r.kernels == Kernels::kFused ? AttentionKernel::kFlash : AttentionKernel::kUnfused;
   }
   if (r.attention) s.cluster.attention = *r.attention;
-  s.options.gpus = r.gpus.max;
+  s.options.gpus = gpus.max;
   s.options.keep = static_cast<size_t>(std::max<int64_t>(r.top, 5));
   decide_training(r, s.model, s.cluster, s.sizes.back(), s.options);
   check_layout(s.options);

@@ -149,7 +149,7 @@ Plan pinned_plan(const MatrixSetting& setting, const MatrixConfig& c, const std:
   r.instance = profile;
   r.model = setting.model;
   r.profiles = setting.profiles;
-  r.gpus = {setting.ranks, setting.ranks, std::to_string(setting.ranks)};
+  r.gpus = std::to_string(setting.ranks);
   r.options.training.seq_len = setting.seq_len;
   r.options.training.global_batch_tokens = setting.global_batch_tokens;
   r.precision = setting.precision;

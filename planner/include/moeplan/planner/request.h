@@ -37,7 +37,7 @@ struct SearchRequest {
   std::string instance = "p4d.24xlarge";
   std::string model = "mixtral-8x7b";
   std::string profiles;
-  GpuRange gpus;
+  std::string gpus;  // "N" or a range "A:B" of cluster sizes (parse_gpu_range)
   // options.gpus follows `gpus` and options.keep `top`; training.global_batch_tokens 0: the
   // default for the largest size (a range plans every size for the same batch, so that their
   // days compare); moe.aux_loss_coef is the model's.
