@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "moeplan/core/parallel_config.h"
+#include "moeplan/core/rules.h"
+#include "moeplan/frameworks/framework.h"
 
 namespace moeplan::cli {
 
@@ -27,7 +29,7 @@ using NameTable = std::array<std::pair<std::string_view, T>, N>;
 // default shown is the field's name.
 template <class Field, class T, size_t N>
 CLI::Option* add_choice(CLI::App& app, const std::string& flag, Field& field, const NameTable<T, N>& names,
-                        const std::string& description, std::initializer_list<T> offered = {}) {
+                        const std::string& description, const std::vector<T>& offered = {}) {
   std::vector<std::string> shown;
   if (offered.size() == 0)
     for (const auto& [name, value] : names) shown.emplace_back(name);
@@ -47,6 +49,28 @@ CLI::Option* add_choice(CLI::App& app, const std::string& flag, Field& field, co
       return std::string(name_of(names, field));
   };
   return app.add_option(flag, store, description, false, current)->type_name("TEXT")->check(CLI::IsMember(shown));
+}
+
+// The frameworks an option offers, in the order of their list (frameworks/src/registry.cc):
+// every one and "any" (`--target`), or those a plan can be exported to (`--to`); and the same
+// names with what each is, for the option's help.
+struct FrameworkChoice {
+  std::vector<Target> targets;
+  std::string described;  // "megatron (Megatron-LM), ..., or any (every layout moeplan models)"
+};
+
+inline FrameworkChoice framework_choice(bool exported_only) {
+  std::vector<const Framework*> offered;
+  for (const Framework* f : all_frameworks())
+    if (!exported_only || f->export_launch) offered.push_back(f);
+  if (!exported_only) offered.push_back(&framework(Target::kAny));
+  FrameworkChoice choice;
+  for (size_t i = 0; i < offered.size(); ++i) {
+    choice.targets.push_back(offered[i]->target);
+    if (i > 0) choice.described += i + 1 == offered.size() ? " or " : ", ";
+    choice.described += std::string(offered[i]->name) + " (" + std::string(offered[i]->title) + ")";
+  }
+  return choice;
 }
 
 }  // namespace moeplan::cli

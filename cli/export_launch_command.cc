@@ -54,9 +54,8 @@ Command add_export_launch_command(CLI::App& app) {
   CLI::App* cmd =
       app.add_subcommand("export-launch", "Write the files that launch a plan in SMP, Megatron-LM or torchtitan");
   cmd->add_option("plan", args->plan, "plan.json")->required();
-  add_choice(*cmd, "--to", args->to, kTargetNames, "The framework: smp, megatron or torchtitan",
-             {Target::kSmp, Target::kMegatron, Target::kTorchtitan})
-      ->required();
+  const FrameworkChoice to = framework_choice(true);
+  add_choice(*cmd, "--to", args->to, kTargetNames, "The framework: " + to.described, to.targets)->required();
   cmd->add_option("--out", args->out, "Folder for the files")->capture_default_str();
   return {cmd, [args] { return run_export_launch(*args); }};
 }

@@ -28,6 +28,7 @@ constexpr std::array<const Framework*, 4> kFrameworks = {
 // `--target any`: every layout moeplan models, under no framework's limits.
 const Framework kAny{
     .name = "any",
+    .title = "every layout moeplan models",
     .target = Target::kAny,
     .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
     .capabilities = {},

@@ -8,6 +8,7 @@ namespace moeplan::frameworks {
 extern const Framework kMegatron;
 const Framework kMegatron{
     .name = "megatron",
+    .title = "Megatron-LM",
     .target = Target::kMegatron,
     // bf16 training keeps fp32 parameters, gradients and optimizer states; the router is
     // balanced by an auxiliary loss (--moe-router-load-balancing-type aux_loss).

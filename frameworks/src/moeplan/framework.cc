@@ -8,6 +8,7 @@ namespace moeplan::frameworks {
 extern const Framework kMoeplan;
 const Framework kMoeplan{
     .name = "moeplan",
+    .title = "what `moeplan run` trains",
     .target = Target::kMoeplan,
     // It computes and keeps everything in bf16 (or fp32); Sinkhorn routing needs no loss
     // trained through the pipeline stages.

@@ -8,6 +8,7 @@ namespace moeplan::frameworks {
 extern const Framework kSmp;
 const Framework kSmp{
     .name = "smp",
+    .title = "SageMaker model parallelism v2",
     .target = Target::kSmp,
     // FSDP's mixed precision with the script's bf16 = 1: fp32 parameters and optimizer states,
     // gradients reduced in bf16; its MoE router balances by Sinkhorn.

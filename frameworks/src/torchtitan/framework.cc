@@ -8,6 +8,7 @@ namespace moeplan::frameworks {
 extern const Framework kTorchtitan;
 const Framework kTorchtitan{
     .name = "torchtitan",
+    .title = "PyTorch's torchtitan",
     .target = Target::kTorchtitan,
     // FSDP's mixed precision: fp32 parameters and gradients, bf16 compute; its MoE router is
     // balanced by an auxiliary loss.

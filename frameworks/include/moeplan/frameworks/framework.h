@@ -45,7 +45,8 @@ struct FrameworkCapabilities {
 };
 
 struct Framework {
-  std::string_view name;  // as --target and --to spell it, e.g. "megatron"
+  std::string_view name;   // as --target and --to spell it, e.g. "megatron"
+  std::string_view title;  // what it is, for help texts, e.g. "Megatron-LM"
   Target target = Target::kAny;
   FrameworkDefaults defaults;
   FrameworkCapabilities capabilities;
