@@ -2,6 +2,25 @@
 
 set(MOEPLAN_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wconversion -Wno-sign-conversion)
 
+# moeplan_unity(<target> [BY_FOLDER])
+# With MOEPLAN_UNITY_BUILD, compiles <target>'s files in units of up to 8, or one unit per
+# folder of its sources (BY_FOLDER: a part's files share the most). A file with compile options
+# of its own is kept out of the units by setting SKIP_UNITY_BUILD_INCLUSION on it.
+function(moeplan_unity target)
+  if(NOT MOEPLAN_UNITY_BUILD)
+    return()
+  endif()
+  set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 8)
+  if(ARGV1 STREQUAL "BY_FOLDER")
+    set_target_properties(${target} PROPERTIES UNITY_BUILD_MODE GROUP)
+    get_target_property(sources ${target} SOURCES)
+    foreach(source ${sources})
+      get_filename_component(folder ${source} DIRECTORY)
+      set_property(SOURCE ${source} PROPERTY UNITY_GROUP "${folder}")
+    endforeach()
+  endif()
+endfunction()
+
 # moeplan_add_library(NAME <name> SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
 # Builds moeplan_<name> from an explicit source list; public headers live in
 # <dir>/include/moeplan/<name>/.
@@ -17,12 +36,15 @@ function(moeplan_add_library)
   if(MOEPLAN_WARNINGS_AS_ERRORS)
     target_compile_options(${target} PRIVATE -Werror)
   endif()
+  moeplan_unity(${target})
 endfunction()
 
-# moeplan_add_test(NAME <name> SOURCES ... DEPS ... [LABELS fast|slow] [TIMEOUT s])
+# moeplan_add_test(NAME <name> SOURCES ... DEPS ... [LABELS fast|slow] [TIMEOUT s] [SERIAL] [ONE_PROCESS])
 function(moeplan_add_test)
   # SERIAL: the tests run alone (ctest starts nothing beside them), for tests that time things.
-  cmake_parse_arguments(ARG "SERIAL" "NAME;TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  # ONE_PROCESS: the program is one ctest test, all its tests in one process, for suites whose
+  # tests share what their set-up made once (ctest otherwise starts a process per test).
+  cmake_parse_arguments(ARG "SERIAL;ONE_PROCESS" "NAME;TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
   set(target test_${ARG_NAME})
   add_executable(${target} ${ARG_SOURCES})
   target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
@@ -35,12 +57,21 @@ function(moeplan_add_test)
   if(NOT ARG_LABELS)
     set(ARG_LABELS fast)
   endif()
+  # The programs of each label, for the tier targets (tests/CMakeLists.txt).
+  foreach(label ${ARG_LABELS})
+    set_property(GLOBAL APPEND PROPERTY MOEPLAN_TESTS_${label} ${target})
+  endforeach()
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 300)
   endif()
   set(serial FALSE)
   if(ARG_SERIAL)
     set(serial TRUE)
+  endif()
+  if(ARG_ONE_PROCESS)
+    add_test(NAME ${target} COMMAND ${target})
+    set_tests_properties(${target} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial})
+    return()
   endif()
   gtest_discover_tests(${target}
     PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial}

@@ -112,9 +112,9 @@ double gemm_seconds(const ClusterSpec& c, double m, double n, double k, GemmType
 namespace {
 
 // Everything the lists below need from one configuration.
-class Builder {
+class KernelListBuilder {
  public:
-  explicit Builder(const RunConfig& c) : c_(c), hw_(c.cluster), m_(c.model) {
+  explicit KernelListBuilder(const RunConfig& c) : c_(c), hw_(c.cluster), m_(c.model) {
     const ParallelConfig& p = c.parallel;
     fp32_ = c.training.precision == Precision::kFp32;
     a_ = fp32_ ? kBytesFp32 : kBytesBf16;
@@ -405,7 +405,7 @@ class Builder {
 }  // namespace
 
 MicroBatchKernels micro_batch_kernels(const RunConfig& c) {
-  Builder b(c);
+  KernelListBuilder b(c);
   MicroBatchKernels k;
   k.core_forward = b.attention_core(false);
   k.attention_forward = b.attention(false, k.core_forward);
@@ -419,7 +419,7 @@ MicroBatchKernels micro_batch_kernels(const RunConfig& c) {
   return k;
 }
 
-KernelList moe_kernels(const RunConfig& c, double load, bool backward) { return Builder(c).moe(load, backward); }
+KernelList moe_kernels(const RunConfig& c, double load, bool backward) { return KernelListBuilder(c).moe(load, backward); }
 
 KernelList optimizer_kernels(const RunConfig& c, double parameters) {
   // AdamW reads the gradient and reads and writes the parameter and both moments (and the fp32

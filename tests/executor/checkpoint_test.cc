@@ -64,12 +64,9 @@ namespace fs = std::filesystem;
 
 using test::kFortunesDir;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using test::contains;
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
-}
+using test::write_bytes;
 
 void flip_byte(const std::string& path, uint64_t at) {
   std::string bytes = test::read_text(path);

@@ -39,7 +39,7 @@ using test::Command;
 using test::run_moeplan;
 using test::show;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using test::contains;
 
 std::vector<std::string> fortune_files() {
   std::vector<std::string> files;
@@ -56,10 +56,7 @@ std::string prepare_args(const std::vector<std::string>& inputs, const std::stri
          std::to_string(block_size) + " --document-separator %";
 }
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
-}
+using test::write_bytes;
 
 std::vector<uint16_t> decode_u16(const std::string& bytes) {
   std::vector<uint16_t> ids(bytes.size() / 2);

@@ -36,7 +36,7 @@ using test::kFortunesDir;
 using test::run_moeplan;
 using test::show;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using test::contains;
 
 std::string bytes_of(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

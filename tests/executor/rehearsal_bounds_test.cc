@@ -22,7 +22,7 @@ namespace {
 
 using test::input_error_of;
 
-ModelSpec small_spec() {
+ModelSpec bounds_spec() {
   ModelSpec s = test::model("mixtral-tiny");
   s.vocab_size = 50;
   s.hidden_size = 16;
@@ -44,7 +44,7 @@ TEST(RoundingBudget, SmallModelByHand) {
   // The rest of a block: (E + k + 2H + I + k + 2) / 2 = (4+2+32+24+2+2) / 2 = 33.
   // Backward of a block: (H + 2I + H + 2E + H + H + hd + 4T + q + 2kv + H + 4) / 2
   //   = (16+48+16+8+16+16+8+36+32+32+16+4) / 2 = 124.
-  const RoundingBudget b = rounding_budget(small_spec(), 9, 36, 1000);
+  const RoundingBudget b = rounding_budget(bounds_spec(), 9, 36, 1000);
   ASSERT_EQ(b.router.size(), 2u);
   EXPECT_DOUBLE_EQ(b.router[0], 78);
   EXPECT_DOUBLE_EQ(b.router[1], 78 + 33 + 78);
@@ -116,7 +116,7 @@ RouteOverride replay_of(const ForwardResult& out, int64_t k, LoadBalancing metho
 }
 
 TEST(RoutingReplay, ReplayingRoutesOwnChoiceGivesTheSameForwardBitForBit) {
-  const ModelSpec s = small_spec();
+  const ModelSpec s = bounds_spec();
   const ParameterSet p = random_model(s);
   const MixtralWeights w = MixtralWeights::bind(s, p.tensors());
   torch::manual_seed(3);
@@ -148,7 +148,7 @@ TEST(RoutingReplay, ReplayingRoutesOwnChoiceGivesTheSameForwardBitForBit) {
 
 TEST(RoutingRecord, TheReferenceReplaysWhatTheLayoutRecorded) {
   const test::TempDir dir;
-  const ModelSpec s = small_spec();
+  const ModelSpec s = bounds_spec();
   const int64_t k = s.experts_per_token, tokens = 8;
   torch::manual_seed(9);
   // Two ranks of a layout: rank 0 routed micro-batch 0, rank 1 micro-batch 1, both layers.

@@ -192,6 +192,14 @@ inline std::vector<pid_t> children_with(pid_t parent, const std::string& entry) 
 
 using executor::read_metrics;  // the metrics.jsonl lines of a run, parsed
 
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// Replaces the file at `path` with `bytes`.
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
 // The lines of the InputError `f` throws; a test failure (and "") if it throws nothing or
 // something else.
 template <class F>

@@ -129,7 +129,7 @@ std::string layout_text(const ParallelConfig& p) {
   return s;
 }
 
-struct Row {
+struct PublishedRow {
   const PublishedCase* c = nullptr;
   std::optional<planner::Candidate> best;
   std::string why_not;
@@ -140,17 +140,17 @@ struct Row {
   double states_gib = 0, activations_gib = 0;
 };
 
-struct Summary {
+struct PublishedSummary {
   size_t cases = 0, predicted = 0;
   double median = 0, worst = 0, mean = 0;  // |error|, the worst signed, the mean signed
   std::string worst_name;
 };
 
-Summary summarise(const std::vector<Row>& rows, std::string_view part) {
-  Summary s;
+PublishedSummary summarise(const std::vector<PublishedRow>& rows, std::string_view part) {
+  PublishedSummary s;
   std::vector<double> magnitudes;
   double sum = 0;
-  for (const Row& r : rows) {
+  for (const PublishedRow& r : rows) {
     if (!part.empty() && r.c->part != part) continue;
     ++s.cases;
     if (!r.best) continue;
@@ -217,7 +217,7 @@ ClusterSpec apply(ClusterSpec c, const FitValues& values) {
   return c;
 }
 
-Row predict(const Loaded& l, const FitValues& values) {
+PublishedRow predict(const Loaded& l, const FitValues& values) {
   const PublishedCase& c = *l.c;
   const ClusterSpec cluster = apply(l.cluster, values);
   planner::SearchOptions options;
@@ -232,7 +232,7 @@ Row predict(const Loaded& l, const FitValues& values) {
   options.keep = 1;
   options.pins = c.pins;
   planner::SearchResult result = planner::search(l.model, cluster, options);
-  Row row;
+  PublishedRow row;
   row.c = &c;
   if (result.ranked.empty() && result.stats.rule_valid > 0) {
     // The layout ran, whatever moeplan's memory model says: time it, and say so.
@@ -264,7 +264,7 @@ double fit_loss(const std::vector<Loaded>& loaded, const std::string& chip, cons
   int n = 0;
   for (const Loaded& l : loaded) {
     if (l.c->part != kParts[0] || chip_of(l.cluster) != chip) continue;
-    const Row r = predict(l, values);
+    const PublishedRow r = predict(l, values);
     if (!r.best) continue;
     sum += std::log1p(r.error) * std::log1p(r.error);
     ++n;
@@ -346,12 +346,12 @@ int compare_published(const ComparePublishedOptions& options) {
                     key.second == "overlap_slowdown" ? "=" : "x", value);
       std::printf("\n");
     }
-    std::vector<Row> rows;
+    std::vector<PublishedRow> rows;
     for (const Loaded& l : loaded) rows.push_back(predict(l, values));
 
     std::printf("| case | part | layout (moeplan's choice where not published) | published step (s) | moeplan step (s) | "
                 "error | moeplan MFU | GiB per GPU |\n|---|---|---|---:|---:|---:|---:|---:|\n");
-    for (const Row& r : rows) {
+    for (const PublishedRow& r : rows) {
       if (!r.best) {
         std::printf("| %s | %s | no plan: %s | %.2f | - | - | - | - |\n", r.c->name.c_str(), r.c->part.c_str(),
                     r.why_not.c_str(), r.c->published_step_s);
@@ -367,7 +367,7 @@ int compare_published(const ComparePublishedOptions& options) {
     // Where moeplan says each step's time goes (busiest rank, share of the predicted step).
     std::printf("\n| case | GEMMs | attention | memory-bound | recompute | optimizer | exposed communication | of which "
                 "pipeline bubble |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (const Row& r : rows) {
+    for (const PublishedRow& r : rows) {
       if (!r.best) continue;
       const sim::StepEstimate& e = r.best->estimate;
       auto share = [&](double s) { return 100.0 * s / e.step_time_s; };
@@ -379,7 +379,7 @@ int compare_published(const ComparePublishedOptions& options) {
     // Memory where the source gives it.
     double worst_memory = 0;
     bool memory_header = false;
-    for (const Row& r : rows) {
+    for (const PublishedRow& r : rows) {
       if (!r.best || (r.c->published_states_gib <= 0 && r.c->published_activations_gib <= 0)) continue;
       if (!memory_header)
         std::printf("\n| case | published states (GiB) | moeplan | error | published activations (GiB) | moeplan | "
@@ -397,20 +397,20 @@ int compare_published(const ComparePublishedOptions& options) {
                   cell(r.c->published_activations_gib, r.activations_gib).c_str());
     }
     if (memory_header) std::printf("\nmemory: worst |error| %.1f%%\n", 100 * worst_memory);
-    for (const Row& r : rows)
+    for (const PublishedRow& r : rows)
       if (!r.over_memory.empty()) std::printf("\n%s: moeplan's memory model: %s", r.c->name.c_str(), r.over_memory.c_str());
     std::printf("\n\n");
-    const Summary all = summarise(rows, "");
+    const PublishedSummary all = summarise(rows, "");
     for (std::string_view part : {std::string_view(), kParts[0], kParts[1]}) {
-      const Summary s = summarise(rows, part);
+      const PublishedSummary s = summarise(rows, part);
       std::printf("%-9s %zu cases, %zu predicted: median |error| %.1f%%, worst %+.1f%% (%s), mean %+.1f%%\n",
                   part.empty() ? "all:" : (std::string(part) + ":").c_str(), s.cases, s.predicted, 100 * s.median,
                   100 * s.worst, s.worst_name.c_str(), 100 * s.mean);
     }
     if (!options.check) return kExitOk;
-    const Summary held = summarise(rows, kParts[1]);
+    const PublishedSummary held = summarise(rows, kParts[1]);
     bool ok = true;
-    for (const Summary* s : {&all, &held}) {
+    for (const PublishedSummary* s : {&all, &held}) {
       const char* which = s == &all ? "all cases" : "held-out part";
       if (s->predicted < s->cases || s->median > options.max_median_error || std::abs(s->worst) > options.max_worst_error ||
           std::abs(s->mean) > options.max_mean_error) {
