@@ -649,7 +649,8 @@ std::vector<PhaseDifference> compare_phases(const Trace& first, const Trace& sec
   const auto la = longest(a, !common.empty()), lb = longest(b, !common.empty());
   std::vector<PhaseDifference> out;
   for (const auto& [name, ns] : la)
-    if (auto it = lb.find(name); it != lb.end()) out.push_back({name, ns * 1e-9, it->second * 1e-9});
+    if (auto it = lb.find(name); it != lb.end())
+      out.push_back({name, static_cast<double>(ns) * 1e-9, static_cast<double>(it->second) * 1e-9});
   std::stable_sort(out.begin(), out.end(), [](const PhaseDifference& x, const PhaseDifference& y) {
     return std::abs(x.second_s - x.first_s) > std::abs(y.second_s - y.first_s);
   });

@@ -92,8 +92,8 @@ GpuRange parse_gpu_range(const std::string& text) {
 PreparedSearch prepare_search(const SearchRequest& r) {
   if (r.goal.deadline_days > 0 && r.goal.tokens <= 0)
     throw InputError("--deadline-days", {{"", "needs --train-tokens (the tokens to train within it)"}});
-  const std::string dir = profile_dir(r.profiles);
   const GpuRange gpus = parse_gpu_range(r.gpus);
+  const std::string dir = profile_dir(r.profiles);
   PreparedSearch s{load_model(r.model, dir), {}, gpus, {}, r.options, r.goal};
   const ClusterSpec instance = load_hardware(r.instance, dir);
   s.sizes = gpus.is_range() ? cluster_sizes(gpus.min, gpus.max, instance.gpus_per_node) : std::vector<int64_t>{gpus.max};

@@ -176,13 +176,12 @@ SearchReport report_sizes(const SearchOutcome& found, const ReportOptions& optio
     return report;
   }
   const SizeResult& chosen = found.sweep.sizes[*found.sweep.chosen];
-  add(out, "\n%s cluster%s: %lld x %s (%lld GPUs), %s", goal.objective == Objective::kTime ? "fastest" : "cheapest",
-      goal.deadline_days > 0 ? (" within " + days_text(goal.deadline_days * 86400.0) + " days").c_str() : "",
-      static_cast<long long>(chosen.cluster.num_nodes), chosen.cluster.name.c_str(), static_cast<long long>(chosen.gpus),
-      describe(found.plan->parallel).c_str());
-  if (goal.tokens > 0)
-    add(out, ", %s days, %s", days_text(chosen.time.seconds).c_str(), dollars_text(chosen.time.dollars).c_str());
-  add(out, "\n");
+  const std::string within = goal.deadline_days > 0 ? " within " + days_text(goal.deadline_days * 86400.0) + " days" : "";
+  const std::string cost =
+      goal.tokens > 0 ? ", " + days_text(chosen.time.seconds) + " days, " + dollars_text(chosen.time.dollars) : "";
+  add(out, "\n%s cluster%s: %lld x %s (%lld GPUs), %s%s\n", goal.objective == Objective::kTime ? "fastest" : "cheapest",
+      within.c_str(), static_cast<long long>(chosen.cluster.num_nodes), chosen.cluster.name.c_str(),
+      static_cast<long long>(chosen.gpus), describe(found.plan->parallel).c_str(), cost.c_str());
   print(out);
   if (!options.out.empty()) {
     write_file_atomic(options.out, plan_to_text(*found.plan));
@@ -213,10 +212,13 @@ SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, cons
   if (options.json) {
     out += text;
   } else {
-    add_table(out, result, s.cluster, top);
-    if (s.goal.tokens > 0) add_training_time(out, result, s.cluster, s.goal, top);
-    add_unmeasured_splits(out, result, RunConfig{s.model, s.cluster, ParallelConfig{}, s.options.moe, s.options.training},
+    // Shown in this order: the table, the days and dollars, the note.
+    std::string times, note, table;
+    if (s.goal.tokens > 0) add_training_time(times, result, s.cluster, s.goal, top);
+    add_unmeasured_splits(note, result, RunConfig{s.model, s.cluster, ParallelConfig{}, s.options.moe, s.options.training},
                           top);
+    add_table(table, result, s.cluster, top);
+    out += table + times + note;
   }
   print(out);
   if (!options.out.empty()) {
