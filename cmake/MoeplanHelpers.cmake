@@ -50,7 +50,6 @@ function(moeplan_add_test)
   target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
   target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
   target_compile_options(${target} PRIVATE ${MOEPLAN_WARNING_FLAGS} -Wno-conversion)
-  moeplan_unity(${target})
   target_compile_definitions(${target} PRIVATE
     MOEPLAN_PROFILE_DIR="${MOEPLAN_PROFILE_DIR}"
     MOEPLAN_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data"

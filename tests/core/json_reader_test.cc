@@ -21,7 +21,7 @@ using test::data_path;
 using test::TempDir;
 using test::problems_of;
 
-std::string diagnostics_text(const std::vector<Diagnostic>& diagnostics) {
+std::string describe(const std::vector<Diagnostic>& diagnostics) {
   std::string text;
   for (const Diagnostic& d : diagnostics) text += "\n  " + d.to_string();
   return text;
@@ -107,7 +107,7 @@ struct Read {
   explicit Read(const char* text) : json(Json::parse(text)) {}
   ObjectReader reader(SourceMap* sources = nullptr) { return ObjectReader(json, "obj", diagnostics, sources); }
   std::string only_problem() const {
-    EXPECT_EQ(diagnostics.items().size(), 1u) << diagnostics_text(diagnostics.items());
+    EXPECT_EQ(diagnostics.items().size(), 1u) << describe(diagnostics.items());
     return diagnostics.items().empty() ? "" : diagnostics.items()[0].to_string();
   }
 };
@@ -119,7 +119,7 @@ TEST(ObjectReader, IntegersAcceptIntegralFloats) {
   EXPECT_EQ(o.integer("b", 0, 10), 7);
   EXPECT_EQ(o.integer("c", -5, 10), -3);
   o.finish();
-  EXPECT_TRUE(r.diagnostics.empty()) << diagnostics_text(r.diagnostics.items());
+  EXPECT_TRUE(r.diagnostics.empty()) << describe(r.diagnostics.items());
 }
 
 TEST(ObjectReader, IntegerProblems) {
@@ -171,7 +171,7 @@ TEST(ObjectReader, OptionalFieldsTakeTheirFallback) {
   EXPECT_EQ(o.string("s", "dflt"), "dflt");
   EXPECT_FALSE(o.nullable_integer("w", 1, 10).has_value());
   EXPECT_FALSE(o.object("nested", true).has_value());
-  EXPECT_TRUE(r.diagnostics.empty()) << diagnostics_text(r.diagnostics.items());
+  EXPECT_TRUE(r.diagnostics.empty()) << describe(r.diagnostics.items());
 }
 
 TEST(ObjectReader, LongStringsAreShortenedInMessages) {
@@ -191,7 +191,7 @@ TEST(ObjectReader, UnknownFieldsAreReportedAtFinish) {
   nested->integer("deep", 0, 10);
   nested->finish();
   o.finish();
-  ASSERT_EQ(r.diagnostics.items().size(), 2u) << diagnostics_text(r.diagnostics.items());
+  ASSERT_EQ(r.diagnostics.items().size(), 2u) << describe(r.diagnostics.items());
   EXPECT_EQ(r.diagnostics.items()[0].to_string(), "obj.nested.extra: unknown field");
   EXPECT_EQ(r.diagnostics.items()[1].to_string(), "obj.unknwn: unknown field");
 }
@@ -210,7 +210,7 @@ TEST(ObjectReader, SourcedValuesAreUnwrappedAndRemembered) {
   o.finish();
   EXPECT_EQ(sources, (SourceMap{{"obj.bw", "datasheet"}}));
   const std::vector<Diagnostic>& items = r.diagnostics.items();
-  ASSERT_EQ(items.size(), 3u) << diagnostics_text(items);
+  ASSERT_EQ(items.size(), 3u) << describe(items);
   for (size_t i = 0; i < 3; ++i)
     EXPECT_EQ(items[i].message, "expected a value or {\"value\": ..., \"source\": \"...\"}") << i;
   EXPECT_EQ(items[0].path, "obj.bad");
@@ -394,7 +394,7 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
     json[Json::json_pointer(edit.pointer)] = edit.value;
     const std::string path = dir.write("cal.json", json);
     const auto problems = problems_of([&] { read_cluster_file(path); }, path);
-    ASSERT_EQ(problems.size(), 1u) << edit.pointer << diagnostics_text(problems);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
     EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
     EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
   }
@@ -403,7 +403,7 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
   json["framework"]["op_times"]["shapes"].erase("num_layers");
   std::string path = dir.write("cal.json", json);
   auto problems = problems_of([&] { read_cluster_file(path); }, path);
-  ASSERT_EQ(problems.size(), 2u) << diagnostics_text(problems);
+  ASSERT_EQ(problems.size(), 2u) << describe(problems);
   EXPECT_EQ(problems[0].path, "framework.op_times.shapes.num_layers");
   EXPECT_EQ(problems[0].message, "is required with micro_batch_forward: the blocks of the model those micro-batches ran");
   EXPECT_EQ(problems[1].message, "is required with a split's micro_batch_forward: the blocks of the model it ran");
@@ -412,7 +412,7 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
   json["framework"]["op_times"]["tensor_splits"][0].erase("collectives_backward");
   path = dir.write("cal.json", json);
   problems = problems_of([&] { read_cluster_file(path); }, path);
-  ASSERT_EQ(problems.size(), 1u) << diagnostics_text(problems);
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
   EXPECT_EQ(problems[0].path, "framework.op_times.tensor_splits[0].micro_batch_forward");
   EXPECT_EQ(problems[0].message,
             "micro_batch_forward, micro_batch_backward, collectives_forward and collectives_backward come together");
@@ -459,7 +459,7 @@ TEST(HardwareProfile, OneProblemEachFromAFile) {
     json[at] = edit.value;
     const std::string path = dir.write("p4d.json", json);
     const auto problems = problems_of([&] { read_cluster_file(path); }, path);
-    ASSERT_EQ(problems.size(), 1u) << edit.pointer << diagnostics_text(problems);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
     EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
     EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
   }
@@ -475,7 +475,7 @@ TEST(HardwareProfile, EveryProblemIsReported) {
   const auto problems = problems_of([&] { cluster_from_json(json, "p4d.json"); }, "p4d.json");
   const std::vector<std::string> paths = {"gpu.memory_bytes", "gpu.memory_byte", "intra_node.latency_s", "host",
                                           "owner"};
-  ASSERT_EQ(problems.size(), paths.size()) << diagnostics_text(problems);
+  ASSERT_EQ(problems.size(), paths.size()) << describe(problems);
   for (size_t i = 0; i < paths.size(); ++i) EXPECT_EQ(problems[i].path, paths[i]) << i;
   EXPECT_EQ(problems[3].message, "missing required field");
 }
@@ -531,7 +531,7 @@ TEST(ModelProfile, ProblemsFromAFile) {
     json[Json::json_pointer(edit.pointer)] = edit.value;
     const std::string path = dir.write("model.json", json);
     const auto problems = problems_of([&] { read_model_file(path); }, path);
-    ASSERT_EQ(problems.size(), 1u) << edit.pointer << diagnostics_text(problems);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
     EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
     EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
   }
@@ -601,9 +601,9 @@ TEST(HfConfig, ProblemsFromAFile) {
     const std::string path = dir.write("config.json", json);
     const auto problems = problems_of([&] { read_model_file(path); }, path);
     ASSERT_FALSE(problems.empty()) << edit.pointer;
-    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer << diagnostics_text(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer << describe(problems);
     EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
-    EXPECT_EQ(problems.size(), 1u) << edit.pointer << diagnostics_text(problems);
+    EXPECT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
   }
 }
 
@@ -613,7 +613,7 @@ TEST(HfConfig, RuleProblemsNameTheConfigFields) {
   Json top_k = hf_config();
   top_k["num_experts_per_tok"] = 9;
   const auto top_k_problems = problems_of([&] { model_from_hf_config(top_k, "config.json"); }, "config.json");
-  ASSERT_EQ(top_k_problems.size(), 1u) << diagnostics_text(top_k_problems);
+  ASSERT_EQ(top_k_problems.size(), 1u) << describe(top_k_problems);
   EXPECT_EQ(top_k_problems[0].path, "num_experts_per_tok");
   EXPECT_EQ(top_k_problems[0].message, "= 9 exceeds num_experts = 8");
 
@@ -621,7 +621,7 @@ TEST(HfConfig, RuleProblemsNameTheConfigFields) {
   Json huge = hf_config();
   huge["hidden_size"] = 16777216;
   const auto huge_problems = problems_of([&] { model_from_hf_config(huge, "config.json"); }, "config.json");
-  ASSERT_EQ(huge_problems.size(), 1u) << diagnostics_text(huge_problems);
+  ASSERT_EQ(huge_problems.size(), 1u) << describe(huge_problems);
   EXPECT_EQ(huge_problems[0].path, "num_hidden_layers");
 }
 
@@ -651,7 +651,7 @@ TEST(HfConfig, EveryProblemIsReported) {
   json["rope_scalling"] = nullptr;
   const auto problems = problems_of([&] { model_from_hf_config(json, "config.json"); }, "config.json");
   const std::vector<std::string> paths = {"num_hidden_layers", "num_local_experts", "hidden_act", "rope_scalling"};
-  ASSERT_EQ(problems.size(), paths.size()) << diagnostics_text(problems);
+  ASSERT_EQ(problems.size(), paths.size()) << describe(problems);
   for (size_t i = 0; i < paths.size(); ++i) EXPECT_EQ(problems[i].path, paths[i]) << i;
 }
 

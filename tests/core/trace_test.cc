@@ -60,7 +60,7 @@ std::string written(const TempDir& dir, const std::string& name, const Trace& t)
 }
 
 // The problems read_trace_file reports for a file with this text.
-std::vector<Diagnostic> trace_problems(const std::string& text) {
+std::vector<Diagnostic> problems(const std::string& text) {
   TempDir dir;
   const std::string path = dir.write("trace.json", text);
   try {
@@ -114,7 +114,7 @@ TEST(TraceFile, ThePlanATraceIsOfIsReadBack) {
   EXPECT_EQ(plan_difference(simulated, t),
             "the simulated trace is of E4 S1 R1 T2 sp P2 V8 RSE ckpt=none mbs=1 ga=512 on 16 ranks, the measured one "
             "of E2 S1 R1 RSE ckpt=none mbs=1 ga=2 on 2 ranks");
-  EXPECT_TRUE(reports(trace_problems(R"({"traceEvents": [], "otherData": {"plan": 3}})"), "otherData.plan", "expected a string"));
+  EXPECT_TRUE(reports(problems(R"({"traceEvents": [], "otherData": {"plan": 3}})"), "otherData.plan", "expected a string"));
 }
 
 TEST(TraceFile, ReadsWhatTheSimulatorWrites) {
@@ -146,27 +146,27 @@ TEST(TraceFile, ProgressIsReportedForLargeFiles) {
 TEST(TraceFile, MalformedFilesAreRefusedWithTheEventAndField) {
   const std::string head = R"({"traceEvents": [)";
   const std::string good = R"({"name": "a", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 0})";
-  EXPECT_TRUE(reports(trace_problems(head + good + R"(, {"name": "b", "ph": "X", "ts": "soon", "dur": 2, "pid": 0}]})"),
+  EXPECT_TRUE(reports(problems(head + good + R"(, {"name": "b", "ph": "X", "ts": "soon", "dur": 2, "pid": 0}]})"),
                       "traceEvents[1].ts", "expected a number"));
-  EXPECT_TRUE(reports(trace_problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2}]})"), "traceEvents[0].pid",
+  EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2}]})"), "traceEvents[0].pid",
                       "missing"));
-  EXPECT_TRUE(reports(trace_problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": -2, "pid": 0}]})"),
+  EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": -2, "pid": 0}]})"),
                       "traceEvents[0].dur", "must be in"));
-  EXPECT_TRUE(reports(trace_problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 9}]})"),
+  EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 9}]})"),
                       "traceEvents[0].tid", "must be in"));
-  EXPECT_TRUE(reports(trace_problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "colour": 3}]})"),
+  EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "colour": 3}]})"),
                       "traceEvents[0].colour", "unknown field"));
-  EXPECT_TRUE(reports(trace_problems(head + R"({"ts": 1}]})"), "traceEvents[0].ph", "missing"));
-  EXPECT_TRUE(reports(trace_problems(head + R"(7]})"), "traceEvents[0]", "expected an object"));
-  EXPECT_TRUE(reports(trace_problems(head + R"({"name": "memory", "ph": "C", "ts": 1, "pid": 0, "args": {"bytes": "lots"}}]})"),
+  EXPECT_TRUE(reports(problems(head + R"({"ts": 1}]})"), "traceEvents[0].ph", "missing"));
+  EXPECT_TRUE(reports(problems(head + R"(7]})"), "traceEvents[0]", "expected an object"));
+  EXPECT_TRUE(reports(problems(head + R"({"name": "memory", "ph": "C", "ts": 1, "pid": 0, "args": {"bytes": "lots"}}]})"),
                       "traceEvents[0].args.bytes", "expected a number"));
-  EXPECT_TRUE(reports(trace_problems(R"({"traceEvents": 5})"), "traceEvents", "expected an array"));
-  EXPECT_TRUE(reports(trace_problems(R"({"events": []})"), "events", "unknown field"));
-  EXPECT_TRUE(reports(trace_problems(R"({"displayTimeUnit": "ns"})"), "traceEvents", "missing"));
-  EXPECT_TRUE(reports(trace_problems(R"([1, 2])"), "", "expected an object"));
+  EXPECT_TRUE(reports(problems(R"({"traceEvents": 5})"), "traceEvents", "expected an array"));
+  EXPECT_TRUE(reports(problems(R"({"events": []})"), "events", "unknown field"));
+  EXPECT_TRUE(reports(problems(R"({"displayTimeUnit": "ns"})"), "traceEvents", "missing"));
+  EXPECT_TRUE(reports(problems(R"([1, 2])"), "", "expected an object"));
   // Cut off in the middle, as a file still being written would be.
-  EXPECT_TRUE(reports(trace_problems(head + good + R"(, {"name": "b", "ph)"), "", "not valid JSON at byte"));
-  EXPECT_TRUE(reports(trace_problems(""), "", "not valid JSON"));
+  EXPECT_TRUE(reports(problems(head + good + R"(, {"name": "b", "ph)"), "", "not valid JSON at byte"));
+  EXPECT_TRUE(reports(problems(""), "", "not valid JSON"));
 }
 
 TEST(TraceFile, MissingFileIsAnInputError) {

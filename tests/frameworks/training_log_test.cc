@@ -18,7 +18,7 @@ namespace {
 std::string sample(const std::string& name) { return test::read_text(test::data_path("logs/" + name)); }
 
 // The error's lines, joined; empty when parsing succeeds.
-std::string log_refusal(const std::string& text) {
+std::string refusal(const std::string& text) {
   try {
     parse_training_log(text, "run.log");
   } catch (const InputError& e) {
@@ -77,7 +77,7 @@ TEST(TrainingLog, ReadsTheHuggingFaceTrainerSummary) {
   EXPECT_DOUBLE_EQ(log.iterations[0].loss, 9.5012);
   std::string bad = sample("hf_trainer.log");
   bad.replace(bad.find("0.032"), 5, "'?'");
-  EXPECT_NE(log_refusal(bad).find("run.log: line 6: is a Hugging Face Trainer summary"), std::string::npos) << log_refusal(bad);
+  EXPECT_NE(refusal(bad).find("run.log: line 6: is a Hugging Face Trainer summary"), std::string::npos) << refusal(bad);
 }
 
 TEST(TrainingLog, RefusesABadLineByItsNumber) {
@@ -85,19 +85,19 @@ TEST(TrainingLog, RefusesABadLineByItsNumber) {
   const size_t at = text.find("31020.0");
   ASSERT_NE(at, std::string::npos);
   text.replace(at, 7, "n/a");
-  EXPECT_EQ(log_refusal(text),
+  EXPECT_EQ(refusal(text),
             "run.log: line 9: is a Megatron-LM iteration line without a readable iteration number and elapsed time\n");
   std::string titan = sample("torchtitan.log");
   titan.replace(titan.find("2,205"), 5, "-");
-  EXPECT_NE(log_refusal(titan).find("run.log: line 3: is a torchtitan step line"), std::string::npos);
+  EXPECT_NE(refusal(titan).find("run.log: line 3: is a torchtitan step line"), std::string::npos);
 }
 
 TEST(TrainingLog, RefusesForeignMixedAndBinaryLogs) {
-  EXPECT_NE(log_refusal("epoch 1 done\nall good\n").find("run.log: holds no iteration line"), std::string::npos);
+  EXPECT_NE(refusal("epoch 1 done\nall good\n").find("run.log: holds no iteration line"), std::string::npos);
   const std::string mixed = sample("megatron.log") + sample("smp.log");
-  EXPECT_NE(log_refusal(mixed).find("run.log: line 22: is a SMP line in a Megatron-LM log"), std::string::npos)
-      << log_refusal(mixed);
-  EXPECT_NE(log_refusal(std::string("step: 1 tps: 5\n\0\n", 17)).find("NUL byte"), std::string::npos);
+  EXPECT_NE(refusal(mixed).find("run.log: line 22: is a SMP line in a Megatron-LM log"), std::string::npos)
+      << refusal(mixed);
+  EXPECT_NE(refusal(std::string("step: 1 tps: 5\n\0\n", 17)).find("NUL byte"), std::string::npos);
   try {
     read_training_log("/nonexistent/run.log");
     FAIL() << "a missing log must be refused";

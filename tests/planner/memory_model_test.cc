@@ -8,14 +8,14 @@
 namespace moeplan::planner {
 namespace {
 
-const ModelSpec& mixtral_8x7b() { return test::model("mixtral-8x7b"); }
+const ModelSpec& mixtral() { return test::model("mixtral-8x7b"); }
 ClusterSpec p4d_two_nodes() { return test::hardware("p4d.24xlarge", 16); }
 
 struct Layout {
   ParallelConfig parallel;
   MoeConfig moe;
   TrainingConfig training;
-  MemoryEstimate estimate() const { return estimate_memory({mixtral_8x7b(), p4d_two_nodes(), parallel, moe, training}); }
+  MemoryEstimate estimate() const { return estimate_memory({mixtral(), p4d_two_nodes(), parallel, moe, training}); }
 };
 
 Layout layout(int64_t e, int64_t s, Checkpointing ckpt, Precision precision = Precision::kBf16) {
@@ -41,7 +41,7 @@ Layout layout(int64_t e, int64_t s, Checkpointing ckpt, Precision precision = Pr
 // bf16 model states: 2 (params) + 2 (grads) + 4 (two moments) = 8 bytes each.
 TEST(MemoryModel, ModelStatesFullShardE1S16) {
   const MemoryEstimate m = layout(1, 16, Checkpointing::kFull).estimate();
-  EXPECT_EQ(shard_sizes(mixtral_8x7b(), 1, 16).shard_params, 2'918'924'544);
+  EXPECT_EQ(shard_sizes(mixtral(), 1, 16).shard_params, 2'918'924'544);
   EXPECT_EQ(m.parameters, 5'837'849'088);
   EXPECT_EQ(m.gradients, 5'837'849'088);
   EXPECT_EQ(m.optimizer_states, 11'675'698'176);
@@ -52,14 +52,14 @@ TEST(MemoryModel, ModelStatesFullShardE1S16) {
 // E8 S2 R1: 65,536,000 + 32 x (20,992,000 + 88,080,384) + 65,538,048 = 3,621,390,336 params,
 // x 8 bytes = 28,971,122,688.
 TEST(MemoryModel, ModelStatesExpertParallelE8S2) {
-  EXPECT_EQ(shard_sizes(mixtral_8x7b(), 8, 2).shard_params, 3'621'390'336);
+  EXPECT_EQ(shard_sizes(mixtral(), 8, 2).shard_params, 3'621'390'336);
   EXPECT_EQ(layout(8, 2, Checkpointing::kFull).estimate().model_states(), 28'971'122'688);
 }
 
 // E2 S4 R2: 32,768,000 + 32 x (10,496,000 + 176,160,768) + 32,769,024 = 6,038,553,600 params,
 // x 8 bytes = 48,308,428,800. Replicas do not change a rank's share.
 TEST(MemoryModel, ModelStatesReplicatedE2S4R2) {
-  EXPECT_EQ(shard_sizes(mixtral_8x7b(), 2, 4).shard_params, 6'038'553'600);
+  EXPECT_EQ(shard_sizes(mixtral(), 2, 4).shard_params, 6'038'553'600);
   const Layout x = layout(2, 4, Checkpointing::kFull);
   EXPECT_EQ(x.parallel.replica_degree(), 2);
   EXPECT_EQ(x.estimate().model_states(), 48'308'428'800);
@@ -75,7 +75,7 @@ TEST(MemoryModel, ModelStatesMixedPrecision) {
 
 // Padding: with S = 3 the embedding 131,072,000 / 3 = 43,690,666.7 rounds up to 43,690,667.
 TEST(MemoryModel, FlatParametersArePaddedToTheShardDegree) {
-  const ShardSizes s = shard_sizes(mixtral_8x7b(), 8, 3);
+  const ShardSizes s = shard_sizes(mixtral(), 8, 3);
   // 43,690,667 + 32 x (13,994,667 + 58,720,256) + 43,692,032 = 2,414,260,235
   EXPECT_EQ(s.shard_params, 2'414'260'235);
 }
@@ -87,7 +87,7 @@ TEST(MemoryModel, FlatParametersArePaddedToTheShardDegree) {
 //   moe           2048 x 2x4096 x 2 + 2048 x 8 x 4 + 4096 x (2x4096 + 3x14336) x 2
 //                 = 33,554,432 + 65,536 + 419,430,400                    = 453,050,368
 TEST(MemoryModel, ActivationsPerBlock) {
-  const BlockActivations b = block_activations(mixtral_8x7b(), 1, 2048, 4096, 2);
+  const BlockActivations b = block_activations(mixtral(), 1, 2048, 4096, 2);
   EXPECT_EQ(b.block_input, 16'777'216);
   EXPECT_EQ(b.attention, 75'759'616);
   EXPECT_EQ(b.moe, 453'050'368);
@@ -104,16 +104,16 @@ TEST(MemoryModel, ActivationsPerBlock) {
 // and v, the output and its o_proj copy, and the fp32 log-sum-exp per head and token:
 //   2048 x 2x4096 x 2 + 8,192 + 2048 x (3x4096 + 2x1024) x 2 + 2048 x 32 x 4 =  92,545,024
 TEST(MemoryModel, ActivationsPerBlockWithEagerKernels) {
-  const BlockActivations b = block_activations(mixtral_8x7b(), 1, 2048, 4096, 2, Kernels::kEager);
+  const BlockActivations b = block_activations(mixtral(), 1, 2048, 4096, 2, Kernels::kEager);
   EXPECT_EQ(b.block_input, 16'777'216);
   EXPECT_EQ(b.attention, 905'977'856);
   EXPECT_EQ(b.moe, 570'499'072);
   // In fp32 the probabilities are kept once: 2 micro-batch sequences of 1024 tokens,
   // 2 x 32 x 1024 x 1024 x 4 = 268,435,456.
-  const BlockActivations fp32 = block_activations(mixtral_8x7b(), 2, 1024, 4096, 4, Kernels::kEager);
+  const BlockActivations fp32 = block_activations(mixtral(), 2, 1024, 4096, 4, Kernels::kEager);
   EXPECT_EQ(fp32.attention, 2048 * (2 * 4096 + 4 * 4096) * 4 + 2048 * 4 + 268'435'456);
   const BlockActivations flash =
-      block_activations(mixtral_8x7b(), 1, 2048, 4096, 2, Kernels::kEager, AttentionKernel::kFlash, TensorSplit{});
+      block_activations(mixtral(), 1, 2048, 4096, 2, Kernels::kEager, AttentionKernel::kFlash, TensorSplit{});
   EXPECT_EQ(flash.attention, 92'545'024);
   EXPECT_EQ(flash.moe, b.moe);
 }
