@@ -56,7 +56,7 @@ CLI::Option* add_choice(CLI::App& app, const std::string& flag, Field& field, co
 // names with what each is, for the option's help.
 struct FrameworkChoice {
   std::vector<Target> targets;
-  std::string described;  // "megatron (Megatron-LM), ..., or any (every layout moeplan models)"
+  std::string described;  // "megatron (Megatron-LM), ... or any (every layout moeplan models)"
 };
 
 inline FrameworkChoice framework_choice(bool exported_only) {
