@@ -6,6 +6,7 @@
 
 #include "command.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/units.h"
 #include "moeplan/planner/memory_model.h"
 
 namespace moeplan::cli {

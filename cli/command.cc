@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "moeplan/core/process.h"
-#include "moeplan/core/units.h"
 
 namespace moeplan::cli {
 
@@ -23,8 +22,6 @@ std::vector<std::string> Invocation::words() const { return std::vector<std::str
 void print_error(const InputError& e) {
   for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
 }
-
-double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
 
 int exec_sibling(const char* name, const char* command, const char* built_with, const std::vector<std::string>& args,
                  const char* argv0) {

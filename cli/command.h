@@ -52,9 +52,6 @@ void print_error(const InputError& e);
 // simulated.json, beside the measured trace.json).
 void write_simulated_trace(const Plan& plan, const std::string& path);
 
-// Bytes in GiB, for tables.
-double in_gib(int64_t bytes);
-
 // Runs the executable `name` next to the real path of this one in this process's place, with
 // `args`; returns only when it cannot, having said so (it is built with `built_with`).
 int exec_sibling(const char* name, const char* command, const char* built_with, const std::vector<std::string>& args,

@@ -32,8 +32,6 @@ namespace {
   va_end(again);
 }
 
-double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
-
 std::string days_text(double seconds) {
   if (!std::isfinite(seconds)) return "never";
   char text[32];

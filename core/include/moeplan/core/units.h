@@ -12,6 +12,9 @@ inline constexpr int64_t kGiB = int64_t{1} << 30;
 inline constexpr double kGB = 1e9;
 inline constexpr double kTera = 1e12;
 
+// Bytes in GiB, for tables.
+inline double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
+
 // Bytes per element of the number formats the model and optimizer use.
 inline constexpr int64_t kBytesBf16 = 2;
 inline constexpr int64_t kBytesFp32 = 4;
