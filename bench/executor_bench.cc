@@ -1,11 +1,13 @@
 // Single-rank training throughput of the executor on mixtral-tiny, next to this machine's
-// matrix-multiply rate. Run: build/bench/bench_executor --benchmark_min_time=20
+// matrix-multiply rate; the checkpoints' checksum. Run: build/bench/bench_executor --benchmark_min_time=20
 // (the Python baseline with the same settings: bench/python/mixtral_baseline.py).
 
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <vector>
 
+#include "moeplan/core/checksum.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/training/trainer.h"
 #include "test_support.h"
@@ -62,6 +64,16 @@ void BM_TrainStep(benchmark::State& state) {
   state.SetLabel(std::string(name_of(kPrecisionNames, precision)));
 }
 BENCHMARK(BM_TrainStep)->Args({1, 0})->Args({1, 1})->Args({1, 2})->Args({2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The checksum every checkpoint shard and data file is written and verified with (bytes/s).
+void BM_Crc32(benchmark::State& state) {
+  std::vector<unsigned char> bytes(static_cast<size_t>(state.range(0)));
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 2654435761u >> 13);
+  uint32_t crc = 0;
+  for (auto _ : state) benchmark::DoNotOptimize(crc = crc32(bytes.data(), bytes.size(), crc));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+}
+BENCHMARK(BM_Crc32)->Arg(1 << 20)->Arg(64 << 20);
 
 }  // namespace
 }  // namespace moeplan
