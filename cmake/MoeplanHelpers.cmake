@@ -69,8 +69,11 @@ function(moeplan_add_test)
     set(serial TRUE)
   endif()
   if(ARG_ONE_PROCESS)
+    # A whole suite is long: ctest starts it before the single tests (a higher COST first), so
+    # that they fill the other cores beside it instead of leaving it alone at the end.
     add_test(NAME ${target} COMMAND ${target})
-    set_tests_properties(${target} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial})
+    set_tests_properties(${target} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial}
+                                              COST 1000)
     return()
   endif()
   gtest_discover_tests(${target}
