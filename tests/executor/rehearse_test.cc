@@ -1,8 +1,9 @@
 // `moeplan run --rehearse` through the real binary: the 16-GPU plan of `moeplan search` (tensor
 // and pipeline parallelism with experts) on 16 local CPU ranks (real gloo groups, a real
 // tokenizer and text), checked against one rank that replays its routing, within the rounding
-// bounds of rehearsal_bounds.h; the same layout with each fault the test hook plants, caught by
-// the check that is for it; its memory and an [R, S, E] layout's against the memory model;
+// bounds of rehearsal_bounds.h; an 8-rank layout of the same kinds of groups with each fault the
+// test hook plants, caught by the check that is for it; its memory and an [R, S, E] layout's
+// against the memory model;
 // layouts that break a rule.
 #include <gtest/gtest.h>
 
