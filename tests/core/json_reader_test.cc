@@ -666,6 +666,27 @@ TEST(HfConfig, TruncatedAndMissingFiles) {
   EXPECT_EQ(problems_of([&] { read_model_file(missing); }, missing).at(0).message, "cannot open file");
 }
 
+// Brackets inside strings, escaped quotes included, are not nesting; text that is not JSON is
+// measured as far as it goes.
+TEST(JsonNestingDepth, CountsContainersOutsideStrings) {
+  EXPECT_EQ(json_nesting_depth(""), 0);
+  EXPECT_EQ(json_nesting_depth("1"), 0);
+  EXPECT_EQ(json_nesting_depth("[]"), 1);
+  EXPECT_EQ(json_nesting_depth(R"({"a": [1, {"b": []}], "c": {}})"), 4);
+  EXPECT_EQ(json_nesting_depth(R"(["[[[", "{{", "\"[[[", "\\", [0]])"), 2);
+  EXPECT_EQ(json_nesting_depth(R"([[]] [[[]]])"), 3);
+  EXPECT_EQ(json_nesting_depth("]]]["), 1);
+  EXPECT_EQ(json_nesting_depth(R"([[ "unterminated [[[[)"), 2);
+}
+
+// Many objects in one array, as a trace holds, parse to the same document the text was.
+TEST(ParseJsonText, ArrayOfManyObjectsRoundTrips) {
+  Json events = Json::array();
+  for (int i = 0; i < 20'000; ++i) events.push_back({{"name", "op" + std::to_string(i)}, {"ts", i}, {"args", {{"b", i}}}});
+  const Json doc = {{"traceEvents", events}};
+  EXPECT_EQ(parse_json_text(doc.dump(), "t.json"), doc);
+}
+
 // Found by fuzzing (fuzz/, the trace and plan targets): objects nested 20,000 deep, 120 KB of
 // text, ran the parser out of stack (nlohmann copies a nested value recursively when the object
 // holding it grows). Nesting is refused past kMaxJsonDepth, as any reader sees it.

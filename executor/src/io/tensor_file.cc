@@ -115,13 +115,11 @@ TensorFile read_tensor_file(const std::string& path, const std::set<std::string>
                                            std::to_string(file_bytes) + " bytes"}});
   std::string text(header_bytes, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_bytes));
+  if (json_nesting_depth(text) > kMaxJsonDepth)
+    throw InputError(path, {{"header", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels"}});
   Json header;
   try {
-    header = Json::parse(text, [&](int depth, Json::parse_event_t, Json&) {
-      if (depth > kMaxJsonDepth)
-        throw InputError(path, {{"header", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels"}});
-      return true;
-    });
+    header = Json::parse(text);
   } catch (const Json::exception& e) {  // a parse error, or a number beyond a double (out_of_range.406)
     throw InputError(path, {{"header", std::string("malformed JSON: ") + e.what()}});
   }
