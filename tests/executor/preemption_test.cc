@@ -28,14 +28,16 @@ class Preemption : public ::testing::Test {
     if (plans.four_ranks.empty()) return;
     plan_ = plans.four_ranks;
     one_rank_plan_ = plans.one_rank;
-    // The run that is never stopped, timed from its first step to its end: the signals are
-    // aimed inside that.
+    // The run that is never stopped, timed from its first step to its last (not to its exit,
+    // which writes the report): the signals are aimed inside that.
     const pid_t ref = spawn_moeplan(argv("reference", {"--steps", std::to_string(kSteps)}), {}, "/dev/null",
                                     dir_->file("reference.err"));
     ASSERT_GE(wait_for_steps("reference", 1, 120), 1u) << read_text(dir_->file("reference.err"));
     const auto t0 = Clock::now();
-    ASSERT_EQ(wait_moeplan(ref, 120), 0) << read_text(dir_->file("reference.err"));
+    ASSERT_EQ(wait_for_steps("reference", kSteps, 120), static_cast<size_t>(kSteps))
+        << read_text(dir_->file("reference.err"));
     steps_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+    ASSERT_EQ(wait_moeplan(ref, 120), 0) << read_text(dir_->file("reference.err"));
   }
   static void TearDownTestSuite() {
     delete dir_;
@@ -104,8 +106,9 @@ int64_t temporary_files(const std::string& run) {
 }
 
 TEST_F(Preemption, SigtermAtRandomMomentsSavesTheStepInFlightAndResumesBitForBit) {
-  // Signals that land after the last step (while the report is written) end a finished run:
-  // the trials go on until 20 landed inside the steps.
+  // Signals that land after the last step (while the report is written; a trial may run
+  // faster than the reference) end a finished run: the trials go on until 20 landed inside the
+  // steps.
   constexpr int kStops = 20, kMaxTrials = 40;
   std::mt19937_64 rng(20261127);
   int stopped = 0, finished = 0;
