@@ -51,26 +51,34 @@ CLI::Option* add_choice(CLI::App& app, const std::string& flag, Field& field, co
   return app.add_option(flag, store, description, false, current)->type_name("TEXT")->check(CLI::IsMember(shown));
 }
 
-// The frameworks an option offers, in the order of their list (frameworks/src/registry.cc):
-// every one and "any" (`--target`), or those a plan can be exported to (`--to`); and the same
-// names with what each is, for the option's help.
-struct FrameworkChoice {
-  std::vector<Target> targets;
-  std::string described;  // "megatron (Megatron-LM), ... or any (every layout moeplan models)"
-};
-
-inline FrameworkChoice framework_choice(bool exported_only) {
+// `flag` takes the name of a framework (frameworks/CMakeLists.txt's list, in its order, then
+// "any"; or only those a plan can be exported to) and stores its rules in `field`. The help
+// says what each is between `before` and `after`.
+inline CLI::Option* add_framework_choice(CLI::App& app, const std::string& flag, Target& field, bool exported_only,
+                                         const std::string& before, const std::string& after = "") {
   std::vector<const Framework*> offered;
   for (const Framework* f : all_frameworks())
     if (!exported_only || f->export_launch) offered.push_back(f);
-  if (!exported_only) offered.push_back(&framework(Target::kAny));
-  FrameworkChoice choice;
+  if (!exported_only) offered.push_back(&framework(nullptr));
+  std::vector<std::string> shown;
+  std::string described;  // "megatron (Megatron-LM), ... or any (every layout moeplan models)"
   for (size_t i = 0; i < offered.size(); ++i) {
-    choice.targets.push_back(offered[i]->target);
-    if (i > 0) choice.described += i + 1 == offered.size() ? " or " : ", ";
-    choice.described += std::string(offered[i]->name) + " (" + std::string(offered[i]->title) + ")";
+    shown.emplace_back(offered[i]->name);
+    if (i > 0) described += i + 1 == offered.size() ? " or " : ", ";
+    described += std::string(offered[i]->name) + " (" + std::string(offered[i]->title) + ")";
   }
-  return choice;
+  auto store = [&field, offered](const CLI::results_t& results) {
+    for (const Framework* f : offered)
+      if (f->name == results.front()) {
+        field = f->target;
+        return true;
+      }
+    return false;
+  };
+  auto current = [&field] { return std::string(framework(field).name); };
+  return app.add_option(flag, store, before + described + after, false, current)
+      ->type_name("TEXT")
+      ->check(CLI::IsMember(shown));
 }
 
 }  // namespace moeplan::cli

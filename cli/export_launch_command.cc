@@ -18,7 +18,7 @@ namespace {
 
 struct ExportLaunch {
   std::string plan;
-  Target to = Target::kAny;  // smp, megatron or torchtitan
+  Target to = nullptr;    // smp's, megatron's or torchtitan's rules
   std::string out = ".";     // folder the files go into
 };
 
@@ -54,8 +54,7 @@ Command add_export_launch_command(CLI::App& app) {
   CLI::App* cmd =
       app.add_subcommand("export-launch", "Write the files that launch a plan in SMP, Megatron-LM or torchtitan");
   cmd->add_option("plan", args->plan, "plan.json")->required();
-  const FrameworkChoice to = framework_choice(true);
-  add_choice(*cmd, "--to", args->to, kTargetNames, "The framework: " + to.described, to.targets)->required();
+  add_framework_choice(*cmd, "--to", args->to, true, "The framework: ")->required();
   cmd->add_option("--out", args->out, "Folder for the files")->capture_default_str();
   return {cmd, [args] { return run_export_launch(*args); }};
 }

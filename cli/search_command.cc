@@ -93,12 +93,9 @@ void add_layout_options(CLI::App& cmd, Search& s) {
          "Fix the placement: R, S, E (and P, T) outermost first, e.g. RSE or PRSET; SMP's cluster, spread or "
          "D/P/T letters")
       ->type_name("TEXT");
-  o.target = Target::kMoeplan;  // what `moeplan run` trains, unless asked for another framework
-  const FrameworkChoice targets = framework_choice(false);
-  add_choice(cmd, "--target", o.target, kTargetNames,
-             "Where the plan trains, and so which layouts are searched: " + targets.described +
-                 "; `moeplan export-launch` writes the other frameworks' files",
-             targets.targets)
+  o.target = executor_framework().target;  // what `moeplan run` trains, unless asked for another framework
+  add_framework_choice(cmd, "--target", o.target, false, "Where the plan trains, and so which layouts are searched: ",
+                       "; `moeplan export-launch` writes the other frameworks' files")
       ->capture_default_str();
   add_choice(cmd, "--checkpointing", pin.checkpointing, kCheckpointingNames,
              "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's selective "

@@ -161,7 +161,7 @@ Plan plan_from_json(const Json& json, const std::string& origin) {
     check_cluster(plan.cluster, d, "cluster");
     RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
     for (const Violation& v : validate(config))
-      d.error(v.field, v.message + " [" + std::string(rule_name(v.rule)) + "]");
+      d.error(v.field, v.message + " [" + std::string(v.name) + "]");
     // An alternative is the same run with another parallel configuration: the same rules,
     // reported when the alternative breaks one that the plan itself does not.
     const RuleMask plan_broken = violated_rules(config);
@@ -171,9 +171,9 @@ Plan plan_from_json(const Json& json, const std::string& origin) {
       for (const Violation& v : validate(alt)) {
         if (plan_broken & rule_bit(v.rule)) continue;
         if (v.field.rfind("parallel.", 0) == 0)
-          d.error(at + v.field, v.message + " [" + std::string(rule_name(v.rule)) + "]");
+          d.error(at + v.field, v.message + " [" + std::string(v.name) + "]");
         else
-          d.error(at + "parallel", "with " + v.field + " " + v.message + " [" + std::string(rule_name(v.rule)) + "]");
+          d.error(at + "parallel", "with " + v.field + " " + v.message + " [" + std::string(v.name) + "]");
       }
     }
   }

@@ -54,7 +54,7 @@ std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std
   const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training, target};
   Diagnostics problems;
   for (const Violation& v : validate(config))
-    problems.error(v.field, v.message + " (rule " + std::string(rule_name(v.rule)) + ")");
+    problems.error(v.field, v.message + " (rule " + std::string(v.name) + ")");
   std::vector<LaunchFile> files;
   if (const auto exporter = framework(target).export_launch)
     files = exporter(plan, problems);

@@ -5,31 +5,18 @@
 
 namespace moeplan {
 
-namespace frameworks {
-// Each defined in its own folder, src/<name>/framework.cc.
-extern const Framework kMegatron;
-extern const Framework kTorchtitan;
-extern const Framework kSmp;
-extern const Framework kMoeplan;
-}  // namespace frameworks
+// THE list of frameworks, kFrameworks, made from MOEPLAN_FRAMEWORKS in frameworks/CMakeLists.txt:
+// each folder's `frameworks::<name>_framework`, in that order. A log line is offered to their
+// readers in this order, and the error on a log that holds none of their lines names them in it.
+#include "framework_list.inc"
 
 namespace {
-
-// THE list of frameworks: adding one is its folder and a line here (and its declaration
-// above). A log line is offered to their readers in this order, and the error on a log that
-// holds none of their lines names them in it.
-constexpr std::array<const Framework*, 4> kFrameworks = {
-    &frameworks::kMegatron,
-    &frameworks::kTorchtitan,
-    &frameworks::kSmp,
-    &frameworks::kMoeplan,
-};
 
 // `--target any`: every layout moeplan models, under no framework's limits.
 const Framework kAny{
     .name = "any",
     .title = "every layout moeplan models",
-    .target = Target::kAny,
+    .target = nullptr,
     .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
     .capabilities = {},
 };
@@ -41,8 +28,14 @@ std::span<const Framework* const> all_frameworks() { return kFrameworks; }
 const Framework& framework(Target target) {
   for (const Framework* f : kFrameworks)
     if (f->target == target) return *f;
-  assert(target == Target::kAny && "every target but any has a framework in the list");
+  assert(target == nullptr && "every target but any has a framework in the list");
   return kAny;
+}
+
+const Framework& executor_framework() {
+  const Framework* f = find_framework("moeplan");
+  assert(f && "moeplan's executor is in the list");
+  return *f;
 }
 
 const Framework* find_framework(std::string_view name) {

@@ -333,6 +333,7 @@ std::vector<Candidate> rank(const ModelSpec& model, const ClusterSpec& cluster, 
 SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options) {
   SearchResult result;
   SearchStats& stats = result.stats;
+  stats.target = options.target;
   const int64_t w = options.gpus;
   const TrainingConfig& training = options.training;
   const int64_t host_limit = host_limit_bytes(cluster, w);
@@ -386,7 +387,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
                   const RuleMask broken = violated_rules(config);
                   if (broken != 0) {
                     stats.rule_rejected += kept;
-                    for (int r = 0; r < kRuleCount; ++r)
+                    for (int r = 0; r < kRuleBits; ++r)
                       if (broken & (RuleMask{1} << r)) stats.rejected_by_rule[static_cast<size_t>(r)] += kept;
                     continue;
                   }
@@ -478,6 +479,8 @@ Plan make_plan(const ModelSpec& model, const ClusterSpec& cluster, const SearchO
   return plan;
 }
 
+Target executor_target() { return executor_framework().target; }
+
 std::vector<std::string> explain_no_plan(const SearchResult& result, const ClusterSpec& cluster) {
   const SearchStats& stats = result.stats;
   std::vector<std::string> lines;
@@ -485,16 +488,17 @@ std::vector<std::string> explain_no_plan(const SearchResult& result, const Clust
     lines.push_back("every one of " + std::to_string(stats.enumerated) +
                     " candidate configurations breaks a validity rule (see --explain)");
     std::string framework;
-    for (Rule r : {Rule::kExecutorTrainsMoe, Rule::kExecutorPipelineLimits, Rule::kExecutorLayouts,
-                   Rule::kExecutorTensorSplits, Rule::kSmpExpertWithTensor, Rule::kSmpNoPipeline, Rule::kSmpLayouts,
-                   Rule::kMegatronLayouts, Rule::kMegatronRouting, Rule::kTorchtitanLayouts, Rule::kTorchtitanRouting,
-                   Rule::kFrameworkRankOrder})
+    for (int r = kRuleCount; r < kRuleBits; ++r)
       if (const int64_t n = stats.rejected_by_rule[static_cast<size_t>(r)]; n > 0)
-        framework += (framework.empty() ? "" : ", ") + std::string(rule_name(r)) + " " + std::to_string(n);
+        framework += (framework.empty() ? "" : ", ") + std::string(rule_name(static_cast<Rule>(r), stats.target)) +
+                     " " + std::to_string(n);
+    std::string names;  // "megatron, torchtitan, smp or moeplan"
+    const auto frameworks = all_frameworks();
+    for (size_t i = 0; i < frameworks.size(); ++i)
+      names += (i == 0 ? "" : i + 1 == frameworks.size() ? " or " : ", ") + std::string(frameworks[i]->name);
     if (!framework.empty())
-      lines.push_back("the target framework's rules removed some (" + framework +
-                      "); --target moeplan, megatron, smp or torchtitan plans for that framework, --target any "
-                      "every layout moeplan models");
+      lines.push_back("the target framework's rules removed some (" + framework + "); --target " + names +
+                      " plans for that framework, --target any every layout moeplan models");
     return lines;
   }
   if (const auto& c = stats.closest_over_device) {

@@ -115,10 +115,11 @@ void add_explain(std::string& out, const SearchStats& s) {
   add(out, "\nwhy candidates were removed (a candidate counts once for each rule it breaks):\n");
   add(out, "  %-40s %10lld\n", "enumerated", static_cast<long long>(s.enumerated));
   add(out, "  %-40s %10lld\n", "duplicate placement (same group shapes)", static_cast<long long>(s.duplicate_placements));
-  for (int r = 0; r < kRuleCount; ++r) {
+  for (int r = 0; r < kRuleBits; ++r) {
     const int64_t n = s.rejected_by_rule[static_cast<size_t>(r)];
     if (n > 0)
-      add(out, "  rule %-35s %10lld\n", std::string(rule_name(static_cast<Rule>(r))).c_str(), static_cast<long long>(n));
+      add(out, "  rule %-35s %10lld\n", std::string(rule_name(static_cast<Rule>(r), s.target)).c_str(),
+          static_cast<long long>(n));
   }
   add(out, "  %-40s %10lld\n", "valid by every rule", static_cast<long long>(s.rule_valid));
   add(out, "  %-40s %10lld\n", "limit device memory", static_cast<long long>(s.over_device_memory));

@@ -8,43 +8,22 @@
 #include <vector>
 
 #include "moeplan/planner/search.h"
+#include "rule_cases.h"
 #include "test_support.h"
 
 namespace moeplan {
 namespace {
 
-// The valid base every case below starts from: Mixtral 8x7B on two p4d.24xlarge nodes,
-// 16 ranks, E = 2, S = 8 (so R = 1), RSE, full checkpointing, mbs 1, ga 128, seq_len 2048:
-// 16 x 1 x 128 x 2048 = 4,194,304 tokens per step.
 using test::Scenario;
-
-Scenario base() {
-  Scenario s{test::model("mixtral-8x7b"), test::hardware("p4d.24xlarge", 16), {}, {}, {}};
-  s.parallel.world_size = 16;
-  s.parallel.expert_parallel_degree = 2;
-  s.parallel.hybrid_shard_degree = 8;
-  s.parallel.placement = *Placement::parse("RSE");
-  s.parallel.activation_checkpointing = Checkpointing::kFull;
-  s.parallel.micro_batch_size = 1;
-  s.parallel.gradient_accumulation_steps = 128;
-  s.training.seq_len = 2048;
-  s.training.global_batch_tokens = 4'194'304;
-  return s;
-}
-
-std::string describe(const std::vector<Violation>& violations) {
-  std::string text;
-  for (const Violation& v : violations)
-    text += "\n  [" + std::string(rule_name(v.rule)) + "] " + v.to_string();
-  return violations.empty() ? "(none)" : text;
-}
+using test::rules_base;
+using test::describe_violations;
 
 TEST(Rules, BaseIsValid) {
-  const Scenario s = base();
+  const Scenario s = rules_base();
   ASSERT_EQ(s.cluster.world_size(), 16);
   ASSERT_EQ(s.parallel.replica_degree(), 1);
   const std::vector<Violation> violations = validate(s.config());
-  EXPECT_TRUE(violations.empty()) << describe(violations);
+  EXPECT_TRUE(violations.empty()) << describe_violations(violations);
   EXPECT_EQ(violated_rules(s.config()), RuleMask{0});
   EXPECT_TRUE(validate_model(s.model).empty());
 }
@@ -144,119 +123,6 @@ const RuleCase kCases[] = {
      "= false with tensor_parallel_degree = 2 and an MoE model: the tokens are routed per rank, so sequence "
      "parallelism is needed",
      "false"},
-    {"SmpModeExpertsWithTensor",
-     [](Scenario& s) {
-       s.target = Target::kSmp;
-       s.training.precision = Precision::kMixed;
-       s.training.fp32_gradients = false;
-       s.parallel.tensor_parallel_degree = 2;
-       s.parallel.sequence_parallel = true;
-       s.parallel.hybrid_shard_degree = 4;
-       s.parallel.gradient_accumulation_steps = 256;
-     },
-     Rule::kSmpExpertWithTensor, "parallel.expert_parallel_degree",
-     "= 2 with tensor_parallel_degree = 2: SMP does not combine expert and tensor parallelism (moeplan's "
-     "simulator does)",
-     "2"},
-    {"SmpPipeline",
-     [](Scenario& s) {
-       s.target = Target::kSmp;
-       s.training.precision = Precision::kMixed;
-       s.training.fp32_gradients = false;
-       s.parallel.pipeline_parallel_degree = 2;
-       s.parallel.hybrid_shard_degree = 4;
-       s.parallel.gradient_accumulation_steps = 256;
-     },
-     Rule::kSmpNoPipeline, "parallel.pipeline_parallel_degree", "= 2: SMP v2 has no pipeline parallelism (SMP v1 had)",
-     "2"},
-    {"SmpPureBf16",
-     [](Scenario& s) { s.target = Target::kSmp; },
-     Rule::kSmpLayouts, "training.precision",
-     "= \"bf16\": SMP keeps fp32 parameters (its bf16 = 1 is FSDP mixed precision; plan with mixed and bf16 "
-     "gradients)",
-     "bf16"},
-    {"MegatronHybridSharding",
-     [](Scenario& s) {
-       s.target = Target::kMegatron;
-       s.training.precision = Precision::kMixed;
-     },
-     Rule::kMegatronLayouts, "parallel.hybrid_shard_degree",
-     "= 8: Megatron-LM replicates parameters over the data-parallel ranks and shards optimizer states "
-     "(distributed_optimizer) instead",
-     "8"},
-    {"MegatronBalancedRouting",
-     [](Scenario& s) {
-       s.target = Target::kMegatron;
-       s.training.precision = Precision::kMixed;
-       s.parallel.hybrid_shard_degree = 1;
-       s.moe.load_balancing = LoadBalancing::kBalanced;
-     },
-     Rule::kMegatronRouting, "moe.load_balancing", "= \"balanced\": Megatron-LM routes by aux_loss, sinkhorn or none",
-     "balanced"},
-    {"MegatronRankOrder",
-     [](Scenario& s) {
-       s.target = Target::kMegatron;
-       s.training.precision = Precision::kMixed;
-       s.parallel.hybrid_shard_degree = 1;
-       s.parallel.placement = *Placement::parse("ERS");
-     },
-     Rule::kFrameworkRankOrder, "parallel.placement",
-     "= \"ERS\": Megatron-LM orders ranks tensor innermost, then expert, data and pipeline (PRSET)", "ERS"},
-    {"TorchtitanSelectiveCheckpointing",
-     [](Scenario& s) {
-       s.target = Target::kTorchtitan;
-       s.training.precision = Precision::kMixed;
-       s.moe.load_balancing = LoadBalancing::kAuxLoss;
-       s.parallel.activation_checkpointing = Checkpointing::kSelective;
-     },
-     Rule::kTorchtitanLayouts, "parallel.activation_checkpointing",
-     "= \"selective\": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block",
-     "selective"},
-    {"TorchtitanSinkhorn",
-     [](Scenario& s) {
-       s.target = Target::kTorchtitan;
-       s.training.precision = Precision::kMixed;
-     },
-     Rule::kTorchtitanRouting, "moe.load_balancing",
-     "= \"sinkhorn\": torchtitan's routers balance by a load-balancing loss or expert biases (aux_loss or none)",
-     "sinkhorn"},
-    {"ExecutorModeGeluModel",
-     [](Scenario& s) {
-       s.target = Target::kMoeplan;
-       s.model.mlp = Mlp::kGelu;
-     },
-     Rule::kExecutorTrainsMoe, "model.mlp", "= \"gelu\": the executor trains SwiGLU feed-forward layers only", "gelu"},
-    {"ExecutorModeZLossAcrossStages",
-     [](Scenario& s) {
-       s.target = Target::kMoeplan;
-       s.moe.z_loss_coef = 0.001;
-       s.parallel.pipeline_parallel_degree = 2;
-       s.parallel.hybrid_shard_degree = 4;
-       s.parallel.gradient_accumulation_steps = 256;
-     },
-     Rule::kExecutorPipelineLimits, "moe.z_loss_coef",
-     "= 0.001 with pipeline_parallel_degree = 2: the executor trains the z-loss without pipeline stages only (use 0)",
-     "0.001"},
-    {"ExecutorModeDistributedOptimizer",
-     [](Scenario& s) {
-       s.target = Target::kMoeplan;
-       s.parallel.distributed_optimizer = true;
-     },
-     Rule::kExecutorLayouts, "parallel.distributed_optimizer",
-     "= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)", "true"},
-    {"ExecutorModeVocabularyOverTensorRanks",
-     [](Scenario& s) {
-       s.target = Target::kMoeplan;
-       s.model.vocab_size = 32001;
-       s.parallel.tensor_parallel_degree = 2;
-       s.parallel.sequence_parallel = true;
-       s.parallel.hybrid_shard_degree = 4;
-       s.parallel.gradient_accumulation_steps = 256;
-     },
-     Rule::kExecutorTensorSplits, "model.vocab_size",
-     "= 32001 is not divisible by tensor_parallel_degree = 2 (the executor splits the embedding and lm head over the "
-     "vocabulary)",
-     "32001"},
     {"PipelineDoesNotDivideLayers",
      [](Scenario& s) {
        s.model.num_layers = 31;
@@ -399,12 +265,13 @@ class OneFault : public testing::TestWithParam<RuleCase> {};
 
 TEST_P(OneFault, BreaksExactlyItsRule) {
   const RuleCase& c = GetParam();
-  Scenario s = base();
+  Scenario s = rules_base();
   c.change(s);
   const std::vector<Violation> violations = validate(s.config());
-  ASSERT_EQ(violations.size(), 1u) << describe(violations);
+  ASSERT_EQ(violations.size(), 1u) << describe_violations(violations);
   const Violation& v = violations.front();
   EXPECT_EQ(v.rule, c.rule) << "got " << rule_name(v.rule) << ", expected " << rule_name(c.rule);
+  EXPECT_EQ(v.name, rule_name(c.rule));
   EXPECT_EQ(v.field, c.field);
   EXPECT_EQ(v.message, c.message);
   EXPECT_NE(v.message.find(c.bad_value), std::string::npos) << v.message;
@@ -430,16 +297,16 @@ TEST(Rules, EveryRuleThatCanBreakAloneHasAOneFaultCase) {
 }
 
 TEST(Rules, TopKOverExpertsAlsoEmptiesTheImbalanceRange) {
-  Scenario s = base();
+  Scenario s = rules_base();
   s.model.experts_per_token = 9;
   const std::vector<Violation> model_only = validate_model(s.model);
-  ASSERT_EQ(model_only.size(), 1u) << describe(model_only);
+  ASSERT_EQ(model_only.size(), 1u) << describe_violations(model_only);
   EXPECT_EQ(model_only[0].rule, Rule::kTopKWithinExperts);
   EXPECT_EQ(model_only[0].field, "experts_per_token");  // no "model." prefix outside a run config
   EXPECT_EQ(model_only[0].message, "= 9 exceeds num_experts = 8");
 
   const std::vector<Violation> all = validate(s.config());
-  ASSERT_EQ(all.size(), 2u) << describe(all);
+  ASSERT_EQ(all.size(), 2u) << describe_violations(all);
   EXPECT_EQ(all[0].rule, Rule::kTopKWithinExperts);
   EXPECT_EQ(all[0].field, "model.experts_per_token");
   EXPECT_EQ(all[1].rule, Rule::kLoadImbalanceRange);
@@ -449,11 +316,11 @@ TEST(Rules, TopKOverExpertsAlsoEmptiesTheImbalanceRange) {
 }
 
 TEST(Rules, ExpertDegreeNotDividingWorldAlsoBreaksShardTimesExpert) {
-  Scenario s = base();
+  Scenario s = rules_base();
   s.model.num_experts = 24;  // so that E = 3 divides the experts
   s.parallel.expert_parallel_degree = 3;
   const std::vector<Violation> all = validate(s.config());
-  ASSERT_EQ(all.size(), 2u) << describe(all);
+  ASSERT_EQ(all.size(), 2u) << describe_violations(all);
   EXPECT_EQ(all[0].rule, Rule::kExpertDegreeDividesWorld);
   EXPECT_EQ(all[0].field, "parallel.expert_parallel_degree");
   EXPECT_EQ(all[0].message, "= 3 does not divide world_size = 16");
@@ -464,10 +331,10 @@ TEST(Rules, ExpertDegreeNotDividingWorldAlsoBreaksShardTimesExpert) {
 }
 
 TEST(Rules, ZeroExpertDegreeDividesNothing) {
-  Scenario s = base();
+  Scenario s = rules_base();
   s.parallel.expert_parallel_degree = 0;
   const std::vector<Violation> all = validate(s.config());
-  ASSERT_EQ(all.size(), 2u) << describe(all);
+  ASSERT_EQ(all.size(), 2u) << describe_violations(all);
   EXPECT_EQ(all[0].rule, Rule::kExpertDegreeDividesExperts);
   EXPECT_EQ(all[0].message, "= 0 does not divide num_experts = 8");
   EXPECT_EQ(all[1].rule, Rule::kExpertDegreeDividesWorld);
@@ -477,7 +344,7 @@ TEST(Rules, ZeroExpertDegreeDividesNothing) {
 }
 
 TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
-  Scenario s = base();
+  Scenario s = rules_base();
   s.model.num_key_value_heads = 5;
   s.parallel.expert_parallel_degree = 3;  // divides neither 8 experts nor 16 ranks, nor does 8 x 3
   s.parallel.sequence_parallel = true;  // without tensor parallelism
@@ -494,7 +361,7 @@ TEST(Rules, SeveralFaultsAreAllReportedInRuleOrder) {
       {Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading"},
       {Rule::kWarmupWithinSteps, "training.warmup_steps"},
   };
-  ASSERT_EQ(all.size(), expected.size()) << describe(all);
+  ASSERT_EQ(all.size(), expected.size()) << describe_violations(all);
   RuleMask mask = 0;
   for (size_t i = 0; i < expected.size(); ++i) {
     EXPECT_EQ(all[i].rule, expected[i].first) << i << ": " << rule_name(all[i].rule);
@@ -543,10 +410,10 @@ TEST(Rules, ValidVariantsOfTheBaseStayValid) {
        }},
   };
   for (const auto& [name, change] : variants) {
-    Scenario s = base();
+    Scenario s = rules_base();
     change(s);
     const std::vector<Violation> violations = validate(s.config());
-    EXPECT_TRUE(violations.empty()) << name << ":" << describe(violations);
+    EXPECT_TRUE(violations.empty()) << name << ":" << describe_violations(violations);
     EXPECT_EQ(violated_rules(s.config()), RuleMask{0}) << name;
   }
 }

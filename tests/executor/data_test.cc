@@ -497,7 +497,7 @@ TEST_F(PreparedData, EveryPlanTheSearchWritesForTheExecutorIsOneItRuns) {
     o.estimator = planner::Estimator::kAnalytic;  // ranks every candidate that fits
     o.ignore_memory_limits = true;
     o.keep = size_t{1} << 20;
-    o.target = executor_mode ? Target::kMoeplan : Target::kAny;
+    o.target = executor_mode ? planner::executor_target() : nullptr;
     const ClusterSpec cluster = test::hardware("local-cpu", gpus);
     const planner::SearchResult result = planner::search(tiny, cluster, o);
     int64_t refusals = 0;

@@ -15,32 +15,33 @@
 namespace moeplan {
 namespace {
 
-TEST(Frameworks, EveryTargetHasOneEntryNamedAsTargetNamesIt) {
+TEST(Frameworks, EachHasOneEntryFoundByItsNameAndItsRules) {
   std::set<std::string_view> names;
+  std::set<Target> targets;
   for (const Framework* f : all_frameworks()) {
     EXPECT_TRUE(names.insert(f->name).second) << f->name;
+    EXPECT_NE(f->target, nullptr) << f->name;
+    EXPECT_TRUE(targets.insert(f->target).second) << f->name;
     EXPECT_EQ(&framework(f->target), f) << f->name;
-    EXPECT_EQ(name_of(kTargetNames, f->target), f->name);
+    EXPECT_EQ(find_framework(f->name), f) << f->name;
   }
   EXPECT_EQ(names, (std::set<std::string_view>{"smp", "megatron", "torchtitan", "moeplan"}));
-  for (const auto& [name, target] : kTargetNames) {
-    EXPECT_EQ(framework(target).target, target) << name;
-    EXPECT_EQ(find_framework(name), &framework(target)) << name;
-  }
-  // `any` stands for no framework: found by its name and target, listed with none.
-  EXPECT_EQ(framework(Target::kAny).name, "any");
+  EXPECT_EQ(executor_framework().name, "moeplan");
+  // `any` stands for no framework: found by its name and by no rules, listed with none.
+  EXPECT_EQ(framework(nullptr).name, "any");
+  EXPECT_EQ(find_framework("any"), &framework(nullptr));
   EXPECT_EQ(find_framework("pytorch"), nullptr);
 }
 
 TEST(Frameworks, LaunchFilesAndLogsAreTheOtherFrameworks) {
   for (const Framework* f : all_frameworks()) {
-    const bool other = f->target != Target::kMoeplan;
+    const bool other = f != &executor_framework();
     EXPECT_EQ(f->export_launch != nullptr, other) << f->name;
     EXPECT_EQ(f->read_log_line != nullptr, other) << f->name;
     EXPECT_EQ(f->log_lines.empty(), !other) << f->name;
   }
-  EXPECT_EQ(framework(Target::kAny).export_launch, nullptr);
-  EXPECT_EQ(framework(Target::kAny).read_log_line, nullptr);
+  EXPECT_EQ(framework(nullptr).export_launch, nullptr);
+  EXPECT_EQ(framework(nullptr).read_log_line, nullptr);
 }
 
 // A log with no framework's lines is refused naming every framework's, in the registry's order.
@@ -63,24 +64,24 @@ TEST(Frameworks, ALogOfNoFrameworkNamesEveryFrameworksLines) {
 // torchtitan balance experts with an auxiliary loss.
 TEST(Frameworks, DefaultsAreWhatAPlanForTheFrameworkStartsFrom) {
   struct Expected {
-    Target target;
+    std::string_view name;
     Precision precision;
     bool fp32_gradients;
     LoadBalancing load_balancing;
   };
-  for (const Expected& e : {Expected{Target::kAny, Precision::kBf16, true, LoadBalancing::kSinkhorn},
-                            Expected{Target::kMoeplan, Precision::kBf16, true, LoadBalancing::kSinkhorn},
-                            Expected{Target::kMegatron, Precision::kMixed, true, LoadBalancing::kAuxLoss},
-                            Expected{Target::kSmp, Precision::kMixed, false, LoadBalancing::kSinkhorn},
-                            Expected{Target::kTorchtitan, Precision::kMixed, true, LoadBalancing::kAuxLoss}}) {
+  for (const Expected& e : {Expected{"any", Precision::kBf16, true, LoadBalancing::kSinkhorn},
+                            Expected{"moeplan", Precision::kBf16, true, LoadBalancing::kSinkhorn},
+                            Expected{"megatron", Precision::kMixed, true, LoadBalancing::kAuxLoss},
+                            Expected{"smp", Precision::kMixed, false, LoadBalancing::kSinkhorn},
+                            Expected{"torchtitan", Precision::kMixed, true, LoadBalancing::kAuxLoss}}) {
     TrainingConfig training;
     training.precision = Precision::kFp32;
     training.fp32_gradients = !e.fp32_gradients;
     MoeConfig moe;
     moe.load_balancing = LoadBalancing::kNone;
     const TrainingConfig untouched = training;
-    apply_defaults(framework(e.target), training, moe);
-    SCOPED_TRACE(std::string(name_of(kTargetNames, e.target)));
+    apply_defaults(*find_framework(e.name), training, moe);
+    SCOPED_TRACE(std::string(e.name));
     EXPECT_EQ(training.precision, e.precision);
     EXPECT_EQ(training.fp32_gradients, e.fp32_gradients);
     EXPECT_EQ(moe.load_balancing, e.load_balancing);
@@ -104,7 +105,7 @@ TEST(Frameworks, WhatTheSearchLeavesUntriedTheFrameworksRulesRefuse) {
     // The rules only the framework's target adds.
     auto own_rules = [&](const ParallelConfig& p) {
       const RunConfig config{model, cluster, p, options.moe, options.training, f->target};
-      const RunConfig anywhere{model, cluster, p, options.moe, options.training, Target::kAny};
+      const RunConfig anywhere{model, cluster, p, options.moe, options.training, nullptr};
       return violated_rules(config) & ~violated_rules(anywhere);
     };
     ASSERT_EQ(own_rules(found), 0u) << f->name;

@@ -10,6 +10,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/planner/search.h"
+#include "framework_rules.h"
 #include "test_support.h"
 
 namespace moeplan {
@@ -22,7 +23,7 @@ Plan searched(const std::string& model_name, const std::string& instance, int64_
   planner::SearchOptions options = test::search_options(gpus);
   options.moe.load_balancing = routing;
   // SMP's bf16 = 1 reduces gradients in bf16.
-  options.training.fp32_gradients = target != Target::kSmp;
+  options.training.fp32_gradients = target != test::framework_rules("smp");
   if (global_batch_tokens > 0) options.training.global_batch_tokens = global_batch_tokens;
   options.training.precision = precision;
   options.target = target;
@@ -97,11 +98,11 @@ TEST(ExportLaunch, SmpReproducesTheSageMakerMixtralExample) {
   // The layout as the post ran it, whatever moeplan's memory model says of it: 52.2 GiB per
   // GPU, over an A100's 40 GB (the fp32 parameters and Adam moments of a sixteenth of 46.7B
   // parameters alone take 32.6 GiB).
-  const Plan plan = searched("mixtral-8x7b", "p4d.24xlarge", 16, Target::kSmp, pins, Precision::kMixed, 64 * 2048,
+  const Plan plan = searched("mixtral-8x7b", "p4d.24xlarge", 16, test::framework_rules("smp"), pins, Precision::kMixed, 64 * 2048,
                              LoadBalancing::kSinkhorn, true);
   ASSERT_EQ(plan.parallel.gradient_accumulation_steps, 4);
   EXPECT_GT(plan.prediction.memory.device_total_bytes, plan.prediction.memory.device_limit_bytes);
-  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, Target::kSmp, "plan.json");
+  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, test::framework_rules("smp"), "plan.json");
   const Json smp = Json::parse(file(files, "smp.json").text);
   EXPECT_EQ(smp.at("instance_type"), "ml.p4d.24xlarge");
   EXPECT_EQ(smp.at("instance_count"), 2);
@@ -155,8 +156,8 @@ TEST(ExportLaunch, MegatronArgumentsFollowThePlan) {
   pins.distributed_optimizer = true;
   pins.checkpointing = Checkpointing::kSelective;
   pins.micro_batch_size = 1;
-  const Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kMegatron, pins, Precision::kMixed);
-  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, Target::kMegatron, "plan.json");
+  const Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 64, test::framework_rules("megatron"), pins, Precision::kMixed);
+  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, test::framework_rules("megatron"), "plan.json");
   const auto a = megatron_args(file(files, "megatron-args.txt").text);
   EXPECT_EQ(a.at("--tensor-model-parallel-size"), "1");
   EXPECT_EQ(a.at("--pipeline-model-parallel-size"), "4");
@@ -196,9 +197,9 @@ TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {
   pins.checkpointing = Checkpointing::kFull;
   pins.micro_batch_size = 2;
   pins.placement = "PRSET";
-  const Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 32, Target::kTorchtitan, pins, Precision::kMixed, 0,
+  const Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 32, test::framework_rules("torchtitan"), pins, Precision::kMixed, 0,
                              LoadBalancing::kAuxLoss);
-  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, Target::kTorchtitan, "plan.json");
+  const std::vector<launch::LaunchFile> files = launch::export_launch(plan, test::framework_rules("torchtitan"), "plan.json");
   const auto t = toml_values(file(files, "torchtitan.toml").text);
   EXPECT_EQ(t.at("parallelism.data_parallel_replicate_degree"), "2");  // 32 / (2 x 4 x 2)
   EXPECT_EQ(t.at("parallelism.data_parallel_shard_degree"), "8");      // S x E
@@ -223,9 +224,9 @@ TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {
   staged.virtual_pipeline_degree = 2;
   staged.micro_batch_size = 1;
   staged.placement = "PRSET";
-  const Plan piped = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kTorchtitan, staged, Precision::kMixed, 0,
+  const Plan piped = searched("mixtral-8x7b", "p5.48xlarge", 64, test::framework_rules("torchtitan"), staged, Precision::kMixed, 0,
                               LoadBalancing::kAuxLoss);
-  const auto s = toml_values(file(launch::export_launch(piped, Target::kTorchtitan, "plan.json"), "torchtitan.toml").text);
+  const auto s = toml_values(file(launch::export_launch(piped, test::framework_rules("torchtitan"), "plan.json"), "torchtitan.toml").text);
   EXPECT_EQ(s.at("parallelism.pipeline_parallel_schedule"), "\"Interleaved1F1B\"");
   EXPECT_EQ(s.at("parallelism.pipeline_parallel_layers_per_stage"), "4");  // 32 blocks / (4 x 2)
   EXPECT_EQ(s.at("parallelism.pipeline_parallel_microbatch_size"), "1");
@@ -241,31 +242,31 @@ TEST(ExportLaunch, EachFrameworkRefusesWhatItCannotRunByRule) {
   pipeline.expert_parallel_degree = 8;
   pipeline.pipeline_parallel_degree = 4;
   pipeline.hybrid_shard_degree = 1;
-  const Plan staged = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kAny, pipeline, Precision::kBf16);
-  EXPECT_NE(refusal([&] { launch::export_launch(staged, Target::kSmp, "p.json"); }).find("smp_no_pipeline"),
+  const Plan staged = searched("mixtral-8x7b", "p5.48xlarge", 64, nullptr, pipeline, Precision::kBf16);
+  EXPECT_NE(refusal([&] { launch::export_launch(staged, test::framework_rules("smp"), "p.json"); }).find("smp_no_pipeline"),
             std::string::npos);
   // Megatron-LM's bf16 keeps fp32 parameters: a pure-bf16 plan is refused.
-  EXPECT_NE(refusal([&] { launch::export_launch(staged, Target::kMegatron, "p.json"); }).find("training.precision"),
+  EXPECT_NE(refusal([&] { launch::export_launch(staged, test::framework_rules("megatron"), "p.json"); }).find("training.precision"),
             std::string::npos);
 
   planner::SearchOptions::Pins sharded;
   sharded.expert_parallel_degree = 2;
   sharded.hybrid_shard_degree = 8;
-  const Plan fsdp = searched("mixtral-8x7b", "p4d.24xlarge", 16, Target::kAny, sharded, Precision::kBf16);
-  const std::string megatron = refusal([&] { launch::export_launch(fsdp, Target::kMegatron, "p.json"); });
+  const Plan fsdp = searched("mixtral-8x7b", "p4d.24xlarge", 16, nullptr, sharded, Precision::kBf16);
+  const std::string megatron = refusal([&] { launch::export_launch(fsdp, test::framework_rules("megatron"), "p.json"); });
   EXPECT_NE(megatron.find("parallel.hybrid_shard_degree"), std::string::npos) << megatron;
   EXPECT_NE(megatron.find("megatron_layouts"), std::string::npos) << megatron;
   EXPECT_NE(megatron.find("p.json: "), std::string::npos) << megatron;
   // Sinkhorn routing is not torchtitan's.
-  EXPECT_NE(refusal([&] { launch::export_launch(fsdp, Target::kTorchtitan, "p.json"); }).find("torchtitan_routing"),
+  EXPECT_NE(refusal([&] { launch::export_launch(fsdp, test::framework_rules("torchtitan"), "p.json"); }).find("torchtitan_routing"),
             std::string::npos);
 
   planner::SearchOptions::Pins tensor;
   tensor.expert_parallel_degree = 2;
   tensor.tensor_parallel_degree = 2;
   tensor.pipeline_parallel_degree = 1;
-  const Plan both = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kAny, tensor, Precision::kBf16);
-  EXPECT_NE(refusal([&] { launch::export_launch(both, Target::kSmp, "p.json"); }).find("smp_expert_with_tensor"),
+  const Plan both = searched("mixtral-8x7b", "p5.48xlarge", 64, nullptr, tensor, Precision::kBf16);
+  EXPECT_NE(refusal([&] { launch::export_launch(both, test::framework_rules("smp"), "p.json"); }).find("smp_expert_with_tensor"),
             std::string::npos);
 
   // Ranks in another order than the framework's mesh.
@@ -274,30 +275,31 @@ TEST(ExportLaunch, EachFrameworkRefusesWhatItCannotRunByRule) {
   order.tensor_parallel_degree = 2;
   order.pipeline_parallel_degree = 1;
   order.placement = "PERST";
-  const Plan placed = searched("mixtral-8x7b", "p5.48xlarge", 64, Target::kAny, order, Precision::kMixed);
-  EXPECT_NE(refusal([&] { launch::export_launch(placed, Target::kMegatron, "p.json"); }).find("framework_rank_order"),
+  const Plan placed = searched("mixtral-8x7b", "p5.48xlarge", 64, nullptr, order, Precision::kMixed);
+  EXPECT_NE(refusal([&] { launch::export_launch(placed, test::framework_rules("megatron"), "p.json"); }).find("framework_rank_order"),
             std::string::npos);
 
   // Not a framework: `moeplan run` trains the plan itself.
-  EXPECT_NE(refusal([&] { launch::export_launch(fsdp, Target::kMoeplan, "p.json"); }).find("moeplan run"),
+  EXPECT_NE(refusal([&] { launch::export_launch(fsdp, test::framework_rules("moeplan"), "p.json"); }).find("moeplan run"),
             std::string::npos);
 }
 
 // What `moeplan search --target X` writes, X's exporter takes: the search and the exporter
 // apply the same rules.
 TEST(ExportLaunch, EveryPlanSearchedForAFrameworkExports) {
-  for (const Target target : {Target::kSmp, Target::kMegatron, Target::kTorchtitan}) {
+  for (const Target target : {test::framework_rules("smp"), test::framework_rules("megatron"),
+                              test::framework_rules("torchtitan")}) {
     for (const int64_t gpus : {16, 64}) {
       planner::SearchOptions options = test::search_options(gpus);
       options.training.precision = Precision::kMixed;
-      options.training.fp32_gradients = target != Target::kSmp;
-      if (target == Target::kTorchtitan) options.moe.load_balancing = LoadBalancing::kAuxLoss;
+      options.training.fp32_gradients = target != test::framework_rules("smp");
+      if (target == test::framework_rules("torchtitan")) options.moe.load_balancing = LoadBalancing::kAuxLoss;
       options.target = target;
       options.keep = 8;
       const ModelSpec& model = test::model("mixtral-8x7b");
       const ClusterSpec cluster = test::hardware("p5.48xlarge", gpus);
       const planner::SearchResult result = planner::search(model, cluster, options);
-      SCOPED_TRACE(std::string(name_of(kTargetNames, target)) + " on " + std::to_string(gpus) + " GPUs");
+      SCOPED_TRACE(std::string(framework(target).name) + " on " + std::to_string(gpus) + " GPUs");
       ASSERT_FALSE(result.ranked.empty());
       for (size_t i = 0; i < result.ranked.size(); ++i) {
         planner::SearchResult one = result;

@@ -5,6 +5,7 @@
 #include <array>
 #include <set>
 
+#include "framework_rules.h"
 #include "test_support.h"
 
 namespace moeplan::planner {
@@ -99,7 +100,7 @@ TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {
 TEST(Search, SmpModeKeepsExpertAndTensorParallelismApart) {
   SearchOptions options = test::search_options(32);
   options.keep = 50;
-  options.target = Target::kSmp;
+  options.target = test::framework_rules("smp");
   // SMP's bf16 = 1: fp32 parameters, bf16 compute and gradient reduction.
   options.training.precision = Precision::kMixed;
   options.training.fp32_gradients = false;
@@ -109,7 +110,7 @@ TEST(Search, SmpModeKeepsExpertAndTensorParallelismApart) {
     EXPECT_FALSE(c.parallel.expert_parallel_degree > 1 && c.parallel.tensor_parallel_degree > 1) << describe(c.parallel);
     EXPECT_EQ(c.parallel.pipeline_parallel_degree, 1) << describe(c.parallel);
   }
-  EXPECT_GT(r.stats.rejected_by_rule[static_cast<size_t>(Rule::kSmpExpertWithTensor)], 0);
+  EXPECT_GT(r.stats.rejected_by_rule[static_cast<size_t>(test::framework_rule("smp", "smp_expert_with_tensor"))], 0);
 }
 
 // Eight tensor-parallel ranks on 8-GPU nodes: the placement the search keeps puts each
@@ -206,7 +207,7 @@ TEST(Search, ExecutorModeKeepsToWhatTheExecutorTrains) {
     return seen;
   };
   EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(true, true));
-  options.target = Target::kMoeplan;
+  options.target = executor_target();
   EXPECT_EQ(tried(search(mixtral(), cluster, options)), std::make_pair(false, false));
 }
 

@@ -130,7 +130,7 @@ struct Scenario {
   ParallelConfig parallel;
   MoeConfig moe;
   TrainingConfig training;
-  Target target = Target::kAny;
+  Target target = nullptr;  // no framework's rules
 
   RunConfig config() const { return {model, cluster, parallel, moe, training, target}; }
   std::string describe() const {

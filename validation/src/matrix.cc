@@ -154,7 +154,7 @@ Plan pinned_plan(const MatrixSetting& setting, const MatrixConfig& c, const std:
   r.options.training.global_batch_tokens = setting.global_batch_tokens;
   r.precision = setting.precision;
   r.options.max_micro_batch = 64;
-  r.options.target = Target::kMoeplan;
+  r.options.target = planner::executor_target();
   planner::SearchOptions::Pins& pin = r.options.pins;
   pin.expert_parallel_degree = c.e;
   pin.hybrid_shard_degree = c.s;

@@ -15,6 +15,7 @@
 #include "moeplan/executor/ranks/device.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/ranks/stop.h"
+#include "moeplan/frameworks/framework.h"
 
 namespace moeplan::executor {
 namespace fs = std::filesystem;
@@ -43,7 +44,7 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
   // Every rule of the plan, the executor's own (what it trains) among them: the same rules the
   // search applies for `--target moeplan`, so that it never writes a plan this refuses.
   RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training};
-  config.target = Target::kMoeplan;
+  config.target = executor_framework().target;
   for (const Violation& v : validate(config)) d.error(v.field, v.message);
   if (data.vocab_size() != plan.model.vocab_size)
     d.error("model.vocab_size", std::to_string(plan.model.vocab_size) + " does not match the tokenizer of " +

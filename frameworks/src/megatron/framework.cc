@@ -1,15 +1,15 @@
-// Megatron-LM (Megatron-Core). Its rules, in core/rules.cc check_megatron: Rule::kMegatronLayouts,
-// Rule::kMegatronRouting, Rule::kFrameworkRankOrder.
+// Megatron-LM (Megatron-Core). Its rules are in rules.cc.
 #include "megatron.h"
 #include "moeplan/frameworks/framework.h"
 
 namespace moeplan::frameworks {
 
-extern const Framework kMegatron;
-const Framework kMegatron{
+// Listed in frameworks/CMakeLists.txt (MOEPLAN_FRAMEWORKS) by its folder's name.
+extern const Framework megatron_framework;
+const Framework megatron_framework{
     .name = "megatron",
     .title = "Megatron-LM",
-    .target = Target::kMegatron,
+    .target = &kMegatronRules,
     // bf16 training keeps fp32 parameters, gradients and optimizer states; the router is
     // balanced by an auxiliary loss (--moe-router-load-balancing-type aux_loss).
     .defaults = {.precision = Precision::kMixed, .fp32_gradients = true, .load_balancing = LoadBalancing::kAuxLoss},

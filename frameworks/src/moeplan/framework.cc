@@ -1,19 +1,19 @@
-// moeplan's own executor (`moeplan run`). Its rules, in core/rules.cc check_executor:
-// Rule::kExecutorTrainsMoe, Rule::kExecutorPipelineLimits, Rule::kExecutorLayouts,
-// Rule::kExecutorTensorSplits.
+// moeplan's own executor (`moeplan run`). Its rules are in rules.cc.
 #include "moeplan/frameworks/framework.h"
+#include "moeplan.h"
 
 namespace moeplan::frameworks {
 
-extern const Framework kMoeplan;
-const Framework kMoeplan{
+// Listed in frameworks/CMakeLists.txt (MOEPLAN_FRAMEWORKS) by its folder's name.
+extern const Framework moeplan_framework;
+const Framework moeplan_framework{
     .name = "moeplan",
     .title = "what `moeplan run` trains",
-    .target = Target::kMoeplan,
+    .target = &kMoeplanRules,
     // It computes and keeps everything in bf16 (or fp32); Sinkhorn routing needs no loss
     // trained through the pipeline stages.
     .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
-    // What Rule::kExecutorLayouts refuses is not tried at all: the executor recomputes whole
+    // What its rule executor_layouts refuses is not tried at all: the executor recomputes whole
     // blocks or MoE sub-blocks, runs equal stages and shards optimizer states over
     // hybrid_shard_degree only.
     .capabilities = {.attention_core_recomputation = false,

@@ -1,15 +1,15 @@
-// SageMaker's model parallelism library v2. Its rules, in core/rules.cc check_smp:
-// Rule::kSmpExpertWithTensor, Rule::kSmpNoPipeline, Rule::kSmpLayouts.
+// SageMaker's model parallelism library v2. Its rules are in rules.cc.
 #include "moeplan/frameworks/framework.h"
 #include "smp.h"
 
 namespace moeplan::frameworks {
 
-extern const Framework kSmp;
-const Framework kSmp{
+// Listed in frameworks/CMakeLists.txt (MOEPLAN_FRAMEWORKS) by its folder's name.
+extern const Framework smp_framework;
+const Framework smp_framework{
     .name = "smp",
     .title = "SageMaker model parallelism v2",
-    .target = Target::kSmp,
+    .target = &kSmpRules,
     // FSDP's mixed precision with the script's bf16 = 1: fp32 parameters and optimizer states,
     // gradients reduced in bf16; its MoE router balances by Sinkhorn.
     .defaults = {.precision = Precision::kMixed, .fp32_gradients = false, .load_balancing = LoadBalancing::kSinkhorn},

@@ -5,6 +5,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/rules.h"
 #include "moeplan/frameworks/launch.h"
 #include "moeplan/frameworks/training_log.h"
 
@@ -14,5 +15,8 @@ namespace moeplan::frameworks {
 std::vector<launch::LaunchFile> export_smp(const Plan& plan, Diagnostics& problems);
 // The lines of its example script and the Hugging Face Trainer's summary (log.cc).
 bool read_smp_log_line(const LogLine& line, TrainingLog& log);
+
+// The layouts it runs, as rules (rules.cc).
+extern const TargetRules kSmpRules;
 
 }  // namespace moeplan::frameworks

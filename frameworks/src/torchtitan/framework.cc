@@ -1,15 +1,15 @@
-// torchtitan. Its rules, in core/rules.cc check_torchtitan: Rule::kTorchtitanLayouts,
-// Rule::kTorchtitanRouting, Rule::kFrameworkRankOrder.
+// torchtitan. Its rules are in rules.cc.
 #include "moeplan/frameworks/framework.h"
 #include "torchtitan.h"
 
 namespace moeplan::frameworks {
 
-extern const Framework kTorchtitan;
-const Framework kTorchtitan{
+// Listed in frameworks/CMakeLists.txt (MOEPLAN_FRAMEWORKS) by its folder's name.
+extern const Framework torchtitan_framework;
+const Framework torchtitan_framework{
     .name = "torchtitan",
     .title = "PyTorch's torchtitan",
-    .target = Target::kTorchtitan,
+    .target = &kTorchtitanRules,
     // FSDP's mixed precision: fp32 parameters and gradients, bf16 compute; its MoE router is
     // balanced by an auxiliary loss.
     .defaults = {.precision = Precision::kMixed, .fp32_gradients = true, .load_balancing = LoadBalancing::kAuxLoss},

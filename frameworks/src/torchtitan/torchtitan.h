@@ -5,6 +5,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/rules.h"
 #include "moeplan/frameworks/launch.h"
 #include "moeplan/frameworks/training_log.h"
 
@@ -14,5 +15,8 @@ namespace moeplan::frameworks {
 std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics& problems);
 // Its step lines (log.cc).
 bool read_torchtitan_log_line(const LogLine& line, TrainingLog& log);
+
+// The layouts it runs, as rules (rules.cc).
+extern const TargetRules kTorchtitanRules;
 
 }  // namespace moeplan::frameworks

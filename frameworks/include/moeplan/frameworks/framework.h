@@ -3,12 +3,9 @@
 // library v2 (smp), Megatron-LM (megatron), torchtitan (torchtitan) and moeplan's own executor
 // (moeplan). An entry holds everything of its framework that moeplan uses outside the rules:
 // the settings a plan for it starts from, what the search tries for it, the files that launch
-// a plan in it and the reader of its training log. Each is defined in its own folder
-// (frameworks/src/<name>/) and listed once, in frameworks/src/registry.cc.
-//
-// The validity rules of a framework (Rule::kSmpLayouts, ...) stay in core/rules.cc, where the
-// search evaluates them as bits (docs/decisions.md, "Framework rules stay in core"); each
-// entry names its rules in a comment.
+// a plan in it, the reader of its training log and its rules (the layouts it runs). Each is
+// defined in its own folder, frameworks/src/<name>/, and listed once, by that name, in
+// frameworks/CMakeLists.txt (MOEPLAN_FRAMEWORKS).
 
 #include <span>
 #include <string_view>
@@ -47,7 +44,9 @@ struct FrameworkCapabilities {
 struct Framework {
   std::string_view name;   // as --target and --to spell it, e.g. "megatron"
   std::string_view title;  // what it is, for help texts, e.g. "Megatron-LM"
-  Target target = Target::kAny;
+  // Its rules (frameworks/src/<name>/rules.cc), which the search, `check`, the exporter and
+  // `moeplan run` apply; null for "any".
+  Target target = nullptr;
   FrameworkDefaults defaults;
   FrameworkCapabilities capabilities;
   // The files that launch a plan in it, for a plan that keeps its rules; problems it cannot
@@ -64,10 +63,12 @@ struct Framework {
 
 // Every framework, in the order a log line is offered to their readers.
 std::span<const Framework* const> all_frameworks();
-// The framework a plan targets. Target::kAny, no framework's limits, has an entry of its own
+// The framework a plan targets. No target (null: no framework's limits) has an entry of its own
 // ("any": moeplan's defaults, every layout tried, nothing exported, no log) that
 // all_frameworks() does not list.
 const Framework& framework(Target target);
+// moeplan's own executor: what `moeplan run` trains and `moeplan search` plans for by default.
+const Framework& executor_framework();
 // The framework named `name` (as --target spells it, "any" included); null when none is.
 const Framework* find_framework(std::string_view name);
 

@@ -46,9 +46,9 @@ struct SearchOptions {
   } pins;
   // Rank candidates whatever the memory model says of them (to time a layout known to have run).
   bool ignore_memory_limits = false;
-  // Only plans this framework runs (rules.h RunConfig::target): `moeplan search` plans for
-  // moeplan's executor unless asked for another framework.
-  Target target = Target::kAny;
+  // Only plans this framework runs (its rules, frameworks/; null: every layout moeplan models):
+  // `moeplan search` plans for moeplan's executor unless asked for another framework.
+  Target target = nullptr;
 };
 
 struct Candidate {
@@ -62,7 +62,8 @@ struct Candidate {
 struct SearchStats {
   int64_t enumerated = 0;
   int64_t duplicate_placements = 0;  // placements whose groups have the shapes of an earlier one's
-  std::array<int64_t, kRuleCount> rejected_by_rule{};  // a candidate counts once per rule it breaks
+  std::array<int64_t, kRuleBits> rejected_by_rule{};  // a candidate counts once per rule it breaks
+  Target target = nullptr;  // whose rules the target rules (from kRuleCount on) are
   int64_t rule_rejected = 0;  // candidates that break at least one rule
   int64_t rule_valid = 0;     // enumerated = duplicate_placements + rule_rejected + rule_valid
   int64_t over_device_memory = 0;
@@ -86,6 +87,8 @@ ClusterSpec size_cluster(ClusterSpec profile, int64_t gpus);
 int64_t default_global_batch_tokens(int64_t gpus, int64_t seq_len);
 
 SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options);
+// The rules of what `moeplan run` trains (frameworks/src/moeplan), for SearchOptions::target.
+Target executor_target();
 
 // "N configurations: V valid, F fit in memory, S simulated (the rest pruned by a lower bound)".
 std::string describe(const SearchStats& stats);

@@ -1,0 +1,80 @@
+// Megatron-LM: the layouts it runs, as rules (rules.h TargetRules).
+#include <array>
+#include <string>
+#include <string_view>
+
+#include "moeplan/core/rules.h"
+#include "megatron.h"
+
+namespace moeplan::frameworks {
+// Its own namespace: the frameworks' files may be compiled together (unity builds).
+namespace megatron_rules {
+namespace {
+
+enum : int {
+  kLayouts,
+  kRouting,
+  kRankOrder,
+  kCount
+};
+constexpr std::array<std::string_view, kCount> kNames = {
+    "megatron_layouts",
+    "megatron_routing",
+    "framework_rank_order",
+};
+static_assert(kCount <= kMaxTargetRules);
+
+// Megatron-LM (Megatron-Core): tensor, sequence, pipeline (interleaved, uneven ends), expert
+// and data parallelism, the distributed optimizer. Parameters are replicated over the data-
+// parallel ranks (no hybrid sharding); ranks are ordered tensor innermost, then expert, data,
+// pipeline (its default order "tp-cp-ep-dp-pp"); routing by its own load-balancing types.
+void check(const RunConfig& c, RuleSink& sink) {
+  const ParallelConfig& p = c.parallel;
+  if (p.hybrid_shard_degree > 1)
+    sink(kLayouts, "parallel.hybrid_shard_degree", [&] {
+      return "= " + rule_number(p.hybrid_shard_degree) +
+             ": Megatron-LM replicates parameters over the data-parallel ranks and shards optimizer states "
+             "(distributed_optimizer) instead";
+    });
+  if (p.activation_offloading)
+    sink(kLayouts, "parallel.activation_offloading", [&] {
+      return std::string("= true: moeplan exports no activation offloading to Megatron-LM (its CPU offloading has "
+                         "no loading horizon)");
+    });
+  if (c.training.precision == Precision::kBf16)
+    sink(kLayouts, "training.precision", [&] {
+      return std::string("= \"bf16\": Megatron-LM keeps fp32 main parameters and optimizer states (its --bf16 is "
+                         "mixed precision; plan with mixed)");
+    });
+  // Interleaving with uneven ends: every stage's blocks split into the V chunks evenly.
+  if (const int64_t vp = p.virtual_pipeline_degree; vp > 1 && (p.first_stage_layers > 0 || p.last_stage_layers > 0)) {
+    const int64_t others = p.pipeline_parallel_degree - (p.first_stage_layers > 0) - (p.last_stage_layers > 0);
+    const int64_t middle =
+        others > 0 ? (c.model.num_layers - p.first_stage_layers - p.last_stage_layers) / others : vp;
+    if (p.first_stage_layers % vp != 0 || p.last_stage_layers % vp != 0 || middle % vp != 0)
+      sink(kLayouts, "parallel.virtual_pipeline_degree", [&] {
+        return "= " + rule_number(vp) + " with first_stage_layers = " + rule_number(p.first_stage_layers) +
+               ", last_stage_layers = " + rule_number(p.last_stage_layers) + " and " + rule_number(middle) +
+               " blocks on each other stage: Megatron-LM splits every stage into equal chunks";
+      });
+  }
+  if (!ranks_ordered(p, Placement{}))  // the default placement: P, R, S, E, T outermost first
+    sink(kRankOrder, "parallel.placement", [&] {
+      return "= \"" + p.placement.to_string() +
+             "\": Megatron-LM orders ranks tensor innermost, then expert, data and pipeline (PRSET)";
+    });
+  if (c.moe.load_balancing == LoadBalancing::kBalanced)
+    sink(kRouting, "moe.load_balancing", [&] {
+      return std::string("= \"balanced\": Megatron-LM routes by aux_loss, sinkhorn or none");
+    });
+  if (c.moe.global_token_shuffle)
+    sink(kRouting, "moe.global_token_shuffle",
+         [&] { return std::string("= true: Megatron-LM has no global token shuffle"); });
+}
+
+}  // namespace
+}  // namespace megatron_rules
+
+const TargetRules kMegatronRules{.names = megatron_rules::kNames, .check = megatron_rules::check};
+
+}  // namespace moeplan::frameworks

@@ -1,0 +1,115 @@
+// moeplan's own executor: the layouts it runs, as rules (rules.h TargetRules).
+#include <array>
+#include <string>
+#include <string_view>
+
+#include "moeplan/core/rules.h"
+#include "moeplan.h"
+
+namespace moeplan::frameworks {
+// Its own namespace: the frameworks' files may be compiled together (unity builds).
+namespace moeplan_rules {
+namespace {
+
+enum : int {
+  kTrainsMoe,
+  kPipelineLimits,
+  kLayouts,
+  kTensorSplits,
+  kCount
+};
+constexpr std::array<std::string_view, kCount> kNames = {
+    "executor_trains_moe",
+    "executor_pipeline_limits",
+    "executor_layouts",
+    "executor_tensor_splits",
+};
+static_assert(kCount <= kMaxTargetRules);
+
+// What moeplan's executor trains (executor/): Mixtral-style models, equal pipeline stages, the
+// Megatron splits it implements. The planner and simulator know more layouts than it runs.
+void check(const RunConfig& c, RuleSink& sink) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const TrainingConfig& t = c.training;
+  if (m.dense())
+    sink(kTrainsMoe, "model.num_experts", [&] {
+      return std::string("= 1 (a dense model): the executor trains Mixture-of-Experts models; dense models are "
+                         "planned and simulated only");
+    });
+  if (m.mlp != Mlp::kSwiGlu)
+    sink(kTrainsMoe, "model.mlp", [&] {
+      return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
+    });
+  // Pipeline stages: the router's losses are reported across stages but not trained through
+  // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
+  if (const int64_t pp = p.pipeline_parallel_degree; pp > 1) {
+    const std::string stages = " with pipeline_parallel_degree = " + rule_number(pp);
+    if (c.moe.load_balancing == LoadBalancing::kAuxLoss && c.moe.aux_loss_coef != 0)
+      sink(kPipelineLimits, "moe.load_balancing", [&] {
+        return "= \"aux_loss\"" + stages +
+               ": the executor trains the load-balancing loss without pipeline stages only (use sinkhorn, balanced or "
+               "none)";
+      });
+    if (c.moe.z_loss_coef != 0)
+      sink(kPipelineLimits, "moe.z_loss_coef", [&] {
+        return "= " + rule_number(c.moe.z_loss_coef) + stages +
+               ": the executor trains the z-loss without pipeline stages only (use 0)";
+      });
+    if (p.activation_offloading)
+      sink(kPipelineLimits, "parallel.activation_offloading",
+           [&] { return "= true" + stages + ": the executor offloads without pipeline stages only"; });
+  }
+  // Layouts the planner and simulator know that the executor does not run yet.
+  // One rank trains through the reference trainer, which keeps every activation in memory.
+  if (p.world_size == 1 && p.activation_checkpointing != Checkpointing::kNone)
+    sink(kLayouts, "parallel.activation_checkpointing", [&] {
+      return checkpointing_name(p) + " on one rank: the executor recomputes blocks in runs of two or more ranks only";
+    });
+  if (p.world_size == 1 && p.activation_offloading)
+    sink(kLayouts, "parallel.activation_offloading",
+         [&] { return std::string("= true on one rank: the executor offloads in runs of two or more ranks only"); });
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore)
+    sink(kLayouts, "parallel.activation_checkpointing", [&] {
+      return std::string(
+          "= \"attention_core\": the executor recomputes whole blocks (full) or MoE sub-blocks (selective) only");
+    });
+  if (p.distributed_optimizer)
+    sink(kLayouts, "parallel.distributed_optimizer", [&] {
+      return std::string("= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)");
+    });
+  if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
+    sink(kLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
+         [&] { return std::string("is set: the executor runs equal pipeline stages only"); });
+  if (t.fp8 && c.cluster.peak_fp8_flops > 0 && t.precision != Precision::kFp32)  // else fp8_needs_hardware says it
+    sink(kLayouts, "training.fp8",
+         [&] { return std::string("= true: the executor computes in bf16 or fp32 only"); });
+  if (!t.fp32_gradients && t.precision == Precision::kMixed)
+    sink(kLayouts, "training.fp32_gradients",
+         [&] { return std::string("= false: the executor keeps mixed-precision gradients in fp32"); });
+  // Tensor parallelism splits the vocabulary (embedding, lm head) and the sequence over T ranks.
+  if (const int64_t tp = p.tensor_parallel_degree; tp > 1) {
+    if (m.vocab_size % tp != 0)
+      sink(kTensorSplits, "model.vocab_size", [&] {
+        return "= " + rule_number(m.vocab_size) + " is not divisible by tensor_parallel_degree = " + rule_number(tp) +
+               " (the executor splits the embedding and lm head over the vocabulary)";
+      });
+    if (t.seq_len % tp != 0)
+      sink(kTensorSplits, "training.seq_len", [&] {
+        return "= " + rule_number(t.seq_len) + " is not divisible by tensor_parallel_degree = " + rule_number(tp) +
+               " (sequence parallelism splits it)";
+      });
+    if (!p.sequence_parallel)
+      sink(kTensorSplits, "parallel.sequence_parallel", [&] {
+        return "= false with tensor_parallel_degree = " + rule_number(tp) +
+               ": the executor runs tensor parallelism with sequence parallelism";
+      });
+  }
+}
+
+}  // namespace
+}  // namespace moeplan_rules
+
+const TargetRules kMoeplanRules{.names = moeplan_rules::kNames, .check = moeplan_rules::check};
+
+}  // namespace moeplan::frameworks

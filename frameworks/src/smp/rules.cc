@@ -1,0 +1,71 @@
+// SageMaker's model parallelism library v2: the layouts it runs, as rules (rules.h TargetRules).
+#include <array>
+#include <string>
+#include <string_view>
+
+#include "moeplan/core/rules.h"
+#include "smp.h"
+
+namespace moeplan::frameworks {
+// Its own namespace: the frameworks' files may be compiled together (unity builds).
+namespace smp_rules {
+namespace {
+
+enum : int {
+  kExpertWithTensor,
+  kNoPipeline,
+  kLayouts,
+  kCount
+};
+constexpr std::array<std::string_view, kCount> kNames = {
+    "smp_expert_with_tensor",
+    "smp_no_pipeline",
+    "smp_layouts",
+};
+static_assert(kCount <= kMaxTargetRules);
+
+// SageMaker's model parallelism library v2 (SMP v2): PyTorch FSDP with hybrid sharding,
+// expert parallelism and Transformer Engine's tensor parallelism. No pipeline (SMP v1 had
+// one); optimizer states are sharded with the parameters; its example training script
+// (aws/amazon-sagemaker-examples, model_parallel_v2/shared-scripts) checkpoints whole
+// transformer layers.
+void check(const RunConfig& c, RuleSink& sink) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t e = p.expert_parallel_degree, tp = p.tensor_parallel_degree;
+  if (e > 1 && tp > 1)
+    sink(kExpertWithTensor, "parallel.expert_parallel_degree", [&] {
+      return "= " + rule_number(e) + " with tensor_parallel_degree = " + rule_number(tp) +
+             ": SMP does not combine expert and tensor parallelism (moeplan's simulator does)";
+    });
+  if (p.pipeline_parallel_degree > 1)
+    sink(kNoPipeline, "parallel.pipeline_parallel_degree", [&] {
+      return "= " + rule_number(p.pipeline_parallel_degree) + ": SMP v2 has no pipeline parallelism (SMP v1 had)";
+    });
+  if (p.distributed_optimizer)
+    sink(kLayouts, "parallel.distributed_optimizer", [&] {
+      return std::string("= true: SMP (FSDP) shards optimizer states with the parameters over hybrid_shard_degree");
+    });
+  if (p.activation_checkpointing == Checkpointing::kSelective ||
+      p.activation_checkpointing == Checkpointing::kAttentionCore)
+    sink(kLayouts, "parallel.activation_checkpointing", [&] {
+      return checkpointing_name(p) + ": SMP's activation_checkpointing recomputes whole transformer layers (full)";
+    });
+  // SMP's bf16 = 1 is FSDP's mixed precision: fp32 parameters, bf16 compute and gradient
+  // reduction (MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) in its example script).
+  if (c.training.precision == Precision::kBf16)
+    sink(kLayouts, "training.precision", [&] {
+      return std::string("= \"bf16\": SMP keeps fp32 parameters (its bf16 = 1 is FSDP mixed precision; plan with "
+                         "mixed and bf16 gradients)");
+    });
+  if (c.training.precision == Precision::kMixed && c.training.fp32_gradients)
+    sink(kLayouts, "training.fp32_gradients", [&] {
+      return std::string("= true: SMP's mixed precision reduces gradients in bf16 (plan with bf16 gradients)");
+    });
+}
+
+}  // namespace
+}  // namespace smp_rules
+
+const TargetRules kSmpRules{.names = smp_rules::kNames, .check = smp_rules::check};
+
+}  // namespace moeplan::frameworks

@@ -1,0 +1,98 @@
+// torchtitan: the layouts it runs, as rules (rules.h TargetRules).
+#include <algorithm>
+#include <array>
+#include <string>
+#include <string_view>
+
+#include "moeplan/core/rules.h"
+#include "torchtitan.h"
+
+namespace moeplan::frameworks {
+// Its own namespace: the frameworks' files may be compiled together (unity builds).
+namespace torchtitan_rules {
+namespace {
+
+enum : int {
+  kLayouts,
+  kRouting,
+  kRankOrder,
+  kCount
+};
+constexpr std::array<std::string_view, kCount> kNames = {
+    "torchtitan_layouts",
+    "torchtitan_routing",
+    "framework_rank_order",
+};
+static_assert(kCount <= kMaxTargetRules);
+
+// torchtitan: FSDP2 (sharded over data_parallel_shard_degree, replicated over
+// data_parallel_replicate_degree), tensor parallelism with sequence parallelism, pipeline
+// stages, expert parallelism inside the sharded ranks; its mesh is pipeline, replicate, shard,
+// tensor outermost first; fp32 parameters with bf16 compute; full or no activation
+// checkpointing of blocks.
+void check(const RunConfig& c, RuleSink& sink) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t tp = p.tensor_parallel_degree;
+  if (tp > 1 && !p.sequence_parallel)
+    sink(kLayouts, "parallel.sequence_parallel", [&] {
+      return "= false with tensor_parallel_degree = " + rule_number(tp) +
+             ": torchtitan's tensor parallelism always splits the sequence (sequence parallelism)";
+    });
+  if (p.activation_checkpointing == Checkpointing::kSelective ||
+      p.activation_checkpointing == Checkpointing::kAttentionCore)
+    sink(kLayouts, "parallel.activation_checkpointing", [&] {
+      return checkpointing_name(p) +
+             ": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block";
+    });
+  if (c.training.seq_len % (2 * std::max<int64_t>(1, tp)) != 0)
+    sink(kLayouts, "training.seq_len", [&] {
+      return "= " + rule_number(c.training.seq_len) + " is not a multiple of 2 x tensor_parallel_degree = " +
+             rule_number(2 * tp) + " (torchtitan's sequence split)";
+    });
+  if (p.activation_offloading)
+    sink(kLayouts, "parallel.activation_offloading",
+         [&] { return std::string("= true: torchtitan does not offload activations"); });
+  if (p.distributed_optimizer)
+    sink(kLayouts, "parallel.distributed_optimizer", [&] {
+      return std::string("= true: torchtitan (FSDP2) shards optimizer states with the parameters over "
+                         "hybrid_shard_degree");
+    });
+  if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
+    sink(kLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
+         [&] { return std::string("is set: moeplan exports equal pipeline stages to torchtitan"); });
+  if (c.training.precision == Precision::kMixed && !c.training.fp32_gradients)
+    sink(kLayouts, "training.fp32_gradients", [&] {
+      return std::string("= false: torchtitan reduces gradients in fp32 (mixed_precision_reduce)");
+    });
+  // Its mixed precision is FSDP's: without sharding, tensor or pipeline parallelism trains in
+  // fp32, and replicas over them are DDP, which it runs on one mesh dimension only.
+  if (p.hybrid_shard_degree * p.expert_parallel_degree == 1 && (tp > 1 || p.pipeline_parallel_degree > 1))
+    sink(kLayouts, "parallel.hybrid_shard_degree", [&] {
+      return std::string("= 1 with expert_parallel_degree = 1 under tensor or pipeline parallelism: torchtitan "
+                         "applies mixed precision and replicas through FSDP, so the shard degree must exceed 1");
+    });
+  if (c.training.precision == Precision::kBf16)
+    sink(kLayouts, "training.precision", [&] {
+      return std::string("= \"bf16\": torchtitan keeps fp32 parameters and computes in bf16 (plan with mixed)");
+    });
+  if (!ranks_ordered(p, Placement{}))
+    sink(kRankOrder, "parallel.placement", [&] {
+      return "= \"" + p.placement.to_string() +
+             "\": torchtitan's mesh is pipeline, replicate, shard (experts innermost), tensor (PRSET)";
+    });
+  if (c.moe.load_balancing == LoadBalancing::kSinkhorn || c.moe.load_balancing == LoadBalancing::kBalanced)
+    sink(kRouting, "moe.load_balancing", [&] {
+      return "= \"" + std::string(name_of(kLoadBalancingNames, c.moe.load_balancing)) +
+             "\": torchtitan's routers balance by a load-balancing loss or expert biases (aux_loss or none)";
+    });
+  if (c.moe.global_token_shuffle)
+    sink(kRouting, "moe.global_token_shuffle",
+         [&] { return std::string("= true: torchtitan has no global token shuffle"); });
+}
+
+}  // namespace
+}  // namespace torchtitan_rules
+
+const TargetRules kTorchtitanRules{.names = torchtitan_rules::kNames, .check = torchtitan_rules::check};
+
+}  // namespace moeplan::frameworks

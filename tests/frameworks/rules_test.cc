@@ -1,0 +1,212 @@
+// Each framework's rules (frameworks/src/<name>/rules.cc): one fault each breaks exactly its
+// rule, named by the framework and seen by the search as a bit above the core rules.
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/rules.h"
+#include "moeplan/frameworks/framework.h"
+#include "framework_rules.h"
+#include "rule_cases.h"
+#include "test_support.h"
+
+namespace moeplan {
+namespace {
+
+using test::describe_violations;
+using test::rules_base;
+using test::Scenario;
+
+// `change` breaks exactly one rule of the base under a framework's rules (it sets the target,
+// and moves what the framework needs elsewhere to where that framework takes it).
+struct FrameworkRuleCase {
+  const char* name;
+  std::function<void(Scenario&)> change;
+  const char* rule;       // the rule's name
+  const char* field;
+  const char* message;    // exact text of the violation
+  const char* bad_value;  // the value the change introduced, as the message must show it
+};
+
+const FrameworkRuleCase kCases[] = {
+    {"SmpModeExpertsWithTensor",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     "smp_expert_with_tensor", "parallel.expert_parallel_degree",
+     "= 2 with tensor_parallel_degree = 2: SMP does not combine expert and tensor parallelism (moeplan's "
+     "simulator does)",
+     "2"},
+    {"SmpPipeline",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     "smp_no_pipeline", "parallel.pipeline_parallel_degree", "= 2: SMP v2 has no pipeline parallelism (SMP v1 had)",
+     "2"},
+    {"SmpPureBf16",
+     [](Scenario& s) { s.target = test::framework_rules("smp"); },
+     "smp_layouts", "training.precision",
+     "= \"bf16\": SMP keeps fp32 parameters (its bf16 = 1 is FSDP mixed precision; plan with mixed and bf16 "
+     "gradients)",
+     "bf16"},
+    {"MegatronHybridSharding",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+     },
+     "megatron_layouts", "parallel.hybrid_shard_degree",
+     "= 8: Megatron-LM replicates parameters over the data-parallel ranks and shards optimizer states "
+     "(distributed_optimizer) instead",
+     "8"},
+    {"MegatronBalancedRouting",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.moe.load_balancing = LoadBalancing::kBalanced;
+     },
+     "megatron_routing", "moe.load_balancing", "= \"balanced\": Megatron-LM routes by aux_loss, sinkhorn or none",
+     "balanced"},
+    {"MegatronRankOrder",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.parallel.placement = *Placement::parse("ERS");
+     },
+     "framework_rank_order", "parallel.placement",
+     "= \"ERS\": Megatron-LM orders ranks tensor innermost, then expert, data and pipeline (PRSET)", "ERS"},
+    {"TorchtitanSelectiveCheckpointing",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.parallel.activation_checkpointing = Checkpointing::kSelective;
+     },
+     "torchtitan_layouts", "parallel.activation_checkpointing",
+     "= \"selective\": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block",
+     "selective"},
+    {"TorchtitanSinkhorn",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+     },
+     "torchtitan_routing", "moe.load_balancing",
+     "= \"sinkhorn\": torchtitan's routers balance by a load-balancing loss or expert biases (aux_loss or none)",
+     "sinkhorn"},
+    {"TorchtitanRankOrder",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.parallel.placement = *Placement::parse("ERS");
+     },
+     "framework_rank_order", "parallel.placement",
+     "= \"ERS\": torchtitan's mesh is pipeline, replicate, shard (experts innermost), tensor (PRSET)", "ERS"},
+    {"ExecutorModeGeluModel",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.mlp = Mlp::kGelu;
+     },
+     "executor_trains_moe", "model.mlp", "= \"gelu\": the executor trains SwiGLU feed-forward layers only", "gelu"},
+    {"ExecutorModeZLossAcrossStages",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.moe.z_loss_coef = 0.001;
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     "executor_pipeline_limits", "moe.z_loss_coef",
+     "= 0.001 with pipeline_parallel_degree = 2: the executor trains the z-loss without pipeline stages only (use 0)",
+     "0.001"},
+    {"ExecutorModeDistributedOptimizer",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.parallel.distributed_optimizer = true;
+     },
+     "executor_layouts", "parallel.distributed_optimizer",
+     "= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)", "true"},
+    {"ExecutorModeVocabularyOverTensorRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.vocab_size = 32001;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     "executor_tensor_splits", "model.vocab_size",
+     "= 32001 is not divisible by tensor_parallel_degree = 2 (the executor splits the embedding and lm head over the "
+     "vocabulary)",
+     "32001"},
+};
+
+class FrameworkRule : public testing::TestWithParam<FrameworkRuleCase> {};
+
+TEST_P(FrameworkRule, BreaksExactlyItsRule) {
+  const FrameworkRuleCase& c = GetParam();
+  Scenario s = rules_base();
+  c.change(s);
+  ASSERT_NE(s.target, nullptr);
+  const std::vector<Violation> violations = validate(s.config());
+  ASSERT_EQ(violations.size(), 1u) << describe_violations(violations);
+  const Violation& v = violations.front();
+  EXPECT_EQ(v.name, c.rule);
+  EXPECT_EQ(rule_name(v.rule, s.target), c.rule);
+  EXPECT_GE(static_cast<int>(v.rule), kRuleCount);  // a target rule, after the core ones
+  EXPECT_EQ(v.field, c.field);
+  EXPECT_EQ(v.message, c.message);
+  EXPECT_NE(v.message.find(c.bad_value), std::string::npos) << v.message;
+  EXPECT_EQ(violated_rules(s.config()), rule_bit(v.rule));
+  // Without the framework's rules the same configuration is valid.
+  s.target = nullptr;
+  EXPECT_EQ(violated_rules(s.config()), RuleMask{0}) << describe_violations(validate(s.config()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Frameworks, FrameworkRule, testing::ValuesIn(kCases),
+                         [](const testing::TestParamInfo<FrameworkRuleCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+// Every rule of every framework has a one-fault case above, and its names are snake case and
+// unique within it.
+TEST(FrameworkRules, EveryRuleHasAOneFaultCase) {
+  for (const Framework* f : all_frameworks()) {
+    SCOPED_TRACE(std::string(f->name));
+    ASSERT_NE(f->target, nullptr);
+    ASSERT_NE(f->target->check, nullptr);
+    ASSERT_LE(f->target->names.size(), static_cast<size_t>(kMaxTargetRules));
+    std::set<std::string_view> names(f->target->names.begin(), f->target->names.end());
+    EXPECT_EQ(names.size(), f->target->names.size());
+    for (const std::string_view name : f->target->names) {
+      EXPECT_EQ(name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_"), std::string_view::npos) << name;
+      bool covered = false;
+      for (const FrameworkRuleCase& c : kCases) {
+        Scenario s = rules_base();
+        c.change(s);
+        covered |= s.target == f->target && c.rule == name;
+      }
+      EXPECT_TRUE(covered) << name << " has no one-fault case";
+    }
+  }
+  EXPECT_EQ(rule_name(target_rule(0), nullptr), "");  // a target rule without its framework has no name
+}
+
+}  // namespace
+}  // namespace moeplan
