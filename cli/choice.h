@@ -1,6 +1,6 @@
 #pragma once
 // Options that take one name of a name table (core's k*Names: pairs of a name and its value)
-// and store the value.
+// and store the value; or the name of a framework of the list (add_framework_choice).
 
 #include <CLI/CLI.hpp>
 

@@ -7,8 +7,8 @@
 
 namespace moeplan {
 
-int json_nesting_depth(std::string_view text) {
-  int depth = 0, deepest = 0;
+int64_t json_nesting_depth(std::string_view text) {
+  int64_t depth = 0, deepest = 0;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];

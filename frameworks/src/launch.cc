@@ -2,6 +2,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "launch_files.h"
 #include "moeplan/frameworks/framework.h"
@@ -50,6 +53,21 @@ std::string torchrun_script(const Plan& plan, const std::string& what, const std
 
 namespace moeplan::launch {
 
+namespace {
+
+// "smp, megatron or torchtitan": the frameworks with launch files, in the list's order.
+std::string exported_frameworks() {
+  std::vector<std::string_view> names;
+  for (const Framework* f : all_frameworks())
+    if (f->export_launch) names.push_back(f->name);
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i)
+    text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + std::string(names[i]);
+  return text;
+}
+
+}  // namespace
+
 std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std::string& origin) {
   const RunConfig config{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training, target};
   Diagnostics problems;
@@ -59,8 +77,8 @@ std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std
   if (const auto exporter = framework(target).export_launch)
     files = exporter(plan, problems);
   else
-    problems.error("", "export-launch writes files for smp, megatron or torchtitan; `moeplan run` trains the plan "
-                       "itself");
+    problems.error("", "export-launch writes files for " + exported_frameworks() +
+                           "; `moeplan run` trains the plan itself");
   problems.throw_if_any(origin);
   return files;
 }

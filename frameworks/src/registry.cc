@@ -32,11 +32,8 @@ const Framework& framework(Target target) {
   return kAny;
 }
 
-const Framework& executor_framework() {
-  const Framework* f = find_framework("moeplan");
-  assert(f && "moeplan's executor is in the list");
-  return *f;
-}
+// Declared by the list, which frameworks/CMakeLists.txt requires to hold moeplan.
+const Framework& executor_framework() { return frameworks::moeplan_framework; }
 
 const Framework* find_framework(std::string_view name) {
   for (const Framework* f : kFrameworks)

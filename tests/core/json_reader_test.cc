@@ -666,6 +666,21 @@ TEST(HfConfig, TruncatedAndMissingFiles) {
   EXPECT_EQ(problems_of([&] { read_model_file(missing); }, missing).at(0).message, "cannot open file");
 }
 
+// The limit counts objects and arrays: kMaxJsonDepth levels are read, one more is not, whether
+// the innermost is empty or holds a value.
+TEST(ParseJsonText, NestingOfExactlyTheLimitIsRead) {
+  const auto arrays = [](int depth, const std::string& inner) {
+    return std::string(static_cast<size_t>(depth), '[') + inner + std::string(static_cast<size_t>(depth), ']');
+  };
+  for (const std::string inner : {"", "1"}) {
+    EXPECT_EQ(json_nesting_depth(arrays(kMaxJsonDepth, inner)), kMaxJsonDepth);
+    EXPECT_NO_THROW(parse_json_text(arrays(kMaxJsonDepth, inner), "t.json")) << inner;
+    const auto problems = problems_of([&] { parse_json_text(arrays(kMaxJsonDepth + 1, inner), "t.json"); }, "t.json");
+    ASSERT_EQ(problems.size(), 1u) << inner;
+    EXPECT_EQ(problems[0].message, "nested deeper than 128 levels");
+  }
+}
+
 // Brackets inside strings, escaped quotes included, are not nesting; text that is not JSON is
 // measured as far as it goes.
 TEST(JsonNestingDepth, CountsContainersOutsideStrings) {

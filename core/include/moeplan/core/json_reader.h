@@ -31,7 +31,7 @@ inline constexpr int kMaxJsonDepth = 128;
 
 // How deeply text nests objects and arrays (brackets inside strings do not count), in one pass;
 // text that is not JSON is measured as far as it goes.
-int json_nesting_depth(std::string_view text);
+int64_t json_nesting_depth(std::string_view text);
 
 // Parses text as JSON. A syntax error, or nesting deeper than kMaxJsonDepth, becomes an
 // InputError naming origin (and the byte offset of a syntax error).

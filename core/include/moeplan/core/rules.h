@@ -5,6 +5,7 @@
 // functions; the search uses the mask form, which builds no strings.
 
 #include <array>
+#include <cassert>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -87,6 +88,7 @@ class RuleSink {
   // The framework's rule `i` is broken at `field`; make() says how, called only when kept.
   template <class F>
   void operator()(int i, const char* field, F&& make) {
+    assert(i >= 0 && static_cast<size_t>(i) < names_.size() && "a rule the framework names");
     if (out_)
       out_->push_back({target_rule(i), field, make(), names_[static_cast<size_t>(i)]});
     else

@@ -1,8 +1,7 @@
 #pragma once
 // The training frameworks moeplan knows, each in one place: SageMaker's model parallelism
 // library v2 (smp), Megatron-LM (megatron), torchtitan (torchtitan) and moeplan's own executor
-// (moeplan). An entry holds everything of its framework that moeplan uses outside the rules:
-// the settings a plan for it starts from, what the search tries for it, the files that launch
+// (moeplan). An entry holds everything of its framework that moeplan uses: the settings a plan for it starts from, what the search tries for it, the files that launch
 // a plan in it, the reader of its training log and its rules (the layouts it runs). Each is
 // defined in its own folder, frameworks/src/<name>/, and listed once, by that name, in
 // frameworks/CMakeLists.txt (MOEPLAN_FRAMEWORKS).

@@ -19,8 +19,8 @@ struct LaunchFile {
 };
 
 // Throws InputError (origin `origin`, the plan file's name) listing every rule of `target`
-// the plan breaks, and every field that framework cannot express. `target` is that of a
-// framework with launch files (kSmp, kMegatron or kTorchtitan).
+// the plan breaks, and every field that framework cannot express. `target` is the rules of a
+// framework with launch files (Framework::export_launch: smp, megatron or torchtitan).
 std::vector<LaunchFile> export_launch(const Plan& plan, Target target, const std::string& origin);
 
 }  // namespace moeplan::launch
