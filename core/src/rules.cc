@@ -304,7 +304,6 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
     });
 }
 
-
 template <class Sink>
 void check_config(const RunConfig& c, Sink& sink) {
   check_degrees(c, sink);
@@ -315,7 +314,6 @@ void check_config(const RunConfig& c, Sink& sink) {
     c.target->check(c, target_sink);
   }
 }
-
 
 }  // namespace
 
