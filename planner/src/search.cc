@@ -1,7 +1,6 @@
 #include "moeplan/planner/search.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <set>
 #include <stdexcept>
 
@@ -25,12 +24,6 @@ std::vector<int64_t> divisors(int64_t n) {
 }
 
 constexpr std::array<const char*, 6> kPlacements = {"RSE", "RES", "SRE", "SER", "ERS", "ESR"};
-
-std::string gib(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / static_cast<double>(kGiB));
-  return text;
-}
 
 bool better(const Candidate& a, const Candidate& b) {
   if (a.estimate.tokens_per_s != b.estimate.tokens_per_s)
@@ -430,7 +423,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   return result;
 }
 
-std::string describe(const SearchStats& s) {
+std::string stats_text(const SearchStats& s) {
   return std::to_string(s.enumerated) + " configurations: " + std::to_string(s.rule_valid) + " valid, " +
          std::to_string(s.fitting) + " fit in memory, " + std::to_string(s.simulated) +
          " simulated (the rest pruned by a lower bound)";
@@ -505,18 +498,18 @@ std::vector<std::string> explain_no_plan(const SearchResult& result, const Clust
     const int64_t limit = cluster.usable_memory_bytes();
     lines.push_back("device memory: " + std::to_string(stats.over_device_memory) + " of " +
                     std::to_string(stats.rule_valid) + " valid configurations exceed it; the closest (" +
-                    describe(c->parallel) + ") needs " + gib(c->memory.device_total) + " per GPU against " +
-                    gib(limit) + " usable (" + gib(cluster.gpu_memory_bytes) + " minus " +
-                    gib(cluster.memory_headroom_bytes) + " headroom): over by " +
-                    gib(c->memory.device_total - limit) + "; model states alone take " +
-                    gib(c->memory.model_states()));
+                    describe(c->parallel) + ") needs " + gib_text(c->memory.device_total) + " per GPU against " +
+                    gib_text(limit) + " usable (" + gib_text(cluster.gpu_memory_bytes) + " minus " +
+                    gib_text(cluster.memory_headroom_bytes) + " headroom): over by " +
+                    gib_text(c->memory.device_total - limit) + "; model states alone take " +
+                    gib_text(c->memory.model_states()));
   }
   if (const auto& c = stats.closest_over_host) {
     const int64_t limit = host_limit_bytes(cluster, c->parallel.world_size);
     lines.push_back("host memory: " + std::to_string(stats.over_host_memory) +
                     " valid configurations exceed it; the closest (" + describe(c->parallel) +
-                    ") offloads " + gib(c->memory.offloaded_activations) + " per rank against " + gib(limit) +
-                    ": over by " + gib(c->memory.offloaded_activations - limit));
+                    ") offloads " + gib_text(c->memory.offloaded_activations) + " per rank against " + gib_text(limit) +
+                    ": over by " + gib_text(c->memory.offloaded_activations - limit));
   }
   return lines;
 }

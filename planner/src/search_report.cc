@@ -197,7 +197,7 @@ SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, cons
   const PreparedSearch& s = found.search;
   const SearchResult& result = found.result;
   const size_t top = static_cast<size_t>(top_shown);
-  if (!options.json) add(out, "%s\n", describe(result.stats).c_str());
+  if (!options.json) add(out, "%s\n", stats_text(result.stats).c_str());
   if (options.explain) add_explain(out, result.stats);
   if (!found.plan) {
     print(out);

@@ -168,7 +168,7 @@ Plan pinned_plan(const MatrixSetting& setting, const MatrixConfig& c, const std:
   for (size_t i = 1; i < words.size(); ++i) command += " " + words[i];
   try {
     const planner::SearchOutcome found = planner::plan_search(r, command);
-    if (!found.plan) throw std::runtime_error(c.name + ": search found no plan: " + planner::describe(found.result.stats));
+    if (!found.plan) throw std::runtime_error(c.name + ": search found no plan: " + planner::stats_text(found.result.stats));
     write_file_atomic(path, plan_to_text(*found.plan));
     return *found.plan;
   } catch (const InputError& e) {

@@ -28,6 +28,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/rules.h"
 #include "moeplan/core/run_report.h"
+#include "moeplan/core/units.h"
 #include "moeplan/executor/io/checkpoint.h"
 #include "moeplan/executor/model/mixtral.h"
 #include "moeplan/executor/model/rehearsal_fault.h"
@@ -66,12 +67,6 @@ int64_t available_memory_bytes() {
 std::string mib(double bytes) {
   char s[32];
   std::snprintf(s, sizeof s, "%.1f MiB", bytes / (1 << 20));
-  return s;
-}
-
-std::string gib(double bytes) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.1f GiB", bytes / (1 << 30));
   return s;
 }
 
@@ -149,8 +144,8 @@ void check_rehearsal(const Plan& plan, const RehearsalOptions& o) {
   const int64_t available = available_memory_bytes();
   if (available > 0 && plan.parallel.world_size * kBytesPerRank > available)
     d.error("parallel.world_size", "= " + std::to_string(plan.parallel.world_size) + " processes need about " +
-                                       gib(static_cast<double>(plan.parallel.world_size * kBytesPerRank)) +
-                                       " here; this machine has " + gib(static_cast<double>(available)) + " available");
+                                       gib_text(static_cast<double>(plan.parallel.world_size * kBytesPerRank)) +
+                                       " here; this machine has " + gib_text(static_cast<double>(available)) + " available");
   // The test hook: a fault the layout can carry.
   const ParallelConfig& p = plan.parallel;
   switch (rehearsal_fault_from_environment()) {
@@ -463,7 +458,7 @@ RehearsalCheck check_memory(const Rehearsing& c, Json& record, const PredictTens
                "busiest rank " + mib(static_cast<double>(measured)) + " of live tensors, memory model " +
                    mib(static_cast<double>(predicted)) +
                    format(" (x %.2f, bound %.2f); ", ratio, 1 + kMemoryTolerance) + "on the cluster the plan says " +
-                   gib(full) + " of " + gib(limit) + ", " + gib(scaled) + " at this rehearsal's ratio" +
+                   gib_text(full) + " of " + gib_text(limit) + ", " + gib_text(scaled) + " at this rehearsal's ratio" +
                    (scaled > limit ? " (above its limit, if this error carried over to the GPUs)" : "")};
 }
 

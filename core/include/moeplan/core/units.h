@@ -3,6 +3,8 @@
 // (memory_bytes, step_time_seconds, flops); these constants only spell out powers.
 
 #include <cstdint>
+#include <cstdio>
+#include <string>
 
 namespace moeplan {
 
@@ -14,6 +16,14 @@ inline constexpr double kTera = 1e12;
 
 // Bytes in GiB, for tables.
 inline double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kGiB); }
+
+// Bytes as "12.3 GiB", for messages.
+inline std::string gib_text(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f GiB", bytes / static_cast<double>(kGiB));
+  return text;
+}
+inline std::string gib_text(int64_t bytes) { return gib_text(static_cast<double>(bytes)); }
 
 // Bytes per element of the number formats the model and optimizer use.
 inline constexpr int64_t kBytesBf16 = 2;

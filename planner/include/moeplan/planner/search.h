@@ -91,7 +91,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
 Target executor_target();
 
 // "N configurations: V valid, F fit in memory, S simulated (the rest pruned by a lower bound)".
-std::string describe(const SearchStats& stats);
+std::string stats_text(const SearchStats& stats);
 
 // Memory and time prediction of one configuration, as written into plan.json.
 Prediction predict(const RunConfig& config, Estimator estimator = Estimator::kSimulator);
