@@ -86,9 +86,10 @@ int run_run(const RunArgs& args) {
     o.progress = &std::cout;
     const std::optional<executor::RankEnv> env = executor::rank_env_from_environment();
     if (!env && plan.parallel.world_size > 1)
-      // Grace: a collective's timeout, the heartbeat check, and some room.
-      return executor::spawn_local_ranks(args.argv, plan.parallel.world_size, args.timeout_seconds + 15,
-                                         args.grace_seconds);
+      // Each rank runs this command again, with its place in the run in its environment. Grace:
+      // a collective's timeout, the heartbeat check, and some room.
+      return executor::spawn_local_ranks(args.argv, plan.parallel.world_size, [&] { return run_run(args); },
+                                         args.timeout_seconds + 15, args.grace_seconds);
     const bool multi = env.has_value();
     if (multi && env->rank != 0) o.progress = nullptr;
     const executor::RunResult r = multi ? executor::run_rank(plan, o, *env) : executor::run_training(plan, o);
@@ -229,7 +230,9 @@ int run_calibrate(const CalibrateArgs& args) {
     }
     std::remove((out + ".tmp").c_str());
     const std::optional<executor::RankEnv> env = executor::rank_env_from_environment();
-    if (!env && args.ranks > 1) return executor::spawn_local_ranks(args.argv, args.ranks, args.timeout_seconds + 15);
+    if (!env && args.ranks > 1)
+      return executor::spawn_local_ranks(args.argv, args.ranks, [&] { return run_calibrate(args); },
+                                         args.timeout_seconds + 15);
     if (env && env->world_size != args.ranks)
       throw InputError("--ranks", {{"", std::to_string(args.ranks) + ", but " + env->launcher + " started " +
                                             std::to_string(env->world_size) + " ranks"}});

@@ -7,6 +7,10 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <iostream>
 
 extern char** environ;
 
@@ -46,6 +50,30 @@ ChildExit child_exit(pid_t pid, int status) {
   ::_exit(127);
 }
 
+// Blocks `signals` in this thread until the object ends, when the mask before is put back.
+class BlockedSignals {
+ public:
+  explicit BlockedSignals(const std::vector<int>& signals) : masks_(!signals.empty()) {
+    if (!masks_) return;
+    sigset_t blocked;
+    sigemptyset(&blocked);
+    for (const int s : signals) sigaddset(&blocked, s);
+    ::pthread_sigmask(SIG_SETMASK, nullptr, &before_);
+    ::pthread_sigmask(SIG_BLOCK, &blocked, nullptr);
+  }
+  ~BlockedSignals() {
+    if (masks_) ::pthread_sigmask(SIG_SETMASK, &before_, nullptr);
+  }
+  // Leaves the signals blocked (in a forked child, which starts with them blocked).
+  void keep() { masks_ = false; }
+  BlockedSignals(const BlockedSignals&) = delete;
+  BlockedSignals& operator=(const BlockedSignals&) = delete;
+
+ private:
+  bool masks_;
+  sigset_t before_{};
+};
+
 }  // namespace
 
 pid_t start_child(const ChildProgram& program) {
@@ -59,22 +87,44 @@ pid_t start_child(const ChildProgram& program) {
     const char* output_path = program.output_path.empty() ? nullptr : program.output_path.c_str();
     // The signals are blocked in this thread across the fork, so that the child starts with them
     // blocked; this thread's own mask is put back right after.
-    const bool masks = !program.blocked_signals.empty();
-    sigset_t before;
-    if (masks) {
-      sigset_t blocked;
-      sigemptyset(&blocked);
-      for (const int s : program.blocked_signals) sigaddset(&blocked, s);
-      ::pthread_sigmask(SIG_SETMASK, nullptr, &before);
-      ::pthread_sigmask(SIG_BLOCK, &blocked, nullptr);
-    }
+    const BlockedSignals blocked(program.blocked_signals);
     pid = ::fork();
     if (pid == 0) become(program.path.c_str(), argv.data(), env, output_path);
     fork_errno = errno;
-    if (masks) ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
   }
   errno = fork_errno;  // past the destructors, for the caller's message
   return pid;
+}
+
+bool one_thread_runs() {
+  std::error_code error;
+  std::filesystem::directory_iterator tasks("/proc/self/task", error);
+  if (error) return false;
+  int64_t threads = 0;
+  for (; tasks != std::filesystem::directory_iterator() && !error; tasks.increment(error)) ++threads;
+  return !error && threads == 1;
+}
+
+pid_t start_copy(const std::function<int()>& body, const std::vector<int>& blocked_signals) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  pid_t pid = -1;
+  {
+    BlockedSignals blocked(blocked_signals);
+    pid = ::fork();
+    if (pid != 0) return pid;  // errno stays fork's
+    blocked.keep();
+  }
+  int code = 1;
+  try {
+    code = body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeplan: error: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "moeplan: error: an unknown error\n");
+  }
+  std::exit(code);
 }
 
 ChildExit wait_for_child(pid_t pid) {

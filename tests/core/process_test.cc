@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -89,6 +92,75 @@ TEST(Process, PollingFindsTheChildThatEndedThenNoChildren) {
   EXPECT_TRUE(poll.ended.exited);
   EXPECT_EQ(poll.ended.code, 5);
   EXPECT_EQ(poll_children().state, ChildPoll::State::kNoChildren);
+}
+
+TEST(Process, OneThreadRunsUntilAnotherStarts) {
+  ASSERT_TRUE(one_thread_runs()) << "the test process runs threads of its own";
+  std::promise<void> go;
+  std::thread other([done = go.get_future()]() mutable { done.wait(); });
+  EXPECT_FALSE(one_thread_runs());
+  go.set_value();
+  other.join();
+  EXPECT_TRUE(one_thread_runs());
+}
+
+TEST(Process, ACopyRunsItsBodyWithThisProcesssStateAndExitsWithItsCode) {
+  const std::string log = temporary_path("process-copy");
+  std::string state = "set before the copy";
+  const pid_t pid = start_copy([&] {
+    std::ofstream(log) << state << " in " << ::getpid();
+    state = "changed in the copy";
+    return 7;
+  });
+  ASSERT_GT(pid, 0);
+  const ChildExit ended = wait_for_child(pid);
+  EXPECT_TRUE(ended.exited);
+  EXPECT_EQ(ended.code, 7);
+  EXPECT_EQ(read_file(log), "set before the copy in " + std::to_string(pid));
+  EXPECT_EQ(state, "set before the copy");
+  std::filesystem::remove(log);
+}
+
+TEST(Process, ACopyDoesNotWriteAgainWhatStdoutHeld) {
+  const std::string log = temporary_path("process-copy-stdout");
+  std::fflush(stdout);
+  const int saved = ::dup(1);
+  ASSERT_GE(saved, 0);
+  ASSERT_NE(std::freopen(log.c_str(), "w", stdout), nullptr);
+  std::fputs("held;", stdout);  // a file: fully buffered, not yet written
+  const ChildExit ended = wait_for_child(start_copy([] {
+    std::fputs("copy;", stdout);
+    return 0;
+  }));
+  std::fputs("here", stdout);
+  std::fflush(stdout);
+  ::dup2(saved, 1);
+  ::close(saved);
+  EXPECT_EQ(ended.code, 0);
+  EXPECT_EQ(read_file(log), "held;copy;here");
+  std::filesystem::remove(log);
+}
+
+TEST(Process, ACopyStartsWithTheSignalsBlockedAndThisProcessKeepsItsMask) {
+  const ChildExit ended = wait_for_child(start_copy(
+      [] {
+        sigset_t mask;
+        ::pthread_sigmask(SIG_SETMASK, nullptr, &mask);
+        return sigismember(&mask, SIGTERM) && sigismember(&mask, SIGINT) ? 0 : 1;
+      },
+      {SIGTERM, SIGINT}));
+  EXPECT_TRUE(ended.exited);
+  EXPECT_EQ(ended.code, 0);
+  sigset_t mine;
+  ::pthread_sigmask(SIG_SETMASK, nullptr, &mine);
+  EXPECT_FALSE(sigismember(&mine, SIGTERM));
+  EXPECT_FALSE(sigismember(&mine, SIGINT));
+}
+
+TEST(Process, AnExceptionOutOfACopysBodyExitsOne) {
+  const ChildExit ended = wait_for_child(start_copy([]() -> int { throw std::runtime_error("lost"); }));
+  EXPECT_TRUE(ended.exited);
+  EXPECT_EQ(ended.code, 1);
 }
 
 TEST(Process, ThisProgramIsTheTestBinary) {

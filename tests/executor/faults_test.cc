@@ -240,7 +240,7 @@ TEST_F(Faults, ALocalRunListensOnLoopbackOnly) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   std::vector<pid_t> processes{launcher};
   for (int r = 0; r < 4; ++r)
-    for (const pid_t p : children_with(launcher, "MOEPLAN_RANK=" + std::to_string(r))) processes.push_back(p);
+    for (const pid_t p : rank_processes(launcher, r)) processes.push_back(p);
   const std::vector<std::string> sockets = listening_sockets(processes);
   // The launcher's one listener is the store: this machine's other loopback addresses (all of
   // 127/8) are not let in, 127.0.0.1 is.

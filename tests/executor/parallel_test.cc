@@ -305,7 +305,7 @@ TEST_F(Parallel, AKilledRankStopsTheRunAndResumeContinues) {
   const size_t steps_before = read_metrics(out).size();
   ASSERT_GE(steps_before, 3u) << read_text(err);
   ASSERT_LT(steps_before, 20u) << "the run ended before the kill";
-  const std::vector<pid_t> rank1 = children_with(launcher, "MOEPLAN_RANK=1");
+  const std::vector<pid_t> rank1 = rank_processes(launcher, 1);
   ASSERT_EQ(rank1.size(), 1u);
   ASSERT_EQ(::kill(rank1[0], SIGKILL), 0);
   const auto killed = std::chrono::steady_clock::now();
@@ -317,7 +317,7 @@ TEST_F(Parallel, AKilledRankStopsTheRunAndResumeContinues) {
   EXPECT_LT(seconds, kTimeout) << said;
   EXPECT_NE(said.find("rank 1 was killed by signal 9"), std::string::npos) << said;
   EXPECT_NE(said.find("lost rank 1"), std::string::npos) << said;
-  EXPECT_TRUE(children_with(launcher, "MOEPLAN_RANK=0").empty());
+  EXPECT_TRUE(rank_processes(launcher, 0).empty());
 
   const Command r = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + out +
                                 " --steps 20 --resume --timeout 60");

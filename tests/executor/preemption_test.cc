@@ -157,7 +157,7 @@ TEST_F(Preemption, ASignalToOneRankStopsEveryRankAtTheSameStep) {
   const std::string out = "one-rank-signalled", err = dir_->file(out + ".err");
   const pid_t launcher = spawn_moeplan(argv(out, {"--steps", "40"}), {}, dir_->file(out + ".out"), err);
   ASSERT_GE(wait_for_steps(out, 2, 120), 2u) << read_text(err);
-  const std::vector<pid_t> rank2 = children_with(launcher, "MOEPLAN_RANK=2");
+  const std::vector<pid_t> rank2 = rank_processes(launcher, 2);
   ASSERT_EQ(rank2.size(), 1u);
   ASSERT_EQ(::kill(rank2[0], SIGTERM), 0);
   const int code = wait_moeplan(launcher, 90);
@@ -180,7 +180,7 @@ TEST_F(Preemption, ASignalBeforeTheFirstStepLeavesAFreshFolder) {
   // As soon as the last rank has started: the ranks hold the signal until they catch it, and
   // they vote on it before their first step.
   const auto until = Clock::now() + std::chrono::seconds(60);
-  while (children_with(launcher, "MOEPLAN_RANK=3").empty() && Clock::now() < until)
+  while (rank_processes(launcher, 3).empty() && Clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ASSERT_EQ(::kill(launcher, SIGINT), 0);
   const int code = wait_moeplan(launcher, 90);

@@ -10,12 +10,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/process.h"
 #include "sockets.h"
 
 namespace moeplan::executor {
@@ -186,6 +193,88 @@ TEST(StoreSocket, ARankZeroStoreAdmitsTheListedPeers) {
   EXPECT_EQ(store->get("key"), std::vector<uint8_t>{'v'});
   EXPECT_TRUE(test::connects_from("127.0.0.3", port));
   EXPECT_FALSE(test::connects_from("127.0.0.2", port));
+}
+
+// What a rank of spawn_local_ranks writes into `dir` once every rank has reached the launcher's
+// store: how it was started, its place, and whether a stray moeplan variable reached it.
+int write_place(const std::string& dir, const std::string& how) {
+  const std::optional<RankEnv> env = rank_env_from_environment();
+  if (!env) return 10;
+  const auto store = join_store(*env, std::chrono::seconds(60));
+  store->add("arrived", 1);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (store->add("arrived", 0) < env->world_size)
+    if (std::chrono::steady_clock::now() > give_up) return 11;
+    else std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::ofstream(dir + "/rank-" + std::to_string(env->rank))
+      << how << " " << env->rank << " of " << env->world_size << " by " << env->launcher
+      << (std::getenv("MOEPLAN_STRAY") ? " stray" : "");
+  return 0;
+}
+
+std::string read_place(const std::string& dir, int64_t rank) {
+  std::ifstream in(dir + "/rank-" + std::to_string(rank));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+class LocalRanks : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char name[] = "/tmp/moeplan-ranks-XXXXXX";
+    ASSERT_NE(::mkdtemp(name), nullptr);
+    dir_ = name;
+    ::setenv("MOEPLAN_STRAY", "the launcher's", 1);
+  }
+  void TearDown() override {
+    ::unsetenv("MOEPLAN_STRAY");
+    std::filesystem::remove_all(dir_);
+  }
+  std::string dir_;
+};
+
+TEST_F(LocalRanks, AreCopiesOfTheLauncherAndReachItsStore) {
+  ASSERT_TRUE(one_thread_runs()) << "the test process runs threads of its own";
+  const std::string dir = dir_;
+  EXPECT_EQ(spawn_local_ranks({"never run"}, 3, [&] { return write_place(dir, "copy"); }, 30), 0);
+  for (int64_t r = 0; r < 3; ++r) EXPECT_EQ(read_place(dir_, r), "copy " + std::to_string(r) + " of 3 by moeplan");
+  EXPECT_STREQ(std::getenv("MOEPLAN_STRAY"), "the launcher's");
+  EXPECT_FALSE(rank_env_from_environment().has_value()) << "the launcher's own environment changed";
+}
+
+TEST_F(LocalRanks, AFailedRankGivesItsCode) {
+  const std::string dir = dir_;
+  const int code = spawn_local_ranks({"never run"}, 2, [&] {
+    const int placed = write_place(dir, "copy");
+    return placed != 0 ? placed : rank_env_from_environment()->rank == 1 ? 5 : 0;
+  }, 30);
+  EXPECT_EQ(code, 5);
+}
+
+// Started by the next test as its ranks (outside the fixture, which sets MOEPLAN_STRAY); skipped
+// when run on its own.
+TEST(LocalRank, AnExecutedRankWritesItsPlace) {
+  const char* dir = std::getenv("RANKS_TEST_DIR");
+  if (dir == nullptr || std::getenv("MOEPLAN_RANK") == nullptr) GTEST_SKIP() << "runs as a rank of the next test";
+  ASSERT_EQ(write_place(dir, "exec"), 0);
+}
+
+// A launcher with another thread cannot copy itself safely: its ranks run its program with the
+// arguments given (here this test program, running the test above).
+TEST_F(LocalRanks, ALauncherWithOtherThreadsStartsItsProgramInstead) {
+  std::promise<void> go;
+  std::thread other([done = go.get_future()]() mutable { done.wait(); });
+  ::setenv("RANKS_TEST_DIR", dir_.c_str(), 1);
+  const std::optional<std::string> self = this_program_path();
+  ASSERT_TRUE(self.has_value());
+  const int code = spawn_local_ranks({*self, "--gtest_filter=LocalRank.AnExecutedRankWritesItsPlace"}, 2,
+                                     [] { return 99; }, 30);
+  go.set_value();
+  other.join();
+  ::unsetenv("RANKS_TEST_DIR");
+  EXPECT_EQ(code, 0);
+  for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(read_place(dir_, r), "exec " + std::to_string(r) + " of 2 by moeplan");
 }
 
 }  // namespace

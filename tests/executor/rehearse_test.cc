@@ -215,7 +215,9 @@ TEST_F(Rehearse, MemoryRatiosBetweenLayoutsFollowTheMemoryModel) {
   ASSERT_EQ(s.exit_code, 0) << show(s);
   Command a, b;
   const Json& first = rehearsal(dir_->file("p16.json"), "r16", &a);
-  const Json& second = rehearsal(dir_->file("p16-e4s4.json"), "r16-e4s4", &b);
+  // Fewer micro-batches a step than the default for the second layout: they take turns with
+  // the same peak, which the memory model knows.
+  const Json& second = rehearsal(dir_->file("p16-e4s4.json"), "r16-e4s4", &b, "", " --shrink-micro-batches 8");
   ASSERT_TRUE(first.contains("memory")) << show(a);
   ASSERT_TRUE(second.contains("memory")) << show(b);
   const double measured = first["memory"]["measured_peak_tensor_bytes"].get<double>() /

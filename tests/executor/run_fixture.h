@@ -166,26 +166,28 @@ inline void write_four_rank_plans(const TempDir& dir, FourRankPlans& out,
   out.one_rank = one_rank;
 }
 
-// The process ids of `parent`'s children whose environment holds `entry`.
-inline std::vector<pid_t> children_with(pid_t parent, const std::string& entry) {
+// The processes of rank `rank` among `launcher`'s children: named "moeplan r<rank>" (a copy of
+// the launcher) or started with MOEPLAN_RANK=<rank> in their environment.
+inline std::vector<pid_t> rank_processes(pid_t launcher, int64_t rank) {
+  const std::string name = "moeplan r" + std::to_string(rank), entry = "MOEPLAN_RANK=" + std::to_string(rank);
   std::vector<pid_t> found;
   for (const auto& p : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = p.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string pid = p.path().filename().string();
+    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
     std::ifstream stat(p.path() / "stat");
     std::string line;
     std::getline(stat, line);
-    const auto close = line.rfind(')');
-    if (close == std::string::npos) continue;
+    const auto open = line.find('('), close = line.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close < open) continue;
     std::istringstream rest(line.substr(close + 2));
     std::string state;
     pid_t ppid = 0;
     rest >> state >> ppid;
-    if (ppid != parent) continue;
+    if (ppid != launcher) continue;
+    bool match = line.substr(open + 1, close - open - 1) == name;
     std::ifstream environ(p.path() / "environ", std::ios::binary);
-    std::string var;
-    while (std::getline(environ, var, '\0'))
-      if (var == entry) found.push_back(static_cast<pid_t>(std::stoi(name)));
+    for (std::string var; !match && std::getline(environ, var, '\0');) match = var == entry;
+    if (match) found.push_back(static_cast<pid_t>(std::stoi(pid)));
   }
   return found;
 }

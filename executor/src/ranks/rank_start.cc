@@ -5,6 +5,7 @@
 #include <linux/filter.h>
 #include <netdb.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@ extern char** environ;
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -179,41 +181,90 @@ std::optional<RankEnv> rank_env_from_environment() {
   return std::nullopt;
 }
 
-int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t failure_grace_seconds,
-                      int64_t stop_grace_seconds) {
-  // The store lives in this process, so it outlives any rank (a lost rank 0 included).
-  c10d::TCPStoreOptions so;
-  // Loopback, and this machine's own processes only: the ranks are on this machine.
-  so.masterListenFd = store_listening_socket("127.0.0.1", 0, {PeerRange{0x7f000001, 32}});
-  so.port = static_cast<uint16_t>(port_of(*so.masterListenFd));
-  so.isServer = true;
-  so.waitWorkers = false;
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  const std::string port = std::to_string(store->getPort());
+namespace {
+
+// In a rank copied from its launcher: the environment a started rank has (the launcher's
+// without its moeplan variables, and `vars`), no stop signal of the launcher's, and a name of
+// its own, "moeplan r<rank>" (ps -o comm, top; /proc/<pid>/environ still shows the launcher's
+// variables, which a copy does not change).
+void become_rank(int64_t rank, const std::vector<std::string>& vars) {
+  const std::string name = "moeplan r" + std::to_string(rank);  // at most 15 characters are kept
+  ::prctl(PR_SET_NAME, name.c_str(), 0, 0, 0);
+  std::vector<std::string> names;
+  for (char** e = environ; *e; ++e)
+    if (std::strncmp(*e, "MOEPLAN_", 8) == 0) names.emplace_back(*e, std::strcspn(*e, "="));
+  for (const std::string& name : names) ::unsetenv(name.c_str());
+  for (const std::string& v : vars) {
+    const size_t eq = v.find('=');
+    ::setenv(v.substr(0, eq).c_str(), v.substr(eq + 1).c_str(), 1);
+  }
+  reset_stop_signal();
+  catch_stop_signals();
+}
+
+}  // namespace
+
+int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, const std::function<int()>& rank_main,
+                      int64_t failure_grace_seconds, int64_t stop_grace_seconds) {
+  // Loopback, and this machine's own processes only: the ranks are on this machine. The store
+  // that takes the socket over starts its thread after the ranks have started, so that this
+  // process can copy itself into them.
+  const int listening = store_listening_socket("127.0.0.1", 0, {PeerRange{0x7f000001, 32}});
+  const int64_t port = port_of(listening);
+  const bool copies = one_thread_runs();
 
   std::map<pid_t, int64_t> children;
+  const auto kill_children = [&] {
+    for (const auto& [p, r] : children) ::kill(p, SIGKILL);
+  };
   for (int64_t rank = 0; rank < world_size; ++rank) {
-    ChildProgram child;
-    child.path = "/proc/self/exe";
-    child.argv = argv;
-    child.environment.emplace();
-    for (char** e = environ; *e; ++e)
-      if (std::strncmp(*e, "MOEPLAN_", 8) != 0) child.environment->emplace_back(*e);
-    child.environment->push_back("MOEPLAN_RANK=" + std::to_string(rank));
-    child.environment->push_back("MOEPLAN_WORLD_SIZE=" + std::to_string(world_size));
-    child.environment->push_back("MOEPLAN_LOCAL_RANK=" + std::to_string(rank));
-    child.environment->push_back("MOEPLAN_STORE_ADDR=127.0.0.1");
-    child.environment->push_back("MOEPLAN_STORE_PORT=" + port);
+    const std::vector<std::string> vars = {
+        "MOEPLAN_RANK=" + std::to_string(rank), "MOEPLAN_WORLD_SIZE=" + std::to_string(world_size),
+        "MOEPLAN_LOCAL_RANK=" + std::to_string(rank), "MOEPLAN_STORE_ADDR=127.0.0.1",
+        "MOEPLAN_STORE_PORT=" + std::to_string(port)};
     // The rank starts with stop signals blocked and unblocks them once it catches them: one
     // sent meanwhile waits instead of killing it half started.
-    child.blocked_signals = stop_signals();
-    const pid_t pid = start_child(child);
+    pid_t pid = -1;
+    if (copies) {
+      pid = start_copy(
+          [&] {
+            ::close(listening);
+            become_rank(rank, vars);
+            return rank_main();
+          },
+          stop_signals());
+    } else {
+      ChildProgram child;
+      child.path = "/proc/self/exe";
+      child.argv = argv;
+      child.environment.emplace();
+      for (char** e = environ; *e; ++e)
+        if (std::strncmp(*e, "MOEPLAN_", 8) != 0) child.environment->emplace_back(*e);
+      child.environment->insert(child.environment->end(), vars.begin(), vars.end());
+      child.blocked_signals = stop_signals();
+      pid = start_child(child);
+    }
     if (pid < 0) {
       std::perror("moeplan: fork");
-      for (const auto& [p, r] : children) ::kill(p, SIGKILL);
+      kill_children();
+      ::close(listening);
       return 1;
     }
     children[pid] = rank;
+  }
+
+  // The store lives in this process, so it outlives any rank (a lost rank 0 included).
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    c10d::TCPStoreOptions so;
+    so.masterListenFd = listening;
+    so.port = static_cast<uint16_t>(port);
+    so.isServer = true;
+    so.waitWorkers = false;
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (...) {
+    kill_children();
+    throw;
   }
 
   int failed = 0;   // the first failed rank's exit code

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,6 +30,19 @@ struct ChildProgram {
 // Starts `program`: the child's pid, or -1 with errno set when no child could be made. A child
 // that cannot open its output file or run its program exits with 127.
 pid_t start_child(const ChildProgram& program);
+
+// Whether this process runs one thread only (/proc/self/task); false when that cannot be read.
+bool one_thread_runs();
+
+// Starts a copy of this process (fork without exec): a child that runs `body` and exits with the
+// code it returns, through std::exit as if main had returned it (an exception out of `body` is
+// printed and exits 1; it never returns into the caller's code). The copy shares the program
+// this process has loaded instead of loading it again. Only a process that runs one thread may
+// copy itself (one_thread_runs()): a lock that another thread held would stay held in the copy.
+// What stdout and std::cout hold is written out first, so that the copy does not write it again;
+// `blocked_signals` are blocked in the copy as in ChildProgram. Returns the child's pid, or -1
+// with errno set when no child could be made.
+pid_t start_copy(const std::function<int()>& body, const std::vector<int>& blocked_signals = {});
 
 // How a child ended: by exit() with `code`, or killed by `signal`.
 struct ChildExit {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -74,14 +75,19 @@ struct JoinedWorld {
 };
 JoinedWorld join_world(const RankEnv& env, std::chrono::milliseconds timeout, const std::string& prefix);
 
-// Runs `argv` (this program's arguments) as `world_size` local ranks: hosts the rendezvous
-// store, starts /proc/self/exe once per rank with the moeplan variables set, and waits. When a
-// rank fails, the others get `failure_grace_seconds` to exit on their own (their collectives
-// time out and name the lost rank) before they are killed. A stop signal caught by this process
-// (catch_stop_signals) goes on to every rank, which then has `stop_grace_seconds` to save and
-// exit. Returns 0 when every rank succeeded, kExitStopped when they stopped early, else the
-// first failed rank's code.
-int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, int64_t failure_grace_seconds,
-                      int64_t stop_grace_seconds = 30);
+// Runs this program as `world_size` local ranks and waits for them: hosts the rendezvous store
+// and starts each rank with the moeplan variables set (rank_env_from_environment() reads them).
+// A rank is a copy of this process (start_copy) that goes on with `rank_main` and exits with
+// what it returns: it shares the LibTorch this process has loaded instead of loading it again
+// (about half a second of CPU a rank). A launcher that runs other threads cannot be copied
+// safely; its ranks run /proc/self/exe with `argv` (this program's arguments) instead, which
+// brings them to the same `rank_main` through main. The launcher must not have started CUDA,
+// whose threads would make it the second kind. When a rank fails, the others get
+// `failure_grace_seconds` to exit on their own (their collectives time out and name the lost
+// rank) before they are killed. A stop signal caught by this process (catch_stop_signals) goes
+// on to every rank, which then has `stop_grace_seconds` to save and exit. Returns 0 when every
+// rank succeeded, kExitStopped when they stopped early, else the first failed rank's code.
+int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, const std::function<int()>& rank_main,
+                      int64_t failure_grace_seconds, int64_t stop_grace_seconds = 30);
 
 }  // namespace moeplan::executor
