@@ -27,13 +27,15 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   // three steps and two rounds on a shared machine are noisier than the full matrix; measured
   // here: median 5 to 15%, worst 16 to 21%, memory 8 to 9%, Kendall tau 0.67 to 1
   // (docs/validation.md). A shared machine's speed also drifts: once, every run of a validation
-  // measured 15 to 67% slower than the calibration of a minute before, both ranks alike. A
-  // broken timing bound therefore calibrates and validates once more; any other failure, or a
-  // second broken bound, fails.
+  // measured 15 to 67% slower than the calibration of a minute before, both ranks alike, and
+  // once in CI two calibrations and validations in a row did, at the same binary's measured
+  // step times as usual when run again. A broken timing bound therefore calibrates and
+  // validates again, three times in all; any other failure, or a third broken bound, fails.
   const std::string profile = dir.file("local-test.json");
   std::string val_dir;
   Command cal, val;
-  for (int attempt = 1; attempt <= 2; ++attempt) {
+  constexpr int kAttempts = 3;
+  for (int attempt = 1; attempt <= kAttempts; ++attempt) {
     cal = run_moeplan("calibrate --ranks 2 --quick --passes 2 --model " + model + " --name local-test --out " + profile);
     ASSERT_EQ(cal.exit_code, 0) << show(cal);
     val_dir = dir.file("val" + std::to_string(attempt));
@@ -43,7 +45,7 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     const bool timing_bound = val.err.find("bound broken: median step-time") != std::string::npos ||
                               val.err.find("bound broken: worst step-time") != std::string::npos ||
                               val.err.find("bound broken: Kendall") != std::string::npos;
-    if (val.exit_code == 0 || !timing_bound || attempt == 2) break;
+    if (val.exit_code == 0 || !timing_bound || attempt == kAttempts) break;
     std::cout << "attempt " << attempt << " broke a timing bound; calibrating again:\n" << show(val) << "\n";
   }
   EXPECT_NE(cal.out.find("calibrate ["), std::string::npos) << "progress is shown";
