@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 
+#include "moeplan/core/errors.h"
 #include "moeplan/core/rules.h"
 
 namespace moeplan {
@@ -14,17 +15,6 @@ constexpr int64_t kMaxLayers = 4096;
 constexpr int64_t kMaxExperts = 4096;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;
 
-// The fields Hugging Face's config.json names otherwise: {ours, theirs}.
-constexpr std::array<std::pair<std::string_view, std::string_view>, 3> kHfNames{
-    {{"experts_per_token", "num_experts_per_tok"}, {"num_layers", "num_hidden_layers"},
-     {"num_experts", "num_local_experts"}}};
-
-// The name config.json gives the field moeplan calls `ours`.
-std::string_view hf_name(std::string_view ours) {
-  for (const auto& [name, theirs] : kHfNames)
-    if (name == ours) return theirs;
-  return ours;
-}
 }  // namespace
 
 ParamCounts count_parameters(const ModelSpec& m) {
@@ -36,8 +26,11 @@ ParamCounts count_parameters(const ModelSpec& m) {
   p.final_norm = m.hidden_size;
   // q: hidden -> heads*head_dim, k and v: hidden -> kv_heads*head_dim, o: heads*head_dim -> hidden.
   p.attention_per_layer = 2 * m.hidden_size * q_width + 2 * m.hidden_size * kv_width;
-  p.norms_per_layer = 2 * m.hidden_size;
+  p.biases_per_layer = m.qkv_bias ? q_width + 2 * kv_width : 0;
+  p.norms_per_layer = 2 * m.hidden_size + (m.qk_norm ? 2 * m.head_dim : 0);
   p.router_per_layer = m.hidden_size * m.router_width();
+  p.shared_expert_per_layer =
+      m.mlp_matrices() * m.hidden_size * m.shared_expert_intermediate_size + (m.shared_expert_gate ? m.hidden_size : 0);
   p.expert = m.mlp_matrices() * m.hidden_size * m.intermediate_size;
   p.num_layers = m.num_layers;
   p.num_experts = m.num_experts;
@@ -50,7 +43,7 @@ double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
   const double h = static_cast<double>(m.hidden_size);
   const double layers = static_cast<double>(m.num_layers);
   // Matrix multiplies: 2 FLOPs per weight a token touches (embedding lookup is not a GEMM).
-  const double weights = static_cast<double>(p.attention_per_layer + p.router_per_layer +
+  const double weights = static_cast<double>(p.attention_per_layer + p.router_per_layer + p.shared_expert_per_layer +
                                              m.experts_per_token * p.expert) *
                              layers +
                          static_cast<double>(m.vocab_size) * h;
@@ -71,6 +64,17 @@ static int64_t derived_head_dim(const ModelSpec& m, ObjectReader& r, const char*
                                                       " exceeds hidden_size = " + std::to_string(m.hidden_size) +
                                                       ", so head_dim = hidden_size / heads would be 0; give head_dim");
   return std::max<int64_t>(head_dim, 1);
+}
+
+// Shared experts sit beside routed ones, and a gate needs something to scale. `width` and
+// `gate` are the file's names for the two fields.
+static void check_shared_experts(const ModelSpec& m, ObjectReader& r, const char* width, const char* gate) {
+  if (!r.diagnostics().empty()) return;
+  if (m.shared_experts() && m.dense())
+    r.diagnostics().error(r.path_of(width), "= " + std::to_string(m.shared_expert_intermediate_size) +
+                                                " in a dense model (one expert): give its width as intermediate_size");
+  if (m.shared_expert_gate && !m.shared_experts())
+    r.diagnostics().error(r.path_of(gate), "= true without shared experts (" + std::string(width) + " = 0)");
 }
 
 ModelSpec read_model(ObjectReader& r) {
@@ -100,6 +104,11 @@ ModelSpec read_model(ObjectReader& r) {
   m.mlp = r.choice<Mlp>("mlp", kMlpNames, Mlp::kSwiGlu);
   m.norm = r.choice<Norm>("norm", kNormNames, Norm::kRmsNorm);
   m.dropout = r.number("dropout", 0.0, 0.99, 0.0);
+  m.shared_expert_intermediate_size = r.integer("shared_expert_intermediate_size", 0, kMaxDim, 0);
+  m.shared_expert_gate = r.boolean("shared_expert_gate", false);
+  m.qk_norm = r.boolean("qk_norm", false);
+  m.qkv_bias = r.boolean("qkv_bias", false);
+  check_shared_experts(m, r, "shared_expert_intermediate_size", "shared_expert_gate");
   return m;
 }
 
@@ -122,66 +131,144 @@ ModelSpec model_from_json(const Json& json, const std::string& origin) {
   return m;
 }
 
+namespace {
+
+// The Hugging Face architectures moeplan reads, by model_type.
+enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe };
+constexpr std::array<std::pair<std::string_view, HfType>, 4> kHfTypes{{{"mixtral", HfType::kMixtral},
+                                                                        {"llama", HfType::kLlama},
+                                                                        {"qwen2_moe", HfType::kQwen2Moe},
+                                                                        {"qwen3_moe", HfType::kQwen3Moe}}};
+
+// Fields of PretrainedConfig and of the architectures above that change neither a step's time
+// nor its memory (token ids, caching, output switches, inference-only rope scaling, dtypes,
+// routing details that cost the same). Anything else a reader does not ask for is reported: a
+// misspelt field would otherwise silently take its default, and a field moeplan does not model
+// would be planned without.
+constexpr std::array kHfAccepted = {
+    "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
+    "output_router_logits", "router_jitter_noise", "torch_dtype", "dtype",
+    "transformers_version", "use_cache", "return_dict", "output_hidden_states",
+    "output_attentions", "torchscript", "use_bfloat16", "tokenizer_class", "rope_scaling",
+    "_attn_implementation", "_commit_hash", "quantization_config", "norm_topk_prob"};
+
+// The config's own name of the field moeplan calls `ours`, for messages.
+std::string_view hf_field(HfType type, std::string_view ours) {
+  const bool qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
+  if (ours == "experts_per_token") return "num_experts_per_tok";
+  if (ours == "num_layers") return "num_hidden_layers";
+  if (ours == "num_experts") return qwen ? "num_experts" : "num_local_experts";
+  if (ours == "intermediate_size" && qwen) return "moe_intermediate_size";
+  return ours;
+}
+
+// What Qwen2-MoE and Qwen3-MoE configs say beyond the common fields: fine-grained routed
+// experts (moe_intermediate_size; intermediate_size is the width of dense layers, which these
+// readers refuse), Qwen2-MoE's gated shared expert and q/k/v biases, Qwen3's q/k norms.
+void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
+  Diagnostics& d = r.diagnostics();
+  m.num_experts = r.integer("num_experts", 1, kMaxExperts, qwen3 ? 128 : 60);
+  m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, qwen3 ? 8 : 4);
+  m.intermediate_size = r.integer("moe_intermediate_size", 1, kMaxDim, qwen3 ? 768 : 1408);
+  r.integer("intermediate_size", 1, kMaxDim, qwen3 ? 6144 : 5632);  // dense layers' width: none here
+  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 32768);
+  m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
+  m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
+  m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
+  if (const int64_t step = r.integer("decoder_sparse_step", 1, kMaxLayers, 1); step != 1)
+    d.error("decoder_sparse_step", "= " + std::to_string(step) +
+                                       ": dense layers between MoE layers are not modelled yet (every layer MoE: 1)");
+  if (const Json* dense = r.child("mlp_only_layers", true); dense && !dense->is_null() &&
+                                                            !(dense->is_array() && dense->empty()))
+    d.error("mlp_only_layers", "= " + (dense->is_array() ? dense->dump() : describe_json(*dense)) +
+                                   ": dense layers among MoE layers are not modelled yet");
+  // The window applies only where use_sliding_window says so, to the layers from
+  // max_window_layers on.
+  if (r.boolean("use_sliding_window", false))
+    d.error("use_sliding_window", "= true: a sliding window on some layers is not modelled yet");
+  r.ignore("sliding_window");
+  r.ignore("max_window_layers");
+  if (qwen3) {
+    m.qk_norm = true;
+    if (r.boolean("attention_bias", false))
+      d.error("attention_bias", "= true: biases on Qwen3's attention projections are not modelled");
+  } else {
+    m.qkv_bias = r.boolean("qkv_bias", true);
+    m.shared_expert_intermediate_size = r.integer("shared_expert_intermediate_size", 0, kMaxDim, 5632);
+    m.shared_expert_gate = m.shared_experts();
+  }
+}
+
+}  // namespace
+
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
   Diagnostics d;
   ObjectReader r(json, "", d);
   ModelSpec m;
+  HfType type = HfType::kMixtral;
   if (r.ok()) {
-    const std::string type = r.string("model_type");
-    if (!type.empty() && type != "mixtral" && type != "llama")
-      d.error("model_type", "expected \"mixtral\" or \"llama\", got \"" + type + "\"");
-    // LlamaConfig: a dense model, and its own defaults (transformers' LlamaConfig).
-    const bool llama = type == "llama";
-    m.name = r.string("_name_or_path", llama ? "hf-llama" : "hf-mixtral");
-    if (m.name.empty()) m.name = llama ? "hf-llama" : "hf-mixtral";
+    const std::string name = r.string("model_type");
+    bool known = false;
+    for (const auto& [type_name, t] : kHfTypes)
+      if (type_name == name) {
+        type = t;
+        known = true;
+      }
+    if (!name.empty() && !known)
+      d.error("model_type", "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" or \"llama\", got \"" + name + "\"");
+    // Each architecture's own defaults (transformers' config classes).
+    const bool llama = type == HfType::kLlama, qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
+    const std::string fallback_name = "hf-" + std::string(name_of(kHfTypes, type));
+    m.name = r.string("_name_or_path", fallback_name);
+    if (m.name.empty()) m.name = fallback_name;
     m.source = "Hugging Face config.json (" + origin + ")";
-    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, 32000);
-    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, 4096);
-    m.intermediate_size = r.integer("intermediate_size", 1, kMaxDim, llama ? 11008 : 14336);
-    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, 32);
-    m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim, 32);
+    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, qwen ? 151936 : 32000);
+    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, qwen ? 2048 : 4096);
+    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, qwen ? 24 : 32);
+    m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim, type == HfType::kQwen2Moe ? 16 : 32);
     // LlamaConfig: no num_key_value_heads (or null) means one per query head.
     const auto kv_heads = r.nullable_integer("num_key_value_heads", 1, kMaxDim);
-    m.num_key_value_heads = kv_heads ? *kv_heads : (llama ? m.num_attention_heads : 8);
+    m.num_key_value_heads = kv_heads                         ? *kv_heads
+                            : llama                          ? m.num_attention_heads
+                            : type == HfType::kQwen2Moe      ? 16
+                            : type == HfType::kQwen3Moe      ? 4
+                                                             : 8;
     // Newer transformers versions write head_dim explicitly (sometimes as null).
     auto head_dim = r.nullable_integer("head_dim", 1, kMaxDim);
     m.head_dim = head_dim ? *head_dim : derived_head_dim(m, r, "num_attention_heads");
     if (llama) {
       m.num_experts = 1;
       m.experts_per_token = 1;
+      m.intermediate_size = r.integer("intermediate_size", 1, kMaxDim, 11008);
       m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 2048);
       m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
       m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
       r.ignore("pretraining_tp");
       r.ignore("mlp_bias");
+      r.ignore("attention_bias");
+    } else if (qwen) {
+      read_qwen_moe(m, r, type == HfType::kQwen3Moe);
     } else {
       m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
       m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
+      m.intermediate_size = r.integer("intermediate_size", 1, kMaxDim, 14336);
       m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 4096 * 32);
       m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e6);
       m.sliding_window = r.nullable_integer("sliding_window", 1, kMaxPositions);
       m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-5);
+      m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
+      r.ignore("attention_bias");
     }
     m.initializer_range = r.number("initializer_range", 0.0, 10.0, 0.02);
     m.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-    if (!llama) m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
     const std::string act = r.string("hidden_act", "silu");
     if (act != "silu") d.error("hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"" + act + "\"");
-    // Fields of MixtralConfig and PretrainedConfig that do not change the model's shape or
-    // cost. Anything else is reported: a misspelt field would otherwise silently take its
-    // default.
-    static constexpr std::array kAccepted = {
-        "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
-        "output_router_logits", "router_jitter_noise", "torch_dtype", "dtype",
-        "transformers_version", "use_cache", "return_dict", "output_hidden_states",
-        "output_attentions", "torchscript", "use_bfloat16", "tokenizer_class", "rope_scaling",
-        "attention_bias", "_attn_implementation", "_commit_hash", "quantization_config"};
-    for (const char* key : kAccepted) r.ignore(key);
+    for (const char* key : kHfAccepted) r.ignore(key);
     r.finish();
   }
   if (d.empty()) {
     // Rules speak of moeplan's names; report the config's own.
-    for (const Violation& v : validate_model(m)) d.error(std::string(hf_name(v.field)), v.message);
+    for (const Violation& v : validate_model(m)) d.error(std::string(hf_field(type, v.field)), v.message);
   }
   d.throw_if_any(origin);
   return m;
@@ -206,7 +293,7 @@ void put_sizes(const ModelSpec& m, bool hf_names, Json& j) {
                                      {"head_dim", m.head_dim},
                                      {"num_experts", m.num_experts},
                                      {"experts_per_token", m.experts_per_token}})
-    j[std::string(hf_names ? hf_name(field) : field)] = value;
+    j[std::string(hf_names ? hf_field(HfType::kMixtral, field) : field)] = value;
 }
 
 // The fields both formats name alike.
@@ -223,6 +310,11 @@ void put_positions_and_norms(const ModelSpec& m, Json& j) {
 }  // namespace
 
 Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
+  // A MixtralConfig has none of these.
+  for (const auto& [field, has] : {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
+                                   {"qk_norm", m.qk_norm},
+                                   {"qkv_bias", m.qkv_bias}})
+    if (has) throw InputError(m.name, {{field, "a Mixtral config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
   j["architectures"] = {"MixtralForCausalLM"};
@@ -246,6 +338,10 @@ Json to_json(const ModelSpec& m) {
   j["mlp"] = std::string(name_of(kMlpNames, m.mlp));
   if (m.norm != Norm::kRmsNorm) j["norm"] = std::string(name_of(kNormNames, m.norm));
   if (m.dropout > 0) j["dropout"] = m.dropout;
+  if (m.shared_experts()) j["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size;
+  if (m.shared_expert_gate) j["shared_expert_gate"] = true;
+  if (m.qk_norm) j["qk_norm"] = true;
+  if (m.qkv_bias) j["qkv_bias"] = true;
   return j;
 }
 

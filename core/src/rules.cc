@@ -84,7 +84,9 @@ void check_model(const ModelSpec& m, Sink& sink) {
   const double params =
       2.0 * static_cast<double>(m.vocab_size) * h +
       layers * (4.0 * h * static_cast<double>(m.num_attention_heads * m.head_dim) +
-                static_cast<double>(m.num_experts * m.mlp_matrices()) * h * static_cast<double>(m.intermediate_size));
+                static_cast<double>(m.mlp_matrices()) * h *
+                    (static_cast<double>(m.num_experts) * static_cast<double>(m.intermediate_size) +
+                     static_cast<double>(m.shared_expert_intermediate_size)));
   if (params > kMaxParameters)
     sink(Rule::kModelSize, "num_layers", [&] {
       return "and the other sizes give about " + str(params) + " parameters, over the supported " +

@@ -32,6 +32,7 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double bytes = static_cast<double>(a);
   const double h = static_cast<double>(m.hidden_size);
   const double f = static_cast<double>(m.intermediate_size);
+  const double shared = static_cast<double>(m.shared_expert_intermediate_size);
   const double q = static_cast<double>(m.num_attention_heads * m.head_dim);
   const double kv = static_cast<double>(m.num_key_value_heads * m.head_dim);
   const double heads = static_cast<double>(m.num_attention_heads);
@@ -66,16 +67,21 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
     const double gemm_input = fp8 ? 1.0 : bytes;
     // The norm's input and output (the q/k/v input), q, k and v (after RoPE), the attention
     // output (o_proj input), the core's, and dropout's mask on the sub-block's output.
+    // q and k's norms (qk_norm) keep their inputs.
+    const double qk_norm = m.qk_norm ? q + kv : 0.0;
     out.attention = to_bytes(t * (h * bytes + h * gemm_input + mask * h) * outside +
-                             t * ((q + 2 * kv) * bytes + q * gemm_input) * inside + core);
+                             t * ((q + 2 * kv + qk_norm) * bytes + q * gemm_input) * inside + core);
     // The norm's input and output (the first GEMM's input), dropout's mask; an MoE keeps the
     // fp32 router probabilities and per token-expert slot the expert input and output (the
     // permuted copy, and the row returned for the weighted sum); then per slot the
     // intermediate-width tensors (GELU: fc1's output and its GELU, the fc2 input).
+    // Shared experts take every token through the same intermediate-width tensors at their
+    // width, from the input the router reads; a gate keeps their output and its fp32 value.
     out.moe = to_bytes((t * (h * bytes + h * gemm_input + mask * h) +
-                        (dense ? 0.0 : t * router * kBytesFp32 + routed * h * (gemm_input + bytes))) *
+                        (dense ? 0.0 : t * router * kBytesFp32 + routed * h * (gemm_input + bytes)) +
+                        (m.shared_expert_gate ? t * (h * bytes + kBytesFp32) : 0.0)) *
                            outside +
-                       routed * ((mlp_kept - 1) * bytes + gemm_input) * f * inside);
+                       (routed * f + t * shared) * ((mlp_kept - 1) * bytes + gemm_input) * inside);
     return out;
   }
   // Eager: each norm keeps its input and fp32 statistics per row (the executor's fused RMSNorm:
@@ -88,12 +94,18 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double k = static_cast<double>(m.experts_per_token);
   const double norm_stats = t * (m.norm == Norm::kRmsNorm ? 1.0 : 2.0) * kBytesFp32;
   const double qkv_kept = attention == AttentionKernel::kFlash ? 3 * q + 2 * kv : 4 * q;
-  out.attention =
-      to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h) * outside + t * qkv_kept * bytes * inside + core);
+  // q and k's norms keep their inputs and an fp32 statistic per head and token.
+  const double qk_norm = m.qk_norm ? t * ((q + kv) * bytes + static_cast<double>(m.num_attention_heads +
+                                                                                    m.num_key_value_heads) *
+                                                                   kBytesFp32)
+                                   : 0.0;
+  out.attention = to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h) * outside +
+                           (t * qkv_kept * bytes + qk_norm) * inside + core);
   out.moe = to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h +
-                      (dense ? 0.0 : t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes)) *
+                      (dense ? 0.0 : t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes) +
+                      (m.shared_expert_gate ? t * (h * bytes + kBytesFp32) : 0.0)) *
                          outside +
-                     routed * (mlp_kept + (m.mlp == Mlp::kSwiGlu ? 1.0 : 0.0)) * f * bytes * inside);
+                     (routed * f + t * shared) * (mlp_kept + (m.mlp == Mlp::kSwiGlu ? 1.0 : 0.0)) * bytes * inside);
   return out;
 }
 

@@ -128,6 +128,7 @@ class KernelListBuilder {
     local_ = tokens_ / sp_;
     h_ = static_cast<double>(m_.hidden_size);
     f_ = static_cast<double>(m_.intermediate_size) / tp_;
+    shared_ = static_cast<double>(m_.shared_expert_intermediate_size) / tp_;
     q_ = static_cast<double>(m_.num_attention_heads * m_.head_dim) / tp_;
     kv_ = static_cast<double>(m_.num_key_value_heads * m_.head_dim) / tp_;
     heads_ = static_cast<double>(m_.num_attention_heads) / tp_;
@@ -173,8 +174,8 @@ class KernelListBuilder {
   // reads the input and writes the output, and in backward reads input and gradient and
   // writes the gradient. Hugging Face's eager RMSNorm runs eight kernels: to fp32, pow, mean,
   // add, rsqrt, multiply, back to the compute dtype, times the weight.
-  void norm(KernelList& l, std::string_view name, double rows, bool backward) {
-    const double e = rows * h_;
+  void norm(KernelList& l, std::string_view name, double rows, bool backward, double width = 0) {
+    const double e = rows * (width > 0 ? width : h_);
     if (fused_ || m_.norm == Norm::kLayerNorm) {
       memory(l, name, backward ? 3.0 * e * a_ : 2.0 * e * a_, backward ? 2 : 1);
       return;
@@ -272,6 +273,7 @@ class KernelListBuilder {
     if (!backward) {
       norm(l, "norm", local_, false);
       projections(l, false);
+      if (m_.qk_norm) norm(l, "qk_norm", tokens_, false, q_ + kv_);
       rotary(l);
       repeat_kv(l);
       l.append(core);
@@ -284,9 +286,49 @@ class KernelListBuilder {
     l.append(core);
     repeat_kv(l);
     rotary(l);
+    if (m_.qk_norm) norm(l, "qk_norm", tokens_, true, q_ + kv_);
     projections(l, true);
     norm(l, "norm", local_, true);
     return l;
+  }
+
+  // Shared experts: a feed-forward layer of their width on every token (all of them gathered
+  // under sequence parallelism), after the routed experts (Megatron-Core computes them in turn
+  // unless told to overlap them with the dispatch); a gate scales their output by a sigmoid.
+  void shared_experts(KernelList& l, bool backward) {
+    if (!m_.shared_experts()) return;
+    const bool swiglu = m_.mlp == Mlp::kSwiGlu;
+    auto up = [&] {
+      if (swiglu && !fused_) {
+        gemm(l, "shared_expert.w1", tokens_, shared_, h_, backward, linear_);
+        gemm(l, "shared_expert.w3", tokens_, shared_, h_, backward, linear_);
+      } else {
+        gemm(l, "shared_expert.fc1", tokens_, swiglu ? 2.0 * shared_ : shared_, h_, backward, linear_);
+      }
+    };
+    auto activation = [&] {
+      const double e = tokens_ * shared_;
+      const double bytes = (swiglu ? (fused_ ? 3.0 : 5.0) : 2.0) * e * a_;
+      const double kernels = swiglu && !fused_ ? 2 : 1;
+      memory(l, "shared_expert.activation", backward ? (swiglu ? 5.0 / 3.0 : 1.5) * bytes : bytes,
+             backward ? 2 * kernels : kernels);
+    };
+    auto gate = [&] {
+      if (!m_.shared_expert_gate) return;
+      gemm(l, "shared_expert.gate", local_, 1, h_, backward, plain_, 1, false);
+      memory(l, "shared_expert.gate_scale", (backward ? 4.0 : 3.0) * local_ * h_ * a_, backward ? 2 : 2);
+    };
+    if (!backward) {
+      up();
+      activation();
+      gemm(l, "shared_expert.fc2", tokens_, h_, shared_, false, linear_);
+      gate();
+      return;
+    }
+    gate();
+    gemm(l, "shared_expert.fc2", tokens_, h_, shared_, true, linear_);
+    activation();
+    up();
   }
 
   // The MoE (or MLP) sub-block on a rank whose experts get `load` times the mean share.
@@ -305,8 +347,10 @@ class KernelListBuilder {
     auto experts_gemm = [&](std::string_view name, double n, double kk) {
       if (fused_ || dense) {
         gemm(l, name, rows, n, kk, backward, linear_, local_experts);
-      } else {
-        for (int i = 0; i < static_cast<int>(local_experts); ++i) gemm(l, name, rows, n, kk, backward, linear_);
+      } else {  // the experts' GEMMs are alike: one is priced, and counted once per expert
+        KernelList one;
+        gemm(one, name, rows, n, kk, backward, linear_);
+        l.append(one, local_experts);
       }
     };
     auto activation = [&] {
@@ -345,10 +389,12 @@ class KernelListBuilder {
       activation();
       experts_gemm("fc2", h_, f_);
       permute("unpermute");
+      shared_experts(l, false);
       residual(l, local_, false);
       return l;
     }
     residual(l, local_, true);
+    shared_experts(l, true);
     permute("unpermute");
     experts_gemm("fc2", h_, f_);
     activation();
@@ -398,8 +444,8 @@ class KernelListBuilder {
   double last_wgrad_s_ = 0;
   double a_ = 2;
   GemmType linear_ = GemmType::kBf16, plain_ = GemmType::kBf16;
-  double tp_ = 1, sp_ = 1, seq_ = 0, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, q_ = 0, kv_ = 0, heads_ = 0,
-         head_dim_ = 0, vocab_ = 0, context_ = 0;
+  double tp_ = 1, sp_ = 1, seq_ = 0, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, shared_ = 0, q_ = 0, kv_ = 0,
+         heads_ = 0, head_dim_ = 0, vocab_ = 0, context_ = 0;
 };
 
 }  // namespace

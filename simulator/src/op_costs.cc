@@ -13,7 +13,9 @@ namespace moeplan::sim {
 bool op_times_apply(const RunConfig& c) {
   const OpTimes& t = c.cluster.op_times;
   const ModelSpec& m = c.model;
-  return !t.empty() && t.hidden_size == m.hidden_size && t.intermediate_size == m.intermediate_size &&
+  // The executor measures Mixtral's blocks: no shared experts, q/k norms or biases.
+  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && t.hidden_size == m.hidden_size &&
+         t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
          t.head_dim == m.head_dim && t.num_experts == m.num_experts && t.experts_per_token == m.experts_per_token &&
          t.vocab_size == m.vocab_size && t.seq_len == c.training.seq_len &&
@@ -215,7 +217,8 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   // the experts' over the slots they computed.
   if (p.tensor_parallel_degree > 1) {
     o.tensor_bytes = tokens * h * a;
-    o.tensor_moe_bytes = busiest_slots * h * a;
+    // Shared experts reduce their own output over the tokens.
+    o.tensor_moe_bytes = (busiest_slots + (m.shared_experts() ? tokens : 0.0)) * h * a;
   }
   // Each tensor-parallel rank sends its 1/T of the activation to the next stage, which gathers
   // it over the node's fabric (Narayanan et al. 2021, section 4.1, scatter/gather optimisation);

@@ -538,7 +538,8 @@ TEST(ModelProfile, ProblemsFromAFile) {
 }
 
 TEST(ModelProfile, ShippedProfilesRoundTrip) {
-  for (const char* name : {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny"}) {
+  for (const char* name :
+       {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen2-57b-a14b"}) {
     const ModelSpec m = read_model_file(profile_path(std::string("models/") + name + ".json"));
     EXPECT_EQ(m.name, name);
     EXPECT_EQ(model_from_json(Json::parse(to_json(m).dump()), "again"), m) << name;
@@ -590,7 +591,8 @@ TEST(HfConfig, ProblemsFromAFile) {
       {"/sliding_window", 0, "sliding_window", "must be in [1, 16777216], got 0"},
       {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
       {"/num_local_expert", 16, "num_local_expert", "unknown field"},
-      {"/model_type", "gpt2", "model_type", "expected \"mixtral\" or \"llama\", got \"gpt2\""},
+      {"/model_type", "gpt2", "model_type",
+       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" or \"llama\", got \"gpt2\""},
       {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"gelu\""},
       {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
   };
@@ -605,6 +607,80 @@ TEST(HfConfig, ProblemsFromAFile) {
     EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
     EXPECT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
   }
+}
+
+// Qwen3-MoE and Qwen2-MoE configs as published on the Hugging Face hub read as the shipped
+// profiles, whose parameter counts are the model cards' (total and active).
+TEST(HfConfig, QwenMoeConfigsReadAsTheShippedProfiles) {
+  struct Case {
+    const char* config;
+    const char* profile;
+    double total, active;  // the model card's, in billions
+  };
+  for (const Case& c : {Case{"hf/qwen3-30b-a3b/config.json", "models/qwen3-30b-a3b.json", 30.5, 3.3},
+                        Case{"hf/qwen2-57b-a14b/config.json", "models/qwen2-57b-a14b.json", 57.4, 14.2}}) {
+    SCOPED_TRACE(c.config);
+    ModelSpec hf = read_model_file(data_path(c.config));
+    const ModelSpec profile = read_model_file(profile_path(c.profile));
+    hf.name = profile.name;
+    hf.source = profile.source;
+    EXPECT_EQ(hf, profile);
+    const ParamCounts p = count_parameters(profile);
+    EXPECT_NEAR(static_cast<double>(p.total()) / 1e9, c.total, 0.1);
+    EXPECT_NEAR(static_cast<double>(p.active()) / 1e9, c.active, 0.1);
+  }
+  const ParamCounts big = count_parameters(read_model_file(profile_path("models/qwen3-235b-a22b.json")));
+  EXPECT_NEAR(static_cast<double>(big.total()) / 1e9, 235.1, 0.5);
+  EXPECT_NEAR(static_cast<double>(big.active()) / 1e9, 22.1, 0.2);
+}
+
+// What a Qwen config says that moeplan does not model is refused naming the field; fields that
+// change neither time nor memory are read and dropped.
+TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
+  const Json qwen3 = parse_json_text(read_text(data_path("hf/qwen3-30b-a3b/config.json")), "config.json");
+  const std::vector<ProfileEdit> edits = {
+      {"/decoder_sparse_step", 2, "decoder_sparse_step",
+       "= 2: dense layers between MoE layers are not modelled yet (every layer MoE: 1)"},
+      {"/mlp_only_layers", Json::array({0, 1}), "mlp_only_layers",
+       "= [0,1]: dense layers among MoE layers are not modelled yet"},
+      {"/use_sliding_window", true, "use_sliding_window", "= true: a sliding window on some layers is not modelled yet"},
+      {"/attention_bias", true, "attention_bias", "= true: biases on Qwen3's attention projections are not modelled"},
+      {"/num_nextn_predict_layers", 1, "num_nextn_predict_layers", "unknown field"},
+      {"/num_experts_per_tok", 129, "num_experts_per_tok", "= 129 exceeds num_experts = 128"},
+  };
+  TempDir dir;
+  for (const ProfileEdit& edit : edits) {
+    Json json = qwen3;
+    json[Json::json_pointer(edit.pointer)] = edit.value;
+    const std::string path = dir.write("config.json", json);
+    const auto problems = problems_of([&] { read_model_file(path); }, path);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+  }
+  Json accepted = qwen3;
+  accepted["norm_topk_prob"] = false;
+  accepted["rope_scaling"] = Json::object({{"type", "yarn"}, {"factor", 4.0}});
+  EXPECT_EQ(model_from_hf_config(accepted, "config.json"), model_from_hf_config(qwen3, "config.json"));
+  // A Mixtral config.json cannot hold a Qwen model.
+  EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen3-30b-a3b.json")), "bfloat16"), InputError);
+}
+
+TEST(ModelProfile, SharedExpertFieldsAreChecked) {
+  Json json = Json::parse(read_text(profile_path("models/mixtral-8x7b.json")));
+  json["shared_expert_gate"] = true;
+  TempDir dir;
+  auto problems = problems_of([&] { read_model_file(dir.write("m.json", json)); }, dir.file("m.json"));
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
+  EXPECT_EQ(problems[0].path, "shared_expert_gate");
+  EXPECT_EQ(problems[0].message, "= true without shared experts (shared_expert_intermediate_size = 0)");
+  json.erase("shared_expert_gate");
+  json["num_experts"] = 1;
+  json["experts_per_token"] = 1;
+  json["shared_expert_intermediate_size"] = 1024;
+  problems = problems_of([&] { read_model_file(dir.write("m.json", json)); }, dir.file("m.json"));
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
+  EXPECT_EQ(problems[0].path, "shared_expert_intermediate_size");
 }
 
 // Rule problems of a Hugging Face config name the config's own fields (num_experts_per_tok,

@@ -187,6 +187,35 @@ TEST(ExportLaunch, MegatronArgumentsFollowThePlan) {
   EXPECT_NE(sh.find("pretrain_gpt.py"), std::string::npos);
 }
 
+// Qwen2-MoE's gated shared expert and q/k/v biases, and Qwen3's q/k norms, in Megatron-LM's own
+// flags; Mixtral has none of them.
+TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 8;
+  pins.tensor_parallel_degree = 1;
+  pins.pipeline_parallel_degree = 2;
+  const auto args_of = [&](const char* model) {
+    const Plan plan = searched(model, "p5.48xlarge", 64, test::framework_rules("megatron"), pins, Precision::kMixed);
+    return megatron_args(file(launch::export_launch(plan, test::framework_rules("megatron"), "plan.json"),
+                              "megatron-args.txt")
+                             .text);
+  };
+  const auto qwen2 = args_of("qwen2-57b-a14b");
+  EXPECT_EQ(qwen2.at("--moe-shared-expert-intermediate-size"), "20480");
+  EXPECT_EQ(qwen2.count("--moe-shared-expert-gate"), 1u);
+  EXPECT_EQ(qwen2.count("--add-qkv-bias"), 1u);
+  EXPECT_EQ(qwen2.count("--qk-layernorm"), 0u);
+  EXPECT_EQ(qwen2.at("--ffn-hidden-size"), "2560");
+  const auto qwen3 = args_of("qwen3-30b-a3b");
+  EXPECT_EQ(qwen3.count("--qk-layernorm"), 1u);
+  EXPECT_EQ(qwen3.count("--moe-shared-expert-intermediate-size"), 0u);
+  EXPECT_EQ(qwen3.at("--num-experts"), "128");
+  EXPECT_EQ(qwen3.at("--moe-router-topk"), "8");
+  const auto mixtral = args_of("mixtral-8x7b");
+  for (const char* flag : {"--qk-layernorm", "--add-qkv-bias", "--moe-shared-expert-intermediate-size"})
+    EXPECT_EQ(mixtral.count(flag), 0u) << flag;
+}
+
 TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {
   planner::SearchOptions::Pins pins;
   pins.expert_parallel_degree = 4;

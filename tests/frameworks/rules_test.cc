@@ -118,6 +118,39 @@ const FrameworkRuleCase kCases[] = {
      },
      "framework_rank_order", "parallel.placement",
      "= \"ERS\": torchtitan's mesh is pipeline, replicate, shard (experts innermost), tensor (PRSET)", "ERS"},
+    {"SmpSharedExperts",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.model.shared_expert_intermediate_size = 5632;
+     },
+     "smp_models", "model.shared_expert_intermediate_size",
+     "= 5632: SMP's MoE models (Mixtral) have no shared experts", "5632"},
+    {"TorchtitanGatedSharedExpert",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.shared_expert_intermediate_size = 5632;
+       s.model.shared_expert_gate = true;
+     },
+     "torchtitan_models", "model.shared_expert_gate",
+     "= true: no torchtitan model gates its shared expert (Qwen2-MoE does)", "true"},
+    {"ExecutorModeSharedExperts",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.shared_expert_intermediate_size = 5632;
+     },
+     "executor_trains_moe", "model.shared_expert_intermediate_size",
+     "= 5632: the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)", "5632"},
+    {"ExecutorModeQkNorm",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.qk_norm = true;
+     },
+     "executor_trains_moe", "model.qk_norm", "= true: the executor trains Mixtral-style attention, without q/k norms",
+     "true"},
     {"ExecutorModeGeluModel",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

@@ -118,6 +118,34 @@ TEST(MemoryModel, ActivationsPerBlockWithEagerKernels) {
   EXPECT_EQ(flash.moe, b.moe);
 }
 
+// A shared expert of Mixtral's width with a gate, and q/k norms, on the block above:
+//   attention  + q and k's norm inputs   2048 x (4096 + 1024) x 2              =  20,971,520
+//   moe        + 2048 x 14336 x (2 x 2 + 2)  (w1, w3 outputs, their product's
+//                 fc2 input: as a routed slot)                                = 176,160,768
+//              + the gate: its output kept and an fp32 value  2048 x (8192 + 4) =  16,785,408
+TEST(MemoryModel, SharedExpertsAndQkNormsPerBlock) {
+  ModelSpec m = mixtral();
+  m.shared_expert_intermediate_size = 14336;
+  m.shared_expert_gate = true;
+  m.qk_norm = true;
+  const BlockActivations b = block_activations(m, 1, 2048, 4096, 2);
+  EXPECT_EQ(b.block_input, 16'777'216);
+  EXPECT_EQ(b.attention, 75'759'616 + 20'971'520);
+  EXPECT_EQ(b.moe, 453'050'368 + 176'160'768 + 16'785'408);
+}
+
+// Shared experts are dense parameters: split over the tensor ranks and sharded over S, never
+// over the expert ranks. E8 S2, per block 41,984,000 + 3 x 4096 x 14336 + 4096 (gate) + 2 x 128
+// (q/k norms) = 218,149,120 dense: 65,536,000 + 32 x (109,074,560 + 88,080,384) + 65,538,048.
+TEST(MemoryModel, SharedExpertsAreDenseParameters) {
+  ModelSpec m = mixtral();
+  m.shared_expert_intermediate_size = 14336;
+  m.shared_expert_gate = true;
+  m.qk_norm = true;
+  EXPECT_EQ(count_parameters(m).dense_per_layer(), 218'149'120);
+  EXPECT_EQ(shard_sizes(m, 8, 2).shard_params, 6'440'032'256);
+}
+
 // 32 blocks: none keeps every block (32 x 528,809,984); full keeps block inputs and recomputes
 // one block (32 x 16,777,216 + 528,809,984); selective keeps attention plus the MoE input and
 // recomputes one MoE sub-block (32 x 92,536,832 + 453,050,368).

@@ -819,6 +819,52 @@ TEST(DenseModel, FeedForwardFlopsFollowItsMatrices) {
   for (const Op& op : sim.graph.ops()) EXPECT_NE(op_category(op.kind), "all_to_all") << "no experts to exchange";
 }
 
+// Shared experts take every token through a feed-forward layer of their width beside the
+// routed experts: per micro-batch of 2,048 tokens their forward adds 2 x 2048 x 3 x 4096 x W
+// FLOPs (split over the tensor-parallel ranks), and the step takes longer. q/k norms add no
+// GEMM but time in attention. A profile's measured Mixtral blocks do not price either.
+TEST(SharedExperts, EveryTokenPassesThroughThemBesideTheRoutedOnes) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull);
+  const OpCosts routed = op_costs(c.config());
+  const double before = simulate_step(c.config(), {}).estimate.step_time_s;
+  c.model.shared_expert_intermediate_size = 14336;
+  const OpCosts shared = op_costs(c.config());
+  EXPECT_DOUBLE_EQ(shared.moe_flops - routed.moe_flops, 2.0 * 2048 * 3 * 4096 * 14336.0);
+  EXPECT_EQ(shared.attention_flops, routed.attention_flops);
+  EXPECT_GT(simulate_step(c.config(), {}).estimate.step_time_s, before);
+  // The gate: one hidden -> 1 GEMM more.
+  c.model.shared_expert_gate = true;
+  EXPECT_DOUBLE_EQ(op_costs(c.config()).moe_flops - shared.moe_flops, 2.0 * 2048 * 4096);
+  c.model.qk_norm = true;
+  const OpCosts normed = op_costs(c.config());
+  EXPECT_EQ(normed.attention_flops, routed.attention_flops);
+  EXPECT_GT(normed.attention_forward_s, shared.attention_forward_s);
+
+  // Under tensor parallelism each rank computes 1/T of the shared experts' columns, and their
+  // output is reduced over the tokens with the routed experts'.
+  Scenario t = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 4, 2, "RSE", Checkpointing::kFull);
+  t.parallel.tensor_parallel_degree = 2;
+  t.parallel.sequence_parallel = true;
+  const OpCosts split = op_costs(t.config());
+  t.model.shared_expert_intermediate_size = 14336;
+  const OpCosts split_shared = op_costs(t.config());
+  EXPECT_DOUBLE_EQ(split_shared.moe_flops - split.moe_flops, 2.0 * 2048 * 3 * 4096 * 14336.0 / 2);
+  EXPECT_DOUBLE_EQ(split_shared.tensor_moe_bytes - split.tensor_moe_bytes, 2048.0 * 4096 * 2);
+}
+
+// With a model's many experts on few ranks, eager kernels run one GEMM per expert: each priced
+// once and counted per expert (128 experts on one rank).
+TEST(SharedExperts, EagerKernelsCountEveryExpertsGemm) {
+  Scenario c = make_scenario("qwen3-30b-a3b", "p4d.24xlarge", 8, 1, 8, "RSE", Checkpointing::kFull);
+  c.cluster.kernels = Kernels::kEager;
+  const OpCosts eager = op_costs(c.config());
+  c.cluster.kernels = Kernels::kFused;
+  const OpCosts fused = op_costs(c.config());
+  EXPECT_NEAR(eager.moe_flops, fused.moe_flops, 1e-9 * fused.moe_flops);
+  // 8 of 2,048 tokens x 8 slots per expert: 2 x 128 x 128 x 3 x 2048 x 768 + the router.
+  EXPECT_DOUBLE_EQ(fused.moe_flops, 2.0 * 128 * 128 * 3 * 2048 * 768 + 2.0 * 2048 * 128 * 2048);
+}
+
 TEST(CalibratedProfile, CollectivesUseTheirOwnFitAndMeasuredSizes) {
   Scenario c = calibrated_cpu(1, 2, Checkpointing::kNone, 1);
   const CostModel plain(c.cluster);

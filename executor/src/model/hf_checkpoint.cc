@@ -138,6 +138,10 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
   same("num_local_experts", theirs.num_experts, model.num_experts);
   same("num_experts_per_tok", theirs.experts_per_token, model.experts_per_token);
   same("tie_word_embeddings", theirs.tie_word_embeddings, model.tie_word_embeddings);
+  // A Qwen folder of Mixtral's sizes still holds tensors Mixtral has not.
+  same("shared_expert_intermediate_size", theirs.shared_expert_intermediate_size, model.shared_expert_intermediate_size);
+  same("qk_norm", theirs.qk_norm, model.qk_norm);
+  same("qkv_bias", theirs.qkv_bias, model.qkv_bias);
   d.throw_if_any(config_path);
   // The dtype config.json declares, which every tensor must have.
   std::string declared;

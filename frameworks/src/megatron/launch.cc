@@ -32,6 +32,8 @@ void model_args(const Plan& plan, Args& a) {
   a.push_back({"--norm-epsilon", number(m.rms_norm_eps)});
   if (m.mlp == Mlp::kSwiGlu) a.push_back({"--swiglu", ""});
   a.push_back({"--disable-bias-linear", ""});
+  if (m.qkv_bias) a.push_back({"--add-qkv-bias", ""});
+  if (m.qk_norm) a.push_back({"--qk-layernorm", ""});  // of the --normalization kind
   if (!m.tie_word_embeddings) a.push_back({"--untie-embeddings-and-output-weights", ""});
   a.push_back({"--attention-dropout", number(m.dropout)});
   a.push_back({"--hidden-dropout", number(m.dropout)});
@@ -56,6 +58,10 @@ void layout_args(const Plan& plan, Args& a) {
   if (!plan.model.dense()) {
     a.push_back({"--num-experts", std::to_string(plan.model.num_experts)});
     a.push_back({"--moe-router-topk", std::to_string(plan.model.experts_per_token)});
+    if (plan.model.shared_experts()) {
+      a.push_back({"--moe-shared-expert-intermediate-size", std::to_string(plan.model.shared_expert_intermediate_size)});
+      if (plan.model.shared_expert_gate) a.push_back({"--moe-shared-expert-gate", ""});
+    }
     a.push_back({"--expert-model-parallel-size", std::to_string(p.expert_parallel_degree)});
     // moeplan splits every expert over the tensor-parallel ranks, as Megatron did before it
     // had a separate expert tensor size.

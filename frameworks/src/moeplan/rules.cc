@@ -41,6 +41,18 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kTrainsMoe, "model.mlp", [&] {
       return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
     });
+  // Mixtral's blocks: no shared experts, no q/k norms, no attention biases.
+  if (m.shared_experts())
+    sink(kTrainsMoe, "model.shared_expert_intermediate_size", [&] {
+      return "= " + rule_number(m.shared_expert_intermediate_size) +
+             ": the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)";
+    });
+  if (m.qk_norm)
+    sink(kTrainsMoe, "model.qk_norm",
+         [&] { return std::string("= true: the executor trains Mixtral-style attention, without q/k norms"); });
+  if (m.qkv_bias)
+    sink(kTrainsMoe, "model.qkv_bias",
+         [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });
   // Pipeline stages: the router's losses are reported across stages but not trained through
   // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
   if (const int64_t pp = p.pipeline_parallel_degree; pp > 1) {

@@ -15,12 +15,14 @@ enum : int {
   kExpertWithTensor,
   kNoPipeline,
   kLayouts,
+  kModels,
   kCount
 };
 constexpr std::array<std::string_view, kCount> kNames = {
     "smp_expert_with_tensor",
     "smp_no_pipeline",
     "smp_layouts",
+    "smp_models",
 };
 static_assert(kCount <= kMaxTargetRules);
 
@@ -61,6 +63,17 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "training.fp32_gradients", [&] {
       return std::string("= true: SMP's mixed precision reduces gradients in bf16 (plan with bf16 gradients)");
     });
+  // The models SMP v2 accelerates: Llama, Mistral, Mixtral, GPT-NeoX (its documentation's
+  // "Supported models"); none with shared experts, q/k norms or attention biases.
+  const ModelSpec& m = c.model;
+  if (m.shared_experts())
+    sink(kModels, "model.shared_expert_intermediate_size", [&] {
+      return "= " + rule_number(m.shared_expert_intermediate_size) + ": SMP's MoE models (Mixtral) have no shared experts";
+    });
+  if (m.qk_norm)
+    sink(kModels, "model.qk_norm", [&] { return std::string("= true: SMP's models have no q/k norms"); });
+  if (m.qkv_bias)
+    sink(kModels, "model.qkv_bias", [&] { return std::string("= true: SMP's models have no attention biases"); });
 }
 
 }  // namespace

@@ -33,10 +33,13 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
           ", n_kv_heads " + std::to_string(m.num_key_value_heads) + ",\n# vocab_size " + std::to_string(m.vocab_size) +
           ", expert hidden_dim " + std::to_string(m.intermediate_size) + ", num_experts " +
           std::to_string(m.num_experts) + ", top_k " + std::to_string(m.experts_per_token) + ", rope_theta " +
-          number(m.rope_theta) + ", norm_eps " + number(m.rms_norm_eps) + ".\n\n";
+          number(m.rope_theta) + ", norm_eps " + number(m.rms_norm_eps) +
+          (m.shared_experts() ? ", shared expert hidden_dim " + std::to_string(m.shared_expert_intermediate_size) : "") +
+          (m.qk_norm ? ", q/k norms" : "") + ".\n\n";
 
   toml += "[job]\n" + line("description", quoted("moeplan plan: " + describe(p))) + "\n";
-  toml += "[model]\n" + line("name", quoted(m.dense() ? "llama3" : "llama4")) + line("flavor", quoted(m.name));
+  const char* model = m.dense() ? "llama3" : m.qk_norm ? "qwen3" : "llama4";
+  toml += "[model]\n" + line("name", quoted(model)) + line("flavor", quoted(m.name));
   if (t.fp8) toml += line("converters", "[\"float8\"]");
   toml += "\n[optimizer]\n" + line("name", quoted("AdamW")) + line("lr", number(t.learning_rate)) +
           line("weight_decay", number(t.weight_decay)) +

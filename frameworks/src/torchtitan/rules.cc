@@ -16,12 +16,14 @@ enum : int {
   kLayouts,
   kRouting,
   kRankOrder,
+  kModels,
   kCount
 };
 constexpr std::array<std::string_view, kCount> kNames = {
     "torchtitan_layouts",
     "torchtitan_routing",
     "framework_rank_order",
+    "torchtitan_models",
 };
 static_assert(kCount <= kMaxTargetRules);
 
@@ -88,6 +90,18 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (c.moe.global_token_shuffle)
     sink(kRouting, "moe.global_token_shuffle",
          [&] { return std::string("= true: torchtitan has no global token shuffle"); });
+  // Its models: llama3 (dense), llama4 (MoE, with a shared expert or not), qwen3 (q/k norms, no
+  // shared experts), deepseek_v3.
+  const ModelSpec& m = c.model;
+  if (m.shared_expert_gate)
+    sink(kModels, "model.shared_expert_gate",
+         [&] { return std::string("= true: no torchtitan model gates its shared expert (Qwen2-MoE does)"); });
+  if (m.qkv_bias)
+    sink(kModels, "model.qkv_bias", [&] { return std::string("= true: no torchtitan model has attention biases"); });
+  if (m.qk_norm && m.shared_experts())
+    sink(kModels, "model.qk_norm", [&] {
+      return std::string("= true with shared experts: torchtitan's qwen3 has q/k norms and no shared experts");
+    });
 }
 
 }  // namespace

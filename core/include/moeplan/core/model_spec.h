@@ -28,7 +28,7 @@ struct ModelSpec {
   std::string source;  // where the figures come from (model card, config.json)
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;  // per expert (the feed-forward width)
+  int64_t intermediate_size = 0;  // per routed expert (the feed-forward width)
   int64_t num_layers = 0;
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
@@ -47,12 +47,25 @@ struct ModelSpec {
   // Dropout probability after attention's softmax and on each sub-block's output (GPT-3 as
   // Megatron-LM trains it: 0.1); 0 runs no dropout kernels and keeps no masks.
   double dropout = 0.0;
+  // Shared experts (Qwen2-MoE, DeepSeek-V2 and V3, Llama 4): a feed-forward layer beside the
+  // routed experts that every token passes through, of this width (all shared experts
+  // together; 0: none). It is split like a dense model's feed-forward layer (tensor
+  // parallelism), not over the expert-parallel ranks. Qwen2-MoE scales its output by a sigmoid
+  // gate (hidden -> 1).
+  int64_t shared_expert_intermediate_size = 0;
+  bool shared_expert_gate = false;
+  // RMSNorm over each head's query and key before the rotary embedding (Qwen3, OLMoE), a
+  // head_dim weight each.
+  bool qk_norm = false;
+  // Biases on the q, k and v projections (Qwen2-MoE).
+  bool qkv_bias = false;
 
   // One expert is a dense model: its feed-forward layer takes every token and has no router.
   bool dense() const { return num_experts == 1; }
   int64_t router_width() const { return dense() ? 0 : num_experts; }
   // Weight matrices of one feed-forward layer, each hidden x intermediate.
   int64_t mlp_matrices() const { return mlp == Mlp::kGelu ? 2 : 3; }
+  bool shared_experts() const { return shared_expert_intermediate_size > 0; }
 
   bool operator==(const ModelSpec&) const = default;
 };
@@ -63,16 +76,20 @@ struct ParamCounts {
   int64_t embedding = 0;            // vocab x hidden
   int64_t lm_head = 0;              // vocab x hidden, 0 when tied
   int64_t final_norm = 0;           // hidden
-  int64_t attention_per_layer = 0;  // q, k, v, o projections (no biases)
-  int64_t norms_per_layer = 0;      // two RMSNorm weights
+  int64_t attention_per_layer = 0;  // q, k, v, o projections (their weights)
+  int64_t biases_per_layer = 0;     // q, k and v biases (qkv_bias)
+  int64_t norms_per_layer = 0;      // two RMSNorm weights, and q and k's (qk_norm)
   int64_t router_per_layer = 0;     // hidden x num_experts, no bias (none in a dense model)
-  int64_t expert = 0;               // one expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)
+  int64_t shared_expert_per_layer = 0;  // the shared experts' matrices and their gate
+  int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)
   int64_t num_layers = 0;
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
 
   // Non-expert parameters of one transformer block.
-  int64_t dense_per_layer() const { return attention_per_layer + norms_per_layer + router_per_layer; }
+  int64_t dense_per_layer() const {
+    return attention_per_layer + biases_per_layer + norms_per_layer + router_per_layer + shared_expert_per_layer;
+  }
   int64_t dense() const { return embedding + lm_head + final_norm + num_layers * dense_per_layer(); }
   int64_t experts() const { return num_layers * num_experts * expert; }
   int64_t total() const { return dense() + experts(); }
@@ -88,7 +105,9 @@ double forward_flops_per_token(const ModelSpec& model, int64_t seq_len);
 
 // moeplan model profile (profiles/models/*.json).
 ModelSpec model_from_json(const Json& json, const std::string& origin);
-// Hugging Face config.json: MixtralConfig, or LlamaConfig (a dense model).
+// Hugging Face config.json: MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, or LlamaConfig (a
+// dense model). A field that changes the model's time or memory and that moeplan does not
+// model is refused by name.
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin);
 // Reads either format from a file: a "model_type" field marks a Hugging Face config.
 ModelSpec read_model_file(const std::string& path);
