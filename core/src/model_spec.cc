@@ -196,6 +196,7 @@ void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
     m.qkv_bias = r.boolean("qkv_bias", true);
     m.shared_expert_intermediate_size = r.integer("shared_expert_intermediate_size", 0, kMaxDim, 5632);
     m.shared_expert_gate = m.shared_experts();
+    check_shared_experts(m, r, "shared_expert_intermediate_size", "shared_expert_intermediate_size");
   }
 }
 

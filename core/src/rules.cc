@@ -145,9 +145,12 @@ void check_degrees(const RunConfig& c, Sink& sink) {
       return "= " + str(tp) + " must be at least 1 and divide num_key_value_heads = " + str(m.num_key_value_heads) +
              " (and num_attention_heads = " + str(m.num_attention_heads) + ")";
     });
-  if (tp >= 1 && m.intermediate_size % tp != 0)
+  if (tp >= 1 && (m.intermediate_size % tp != 0 || m.shared_expert_intermediate_size % tp != 0))
     sink(Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree", [&] {
-      return "= " + str(tp) + " does not divide intermediate_size = " + str(m.intermediate_size);
+      const bool routed = m.intermediate_size % tp != 0;
+      return "= " + str(tp) + " does not divide " +
+             (routed ? "intermediate_size = " + str(m.intermediate_size)
+                     : "shared_expert_intermediate_size = " + str(m.shared_expert_intermediate_size));
     });
   if (p.sequence_parallel && tp == 1)
     sink(Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel", [&] {

@@ -316,7 +316,7 @@ class KernelListBuilder {
     auto gate = [&] {
       if (!m_.shared_expert_gate) return;
       gemm(l, "shared_expert.gate", local_, 1, h_, backward, plain_, 1, false);
-      memory(l, "shared_expert.gate_scale", (backward ? 4.0 : 3.0) * local_ * h_ * a_, backward ? 2 : 2);
+      memory(l, "shared_expert.gate_scale", (backward ? 4.0 : 3.0) * local_ * h_ * a_, 2);  // sigmoid, scale
     };
     if (!backward) {
       up();

@@ -109,6 +109,16 @@ const RuleCase kCases[] = {
      },
      Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree",
      "= 2 does not divide intermediate_size = 14335", "14335"},
+    {"TensorDoesNotDivideTheSharedExperts",
+     [](Scenario& s) {
+       s.model.shared_expert_intermediate_size = 5631;
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree",
+     "= 2 does not divide shared_expert_intermediate_size = 5631", "5631"},
     {"SequenceParallelWithoutTensor", [](Scenario& s) { s.parallel.sequence_parallel = true; },
      Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel",
      "= true needs tensor_parallel_degree > 1 (it splits along the sequence over the tensor-parallel ranks)",

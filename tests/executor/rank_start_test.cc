@@ -196,7 +196,8 @@ TEST(StoreSocket, ARankZeroStoreAdmitsTheListedPeers) {
 }
 
 // What a rank of spawn_local_ranks writes into `dir` once every rank has reached the launcher's
-// store: how it was started, its place, and whether a stray moeplan variable reached it.
+// store: how it was started, its place, and the launcher's MOEPLAN_PROFILES (which a rank
+// needs to find the profiles the launcher found).
 int write_place(const std::string& dir, const std::string& how) {
   const std::optional<RankEnv> env = rank_env_from_environment();
   if (!env) return 10;
@@ -208,7 +209,7 @@ int write_place(const std::string& dir, const std::string& how) {
     else std::this_thread::sleep_for(std::chrono::milliseconds(10));
   std::ofstream(dir + "/rank-" + std::to_string(env->rank))
       << how << " " << env->rank << " of " << env->world_size << " by " << env->launcher
-      << (std::getenv("MOEPLAN_STRAY") ? " stray" : "");
+      << " with " << (std::getenv("MOEPLAN_PROFILES") ? std::getenv("MOEPLAN_PROFILES") : "nothing");
   return 0;
 }
 
@@ -225,10 +226,10 @@ class LocalRanks : public ::testing::Test {
     char name[] = "/tmp/moeplan-ranks-XXXXXX";
     ASSERT_NE(::mkdtemp(name), nullptr);
     dir_ = name;
-    ::setenv("MOEPLAN_STRAY", "the launcher's", 1);
+    ::setenv("MOEPLAN_PROFILES", "/the/launcher's", 1);
   }
   void TearDown() override {
-    ::unsetenv("MOEPLAN_STRAY");
+    ::unsetenv("MOEPLAN_PROFILES");
     std::filesystem::remove_all(dir_);
   }
   std::string dir_;
@@ -238,8 +239,9 @@ TEST_F(LocalRanks, AreCopiesOfTheLauncherAndReachItsStore) {
   ASSERT_TRUE(one_thread_runs()) << "the test process runs threads of its own";
   const std::string dir = dir_;
   EXPECT_EQ(spawn_local_ranks({"never run"}, 3, [&] { return write_place(dir, "copy"); }, 30), 0);
-  for (int64_t r = 0; r < 3; ++r) EXPECT_EQ(read_place(dir_, r), "copy " + std::to_string(r) + " of 3 by moeplan");
-  EXPECT_STREQ(std::getenv("MOEPLAN_STRAY"), "the launcher's");
+  for (int64_t r = 0; r < 3; ++r)
+    EXPECT_EQ(read_place(dir_, r), "copy " + std::to_string(r) + " of 3 by moeplan with /the/launcher's");
+  EXPECT_STREQ(std::getenv("MOEPLAN_PROFILES"), "/the/launcher's");
   EXPECT_FALSE(rank_env_from_environment().has_value()) << "the launcher's own environment changed";
 }
 
@@ -252,8 +254,7 @@ TEST_F(LocalRanks, AFailedRankGivesItsCode) {
   EXPECT_EQ(code, 5);
 }
 
-// Started by the next test as its ranks (outside the fixture, which sets MOEPLAN_STRAY); skipped
-// when run on its own.
+// Started by the next test as its ranks; skipped when run on its own.
 TEST(LocalRank, AnExecutedRankWritesItsPlace) {
   const char* dir = std::getenv("RANKS_TEST_DIR");
   if (dir == nullptr || std::getenv("MOEPLAN_RANK") == nullptr) GTEST_SKIP() << "runs as a rank of the next test";
@@ -274,7 +275,8 @@ TEST_F(LocalRanks, ALauncherWithOtherThreadsStartsItsProgramInstead) {
   other.join();
   ::unsetenv("RANKS_TEST_DIR");
   EXPECT_EQ(code, 0);
-  for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(read_place(dir_, r), "exec " + std::to_string(r) + " of 2 by moeplan");
+  for (int64_t r = 0; r < 2; ++r)
+    EXPECT_EQ(read_place(dir_, r), "exec " + std::to_string(r) + " of 2 by moeplan with /the/launcher's");
 }
 
 }  // namespace

@@ -132,11 +132,21 @@ const FrameworkRuleCase kCases[] = {
        s.target = test::framework_rules("torchtitan");
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
-       s.model.shared_expert_intermediate_size = 5632;
+       s.model.shared_expert_intermediate_size = 14336;
        s.model.shared_expert_gate = true;
      },
      "torchtitan_models", "model.shared_expert_gate",
      "= true: no torchtitan model gates its shared expert (Qwen2-MoE does)", "true"},
+    {"TorchtitanSharedExpertsNotWholeExperts",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.shared_expert_intermediate_size = 5632;
+     },
+     "torchtitan_models", "model.shared_expert_intermediate_size",
+     "= 5632: torchtitan's shared experts are whole experts of the routed width (intermediate_size = 14336)",
+     "5632"},
     {"ExecutorModeSharedExperts",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

@@ -183,17 +183,24 @@ std::optional<RankEnv> rank_env_from_environment() {
 
 namespace {
 
-// In a rank copied from its launcher: the environment a started rank has (the launcher's
-// without its moeplan variables, and `vars`), no stop signal of the launcher's, and a name of
-// its own, "moeplan r<rank>" (ps -o comm, top; /proc/<pid>/environ still shows the launcher's
-// variables, which a copy does not change).
+// Whether environment entry `entry` ("NAME=value") sets one of the variables by which the moeplan
+// launcher places its ranks. Its other variables (MOEPLAN_PROFILES, say) reach the ranks.
+bool sets_rank_variable(const char* entry) {
+  const Names& moeplan = kLaunchers[0];
+  for (const char* name : {moeplan.rank, moeplan.world, moeplan.local, moeplan.addr, moeplan.port}) {
+    const size_t n = std::strlen(name);
+    if (std::strncmp(entry, name, n) == 0 && entry[n] == '=') return true;
+  }
+  return false;
+}
+
+// In a rank copied from its launcher: the environment a started rank has (the launcher's with
+// `vars`), no stop signal of the launcher's, and a name of its own, "moeplan r<rank>" (ps -o
+// comm, top; /proc/<pid>/environ still shows the launcher's variables, which a copy does not
+// change).
 void become_rank(int64_t rank, const std::vector<std::string>& vars) {
   const std::string name = "moeplan r" + std::to_string(rank);  // at most 15 characters are kept
   ::prctl(PR_SET_NAME, name.c_str(), 0, 0, 0);
-  std::vector<std::string> names;
-  for (char** e = environ; *e; ++e)
-    if (std::strncmp(*e, "MOEPLAN_", 8) == 0) names.emplace_back(*e, std::strcspn(*e, "="));
-  for (const std::string& name : names) ::unsetenv(name.c_str());
   for (const std::string& v : vars) {
     const size_t eq = v.find('=');
     ::setenv(v.substr(0, eq).c_str(), v.substr(eq + 1).c_str(), 1);
@@ -239,7 +246,7 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
       child.argv = argv;
       child.environment.emplace();
       for (char** e = environ; *e; ++e)
-        if (std::strncmp(*e, "MOEPLAN_", 8) != 0) child.environment->emplace_back(*e);
+        if (!sets_rank_variable(*e)) child.environment->emplace_back(*e);
       child.environment->insert(child.environment->end(), vars.begin(), vars.end());
       child.blocked_signals = stop_signals();
       pid = start_child(child);
@@ -264,6 +271,7 @@ int spawn_local_ranks(const std::vector<std::string>& argv, int64_t world_size, 
     store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
   } catch (...) {
     kill_children();
+    for (const auto& [p, r] : children) wait_for_child(p);
     throw;
   }
 

@@ -102,6 +102,12 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kModels, "model.qk_norm", [&] {
       return std::string("= true with shared experts: torchtitan's qwen3 has q/k norms and no shared experts");
     });
+  if (m.shared_experts() && m.shared_expert_intermediate_size % m.intermediate_size != 0)
+    sink(kModels, "model.shared_expert_intermediate_size", [&] {
+      return "= " + rule_number(m.shared_expert_intermediate_size) +
+             ": torchtitan's shared experts are whole experts of the routed width (intermediate_size = " +
+             rule_number(m.intermediate_size) + ")";
+    });
 }
 
 }  // namespace
