@@ -292,6 +292,20 @@ class KernelListBuilder {
     return l;
   }
 
+  // The activation of a feed-forward layer over `elements` intermediate values. SwiGLU:
+  // silu(w1 x) * w3 x, fused one kernel, eager a SiLU and a multiply. GELU: one.
+  void feed_forward_activation(KernelList& l, std::string_view name, double elements, bool backward) {
+    const bool swiglu = m_.mlp == Mlp::kSwiGlu;
+    double bytes = swiglu ? 3.0 * elements * a_ : 2.0 * elements * a_;
+    double kernels = 1;
+    if (swiglu && !fused_) {
+      bytes = 5.0 * elements * a_;
+      kernels = 2;
+    }
+    memory(l, name, backward ? (swiglu ? 5.0 : 3.0) / (swiglu ? 3.0 : 2.0) * bytes : bytes,
+           backward ? 2 * kernels : kernels);
+  }
+
   // Shared experts: a feed-forward layer of their width on every token (all of them gathered
   // under sequence parallelism), after the routed experts (Megatron-Core computes them in turn
   // unless told to overlap them with the dispatch); a gate scales their output by a sigmoid.
@@ -306,13 +320,7 @@ class KernelListBuilder {
         gemm(l, "shared_expert.fc1", tokens_, swiglu ? 2.0 * shared_ : shared_, h_, backward, linear_);
       }
     };
-    auto activation = [&] {
-      const double e = tokens_ * shared_;
-      const double bytes = (swiglu ? (fused_ ? 3.0 : 5.0) : 2.0) * e * a_;
-      const double kernels = swiglu && !fused_ ? 2 : 1;
-      memory(l, "shared_expert.activation", backward ? (swiglu ? 5.0 / 3.0 : 1.5) * bytes : bytes,
-             backward ? 2 * kernels : kernels);
-    };
+    auto activation = [&] { feed_forward_activation(l, "shared_expert.activation", tokens_ * shared_, backward); };
     auto gate = [&] {
       if (!m_.shared_expert_gate) return;
       gemm(l, "shared_expert.gate", local_, 1, h_, backward, plain_, 1, false);
@@ -353,18 +361,7 @@ class KernelListBuilder {
         l.append(one, local_experts);
       }
     };
-    auto activation = [&] {
-      const double e = slots * f_;
-      // SwiGLU: silu(w1 x) * w3 x; fused one kernel, eager a SiLU and a multiply. GELU: one.
-      double bytes = swiglu ? 3.0 * e * a_ : 2.0 * e * a_;
-      double kernels = 1;
-      if (swiglu && !fused_) {
-        bytes = 5.0 * e * a_;
-        kernels = 2;
-      }
-      memory(l, "activation", backward ? (swiglu ? 5.0 : 3.0) / (swiglu ? 3.0 : 2.0) * bytes : bytes,
-             backward ? 2 * kernels : kernels);
-    };
+    auto activation = [&] { feed_forward_activation(l, "activation", slots * f_, backward); };
     auto routing = [&] {
       if (dense) return;
       gemm(l, "router", local_, experts, h_, backward, plain_, 1, false);
