@@ -137,9 +137,13 @@ TEST_F(Preemption, SigtermAtRandomMomentsSavesTheStepInFlightAndResumesBitForBit
       const executor::LoadedCheckpoint c = executor::open_checkpoint(checkpoint);
       EXPECT_EQ(c.step, static_cast<int64_t>(m.size())) << said;
       EXPECT_GE(c.step, static_cast<int64_t>(logged)) << said;
-      EXPECT_NE(said.find("stopped before step " + std::to_string(c.step + 1) + " (SIGTERM on 4 of 4 ranks): saved"),
-                std::string::npos)
-          << said;
+      // Every rank is sent the signal; one already inside the vote when it lands votes before
+      // it has caught it, so one to four ranks count it.
+      bool named = false;
+      for (int ranks = 1; ranks <= 4; ++ranks)
+        named = named || said.find("stopped before step " + std::to_string(c.step + 1) + " (SIGTERM on " +
+                                   std::to_string(ranks) + " of 4 ranks): saved") != std::string::npos;
+      EXPECT_TRUE(named) << said;
       EXPECT_EQ(temporary_files(dir_->file(out)), 0);
       const Command resumed = run_moeplan(args(out, {"--steps", std::to_string(kSteps), "--resume"}));
       ASSERT_EQ(resumed.exit_code, 0) << show(resumed);
