@@ -17,6 +17,32 @@ constexpr int64_t kMaxPositions = int64_t{1} << 24;
 
 }  // namespace
 
+int64_t ModelSpec::moe_layers_in(int64_t begin, int64_t end) const {
+  begin = std::max<int64_t>(begin, 0);
+  if (end <= begin) return 0;
+  if (dense()) return end - begin;
+  const int64_t from = std::max(begin, first_dense_layers);
+  if (end <= from) return 0;
+  // Multiples of the step among [from + offset, end + offset).
+  const int64_t step = std::max<int64_t>(1, moe_layer_step);
+  auto multiples_below = [&](int64_t x) { return (x + step - 1) / step; };  // in [0, x), x >= 0
+  return multiples_below(end + moe_layer_offset) - multiples_below(from + moe_layer_offset);
+}
+
+ModelSpec dense_block_model(const ModelSpec& m) {
+  ModelSpec d = m;
+  d.num_experts = 1;
+  d.experts_per_token = 1;
+  d.intermediate_size = m.dense_intermediate_size;
+  d.shared_expert_intermediate_size = 0;
+  d.shared_expert_gate = false;
+  d.first_dense_layers = 0;
+  d.moe_layer_step = 1;
+  d.moe_layer_offset = 0;
+  d.dense_intermediate_size = 0;
+  return d;
+}
+
 ParamCounts count_parameters(const ModelSpec& m) {
   ParamCounts p;
   const int64_t q_width = m.num_attention_heads * m.head_dim;
@@ -32,7 +58,9 @@ ParamCounts count_parameters(const ModelSpec& m) {
   p.shared_expert_per_layer =
       m.mlp_matrices() * m.hidden_size * m.shared_expert_intermediate_size + (m.shared_expert_gate ? m.hidden_size : 0);
   p.expert = m.mlp_matrices() * m.hidden_size * m.intermediate_size;
+  p.dense_mlp_per_layer = m.mlp_matrices() * m.hidden_size * m.dense_intermediate_size;
   p.num_layers = m.num_layers;
+  p.moe_layers = m.moe_layers();
   p.num_experts = m.num_experts;
   p.experts_per_token = m.experts_per_token;
   return p;
@@ -43,10 +71,12 @@ double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
   const double h = static_cast<double>(m.hidden_size);
   const double layers = static_cast<double>(m.num_layers);
   // Matrix multiplies: 2 FLOPs per weight a token touches (embedding lookup is not a GEMM).
-  const double weights = static_cast<double>(p.attention_per_layer + p.router_per_layer + p.shared_expert_per_layer +
-                                             m.experts_per_token * p.expert) *
-                             layers +
-                         static_cast<double>(m.vocab_size) * h;
+  const double weights =
+      static_cast<double>(p.attention_per_layer) * layers +
+      static_cast<double>(p.router_per_layer + p.shared_expert_per_layer + m.experts_per_token * p.expert) *
+          static_cast<double>(p.moe_layers) +
+      static_cast<double>(p.dense_mlp_per_layer) * static_cast<double>(p.dense_layers()) +
+      static_cast<double>(m.vocab_size) * h;
   // Scores and weighted sum: 2 GEMMs of (seq x head_dim x context) per head; causal masking
   // halves the average context. A sliding window caps it.
   double context = static_cast<double>(seq_len) / 2.0;
@@ -108,6 +138,10 @@ ModelSpec read_model(ObjectReader& r) {
   m.shared_expert_gate = r.boolean("shared_expert_gate", false);
   m.qk_norm = r.boolean("qk_norm", false);
   m.qkv_bias = r.boolean("qkv_bias", false);
+  m.first_dense_layers = r.integer("first_dense_layers", 0, kMaxLayers, 0);
+  m.moe_layer_step = r.integer("moe_layer_step", 1, kMaxLayers, 1);
+  m.moe_layer_offset = r.integer("moe_layer_offset", 0, kMaxLayers, 0);
+  m.dense_intermediate_size = r.integer("dense_intermediate_size", 0, kMaxDim, 0);
   check_shared_experts(m, r, "shared_expert_intermediate_size", "shared_expert_gate");
   return m;
 }
@@ -134,11 +168,12 @@ ModelSpec model_from_json(const Json& json, const std::string& origin) {
 namespace {
 
 // The Hugging Face architectures moeplan reads, by model_type.
-enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe };
-constexpr std::array<std::pair<std::string_view, HfType>, 4> kHfTypes{{{"mixtral", HfType::kMixtral},
+enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe, kDeepseek };
+constexpr std::array<std::pair<std::string_view, HfType>, 5> kHfTypes{{{"mixtral", HfType::kMixtral},
                                                                         {"llama", HfType::kLlama},
                                                                         {"qwen2_moe", HfType::kQwen2Moe},
-                                                                        {"qwen3_moe", HfType::kQwen3Moe}}};
+                                                                        {"qwen3_moe", HfType::kQwen3Moe},
+                                                                        {"deepseek", HfType::kDeepseek}}};
 
 // Fields of PretrainedConfig and of the architectures above that change neither a step's time
 // nor its memory (token ids, caching, output switches, inference-only rope scaling, dtypes,
@@ -150,15 +185,20 @@ constexpr std::array kHfAccepted = {
     "output_router_logits", "router_jitter_noise", "torch_dtype", "dtype",
     "transformers_version", "use_cache", "return_dict", "output_hidden_states",
     "output_attentions", "torchscript", "use_bfloat16", "tokenizer_class", "rope_scaling",
-    "_attn_implementation", "_commit_hash", "quantization_config", "norm_topk_prob"};
+    "_attn_implementation", "_commit_hash", "quantization_config", "norm_topk_prob", "auto_map"};
 
 // The config's own name of the field moeplan calls `ours`, for messages.
 std::string_view hf_field(HfType type, std::string_view ours) {
   const bool qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
+  const bool deepseek = type == HfType::kDeepseek;
   if (ours == "experts_per_token") return "num_experts_per_tok";
   if (ours == "num_layers") return "num_hidden_layers";
-  if (ours == "num_experts") return qwen ? "num_experts" : "num_local_experts";
-  if (ours == "intermediate_size" && qwen) return "moe_intermediate_size";
+  if (ours == "num_experts") return qwen ? "num_experts" : deepseek ? "n_routed_experts" : "num_local_experts";
+  if (ours == "intermediate_size" && (qwen || deepseek)) return "moe_intermediate_size";
+  if (ours == "dense_intermediate_size" && (qwen || deepseek)) return "intermediate_size";
+  if ((ours == "moe_layer_step" || ours == "moe_layer_offset") && qwen) return "decoder_sparse_step";
+  if ((ours == "moe_layer_step" || ours == "moe_layer_offset") && deepseek) return "moe_layer_freq";
+  if (ours == "first_dense_layers" && deepseek) return "first_k_dense_replace";
   return ours;
 }
 
@@ -170,14 +210,16 @@ void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
   m.num_experts = r.integer("num_experts", 1, kMaxExperts, qwen3 ? 128 : 60);
   m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, qwen3 ? 8 : 4);
   m.intermediate_size = r.integer("moe_intermediate_size", 1, kMaxDim, qwen3 ? 768 : 1408);
-  r.integer("intermediate_size", 1, kMaxDim, qwen3 ? 6144 : 5632);  // dense layers' width: none here
+  const int64_t dense_width = r.integer("intermediate_size", 1, kMaxDim, qwen3 ? 6144 : 5632);
   m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 32768);
   m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
   m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
   m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
-  if (const int64_t step = r.integer("decoder_sparse_step", 1, kMaxLayers, 1); step != 1)
-    d.error("decoder_sparse_step", "= " + std::to_string(step) +
-                                       ": dense layers between MoE layers are not modelled yet (every layer MoE: 1)");
+  // Block i has experts when (i + 1) % decoder_sparse_step == 0; the others are dense blocks
+  // of intermediate_size.
+  m.moe_layer_step = r.integer("decoder_sparse_step", 1, kMaxLayers, 1);
+  m.moe_layer_offset = 1 % m.moe_layer_step;
+  if (m.has_dense_layers()) m.dense_intermediate_size = dense_width;
   if (const Json* dense = r.child("mlp_only_layers", true); dense && !dense->is_null() &&
                                                             !(dense->is_array() && dense->empty()))
     d.error("mlp_only_layers", "= " + (dense->is_array() ? dense->dump() : describe_json(*dense)) +
@@ -200,6 +242,33 @@ void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
   }
 }
 
+// DeepSeekMoE (model_type "deepseek", DeepseekForCausalLM; Dai et al. 2024): fine-grained
+// routed experts (moe_intermediate_size), n_shared_experts shared experts of the same width
+// beside them, the first first_k_dense_replace blocks dense (intermediate_size), then every
+// moe_layer_freq-th block from block 0's count on with experts; multi-head attention.
+void read_deepseek(ModelSpec& m, ObjectReader& r) {
+  Diagnostics& d = r.diagnostics();
+  m.num_experts = r.integer("n_routed_experts", 1, kMaxExperts, 64);
+  m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 6);
+  m.intermediate_size = r.integer("moe_intermediate_size", 1, kMaxDim, 1408);
+  const int64_t dense_width = r.integer("intermediate_size", 1, kMaxDim, 10944);
+  m.shared_expert_intermediate_size = r.integer("n_shared_experts", 0, kMaxExperts, 2) * m.intermediate_size;
+  m.first_dense_layers = r.integer("first_k_dense_replace", 0, kMaxLayers, 1);
+  m.moe_layer_step = r.integer("moe_layer_freq", 1, kMaxLayers, 1);
+  if (m.has_dense_layers()) m.dense_intermediate_size = dense_width;
+  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 4096);
+  m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
+  m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
+  m.router_aux_loss_coef = r.number("aux_loss_alpha", 0.0, 1e3, 0.001);
+  // The balance loss over each sequence or the batch: the same cost either way.
+  r.ignore("seq_aux");
+  r.ignore("pretraining_tp");
+  if (const std::string scoring = r.string("scoring_func", "softmax"); scoring != "softmax")
+    d.error("scoring_func", "= \"" + scoring + "\": only softmax routing is modelled for DeepSeekMoE");
+  if (r.boolean("attention_bias", false))
+    d.error("attention_bias", "= true: biases on DeepSeekMoE's attention projections are not modelled");
+}
+
 }  // namespace
 
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
@@ -216,21 +285,24 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
         known = true;
       }
     if (!name.empty() && !known)
-      d.error("model_type", "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" or \"llama\", got \"" + name + "\"");
+      d.error("model_type",
+              "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\" or \"llama\", got \"" + name + "\"");
     // Each architecture's own defaults (transformers' config classes).
     const bool llama = type == HfType::kLlama, qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
+    const bool deepseek = type == HfType::kDeepseek;
     const std::string fallback_name = "hf-" + std::string(name_of(kHfTypes, type));
     m.name = r.string("_name_or_path", fallback_name);
     if (m.name.empty()) m.name = fallback_name;
     m.source = "Hugging Face config.json (" + origin + ")";
-    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, qwen ? 151936 : 32000);
-    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, qwen ? 2048 : 4096);
-    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, qwen ? 24 : 32);
-    m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim, type == HfType::kQwen2Moe ? 16 : 32);
+    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, qwen ? 151936 : deepseek ? 102400 : 32000);
+    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, qwen || deepseek ? 2048 : 4096);
+    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, qwen ? 24 : deepseek ? 28 : 32);
+    m.num_attention_heads =
+        r.integer("num_attention_heads", 1, kMaxDim, type == HfType::kQwen2Moe || deepseek ? 16 : 32);
     // LlamaConfig: no num_key_value_heads (or null) means one per query head.
     const auto kv_heads = r.nullable_integer("num_key_value_heads", 1, kMaxDim);
     m.num_key_value_heads = kv_heads                         ? *kv_heads
-                            : llama                          ? m.num_attention_heads
+                            : llama || deepseek              ? m.num_attention_heads
                             : type == HfType::kQwen2Moe      ? 16
                             : type == HfType::kQwen3Moe      ? 4
                                                              : 8;
@@ -249,6 +321,8 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
       r.ignore("attention_bias");
     } else if (qwen) {
       read_qwen_moe(m, r, type == HfType::kQwen3Moe);
+    } else if (deepseek) {
+      read_deepseek(m, r);
     } else {
       m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
       m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
@@ -314,7 +388,8 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
   // A MixtralConfig has none of these.
   for (const auto& [field, has] : {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
                                    {"qk_norm", m.qk_norm},
-                                   {"qkv_bias", m.qkv_bias}})
+                                   {"qkv_bias", m.qkv_bias},
+                                   {"first_dense_layers", m.has_dense_layers()}})
     if (has) throw InputError(m.name, {{field, "a Mixtral config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
@@ -343,6 +418,10 @@ Json to_json(const ModelSpec& m) {
   if (m.shared_expert_gate) j["shared_expert_gate"] = true;
   if (m.qk_norm) j["qk_norm"] = true;
   if (m.qkv_bias) j["qkv_bias"] = true;
+  if (m.first_dense_layers > 0) j["first_dense_layers"] = m.first_dense_layers;
+  if (m.moe_layer_step > 1) j["moe_layer_step"] = m.moe_layer_step;
+  if (m.moe_layer_offset > 0) j["moe_layer_offset"] = m.moe_layer_offset;
+  if (m.dense_intermediate_size > 0) j["dense_intermediate_size"] = m.dense_intermediate_size;
   return j;
 }
 

@@ -256,6 +256,39 @@ int64_t stage_layers(int64_t num_layers, const ParallelConfig& p, int64_t stage)
   return middle > 0 ? rest / middle : 0;
 }
 
+StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig& p, int64_t stage) {
+  const int64_t stages = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  const int64_t chunks = std::max<int64_t>(1, p.virtual_pipeline_degree);
+  const bool uneven = p.first_stage_layers > 0 || p.last_stage_layers > 0;
+  StageBlockCounts out;
+  if (stages > 1 && chunks > 1 && !uneven) {
+    const int64_t chunk = model.num_layers / (stages * chunks);
+    out.layers = chunk * chunks;
+    for (int64_t v = 0; v < chunks; ++v) {
+      const int64_t begin = (v * stages + stage) * chunk;
+      out.moe_layers += model.moe_layers_in(begin, begin + chunk);
+    }
+    return out;
+  }
+  int64_t begin = 0;
+  for (int64_t i = 0; i < stage; ++i) begin += stage_layers(model.num_layers, p, i);
+  out.layers = stage_layers(model.num_layers, p, stage);
+  out.moe_layers = model.moe_layers_in(begin, begin + out.layers);
+  return out;
+}
+
+ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t stage) {
+  const StageBlockCounts counts = stage_block_counts(model, p, stage);
+  ModelSpec m = model;
+  m.num_layers = counts.layers;
+  if (model.dense()) return m;
+  m.first_dense_layers = counts.layers - counts.moe_layers;
+  m.moe_layer_step = 1;
+  m.moe_layer_offset = 0;
+  if (m.first_dense_layers == 0) m.dense_intermediate_size = 0;
+  return m;
+}
+
 std::string describe(const ParallelConfig& p) {
   std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" +
                   std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree());

@@ -12,6 +12,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "kv_heads_divide_heads",
     "head_dim_even",
     "model_size",
+    "moe_layer_pattern",
     "world_size_fits_cluster",
     "whole_nodes",
     "expert_degree_divides_experts",
@@ -63,6 +64,32 @@ struct MessageSink {
   RuleSink for_target(std::span<const std::string_view> names) { return RuleSink(out, names); }
 };
 
+// Dense blocks among MoE blocks: a pattern that leaves at least one MoE block, and the dense
+// blocks' width exactly where there are dense blocks.
+template <class Sink>
+void check_moe_layer_pattern(const ModelSpec& m, Sink& sink) {
+  const bool patterned = m.first_dense_layers > 0 || m.moe_layer_step > 1 || m.moe_layer_offset > 0;
+  if (patterned && m.dense())
+    sink(Rule::kMoeLayerPattern, "first_dense_layers", [&] {
+      return std::string("and moe_layer_step place dense blocks among MoE blocks; a dense model (num_experts = 1) "
+                         "has no MoE blocks");
+    });
+  else if (m.moe_layer_step < 1 || m.moe_layer_offset < 0 || m.moe_layer_offset >= m.moe_layer_step)
+    sink(Rule::kMoeLayerPattern, "moe_layer_offset", [&] {
+      return "= " + str(m.moe_layer_offset) + " must lie in [0, moe_layer_step = " + str(m.moe_layer_step) + ")";
+    });
+  else if (!m.dense() && m.moe_layers() == 0)
+    sink(Rule::kMoeLayerPattern, "first_dense_layers", [&] {
+      return "= " + str(m.first_dense_layers) + " with moe_layer_step = " + str(m.moe_layer_step) +
+             " leaves no MoE block among num_layers = " + str(m.num_layers);
+    });
+  else if (m.has_dense_layers() != (m.dense_intermediate_size > 0))
+    sink(Rule::kMoeLayerPattern, "dense_intermediate_size", [&] {
+      return m.has_dense_layers() ? std::string("must give the width of the dense blocks' feed-forward layer")
+                                  : "= " + str(m.dense_intermediate_size) + " without dense blocks (every block has experts)";
+    });
+}
+
 template <class Sink>
 void check_model(const ModelSpec& m, Sink& sink) {
   if (m.experts_per_token > m.num_experts)
@@ -78,6 +105,7 @@ void check_model(const ModelSpec& m, Sink& sink) {
     sink(Rule::kHeadDimEven, "head_dim", [&] {
       return "= " + str(m.head_dim) + " is odd; rotary embeddings rotate pairs of dimensions";
     });
+  check_moe_layer_pattern(m, sink);
   // Counted in double so that a huge model cannot overflow before it is rejected.
   const double h = static_cast<double>(m.hidden_size);
   const double layers = static_cast<double>(m.num_layers);
@@ -86,7 +114,8 @@ void check_model(const ModelSpec& m, Sink& sink) {
       layers * (4.0 * h * static_cast<double>(m.num_attention_heads * m.head_dim) +
                 static_cast<double>(m.mlp_matrices()) * h *
                     (static_cast<double>(m.num_experts) * static_cast<double>(m.intermediate_size) +
-                     static_cast<double>(m.shared_expert_intermediate_size)));
+                     static_cast<double>(m.shared_expert_intermediate_size) +
+                     static_cast<double>(m.dense_intermediate_size)));
   if (params > kMaxParameters)
     sink(Rule::kModelSize, "num_layers", [&] {
       return "and the other sizes give about " + str(params) + " parameters, over the supported " +
@@ -145,12 +174,15 @@ void check_degrees(const RunConfig& c, Sink& sink) {
       return "= " + str(tp) + " must be at least 1 and divide num_key_value_heads = " + str(m.num_key_value_heads) +
              " (and num_attention_heads = " + str(m.num_attention_heads) + ")";
     });
-  if (tp >= 1 && (m.intermediate_size % tp != 0 || m.shared_expert_intermediate_size % tp != 0))
+  if (tp >= 1 && (m.intermediate_size % tp != 0 || m.shared_expert_intermediate_size % tp != 0 ||
+                  m.dense_intermediate_size % tp != 0))
     sink(Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree", [&] {
-      const bool routed = m.intermediate_size % tp != 0;
-      return "= " + str(tp) + " does not divide " +
-             (routed ? "intermediate_size = " + str(m.intermediate_size)
-                     : "shared_expert_intermediate_size = " + str(m.shared_expert_intermediate_size));
+      const auto [field, width] = m.intermediate_size % tp != 0
+                                      ? std::pair{"intermediate_size", m.intermediate_size}
+                                  : m.shared_expert_intermediate_size % tp != 0
+                                      ? std::pair{"shared_expert_intermediate_size", m.shared_expert_intermediate_size}
+                                      : std::pair{"dense_intermediate_size", m.dense_intermediate_size};
+      return "= " + str(tp) + " does not divide " + field + " = " + str(width);
     });
   if (p.sequence_parallel && tp == 1)
     sink(Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel", [&] {

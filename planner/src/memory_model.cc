@@ -109,28 +109,49 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   return out;
 }
 
-ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s, int64_t t, int64_t p, int64_t stage_blocks,
-                       bool with_ends) {
+ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t,
+                             int64_t p, bool with_ends) {
   const ParamCounts c = count_parameters(model);
   t = std::max<int64_t>(1, t);
-  const int64_t layers = stage_blocks >= 0 ? stage_blocks : model.num_layers / std::max<int64_t>(1, p);
   const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, t);
   const int64_t dense_per_layer = ceil_div(c.dense_per_layer(), t);
+  const int64_t dense_block = ceil_div(c.dense_block(), t);
+  const int64_t moe_layers = blocks.moe_layers, dense_layers = blocks.layers - blocks.moe_layers;
   const int64_t embedding = ceil_div(c.embedding, t);
   const int64_t head = ceil_div(c.final_norm + c.lm_head, t);
   // The first stage holds the embedding, the last the head; with one stage, both.
   const int64_t ends = !with_ends ? 0 : p > 1 ? std::max(embedding, head) : embedding + head;
   ShardSizes out;
-  out.local_params = ends + layers * (dense_per_layer + experts_per_layer);
+  out.local_params = ends + moe_layers * (dense_per_layer + experts_per_layer) + dense_layers * dense_block;
   // Flat parameters (FSDP units): the embedding; per block its dense part and its experts
   // (they reduce over different groups); the final norm with the lm head. Each is padded to
   // a multiple of S before it is split.
   const int64_t ends_shard = !with_ends ? 0
                              : p > 1  ? std::max(ceil_div(embedding, s), ceil_div(head, s))
                                       : ceil_div(embedding, s) + ceil_div(head, s);
-  out.shard_params = ends_shard + layers * (ceil_div(dense_per_layer, s) + ceil_div(experts_per_layer, s));
-  out.largest_unit_params = std::max({embedding, head, dense_per_layer + experts_per_layer});
+  out.shard_params = ends_shard + moe_layers * (ceil_div(dense_per_layer, s) + ceil_div(experts_per_layer, s)) +
+                     dense_layers * ceil_div(dense_block, s);
+  out.largest_unit_params = std::max({embedding, head, moe_layers > 0 ? dense_per_layer + experts_per_layer : 0,
+                                      dense_layers > 0 ? dense_block : 0});
   return out;
+}
+
+StageBlockCounts busiest_stage(const ModelSpec& m, const ParallelConfig& p) {
+  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  StageBlockCounts busiest = stage_block_counts(m, p, 0);
+  for (int64_t i = 1; i < pp; ++i) {
+    const StageBlockCounts stage = stage_block_counts(m, p, i);
+    if (stage.moe_layers > busiest.moe_layers ||
+        (stage.moe_layers == busiest.moe_layers && stage.layers > busiest.layers))
+      busiest = stage;
+  }
+  return busiest;
+}
+
+ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s, int64_t t, int64_t p) {
+  ParallelConfig even;
+  even.pipeline_parallel_degree = std::max<int64_t>(1, p);
+  return stage_shard_sizes(model, busiest_stage(model, even), e, s, t, p, true);
 }
 
 int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size) {
@@ -139,15 +160,6 @@ int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size) {
 }
 
 namespace {
-
-// The stage with the most blocks (with the first stage's micro-batches in flight), or one
-// that holds blocks only: its blocks.
-int64_t busiest_stage_layers(const ModelSpec& m, const ParallelConfig& p) {
-  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
-  int64_t layers = 0;
-  for (int64_t i = 0; i < pp; ++i) layers = std::max(layers, stage_layers(m.num_layers, p, i));
-  return layers;
-}
 
 // Parameters, gradients, master weights and optimizer moments of the rank's shard, and what
 // sharding gathers of one unit at a time; `a` is the compute dtype's bytes.
@@ -237,17 +249,23 @@ double micro_batches_in_flight(const ParallelConfig& p) {
   return in_flight;
 }
 
-// The activations the stage's `stage_layers` blocks keep on the device and, offloaded, on the
-// host.
-void add_activations(const ParallelConfig& p, const BlockActivations& block, int64_t stage_layers,
-                     MemoryEstimate& out) {
-  const KeptActivations kept = kept_activations(block, p.activation_checkpointing);
-  out.activation_working_set = kept.working_set;
+// The activations the stage's blocks keep on the device and, offloaded, on the host: `moe`
+// of its MoE blocks and `dense` of its dense blocks.
+void add_activations(const ParallelConfig& p, const BlockActivations& moe, const BlockActivations& dense,
+                     StageBlockCounts blocks, MemoryEstimate& out) {
+  const KeptActivations kept = kept_activations(moe, p.activation_checkpointing);
+  const KeptActivations kept_dense = kept_activations(dense, p.activation_checkpointing);
+  const double moe_layers = static_cast<double>(blocks.moe_layers);
+  const double dense_layers = static_cast<double>(blocks.layers - blocks.moe_layers);
+  out.activation_working_set = std::max(kept.working_set, dense_layers > 0 ? kept_dense.working_set : 0);
   // What offloading moves is the checkpointed input (the block input, which is also the MoE
-  // sub-block's input under selective checkpointing); attention's activations stay.
-  const int64_t offloadable = recomputes_moe(p.activation_checkpointing) ? block.block_input : 0;
-  const int64_t resident = kept.stored_per_block - offloadable;
+  // sub-block's input under selective checkpointing; the same for either kind of block);
+  // attention's activations stay.
+  const int64_t offloadable = recomputes_moe(p.activation_checkpointing) ? moe.block_input : 0;
+  const double resident = moe_layers * static_cast<double>(kept.stored_per_block - offloadable) +
+                          dense_layers * static_cast<double>(kept_dense.stored_per_block - offloadable);
   const double in_flight = micro_batches_in_flight(p);
+  const int64_t stage_layers = blocks.layers;
   int64_t blocks_on_device = stage_layers;
   if (p.activation_offloading && offloadable > 0) {
     // Offloaded during forward; in backward, the block in use and `horizon` prefetched ones.
@@ -258,9 +276,8 @@ void add_activations(const ParallelConfig& p, const BlockActivations& block, int
   const double layers = static_cast<double>(stage_layers);
   const double offloadable_on_device =
       p.activation_offloading ? static_cast<double>(blocks_on_device) : in_flight * layers;
-  out.activations = to_bytes(in_flight * layers * static_cast<double>(resident) +
-                             offloadable_on_device * static_cast<double>(offloadable) +
-                             static_cast<double>(kept.working_set));
+  out.activations = to_bytes(in_flight * resident + offloadable_on_device * static_cast<double>(offloadable) +
+                             static_cast<double>(out.activation_working_set));
 }
 
 // With sequence parallelism a rank routes (and dispatches) its 1/T of the tokens.
@@ -312,9 +329,10 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
   const int64_t a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  const int64_t stage_layers = busiest_stage_layers(m, p);
-  const ShardSizes sizes = shard_sizes(m, p.expert_parallel_degree, p.hybrid_shard_degree, p.tensor_parallel_degree,
-                                       p.pipeline_parallel_degree, stage_layers, view == StageView::kBusiest);
+  const StageBlockCounts blocks = busiest_stage(m, p);
+  const ShardSizes sizes = stage_shard_sizes(m, blocks, p.expert_parallel_degree, p.hybrid_shard_degree,
+                                             p.tensor_parallel_degree, p.pipeline_parallel_degree,
+                                             view == StageView::kBusiest);
   MemoryEstimate out;
   add_model_states(c, sizes, a, out);
   const int64_t tokens = p.micro_batch_size * c.training.seq_len;
@@ -322,7 +340,13 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   const TensorSplit split{p.tensor_parallel_degree, p.sequence_parallel};
   const BlockActivations block = block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a,
                                                    c.cluster.kernels, c.cluster.attention, split, c.training.fp8);
-  add_activations(p, block, stage_layers, out);
+  // A dense block among MoE blocks: its feed-forward layer takes every token.
+  const BlockActivations dense =
+      blocks.moe_layers < blocks.layers
+          ? block_activations(dense_block_model(m), p.micro_batch_size, c.training.seq_len, tokens, a, c.cluster.kernels,
+                              c.cluster.attention, split, c.training.fp8)
+          : BlockActivations{};
+  add_activations(p, block, dense, blocks, out);
   out.moe_dispatch_buffers = dispatch_buffer_bytes(c, tokens, slots, a);
   out.logits = logits_bytes(c, tokens, a, out);
   add_totals(c.cluster, out);

@@ -33,6 +33,8 @@ struct Stage {
   const OpCosts& o;
   CostModel cost;
   double layers;
+  double moe_layers;    // of them, blocks with routed experts
+  double dense_layers;  // and dense blocks among them
 
   double region(double bytes, const GroupShape& g, bool backward = false) const {
     return region_seconds(cost, o, c.parallel, bytes, g, backward);
@@ -63,12 +65,14 @@ void add_compute(const Stage& s, StageTimes& t) {
   const ParallelConfig& p = s.c.parallel;
   const OpCosts& o = s.o;
   const double layers = s.layers;
-  t.compute =
-      layers * (o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s) +
-      o.head_s;
+  const double moe = s.moe_layers, dense = s.dense_layers;
+  t.compute = layers * (o.attention_forward_s + o.attention_backward_s) +
+              moe * (o.moe_forward_busiest_s + o.moe_backward_busiest_s) +
+              dense * (o.dense_forward_s + o.dense_backward_s) + o.head_s;
   if (p.activation_checkpointing == Checkpointing::kFull)
-    t.recompute = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
-  if (p.activation_checkpointing == Checkpointing::kSelective) t.recompute = layers * o.moe_forward_busiest_s;
+    t.recompute = layers * o.attention_forward_s + moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
+  if (p.activation_checkpointing == Checkpointing::kSelective)
+    t.recompute = moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
   if (p.activation_checkpointing == Checkpointing::kAttentionCore) t.recompute = layers * o.core_forward_s;
 }
 
@@ -79,7 +83,7 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   const ParallelConfig& p = c.parallel;
   const OpCosts& o = s.o;
   const CostModel& cost = s.cost;
-  const double layers = s.layers;
+  const double layers = s.moe_layers;  // dense blocks exchange nothing
   if (p.expert_parallel_degree <= 1) return;
   double per_exchange;
   if (c.moe.dispatcher == Dispatcher::kAllToAll) {
@@ -119,28 +123,40 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
 void add_tensor_collectives(const Stage& s, StageTimes& t) {
   const ParallelConfig& p = s.c.parallel;
   const OpCosts& o = s.o;
-  const double layers = s.layers;
   if (p.tensor_parallel_degree <= 1) return;
   GroupShape alone = s.shapes.tensor;
   alone.groups_per_node = 1;
-  auto per_layer = [&](const GroupShape& g) {
+  // A block's two regions: attention's, and its feed-forward part's (`ffn` bytes, its first
+  // GEMM's weight gradient `overlap`): the experts' or a dense block's.
+  auto per_block = [&](const GroupShape& g, double ffn, double overlap) {
     const double attention = s.region(o.tensor_bytes, g);
-    const double moe = s.region(o.tensor_moe_bytes, g);
+    const double moe = s.region(ffn, g);
     // Backward's collectives run beside the weight gradients of the regions' first GEMMs.
     double all = attention + moe + std::max(0.0, s.region(o.tensor_bytes, g, true) - o.tensor_overlap_s) +
-                 std::max(0.0, s.region(o.tensor_moe_bytes, g, true) - o.tensor_moe_overlap_s);
+                 std::max(0.0, s.region(ffn, g, true) - overlap);
     if (p.activation_checkpointing == Checkpointing::kFull) all += attention + moe;
     if (p.activation_checkpointing == Checkpointing::kSelective) all += moe;
     return all;
   };
-  t.tensor_comm = layers * per_layer(s.shapes.tensor);
-  t.beside_compute += layers * (std::min(s.region(o.tensor_bytes, s.shapes.tensor, true), o.tensor_overlap_s) +
-                                std::min(s.region(o.tensor_moe_bytes, s.shapes.tensor, true), o.tensor_moe_overlap_s));
+  auto beside = [&](double ffn, double overlap) {
+    return std::min(s.region(o.tensor_bytes, s.shapes.tensor, true), o.tensor_overlap_s) +
+           std::min(s.region(ffn, s.shapes.tensor, true), overlap);
+  };
   // The bound counts forward's and recompute's alone: backward's may hide behind the weight
   // gradients entirely.
-  t.tensor_chain_min =
-      layers * (per_layer(alone) - std::max(0.0, s.region(o.tensor_bytes, alone, true) - o.tensor_overlap_s) -
-                std::max(0.0, s.region(o.tensor_moe_bytes, alone, true) - o.tensor_moe_overlap_s));
+  auto chain_min = [&](double ffn, double overlap) {
+    return per_block(alone, ffn, overlap) - std::max(0.0, s.region(o.tensor_bytes, alone, true) - o.tensor_overlap_s) -
+           std::max(0.0, s.region(ffn, alone, true) - overlap);
+  };
+  const double moe = s.moe_layers, dense = s.dense_layers;
+  t.tensor_comm = moe * per_block(s.shapes.tensor, o.tensor_moe_bytes, o.tensor_moe_overlap_s);
+  t.beside_compute += moe * beside(o.tensor_moe_bytes, o.tensor_moe_overlap_s);
+  t.tensor_chain_min = moe * chain_min(o.tensor_moe_bytes, o.tensor_moe_overlap_s);
+  if (dense > 0) {
+    t.tensor_comm += dense * per_block(s.shapes.tensor, o.tensor_dense_bytes, o.tensor_dense_overlap_s);
+    t.beside_compute += dense * beside(o.tensor_dense_bytes, o.tensor_dense_overlap_s);
+    t.tensor_chain_min += dense * chain_min(o.tensor_dense_bytes, o.tensor_dense_overlap_s);
+  }
 }
 
 // Sharded model states: each block's unit is gathered for forward and again for backward,
@@ -150,19 +166,27 @@ void add_sharded_states(const Stage& s, StageTimes& t) {
   const CostModel& cost = s.cost;
   const double layers = s.layers;
   if (s.c.parallel.hybrid_shard_degree <= 1) return;
-  const double gather = cost.all_gather_seconds(o.unit_bytes, s.shapes.shard);
-  const double scatter = cost.reduce_scatter_seconds(o.unit_bytes, s.shapes.shard);
-  const double per_block_comm = 2.0 * gather + scatter;
   const double per_block_compute = (t.compute + t.recompute - o.head_s) / layers;
-  // The first gather has nothing to hide behind; the rest overlap block by block.
-  t.shard_comm_exposed = gather + layers * std::max(0.0, per_block_comm - per_block_compute);
-  t.beside_compute += layers * std::min(per_block_comm, per_block_compute);
-  // The gather stream runs 2 L gathers per micro-batch, the gradient stream L reduce-scatters.
-  const CollectiveCost g = cost.all_gather_cost(o.unit_bytes, s.shapes.shard);
   GroupShape alone = s.shapes.shard;
   alone.groups_per_node = 1;
-  t.gather_stream_min = 2.0 * layers * cost.all_gather_seconds(o.unit_bytes, alone);
-  t.nic_bytes += 3.0 * layers * g.nic_bytes_per_node * static_cast<double>(s.shapes.shard.groups_per_node);
+  // Blocks of `unit_bytes` each: an MoE block, or a dense block among MoE blocks.
+  auto add_blocks = [&](double blocks, double unit_bytes) {
+    if (blocks <= 0) return;
+    const double gather = cost.all_gather_seconds(unit_bytes, s.shapes.shard);
+    const double scatter = cost.reduce_scatter_seconds(unit_bytes, s.shapes.shard);
+    const double per_block_comm = 2.0 * gather + scatter;
+    // The first gather has nothing to hide behind; the rest overlap block by block.
+    if (t.shard_comm_exposed == 0) t.shard_comm_exposed = gather;
+    t.shard_comm_exposed += blocks * std::max(0.0, per_block_comm - per_block_compute);
+    t.beside_compute += blocks * std::min(per_block_comm, per_block_compute);
+    // The gather stream runs 2 gathers per block and micro-batch, the gradient stream one
+    // reduce-scatter.
+    const CollectiveCost g = cost.all_gather_cost(unit_bytes, s.shapes.shard);
+    t.gather_stream_min += 2.0 * blocks * cost.all_gather_seconds(unit_bytes, alone);
+    t.nic_bytes += 3.0 * blocks * g.nic_bytes_per_node * static_cast<double>(s.shapes.shard.groups_per_node);
+  };
+  add_blocks(s.moe_layers, o.unit_bytes);
+  add_blocks(s.dense_layers, o.dense_block_bytes);
 }
 
 // Activation offload: every stored block activation goes to the host and comes back.
@@ -221,7 +245,9 @@ StepEstimate step_of_stage(const Stage& s, const StageTimes& t) {
 }
 
 StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, const OpCosts& o) {
-  const Stage stage{c, shapes, o, CostModel(c.cluster), static_cast<double>(c.model.num_layers)};
+  const double moe = static_cast<double>(c.model.moe_layers());
+  const double layers = static_cast<double>(c.model.num_layers);
+  const Stage stage{c, shapes, o, CostModel(c.cluster), layers, moe, layers - moe};
   StageTimes t;
   add_compute(stage, t);
   add_expert_exchange(stage, t);
@@ -257,10 +283,12 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes, Kerne
   const double busy_per_micro_batch = (out.compute_s + out.recompute_s) / accum;
   const double send = CostModel(c.cluster).send_seconds(o.stage_send_bytes, shapes.pipeline);
   const double chunks = static_cast<double>(std::max<int64_t>(1, p.virtual_pipeline_degree));
-  const double per_block = std::max(0.0, per_micro_batch - o.head_s) / std::max<double>(1.0, static_cast<double>(blocks.num_layers));
+  // The other stages: the last's time without the head in the ratio of their blocks' compute.
+  const double last_weight = stage_weight(o, p, {blocks.num_layers, blocks.moe_layers()});
+  const double per_weight = std::max(0.0, per_micro_batch - o.head_s) / (last_weight > 0 ? last_weight : 1.0);
   double slowest = per_micro_batch;
   for (int64_t i = 0; i + 1 < p.pipeline_parallel_degree; ++i)
-    slowest = std::max(slowest, per_block * static_cast<double>(stage_layers(c.model.num_layers, p, i)));
+    slowest = std::max(slowest, per_weight * stage_weight(o, p, stage_block_counts(c.model, p, i)));
   out.pipeline_bubble_s = (stages - 1) * (std::max(0.0, per_micro_batch - o.head_s) / chunks + 2.0 * send) +
                           accum * (slowest - per_micro_batch);
   out.exposed_comm_s += out.pipeline_bubble_s;

@@ -13,8 +13,9 @@ namespace moeplan::sim {
 bool op_times_apply(const RunConfig& c) {
   const OpTimes& t = c.cluster.op_times;
   const ModelSpec& m = c.model;
-  // The executor measures Mixtral's blocks: no shared experts, q/k norms or biases.
-  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && t.hidden_size == m.hidden_size &&
+  // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases or dense blocks.
+  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && !m.has_dense_layers() &&
+         t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
          t.head_dim == m.head_dim && t.num_experts == m.num_experts && t.experts_per_token == m.experts_per_token &&
@@ -50,11 +51,42 @@ double moe_forward_seconds(const RunConfig& c, double load) {
 }
 
 ModelSpec stage_model(const RunConfig& c) {
-  ModelSpec m = c.model;
-  const int64_t stages = std::max<int64_t>(1, c.parallel.pipeline_parallel_degree);
-  m.num_layers = stage_layers(c.model.num_layers, c.parallel, stages - 1);
-  return m;
+  return stage_blocks(c.model, c.parallel, std::max<int64_t>(1, c.parallel.pipeline_parallel_degree) - 1);
 }
+
+double stage_weight(const OpCosts& o, const ParallelConfig& p, StageBlockCounts blocks) {
+  const double moe = static_cast<double>(blocks.moe_layers);
+  const double dense = static_cast<double>(blocks.layers - blocks.moe_layers);
+  const double layers = static_cast<double>(blocks.layers);
+  double w = layers * (o.attention_forward_s + o.attention_backward_s) +
+             moe * (o.moe_forward_busiest_s + o.moe_backward_busiest_s) + dense * (o.dense_forward_s + o.dense_backward_s);
+  if (p.activation_checkpointing == Checkpointing::kFull)
+    w += layers * o.attention_forward_s + moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
+  if (p.activation_checkpointing == Checkpointing::kSelective) w += moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore) w += layers * o.core_forward_s;
+  return w;
+}
+
+namespace {
+
+// A dense block's feed-forward layer among MoE blocks: the MoE sub-block of the dense block's
+// own model (dense_block_model), every token on every rank (no expert split).
+void add_dense_blocks(const RunConfig& c, KernelCosts& o) {
+  const ModelSpec model = dense_block_model(c.model);
+  ParallelConfig parallel = c.parallel;
+  parallel.expert_parallel_degree = 1;
+  const MicroBatchKernels k = micro_batch_kernels({model, c.cluster, parallel, c.moe, c.training, c.target});
+  o.dense_forward_s = k.moe_forward.seconds();
+  o.dense_backward_s = k.moe_backward.seconds();
+  o.dense_flops = k.moe_forward.flops();
+  if (c.parallel.tensor_parallel_degree > 1) o.tensor_dense_overlap_s = k.moe_wgrad_s;
+  for (const KernelList* l : {&k.attention_forward, &k.attention_backward, &k.moe_forward, &k.moe_backward}) {
+    const std::array<double, 3> by_class = l->seconds_by_class();
+    for (size_t i = 0; i < 3; ++i) o.dense_block_by_class[i] += by_class[i];
+  }
+}
+
+}  // namespace
 
 KernelCosts kernel_costs(const RunConfig& c) {
   const ModelSpec& m = c.model;
@@ -114,6 +146,7 @@ KernelCosts kernel_costs(const RunConfig& c) {
       const std::array<double, 3> by_class = l->seconds_by_class();
       for (size_t i = 0; i < 3; ++i) o.head_by_class[i] += by_class[i];
     }
+    if (m.has_dense_layers()) add_dense_blocks(c, o);
   } else {
     o.moe_forward_s = moe_forward_seconds(c, 1.0);
     o.moe_forward_busiest_s = moe_forward_seconds(c, busiest_load);
@@ -175,8 +208,8 @@ OpCosts op_costs(const RunConfig& c) { return op_costs(c, kernel_costs(c)); }
 
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;
-  const std::array<int64_t, 5> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
-                                   p.expert_parallel_degree, c.model.num_layers};
+  const std::array<int64_t, 6> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
+                                   p.expert_parallel_degree, c.model.num_layers, c.model.first_dense_layers};
   auto it = costs_.find(key);
   if (it == costs_.end()) it = costs_.emplace(key, kernel_costs(c)).first;
   return it->second;
@@ -202,10 +235,11 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   OpCosts o;
   static_cast<KernelCosts&>(o) = kernels;
   if (!o.measured) {
-    const double layers = static_cast<double>(m.num_layers);
+    const double moe_layers = static_cast<double>(params.moe_layers);
+    const double dense_layers = static_cast<double>(params.dense_layers());
     double total = 0;
     for (size_t i = 0; i < 3; ++i) {
-      o.compute_share[i] = layers * o.block_by_class[i] + o.head_by_class[i];
+      o.compute_share[i] = moe_layers * o.block_by_class[i] + dense_layers * o.dense_block_by_class[i] + o.head_by_class[i];
       total += o.compute_share[i];
     }
     for (double& share : o.compute_share) share = total > 0 ? share / total : 0.0;
@@ -219,6 +253,7 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
     o.tensor_bytes = tokens * h * a;
     // Shared experts reduce their own output over the tokens.
     o.tensor_moe_bytes = (busiest_slots + (m.shared_experts() ? tokens : 0.0)) * h * a;
+    o.tensor_dense_bytes = tokens * h * a;
   }
   // Each tensor-parallel rank sends its 1/T of the activation to the next stage, which gathers
   // it over the node's fabric (Narayanan et al. 2021, section 4.1, scatter/gather optimisation);
@@ -226,7 +261,9 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   o.stage_send_bytes = tokens / tp * h * a;
   o.unit_bytes = (static_cast<double>(params.dense_per_layer()) +
                   static_cast<double>(m.num_experts * params.expert) / e) / tp * a;
+  o.dense_block_bytes = static_cast<double>(params.dense_block()) / tp * a;
   auto gathered = [&](double numel) { return std::ceil(numel / tp / s) * s * a; };
+  o.dense_block_unit_bytes = gathered(static_cast<double>(params.dense_block()));
   o.dense_unit_bytes = gathered(static_cast<double>(params.dense_per_layer()));
   o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));

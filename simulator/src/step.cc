@@ -139,10 +139,7 @@ class Builder {
       if (last) sync_unit(state, o_.head_unit_bytes, true);
       for (int l = layers_ - 1; l >= 0; --l) {
         backward_layer(state, static_cast<int16_t>(mb), l);
-        if (last) {
-          sync_unit(state, o_.dense_unit_bytes, true);
-          sync_unit(state, o_.expert_unit_bytes, false);
-        }
+        if (last) sync_block(state, l);
       }
       if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.embed_unit_bytes);
       else
@@ -152,10 +149,7 @@ class Builder {
     if (!overlap_sync_) {
       // Unit by unit, as the executor does, after the step's last backward.
       sync_unit(state, o_.embed_unit_bytes, true);
-      for (int l = 0; l < layers_; ++l) {
-        sync_unit(state, o_.dense_unit_bytes, true);
-        sync_unit(state, o_.expert_unit_bytes, false);
-      }
+      for (int l = 0; l < layers_; ++l) sync_block(state, l);
       sync_unit(state, o_.head_unit_bytes, true);
     }
     for (size_t r = 0; r < n; ++r) {
@@ -201,6 +195,19 @@ class Builder {
     collective_round(synced_, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
                      cost(shapes_.replica), bytes, true);
   }
+
+  // Block l's units: an MoE block's dense part and its experts, or a dense block whole.
+  void sync_block(const std::vector<RankState>& state, int l) {
+    if (!moe_block(l)) {
+      sync_unit(state, o_.dense_block_unit_bytes, true);
+      return;
+    }
+    sync_unit(state, o_.dense_unit_bytes, true);
+    sync_unit(state, o_.expert_unit_bytes, false);
+  }
+
+  // Whether block l of the stage has routed experts (its dense blocks come first).
+  bool moe_block(int l) const { return c_.model.moe_layer(l); }
 
   Op compute(size_t r, OpKind kind, int layer, int64_t mb, double seconds, double flops) const {
     Op op;
@@ -315,22 +322,37 @@ class Builder {
     state[r].last = id;
   }
 
-  double moe_seconds(size_t r) const { return moe_by_rank_[r]; }
+  // Block l's feed-forward part on rank r: the experts at the rank's load, or a dense block's
+  // feed-forward layer.
+  double ffn_seconds(size_t r, int l) const { return moe_block(l) ? moe_by_rank_[r] : o_.dense_forward_s; }
+  double ffn_flops(int l) const { return moe_block(l) ? o_.moe_flops : o_.dense_flops; }
+  double ffn_tensor_bytes(int l) const { return moe_block(l) ? o_.tensor_moe_bytes : o_.tensor_dense_bytes; }
+
+  // Block l's parameters for forward or backward: an MoE block's dense part and its experts,
+  // or a dense block whole.
+  void gather_block(std::vector<OpId>& gathered, OpKind kind, int l, int16_t mb) {
+    if (!moe_block(l)) {
+      gather(gathered, kind, l, mb, o_.dense_block_unit_bytes);
+      return;
+    }
+    gather(gathered, kind, l, mb, o_.dense_unit_bytes);
+    gather(gathered, kind, l, mb, o_.expert_unit_bytes);
+  }
 
   // Forward of one block (attention, then the MoE sub-block with its token exchange), the
   // gather of its parameters and the offload of what it keeps.
   void forward_layer(std::vector<RankState>& state, int16_t mb, int l) {
     const size_t n = state.size();
     const bool sharded = p_.hybrid_shard_degree > 1;
-    const bool experts = p_.expert_parallel_degree > 1;
+    const bool moe = moe_block(l);
+    const bool experts = moe && p_.expert_parallel_degree > 1;
     std::vector<OpId> gathered(n, kNoOp);
     if (sharded) {
       // Two buffers: the block in use and the one prefetched; a gather waits for the block
       // two back to be freed.
       for (size_t r = 0; r < n; ++r) gathered[r] = l >= 2 ? state[r].fwd_done[static_cast<size_t>(l - 2)] : kNoOp;
       if (l == 0) gather(gathered, OpKind::kGatherForward, -1, mb, o_.embed_unit_bytes);
-      gather(gathered, OpKind::kGatherForward, l, mb, o_.dense_unit_bytes);
-      gather(gathered, OpKind::kGatherForward, l, mb, o_.expert_unit_bytes);
+      gather_block(gathered, OpKind::kGatherForward, l, mb);
     }
     for (size_t r = 0; r < n; ++r) {
       chain(state, r, compute(r, OpKind::kAttentionForward, l, mb, o_.attention_forward_s, o_.attention_flops));
@@ -338,8 +360,9 @@ class Builder {
     }
     tensor(state, OpKind::kTensorForward, l, mb, o_.tensor_bytes);
     if (experts) exchange(state, OpKind::kDispatch, l, mb);
-    for (size_t r = 0; r < n; ++r) chain(state, r, compute(r, OpKind::kExpertForward, l, mb, moe_seconds(r), o_.moe_flops));
-    tensor(state, OpKind::kTensorForward, l, mb, o_.tensor_moe_bytes);
+    for (size_t r = 0; r < n; ++r)
+      chain(state, r, compute(r, OpKind::kExpertForward, l, mb, ffn_seconds(r, l), ffn_flops(l)));
+    tensor(state, OpKind::kTensorForward, l, mb, ffn_tensor_bytes(l));
     if (experts) exchange(state, OpKind::kCombine, l, mb);
     for (size_t r = 0; r < n; ++r) {
       state[r].layer_out = state[r].last;
@@ -355,13 +378,13 @@ class Builder {
   void backward_layer(std::vector<RankState>& state, int16_t mb, int l) {
     const size_t n = state.size();
     const bool sharded = p_.hybrid_shard_degree > 1;
-    const bool experts = p_.expert_parallel_degree > 1;
+    const bool moe = moe_block(l);
+    const bool experts = moe && p_.expert_parallel_degree > 1;
     const auto at = static_cast<size_t>(l);
     std::vector<OpId> gathered(n, kNoOp);
     if (sharded) {
       for (size_t r = 0; r < n; ++r) gathered[r] = l + 2 < layers_ ? state[r].bwd_done[at + 2] : kNoOp;
-      gather(gathered, OpKind::kGatherBackward, l, mb, o_.dense_unit_bytes);
-      gather(gathered, OpKind::kGatherBackward, l, mb, o_.expert_unit_bytes);
+      gather_block(gathered, OpKind::kGatherBackward, l, mb);
     }
     std::vector<OpId> reloaded(n, kNoOp);
     if (p_.activation_offloading) {
@@ -395,23 +418,26 @@ class Builder {
         exchange(state, OpKind::kDispatchRecompute, l, mb);
         gate_first();
       }
-      for (size_t r = 0; r < n; ++r) chain(state, r, compute(r, OpKind::kExpertRecompute, l, mb, moe_seconds(r), o_.moe_flops));
+      for (size_t r = 0; r < n; ++r)
+        chain(state, r, compute(r, OpKind::kExpertRecompute, l, mb, ffn_seconds(r, l), ffn_flops(l)));
       gate_first();
-      tensor(state, OpKind::kTensorRecompute, l, mb, o_.tensor_moe_bytes);
+      tensor(state, OpKind::kTensorRecompute, l, mb, ffn_tensor_bytes(l));
       if (experts) exchange(state, OpKind::kCombineRecompute, l, mb);
     }
     if (experts) {
       exchange(state, OpKind::kCombineBackward, l, mb);
       gate_first();
     }
-    const double moe_beside = std::min(o_.tensor_moe_overlap_s, o_.moe_backward_busiest_s);
-    for (size_t r = 0; r < n; ++r)
-      chain(state, r,
-            compute(r, OpKind::kExpertBackward, l, mb, moe_backward_by_rank_[r] - moe_beside, 2.0 * o_.moe_flops));
+    const double moe_beside = moe ? std::min(o_.tensor_moe_overlap_s, o_.moe_backward_busiest_s)
+                                  : std::min(o_.tensor_dense_overlap_s, o_.dense_backward_s);
+    for (size_t r = 0; r < n; ++r) {
+      const double backward = moe ? moe_backward_by_rank_[r] : o_.dense_backward_s;
+      chain(state, r, compute(r, OpKind::kExpertBackward, l, mb, backward - moe_beside, 2.0 * ffn_flops(l)));
+    }
     gate_first();
     beside(state, OpKind::kExpertBackward, l, mb, moe_beside);
-    if (sharded) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
-    tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_moe_bytes);
+    if (sharded && moe) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
+    tensor(state, OpKind::kTensorBackward, l, mb, ffn_tensor_bytes(l));
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
     if (p_.activation_checkpointing == Checkpointing::kAttentionCore)
       for (size_t r = 0; r < n; ++r)
@@ -425,7 +451,7 @@ class Builder {
     tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_bytes);
     for (size_t r = 0; r < n; ++r) state[r].bwd_done[at] = state[r].last;
     if (sharded) {
-      reduce_scatter(state, l, mb, o_.dense_unit_bytes);
+      reduce_scatter(state, l, mb, moe ? o_.dense_unit_bytes : o_.dense_block_unit_bytes);
     } else {
       for (size_t r = 0; r < n; ++r) state[r].last_grad = state[r].last;
     }
@@ -651,21 +677,22 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.target};
   StepSimulation sim = simulate_stage(stage, options);
   const OpCosts o = op_costs(stage);
+  const StageBlockCounts last_blocks{blocks.num_layers, blocks.moe_layers()};
   const double layers = static_cast<double>(blocks.num_layers);
-  double forward = layers * (o.attention_forward_s + o.moe_forward_busiest_s);
-  double backward = layers * (o.attention_backward_s + o.moe_backward_busiest_s);
-  if (p.activation_checkpointing == Checkpointing::kFull) backward += forward;
-  if (p.activation_checkpointing == Checkpointing::kSelective) backward += layers * o.moe_forward_busiest_s;
-  if (p.activation_checkpointing == Checkpointing::kAttentionCore) backward += layers * o.core_forward_s;
-  const double forward_share = forward + backward > 0 ? forward / (forward + backward) : 1.0 / 3.0;
-  // The simulated stage is the last; the others take its time per block times their blocks.
+  const double moe = static_cast<double>(last_blocks.moe_layers), dense = layers - moe;
+  const double forward =
+      layers * o.attention_forward_s + moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
+  const double whole = stage_weight(o, p, last_blocks);
+  const double forward_share = whole > 0 ? forward / whole : 1.0 / 3.0;
+  // The simulated stage is the last; the others take its time without the head in the ratio
+  // of their blocks' compute to its (their blocks, with dense blocks among MoE blocks apart).
   const double last = sim.micro_batch_s;
-  const double per_block = std::max(0.0, last - o.head_s) / std::max(1.0, layers);
+  const double per_weight = std::max(0.0, last - o.head_s) / (whole > 0 ? whole : 1.0);
   std::vector<PipelineStage> stages;
   for (int64_t i = 0; i < p.pipeline_parallel_degree; ++i) {
     const double stage_s = i + 1 == p.pipeline_parallel_degree
                                ? last
-                               : per_block * static_cast<double>(stage_layers(c.model.num_layers, p, i));
+                               : per_weight * stage_weight(o, p, stage_block_counts(c.model, p, i));
     stages.push_back({stage_s * forward_share, stage_s * (1 - forward_share)});
   }
   const CostModel cost(c.cluster);

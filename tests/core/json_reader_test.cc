@@ -592,7 +592,7 @@ TEST(HfConfig, ProblemsFromAFile) {
       {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
       {"/num_local_expert", 16, "num_local_expert", "unknown field"},
       {"/model_type", "gpt2", "model_type",
-       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" or \"llama\", got \"gpt2\""},
+       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\" or \"llama\", got \"gpt2\""},
       {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"gelu\""},
       {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
   };
@@ -618,7 +618,8 @@ TEST(HfConfig, QwenMoeConfigsReadAsTheShippedProfiles) {
     double total, active;  // the model card's, in billions
   };
   for (const Case& c : {Case{"hf/qwen3-30b-a3b/config.json", "models/qwen3-30b-a3b.json", 30.5, 3.3},
-                        Case{"hf/qwen2-57b-a14b/config.json", "models/qwen2-57b-a14b.json", 57.4, 14.2}}) {
+                        Case{"hf/qwen2-57b-a14b/config.json", "models/qwen2-57b-a14b.json", 57.4, 14.2},
+                        Case{"hf/deepseek-moe-16b/config.json", "models/deepseek-moe-16b.json", 16.4, 2.8}}) {
     SCOPED_TRACE(c.config);
     ModelSpec hf = read_model_file(data_path(c.config));
     const ModelSpec profile = read_model_file(profile_path(c.profile));
@@ -639,8 +640,6 @@ TEST(HfConfig, QwenMoeConfigsReadAsTheShippedProfiles) {
 TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   const Json qwen3 = parse_json_text(read_text(data_path("hf/qwen3-30b-a3b/config.json")), "config.json");
   const std::vector<ProfileEdit> edits = {
-      {"/decoder_sparse_step", 2, "decoder_sparse_step",
-       "= 2: dense layers between MoE layers are not modelled yet (every layer MoE: 1)"},
       {"/mlp_only_layers", Json::array({0, 1}), "mlp_only_layers",
        "= [0,1]: dense layers among MoE layers are not modelled yet"},
       {"/use_sliding_window", true, "use_sliding_window", "= true: a sliding window on some layers is not modelled yet"},
@@ -664,6 +663,65 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   EXPECT_EQ(model_from_hf_config(accepted, "config.json"), model_from_hf_config(qwen3, "config.json"));
   // A Mixtral config.json cannot hold a Qwen model.
   EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen3-30b-a3b.json")), "bfloat16"), InputError);
+}
+
+// DeepSeekMoE's first_k_dense_replace and moe_layer_freq place its dense blocks; what it says
+// that moeplan does not model is refused by its own name.
+TEST(HfConfig, DeepseekMoeDenseBlocksAndRefusals) {
+  const Json config = parse_json_text(read_text(data_path("hf/deepseek-moe-16b/config.json")), "config.json");
+  const ModelSpec m = model_from_hf_config(config, "config.json");
+  EXPECT_FALSE(m.moe_layer(0));
+  EXPECT_TRUE(m.moe_layer(1));
+  EXPECT_EQ(m.moe_layers(), 27);
+  EXPECT_EQ(m.shared_expert_intermediate_size, 2 * 1408);
+  Json every_other = config;
+  every_other["moe_layer_freq"] = 2;  // blocks 2, 4, 6, ... (block % 2 == 0 from block 1 on)
+  const ModelSpec e = model_from_hf_config(every_other, "config.json");
+  EXPECT_FALSE(e.moe_layer(1));
+  EXPECT_TRUE(e.moe_layer(2));
+  EXPECT_EQ(e.moe_layers(), 13);
+  const std::vector<ProfileEdit> edits = {
+      {"/scoring_func", "sigmoid", "scoring_func", "= \"sigmoid\": only softmax routing is modelled for DeepSeekMoE"},
+      {"/attention_bias", true, "attention_bias", "= true: biases on DeepSeekMoE's attention projections are not modelled"},
+      {"/first_k_dense_replace", 28, "first_k_dense_replace",
+       "= 28 with moe_layer_step = 1 leaves no MoE block among num_layers = 28"},
+      {"/kv_lora_rank", 512, "kv_lora_rank", "unknown field"},
+  };
+  TempDir dir;
+  for (const ProfileEdit& edit : edits) {
+    Json json = config;
+    json[Json::json_pointer(edit.pointer)] = edit.value;
+    const std::string path = dir.write("config.json", json);
+    const auto problems = problems_of([&] { read_model_file(path); }, path);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+  }
+}
+
+// decoder_sparse_step K: blocks K-1, 2K-1, ... have experts, the others are dense blocks of
+// intermediate_size (transformers' Qwen2MoeDecoderLayer).
+TEST(HfConfig, QwenSparseStepPlacesDenseBlocks) {
+  Json qwen3 = parse_json_text(read_text(data_path("hf/qwen3-30b-a3b/config.json")), "config.json");
+  qwen3["decoder_sparse_step"] = 2;
+  const ModelSpec m = model_from_hf_config(qwen3, "config.json");
+  EXPECT_EQ(m.moe_layer_step, 2);
+  EXPECT_EQ(m.moe_layer_offset, 1);
+  EXPECT_EQ(m.dense_intermediate_size, 6144);
+  EXPECT_EQ(m.intermediate_size, 768);
+  EXPECT_FALSE(m.moe_layer(0));
+  EXPECT_TRUE(m.moe_layer(1));
+  EXPECT_EQ(m.moe_layers(), 24);
+  // Half the blocks lose 128 experts of 3 x 2048 x 768 and the router, and gain a dense
+  // feed-forward layer of 3 x 2048 x 6144.
+  const ParamCounts all = count_parameters(model_from_hf_config(
+      parse_json_text(read_text(data_path("hf/qwen3-30b-a3b/config.json")), "config.json"), "config.json"));
+  const ParamCounts half = count_parameters(m);
+  EXPECT_EQ(all.total() - half.total(), int64_t{24} * (128 * 3 * 2048 * 768 + 2048 * 128 - 3 * 2048 * 6144));
+  // Read back from moeplan's own profile format, it is the same model.
+  EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
+  // A Mixtral config.json cannot say which blocks are dense.
+  EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
 }
 
 TEST(ModelProfile, SharedExpertFieldsAreChecked) {

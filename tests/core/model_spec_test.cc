@@ -1,6 +1,10 @@
 #include "moeplan/core/model_spec.h"
 
+#include "moeplan/core/parallel_config.h"
+
 #include <gtest/gtest.h>
+
+#include <tuple>
 
 #include "problems.h"
 #include "test_support.h"
@@ -33,6 +37,81 @@ TEST(ModelSpec, Mixtral8x7bParameterCounts) {
   EXPECT_EQ(p.active(), 12'879'925'248);
 }
 
+// Which blocks have experts: the count over any range agrees with asking block by block, for
+// dense blocks first (DeepSeek), every K-th block (Qwen2-MoE, Llama 4) and both.
+TEST(ModelSpec, MoeBlocksInAnyRangeMatchTheBlockByBlockPattern) {
+  ModelSpec m = test::model("mixtral-8x7b");
+  m.dense_intermediate_size = 14336;
+  for (const auto& [first, step, offset] : {std::tuple{3, 1, 0}, {0, 2, 1}, {0, 4, 1}, {5, 3, 0}, {2, 3, 2}}) {
+    m.first_dense_layers = first;
+    m.moe_layer_step = step;
+    m.moe_layer_offset = offset;
+    for (int64_t begin = 0; begin <= m.num_layers; ++begin)
+      for (int64_t end = begin; end <= m.num_layers; ++end) {
+        int64_t count = 0;
+        for (int64_t i = begin; i < end; ++i) count += m.moe_layer(i) ? 1 : 0;
+        ASSERT_EQ(m.moe_layers_in(begin, end), count) << first << " " << step << " " << offset << " [" << begin << ", "
+                                                      << end << ")";
+      }
+  }
+  m.first_dense_layers = 0;
+  m.moe_layer_step = 2;
+  m.moe_layer_offset = 1;  // blocks 1, 3, 5, ...
+  EXPECT_FALSE(m.moe_layer(0));
+  EXPECT_TRUE(m.moe_layer(1));
+  EXPECT_EQ(m.moe_layers(), 16);
+}
+
+// Dense blocks among MoE blocks: three dense blocks of width 28,672 in place of three MoE blocks
+// lose 3 x (8 experts + router) and gain 3 x 3 x 4096 x 28672; a token passes through the same
+// matrices in either (top-2 of 14,336), less the router.
+TEST(ModelSpec, DenseBlocksAreCountedApart) {
+  const ModelSpec all = test::model("mixtral-8x7b");
+  ModelSpec m = all;
+  m.first_dense_layers = 3;
+  m.dense_intermediate_size = 2 * 14336;
+  const ParamCounts a = count_parameters(all), p = count_parameters(m);
+  EXPECT_EQ(p.moe_layers, 29);
+  EXPECT_EQ(p.dense_layers(), 3);
+  EXPECT_EQ(p.dense_mlp_per_layer, 3 * 4096 * 28672);
+  EXPECT_EQ(a.total() - p.total(), 3 * (int64_t{8} * 176'160'768 + 32'768 - 3 * 4096 * 28672));
+  EXPECT_EQ(a.active() - p.active(), 3 * 32'768);
+  EXPECT_DOUBLE_EQ(forward_flops_per_token(all, 4096) - forward_flops_per_token(m, 4096), 2.0 * 3 * 32'768);
+  EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
+}
+
+// A pipeline stage's blocks: contiguous without interleaving, V chunks with it; the stages'
+// counts add up to the model's either way.
+TEST(ModelSpec, StagesCountTheirMoeBlocks) {
+  ModelSpec m = test::model("mixtral-8x7b");
+  m.first_dense_layers = 3;
+  m.dense_intermediate_size = 14336;
+  ParallelConfig p;
+  p.pipeline_parallel_degree = 4;
+  EXPECT_EQ(stage_block_counts(m, p, 0).moe_layers, 5);
+  EXPECT_EQ(stage_block_counts(m, p, 1).moe_layers, 8);
+  const ModelSpec first = stage_blocks(m, p, 0);
+  EXPECT_EQ(first.num_layers, 8);
+  EXPECT_EQ(first.first_dense_layers, 3);
+  EXPECT_EQ(first.moe_layers(), 5);
+  EXPECT_EQ(stage_blocks(m, p, 3).dense_intermediate_size, 0);  // no dense block there
+  p.virtual_pipeline_degree = 2;  // chunks of 4 blocks: stage 0 holds blocks 0-3 and 16-19
+  EXPECT_EQ(stage_block_counts(m, p, 0).moe_layers, 5);
+  m.first_dense_layers = 0;
+  m.moe_layer_step = 2;
+  m.moe_layer_offset = 1;
+  for (int64_t v : {1, 2}) {
+    p.virtual_pipeline_degree = v;
+    int64_t layers = 0, moe = 0;
+    for (int64_t i = 0; i < 4; ++i) {
+      layers += stage_block_counts(m, p, i).layers;
+      moe += stage_block_counts(m, p, i).moe_layers;
+    }
+    EXPECT_EQ(layers, 32);
+    EXPECT_EQ(moe, 16);
+  }
+}
+
 TEST(ModelSpec, HuggingFaceConfigGivesTheSameModel) {
   // mistralai/Mixtral-8x7B-v0.1 config.json as published on the Hugging Face hub.
   const Json config = read_json_file(test::data_path("hf/mixtral-8x7b/config.json"));
@@ -58,7 +137,7 @@ TEST(ModelSpec, HuggingFaceConfigRejectsOtherArchitectures) {
   const auto problems = test::problems_of([&] { model_from_hf_config(config, "config.json"); }, "config.json");
   ASSERT_GE(problems.size(), 1u);
   EXPECT_EQ(problems[0].path, "model_type");
-  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" or \"llama\", got \"gpt2\"");
+  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\" or \"llama\", got \"gpt2\"");
 }
 
 // Dense models count their parameters as published: Llama 3 8B and Llama 2 70B to the

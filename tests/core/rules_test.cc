@@ -56,6 +56,18 @@ const RuleCase kCases[] = {
      Rule::kModelSize, "model.num_layers",
      "and the other sizes give about 1476395270144000 parameters, over the supported 1000000000000000",
      "1476395270144000"},
+    {"DenseBlocksWithoutTheirWidth", [](Scenario& s) { s.model.first_dense_layers = 1; },
+     Rule::kMoeLayerPattern, "model.dense_intermediate_size",
+     "must give the width of the dense blocks' feed-forward layer", "width"},
+    {"EveryBlockDense",
+     [](Scenario& s) {
+       s.model.first_dense_layers = 32;
+       s.model.dense_intermediate_size = 14336;
+     },
+     Rule::kMoeLayerPattern, "model.first_dense_layers",
+     "= 32 with moe_layer_step = 1 leaves no MoE block among num_layers = 32", "= 32"},
+    {"OffsetPastTheStep", [](Scenario& s) { s.model.moe_layer_offset = 2; },
+     Rule::kMoeLayerPattern, "model.moe_layer_offset", "= 2 must lie in [0, moe_layer_step = 1)", "= 2"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },
      Rule::kWorldSizeFitsCluster, "parallel.world_size",
      "= 16 exceeds the cluster's 1 x 8 GPUs", "1 x 8"},

@@ -212,8 +212,18 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(qwen3.at("--num-experts"), "128");
   EXPECT_EQ(qwen3.at("--moe-router-topk"), "8");
   const auto mixtral = args_of("mixtral-8x7b");
-  for (const char* flag : {"--qk-layernorm", "--add-qkv-bias", "--moe-shared-expert-intermediate-size"})
+  for (const char* flag : {"--qk-layernorm", "--add-qkv-bias", "--moe-shared-expert-intermediate-size",
+                           "--moe-layer-freq", "--moe-ffn-hidden-size"})
     EXPECT_EQ(mixtral.count(flag), 0u) << flag;
+  // DeepSeekMoE's first block is dense: Megatron-LM's block pattern, the dense width as
+  // --ffn-hidden-size and the experts' as --moe-ffn-hidden-size.
+  const auto deepseek = args_of("deepseek-moe-16b");
+  std::string pattern = "[0";
+  for (int i = 1; i < 28; ++i) pattern += ",1";
+  EXPECT_EQ(deepseek.at("--moe-layer-freq"), pattern + "]");
+  EXPECT_EQ(deepseek.at("--ffn-hidden-size"), "10944");
+  EXPECT_EQ(deepseek.at("--moe-ffn-hidden-size"), "1408");
+  EXPECT_EQ(deepseek.at("--moe-shared-expert-intermediate-size"), "2816");
 }
 
 TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {

@@ -154,6 +154,35 @@ const FrameworkRuleCase kCases[] = {
      },
      "executor_trains_moe", "model.shared_expert_intermediate_size",
      "= 5632: the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)", "5632"},
+    {"ExecutorModeDenseBlocks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.first_dense_layers = 1;
+       s.model.dense_intermediate_size = 14336;
+     },
+     "executor_trains_moe", "model.first_dense_layers",
+     "= 1 with moe_layer_step = 1: the executor trains experts in every block, without dense blocks among them", "= 1"},
+    {"SmpDenseBlocks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.model.moe_layer_step = 2;
+       s.model.moe_layer_offset = 1;
+       s.model.dense_intermediate_size = 14336;
+     },
+     "smp_models", "model.first_dense_layers", "and moe_layer_step: SMP's MoE model (Mixtral) has experts in every block",
+     "moe_layer_step"},
+    {"TorchtitanDenseBlocks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.first_dense_layers = 3;
+       s.model.dense_intermediate_size = 14336;
+     },
+     "torchtitan_models", "model.first_dense_layers",
+     "= 3 with moe_layer_step = 1: moeplan writes torchtitan's llama4 and qwen3 with experts in every block", "= 3"},
     {"ExecutorModeQkNorm",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

@@ -146,6 +146,31 @@ TEST(MemoryModel, SharedExpertsAreDenseParameters) {
   EXPECT_EQ(shard_sizes(m, 8, 2).shard_params, 6'440'032'256);
 }
 
+// Dense blocks among MoE blocks hold no experts: Mixtral with its first 8 blocks dense (width
+// 14,336) on 4 stages puts them all on the first stage, which then holds far less than the
+// others; the busiest stage is a stage of MoE blocks, as with no dense blocks.
+TEST(MemoryModel, DenseBlocksLightenTheirStage) {
+  ModelSpec m = mixtral();
+  m.first_dense_layers = 8;
+  m.dense_intermediate_size = 14336;
+  // 8 x (41,984,000 - 32,768 + 176,160,768) = 1,744,896,000 per rank before sharding, E1 T1.
+  ParallelConfig p;
+  p.pipeline_parallel_degree = 4;
+  const ShardSizes first = stage_shard_sizes(m, stage_block_counts(m, p, 0), 1, 1, 1, 4, false);
+  EXPECT_EQ(first.local_params, 8 * (41'984'000 - 32'768 + 176'160'768));
+  const ShardSizes last = stage_shard_sizes(m, stage_block_counts(m, p, 3), 1, 1, 1, 4, false);
+  EXPECT_EQ(last.local_params, 8 * (41'984'000 + int64_t{8} * 176'160'768));
+  EXPECT_EQ(busiest_stage(m, p).moe_layers, 8);
+  EXPECT_EQ(shard_sizes(m, 1, 1, 1, 4).local_params, shard_sizes(mixtral(), 1, 1, 1, 4).local_params);
+  // One stage: 8 blocks' experts fewer in every item that counts them.
+  Layout x = layout(8, 2, Checkpointing::kNone);
+  const MemoryEstimate all = x.estimate();
+  const MemoryEstimate mixed = estimate_memory({m, p4d_two_nodes(), x.parallel, x.moe, x.training});
+  EXPECT_LT(mixed.parameters, all.parameters);
+  EXPECT_LT(mixed.activations, all.activations);  // a dense block keeps no router or dispatch copies
+  EXPECT_GT(mixed.activations, all.activations * 24 / 32);
+}
+
 // 32 blocks: none keeps every block (32 x 528,809,984); full keeps block inputs and recomputes
 // one block (32 x 16,777,216 + 528,809,984); selective keeps attention plus the MoE input and
 // recomputes one MoE sub-block (32 x 92,536,832 + 453,050,368).

@@ -865,6 +865,67 @@ TEST(SharedExperts, EagerKernelsCountEveryExpertsGemm) {
   EXPECT_DOUBLE_EQ(fused.moe_flops, 2.0 * 128 * 128 * 3 * 2048 * 768 + 2.0 * 2048 * 128 * 2048);
 }
 
+// Dense blocks among MoE blocks (DeepSeek's first blocks): no token exchange and their own
+// feed-forward layer over every token. At twice the expert width they do a top-2 block's work
+// without its router.
+TEST(DenseBlocks, ExchangeNothingAndRunTheirOwnFeedForward) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull);
+  auto dispatches = [](const StepSimulation& sim) {
+    int n = 0;
+    for (const Op& op : sim.graph.ops()) n += op.rank == 0 && op.micro_batch == 0 && op.kind == OpKind::kDispatch ? 1 : 0;
+    return n;
+  };
+  const StepSimulation all = simulate_step(c.config(), {});
+  EXPECT_EQ(dispatches(all), 32);
+  c.model.first_dense_layers = 4;
+  c.model.dense_intermediate_size = 2 * 14336;
+  const OpCosts o = op_costs(c.config());
+  const double tokens = static_cast<double>(c.parallel.micro_batch_size * c.training.seq_len);
+  EXPECT_DOUBLE_EQ(o.dense_flops, 2.0 * tokens * 3 * 4096 * 28672);
+  EXPECT_GT(o.dense_forward_s, 0);
+  EXPECT_GT(o.dense_backward_s, o.dense_forward_s);
+  const StepSimulation mixed = simulate_step(c.config(), {});
+  EXPECT_EQ(dispatches(mixed), 28);
+  EXPECT_NEAR(mixed.estimate.compute_s, all.estimate.compute_s, 0.05 * all.estimate.compute_s);
+  // The estimate's token exchanges: those of 28 blocks of 32.
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  const double exchanges = estimate_step(c.config(), shapes).expert_comm_s;
+  const Scenario plain = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull);
+  EXPECT_NEAR(exchanges, estimate_step(plain.config(), shapes).expert_comm_s * 28 / 32, 1e-9);
+  // A dense block is not split over the expert ranks: each rank gathers its whole feed-forward
+  // layer (S = 2 across the two nodes), twice an MoE block's parameters on a rank at E = 8, so
+  // the step here is longer.
+  EXPECT_DOUBLE_EQ(o.dense_block_unit_bytes, (41'943'040.0 + 8'192 + 3.0 * 4096 * 28672) * 2);
+  EXPECT_GT(o.dense_block_unit_bytes, o.dense_unit_bytes + o.expert_unit_bytes);
+}
+
+// On a pipeline the stage of dense blocks is lighter than the others, and the simulated stage
+// (the last) is scaled to it by compute, not by its number of blocks.
+TEST(DenseBlocks, PipelineStagesScaleByTheirBlocksCompute) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 2, 1, "RSE", Checkpointing::kFull, 1, 32);
+  c.parallel.pipeline_parallel_degree = 4;
+  c.training.global_batch_tokens = 16 / 4 * 32 * c.training.seq_len;
+  ASSERT_TRUE(validate(c.config()).empty()) << validate(c.config()).size();
+  const OpCosts last = op_costs({stage_model(c.config()), c.cluster, c.parallel, c.moe, c.training});
+  const double all_moe = simulate_step(c.config(), {}).estimate.step_time_s;
+  c.model.first_dense_layers = 8;
+  c.model.dense_intermediate_size = 1024;  // far lighter than two experts of 14,336
+  ASSERT_TRUE(validate(c.config()).empty()) << validate(c.config()).size();
+  const ModelSpec stage = stage_model(c.config());
+  EXPECT_EQ(stage.first_dense_layers, 0);  // the last stage holds MoE blocks only
+  const OpCosts o = op_costs({stage, c.cluster, c.parallel, c.moe, c.training});
+  EXPECT_DOUBLE_EQ(o.moe_forward_busiest_s, last.moe_forward_busiest_s);
+  const double dense_stage = stage_weight(o, c.parallel, stage_block_counts(c.model, c.parallel, 0));
+  const double moe_stage = stage_weight(o, c.parallel, stage_block_counts(c.model, c.parallel, 3));
+  EXPECT_LT(dense_stage, 0.7 * moe_stage);
+  EXPECT_GT(dense_stage, 0);
+  // The stages of MoE blocks set the pace either way; a lighter first stage shortens only the
+  // pipeline's fill and drain.
+  const double mixed = simulate_step(c.config(), {}).estimate.step_time_s;
+  EXPECT_LT(mixed, all_moe);
+  EXPECT_GT(mixed, 0.9 * all_moe);
+}
+
 TEST(CalibratedProfile, CollectivesUseTheirOwnFitAndMeasuredSizes) {
   Scenario c = calibrated_cpu(1, 2, Checkpointing::kNone, 1);
   const CostModel plain(c.cluster);

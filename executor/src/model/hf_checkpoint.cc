@@ -142,6 +142,7 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
   same("shared_expert_intermediate_size", theirs.shared_expert_intermediate_size, model.shared_expert_intermediate_size);
   same("qk_norm", theirs.qk_norm, model.qk_norm);
   same("qkv_bias", theirs.qkv_bias, model.qkv_bias);
+  same("moe_layers", theirs.moe_layers(), model.moe_layers());
   d.throw_if_any(config_path);
   // The dtype config.json declares, which every tensor must have.
   std::string declared;

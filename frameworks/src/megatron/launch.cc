@@ -17,7 +17,8 @@ void model_args(const Plan& plan, Args& a) {
   const ModelSpec& m = plan.model;
   a.push_back({"--num-layers", std::to_string(m.num_layers)});
   a.push_back({"--hidden-size", std::to_string(m.hidden_size)});
-  a.push_back({"--ffn-hidden-size", std::to_string(m.intermediate_size)});
+  // Dense blocks among MoE blocks take --ffn-hidden-size, the experts --moe-ffn-hidden-size.
+  a.push_back({"--ffn-hidden-size", std::to_string(m.has_dense_layers() ? m.dense_intermediate_size : m.intermediate_size)});
   a.push_back({"--num-attention-heads", std::to_string(m.num_attention_heads)});
   if (m.head_dim * m.num_attention_heads != m.hidden_size) a.push_back({"--kv-channels", std::to_string(m.head_dim)});
   if (m.num_key_value_heads != m.num_attention_heads) {
@@ -58,6 +59,13 @@ void layout_args(const Plan& plan, Args& a) {
   if (!plan.model.dense()) {
     a.push_back({"--num-experts", std::to_string(plan.model.num_experts)});
     a.push_back({"--moe-router-topk", std::to_string(plan.model.experts_per_token)});
+    if (plan.model.has_dense_layers()) {
+      // Which blocks have experts, block by block (1) or are dense (0).
+      std::string pattern = "[";
+      for (int64_t i = 0; i < plan.model.num_layers; ++i) pattern += (i > 0 ? "," : "") + std::string(plan.model.moe_layer(i) ? "1" : "0");
+      a.push_back({"--moe-layer-freq", pattern + "]"});
+      a.push_back({"--moe-ffn-hidden-size", std::to_string(plan.model.intermediate_size)});
+    }
     if (plan.model.shared_experts()) {
       a.push_back({"--moe-shared-expert-intermediate-size", std::to_string(plan.model.shared_expert_intermediate_size)});
       if (plan.model.shared_expert_gate) a.push_back({"--moe-shared-expert-gate", ""});

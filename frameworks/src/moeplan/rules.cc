@@ -41,7 +41,7 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kTrainsMoe, "model.mlp", [&] {
       return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
     });
-  // Mixtral's blocks: no shared experts, no q/k norms, no attention biases.
+  // Mixtral's blocks: no shared experts, no q/k norms, no attention biases, experts in every block.
   if (m.shared_experts())
     sink(kTrainsMoe, "model.shared_expert_intermediate_size", [&] {
       return "= " + rule_number(m.shared_expert_intermediate_size) +
@@ -53,6 +53,11 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (m.qkv_bias)
     sink(kTrainsMoe, "model.qkv_bias",
          [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });
+  if (m.has_dense_layers())
+    sink(kTrainsMoe, "model.first_dense_layers", [&] {
+      return "= " + rule_number(m.first_dense_layers) + " with moe_layer_step = " + rule_number(m.moe_layer_step) +
+             ": the executor trains experts in every block, without dense blocks among them";
+    });
   // Pipeline stages: the router's losses are reported across stages but not trained through
   // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
   if (const int64_t pp = p.pipeline_parallel_degree; pp > 1) {

@@ -64,7 +64,8 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string("= true: SMP's mixed precision reduces gradients in bf16 (plan with bf16 gradients)");
     });
   // The models SMP v2 accelerates: Llama, Mistral, Mixtral, GPT-NeoX (its documentation's
-  // "Supported models"); none with shared experts, q/k norms or attention biases.
+  // "Supported models"); none with shared experts, q/k norms, attention biases or dense blocks among
+  // MoE blocks.
   const ModelSpec& m = c.model;
   if (m.shared_experts())
     sink(kModels, "model.shared_expert_intermediate_size", [&] {
@@ -74,6 +75,9 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kModels, "model.qk_norm", [&] { return std::string("= true: SMP's models have no q/k norms"); });
   if (m.qkv_bias)
     sink(kModels, "model.qkv_bias", [&] { return std::string("= true: SMP's models have no attention biases"); });
+  if (m.has_dense_layers())
+    sink(kModels, "model.first_dense_layers",
+         [&] { return std::string("and moe_layer_step: SMP's MoE model (Mixtral) has experts in every block"); });
 }
 
 }  // namespace

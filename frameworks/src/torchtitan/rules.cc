@@ -98,6 +98,13 @@ void check(const RunConfig& c, RuleSink& sink) {
          [&] { return std::string("= true: no torchtitan model gates its shared expert (Qwen2-MoE does)"); });
   if (m.qkv_bias)
     sink(kModels, "model.qkv_bias", [&] { return std::string("= true: no torchtitan model has attention biases"); });
+  // llama4 interleaves dense blocks (interleave_moe_layer_step), deepseek_v3 puts them first
+  // (n_dense_layers) but has latent attention; moeplan writes neither yet.
+  if (m.has_dense_layers())
+    sink(kModels, "model.first_dense_layers", [&] {
+      return "= " + rule_number(m.first_dense_layers) + " with moe_layer_step = " + rule_number(m.moe_layer_step) +
+             ": moeplan writes torchtitan's llama4 and qwen3 with experts in every block";
+    });
   if (m.qk_norm && m.shared_experts())
     sink(kModels, "model.qk_norm", [&] {
       return std::string("= true with shared experts: torchtitan's qwen3 has q/k norms and no shared experts");

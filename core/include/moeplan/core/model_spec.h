@@ -59,6 +59,16 @@ struct ModelSpec {
   bool qk_norm = false;
   // Biases on the q, k and v projections (Qwen2-MoE).
   bool qkv_bias = false;
+  // Dense blocks among the MoE blocks: block i (from 0) has routed experts when i >=
+  // first_dense_layers and i + moe_layer_offset is a multiple of moe_layer_step; the others
+  // have one dense feed-forward layer of dense_intermediate_size (no router, no shared
+  // experts). DeepSeek-V2/V3's first_k_dense_replace is first_dense_layers; Qwen2-MoE's
+  // decoder_sparse_step K and Llama 4's interleave_moe_layer_step are moe_layer_step = K with
+  // offset 1 (blocks K-1, 2K-1, ...). Every block has experts by default.
+  int64_t first_dense_layers = 0;
+  int64_t moe_layer_step = 1;
+  int64_t moe_layer_offset = 0;
+  int64_t dense_intermediate_size = 0;
 
   // One expert is a dense model: its feed-forward layer takes every token and has no router.
   bool dense() const { return num_experts == 1; }
@@ -66,6 +76,15 @@ struct ModelSpec {
   // Weight matrices of one feed-forward layer, each hidden x intermediate.
   int64_t mlp_matrices() const { return mlp == Mlp::kGelu ? 2 : 3; }
   bool shared_experts() const { return shared_expert_intermediate_size > 0; }
+  // Whether block i has routed experts (every block of a dense model counts as one: its
+  // feed-forward layer is its one expert).
+  bool moe_layer(int64_t i) const {
+    return dense() || (i >= first_dense_layers && (i + moe_layer_offset) % moe_layer_step == 0);
+  }
+  // Blocks with routed experts among blocks [begin, end).
+  int64_t moe_layers_in(int64_t begin, int64_t end) const;
+  int64_t moe_layers() const { return moe_layers_in(0, num_layers); }
+  bool has_dense_layers() const { return moe_layers() < num_layers; }
 
   bool operator==(const ModelSpec&) const = default;
 };
@@ -82,20 +101,31 @@ struct ParamCounts {
   int64_t router_per_layer = 0;     // hidden x num_experts, no bias (none in a dense model)
   int64_t shared_expert_per_layer = 0;  // the shared experts' matrices and their gate
   int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)
+  int64_t dense_mlp_per_layer = 0;  // the feed-forward layer of a dense block among MoE blocks
   int64_t num_layers = 0;
+  int64_t moe_layers = 0;           // blocks with routed experts (all of them by default)
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
 
-  // Non-expert parameters of one transformer block.
-  int64_t dense_per_layer() const {
-    return attention_per_layer + biases_per_layer + norms_per_layer + router_per_layer + shared_expert_per_layer;
+  // What every block has: attention, its biases, the norms.
+  int64_t common_per_layer() const { return attention_per_layer + biases_per_layer + norms_per_layer; }
+  // Non-expert parameters of one MoE block, and of one dense block among them.
+  int64_t dense_per_layer() const { return common_per_layer() + router_per_layer + shared_expert_per_layer; }
+  int64_t dense_block() const { return common_per_layer() + dense_mlp_per_layer; }
+  int64_t dense_layers() const { return num_layers - moe_layers; }
+  int64_t dense() const {
+    return embedding + lm_head + final_norm + moe_layers * dense_per_layer() + dense_layers() * dense_block();
   }
-  int64_t dense() const { return embedding + lm_head + final_norm + num_layers * dense_per_layer(); }
-  int64_t experts() const { return num_layers * num_experts * expert; }
+  int64_t experts() const { return moe_layers * num_experts * expert; }
   int64_t total() const { return dense() + experts(); }
-  // Parameters that one token passes through (top-k experts per layer).
-  int64_t active() const { return dense() + num_layers * experts_per_token * expert; }
+  // Parameters that one token passes through (top-k experts per MoE block).
+  int64_t active() const { return dense() + moe_layers * experts_per_token * expert; }
 };
+
+// A dense block among MoE blocks as a model of its own: one expert of the dense width, no router
+// and no shared experts. Its MoE sub-block is the dense block's feed-forward layer, so what
+// prices or sizes an MoE sub-block prices and sizes it too.
+ModelSpec dense_block_model(const ModelSpec& model);
 
 ParamCounts count_parameters(const ModelSpec& model);
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moeplan/core/json_reader.h"
+#include "moeplan/core/model_spec.h"
 
 namespace moeplan {
 
@@ -172,6 +173,17 @@ struct TrainingConfig {
 int64_t stage_layers(int64_t num_layers, const ParallelConfig& p, int64_t stage);
 // Whether the uneven end stages leave the other stages an equal, positive share.
 bool stage_layers_valid(int64_t num_layers, const ParallelConfig& p);
+// Pipeline stage `stage`'s blocks and, of them, those with routed experts. Under interleaving
+// (V > 1, even stages) the stage holds V chunks of L / (P V) blocks: chunks stage, stage + P,
+// ...; with uneven end stages it is counted as its blocks in order.
+struct StageBlockCounts {
+  int64_t layers = 0;
+  int64_t moe_layers = 0;
+};
+StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig& p, int64_t stage);
+// The stage's blocks as a model of their own, its dense blocks (ModelSpec::first_dense_layers)
+// first: the order of a stage's blocks changes neither its memory nor the sum of its times.
+ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t stage);
 
 ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d);
 MoeConfig read_moe(const Json& json, const std::string& path, Diagnostics& d);

@@ -25,6 +25,7 @@ enum class Rule : uint8_t {
   kKvHeadsDivideHeads,
   kHeadDimEven,
   kModelSize,
+  kMoeLayerPattern,
   // Cluster and world size
   kWorldSizeFitsCluster,
   kWholeNodes,

@@ -69,10 +69,16 @@ struct ShardSizes {
   int64_t shard_params = 0;  // what the rank keeps: each flat parameter padded and split over S
   int64_t largest_unit_params = 0;  // the biggest flat parameter gathered at once
 };
-// `stage_blocks` blocks (-1: num_layers / pipeline_degree); `with_ends`: the embedding or the
-// head (the larger) on the stage, both with one stage.
+// The `blocks` of one pipeline stage of `model` (or all of them); `with_ends`: the embedding or
+// the head (the larger) on the stage, both with one stage.
+ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, int64_t expert_degree,
+                             int64_t shard_degree, int64_t tensor_degree, int64_t pipeline_degree, bool with_ends);
+// The busiest of `pipeline_degree` equal stages of `model`.
 ShardSizes shard_sizes(const ModelSpec& model, int64_t expert_degree, int64_t shard_degree, int64_t tensor_degree = 1,
-                       int64_t pipeline_degree = 1, int64_t stage_blocks = -1, bool with_ends = true);
+                       int64_t pipeline_degree = 1);
+// The stage with the most MoE blocks, then the most blocks: the one whose parameters and kept
+// activations are the largest.
+StageBlockCounts busiest_stage(const ModelSpec& model, const ParallelConfig& parallel);
 
 // Which pipeline stage's memory: the busiest (most blocks, the embedding or head, the first
 // stage's micro-batches in flight), or the same without the embedding and head, as a middle

@@ -47,6 +47,11 @@ struct KernelCosts {
   // of a block's forward and backward on the busiest rank, and of the head's; measured op
   // times count as GEMMs.
   std::array<double, 3> block_by_class{}, head_by_class{};
+  // A dense block among MoE blocks (ModelSpec::first_dense_layers of the stage): its
+  // feed-forward layer over every token, forward and backward, the weight gradient of its first
+  // GEMM, and the whole block by kernel class; 0 where the stage has none.
+  double dense_forward_s = 0, dense_backward_s = 0, dense_flops = 0, tensor_dense_overlap_s = 0;
+  std::array<double, 3> dense_block_by_class{};
 };
 
 struct OpCosts : KernelCosts {
@@ -59,9 +64,13 @@ struct OpCosts : KernelCosts {
   double tensor_bytes = 0, tensor_moe_bytes = 0;
   double stage_send_bytes = 0;     // activations (or their gradients) passed between stages
   double unit_bytes = 0;           // one block's flat parameters, unsharded, in the compute dtype
+  double dense_block_bytes = 0;    // the same for a dense block among MoE blocks
+  double tensor_dense_bytes = 0;   // the all-reduce ending a dense block's feed-forward layer (T > 1)
   // The executor's flat units as gathered (padded to a multiple of S): a block's dense part
-  // and its experts apart, the embedding, the final norm with the lm head.
+  // and its experts apart, the embedding, the final norm with the lm head; a dense block among
+  // MoE blocks is one unit.
   double dense_unit_bytes = 0, expert_unit_bytes = 0, embed_unit_bytes = 0, head_unit_bytes = 0;
+  double dense_block_unit_bytes = 0;
   double offload_bytes = 0;        // what one block keeps for backward (what offloading moves)
   double dense_shard_bytes = 0;    // gradient shard of the dense parameters
   double expert_shard_bytes = 0;   // gradient shard of this rank's experts
@@ -80,13 +89,16 @@ class KernelCostCache {
   const KernelCosts& get(const RunConfig& config);
 
  private:
-  std::map<std::array<int64_t, 5>, KernelCosts> costs_;
+  std::map<std::array<int64_t, 6>, KernelCosts> costs_;
 };
 
-// The model the last pipeline stage runs: its blocks (num_layers / P, or last_stage_layers);
-// the step simulator and the estimate also give it the head, and scale the other stages by
-// their blocks.
+// The model the last pipeline stage runs: its blocks (num_layers / P, or last_stage_layers, its
+// dense blocks first); the step simulator and the estimate also give it the head, and scale
+// the other stages by their blocks' compute (stage_weight).
 ModelSpec stage_model(const RunConfig& config);
+// The compute of `blocks` (forward, backward and what checkpointing recomputes), on the busiest
+// rank: what the pipeline's stages are scaled by.
+double stage_weight(const OpCosts& costs, const ParallelConfig& parallel, StageBlockCounts blocks);
 
 // Router and experts forward of one micro-batch on a rank whose experts get `load` times the
 // mean share of routed tokens.
