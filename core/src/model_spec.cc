@@ -54,6 +54,17 @@ ParamCounts count_parameters(const ModelSpec& m) {
   p.attention_per_layer = 2 * m.hidden_size * q_width + 2 * m.hidden_size * kv_width;
   p.biases_per_layer = m.qkv_bias ? q_width + 2 * kv_width : 0;
   p.norms_per_layer = 2 * m.hidden_size + (m.qk_norm ? 2 * m.head_dim : 0);
+  if (m.mla()) {
+    // q: hidden -> q_lora -> heads*head_dim (or hidden -> heads*head_dim); kv: hidden ->
+    // kv_lora + rope, kv_lora -> heads*(head_dim - rope + v_head_dim); o: heads*v_head_dim ->
+    // hidden; an RMSNorm on each latent.
+    const int64_t q = m.q_lora_rank > 0 ? m.hidden_size * m.q_lora_rank + m.q_lora_rank * q_width
+                                        : m.hidden_size * q_width;
+    const int64_t kv = m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim) +
+                       m.kv_lora_rank * m.num_attention_heads * (m.head_dim - m.qk_rope_head_dim + m.v_head_dim);
+    p.attention_per_layer = q + kv + m.num_attention_heads * m.v_head_dim * m.hidden_size;
+    p.norms_per_layer = 2 * m.hidden_size + m.q_lora_rank + m.kv_lora_rank;
+  }
   p.router_per_layer = m.hidden_size * m.router_width();
   p.shared_expert_per_layer =
       m.mlp_matrices() * m.hidden_size * m.shared_expert_intermediate_size + (m.shared_expert_gate ? m.hidden_size : 0);
@@ -81,7 +92,9 @@ double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
   // halves the average context. A sliding window caps it.
   double context = static_cast<double>(seq_len) / 2.0;
   if (m.sliding_window && *m.sliding_window < seq_len) context = static_cast<double>(*m.sliding_window);
-  const double attention = 2.0 * 2.0 * static_cast<double>(m.num_attention_heads * m.head_dim) *
+  const double attention = 2.0 *
+                           static_cast<double>(m.num_attention_heads * m.head_dim +
+                                               m.num_attention_heads * m.value_head_dim()) *
                            context * layers;
   return 2.0 * weights + attention;
 }
@@ -142,6 +155,13 @@ ModelSpec read_model(ObjectReader& r) {
   m.moe_layer_step = r.integer("moe_layer_step", 1, kMaxLayers, 1);
   m.moe_layer_offset = r.integer("moe_layer_offset", 0, kMaxLayers, 0);
   m.dense_intermediate_size = r.integer("dense_intermediate_size", 0, kMaxDim, 0);
+  m.router_scoring = r.choice<RouterScoring>("router_scoring", kRouterScoringNames, RouterScoring::kSoftmax);
+  m.router_groups = r.integer("router_groups", 1, kMaxExperts, 1);
+  m.router_group_topk = r.integer("router_group_topk", 1, kMaxExperts, 1);
+  m.kv_lora_rank = r.integer("kv_lora_rank", 0, kMaxDim, 0);
+  m.q_lora_rank = r.integer("q_lora_rank", 0, kMaxDim, 0);
+  m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 0, kMaxDim, 0);
+  m.v_head_dim = r.integer("v_head_dim", 0, kMaxDim, 0);
   check_shared_experts(m, r, "shared_expert_intermediate_size", "shared_expert_gate");
   return m;
 }
@@ -168,12 +188,14 @@ ModelSpec model_from_json(const Json& json, const std::string& origin) {
 namespace {
 
 // The Hugging Face architectures moeplan reads, by model_type.
-enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe, kDeepseek };
-constexpr std::array<std::pair<std::string_view, HfType>, 5> kHfTypes{{{"mixtral", HfType::kMixtral},
+enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe, kDeepseek, kDeepseekV2, kDeepseekV3 };
+constexpr std::array<std::pair<std::string_view, HfType>, 7> kHfTypes{{{"mixtral", HfType::kMixtral},
                                                                         {"llama", HfType::kLlama},
                                                                         {"qwen2_moe", HfType::kQwen2Moe},
                                                                         {"qwen3_moe", HfType::kQwen3Moe},
-                                                                        {"deepseek", HfType::kDeepseek}}};
+                                                                        {"deepseek", HfType::kDeepseek},
+                                                                        {"deepseek_v2", HfType::kDeepseekV2},
+                                                                        {"deepseek_v3", HfType::kDeepseekV3}}};
 
 // Fields of PretrainedConfig and of the architectures above that change neither a step's time
 // nor its memory (token ids, caching, output switches, inference-only rope scaling, dtypes,
@@ -190,8 +212,11 @@ constexpr std::array kHfAccepted = {
 // The config's own name of the field moeplan calls `ours`, for messages.
 std::string_view hf_field(HfType type, std::string_view ours) {
   const bool qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
-  const bool deepseek = type == HfType::kDeepseek;
+  const bool deepseek = type == HfType::kDeepseek || type == HfType::kDeepseekV2 || type == HfType::kDeepseekV3;
   if (ours == "experts_per_token") return "num_experts_per_tok";
+  if (ours == "router_groups" && deepseek) return "n_group";
+  if (ours == "router_group_topk" && deepseek) return "topk_group";
+  if (ours == "head_dim" && deepseek) return "qk_nope_head_dim";
   if (ours == "num_layers") return "num_hidden_layers";
   if (ours == "num_experts") return qwen ? "num_experts" : deepseek ? "n_routed_experts" : "num_local_experts";
   if (ours == "intermediate_size" && (qwen || deepseek)) return "moe_intermediate_size";
@@ -242,31 +267,66 @@ void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
   }
 }
 
-// DeepSeekMoE (model_type "deepseek", DeepseekForCausalLM; Dai et al. 2024): fine-grained
-// routed experts (moe_intermediate_size), n_shared_experts shared experts of the same width
-// beside them, the first first_k_dense_replace blocks dense (intermediate_size), then every
-// moe_layer_freq-th block from block 0's count on with experts; multi-head attention.
-void read_deepseek(ModelSpec& m, ObjectReader& r) {
+// DeepSeekMoE (model_type "deepseek", DeepseekForCausalLM; Dai et al. 2024) and DeepSeek-V2 and
+// V3 (deepseek_v2, deepseek_v3): fine-grained routed experts (moe_intermediate_size),
+// n_shared_experts shared experts of the same width beside them, the first
+// first_k_dense_replace blocks dense (intermediate_size), then every moe_layer_freq-th block
+// counted from block 0 with experts. DeepSeekMoE has multi-head attention; V2 and V3 latent
+// attention, group-limited routing, and V3 sigmoid scores with a balancing bias.
+void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   Diagnostics& d = r.diagnostics();
-  m.num_experts = r.integer("n_routed_experts", 1, kMaxExperts, 64);
-  m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 6);
-  m.intermediate_size = r.integer("moe_intermediate_size", 1, kMaxDim, 1408);
-  const int64_t dense_width = r.integer("intermediate_size", 1, kMaxDim, 10944);
-  m.shared_expert_intermediate_size = r.integer("n_shared_experts", 0, kMaxExperts, 2) * m.intermediate_size;
-  m.first_dense_layers = r.integer("first_k_dense_replace", 0, kMaxLayers, 1);
+  const bool v1 = type == HfType::kDeepseek, v3 = type == HfType::kDeepseekV3;
+  m.num_experts = r.integer("n_routed_experts", 1, kMaxExperts, v1 ? 64 : v3 ? 256 : 160);
+  m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, v1 ? 6 : 8);
+  m.intermediate_size = r.integer("moe_intermediate_size", 1, kMaxDim, v1 ? 1408 : v3 ? 2048 : 1536);
+  const int64_t dense_width = r.integer("intermediate_size", 1, kMaxDim, v1 ? 10944 : v3 ? 18432 : 12288);
+  m.shared_expert_intermediate_size = r.integer("n_shared_experts", 0, kMaxExperts, v3 ? 1 : 2) *
+                                      m.intermediate_size;
+  m.first_dense_layers = r.integer("first_k_dense_replace", 0, kMaxLayers, v1 ? 1 : v3 ? 3 : 0);
   m.moe_layer_step = r.integer("moe_layer_freq", 1, kMaxLayers, 1);
   if (m.has_dense_layers()) m.dense_intermediate_size = dense_width;
-  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 4096);
+  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, v1 ? 4096 : 2048);
   m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
   m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
   m.router_aux_loss_coef = r.number("aux_loss_alpha", 0.0, 1e3, 0.001);
-  // The balance loss over each sequence or the batch: the same cost either way.
+  // The balance loss over each sequence or the batch, the routed outputs' scale, the
+  // inference-time expert split: the same cost either way.
   r.ignore("seq_aux");
   r.ignore("pretraining_tp");
-  if (const std::string scoring = r.string("scoring_func", "softmax"); scoring != "softmax")
-    d.error("scoring_func", "= \"" + scoring + "\": only softmax routing is modelled for DeepSeekMoE");
+  r.ignore("routed_scaling_factor");
+  r.ignore("ep_size");
   if (r.boolean("attention_bias", false))
-    d.error("attention_bias", "= true: biases on DeepSeekMoE's attention projections are not modelled");
+    d.error("attention_bias", "= true: biases on DeepSeek's attention projections are not modelled");
+  const std::string scoring = r.string("scoring_func", v3 ? "sigmoid" : "softmax");
+  if (v1) {
+    if (scoring != "softmax") d.error("scoring_func", "= \"" + scoring + "\": only softmax routing is modelled for DeepSeekMoE");
+    return;
+  }
+  if (scoring == "sigmoid") m.router_scoring = RouterScoring::kSigmoid;
+  else if (scoring != "softmax")
+    d.error("scoring_func", "expected \"softmax\" or \"sigmoid\", got \"" + scoring + "\"");
+  // greedy: one group; group_limited_greedy (V2) and noaux_tc (V3): the top groups first.
+  const std::string topk = r.string("topk_method", v3 ? "noaux_tc" : "greedy");
+  const int64_t groups = r.nullable_integer("n_group", 1, kMaxExperts).value_or(1);
+  const int64_t group_topk = r.nullable_integer("topk_group", 1, kMaxExperts).value_or(1);
+  if (topk == "group_limited_greedy" || topk == "noaux_tc") {
+    m.router_groups = groups;
+    m.router_group_topk = group_topk;
+  } else if (topk != "greedy") {
+    d.error("topk_method", "expected \"greedy\", \"group_limited_greedy\" or \"noaux_tc\", got \"" + topk + "\"");
+  }
+  // Latent attention: a query and key head is its non-rotary and rotary parts (a head_dim the
+  // config may write is the rotary part's, transformers' convention).
+  r.ignore("head_dim");
+  m.kv_lora_rank = r.integer("kv_lora_rank", 1, kMaxDim, 512);
+  m.q_lora_rank = r.nullable_integer("q_lora_rank", 1, kMaxDim).value_or(0);
+  m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 1, kMaxDim, 64);
+  m.head_dim = r.integer("qk_nope_head_dim", 1, kMaxDim, 128) + m.qk_rope_head_dim;
+  m.v_head_dim = r.integer("v_head_dim", 1, kMaxDim, 128);
+  if (const int64_t mtp = r.integer("num_nextn_predict_layers", 0, kMaxLayers, 0); mtp > 0)
+    d.error("num_nextn_predict_layers", "= " + std::to_string(mtp) +
+                                            ": multi-token prediction layers are not modelled yet (0 plans the model "
+                                            "without them)");
 }
 
 }  // namespace
@@ -286,10 +346,11 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
       }
     if (!name.empty() && !known)
       d.error("model_type",
-              "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\" or \"llama\", got \"" + name + "\"");
+              "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", "
+              "\"deepseek_v3\" or \"llama\", got \"" + name + "\"");
     // Each architecture's own defaults (transformers' config classes).
     const bool llama = type == HfType::kLlama, qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
-    const bool deepseek = type == HfType::kDeepseek;
+    const bool deepseek = type == HfType::kDeepseek || type == HfType::kDeepseekV2 || type == HfType::kDeepseekV3;
     const std::string fallback_name = "hf-" + std::string(name_of(kHfTypes, type));
     m.name = r.string("_name_or_path", fallback_name);
     if (m.name.empty()) m.name = fallback_name;
@@ -322,7 +383,7 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     } else if (qwen) {
       read_qwen_moe(m, r, type == HfType::kQwen3Moe);
     } else if (deepseek) {
-      read_deepseek(m, r);
+      read_deepseek(m, r, type);
     } else {
       m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
       m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
@@ -389,7 +450,10 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
   for (const auto& [field, has] : {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
                                    {"qk_norm", m.qk_norm},
                                    {"qkv_bias", m.qkv_bias},
-                                   {"first_dense_layers", m.has_dense_layers()}})
+                                   {"first_dense_layers", m.has_dense_layers()},
+                                   {"kv_lora_rank", m.mla()},
+                                   {"router_scoring", m.router_scoring != RouterScoring::kSoftmax},
+                                   {"router_groups", m.router_groups > 1}})
     if (has) throw InputError(m.name, {{field, "a Mixtral config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
@@ -422,6 +486,14 @@ Json to_json(const ModelSpec& m) {
   if (m.moe_layer_step > 1) j["moe_layer_step"] = m.moe_layer_step;
   if (m.moe_layer_offset > 0) j["moe_layer_offset"] = m.moe_layer_offset;
   if (m.dense_intermediate_size > 0) j["dense_intermediate_size"] = m.dense_intermediate_size;
+  if (m.router_scoring != RouterScoring::kSoftmax) j["router_scoring"] = std::string(name_of(kRouterScoringNames, m.router_scoring));
+  if (m.router_groups > 1) j["router_groups"] = m.router_groups;
+  if (m.router_group_topk > 1) j["router_group_topk"] = m.router_group_topk;
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"kv_lora_rank", m.kv_lora_rank},
+                                     {"q_lora_rank", m.q_lora_rank},
+                                     {"qk_rope_head_dim", m.qk_rope_head_dim},
+                                     {"v_head_dim", m.v_head_dim}})
+    if (value > 0) j[field] = value;
   return j;
 }
 

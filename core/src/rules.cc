@@ -13,6 +13,8 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "head_dim_even",
     "model_size",
     "moe_layer_pattern",
+    "latent_attention_shape",
+    "router_groups",
     "world_size_fits_cluster",
     "whole_nodes",
     "expert_degree_divides_experts",
@@ -90,6 +92,56 @@ void check_moe_layer_pattern(const ModelSpec& m, Sink& sink) {
     });
 }
 
+// Multi-head latent attention: its widths only with a key-value latent, a rotary part inside a
+// head's query and key width, a value width, and a key and value for every head.
+template <class Sink>
+void check_latent_attention(const ModelSpec& m, Sink& sink) {
+  if (!m.mla()) {
+    const auto [field, value] = m.q_lora_rank > 0        ? std::pair{"q_lora_rank", m.q_lora_rank}
+                                : m.qk_rope_head_dim > 0 ? std::pair{"qk_rope_head_dim", m.qk_rope_head_dim}
+                                                         : std::pair{"v_head_dim", m.v_head_dim};
+    if (value > 0)
+      sink(Rule::kLatentAttentionShape, field, [&, value = value] {
+        return "= " + str(value) + " without kv_lora_rank: latent attention's widths need its key-value latent";
+      });
+    return;
+  }
+  if (m.qk_rope_head_dim < 2 || m.qk_rope_head_dim % 2 != 0 || m.qk_rope_head_dim >= m.head_dim)
+    sink(Rule::kLatentAttentionShape, "qk_rope_head_dim", [&] {
+      return "= " + str(m.qk_rope_head_dim) + " must be even, at least 2 and less than head_dim = " + str(m.head_dim) +
+             " (a head's query and key: qk_nope_head_dim + qk_rope_head_dim)";
+    });
+  else if (m.v_head_dim < 1)
+    sink(Rule::kLatentAttentionShape, "v_head_dim", [&] {
+      return "= " + str(m.v_head_dim) + ": latent attention needs a value width per head";
+    });
+  else if (m.num_key_value_heads != m.num_attention_heads)
+    sink(Rule::kLatentAttentionShape, "num_key_value_heads", [&] {
+      return "= " + str(m.num_key_value_heads) + ": latent attention makes a key and a value for every head "
+             "(num_attention_heads = " + str(m.num_attention_heads) + ")";
+    });
+}
+
+// Group-limited routing: whole groups of experts, no more chosen than there are, and enough
+// experts in the chosen groups for the top-k.
+template <class Sink>
+void check_router_groups(const ModelSpec& m, Sink& sink) {
+  const int64_t g = m.router_groups;
+  if (g < 1 || m.num_experts % g != 0)
+    sink(Rule::kRouterGroups, "router_groups", [&] {
+      return "= " + str(g) + " does not divide num_experts = " + str(m.num_experts);
+    });
+  else if (m.router_group_topk < 1 || m.router_group_topk > g)
+    sink(Rule::kRouterGroups, "router_group_topk", [&] {
+      return "= " + str(m.router_group_topk) + " must lie in [1, router_groups = " + str(g) + "]";
+    });
+  else if (g > 1 && m.router_group_topk * (m.num_experts / g) < m.experts_per_token)
+    sink(Rule::kRouterGroups, "router_group_topk", [&] {
+      return "= " + str(m.router_group_topk) + " groups of " + str(m.num_experts / g) + " experts hold fewer than " +
+             "experts_per_token = " + str(m.experts_per_token);
+    });
+}
+
 template <class Sink>
 void check_model(const ModelSpec& m, Sink& sink) {
   if (m.experts_per_token > m.num_experts)
@@ -101,11 +153,14 @@ void check_model(const ModelSpec& m, Sink& sink) {
       return "= " + str(m.num_key_value_heads) + " does not divide num_attention_heads = " +
              str(m.num_attention_heads);
     });
-  if (m.head_dim % 2 != 0)
+  // (Latent attention rotates its qk_rope_head_dim alone: latent_attention_shape.)
+  if (!m.mla() && m.head_dim % 2 != 0)
     sink(Rule::kHeadDimEven, "head_dim", [&] {
       return "= " + str(m.head_dim) + " is odd; rotary embeddings rotate pairs of dimensions";
     });
   check_moe_layer_pattern(m, sink);
+  check_latent_attention(m, sink);
+  check_router_groups(m, sink);
   // Counted in double so that a huge model cannot overflow before it is rejected.
   const double h = static_cast<double>(m.hidden_size);
   const double layers = static_cast<double>(m.num_layers);

@@ -35,6 +35,14 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   const double shared = static_cast<double>(m.shared_expert_intermediate_size);
   const double q = static_cast<double>(m.num_attention_heads * m.head_dim);
   const double kv = static_cast<double>(m.num_key_value_heads * m.head_dim);
+  // Values (kv_heads x their width) and the attention output that o_proj takes (heads x it).
+  const double v = static_cast<double>(m.num_key_value_heads * m.value_head_dim());
+  const double o_in = static_cast<double>(m.num_attention_heads * m.value_head_dim());
+  // Latent attention's latents, whole on every tensor-parallel rank: the query latent (the
+  // norm's input and output, the latter the up projection's input), the key-value latent
+  // with the rotary key (the down projection's output), and the normed key-value latent.
+  const double q_rank = static_cast<double>(m.q_lora_rank), kv_rank = static_cast<double>(m.kv_lora_rank);
+  const double rope = static_cast<double>(m.qk_rope_head_dim);
   const double heads = static_cast<double>(m.num_attention_heads);
   const double routed = static_cast<double>(slots);
   const double router = static_cast<double>(m.router_width());
@@ -69,8 +77,10 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
     // output (o_proj input), the core's, and dropout's mask on the sub-block's output.
     // q and k's norms (qk_norm) keep their inputs.
     const double qk_norm = m.qk_norm ? q + kv : 0.0;
+    const double latents = m.mla() ? t * (q_rank * (bytes + gemm_input) + (kv_rank + rope) * bytes + kv_rank * gemm_input)
+                                   : 0.0;
     out.attention = to_bytes(t * (h * bytes + h * gemm_input + mask * h) * outside +
-                             t * ((q + 2 * kv + qk_norm) * bytes + q * gemm_input) * inside + core);
+                             t * ((q + kv + v + qk_norm) * bytes + o_in * gemm_input) * inside + latents + core);
     // The norm's input and output (the first GEMM's input), dropout's mask; an MoE keeps the
     // fp32 router probabilities and per token-expert slot the expert input and output (the
     // permuted copy, and the row returned for the weighted sum); then per slot the
@@ -93,14 +103,19 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   // every query head, scaled-dot-product attention (flash) keeps them as they are.
   const double k = static_cast<double>(m.experts_per_token);
   const double norm_stats = t * (m.norm == Norm::kRmsNorm ? 1.0 : 2.0) * kBytesFp32;
-  const double qkv_kept = attention == AttentionKernel::kFlash ? 3 * q + 2 * kv : 4 * q;
+  // q, k and v after RoPE (unfused: k and v repeated to every query head), the core's output
+  // and its copy as o_proj's input.
+  const double qkv_kept = attention == AttentionKernel::kFlash ? q + kv + v + 2 * o_in : 2 * q + 2 * o_in;
+  // Latent attention's latents and their norms' fp32 statistics.
+  const double latents =
+      m.mla() ? t * ((2 * q_rank + kv_rank + rope + kv_rank) * bytes + (q_rank > 0 ? 2.0 : 1.0) * kBytesFp32) : 0.0;
   // q and k's norms keep their inputs and an fp32 statistic per head and token.
   const double qk_norm = m.qk_norm ? t * ((q + kv) * bytes + static_cast<double>(m.num_attention_heads +
                                                                                     m.num_key_value_heads) *
                                                                    kBytesFp32)
                                    : 0.0;
   out.attention = to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h) * outside +
-                           (t * qkv_kept * bytes + qk_norm) * inside + core);
+                           (t * qkv_kept * bytes + qk_norm) * inside + latents + core);
   out.moe = to_bytes((t * 2 * h * bytes + norm_stats + t * mask * h +
                       (dense ? 0.0 : t * router * kBytesFp32 + routed * h * bytes + k * t * h * bytes) +
                       (m.shared_expert_gate ? t * (h * bytes + kBytesFp32) : 0.0)) *

@@ -133,6 +133,8 @@ class KernelListBuilder {
     kv_ = static_cast<double>(m_.num_key_value_heads * m_.head_dim) / tp_;
     heads_ = static_cast<double>(m_.num_attention_heads) / tp_;
     head_dim_ = static_cast<double>(m_.head_dim);
+    value_dim_ = static_cast<double>(m_.value_head_dim());
+    v_ = m_.mla() ? heads_ * value_dim_ : q_;
     vocab_ = std::ceil(static_cast<double>(m_.vocab_size) / tp_);
     fused_ = hw_.kernels == Kernels::kFused;
     flash_ = hw_.attention == AttentionKernel::kFlash;
@@ -204,14 +206,17 @@ class KernelListBuilder {
   // one kernel reads and writes them. Eager (Hugging Face): rotate_half's slice, negation and
   // concatenation, two multiplies and an add, each over the tensor.
   void rotary(KernelList& l) {
-    const double e = tokens_ * (q_ + kv_);
+    // Under MLA only the rotary part of each query and the one shared rotary key turn.
+    const double e = m_.mla() ? tokens_ * (heads_ + 1.0) * static_cast<double>(m_.qk_rope_head_dim)
+                              : tokens_ * (q_ + kv_);
     if (fused_) memory(l, "rotary", 2.0 * e * a_);
     else memory(l, "rotary", 10.0 * e * a_, 12);
   }
 
   KernelList attention_core(bool backward) {
     KernelList l;
-    const double flops = 4.0 * mbs_ * seq_ * context_ * q_;  // scores and weighted sum, causal work
+    // Scores (the query's and key's width) and weighted sum (the value's), causal work.
+    const double flops = 2.0 * mbs_ * seq_ * context_ * (q_ + v_);
     if (flash_) {
       // One kernel; its backward recomputes the scores (FlashAttention-2: 2.5 times the
       // forward's FLOPs). The profile's efficiency is of forward and backward together.
@@ -239,11 +244,11 @@ class KernelListBuilder {
       l.add("attention.softmax", KernelClass::kAttention,
             memory_seconds(hw_, square * softmax_forward) + (softmax_kernels - 1) * hw_.kernel_overhead_s);
       if (dropout_) l.add("attention.dropout", KernelClass::kAttention, memory_seconds(hw_, square * drop));
-      gemm_core("attention.context", seq_, head_dim_, seq_);
+      gemm_core("attention.context", seq_, value_dim_, seq_);
       return l;
     }
-    gemm_core("attention.context", seq_, seq_, head_dim_);  // gradient of the probabilities
-    gemm_core("attention.context", seq_, head_dim_, seq_);  // gradient of v
+    gemm_core("attention.context", seq_, seq_, value_dim_);  // gradient of the probabilities
+    gemm_core("attention.context", seq_, value_dim_, seq_);  // gradient of v
     if (dropout_) l.add("attention.dropout", KernelClass::kAttention, memory_seconds(hw_, square * drop));
     l.add("attention.softmax", KernelClass::kAttention,
           memory_seconds(hw_, square * (fused_ ? 3.0 * a_ : 2.0 * softmax_forward)) +
@@ -257,6 +262,10 @@ class KernelListBuilder {
   // gradients are then summed); eager grouped-query attention repeats keys and values to every
   // query head.
   void projections(KernelList& l, bool backward) {
+    if (m_.mla()) {
+      latent_projections(l, backward);
+      return;
+    }
     if (fused_) {
       gemm(l, "qkv", tokens_, q_ + 2.0 * kv_, h_, backward, linear_);
     } else {
@@ -264,6 +273,43 @@ class KernelListBuilder {
       if (backward) memory(l, "qkv.grad_sum", 2.0 * 3.0 * tokens_ * h_ * a_, 2);
     }
   }
+  // Multi-head latent attention (Megatron-Core's MLASelfAttention): the down projections to the
+  // query latent and to the key-value latent with the shared rotary key are whole on every
+  // tensor-parallel rank (over the gathered tokens), each latent normed, then the up projections
+  // to the rank's heads: queries, and keys without their rotary part with the values.
+  void latent_projections(KernelList& l, bool backward) {
+    const double q_rank = static_cast<double>(m_.q_lora_rank);
+    const double kv_rank = static_cast<double>(m_.kv_lora_rank);
+    const double rope = static_cast<double>(m_.qk_rope_head_dim);
+    const double kv_up = heads_ * (head_dim_ - rope + value_dim_);
+    auto query = [&] {
+      if (q_rank <= 0) {
+        gemm(l, "q_proj", tokens_, q_, h_, backward, linear_);
+        return;
+      }
+      if (!backward) {
+        gemm(l, "q_down", tokens_, q_rank, h_, false, linear_);
+        norm(l, "q_norm", tokens_, false, q_rank);
+        gemm(l, "q_up", tokens_, q_, q_rank, false, linear_);
+        return;
+      }
+      gemm(l, "q_up", tokens_, q_, q_rank, true, linear_);
+      norm(l, "q_norm", tokens_, true, q_rank);
+      gemm(l, "q_down", tokens_, q_rank, h_, true, linear_);
+    };
+    if (!backward) {
+      query();
+      gemm(l, "kv_down", tokens_, kv_rank + rope, h_, false, linear_);
+      norm(l, "kv_norm", tokens_, false, kv_rank);
+      gemm(l, "kv_up", tokens_, kv_up, kv_rank, false, linear_);
+      return;
+    }
+    gemm(l, "kv_up", tokens_, kv_up, kv_rank, true, linear_);
+    norm(l, "kv_norm", tokens_, true, kv_rank);
+    gemm(l, "kv_down", tokens_, kv_rank + rope, h_, true, linear_);
+    query();
+  }
+
   void repeat_kv(KernelList& l) {
     if (!flash_ && !fused_ && kv_ < q_) memory(l, "attention.repeat_kv", 2.0 * tokens_ * (kv_ + q_) * a_, 2);
   }
@@ -277,12 +323,12 @@ class KernelListBuilder {
       rotary(l);
       repeat_kv(l);
       l.append(core);
-      gemm(l, "o_proj", tokens_, h_, q_, false, linear_);
+      gemm(l, "o_proj", tokens_, h_, v_, false, linear_);
       residual(l, local_, false);
       return l;
     }
     residual(l, local_, true);
-    gemm(l, "o_proj", tokens_, h_, q_, true, linear_);
+    gemm(l, "o_proj", tokens_, h_, v_, true, linear_);
     l.append(core);
     repeat_kv(l);
     rotary(l);
@@ -367,6 +413,13 @@ class KernelListBuilder {
       gemm(l, "router", local_, experts, h_, backward, plain_, 1, false);
       // Softmax in fp32, top-k, renormalisation and the load-balancing statistics.
       memory(l, "router.topk", local_ * (experts * kBytesFp32 * 4.0 + k * 12.0), fused_ ? 4 : 8);
+      // A sigmoid's scores take the balancing bias before the top-k (one pass more); group-limited
+      // routing scores each group by its best experts, takes the top groups and masks the others
+      // out (Megatron-Core's group_limited_topk: three passes more over the scores).
+      const double sigmoid = m_.router_scoring == RouterScoring::kSigmoid ? 1.0 : 0.0;
+      const double groups = m_.router_groups > 1 ? 3.0 : 0.0;
+      if (sigmoid + groups > 0)
+        memory(l, "router.groups", local_ * experts * kBytesFp32 * 2.0 * (sigmoid + groups), sigmoid + groups);
     };
     auto permute = [&](std::string_view name) {
       if (dense) return;
@@ -443,6 +496,7 @@ class KernelListBuilder {
   GemmType linear_ = GemmType::kBf16, plain_ = GemmType::kBf16;
   double tp_ = 1, sp_ = 1, seq_ = 0, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, shared_ = 0, q_ = 0, kv_ = 0,
          heads_ = 0, head_dim_ = 0, vocab_ = 0, context_ = 0;
+  double value_dim_ = 0, v_ = 0;  // a value's width per head, and the rank's values (the o_proj input)
 };
 
 }  // namespace

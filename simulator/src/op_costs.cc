@@ -13,8 +13,9 @@ namespace moeplan::sim {
 bool op_times_apply(const RunConfig& c) {
   const OpTimes& t = c.cluster.op_times;
   const ModelSpec& m = c.model;
-  // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases or dense blocks.
-  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && !m.has_dense_layers() &&
+  // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks or
+  // latent attention.
+  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && !m.has_dense_layers() && !m.mla() &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&

@@ -592,7 +592,7 @@ TEST(HfConfig, ProblemsFromAFile) {
       {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
       {"/num_local_expert", 16, "num_local_expert", "unknown field"},
       {"/model_type", "gpt2", "model_type",
-       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\" or \"llama\", got \"gpt2\""},
+       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\" or \"llama\", got \"gpt2\""},
       {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"gelu\""},
       {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
   };
@@ -665,6 +665,54 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen3-30b-a3b.json")), "bfloat16"), InputError);
 }
 
+// DeepSeek-V2 and V3 configs: latent attention, group-limited routing, sigmoid scores (V3).
+// V3's multi-token prediction module is refused by name until it is modelled; without it the
+// config reads as the shipped profile (671B parameters, 37B active).
+TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
+  struct Case {
+    const char* config;
+    const char* profile;
+    double total, active;  // billions; active counts the embedding, which the model cards leave out
+  };
+  for (const Case& c : {Case{"hf/deepseek-v2-lite/config.json", "models/deepseek-v2-lite.json", 15.7, 2.66},
+                        Case{"hf/deepseek-v3/config.json", "models/deepseek-v3.json", 671.0, 37.55}}) {
+    SCOPED_TRACE(c.config);
+    Json config = parse_json_text(read_text(data_path(c.config)), "config.json");
+    config["num_nextn_predict_layers"] = 0;
+    ModelSpec hf = model_from_hf_config(config, "config.json");
+    const ModelSpec profile = read_model_file(profile_path(c.profile));
+    hf.name = profile.name;
+    hf.source = profile.source;
+    EXPECT_EQ(hf, profile);
+    const ParamCounts p = count_parameters(profile);
+    EXPECT_NEAR(static_cast<double>(p.total()) / 1e9, c.total, 0.05);
+    EXPECT_NEAR(static_cast<double>(p.active()) / 1e9, c.active, 0.05);
+  }
+  const Json v3 = parse_json_text(read_text(data_path("hf/deepseek-v3/config.json")), "config.json");
+  const std::vector<ProfileEdit> edits = {
+      {"/num_nextn_predict_layers", 1, "num_nextn_predict_layers",
+       "= 1: multi-token prediction layers are not modelled yet (0 plans the model without them)"},
+      {"/scoring_func", "tanh", "scoring_func", "expected \"softmax\" or \"sigmoid\", got \"tanh\""},
+      {"/topk_method", "random", "topk_method",
+       "expected \"greedy\", \"group_limited_greedy\" or \"noaux_tc\", got \"random\""},
+      {"/n_group", 7, "n_group", "= 7 does not divide num_experts = 256"},
+      {"/qk_rope_head_dim", 63, "qk_rope_head_dim",
+       "= 63 must be even, at least 2 and less than head_dim = 191 (a head's query and key: qk_nope_head_dim + "
+       "qk_rope_head_dim)"},
+  };
+  TempDir dir;
+  for (const ProfileEdit& edit : edits) {
+    Json json = v3;
+    if (edit.path != std::string("num_nextn_predict_layers")) json["num_nextn_predict_layers"] = 0;
+    json[Json::json_pointer(edit.pointer)] = edit.value;
+    const std::string path = dir.write("config.json", json);
+    const auto problems = problems_of([&] { read_model_file(path); }, path);
+    ASSERT_EQ(problems.size(), 1u) << edit.pointer << describe(problems);
+    EXPECT_EQ(problems[0].path, edit.path) << edit.pointer;
+    EXPECT_EQ(problems[0].message, edit.message) << edit.pointer;
+  }
+}
+
 // DeepSeekMoE's first_k_dense_replace and moe_layer_freq place its dense blocks; what it says
 // that moeplan does not model is refused by its own name.
 TEST(HfConfig, DeepseekMoeDenseBlocksAndRefusals) {
@@ -682,7 +730,7 @@ TEST(HfConfig, DeepseekMoeDenseBlocksAndRefusals) {
   EXPECT_EQ(e.moe_layers(), 13);
   const std::vector<ProfileEdit> edits = {
       {"/scoring_func", "sigmoid", "scoring_func", "= \"sigmoid\": only softmax routing is modelled for DeepSeekMoE"},
-      {"/attention_bias", true, "attention_bias", "= true: biases on DeepSeekMoE's attention projections are not modelled"},
+      {"/attention_bias", true, "attention_bias", "= true: biases on DeepSeek's attention projections are not modelled"},
       {"/first_k_dense_replace", 28, "first_k_dense_replace",
        "= 28 with moe_layer_step = 1 leaves no MoE block among num_layers = 28"},
       {"/kv_lora_rank", 512, "kv_lora_rank", "unknown field"},

@@ -80,6 +80,24 @@ TEST(ModelSpec, DenseBlocksAreCountedApart) {
   EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
 }
 
+// DeepSeek-V3's latent attention per block: q 7168 x 1536 + 1536 x 128 x 192, kv 7168 x (512 +
+// 64) + 512 x 128 x (128 + 128), o 128 x 128 x 7168; its norms the two of the block and the two
+// latents'. Its attention core scores over 192 and sums over 128 per head.
+TEST(ModelSpec, LatentAttentionIsCountedByItsProjections) {
+  const ModelSpec m = test::model("deepseek-v3");
+  const ParamCounts p = count_parameters(m);
+  EXPECT_EQ(p.attention_per_layer, 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168);
+  EXPECT_EQ(p.norms_per_layer, 2 * 7168 + 1536 + 512);
+  ModelSpec no_latent = m;  // the same sizes read as plain attention: values of head_dim
+  no_latent.kv_lora_rank = no_latent.q_lora_rank = no_latent.qk_rope_head_dim = no_latent.v_head_dim = 0;
+  const double context = 4096 / 2.0;
+  EXPECT_DOUBLE_EQ(forward_flops_per_token(no_latent, 4096) - forward_flops_per_token(m, 4096),
+                   2.0 * static_cast<double>(count_parameters(no_latent).attention_per_layer - p.attention_per_layer) * 61 +
+                       2.0 * 128 * (192 - 128) * context * 61);
+  EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
+  EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
+}
+
 // A pipeline stage's blocks: contiguous without interleaving, V chunks with it; the stages'
 // counts add up to the model's either way.
 TEST(ModelSpec, StagesCountTheirMoeBlocks) {
@@ -137,7 +155,7 @@ TEST(ModelSpec, HuggingFaceConfigRejectsOtherArchitectures) {
   const auto problems = test::problems_of([&] { model_from_hf_config(config, "config.json"); }, "config.json");
   ASSERT_GE(problems.size(), 1u);
   EXPECT_EQ(problems[0].path, "model_type");
-  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\" or \"llama\", got \"gpt2\"");
+  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\" or \"llama\", got \"gpt2\"");
 }
 
 // Dense models count their parameters as published: Llama 3 8B and Llama 2 70B to the

@@ -68,6 +68,19 @@ const RuleCase kCases[] = {
      "= 32 with moe_layer_step = 1 leaves no MoE block among num_layers = 32", "= 32"},
     {"OffsetPastTheStep", [](Scenario& s) { s.model.moe_layer_offset = 2; },
      Rule::kMoeLayerPattern, "model.moe_layer_offset", "= 2 must lie in [0, moe_layer_step = 1)", "= 2"},
+    {"QueryLatentWithoutKeyValueLatent", [](Scenario& s) { s.model.q_lora_rank = 1536; },
+     Rule::kLatentAttentionShape, "model.q_lora_rank",
+     "= 1536 without kv_lora_rank: latent attention's widths need its key-value latent", "1536"},
+    {"LatentAttentionWithGroupedKeys",
+     [](Scenario& s) {
+       s.model.kv_lora_rank = 512;
+       s.model.qk_rope_head_dim = 64;
+       s.model.v_head_dim = 128;
+     },
+     Rule::kLatentAttentionShape, "model.num_key_value_heads",
+     "= 8: latent attention makes a key and a value for every head (num_attention_heads = 32)", "= 8"},
+    {"RouterGroupsSplitAnExpert", [](Scenario& s) { s.model.router_groups = 3; },
+     Rule::kRouterGroups, "model.router_groups", "= 3 does not divide num_experts = 8", "= 3"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },
      Rule::kWorldSizeFitsCluster, "parallel.world_size",
      "= 16 exceeds the cluster's 1 x 8 GPUs", "1 x 8"},

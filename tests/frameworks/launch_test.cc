@@ -224,6 +224,18 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(deepseek.at("--ffn-hidden-size"), "10944");
   EXPECT_EQ(deepseek.at("--moe-ffn-hidden-size"), "1408");
   EXPECT_EQ(deepseek.at("--moe-shared-expert-intermediate-size"), "2816");
+  // DeepSeek-V2-Lite's latent attention (no query latent) in Megatron-Core's MLA flags (27
+  // blocks: one stage).
+  pins.pipeline_parallel_degree = 1;
+  const auto lite = args_of("deepseek-v2-lite");
+  EXPECT_EQ(lite.count("--multi-latent-attention"), 1u);
+  EXPECT_EQ(lite.count("--q-lora-rank"), 0u);
+  EXPECT_EQ(lite.at("--kv-lora-rank"), "512");
+  EXPECT_EQ(lite.at("--qk-head-dim"), "128");
+  EXPECT_EQ(lite.at("--qk-pos-emb-head-dim"), "64");
+  EXPECT_EQ(lite.at("--v-head-dim"), "128");
+  EXPECT_EQ(lite.count("--num-query-groups"), 0u);
+  EXPECT_EQ(lite.count("--moe-router-score-function"), 0u);
 }
 
 TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {

@@ -182,7 +182,34 @@ const FrameworkRuleCase kCases[] = {
        s.model.dense_intermediate_size = 14336;
      },
      "torchtitan_models", "model.first_dense_layers",
-     "= 3 with moe_layer_step = 1: moeplan writes torchtitan's llama4 and qwen3 with experts in every block", "= 3"},
+     "= 3 with moe_layer_step = 1: torchtitan's deepseek_v3 puts dense blocks first only, and its llama4 and qwen3 as "
+     "moeplan writes them have experts in every block",
+     "= 3"},
+    {"ExecutorModeLatentAttention",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.num_key_value_heads = 32;
+       s.model.kv_lora_rank = 512;
+       s.model.qk_rope_head_dim = 64;
+       s.model.v_head_dim = 128;
+     },
+     "executor_trains_moe", "model.kv_lora_rank",
+     "= 512: the executor trains Mixtral-style attention, without latent attention", "512"},
+    {"ExecutorModeSigmoidRouter",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.router_scoring = RouterScoring::kSigmoid;
+     },
+     "executor_trains_moe", "model.router_scoring",
+     "= \"sigmoid\": the executor's router takes the top-k of a softmax over every expert", "sigmoid"},
+    {"TorchtitanGroupsWithoutLatentAttention",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.router_groups = 2;
+     },
+     "torchtitan_models", "model.router_groups", "= 2: torchtitan routes within groups in its deepseek_v3 only", "= 2"},
     {"ExecutorModeQkNorm",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

@@ -146,6 +146,18 @@ TEST(MemoryModel, SharedExpertsAreDenseParameters) {
   EXPECT_EQ(shard_sizes(m, 8, 2).shard_params, 6'440'032'256);
 }
 
+// Latent attention keeps, per token: the norm's input and output (2 x 7168), q and k (128 heads x
+// 192) and v (x 128), the core's output as o_proj's input (128 x 128), the query latent (1536,
+// normed and not), the key-value latent with its rotary key (576) and normed (512), and the
+// core's fp32 statistic per head: 4096 x 201,344 bytes in bf16.
+TEST(MemoryModel, LatentAttentionKeepsItsLatentsAndEveryHeadsKeysAndValues) {
+  const ModelSpec& m = test::model("deepseek-v3");
+  const BlockActivations b = block_activations(m, 1, 4096, 8 * 4096, 2, Kernels::kFused, AttentionKernel::kFlash);
+  EXPECT_EQ(b.attention, 4096 * (2 * 7168 * 2 + (128 * 192 * 2 + 128 * 128) * 2 + 128 * 128 * 2 +
+                                 1536 * 4 + 576 * 2 + 512 * 2 + 128 * 4));
+  EXPECT_EQ(b.attention, 4096 * 201'344);
+}
+
 // Dense blocks among MoE blocks hold no experts: Mixtral with its first 8 blocks dense (width
 // 14,336) on 4 stages puts them all on the first stage, which then holds far less than the
 // others; the busiest stage is a stage of MoE blocks, as with no dense blocks.

@@ -865,6 +865,26 @@ TEST(SharedExperts, EagerKernelsCountEveryExpertsGemm) {
   EXPECT_DOUBLE_EQ(fused.moe_flops, 2.0 * 128 * 128 * 3 * 2048 * 768 + 2.0 * 2048 * 128 * 2048);
 }
 
+// Latent attention's kernels: the down and up projections and o_proj do 2 FLOPs per weight and
+// token, the core scores over a head's query width and sums over its value width.
+TEST(LatentAttention, KernelsFollowItsProjectionsAndHeadWidths) {
+  Scenario c = make_scenario("deepseek-v3", "p5.48xlarge", 8, 8, 1, "RSE", Checkpointing::kFull, 1, 2, 4096);
+  const OpCosts o = op_costs(c.config());
+  const double tokens = 4096;
+  const ParamCounts p = count_parameters(c.model);
+  EXPECT_DOUBLE_EQ(o.attention_flops,
+                   2.0 * tokens * static_cast<double>(p.attention_per_layer) + 2.0 * tokens * 2048 * 128 * (192 + 128));
+  // Under T = 2 the up projections and o_proj split by heads; the down projections are whole.
+  c.parallel.tensor_parallel_degree = 2;
+  c.parallel.sequence_parallel = true;
+  c.parallel.expert_parallel_degree = 4;
+  c.training.global_batch_tokens = 4 * 2 * 4096;
+  const double down = 7168.0 * 1536 + 7168.0 * 576;
+  EXPECT_DOUBLE_EQ(op_costs(c.config()).attention_flops,
+                   2.0 * tokens * (down + (static_cast<double>(p.attention_per_layer) - down) / 2) +
+                       2.0 * tokens * 2048 * 64 * (192 + 128));
+}
+
 // Dense blocks among MoE blocks (DeepSeek's first blocks): no token exchange and their own
 // feed-forward layer over every token. At twice the expert width they do a top-2 block's work
 // without its router.

@@ -20,7 +20,17 @@ void model_args(const Plan& plan, Args& a) {
   // Dense blocks among MoE blocks take --ffn-hidden-size, the experts --moe-ffn-hidden-size.
   a.push_back({"--ffn-hidden-size", std::to_string(m.has_dense_layers() ? m.dense_intermediate_size : m.intermediate_size)});
   a.push_back({"--num-attention-heads", std::to_string(m.num_attention_heads)});
-  if (m.head_dim * m.num_attention_heads != m.hidden_size) a.push_back({"--kv-channels", std::to_string(m.head_dim)});
+  if (m.mla()) {
+    a.push_back({"--multi-latent-attention", ""});
+    if (m.q_lora_rank > 0) a.push_back({"--q-lora-rank", std::to_string(m.q_lora_rank)});
+    a.push_back({"--kv-lora-rank", std::to_string(m.kv_lora_rank)});
+    a.push_back({"--qk-head-dim", std::to_string(m.head_dim - m.qk_rope_head_dim)});
+    a.push_back({"--qk-pos-emb-head-dim", std::to_string(m.qk_rope_head_dim)});
+    a.push_back({"--v-head-dim", std::to_string(m.v_head_dim)});
+    a.push_back({"--kv-channels", std::to_string(m.v_head_dim)});
+  } else if (m.head_dim * m.num_attention_heads != m.hidden_size) {
+    a.push_back({"--kv-channels", std::to_string(m.head_dim)});
+  }
   if (m.num_key_value_heads != m.num_attention_heads) {
     a.push_back({"--group-query-attention", ""});
     a.push_back({"--num-query-groups", std::to_string(m.num_key_value_heads)});
@@ -65,6 +75,14 @@ void layout_args(const Plan& plan, Args& a) {
       for (int64_t i = 0; i < plan.model.num_layers; ++i) pattern += (i > 0 ? "," : "") + std::string(plan.model.moe_layer(i) ? "1" : "0");
       a.push_back({"--moe-layer-freq", pattern + "]"});
       a.push_back({"--moe-ffn-hidden-size", std::to_string(plan.model.intermediate_size)});
+    }
+    if (plan.model.router_scoring == RouterScoring::kSigmoid) {
+      a.push_back({"--moe-router-score-function", "sigmoid"});
+      a.push_back({"--moe-router-enable-expert-bias", ""});
+    }
+    if (plan.model.router_groups > 1) {
+      a.push_back({"--moe-router-num-groups", std::to_string(plan.model.router_groups)});
+      a.push_back({"--moe-router-group-topk", std::to_string(plan.model.router_group_topk)});
     }
     if (plan.model.shared_experts()) {
       a.push_back({"--moe-shared-expert-intermediate-size", std::to_string(plan.model.shared_expert_intermediate_size)});

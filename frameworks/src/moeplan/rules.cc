@@ -53,6 +53,15 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (m.qkv_bias)
     sink(kTrainsMoe, "model.qkv_bias",
          [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });
+  if (m.mla())
+    sink(kTrainsMoe, "model.kv_lora_rank", [&] {
+      return "= " + rule_number(m.kv_lora_rank) + ": the executor trains Mixtral-style attention, without latent attention";
+    });
+  if (m.router_scoring != RouterScoring::kSoftmax || m.router_groups > 1)
+    sink(kTrainsMoe, m.router_groups > 1 ? "model.router_groups" : "model.router_scoring", [&] {
+      return std::string("= ") + (m.router_groups > 1 ? rule_number(m.router_groups) : "\"sigmoid\"") +
+             ": the executor's router takes the top-k of a softmax over every expert";
+    });
   if (m.has_dense_layers())
     sink(kTrainsMoe, "model.first_dense_layers", [&] {
       return "= " + rule_number(m.first_dense_layers) + " with moe_layer_step = " + rule_number(m.moe_layer_step) +

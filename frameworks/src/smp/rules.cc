@@ -75,6 +75,11 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kModels, "model.qk_norm", [&] { return std::string("= true: SMP's models have no q/k norms"); });
   if (m.qkv_bias)
     sink(kModels, "model.qkv_bias", [&] { return std::string("= true: SMP's models have no attention biases"); });
+  if (m.mla())
+    sink(kModels, "model.kv_lora_rank", [&] { return "= " + rule_number(m.kv_lora_rank) + ": SMP's models have no latent attention"; });
+  if (m.router_scoring != RouterScoring::kSoftmax || m.router_groups > 1)
+    sink(kModels, m.router_groups > 1 ? "model.router_groups" : "model.router_scoring",
+         [&] { return std::string("set: SMP's MoE model (Mixtral) routes by a softmax over every expert"); });
   if (m.has_dense_layers())
     sink(kModels, "model.first_dense_layers",
          [&] { return std::string("and moe_layer_step: SMP's MoE model (Mixtral) has experts in every block"); });

@@ -38,7 +38,8 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
           (m.qk_norm ? ", q/k norms" : "") + ".\n\n";
 
   toml += "[job]\n" + line("description", quoted("moeplan plan: " + describe(p))) + "\n";
-  const char* model = m.qk_norm ? "qwen3" : m.dense() ? "llama3" : "llama4";  // qwen3: dense and MoE flavors
+  // qwen3: dense and MoE flavors; deepseek_v3: latent attention.
+  const char* model = m.mla() ? "deepseek_v3" : m.qk_norm ? "qwen3" : m.dense() ? "llama3" : "llama4";
   toml += "[model]\n" + line("name", quoted(model)) + line("flavor", quoted(m.name));
   if (t.fp8) toml += line("converters", "[\"float8\"]");
   toml += "\n[optimizer]\n" + line("name", quoted("AdamW")) + line("lr", number(t.learning_rate)) +

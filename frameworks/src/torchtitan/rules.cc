@@ -98,13 +98,21 @@ void check(const RunConfig& c, RuleSink& sink) {
          [&] { return std::string("= true: no torchtitan model gates its shared expert (Qwen2-MoE does)"); });
   if (m.qkv_bias)
     sink(kModels, "model.qkv_bias", [&] { return std::string("= true: no torchtitan model has attention biases"); });
-  // llama4 interleaves dense blocks (interleave_moe_layer_step), deepseek_v3 puts them first
-  // (n_dense_layers) but has latent attention; moeplan writes neither yet.
-  if (m.has_dense_layers())
+  // deepseek_v3 (latent attention) puts dense blocks first (n_dense_layers) and routes within
+  // groups (n_expert_groups, n_limited_groups); moeplan writes llama4 and qwen3 with experts in
+  // every block.
+  if (m.has_dense_layers() && (!m.mla() || m.moe_layer_step > 1))
     sink(kModels, "model.first_dense_layers", [&] {
       return "= " + rule_number(m.first_dense_layers) + " with moe_layer_step = " + rule_number(m.moe_layer_step) +
-             ": moeplan writes torchtitan's llama4 and qwen3 with experts in every block";
+             ": torchtitan's deepseek_v3 puts dense blocks first only, and its llama4 and qwen3 as moeplan writes "
+             "them have experts in every block";
     });
+  if (m.router_groups > 1 && !m.mla())
+    sink(kModels, "model.router_groups", [&] {
+      return "= " + rule_number(m.router_groups) + ": torchtitan routes within groups in its deepseek_v3 only";
+    });
+  if (m.mla() && m.qk_norm)
+    sink(kModels, "model.qk_norm", [&] { return std::string("= true: torchtitan's deepseek_v3 has no q/k norms"); });
   if (m.qk_norm && m.shared_experts())
     sink(kModels, "model.qk_norm", [&] {
       return std::string("= true with shared experts: torchtitan's qwen3 has q/k norms and no shared experts");

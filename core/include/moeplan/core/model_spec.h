@@ -23,6 +23,13 @@ enum class Norm : uint8_t { kRmsNorm, kLayerNorm };
 inline constexpr std::array<std::pair<std::string_view, Norm>, 2> kNormNames{
     {{"rmsnorm", Norm::kRmsNorm}, {"layernorm", Norm::kLayerNorm}}};
 
+// How the router scores the experts before its top-k: a softmax over them (Mixtral, Qwen,
+// DeepSeek-V2), or a sigmoid of each plus a bias that only steers the choice (DeepSeek-V3's
+// auxiliary-loss-free balancing).
+enum class RouterScoring : uint8_t { kSoftmax, kSigmoid };
+inline constexpr std::array<std::pair<std::string_view, RouterScoring>, 2> kRouterScoringNames{
+    {{"softmax", RouterScoring::kSoftmax}, {"sigmoid", RouterScoring::kSigmoid}}};
+
 struct ModelSpec {
   std::string name;
   std::string source;  // where the figures come from (model card, config.json)
@@ -69,6 +76,22 @@ struct ModelSpec {
   int64_t moe_layer_step = 1;
   int64_t moe_layer_offset = 0;
   int64_t dense_intermediate_size = 0;
+  // Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight; DeepSeek-AI 2024,
+  // arXiv:2405.04434): keys and values come up from one latent of kv_lora_rank per token, beside
+  // a rotary key of qk_rope_head_dim that every head shares; queries from a latent of
+  // q_lora_rank (0: straight from the hidden state). head_dim is then a query's and a key's
+  // width per head (qk_nope_head_dim + qk_rope_head_dim) and v_head_dim a value's; training
+  // makes every head's key and value (num_key_value_heads = num_attention_heads). 0: not MLA.
+  // The router: its scoring, and group-limited routing (DeepSeek-V2/V3: the experts in
+  // router_groups groups, a token's top-k taken from its best router_group_topk groups; 1: one
+  // group).
+  RouterScoring router_scoring = RouterScoring::kSoftmax;
+  int64_t router_groups = 1;
+  int64_t router_group_topk = 1;
+  int64_t kv_lora_rank = 0;
+  int64_t q_lora_rank = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
 
   // One expert is a dense model: its feed-forward layer takes every token and has no router.
   bool dense() const { return num_experts == 1; }
@@ -76,6 +99,9 @@ struct ModelSpec {
   // Weight matrices of one feed-forward layer, each hidden x intermediate.
   int64_t mlp_matrices() const { return mlp == Mlp::kGelu ? 2 : 3; }
   bool shared_experts() const { return shared_expert_intermediate_size > 0; }
+  bool mla() const { return kv_lora_rank > 0; }
+  // A value's width per head: head_dim but under MLA.
+  int64_t value_head_dim() const { return mla() ? v_head_dim : head_dim; }
   // Whether block i has routed experts (every block of a dense model counts as one: its
   // feed-forward layer is its one expert).
   bool moe_layer(int64_t i) const {
@@ -95,9 +121,9 @@ struct ParamCounts {
   int64_t embedding = 0;            // vocab x hidden
   int64_t lm_head = 0;              // vocab x hidden, 0 when tied
   int64_t final_norm = 0;           // hidden
-  int64_t attention_per_layer = 0;  // q, k, v, o projections (their weights)
+  int64_t attention_per_layer = 0;  // q, k, v, o projections (their weights; MLA's down and up ones)
   int64_t biases_per_layer = 0;     // q, k and v biases (qkv_bias)
-  int64_t norms_per_layer = 0;      // two RMSNorm weights, and q and k's (qk_norm)
+  int64_t norms_per_layer = 0;      // two RMSNorm weights, and q and k's (qk_norm) or MLA's latents'
   int64_t router_per_layer = 0;     // hidden x num_experts, no bias (none in a dense model)
   int64_t shared_expert_per_layer = 0;  // the shared experts' matrices and their gate
   int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)

@@ -26,6 +26,8 @@ enum class Rule : uint8_t {
   kHeadDimEven,
   kModelSize,
   kMoeLayerPattern,
+  kLatentAttentionShape,
+  kRouterGroups,
   // Cluster and world size
   kWorldSizeFitsCluster,
   kWholeNodes,
