@@ -64,6 +64,8 @@ ParamCounts count_parameters(const ModelSpec& m) {
                        m.kv_lora_rank * m.num_attention_heads * (m.head_dim - m.qk_rope_head_dim + m.v_head_dim);
     p.attention_per_layer = q + kv + m.num_attention_heads * m.v_head_dim * m.hidden_size;
     p.norms_per_layer = 2 * m.hidden_size + m.q_lora_rank + m.kv_lora_rank;
+    p.tensor_replicated_per_layer = m.hidden_size * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) +
+                                    m.q_lora_rank + m.kv_lora_rank;
   }
   p.router_per_layer = m.hidden_size * m.router_width();
   p.shared_expert_per_layer =
@@ -216,7 +218,7 @@ std::string_view hf_field(HfType type, std::string_view ours) {
   if (ours == "experts_per_token") return "num_experts_per_tok";
   if (ours == "router_groups" && deepseek) return "n_group";
   if (ours == "router_group_topk" && deepseek) return "topk_group";
-  if (ours == "head_dim" && deepseek) return "qk_nope_head_dim";
+  if (ours == "head_dim" && (type == HfType::kDeepseekV2 || type == HfType::kDeepseekV3)) return "qk_nope_head_dim";
   if (ours == "num_layers") return "num_hidden_layers";
   if (ours == "num_experts") return qwen ? "num_experts" : deepseek ? "n_routed_experts" : "num_local_experts";
   if (ours == "intermediate_size" && (qwen || deepseek)) return "moe_intermediate_size";
@@ -285,7 +287,7 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   m.first_dense_layers = r.integer("first_k_dense_replace", 0, kMaxLayers, v1 ? 1 : v3 ? 3 : 0);
   m.moe_layer_step = r.integer("moe_layer_freq", 1, kMaxLayers, 1);
   if (m.has_dense_layers()) m.dense_intermediate_size = dense_width;
-  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, v1 ? 4096 : 2048);
+  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, v1 || v3 ? 4096 : 2048);
   m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
   m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
   m.router_aux_loss_coef = r.number("aux_loss_alpha", 0.0, 1e3, 0.001);
@@ -307,8 +309,10 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
     d.error("scoring_func", "expected \"softmax\" or \"sigmoid\", got \"" + scoring + "\"");
   // greedy: one group; group_limited_greedy (V2) and noaux_tc (V3): the top groups first.
   const std::string topk = r.string("topk_method", v3 ? "noaux_tc" : "greedy");
-  const int64_t groups = r.nullable_integer("n_group", 1, kMaxExperts).value_or(1);
-  const int64_t group_topk = r.nullable_integer("topk_group", 1, kMaxExperts).value_or(1);
+  // An absent field takes the config class's default; null (V2's) is none.
+  const int64_t groups = r.has("n_group") ? r.nullable_integer("n_group", 1, kMaxExperts).value_or(1) : v3 ? 8 : 1;
+  const int64_t group_topk =
+      r.has("topk_group") ? r.nullable_integer("topk_group", 1, kMaxExperts).value_or(1) : v3 ? 4 : 1;
   if (topk == "group_limited_greedy" || topk == "noaux_tc") {
     m.router_groups = groups;
     m.router_group_topk = group_topk;
@@ -319,11 +323,11 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   // config may write is the rotary part's, transformers' convention).
   r.ignore("head_dim");
   m.kv_lora_rank = r.integer("kv_lora_rank", 1, kMaxDim, 512);
-  m.q_lora_rank = r.nullable_integer("q_lora_rank", 1, kMaxDim).value_or(0);
+  m.q_lora_rank = r.has("q_lora_rank") ? r.nullable_integer("q_lora_rank", 1, kMaxDim).value_or(0) : 1536;
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 1, kMaxDim, 64);
   m.head_dim = r.integer("qk_nope_head_dim", 1, kMaxDim, 128) + m.qk_rope_head_dim;
   m.v_head_dim = r.integer("v_head_dim", 1, kMaxDim, 128);
-  if (const int64_t mtp = r.integer("num_nextn_predict_layers", 0, kMaxLayers, 0); mtp > 0)
+  if (const int64_t mtp = r.integer("num_nextn_predict_layers", 0, kMaxLayers, v3 ? 1 : 0); mtp > 0)
     d.error("num_nextn_predict_layers", "= " + std::to_string(mtp) +
                                             ": multi-token prediction layers are not modelled yet (0 plans the model "
                                             "without them)");
@@ -355,11 +359,15 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     m.name = r.string("_name_or_path", fallback_name);
     if (m.name.empty()) m.name = fallback_name;
     m.source = "Hugging Face config.json (" + origin + ")";
-    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, qwen ? 151936 : deepseek ? 102400 : 32000);
-    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, qwen || deepseek ? 2048 : 4096);
-    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, qwen ? 24 : deepseek ? 28 : 32);
-    m.num_attention_heads =
-        r.integer("num_attention_heads", 1, kMaxDim, type == HfType::kQwen2Moe || deepseek ? 16 : 32);
+    // DeepSeek's: DeepseekConfig (DeepSeekMoE 16B), DeepseekV2Config (V2), DeepseekV3Config (V3).
+    const bool v2 = type == HfType::kDeepseekV2, v3 = type == HfType::kDeepseekV3;
+    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, qwen ? 151936 : v3 ? 129280 : deepseek ? 102400 : 32000);
+    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, v3 ? 7168 : v2 ? 5120 : qwen || deepseek ? 2048 : 4096);
+    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, qwen ? 24 : v3 ? 61 : v2 ? 60 : deepseek ? 28 : 32);
+    m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim,
+                                      v2 || v3                                  ? 128
+                                      : type == HfType::kQwen2Moe || deepseek ? 16
+                                                                                : 32);
     // LlamaConfig: no num_key_value_heads (or null) means one per query head.
     const auto kv_heads = r.nullable_integer("num_key_value_heads", 1, kMaxDim);
     m.num_key_value_heads = kv_heads                         ? *kv_heads

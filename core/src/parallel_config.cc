@@ -260,19 +260,27 @@ StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig
   const int64_t stages = std::max<int64_t>(1, p.pipeline_parallel_degree);
   const int64_t chunks = std::max<int64_t>(1, p.virtual_pipeline_degree);
   const bool uneven = p.first_stage_layers > 0 || p.last_stage_layers > 0;
+  const bool interleaved = stages > 1 && chunks > 1 && !uneven;
+  const int64_t chunk = interleaved ? model.num_layers / (stages * chunks) : 0;
   StageBlockCounts out;
-  if (stages > 1 && chunks > 1 && !uneven) {
-    const int64_t chunk = model.num_layers / (stages * chunks);
-    out.layers = chunk * chunks;
+  out.layers = interleaved ? chunk * chunks : stage_layers(model.num_layers, p, stage);
+  if (model.first_dense_layers == 0 && model.moe_layer_step == 1) {  // every block has experts
+    out.moe_layers = out.layers;
+    return out;
+  }
+  if (interleaved) {
     for (int64_t v = 0; v < chunks; ++v) {
       const int64_t begin = (v * stages + stage) * chunk;
       out.moe_layers += model.moe_layers_in(begin, begin + chunk);
     }
     return out;
   }
+  // The stages before it: the first (its own size where given), then middle ones.
   int64_t begin = 0;
-  for (int64_t i = 0; i < stage; ++i) begin += stage_layers(model.num_layers, p, i);
-  out.layers = stage_layers(model.num_layers, p, stage);
+  if (stage > 0) {
+    const int64_t middle = stage_layers(model.num_layers, p, std::min<int64_t>(1, stages - 1));
+    begin = stage_layers(model.num_layers, p, 0) + (stage - 1) * middle;
+  }
   out.moe_layers = model.moe_layers_in(begin, begin + out.layers);
   return out;
 }
@@ -285,7 +293,6 @@ ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t 
   m.first_dense_layers = counts.layers - counts.moe_layers;
   m.moe_layer_step = 1;
   m.moe_layer_offset = 0;
-  if (m.first_dense_layers == 0) m.dense_intermediate_size = 0;
   return m;
 }
 

@@ -81,7 +81,9 @@ void check_moe_layer_pattern(const ModelSpec& m, Sink& sink) {
       return "= " + str(m.moe_layer_offset) + " must lie in [0, moe_layer_step = " + str(m.moe_layer_step) + ")";
     });
   else if (!m.dense() && m.moe_layers() == 0)
-    sink(Rule::kMoeLayerPattern, "first_dense_layers", [&] {
+    sink(Rule::kMoeLayerPattern, m.first_dense_layers > 0 ? "first_dense_layers" : "moe_layer_step", [&] {
+      if (m.first_dense_layers == 0)
+        return "= " + str(m.moe_layer_step) + " leaves no MoE block among num_layers = " + str(m.num_layers);
       return "= " + str(m.first_dense_layers) + " with moe_layer_step = " + str(m.moe_layer_step) +
              " leaves no MoE block among num_layers = " + str(m.num_layers);
     });
@@ -119,6 +121,10 @@ void check_latent_attention(const ModelSpec& m, Sink& sink) {
     sink(Rule::kLatentAttentionShape, "num_key_value_heads", [&] {
       return "= " + str(m.num_key_value_heads) + ": latent attention makes a key and a value for every head "
              "(num_attention_heads = " + str(m.num_attention_heads) + ")";
+    });
+  else if (m.qk_norm || m.qkv_bias)
+    sink(Rule::kLatentAttentionShape, m.qk_norm ? "qk_norm" : "qkv_bias", [&] {
+      return std::string("= true with latent attention, which norms its latents and has no projection biases");
     });
 }
 

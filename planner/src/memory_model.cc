@@ -129,8 +129,10 @@ ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, in
   const ParamCounts c = count_parameters(model);
   t = std::max<int64_t>(1, t);
   const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, t);
-  const int64_t dense_per_layer = ceil_div(c.dense_per_layer(), t);
-  const int64_t dense_block = ceil_div(c.dense_block(), t);
+  // Latent attention's down projections are whole on every tensor-parallel rank.
+  const int64_t whole = c.tensor_replicated_per_layer;
+  const int64_t dense_per_layer = ceil_div(c.dense_per_layer() - whole, t) + whole;
+  const int64_t dense_block = ceil_div(c.dense_block() - whole, t) + whole;
   const int64_t moe_layers = blocks.moe_layers, dense_layers = blocks.layers - blocks.moe_layers;
   const int64_t embedding = ceil_div(c.embedding, t);
   const int64_t head = ceil_div(c.final_norm + c.lm_head, t);

@@ -15,7 +15,7 @@ bool op_times_apply(const RunConfig& c) {
   const ModelSpec& m = c.model;
   // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks or
   // latent attention.
-  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && !m.has_dense_layers() && !m.mla() &&
+  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && m.dense_intermediate_size == 0 && !m.mla() &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
@@ -147,7 +147,7 @@ KernelCosts kernel_costs(const RunConfig& c) {
       const std::array<double, 3> by_class = l->seconds_by_class();
       for (size_t i = 0; i < 3; ++i) o.head_by_class[i] += by_class[i];
     }
-    if (m.has_dense_layers()) add_dense_blocks(c, o);
+    if (m.dense_intermediate_size > 0) add_dense_blocks(c, o);  // on this stage or another
   } else {
     o.moe_forward_s = moe_forward_seconds(c, 1.0);
     o.moe_forward_busiest_s = moe_forward_seconds(c, busiest_load);
@@ -260,25 +260,35 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   // it over the node's fabric (Narayanan et al. 2021, section 4.1, scatter/gather optimisation);
   // with sequence parallelism the activation is split that way already.
   o.stage_send_bytes = tokens / tp * h * a;
-  o.unit_bytes = (static_cast<double>(params.dense_per_layer()) +
-                  static_cast<double>(m.num_experts * params.expert) / e) / tp * a;
-  o.dense_block_bytes = static_cast<double>(params.dense_block()) / tp * a;
+  // A block's non-expert parameters on one tensor-parallel rank (latent attention's down
+  // projections whole on each).
+  const double block_dense = params.tensor_share(static_cast<double>(params.dense_per_layer()), 1, tp);
+  const double dense_block = params.tensor_share(static_cast<double>(params.dense_block()), 1, tp);
+  const double block_whole = static_cast<double>(params.tensor_replicated_per_layer);
+  o.unit_bytes = (static_cast<double>(params.dense_per_layer()) - block_whole +
+                  static_cast<double>(m.num_experts * params.expert) / e) / tp * a + block_whole * a;
+  o.dense_block_bytes = dense_block * a;
   auto gathered = [&](double numel) { return std::ceil(numel / tp / s) * s * a; };
-  o.dense_block_unit_bytes = gathered(static_cast<double>(params.dense_block()));
-  o.dense_unit_bytes = gathered(static_cast<double>(params.dense_per_layer()));
+  auto gathered_share = [&](double share) { return std::ceil(share / s) * s * a; };
+  o.dense_block_unit_bytes = gathered_share(dense_block);
+  o.dense_unit_bytes = gathered_share(block_dense);
   o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
   o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head));
   o.offload_bytes = tokens / sp * h * a;  // the block input
   if (p.activation_checkpointing == Checkpointing::kSelective)
     o.offload_bytes += tokens * (3.0 * h / sp + (2.0 * q_width + 2.0 * kv_width) / tp) * a;
-  o.dense_shard_bytes = static_cast<double>(params.dense()) / tp / s * a;
+  const double layers = static_cast<double>(params.num_layers);
+  const double dense_share = params.tensor_share(static_cast<double>(params.dense()), layers, tp);
+  o.dense_shard_bytes = dense_share / s * a;
   o.expert_shard_bytes = static_cast<double>(params.experts()) / e / tp / s * a;
 
   // AdamW over the rank's shard (the distributed optimizer divides it over the data-parallel
   // ranks that hold the same parameters).
+  const double model_whole = layers * block_whole;
   double shard_params =
-      (static_cast<double>(params.dense()) / s + static_cast<double>(params.experts()) / e / s) / tp;
+      ((static_cast<double>(params.dense()) - model_whole) / s + static_cast<double>(params.experts()) / e / s) / tp +
+      model_whole / s;
   if (p.distributed_optimizer) shard_params /= static_cast<double>(std::max<int64_t>(1, p.replica_degree()));
   o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
                              : optimizer_kernels(c, shard_params).seconds();

@@ -112,7 +112,8 @@ TEST(ModelSpec, StagesCountTheirMoeBlocks) {
   EXPECT_EQ(first.num_layers, 8);
   EXPECT_EQ(first.first_dense_layers, 3);
   EXPECT_EQ(first.moe_layers(), 5);
-  EXPECT_EQ(stage_blocks(m, p, 3).dense_intermediate_size, 0);  // no dense block there
+  EXPECT_EQ(stage_blocks(m, p, 3).first_dense_layers, 0);  // no dense block there,
+  EXPECT_EQ(stage_blocks(m, p, 3).dense_intermediate_size, 14336);  // but the width to price others'
   p.virtual_pipeline_degree = 2;  // chunks of 4 blocks: stage 0 holds blocks 0-3 and 16-19
   EXPECT_EQ(stage_block_counts(m, p, 0).moe_layers, 5);
   m.first_dense_layers = 0;

@@ -79,6 +79,16 @@ const RuleCase kCases[] = {
      },
      Rule::kLatentAttentionShape, "model.num_key_value_heads",
      "= 8: latent attention makes a key and a value for every head (num_attention_heads = 32)", "= 8"},
+    {"LatentAttentionWithQkNorms",
+     [](Scenario& s) {
+       s.model.num_key_value_heads = 32;
+       s.model.kv_lora_rank = 512;
+       s.model.qk_rope_head_dim = 64;
+       s.model.v_head_dim = 128;
+       s.model.qk_norm = true;
+     },
+     Rule::kLatentAttentionShape, "model.qk_norm",
+     "= true with latent attention, which norms its latents and has no projection biases", "= true"},
     {"RouterGroupsSplitAnExpert", [](Scenario& s) { s.model.router_groups = 3; },
      Rule::kRouterGroups, "model.router_groups", "= 3 does not divide num_experts = 8", "= 3"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },

@@ -156,6 +156,13 @@ TEST(MemoryModel, LatentAttentionKeepsItsLatentsAndEveryHeadsKeysAndValues) {
   EXPECT_EQ(b.attention, 4096 * (2 * 7168 * 2 + (128 * 192 * 2 + 128 * 128) * 2 + 128 * 128 * 2 +
                                  1536 * 4 + 576 * 2 + 512 * 2 + 128 * 4));
   EXPECT_EQ(b.attention, 4096 * 201'344);
+  // Its down projections and latent norms are whole on every tensor-parallel rank: one MoE
+  // block at T = 2 holds half of the rest and one expert's half (E = 256).
+  const ParamCounts p = count_parameters(m);
+  const int64_t whole = 7168 * (1536 + 512 + 64) + 1536 + 512;
+  EXPECT_EQ(p.tensor_replicated_per_layer, whole);
+  const ShardSizes one = stage_shard_sizes(m, {1, 1}, 256, 1, 2, 1, false);
+  EXPECT_EQ(one.local_params, (p.dense_per_layer() - whole + 1) / 2 + whole + p.expert / 2);
 }
 
 // Dense blocks among MoE blocks hold no experts: Mixtral with its first 8 blocks dense (width

@@ -935,6 +935,9 @@ TEST(DenseBlocks, PipelineStagesScaleByTheirBlocksCompute) {
   EXPECT_EQ(stage.first_dense_layers, 0);  // the last stage holds MoE blocks only
   const OpCosts o = op_costs({stage, c.cluster, c.parallel, c.moe, c.training});
   EXPECT_DOUBLE_EQ(o.moe_forward_busiest_s, last.moe_forward_busiest_s);
+  // The last stage has no dense block, but prices one for the first stage's.
+  EXPECT_GT(o.dense_forward_s, 0);
+  EXPECT_GT(o.dense_backward_s, o.dense_forward_s);
   const double dense_stage = stage_weight(o, c.parallel, stage_block_counts(c.model, c.parallel, 0));
   const double moe_stage = stage_weight(o, c.parallel, stage_block_counts(c.model, c.parallel, 3));
   EXPECT_LT(dense_stage, 0.7 * moe_stage);

@@ -1,6 +1,7 @@
 #pragma once
 // The model being trained: a Mixtral-style decoder (Hugging Face MixtralConfig semantics).
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -105,11 +106,13 @@ struct ModelSpec {
   // Whether block i has routed experts (every block of a dense model counts as one: its
   // feed-forward layer is its one expert).
   bool moe_layer(int64_t i) const {
-    return dense() || (i >= first_dense_layers && (i + moe_layer_offset) % moe_layer_step == 0);
+    return dense() || (i >= first_dense_layers && (i + moe_layer_offset) % std::max<int64_t>(1, moe_layer_step) == 0);
   }
   // Blocks with routed experts among blocks [begin, end).
   int64_t moe_layers_in(int64_t begin, int64_t end) const;
-  int64_t moe_layers() const { return moe_layers_in(0, num_layers); }
+  int64_t moe_layers() const {
+    return first_dense_layers == 0 && moe_layer_step == 1 ? num_layers : moe_layers_in(0, num_layers);
+  }
   bool has_dense_layers() const { return moe_layers() < num_layers; }
 
   bool operator==(const ModelSpec&) const = default;
@@ -128,6 +131,9 @@ struct ParamCounts {
   int64_t shared_expert_per_layer = 0;  // the shared experts' matrices and their gate
   int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)
   int64_t dense_mlp_per_layer = 0;  // the feed-forward layer of a dense block among MoE blocks
+  // Of attention's, what every tensor-parallel rank holds whole: latent attention's down
+  // projections and its latents' norms (0 without latent attention).
+  int64_t tensor_replicated_per_layer = 0;
   int64_t num_layers = 0;
   int64_t moe_layers = 0;           // blocks with routed experts (all of them by default)
   int64_t num_experts = 0;
@@ -143,6 +149,12 @@ struct ParamCounts {
     return embedding + lm_head + final_norm + moe_layers * dense_per_layer() + dense_layers() * dense_block();
   }
   int64_t experts() const { return moe_layers * num_experts * expert; }
+  // A rank's share of `params` (non-expert parameters of `layers` blocks, or of the model) under
+  // a tensor split of `t`: 1/t of what the split divides, and the replicated part whole.
+  double tensor_share(double params, double layers, double t) const {
+    const double whole = layers * static_cast<double>(tensor_replicated_per_layer);
+    return (params - whole) / t + whole;
+  }
   int64_t total() const { return dense() + experts(); }
   // Parameters that one token passes through (top-k experts per MoE block).
   int64_t active() const { return dense() + moe_layers * experts_per_token * expert; }

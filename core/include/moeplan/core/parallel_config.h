@@ -182,7 +182,9 @@ struct StageBlockCounts {
 };
 StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig& p, int64_t stage);
 // The stage's blocks as a model of their own, its dense blocks (ModelSpec::first_dense_layers)
-// first: the order of a stage's blocks changes neither its memory nor the sum of its times.
+// first: the order of a stage's blocks changes neither its memory nor the sum of its times. It
+// keeps the model's dense_intermediate_size, so that the other stages' dense blocks can be
+// priced from it.
 ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t stage);
 
 ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d);

@@ -49,7 +49,8 @@ struct KernelCosts {
   std::array<double, 3> block_by_class{}, head_by_class{};
   // A dense block among MoE blocks (ModelSpec::first_dense_layers of the stage): its
   // feed-forward layer over every token, forward and backward, the weight gradient of its first
-  // GEMM, and the whole block by kernel class; 0 where the stage has none.
+  // GEMM, and the whole block by kernel class; 0 where the model has none (a stage without them
+  // still prices them for the stages that have them).
   double dense_forward_s = 0, dense_backward_s = 0, dense_flops = 0, tensor_dense_overlap_s = 0;
   std::array<double, 3> dense_block_by_class{};
 };
