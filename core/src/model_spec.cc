@@ -230,8 +230,9 @@ std::string_view hf_field(HfType type, std::string_view ours) {
 }
 
 // What Qwen2-MoE and Qwen3-MoE configs say beyond the common fields: fine-grained routed
-// experts (moe_intermediate_size; intermediate_size is the width of dense layers, which these
-// readers refuse), Qwen2-MoE's gated shared expert and q/k/v biases, Qwen3's q/k norms.
+// experts (moe_intermediate_size; intermediate_size is the width of the dense blocks that
+// decoder_sparse_step places), Qwen2-MoE's gated shared expert and q/k/v biases, Qwen3's q/k
+// norms.
 void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
   Diagnostics& d = r.diagnostics();
   m.num_experts = r.integer("num_experts", 1, kMaxExperts, qwen3 ? 128 : 60);

@@ -32,9 +32,11 @@ struct Stage {
   const LayoutShapes& shapes;
   const OpCosts& o;
   CostModel cost;
-  double layers;
-  double moe_layers;    // of them, blocks with routed experts
-  double dense_layers;  // and dense blocks among them
+  StageBlockCounts blocks;
+
+  double layers() const { return static_cast<double>(blocks.layers); }
+  double moe_layers() const { return static_cast<double>(blocks.moe_layers); }      // with routed experts
+  double dense_layers() const { return static_cast<double>(blocks.layers - blocks.moe_layers); }
 
   double region(double bytes, const GroupShape& g, bool backward = false) const {
     return region_seconds(cost, o, c.parallel, bytes, g, backward);
@@ -62,18 +64,9 @@ struct StageTimes {
 
 // The busiest expert's rank sets the pace of every block.
 void add_compute(const Stage& s, StageTimes& t) {
-  const ParallelConfig& p = s.c.parallel;
-  const OpCosts& o = s.o;
-  const double layers = s.layers;
-  const double moe = s.moe_layers, dense = s.dense_layers;
-  t.compute = layers * (o.attention_forward_s + o.attention_backward_s) +
-              moe * (o.moe_forward_busiest_s + o.moe_backward_busiest_s) +
-              dense * (o.dense_forward_s + o.dense_backward_s) + o.head_s;
-  if (p.activation_checkpointing == Checkpointing::kFull)
-    t.recompute = layers * o.attention_forward_s + moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
-  if (p.activation_checkpointing == Checkpointing::kSelective)
-    t.recompute = moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
-  if (p.activation_checkpointing == Checkpointing::kAttentionCore) t.recompute = layers * o.core_forward_s;
+  const StageCompute work = stage_compute(s.o, s.c.parallel, s.blocks);
+  t.compute = work.forward + work.backward + s.o.head_s;
+  t.recompute = work.recompute;
 }
 
 // Token dispatch: forward and backward each dispatch and combine once per layer; a
@@ -83,7 +76,7 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   const ParallelConfig& p = c.parallel;
   const OpCosts& o = s.o;
   const CostModel& cost = s.cost;
-  const double layers = s.moe_layers;  // dense blocks exchange nothing
+  const double layers = s.moe_layers();  // dense blocks exchange nothing
   if (p.expert_parallel_degree <= 1) return;
   double per_exchange;
   if (c.moe.dispatcher == Dispatcher::kAllToAll) {
@@ -148,7 +141,7 @@ void add_tensor_collectives(const Stage& s, StageTimes& t) {
     return per_block(alone, ffn, overlap) - std::max(0.0, s.region(o.tensor_bytes, alone, true) - o.tensor_overlap_s) -
            std::max(0.0, s.region(ffn, alone, true) - overlap);
   };
-  const double moe = s.moe_layers, dense = s.dense_layers;
+  const double moe = s.moe_layers(), dense = s.dense_layers();
   t.tensor_comm = moe * per_block(s.shapes.tensor, o.tensor_moe_bytes, o.tensor_moe_overlap_s);
   t.beside_compute += moe * beside(o.tensor_moe_bytes, o.tensor_moe_overlap_s);
   t.tensor_chain_min = moe * chain_min(o.tensor_moe_bytes, o.tensor_moe_overlap_s);
@@ -164,7 +157,7 @@ void add_tensor_collectives(const Stage& s, StageTimes& t) {
 void add_sharded_states(const Stage& s, StageTimes& t) {
   const OpCosts& o = s.o;
   const CostModel& cost = s.cost;
-  const double layers = s.layers;
+  const double layers = s.layers();
   if (s.c.parallel.hybrid_shard_degree <= 1) return;
   const double per_block_compute = (t.compute + t.recompute - o.head_s) / layers;
   GroupShape alone = s.shapes.shard;
@@ -185,14 +178,14 @@ void add_sharded_states(const Stage& s, StageTimes& t) {
     t.gather_stream_min += 2.0 * blocks * cost.all_gather_seconds(unit_bytes, alone);
     t.nic_bytes += 3.0 * blocks * g.nic_bytes_per_node * static_cast<double>(s.shapes.shard.groups_per_node);
   };
-  add_blocks(s.moe_layers, o.unit_bytes);
-  add_blocks(s.dense_layers, o.dense_block_bytes);
+  add_blocks(s.moe_layers(), o.unit_bytes);
+  add_blocks(s.dense_layers(), o.dense_block_bytes);
 }
 
 // Activation offload: every stored block activation goes to the host and comes back.
 void add_activation_offload(const Stage& s, StageTimes& t) {
   if (!s.c.parallel.activation_offloading) return;
-  const double copies = 2.0 * s.layers * s.cost.pcie_seconds(s.o.offload_bytes);
+  const double copies = 2.0 * s.layers() * s.cost.pcie_seconds(s.o.offload_bytes);
   t.offload_exposed = std::max(0.0, copies - (t.compute + t.recompute));
 }
 
@@ -213,7 +206,7 @@ void add_gradient_sync(const Stage& s, StageTimes& t) {
   // On GPUs the sync runs behind the last micro-batch's backward, block by block, where the
   // framework starts it there.
   if (s.c.cluster.gradient_sync_overlaps_backward())
-    t.grad_sync = std::max(t.full_sync / s.layers, t.full_sync - (t.compute + t.recompute) * 2.0 / 3.0);
+    t.grad_sync = std::max(t.full_sync / s.layers(), t.full_sync - (t.compute + t.recompute) * 2.0 / 3.0);
 }
 
 // The step: every micro-batch's parts, the sync and the optimizer, and the busiest resource's
@@ -245,9 +238,7 @@ StepEstimate step_of_stage(const Stage& s, const StageTimes& t) {
 }
 
 StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, const OpCosts& o) {
-  const double moe = static_cast<double>(c.model.moe_layers());
-  const double layers = static_cast<double>(c.model.num_layers);
-  const Stage stage{c, shapes, o, CostModel(c.cluster), layers, moe, layers - moe};
+  const Stage stage{c, shapes, o, CostModel(c.cluster), {c.model.num_layers, c.model.moe_layers()}};
   StageTimes t;
   add_compute(stage, t);
   add_expert_exchange(stage, t);

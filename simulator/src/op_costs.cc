@@ -55,17 +55,19 @@ ModelSpec stage_model(const RunConfig& c) {
   return stage_blocks(c.model, c.parallel, std::max<int64_t>(1, c.parallel.pipeline_parallel_degree) - 1);
 }
 
-double stage_weight(const OpCosts& o, const ParallelConfig& p, StageBlockCounts blocks) {
+StageCompute stage_compute(const OpCosts& o, const ParallelConfig& p, StageBlockCounts blocks) {
   const double moe = static_cast<double>(blocks.moe_layers);
   const double dense = static_cast<double>(blocks.layers - blocks.moe_layers);
   const double layers = static_cast<double>(blocks.layers);
-  double w = layers * (o.attention_forward_s + o.attention_backward_s) +
-             moe * (o.moe_forward_busiest_s + o.moe_backward_busiest_s) + dense * (o.dense_forward_s + o.dense_backward_s);
-  if (p.activation_checkpointing == Checkpointing::kFull)
-    w += layers * o.attention_forward_s + moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
-  if (p.activation_checkpointing == Checkpointing::kSelective) w += moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
-  if (p.activation_checkpointing == Checkpointing::kAttentionCore) w += layers * o.core_forward_s;
-  return w;
+  // Each sub-block's feed-forward part: the experts on the busiest rank, or a dense block's.
+  const double ffn_forward = moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
+  StageCompute out;
+  out.forward = layers * o.attention_forward_s + ffn_forward;
+  out.backward = layers * o.attention_backward_s + moe * o.moe_backward_busiest_s + dense * o.dense_backward_s;
+  if (p.activation_checkpointing == Checkpointing::kFull) out.recompute = out.forward;
+  if (p.activation_checkpointing == Checkpointing::kSelective) out.recompute = ffn_forward;
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore) out.recompute = layers * o.core_forward_s;
+  return out;
 }
 
 namespace {

@@ -677,13 +677,9 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.target};
   StepSimulation sim = simulate_stage(stage, options);
   const OpCosts o = op_costs(stage);
-  const StageBlockCounts last_blocks{blocks.num_layers, blocks.moe_layers()};
-  const double layers = static_cast<double>(blocks.num_layers);
-  const double moe = static_cast<double>(last_blocks.moe_layers), dense = layers - moe;
-  const double forward =
-      layers * o.attention_forward_s + moe * o.moe_forward_busiest_s + dense * o.dense_forward_s;
-  const double whole = stage_weight(o, p, last_blocks);
-  const double forward_share = whole > 0 ? forward / whole : 1.0 / 3.0;
+  const StageCompute work = stage_compute(o, p, {blocks.num_layers, blocks.moe_layers()});
+  const double whole = work.total();
+  const double forward_share = whole > 0 ? work.forward / whole : 1.0 / 3.0;
   // The simulated stage is the last; the others take its time without the head in the ratio
   // of their blocks' compute to its (their blocks, with dense blocks among MoE blocks apart).
   const double last = sim.micro_batch_s;

@@ -72,7 +72,8 @@ void layout_args(const Plan& plan, Args& a) {
     if (plan.model.has_dense_layers()) {
       // Which blocks have experts, block by block (1) or are dense (0).
       std::string pattern = "[";
-      for (int64_t i = 0; i < plan.model.num_layers; ++i) pattern += (i > 0 ? "," : "") + std::string(plan.model.moe_layer(i) ? "1" : "0");
+      for (int64_t i = 0; i < plan.model.num_layers; ++i)
+        pattern += std::string(i > 0 ? "," : "") + (plan.model.moe_layer(i) ? "1" : "0");
       a.push_back({"--moe-layer-freq", pattern + "]"});
       a.push_back({"--moe-ffn-hidden-size", std::to_string(plan.model.intermediate_size)});
     }

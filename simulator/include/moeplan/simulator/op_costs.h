@@ -97,9 +97,17 @@ class KernelCostCache {
 // dense blocks first); the step simulator and the estimate also give it the head, and scale
 // the other stages by their blocks' compute (stage_weight).
 ModelSpec stage_model(const RunConfig& config);
-// The compute of `blocks` (forward, backward and what checkpointing recomputes), on the busiest
-// rank: what the pipeline's stages are scaled by.
-double stage_weight(const OpCosts& costs, const ParallelConfig& parallel, StageBlockCounts blocks);
+// The compute of one micro-batch through `blocks` on the busiest rank (no head): forward,
+// backward, and what checkpointing recomputes.
+struct StageCompute {
+  double forward = 0, backward = 0, recompute = 0;
+  double total() const { return forward + backward + recompute; }
+};
+StageCompute stage_compute(const OpCosts& costs, const ParallelConfig& parallel, StageBlockCounts blocks);
+// Its total: what the pipeline's stages are scaled by.
+inline double stage_weight(const OpCosts& costs, const ParallelConfig& parallel, StageBlockCounts blocks) {
+  return stage_compute(costs, parallel, blocks).total();
+}
 
 // Router and experts forward of one micro-batch on a rank whose experts get `load` times the
 // mean share of routed tokens.
