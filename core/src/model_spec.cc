@@ -72,8 +72,11 @@ ParamCounts count_parameters(const ModelSpec& m) {
       m.mlp_matrices() * m.hidden_size * m.shared_expert_intermediate_size + (m.shared_expert_gate ? m.hidden_size : 0);
   p.expert = m.mlp_matrices() * m.hidden_size * m.intermediate_size;
   p.dense_mlp_per_layer = m.mlp_matrices() * m.hidden_size * m.dense_intermediate_size;
-  p.num_layers = m.num_layers;
-  p.moe_layers = m.moe_layers();
+  // Each multi-token prediction module: the 2h -> h projection, the norms of its two inputs
+  // and its final norm.
+  p.mtp_projection = m.mtp_layers * (2 * m.hidden_size * m.hidden_size + 3 * m.hidden_size);
+  p.num_layers = m.blocks();
+  p.moe_layers = m.moe_blocks();
   p.num_experts = m.num_experts;
   p.experts_per_token = m.experts_per_token;
   return p;
@@ -82,14 +85,16 @@ ParamCounts count_parameters(const ModelSpec& m) {
 double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
   const ParamCounts p = count_parameters(m);
   const double h = static_cast<double>(m.hidden_size);
-  const double layers = static_cast<double>(m.num_layers);
-  // Matrix multiplies: 2 FLOPs per weight a token touches (embedding lookup is not a GEMM).
+  const double layers = static_cast<double>(m.blocks());
+  // Matrix multiplies: 2 FLOPs per weight a token touches (embedding lookup is not a GEMM);
+  // each multi-token prediction module adds its projection and a pass through the lm head.
   const double weights =
       static_cast<double>(p.attention_per_layer) * layers +
       static_cast<double>(p.router_per_layer + p.shared_expert_per_layer + m.experts_per_token * p.expert) *
           static_cast<double>(p.moe_layers) +
       static_cast<double>(p.dense_mlp_per_layer) * static_cast<double>(p.dense_layers()) +
-      static_cast<double>(m.vocab_size) * h;
+      static_cast<double>(m.vocab_size) * h * static_cast<double>(1 + m.mtp_layers) +
+      static_cast<double>(m.mtp_layers) * 2.0 * h * h;
   // Scores and weighted sum: 2 GEMMs of (seq x head_dim x context) per head; causal masking
   // halves the average context. A sliding window caps it.
   double context = static_cast<double>(seq_len) / 2.0;
@@ -164,6 +169,7 @@ ModelSpec read_model(ObjectReader& r) {
   m.q_lora_rank = r.integer("q_lora_rank", 0, kMaxDim, 0);
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 0, kMaxDim, 0);
   m.v_head_dim = r.integer("v_head_dim", 0, kMaxDim, 0);
+  m.mtp_layers = r.integer("mtp_layers", 0, kMaxLayers, 0);
   check_shared_experts(m, r, "shared_expert_intermediate_size", "shared_expert_gate");
   return m;
 }
@@ -226,6 +232,7 @@ std::string_view hf_field(HfType type, std::string_view ours) {
   if ((ours == "moe_layer_step" || ours == "moe_layer_offset") && qwen) return "decoder_sparse_step";
   if ((ours == "moe_layer_step" || ours == "moe_layer_offset") && deepseek) return "moe_layer_freq";
   if (ours == "first_dense_layers" && deepseek) return "first_k_dense_replace";
+  if (ours == "mtp_layers" && deepseek) return "num_nextn_predict_layers";
   return ours;
 }
 
@@ -275,7 +282,8 @@ void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
 // n_shared_experts shared experts of the same width beside them, the first
 // first_k_dense_replace blocks dense (intermediate_size), then every moe_layer_freq-th block
 // counted from block 0 with experts. DeepSeekMoE has multi-head attention; V2 and V3 latent
-// attention, group-limited routing, and V3 sigmoid scores with a balancing bias.
+// attention, group-limited routing, and V3 sigmoid scores with a balancing bias and
+// multi-token prediction (num_nextn_predict_layers).
 void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   Diagnostics& d = r.diagnostics();
   const bool v1 = type == HfType::kDeepseek, v3 = type == HfType::kDeepseekV3;
@@ -328,10 +336,7 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 1, kMaxDim, 64);
   m.head_dim = r.integer("qk_nope_head_dim", 1, kMaxDim, 128) + m.qk_rope_head_dim;
   m.v_head_dim = r.integer("v_head_dim", 1, kMaxDim, 128);
-  if (const int64_t mtp = r.integer("num_nextn_predict_layers", 0, kMaxLayers, v3 ? 1 : 0); mtp > 0)
-    d.error("num_nextn_predict_layers", "= " + std::to_string(mtp) +
-                                            ": multi-token prediction layers are not modelled yet (0 plans the model "
-                                            "without them)");
+  m.mtp_layers = r.integer("num_nextn_predict_layers", 0, kMaxLayers, v3 ? 1 : 0);
 }
 
 }  // namespace
@@ -462,7 +467,8 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
                                    {"first_dense_layers", m.has_dense_layers()},
                                    {"kv_lora_rank", m.mla()},
                                    {"router_scoring", m.router_scoring != RouterScoring::kSoftmax},
-                                   {"router_groups", m.router_groups > 1}})
+                                   {"router_groups", m.router_groups > 1},
+                                   {"mtp_layers", m.mtp_layers > 0}})
     if (has) throw InputError(m.name, {{field, "a Mixtral config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
@@ -503,6 +509,7 @@ Json to_json(const ModelSpec& m) {
                                      {"qk_rope_head_dim", m.qk_rope_head_dim},
                                      {"v_head_dim", m.v_head_dim}})
     if (value > 0) j[field] = value;
+  if (m.mtp_layers > 0) j["mtp_layers"] = m.mtp_layers;
   return j;
 }
 

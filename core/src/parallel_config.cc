@@ -256,7 +256,9 @@ int64_t stage_layers(int64_t num_layers, const ParallelConfig& p, int64_t stage)
   return middle > 0 ? rest / middle : 0;
 }
 
-StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig& p, int64_t stage) {
+namespace {
+// The decoder's blocks on a stage (no multi-token prediction blocks).
+StageBlockCounts decoder_block_counts(const ModelSpec& model, const ParallelConfig& p, int64_t stage) {
   const int64_t stages = std::max<int64_t>(1, p.pipeline_parallel_degree);
   const int64_t chunks = std::max<int64_t>(1, p.virtual_pipeline_degree);
   const bool uneven = p.first_stage_layers > 0 || p.last_stage_layers > 0;
@@ -285,10 +287,25 @@ StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig
   return out;
 }
 
+bool last_stage(const ParallelConfig& p, int64_t stage) {
+  return stage == std::max<int64_t>(1, p.pipeline_parallel_degree) - 1;
+}
+}  // namespace
+
+StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig& p, int64_t stage) {
+  StageBlockCounts out = decoder_block_counts(model, p, stage);
+  if (last_stage(p, stage)) {  // multi-token prediction blocks (MoE blocks, rule moe_layer_pattern)
+    out.layers += model.mtp_layers;
+    out.moe_layers += model.mtp_layers;
+  }
+  return out;
+}
+
 ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t stage) {
-  const StageBlockCounts counts = stage_block_counts(model, p, stage);
+  const StageBlockCounts counts = decoder_block_counts(model, p, stage);
   ModelSpec m = model;
   m.num_layers = counts.layers;
+  if (!last_stage(p, stage)) m.mtp_layers = 0;
   if (model.dense()) return m;
   m.first_dense_layers = counts.layers - counts.moe_layers;
   m.moe_layer_step = 1;

@@ -66,8 +66,9 @@ struct MessageSink {
   RuleSink for_target(std::span<const std::string_view> names) { return RuleSink(out, names); }
 };
 
-// Dense blocks among MoE blocks: a pattern that leaves at least one MoE block, and the dense
-// blocks' width exactly where there are dense blocks.
+// Dense blocks among MoE blocks: a pattern that leaves at least one MoE block, the dense
+// blocks' width exactly where there are dense blocks, and multi-token prediction blocks (of
+// the last block's kind) after an MoE block.
 template <class Sink>
 void check_moe_layer_pattern(const ModelSpec& m, Sink& sink) {
   const bool patterned = m.first_dense_layers > 0 || m.moe_layer_step > 1 || m.moe_layer_offset > 0;
@@ -86,6 +87,11 @@ void check_moe_layer_pattern(const ModelSpec& m, Sink& sink) {
         return "= " + str(m.moe_layer_step) + " leaves no MoE block among num_layers = " + str(m.num_layers);
       return "= " + str(m.first_dense_layers) + " with moe_layer_step = " + str(m.moe_layer_step) +
              " leaves no MoE block among num_layers = " + str(m.num_layers);
+    });
+  else if (m.mtp_layers > 0 && !m.moe_layer(m.num_layers - 1))
+    sink(Rule::kMoeLayerPattern, "mtp_layers", [&] {
+      return "= " + str(m.mtp_layers) + " after a dense last block: a multi-token prediction block is of the last "
+             "block's kind, and only MoE ones are modelled";
     });
   else if (m.has_dense_layers() != (m.dense_intermediate_size > 0))
     sink(Rule::kMoeLayerPattern, "dense_intermediate_size", [&] {

@@ -135,7 +135,10 @@ ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, in
   const int64_t dense_block = ceil_div(c.dense_block() - whole, t) + whole;
   const int64_t moe_layers = blocks.moe_layers, dense_layers = blocks.layers - blocks.moe_layers;
   const int64_t embedding = ceil_div(c.embedding, t);
-  const int64_t head = ceil_div(c.final_norm + c.lm_head, t);
+  // The last stage's: the final norm, the lm head and multi-token prediction's projections, and
+  // under a pipeline the embedding again when multi-token prediction looks tokens up there.
+  const int64_t head = ceil_div(c.final_norm + c.lm_head + c.mtp_projection, t) +
+                       (p > 1 && model.mtp_layers > 0 ? embedding : 0);
   // The first stage holds the embedding, the last the head; with one stage, both.
   const int64_t ends = !with_ends ? 0 : p > 1 ? std::max(embedding, head) : embedding + head;
   ShardSizes out;
@@ -325,7 +328,13 @@ int64_t logits_bytes(const RunConfig& c, int64_t tokens, int64_t a, const Memory
   // The vocabulary is split over the tensor-parallel ranks (padded to a multiple of T).
   const double vocab_share =
       static_cast<double>(ceil_div(c.model.vocab_size, std::max<int64_t>(1, c.parallel.tensor_parallel_degree)));
-  const int64_t loss_bytes = to_bytes(static_cast<double>(tokens) * vocab_share * static_cast<double>(a + kBytesFp32));
+  // Each multi-token prediction module's loss keeps its own logits until the backward pass
+  // reaches it, and its projection its joined input (2 x hidden, split like the block inputs).
+  const double losses = static_cast<double>(1 + c.model.mtp_layers);
+  const double mtp_inputs = static_cast<double>(c.model.mtp_layers) * 2.0 * static_cast<double>(c.model.hidden_size) /
+                            sequence_share(c.parallel) * static_cast<double>(a);
+  const int64_t loss_bytes = to_bytes(static_cast<double>(tokens) *
+                                      (losses * vocab_share * static_cast<double>(a + kBytesFp32) + mtp_inputs));
   const int64_t block_backward =
       out.activation_working_set + out.gathered_parameters + out.gradient_buffers + out.moe_dispatch_buffers;
   return std::max<int64_t>(0, loss_bytes - block_backward);

@@ -238,7 +238,7 @@ StepEstimate step_of_stage(const Stage& s, const StageTimes& t) {
 }
 
 StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, const OpCosts& o) {
-  const Stage stage{c, shapes, o, CostModel(c.cluster), {c.model.num_layers, c.model.moe_layers()}};
+  const Stage stage{c, shapes, o, CostModel(c.cluster), {c.model.blocks(), c.model.moe_blocks()}};
   StageTimes t;
   add_compute(stage, t);
   add_expert_exchange(stage, t);
@@ -275,7 +275,7 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes, Kerne
   const double send = CostModel(c.cluster).send_seconds(o.stage_send_bytes, shapes.pipeline);
   const double chunks = static_cast<double>(std::max<int64_t>(1, p.virtual_pipeline_degree));
   // The other stages: the last's time without the head in the ratio of their blocks' compute.
-  const double last_weight = stage_weight(o, p, {blocks.num_layers, blocks.moe_layers()});
+  const double last_weight = stage_weight(o, p, {blocks.blocks(), blocks.moe_blocks()});
   const double per_weight = std::max(0.0, per_micro_batch - o.head_s) / (last_weight > 0 ? last_weight : 1.0);
   double slowest = per_micro_batch;
   for (int64_t i = 0; i + 1 < p.pipeline_parallel_degree; ++i)

@@ -462,29 +462,55 @@ class KernelListBuilder {
     return l;
   }
 
-  // Final norm, lm head, cross-entropy over the vocabulary (the rank's part of it), and the
-  // embedding lookup (its gradient accumulated into fp32).
+  // The embedding lookup (its gradient accumulated into fp32), then the final norm, lm head and
+  // cross-entropy over the vocabulary (the rank's part of it); and each multi-token prediction
+  // module's own (ModelSpec::mtp_layers; its block is priced with the others).
   KernelList head(bool backward) {
     KernelList l;
+    if (!backward) memory(l, "embedding", 2.0 * local_ * h_ * a_);
+    loss(l, backward);
+    if (m_.mtp_layers > 0) l.append(mtp_module(backward), static_cast<double>(m_.mtp_layers));
+    if (backward) memory(l, "embedding", local_ * h_ * (a_ + kBytesFp32));
+    return l;
+  }
+
+ private:
+  void loss(KernelList& l, bool backward) {
     const double logits = tokens_ * vocab_;
     if (!backward) {
-      memory(l, "embedding", 2.0 * local_ * h_ * a_);
       norm(l, "final_norm", local_, false);
       gemm(l, "lm_head", tokens_, vocab_, h_, false, plain_);
       // The loss reads the logits, keeps the fp32 softmax and reduces it: fused (Megatron's
       // vocabulary-parallel cross-entropy) in three passes, eager (a cast, log-softmax and
       // NLL) in four.
       memory(l, "cross_entropy", logits * (a_ + (fused_ ? 12.0 : 16.0)), fused_ ? 3 : 4);
-      return l;
+      return;
     }
     memory(l, "cross_entropy", logits * (a_ + (fused_ ? 4.0 : 20.0)), fused_ ? 1 : 3);
     gemm(l, "lm_head", tokens_, vocab_, h_, true, plain_);
     norm(l, "final_norm", local_, true);
-    memory(l, "embedding", local_ * h_ * (a_ + kBytesFp32));
+  }
+
+  // One multi-token prediction module beside its block (Megatron-Core's
+  // MultiTokenPredictionLayer): the embedding of the token it predicts, that and the previous
+  // depth's output each normed, the two joined and projected 2h -> h (its output columns split
+  // over the tensor-parallel ranks), and after the block a loss of its own.
+  KernelList mtp_module(bool backward) {
+    KernelList l;
+    if (!backward) {
+      memory(l, "mtp.embedding", 2.0 * local_ * h_ * a_);
+      norm(l, "mtp.norms", 2.0 * local_, false);
+      gemm(l, "mtp.eh_proj", tokens_, h_ / tp_, 2.0 * h_, false, linear_);
+      loss(l, false);
+      return l;
+    }
+    loss(l, true);
+    gemm(l, "mtp.eh_proj", tokens_, h_ / tp_, 2.0 * h_, true, linear_);
+    norm(l, "mtp.norms", 2.0 * local_, true);
+    memory(l, "mtp.embedding", local_ * h_ * (a_ + kBytesFp32));
     return l;
   }
 
- private:
   const RunConfig& c_;
   const ClusterSpec& hw_;
   const ModelSpec& m_;
@@ -514,6 +540,13 @@ MicroBatchKernels micro_batch_kernels(const RunConfig& c) {
   k.head_forward = b.head(false);
   k.head_backward = b.head(true);
   return k;
+}
+
+MicroBatchKernels dense_block_kernels(const RunConfig& c) {
+  const ModelSpec model = dense_block_model(c.model);
+  ParallelConfig parallel = c.parallel;
+  parallel.expert_parallel_degree = 1;
+  return micro_batch_kernels({model, c.cluster, parallel, c.moe, c.training, c.target});
 }
 
 KernelList moe_kernels(const RunConfig& c, double load, bool backward) { return KernelListBuilder(c).moe(load, backward); }

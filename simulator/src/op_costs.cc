@@ -75,10 +75,7 @@ namespace {
 // A dense block's feed-forward layer among MoE blocks: the MoE sub-block of the dense block's
 // own model (dense_block_model), every token on every rank (no expert split).
 void add_dense_blocks(const RunConfig& c, KernelCosts& o) {
-  const ModelSpec model = dense_block_model(c.model);
-  ParallelConfig parallel = c.parallel;
-  parallel.expert_parallel_degree = 1;
-  const MicroBatchKernels k = micro_batch_kernels({model, c.cluster, parallel, c.moe, c.training, c.target});
+  const MicroBatchKernels k = dense_block_kernels(c);
   o.dense_forward_s = k.moe_forward.seconds();
   o.dense_backward_s = k.moe_backward.seconds();
   o.dense_flops = k.moe_forward.flops();
@@ -211,8 +208,9 @@ OpCosts op_costs(const RunConfig& c) { return op_costs(c, kernel_costs(c)); }
 
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;
-  const std::array<int64_t, 6> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
-                                   p.expert_parallel_degree, c.model.num_layers, c.model.first_dense_layers};
+  const std::array<int64_t, 7> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
+                                   p.expert_parallel_degree, c.model.num_layers, c.model.first_dense_layers,
+                                   c.model.mtp_layers};
   auto it = costs_.find(key);
   if (it == costs_.end()) it = costs_.emplace(key, kernel_costs(c)).first;
   return it->second;
@@ -276,7 +274,7 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   o.dense_unit_bytes = gathered_share(block_dense);
   o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
-  o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head));
+  o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head + params.mtp_projection));
   o.offload_bytes = tokens / sp * h * a;  // the block input
   if (p.activation_checkpointing == Checkpointing::kSelective)
     o.offload_bytes += tokens * (3.0 * h / sp + (2.0 * q_width + 2.0 * kv_width) / tp) * a;

@@ -92,7 +92,7 @@ class Builder {
         shapes_(layout_shapes(c.cluster, c.parallel)),
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
-        layers_(static_cast<int>(c.model.num_layers)),
+        layers_(static_cast<int>(c.model.blocks())),
         overlap_sync_(c.cluster.gradient_sync_overlaps_backward()),
         grad_scale_(c.training.precision == Precision::kMixed && c.training.fp32_gradients ? 2.0 : 1.0) {
     for (int64_t rank : layout.ranks()) {
@@ -588,7 +588,11 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
                                                 : std::min<int64_t>(kSimulatedMicroBatches, p.gradient_accumulation_steps);
   sim.graph = Builder(c, layout, sim.micro_batches).build();
   sim.checkpointing = p.activation_checkpointing;
-  if (!op_times_apply(c)) sim.kernels = micro_batch_kernels(c);
+  if (!op_times_apply(c)) {
+    sim.kernels = micro_batch_kernels(c);
+    if (c.model.has_dense_layers()) sim.dense_kernels = dense_block_kernels(c);
+  }
+  for (int64_t l = 0; l < c.model.blocks(); ++l) sim.dense_blocks.push_back(!c.model.moe_layer(l));
   sim.block_activation_bytes = op_costs(c).offload_bytes;
   sim.graph.set_serial_streams(!c.cluster.comm_overlaps_compute);
   sim.graph.set_after_compute(c.cluster.after_compute);
@@ -677,7 +681,7 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
   const RunConfig stage{blocks, c.cluster, c.parallel, c.moe, c.training, c.target};
   StepSimulation sim = simulate_stage(stage, options);
   const OpCosts o = op_costs(stage);
-  const StageCompute work = stage_compute(o, p, {blocks.num_layers, blocks.moe_layers()});
+  const StageCompute work = stage_compute(o, p, {blocks.blocks(), blocks.moe_blocks()});
   const double whole = work.total();
   const double forward_share = whole > 0 ? work.forward / whole : 1.0 / 3.0;
   // The simulated stage is the last; the others take its time without the head in the ratio
@@ -718,9 +722,16 @@ StepSimulation simulate_step(const RunConfig& c, const StepSimOptions& options) 
 
 namespace {
 
-// The kernels a compute op runs, or nullptr for an op drawn whole.
-const KernelList* kernels_of(const StepSimulation& sim, OpKind kind) {
-  const MicroBatchKernels& k = sim.kernels;
+// The kernels a compute op runs (a dense block's feed-forward layer its own), or nullptr for
+// an op drawn whole.
+const KernelList* kernels_of(const StepSimulation& sim, const Op& op) {
+  const OpKind kind = op.kind;
+  const bool dense = op.layer >= 0 && static_cast<size_t>(op.layer) < sim.dense_blocks.size() &&
+                     sim.dense_blocks[static_cast<size_t>(op.layer)];
+  const MicroBatchKernels& k = dense && kind != OpKind::kAttentionForward && kind != OpKind::kAttentionBackward &&
+                                       kind != OpKind::kAttentionRecompute
+                                   ? sim.dense_kernels
+                                   : sim.kernels;
   switch (kind) {
     case OpKind::kAttentionForward: return &k.attention_forward;
     case OpKind::kAttentionBackward: return &k.attention_backward;
@@ -748,7 +759,7 @@ Trace step_trace(const StepSimulation& sim) {
     std::vector<std::pair<const KernelList*, std::string_view>> parts;
     if (op.stream == TraceStream::kCompute && op.kind == OpKind::kHeadForwardBackward && sim.kernels.head_forward.size() > 0) {
       parts = {{&sim.kernels.head_forward, "head_fwd"}, {&sim.kernels.head_backward, "head_bwd"}};
-    } else if (const KernelList* l = op.stream == TraceStream::kCompute ? kernels_of(sim, op.kind) : nullptr;
+    } else if (const KernelList* l = op.stream == TraceStream::kCompute ? kernels_of(sim, op) : nullptr;
                l != nullptr && l->size() > 0 && e.duration_ns > 0) {
       parts = {{l, op_kind_name(op.kind)}};
     }

@@ -662,9 +662,11 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen3-30b-a3b.json")), "bfloat16"), InputError);
 }
 
-// DeepSeek-V2 and V3 configs: latent attention, group-limited routing, sigmoid scores (V3).
-// V3's multi-token prediction module is refused by name until it is modelled; without it the
-// config reads as the shipped profile (671B parameters, 37B active).
+// DeepSeek-V2 and V3 configs: latent attention, group-limited routing, sigmoid scores and
+// multi-token prediction (V3). Each reads as its shipped profile: V3 has the report's 671B
+// parameters (37B active) and its multi-token prediction module 11.6B more (one MoE block of
+// 11.5B and a 7168 x 14336 projection; the report's 14B counts the module's own embedding and
+// head, which training shares).
 TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
   struct Case {
     const char* config;
@@ -672,10 +674,9 @@ TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
     double total, active;  // billions; active counts the embedding, which the model cards leave out
   };
   for (const Case& c : {Case{"hf/deepseek-v2-lite/config.json", "models/deepseek-v2-lite.json", 15.7, 2.66},
-                        Case{"hf/deepseek-v3/config.json", "models/deepseek-v3.json", 671.0, 37.55}}) {
+                        Case{"hf/deepseek-v3/config.json", "models/deepseek-v3.json", 682.6, 38.24}}) {
     SCOPED_TRACE(c.config);
-    Json config = parse_json_text(read_text(data_path(c.config)), "config.json");
-    config["num_nextn_predict_layers"] = 0;
+    const Json config = parse_json_text(read_text(data_path(c.config)), "config.json");
     ModelSpec hf = model_from_hf_config(config, "config.json");
     const ModelSpec profile = read_model_file(profile_path(c.profile));
     hf.name = profile.name;
@@ -685,12 +686,16 @@ TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
     EXPECT_NEAR(static_cast<double>(p.total()) / 1e9, c.total, 0.05);
     EXPECT_NEAR(static_cast<double>(p.active()) / 1e9, c.active, 0.05);
   }
-  // Without the multi-token prediction module, but where an edit sets it.
   Json v3 = parse_json_text(read_text(data_path("hf/deepseek-v3/config.json")), "config.json");
-  v3["num_nextn_predict_layers"] = 0;
+  ModelSpec without = read_model_file(profile_path("models/deepseek-v3.json"));
+  without.mtp_layers = 0;
+  EXPECT_NEAR(static_cast<double>(count_parameters(without).total()) / 1e9, 671.0, 0.05);
+  EXPECT_NEAR(static_cast<double>(count_parameters(without).active()) / 1e9, 37.55, 0.05);
+  Json two = v3;
+  two["num_nextn_predict_layers"] = 2;
+  EXPECT_EQ(model_from_hf_config(two, "config.json").mtp_layers, 2);
   const std::vector<ProfileEdit> edits = {
-      {"/num_nextn_predict_layers", 1, "num_nextn_predict_layers",
-       "= 1: multi-token prediction layers are not modelled yet (0 plans the model without them)"},
+      {"/num_nextn_predict_layers", -1, "num_nextn_predict_layers", "must be in [0, 4096], got -1"},
       {"/scoring_func", "tanh", "scoring_func", "expected \"softmax\" or \"sigmoid\", got \"tanh\""},
       {"/topk_method", "random", "topk_method",
        "expected \"greedy\", \"group_limited_greedy\" or \"noaux_tc\", got \"random\""},

@@ -92,8 +92,51 @@ TEST(ModelSpec, LatentAttentionIsCountedByItsProjections) {
   no_latent.kv_lora_rank = no_latent.q_lora_rank = no_latent.qk_rope_head_dim = no_latent.v_head_dim = 0;
   const double context = 4096 / 2.0;
   EXPECT_DOUBLE_EQ(forward_flops_per_token(no_latent, 4096) - forward_flops_per_token(m, 4096),
-                   2.0 * static_cast<double>(count_parameters(no_latent).attention_per_layer - p.attention_per_layer) * 61 +
-                       2.0 * 128 * (192 - 128) * context * 61);
+                   2.0 * static_cast<double>(count_parameters(no_latent).attention_per_layer - p.attention_per_layer) * 62 +
+                       2.0 * 128 * (192 - 128) * context * 62);  // 61 blocks and the multi-token prediction one
+  EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
+  EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
+}
+
+// Multi-token prediction (DeepSeek-V3's one module): one more MoE block, a 7168 x 14336
+// projection with three norms, and one more pass through the lm head, all on the last stage.
+TEST(ModelSpec, MultiTokenPredictionAddsABlockAProjectionAndAHead) {
+  const ModelSpec m = test::model("deepseek-v3");
+  ASSERT_EQ(m.mtp_layers, 1);
+  ModelSpec without = m;
+  without.mtp_layers = 0;
+  const ParamCounts p = count_parameters(m), q = count_parameters(without);
+  EXPECT_EQ(p.mtp_projection, 2 * 7168 * 7168 + 3 * 7168);
+  EXPECT_EQ(p.total() - q.total(), q.dense_per_layer() + 256 * q.expert + p.mtp_projection);
+  EXPECT_EQ(p.active() - q.active(), q.dense_per_layer() + 8 * q.expert + p.mtp_projection);
+  // FLOPs per token: its block's GEMMs and attention core, the projection, the head.
+  const double block = 2.0 * static_cast<double>(q.attention_per_layer + q.router_per_layer +
+                                                 q.shared_expert_per_layer + 8 * q.expert) +
+                       2.0 * 128 * (192 + 128) * 2048;
+  const double added = block + 2.0 * 2 * 7168 * 7168 + 2.0 * 129280 * 7168;
+  EXPECT_NEAR(forward_flops_per_token(m, 4096) - forward_flops_per_token(without, 4096), added, 1e-9 * added);
+  // Its block is an MoE block after the last, on the last stage only.
+  EXPECT_TRUE(m.moe_layer(61));
+  EXPECT_EQ(m.blocks(), 62);
+  EXPECT_EQ(m.moe_blocks(), 59);
+  const StageBlockCounts one = stage_block_counts(m, ParallelConfig{}, 0);
+  EXPECT_EQ(one.layers, 62);
+  EXPECT_EQ(one.moe_layers, 59);
+  ParallelConfig p2;
+  p2.pipeline_parallel_degree = 2;
+  p2.first_stage_layers = 31;
+  p2.last_stage_layers = 30;
+  EXPECT_EQ(stage_block_counts(m, p2, 0).layers, 31);
+  EXPECT_EQ(stage_block_counts(m, p2, 0).moe_layers, 28);
+  EXPECT_EQ(stage_block_counts(m, p2, 1).layers, 31);
+  EXPECT_EQ(stage_block_counts(m, p2, 1).moe_layers, 31);
+  const ModelSpec first = stage_blocks(m, p2, 0), last = stage_blocks(m, p2, 1);
+  EXPECT_EQ(first.mtp_layers, 0);
+  EXPECT_EQ(first.blocks(), 31);
+  EXPECT_EQ(last.mtp_layers, 1);
+  EXPECT_EQ(last.num_layers, 30);
+  EXPECT_EQ(last.blocks(), 31);
+  EXPECT_EQ(last.moe_blocks(), 31);
   EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
   EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
 }

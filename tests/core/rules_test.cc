@@ -89,6 +89,16 @@ const RuleCase kCases[] = {
      },
      Rule::kLatentAttentionShape, "model.qk_norm",
      "= true with latent attention, which norms its latents and has no projection biases", "= true"},
+    {"MultiTokenPredictionAfterADenseBlock",
+     [](Scenario& s) {
+       s.model.moe_layer_step = 2;  // blocks 0, 2, ..., 30 have experts; block 31 is dense
+       s.model.dense_intermediate_size = 14336;
+       s.model.mtp_layers = 1;
+     },
+     Rule::kMoeLayerPattern, "model.mtp_layers",
+     "= 1 after a dense last block: a multi-token prediction block is of the last block's kind, and only MoE ones are "
+     "modelled",
+     "= 1"},
     {"RouterGroupsSplitAnExpert", [](Scenario& s) { s.model.router_groups = 3; },
      Rule::kRouterGroups, "model.router_groups", "= 3 does not divide num_experts = 8", "= 3"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },

@@ -236,6 +236,17 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(lite.at("--v-head-dim"), "128");
   EXPECT_EQ(lite.count("--num-query-groups"), 0u);
   EXPECT_EQ(lite.count("--moe-router-score-function"), 0u);
+  EXPECT_EQ(lite.count("--mtp-num-layers"), 0u);
+  // A multi-token prediction module: Megatron-Core's --mtp-num-layers.
+  auto with_mtp = [&] {
+    const Plan plan = searched("deepseek-v2-lite", "p5.48xlarge", 64, test::framework_rules("megatron"), pins,
+                               Precision::kMixed);
+    Plan p = plan;
+    p.model.mtp_layers = 1;
+    return megatron_args(
+        file(launch::export_launch(p, test::framework_rules("megatron"), "plan.json"), "megatron-args.txt").text);
+  }();
+  EXPECT_EQ(with_mtp.at("--mtp-num-layers"), "1");
 }
 
 TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {

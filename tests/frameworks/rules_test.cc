@@ -195,6 +195,31 @@ const FrameworkRuleCase kCases[] = {
      },
      "executor_trains_moe", "model.kv_lora_rank",
      "= 512: the executor trains Mixtral-style attention, without latent attention", "512"},
+    {"ExecutorModeMultiTokenPrediction",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.mtp_layers = 1;
+     },
+     "executor_trains_moe", "model.mtp_layers", "= 1: the executor trains next-token prediction only", "= 1"},
+    {"SmpMultiTokenPrediction",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.model.mtp_layers = 2;
+     },
+     "smp_models", "model.mtp_layers", "= 2: SMP's models predict the next token only", "= 2"},
+    {"TorchtitanMultiTokenPrediction",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.mtp_layers = 1;
+     },
+     "torchtitan_models", "model.mtp_layers",
+     "= 1: torchtitan's job configs (TOML) train next-token prediction only; its multi-token prediction is set in the "
+     "Python model config, which moeplan does not write",
+     "= 1"},
     {"ExecutorModeSigmoidRouter",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

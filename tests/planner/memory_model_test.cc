@@ -165,6 +165,43 @@ TEST(MemoryModel, LatentAttentionKeepsItsLatentsAndEveryHeadsKeysAndValues) {
   EXPECT_EQ(one.local_params, (p.dense_per_layer() - whole + 1) / 2 + whole + p.expert / 2);
 }
 
+// Multi-token prediction weighs on the last stage: its MoE block (4 of 256 experts at E = 64),
+// its projection and norms, and under a pipeline the embedding again, where the stage without
+// it held the larger of the embedding and the head. On one stage its second loss keeps logits
+// of its own, and its block activations like the others.
+TEST(MemoryModel, MultiTokenPredictionWeighsOnTheLastStage) {
+  const ModelSpec& m = test::model("deepseek-v3");
+  ModelSpec without = m;
+  without.mtp_layers = 0;
+  ParallelConfig p;
+  p.pipeline_parallel_degree = 2;
+  p.first_stage_layers = 31;
+  p.last_stage_layers = 30;
+  const ParamCounts c = count_parameters(m);
+  const ShardSizes last = stage_shard_sizes(m, stage_block_counts(m, p, 1), 64, 1, 1, 2, true);
+  const ShardSizes before = stage_shard_sizes(without, stage_block_counts(without, p, 1), 64, 1, 1, 2, true);
+  EXPECT_EQ(last.local_params - before.local_params,
+            c.dense_per_layer() + 4 * c.expert + c.mtp_projection + 129280 * 7168);
+  EXPECT_EQ(busiest_stage(m, p).moe_layers, 31);
+
+  // Mixtral with a vocabulary of 256,000 and nothing sharded (E8 S1 R2), where the loss's
+  // logits outweigh what a block's backward holds.
+  const Layout x = layout(8, 1, Checkpointing::kFull);
+  ModelSpec base = mixtral();
+  base.vocab_size = 256'000;
+  ModelSpec mtp = base;
+  mtp.mtp_layers = 1;
+  const MemoryEstimate plain = estimate_memory({base, p4d_two_nodes(), x.parallel, x.moe, x.training});
+  const MemoryEstimate with = estimate_memory({mtp, p4d_two_nodes(), x.parallel, x.moe, x.training});
+  ASSERT_GT(plain.logits, 0);
+  // A second set of logits and log-probabilities (2,048 tokens x 256,000 x 6 bytes) and the
+  // projection's joined input (2,048 x 8,192 x 2 bytes).
+  EXPECT_EQ(with.logits - plain.logits, int64_t{2048} * 256'000 * 6 + int64_t{2048} * 8192 * 2);
+  EXPECT_GT(with.activations, plain.activations);
+  EXPECT_EQ(shard_sizes(mtp, 8, 2).shard_params - shard_sizes(base, 8, 2).shard_params,
+            (41'984'000 + 2 * 4096 * 4096 + 3 * 4096) / 2 + 88'080'384);
+}
+
 // Dense blocks among MoE blocks hold no experts: Mixtral with its first 8 blocks dense (width
 // 14,336) on 4 stages puts them all on the first stage, which then holds far less than the
 // others; the busiest stage is a stage of MoE blocks, as with no dense blocks.

@@ -906,6 +906,16 @@ TEST(DenseBlocks, ExchangeNothingAndRunTheirOwnFeedForward) {
   EXPECT_GT(o.dense_backward_s, o.dense_forward_s);
   const StepSimulation mixed = simulate_step(c.config(), {});
   EXPECT_EQ(dispatches(mixed), 28);
+  // The trace draws a dense block's feed-forward layer with its own kernels: no router.
+  bool dense_router = false, moe_router = false, dense_fc1 = false;
+  for (const TraceEvent& e : step_trace(mixed).events) {
+    dense_router |= e.name.rfind("mb0.L0.router", 0) == 0;
+    dense_fc1 |= e.name.rfind("mb0.L0.fc1", 0) == 0;
+    moe_router |= e.name.rfind("mb0.L4.router", 0) == 0;
+  }
+  EXPECT_FALSE(dense_router);
+  EXPECT_TRUE(dense_fc1);
+  EXPECT_TRUE(moe_router);
   EXPECT_NEAR(mixed.estimate.compute_s, all.estimate.compute_s, 0.05 * all.estimate.compute_s);
   // The estimate's token exchanges: those of 28 blocks of 32.
   const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
@@ -947,6 +957,49 @@ TEST(DenseBlocks, PipelineStagesScaleByTheirBlocksCompute) {
   const double mixed = simulate_step(c.config(), {}).estimate.step_time_s;
   EXPECT_LT(mixed, all_moe);
   EXPECT_GT(mixed, 0.9 * all_moe);
+}
+
+// Multi-token prediction: its block is one more MoE block (one more token exchange per
+// micro-batch); its projection (2h -> h) and its second pass through the lm head run with the
+// head. Under a pipeline they weigh on the last stage only, which then sets the pace.
+TEST(MultiTokenPrediction, OneMoreBlockAndLossOnTheLastStage) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull);
+  auto dispatches = [](const StepSimulation& sim) {
+    int n = 0;
+    for (const Op& op : sim.graph.ops()) n += op.rank == 0 && op.micro_batch == 0 && op.kind == OpKind::kDispatch ? 1 : 0;
+    return n;
+  };
+  const OpCosts before = op_costs(c.config());
+  const StepSimulation plain = simulate_step(c.config(), {});
+  c.model.mtp_layers = 1;
+  ASSERT_TRUE(validate(c.config()).empty());
+  const OpCosts o = op_costs(c.config());
+  const double tokens = static_cast<double>(c.parallel.micro_batch_size * c.training.seq_len);
+  const double added = 2.0 * tokens * 4096 * 8192 + 2.0 * tokens * 32000 * 4096;
+  EXPECT_NEAR(o.head_flops - before.head_flops, added, 1e-9 * added);
+  EXPECT_GT(o.head_s, 1.9 * before.head_s);
+  const KernelList head = micro_batch_kernels(c.config()).head_forward;
+  int projections = 0;
+  for (const Kernel& k : head.kernels()) projections += k.name == "mtp.eh_proj" ? 1 : 0;
+  EXPECT_EQ(projections, 1);
+  const StepSimulation mtp = simulate_step(c.config(), {});
+  EXPECT_EQ(dispatches(mtp), dispatches(plain) + 1);
+  EXPECT_GT(mtp.estimate.step_time_s, plain.estimate.step_time_s);
+  EXPECT_GT(mtp.estimate.model_flops_per_step, plain.estimate.model_flops_per_step);
+
+  // Four stages of 8 blocks: the last runs 9 and two losses.
+  c.parallel.pipeline_parallel_degree = 4;
+  c.parallel.expert_parallel_degree = 2;
+  c.parallel.hybrid_shard_degree = 1;
+  c.training.global_batch_tokens = 16 / 4 * c.parallel.micro_batch_size * 32 * c.training.seq_len;
+  c.parallel.gradient_accumulation_steps = 32;
+  ASSERT_TRUE(validate(c.config()).empty()) << validate(c.config())[0].to_string();
+  const OpCosts last = op_costs({stage_model(c.config()), c.cluster, c.parallel, c.moe, c.training});
+  EXPECT_GT(stage_weight(last, c.parallel, stage_block_counts(c.model, c.parallel, 3)),
+            stage_weight(last, c.parallel, stage_block_counts(c.model, c.parallel, 2)) * 1.1);
+  const double piped = simulate_step(c.config(), {}).estimate.step_time_s;
+  c.model.mtp_layers = 0;
+  EXPECT_GT(piped, simulate_step(c.config(), {}).estimate.step_time_s);
 }
 
 TEST(CalibratedProfile, CollectivesUseTheirOwnFitAndMeasuredSizes) {

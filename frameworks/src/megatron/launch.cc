@@ -46,6 +46,7 @@ void model_args(const Plan& plan, Args& a) {
   if (m.qkv_bias) a.push_back({"--add-qkv-bias", ""});
   if (m.qk_norm) a.push_back({"--qk-layernorm", ""});  // of the --normalization kind
   if (!m.tie_word_embeddings) a.push_back({"--untie-embeddings-and-output-weights", ""});
+  if (m.mtp_layers > 0) a.push_back({"--mtp-num-layers", std::to_string(m.mtp_layers)});
   a.push_back({"--attention-dropout", number(m.dropout)});
   a.push_back({"--hidden-dropout", number(m.dropout)});
   a.push_back({"--init-method-std", number(m.initializer_range)});

@@ -62,6 +62,10 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string("= ") + (m.router_groups > 1 ? rule_number(m.router_groups) : "\"sigmoid\"") +
              ": the executor's router takes the top-k of a softmax over every expert";
     });
+  if (m.mtp_layers > 0)
+    sink(kTrainsMoe, "model.mtp_layers", [&] {
+      return "= " + rule_number(m.mtp_layers) + ": the executor trains next-token prediction only";
+    });
   if (m.has_dense_layers())
     sink(kTrainsMoe, "model.first_dense_layers", [&] {
       return "= " + rule_number(m.first_dense_layers) + " with moe_layer_step = " + rule_number(m.moe_layer_step) +

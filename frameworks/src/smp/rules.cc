@@ -80,6 +80,9 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (m.router_scoring != RouterScoring::kSoftmax || m.router_groups > 1)
     sink(kModels, m.router_groups > 1 ? "model.router_groups" : "model.router_scoring",
          [&] { return std::string("set: SMP's MoE model (Mixtral) routes by a softmax over every expert"); });
+  if (m.mtp_layers > 0)
+    sink(kModels, "model.mtp_layers",
+         [&] { return "= " + rule_number(m.mtp_layers) + ": SMP's models predict the next token only"; });
   if (m.has_dense_layers())
     sink(kModels, "model.first_dense_layers",
          [&] { return std::string("and moe_layer_step: SMP's MoE model (Mixtral) has experts in every block"); });

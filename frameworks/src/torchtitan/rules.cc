@@ -111,6 +111,12 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kModels, "model.router_groups", [&] {
       return "= " + rule_number(m.router_groups) + ": torchtitan routes within groups in its deepseek_v3 only";
     });
+  if (m.mtp_layers > 0)
+    sink(kModels, "model.mtp_layers", [&] {
+      return "= " + rule_number(m.mtp_layers) +
+             ": torchtitan's job configs (TOML) train next-token prediction only; its multi-token prediction "
+             "is set in the Python model config, which moeplan does not write";
+    });
   if (m.mla() && m.qk_norm)
     sink(kModels, "model.qk_norm", [&] { return std::string("= true: torchtitan's deepseek_v3 has no q/k norms"); });
   if (m.qk_norm && m.shared_experts())

@@ -93,6 +93,13 @@ struct ModelSpec {
   int64_t q_lora_rank = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
+  // Multi-token prediction (DeepSeek-V3; Megatron-Core's --mtp-num-layers; Liu et al. 2024,
+  // arXiv:2412.19437, section 2.2): mtp_layers modules after the last block, the k-th
+  // predicting the token k + 1 ahead. Each norms the previous depth's output and the embedding
+  // of the token k ahead, joins them and projects 2 x hidden -> hidden, runs one more block of
+  // the last block's kind (an MoE block), a final norm, and the shared lm head with a loss of
+  // its own. They run on the last pipeline stage, which then holds the embedding as well.
+  int64_t mtp_layers = 0;
 
   // One expert is a dense model: its feed-forward layer takes every token and has no router.
   bool dense() const { return num_experts == 1; }
@@ -105,8 +112,9 @@ struct ModelSpec {
   int64_t value_head_dim() const { return mla() ? v_head_dim : head_dim; }
   // Whether block i has routed experts (every block of a dense model counts as one: its
   // feed-forward layer is its one expert).
+  // Multi-token prediction blocks (i >= num_layers) have them.
   bool moe_layer(int64_t i) const {
-    return dense() || (i >= first_dense_layers && (i + moe_layer_offset) % std::max<int64_t>(1, moe_layer_step) == 0);
+    return dense() || i >= num_layers || (i >= first_dense_layers && (i + moe_layer_offset) % std::max<int64_t>(1, moe_layer_step) == 0);
   }
   // Blocks with routed experts among blocks [begin, end).
   int64_t moe_layers_in(int64_t begin, int64_t end) const;
@@ -114,6 +122,9 @@ struct ModelSpec {
     return first_dense_layers == 0 && moe_layer_step == 1 ? num_layers : moe_layers_in(0, num_layers);
   }
   bool has_dense_layers() const { return moe_layers() < num_layers; }
+  // Every block that runs: the decoder's and the multi-token prediction ones.
+  int64_t blocks() const { return num_layers + mtp_layers; }
+  int64_t moe_blocks() const { return moe_layers() + mtp_layers; }
 
   bool operator==(const ModelSpec&) const = default;
 };
@@ -134,7 +145,10 @@ struct ParamCounts {
   // Of attention's, what every tensor-parallel rank holds whole: latent attention's down
   // projections and its latents' norms (0 without latent attention).
   int64_t tensor_replicated_per_layer = 0;
-  int64_t num_layers = 0;
+  // Multi-token prediction's own weights: per module, the 2 x hidden -> hidden projection and
+  // its three norms (its block is counted with the others; the embedding and head are shared).
+  int64_t mtp_projection = 0;
+  int64_t num_layers = 0;           // every block: the decoder's and the multi-token prediction ones
   int64_t moe_layers = 0;           // blocks with routed experts (all of them by default)
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
@@ -146,7 +160,8 @@ struct ParamCounts {
   int64_t dense_block() const { return common_per_layer() + dense_mlp_per_layer; }
   int64_t dense_layers() const { return num_layers - moe_layers; }
   int64_t dense() const {
-    return embedding + lm_head + final_norm + moe_layers * dense_per_layer() + dense_layers() * dense_block();
+    return embedding + lm_head + final_norm + mtp_projection + moe_layers * dense_per_layer() +
+           dense_layers() * dense_block();
   }
   int64_t experts() const { return moe_layers * num_experts * expert; }
   // A rank's share of `params` (non-expert parameters of `layers` blocks, or of the model) under

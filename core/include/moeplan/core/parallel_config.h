@@ -175,7 +175,8 @@ int64_t stage_layers(int64_t num_layers, const ParallelConfig& p, int64_t stage)
 bool stage_layers_valid(int64_t num_layers, const ParallelConfig& p);
 // Pipeline stage `stage`'s blocks and, of them, those with routed experts. Under interleaving
 // (V > 1, even stages) the stage holds V chunks of L / (P V) blocks: chunks stage, stage + P,
-// ...; with uneven end stages it is counted as its blocks in order.
+// ...; with uneven end stages it is counted as its blocks in order. The last stage also runs
+// the multi-token prediction blocks (ModelSpec::mtp_layers), as Megatron-Core places them.
 struct StageBlockCounts {
   int64_t layers = 0;
   int64_t moe_layers = 0;
@@ -184,7 +185,8 @@ StageBlockCounts stage_block_counts(const ModelSpec& model, const ParallelConfig
 // The stage's blocks as a model of their own, its dense blocks (ModelSpec::first_dense_layers)
 // first: the order of a stage's blocks changes neither its memory nor the sum of its times. It
 // keeps the model's dense_intermediate_size, so that the other stages' dense blocks can be
-// priced from it.
+// priced from it. The last stage's keeps mtp_layers (its blocks() are the counts above), the
+// others have none.
 ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t stage);
 
 ParallelConfig read_parallel(const Json& json, const std::string& path, Diagnostics& d);

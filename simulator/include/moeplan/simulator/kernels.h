@@ -80,6 +80,9 @@ struct MicroBatchKernels {
 };
 
 MicroBatchKernels micro_batch_kernels(const RunConfig& config);
+// A dense block's among MoE blocks: those of its one-expert model (dense_block_model), every
+// token through its feed-forward layer on every rank.
+MicroBatchKernels dense_block_kernels(const RunConfig& config);
 // The MoE sub-block on a rank whose experts get `load` times the mean share of the slots.
 KernelList moe_kernels(const RunConfig& config, double load, bool backward);
 // AdamW over the rank's shard of `parameters` (with gradient clipping's norm), by precision.

@@ -38,6 +38,9 @@ struct StepSimulation {
   // The kernels inside the compute ops, for the trace (empty where the profile's measured op
   // times stand in for the kernel model).
   MicroBatchKernels kernels;
+  // A dense block's among MoE blocks, and which of the simulated blocks are dense.
+  MicroBatchKernels dense_kernels;
+  std::vector<bool> dense_blocks;
   Checkpointing checkpointing = Checkpointing::kNone;
 };
 
