@@ -101,7 +101,7 @@ void add_layout_options(CLI::App& cmd, Search& s) {
              "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's selective "
              "recomputation)");
   add_choice(cmd, "--distributed-optimizer", pin.distributed_optimizer, kOnOff,
-             "Fix the distributed optimizer (states sharded over the replicas, ZeRO-1)");
+             "Fix the distributed optimizer (states sharded over the data-parallel ranks, ZeRO-1)");
   cmd.add_option("--first-stage-layers", pin.first_stage_layers, "Fix the blocks of the first pipeline stage")
       ->check(degree);
   cmd.add_option("--last-stage-layers", pin.last_stage_layers, "Fix the blocks of the last pipeline stage")

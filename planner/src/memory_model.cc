@@ -149,7 +149,8 @@ ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, in
   const int64_t ends_shard = !with_ends ? 0
                              : p > 1  ? std::max(ceil_div(embedding, s), ceil_div(head, s))
                                       : ceil_div(embedding, s) + ceil_div(head, s);
-  out.shard_params = ends_shard + moe_layers * (ceil_div(dense_per_layer, s) + ceil_div(experts_per_layer, s)) +
+  out.shard_expert_params = moe_layers * ceil_div(experts_per_layer, s);
+  out.shard_params = ends_shard + moe_layers * ceil_div(dense_per_layer, s) + out.shard_expert_params +
                      dense_layers * ceil_div(dense_block, s);
   out.largest_unit_params = std::max({embedding, head, moe_layers > 0 ? dense_per_layer + experts_per_layer : 0,
                                       dense_layers > 0 ? dense_block : 0});
@@ -204,13 +205,16 @@ void add_model_states(const RunConfig& c, const ShardSizes& sizes, int64_t a, Me
       out.optimizer_states = 2 * 4 * shard;
       break;
   }
-  // The distributed optimizer keeps 1/R of the fp32 master weights and of the moments (over
-  // the replicas, which hold the same parameters; dense parameters are also the same over E,
-  // which is left out here); the gradients stay whole for the reduce-scatter.
-  if (p.distributed_optimizer && p.replica_degree() > 1) {
-    const int64_t r = p.replica_degree();
-    out.master_weights = ceil_div(out.master_weights, r);
-    out.optimizer_states = ceil_div(out.optimizer_states, r);
+  // The distributed optimizer splits the master weights and the moments over the ranks that
+  // hold the same parameters (Megatron-Core's data-parallel group for the dense ones: E x R;
+  // its expert data-parallel group for the experts: R); the gradients stay whole for the
+  // reduce-scatter.
+  const int64_t r = p.replica_degree(), dense_ranks = r * std::max<int64_t>(1, p.expert_parallel_degree);
+  if (p.distributed_optimizer && dense_ranks > 1 && shard > 0) {
+    const int64_t experts = sizes.shard_expert_params;
+    const int64_t kept = ceil_div(shard - experts, dense_ranks) + ceil_div(experts, r);
+    out.master_weights = out.master_weights / shard * kept;
+    out.optimizer_states = out.optimizer_states / shard * kept;
   }
   // FP8 GEMMs: Transformer Engine keeps each weight's FP8 copy for the step's micro-batches.
   if (c.training.fp8) out.parameters += shard;

@@ -243,9 +243,10 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
   std::vector<bool> sequence_options = {false};
   if (t > 1) sequence_options = {true, false};
   if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
-  // The distributed optimizer shards states over the replicas: a choice only with some.
+  // The distributed optimizer shards states over the data-parallel ranks that hold the same
+  // parameters (the dense ones: E x R): a choice only with more than one.
   const bool replicated =
-      e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (e * s * t * pp) > 1;
+      e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (s * t * pp) > 1;
   std::vector<bool> optimizer_options = {false};
   if (replicated && capabilities.distributed_optimizer) optimizer_options = {false, true};
   if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};

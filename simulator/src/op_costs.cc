@@ -284,12 +284,13 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   o.expert_shard_bytes = static_cast<double>(params.experts()) / e / tp / s * a;
 
   // AdamW over the rank's shard (the distributed optimizer divides it over the data-parallel
-  // ranks that hold the same parameters).
+  // ranks that hold the same parameters: the dense ones' over E x R, the experts' over R).
   const double model_whole = layers * block_whole;
-  double shard_params =
-      ((static_cast<double>(params.dense()) - model_whole) / s + static_cast<double>(params.experts()) / e / s) / tp +
-      model_whole / s;
-  if (p.distributed_optimizer) shard_params /= static_cast<double>(std::max<int64_t>(1, p.replica_degree()));
+  const double r = p.distributed_optimizer ? static_cast<double>(std::max<int64_t>(1, p.replica_degree())) : 1.0;
+  const double dense_ranks = p.distributed_optimizer ? r * e : 1.0;
+  const double shard_params =
+      ((static_cast<double>(params.dense()) - model_whole) / s / dense_ranks + static_cast<double>(params.experts()) / e / s / r) / tp +
+      model_whole / s / dense_ranks;
   o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
                              : optimizer_kernels(c, shard_params).seconds();
   o.forward_flops_per_token = forward_flops_per_token(m, c.training.seq_len);

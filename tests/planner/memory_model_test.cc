@@ -202,6 +202,24 @@ TEST(MemoryModel, MultiTokenPredictionWeighsOnTheLastStage) {
             (41'984'000 + 2 * 4096 * 4096 + 3 * 4096) / 2 + 88'080'384);
 }
 
+// The distributed optimizer splits the dense parameters' master weights and moments over E x R
+// (Megatron-Core's data-parallel group) and the experts' over R (its expert data-parallel
+// group): E8 S1 R2 keeps 1/16 of the one and 1/2 of the other; the gradients stay whole.
+TEST(MemoryModel, DistributedOptimizerShardsDenseStatesOverTheExpertRanksToo) {
+  Layout x = layout(8, 1, Checkpointing::kFull, Precision::kMixed);
+  const MemoryEstimate whole = x.estimate();
+  x.parallel.distributed_optimizer = true;
+  const MemoryEstimate split = x.estimate();
+  const ShardSizes sizes = shard_sizes(mixtral(), 8, 1);
+  const int64_t experts = sizes.shard_expert_params, dense = sizes.shard_params - experts;
+  EXPECT_EQ(experts, int64_t{32} * 176'160'768);
+  const int64_t kept = (dense + 15) / 16 + (experts + 1) / 2;
+  EXPECT_EQ(split.master_weights, 4 * kept);
+  EXPECT_EQ(split.optimizer_states, 8 * kept);
+  EXPECT_EQ(split.gradients, whole.gradients);
+  EXPECT_EQ(whole.master_weights, 4 * sizes.shard_params);
+}
+
 // Dense blocks among MoE blocks hold no experts: Mixtral with its first 8 blocks dense (width
 // 14,336) on 4 stages puts them all on the first stage, which then holds far less than the
 // others; the busiest stage is a stage of MoE blocks, as with no dense blocks.

@@ -69,7 +69,7 @@ TEST(Search, PinnedChoicesAreKeptAndTheRestSearched) {
 // best of each part of the space, and the ranking mixes the degrees.
 TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {
   SearchOptions options = test::search_options(16);
-  options.keep = 30;
+  options.keep = 60;  // each layout with and without the distributed optimizer
   const SearchResult joint = search(mixtral(), p4d(16), options);
   ASSERT_FALSE(joint.ranked.empty());
   std::set<std::array<int64_t, 4>> degrees;

@@ -67,6 +67,7 @@ struct MemoryEstimate {
 struct ShardSizes {
   int64_t local_params = 0;  // dense + this rank's experts, unsharded
   int64_t shard_params = 0;  // what the rank keeps: each flat parameter padded and split over S
+  int64_t shard_expert_params = 0;  // of shard_params, the experts'
   int64_t largest_unit_params = 0;  // the biggest flat parameter gathered at once
 };
 // The `blocks` of one pipeline stage of `model` (or all of them); `with_ends`: the embedding or
