@@ -201,6 +201,22 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   EXPECT_EQ(hf.exit_code, 0) << show(hf);
 }
 
+// The MoE runs kept apart from the main set (docs/validation.md, "MoE runs beyond Mixtral"):
+// every one predicted in its published layout, none put over the device by the memory model.
+TEST_F(Cli, PublishedMoeRunsArePredictedInTheirOwnLayouts) {
+  Workdir dir;
+  const std::string cases = test::data_path("../../docs/validation/published/moe-cases.json");
+  const Outcome run = dir.moeplan("compare-published " + quoted(cases));
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  const size_t n = read_json_file(cases)["cases"].size();
+  EXPECT_GE(n, 20u);
+  EXPECT_NE(run.out.find("all:      " + std::to_string(n) + " cases, " + std::to_string(n) + " predicted"),
+            std::string::npos)
+      << run.out;
+  EXPECT_EQ(run.out.find("over the device"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("moeplan's memory model"), std::string::npos) << run.out;
+}
+
 // The published runs of docs/validation.md: every one predicted in its own layout, within the
 // bounds the page states; a case whose published step is moved tenfold breaks them; a bad
 // field is named.
