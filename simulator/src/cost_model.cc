@@ -102,8 +102,13 @@ CollectiveCost CostModel::all_to_all_cost(double send_bytes, const GroupShape& g
   const double n = static_cast<double>(g.size);
   const double m = static_cast<double>(g.per_node);
   if (calibrated(cluster_->all_to_all_fit, g, cluster_->gpus_per_node, send_bytes, n - 1, (m - 1) / n, c)) return c;
+  // NCCL's all-to-all is grouped point-to-point: one kernel sends to every peer at once, each
+  // channel taking up to 8 peers a batch, and across nodes NCCL narrows the channels per peer
+  // until every peer fits in one round (NVIDIA/nccl, src/graph/paths.cc,
+  // ncclTopoComputeP2pChannels; NCCL_MAX_DEV_WORK_P2P_PER_BATCH). Its latency is one hop, not
+  // one per peer as in a ring.
   c.latency_s = cluster_->collective_base_latency_s +
-                (n - 1) * (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
+                (g.crosses_nodes() ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
   c.intra_s = send_bytes * (m - 1) / n / cluster_->intra_node_bandwidth_bytes_per_s;
   // Each of the group's m members on a node sends (n - m)/n of its buffer off the node.
   if (g.crosses_nodes()) c.nic_bytes_per_node = m * send_bytes * (n - m) / n;

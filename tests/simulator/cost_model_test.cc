@@ -108,12 +108,16 @@ TEST(CostModel, AllToAllAcrossTwoNodes) {
   const ClusterSpec c = toy(2);
   const CostModel cost(c);
   // 16 members, 8 per node; each sends 1.6 GB, 8/16 of it off the node. All 8 ranks of a node
-  // do so at once: 8 x 0.8 GB = 6.4 GB through a 10 GB/s NIC = 0.64 s, plus 15 x 10 us.
+  // do so at once: 8 x 0.8 GB = 6.4 GB through a 10 GB/s NIC = 0.64 s, plus one network hop
+  // of 10 us (NCCL sends to every peer at once, not one after another as a ring's steps).
   GroupShape g{16, 8, 2, 1};
-  EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, g), 15 * 10e-6 + 0.64, 1e-12);
-  // Inside one node only the 7/8 that leave the rank travel: 1.4 GB / 100 GB/s = 14 ms.
+  EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, g), 10e-6 + 0.64, 1e-12);
+  // Inside one node only the 7/8 that leave the rank travel: 1.4 GB / 100 GB/s = 14 ms, plus
+  // one hop of 1 us.
   GroupShape local{8, 8, 1, 1};
-  EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, local), 7 * 1e-6 + 0.014, 1e-12);
+  EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, local), 1e-6 + 0.014, 1e-12);
+  // A 128-member group's latency is still one hop.
+  EXPECT_NEAR(cost.all_to_all_seconds(8.0, GroupShape{128, 2, 64, 4}) - 10e-6, 0, 1e-6);
 }
 
 TEST(CostModel, SingleMemberGroupsCostNothing) {

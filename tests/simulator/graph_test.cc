@@ -120,12 +120,12 @@ TEST(Graph, AfterComputeCurveIsReadAsASharePastItsEnds) {
 }
 
 // All-to-all over two nodes of two ranks each (n = 4, m = 2), 1 MB sent per rank, 100 GB/s
-// inside a node, 10 GB/s card, 10 us latency per step:
-//   latency 3 x 10,000 = 30,000 ns; intra 1e6 x 1/4 / 100e9 = 2,500 ns;
+// inside a node, 10 GB/s card, 10 us latency a network hop (every peer at once: one hop):
+//   latency 10,000 ns; intra 1e6 x 1/4 / 100e9 = 2,500 ns;
 //   card bytes per node 2 x 1e6 x 2/4 = 1e6, alone on the card: 100,000 ns.
-//   end = 30,000 + max(2,500, 100,000) = 130,000 ns.
+//   end = 10,000 + max(2,500, 100,000) = 110,000 ns.
 // Two such groups crossing the same cards at once (E groups {0,2,4,6} and {1,3,5,7} of two
-// 4-GPU nodes) share them: 2e6 bytes at 10 bytes/ns = 200,000 ns, end 230,000 ns.
+// 4-GPU nodes) share them: 2e6 bytes at 10 bytes/ns = 200,000 ns, end 210,000 ns.
 TEST(Graph, AllToAllAcrossTwoNodesSharesTheCard) {
   ClusterSpec cl;
   cl.intra_node_bandwidth_bytes_per_s = 100e9;
@@ -139,17 +139,17 @@ TEST(Graph, AllToAllAcrossTwoNodesSharesTheCard) {
   StepGraph one(4, 2);
   const int32_t c = one.add_collective(to_sim_time(a2a.latency_s), to_sim_time(a2a.intra_s), a2a.nic_bytes_per_node, {0, 1}, 4);
   for (int32_t r = 0; r < 4; ++r) one.add_op(part(r, c));
-  EXPECT_EQ(run_graph(one, kNic).makespan, SimTime(130'000));
+  EXPECT_EQ(run_graph(one, kNic).makespan, SimTime(110'000));
 
   StepGraph two(8, 2);
   const int32_t even = two.add_collective(to_sim_time(a2a.latency_s), to_sim_time(a2a.intra_s), 1e6, {0, 1}, 4);
   const int32_t odd = two.add_collective(to_sim_time(a2a.latency_s), to_sim_time(a2a.intra_s), 1e6, {0, 1}, 4);
   for (int32_t r = 0; r < 8; ++r) two.add_op(part(r, r % 2 == 0 ? even : odd));
   const GraphTimes t = run_graph(two, kNic);
-  EXPECT_EQ(t.makespan, SimTime(230'000));
+  EXPECT_EQ(t.makespan, SimTime(210'000));
   EXPECT_EQ(t.nic_busy[0], SimTime(200'000));
   // The analytic form says the same when told two groups share each card.
-  EXPECT_NEAR(cost.all_to_all_seconds(1e6, GroupShape{4, 2, 2, 2}), 230e-6, 1e-15);
+  EXPECT_NEAR(cost.all_to_all_seconds(1e6, GroupShape{4, 2, 2, 2}), 210e-6, 1e-15);
 }
 
 // Processor sharing with staggered starts on one card (10 bytes/ns), 1 MB each:
