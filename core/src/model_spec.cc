@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <vector>
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/rules.h"
@@ -29,6 +30,16 @@ int64_t ModelSpec::moe_layers_in(int64_t begin, int64_t end) const {
   return multiples_below(end + moe_layer_offset) - multiples_below(from + moe_layer_offset);
 }
 
+double ModelSpec::attention_context(int64_t seq_len) const {
+  const double full = static_cast<double>(seq_len) / 2.0;
+  if (!sliding_window || *sliding_window >= seq_len || num_layers < 1) return full;
+  const double window = static_cast<double>(*sliding_window);
+  if (full_attention_step <= 0) return window;
+  const double full_blocks = static_cast<double>(num_layers / full_attention_step);
+  const double layers = static_cast<double>(num_layers);
+  return (full_blocks * full + (layers - full_blocks) * window) / layers;
+}
+
 ModelSpec dense_block_model(const ModelSpec& m) {
   ModelSpec d = m;
   d.num_experts = 1;
@@ -52,7 +63,8 @@ ParamCounts count_parameters(const ModelSpec& m) {
   p.final_norm = m.hidden_size;
   // q: hidden -> heads*head_dim, k and v: hidden -> kv_heads*head_dim, o: heads*head_dim -> hidden.
   p.attention_per_layer = 2 * m.hidden_size * q_width + 2 * m.hidden_size * kv_width;
-  p.biases_per_layer = m.qkv_bias ? q_width + 2 * kv_width : 0;
+  p.biases_per_layer = (m.qkv_bias ? q_width + 2 * kv_width : 0) + (m.output_bias ? m.hidden_size : 0) +
+                       (m.attention_sinks ? m.num_attention_heads : 0);
   p.norms_per_layer = 2 * m.hidden_size + (m.qk_norm ? 2 * m.head_dim : 0);
   if (m.mla()) {
     // q: hidden -> q_lora -> heads*head_dim (or hidden -> heads*head_dim); kv: hidden ->
@@ -67,10 +79,11 @@ ParamCounts count_parameters(const ModelSpec& m) {
     p.tensor_replicated_per_layer = m.hidden_size * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) +
                                     m.q_lora_rank + m.kv_lora_rank;
   }
-  p.router_per_layer = m.hidden_size * m.router_width();
+  p.router_per_layer = (m.hidden_size + (m.expert_bias ? 1 : 0)) * m.router_width();
   p.shared_expert_per_layer =
       m.mlp_matrices() * m.hidden_size * m.shared_expert_intermediate_size + (m.shared_expert_gate ? m.hidden_size : 0);
-  p.expert = m.mlp_matrices() * m.hidden_size * m.intermediate_size;
+  p.expert = m.mlp_matrices() * m.hidden_size * m.intermediate_size +
+             (m.expert_bias ? (m.mlp_matrices() - 1) * m.intermediate_size + m.hidden_size : 0);
   p.dense_mlp_per_layer = m.mlp_matrices() * m.hidden_size * m.dense_intermediate_size;
   // Each multi-token prediction module: the 2h -> h projection, the norms of its two inputs
   // and its final norm.
@@ -80,6 +93,15 @@ ParamCounts count_parameters(const ModelSpec& m) {
   p.num_experts = m.num_experts;
   p.experts_per_token = m.experts_per_token;
   return p;
+}
+
+const char* gpt_oss_variant_field(const ModelSpec& m) {
+  if (m.full_attention_step > 0) return "model.full_attention_step";
+  if (m.attention_sinks) return "model.attention_sinks";
+  if (m.output_bias) return "model.output_bias";
+  if (m.expert_bias) return "model.expert_bias";
+  if (m.glu_limit > 0) return "model.glu_limit";
+  return nullptr;
 }
 
 double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
@@ -97,8 +119,7 @@ double forward_flops_per_token(const ModelSpec& m, int64_t seq_len) {
       static_cast<double>(m.mtp_layers) * 2.0 * h * h;
   // Scores and weighted sum: 2 GEMMs of (seq x head_dim x context) per head; causal masking
   // halves the average context. A sliding window caps it.
-  double context = static_cast<double>(seq_len) / 2.0;
-  if (m.sliding_window && *m.sliding_window < seq_len) context = static_cast<double>(*m.sliding_window);
+  const double context = m.attention_context(seq_len);
   const double attention = 2.0 *
                            static_cast<double>(m.num_attention_heads * m.head_dim +
                                                m.num_attention_heads * m.value_head_dim()) *
@@ -170,6 +191,11 @@ ModelSpec read_model(ObjectReader& r) {
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 0, kMaxDim, 0);
   m.v_head_dim = r.integer("v_head_dim", 0, kMaxDim, 0);
   m.mtp_layers = r.integer("mtp_layers", 0, kMaxLayers, 0);
+  m.full_attention_step = r.integer("full_attention_step", 0, kMaxLayers, 0);
+  m.attention_sinks = r.boolean("attention_sinks", false);
+  m.output_bias = r.boolean("output_bias", false);
+  m.expert_bias = r.boolean("expert_bias", false);
+  m.glu_limit = r.number("glu_limit", 0.0, 1e6, 0.0);
   check_shared_experts(m, r, "shared_expert_intermediate_size", "shared_expert_gate");
   return m;
 }
@@ -196,14 +222,15 @@ ModelSpec model_from_json(const Json& json, const std::string& origin) {
 namespace {
 
 // The Hugging Face architectures moeplan reads, by model_type.
-enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe, kDeepseek, kDeepseekV2, kDeepseekV3 };
-constexpr std::array<std::pair<std::string_view, HfType>, 7> kHfTypes{{{"mixtral", HfType::kMixtral},
+enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe, kDeepseek, kDeepseekV2, kDeepseekV3, kGptOss };
+constexpr std::array<std::pair<std::string_view, HfType>, 8> kHfTypes{{{"mixtral", HfType::kMixtral},
                                                                         {"llama", HfType::kLlama},
                                                                         {"qwen2_moe", HfType::kQwen2Moe},
                                                                         {"qwen3_moe", HfType::kQwen3Moe},
                                                                         {"deepseek", HfType::kDeepseek},
                                                                         {"deepseek_v2", HfType::kDeepseekV2},
-                                                                        {"deepseek_v3", HfType::kDeepseekV3}}};
+                                                                        {"deepseek_v3", HfType::kDeepseekV3},
+                                                                        {"gpt_oss", HfType::kGptOss}}};
 
 // Fields of PretrainedConfig and of the architectures above that change neither a step's time
 // nor its memory (token ids, caching, output switches, inference-only rope scaling, dtypes,
@@ -233,6 +260,8 @@ std::string_view hf_field(HfType type, std::string_view ours) {
   if ((ours == "moe_layer_step" || ours == "moe_layer_offset") && deepseek) return "moe_layer_freq";
   if (ours == "first_dense_layers" && deepseek) return "first_k_dense_replace";
   if (ours == "mtp_layers" && deepseek) return "num_nextn_predict_layers";
+  if (ours == "full_attention_step") return "layer_types";
+  if (ours == "glu_limit") return "swiglu_limit";
   return ours;
 }
 
@@ -339,6 +368,53 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   m.mtp_layers = r.integer("num_nextn_predict_layers", 0, kMaxLayers, v3 ? 1 : 0);
 }
 
+// GPT-OSS (model_type "gpt_oss", GptOssForCausalLM; OpenAI 2025): num_local_experts routed
+// experts of intermediate_size, top num_experts_per_tok, blocks alternating a 128-token window
+// and full attention (layer_types), attention sinks, biases on the attention projections
+// (attention_bias) and always on the experts and router (transformers' GptOssExperts and
+// GptOssTopKRouter), and the gate clamped at swiglu_limit.
+void read_gpt_oss(ModelSpec& m, ObjectReader& r) {
+  Diagnostics& d = r.diagnostics();
+  m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 128);
+  m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 4);
+  // The released configs repeat the top-k under the name of OpenAI's own code.
+  if (r.has("experts_per_token"))
+    if (const int64_t k = r.integer("experts_per_token", 1, kMaxExperts); d.empty() && k != m.experts_per_token)
+      d.error("experts_per_token", "= " + std::to_string(k) + " differs from num_experts_per_tok = " +
+                                       std::to_string(m.experts_per_token));
+  m.intermediate_size = r.integer("intermediate_size", 1, kMaxDim, 2880);
+  m.max_position_embeddings = r.integer("max_position_embeddings", 1, kMaxPositions, 131072);
+  m.rope_theta = r.number("rope_theta", 1.0, 1e12, 150000.0);
+  m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-5);
+  m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.9);
+  m.sliding_window = r.has("sliding_window") ? r.nullable_integer("sliding_window", 1, kMaxPositions) : 128;
+  m.qkv_bias = m.output_bias = r.boolean("attention_bias", true);
+  m.expert_bias = true;
+  m.attention_sinks = true;
+  m.glu_limit = r.number("swiglu_limit", 0.0, 1e6, 7.0);
+  r.ignore("initial_context_length");  // the rope scaling's original length
+  // layer_types: full attention on blocks K-1, 2K-1, ... and the window on the others (the
+  // config class's default alternates, K = 2); another pattern is not modelled.
+  m.full_attention_step = 2;
+  if (const Json* types = r.child("layer_types", true); types != nullptr && !types->is_null()) {
+    std::vector<int64_t> full;
+    bool known = types->is_array() && static_cast<int64_t>(types->size()) == m.num_layers;
+    for (size_t i = 0; known && i < types->size(); ++i) {
+      const Json& t = (*types)[i];
+      known = t.is_string() && (t.get<std::string>() == "full_attention" || t.get<std::string>() == "sliding_attention");
+      if (known && t.get<std::string>() == "full_attention") full.push_back(static_cast<int64_t>(i));
+    }
+    const int64_t step = full.empty() ? 0 : full.front() + 1;
+    for (size_t j = 0; known && j < full.size(); ++j) known = full[j] == static_cast<int64_t>(j + 1) * step - 1;
+    if (known && step > 0) known = static_cast<int64_t>(full.size()) == m.num_layers / step;
+    if (!known)
+      d.error("layer_types", "expected " + std::to_string(m.num_layers) +
+                                 " of \"sliding_attention\" and \"full_attention\", full attention on every K-th block "
+                                 "(blocks K-1, 2K-1, ...) or none: another pattern is not modelled");
+    m.full_attention_step = step;
+  }
+}
+
 }  // namespace
 
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
@@ -357,7 +433,7 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     if (!name.empty() && !known)
       d.error("model_type",
               "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", "
-              "\"deepseek_v3\" or \"llama\", got \"" + name + "\"");
+              "\"deepseek_v3\", \"gpt_oss\" or \"llama\", got \"" + name + "\"");
     // Each architecture's own defaults (transformers' config classes).
     const bool llama = type == HfType::kLlama, qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
     const bool deepseek = type == HfType::kDeepseek || type == HfType::kDeepseekV2 || type == HfType::kDeepseekV3;
@@ -366,12 +442,16 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     if (m.name.empty()) m.name = fallback_name;
     m.source = "Hugging Face config.json (" + origin + ")";
     // DeepSeek's: DeepseekConfig (DeepSeekMoE 16B), DeepseekV2Config (V2), DeepseekV3Config (V3).
-    const bool v2 = type == HfType::kDeepseekV2, v3 = type == HfType::kDeepseekV3;
-    m.vocab_size = r.integer("vocab_size", 1, kMaxDim, qwen ? 151936 : v3 ? 129280 : deepseek ? 102400 : 32000);
-    m.hidden_size = r.integer("hidden_size", 1, kMaxDim, v3 ? 7168 : v2 ? 5120 : qwen || deepseek ? 2048 : 4096);
-    m.num_layers = r.integer("num_hidden_layers", 1, kMaxLayers, qwen ? 24 : v3 ? 61 : v2 ? 60 : deepseek ? 28 : 32);
+    const bool v2 = type == HfType::kDeepseekV2, v3 = type == HfType::kDeepseekV3, oss = type == HfType::kGptOss;
+    m.vocab_size =
+        r.integer("vocab_size", 1, kMaxDim, oss ? 201088 : qwen ? 151936 : v3 ? 129280 : deepseek ? 102400 : 32000);
+    m.hidden_size =
+        r.integer("hidden_size", 1, kMaxDim, oss ? 2880 : v3 ? 7168 : v2 ? 5120 : qwen || deepseek ? 2048 : 4096);
+    m.num_layers =
+        r.integer("num_hidden_layers", 1, kMaxLayers, oss ? 36 : qwen ? 24 : v3 ? 61 : v2 ? 60 : deepseek ? 28 : 32);
     m.num_attention_heads = r.integer("num_attention_heads", 1, kMaxDim,
                                       v2 || v3                                  ? 128
+                                      : oss                                     ? 64
                                       : type == HfType::kQwen2Moe || deepseek ? 16
                                                                                 : 32);
     // LlamaConfig: no num_key_value_heads (or null) means one per query head.
@@ -383,6 +463,7 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
                                                              : 8;
     // Newer transformers versions write head_dim explicitly (sometimes as null).
     auto head_dim = r.nullable_integer("head_dim", 1, kMaxDim);
+    if (!head_dim && oss && !r.has("head_dim")) head_dim = 64;
     m.head_dim = head_dim ? *head_dim : derived_head_dim(m, r, "num_attention_heads");
     if (llama) {
       m.num_experts = 1;
@@ -398,6 +479,8 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
       read_qwen_moe(m, r, type == HfType::kQwen3Moe);
     } else if (deepseek) {
       read_deepseek(m, r, type);
+    } else if (oss) {
+      read_gpt_oss(m, r);
     } else {
       m.num_experts = r.integer("num_local_experts", 1, kMaxExperts, 8);
       m.experts_per_token = r.integer("num_experts_per_tok", 1, kMaxExperts, 2);
@@ -468,7 +551,12 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
                                    {"kv_lora_rank", m.mla()},
                                    {"router_scoring", m.router_scoring != RouterScoring::kSoftmax},
                                    {"router_groups", m.router_groups > 1},
-                                   {"mtp_layers", m.mtp_layers > 0}})
+                                   {"mtp_layers", m.mtp_layers > 0},
+                                   {"full_attention_step", m.full_attention_step > 0},
+                                   {"attention_sinks", m.attention_sinks},
+                                   {"output_bias", m.output_bias},
+                                   {"expert_bias", m.expert_bias},
+                                   {"glu_limit", m.glu_limit > 0}})
     if (has) throw InputError(m.name, {{field, "a Mixtral config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
@@ -510,6 +598,11 @@ Json to_json(const ModelSpec& m) {
                                      {"v_head_dim", m.v_head_dim}})
     if (value > 0) j[field] = value;
   if (m.mtp_layers > 0) j["mtp_layers"] = m.mtp_layers;
+  if (m.full_attention_step > 0) j["full_attention_step"] = m.full_attention_step;
+  if (m.attention_sinks) j["attention_sinks"] = true;
+  if (m.output_bias) j["output_bias"] = true;
+  if (m.expert_bias) j["expert_bias"] = true;
+  if (m.glu_limit > 0) j["glu_limit"] = m.glu_limit;
   return j;
 }
 

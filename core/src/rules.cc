@@ -15,6 +15,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "moe_layer_pattern",
     "latent_attention_shape",
     "router_groups",
+    "block_variants",
     "world_size_fits_cluster",
     "whole_nodes",
     "expert_degree_divides_experts",
@@ -154,6 +155,20 @@ void check_router_groups(const ModelSpec& m, Sink& sink) {
     });
 }
 
+// Full-attention blocks among windowed ones need a window, and GPT-OSS's clamped gate a
+// gated feed-forward layer.
+template <class Sink>
+void check_block_variants(const ModelSpec& m, Sink& sink) {
+  if (m.full_attention_step > 0 && !m.sliding_window)
+    sink(Rule::kBlockVariants, "full_attention_step", [&] {
+      return "= " + str(m.full_attention_step) + " without sliding_window: the other blocks need a window";
+    });
+  else if (m.glu_limit > 0 && m.mlp != Mlp::kSwiGlu)
+    sink(Rule::kBlockVariants, "glu_limit", [&] {
+      return "= " + str(m.glu_limit) + " with mlp = \"gelu\": the clamped gate is a gated (SwiGLU-shaped) layer";
+    });
+}
+
 template <class Sink>
 void check_model(const ModelSpec& m, Sink& sink) {
   if (m.experts_per_token > m.num_experts)
@@ -173,6 +188,7 @@ void check_model(const ModelSpec& m, Sink& sink) {
   check_moe_layer_pattern(m, sink);
   check_latent_attention(m, sink);
   check_router_groups(m, sink);
+  check_block_variants(m, sink);
   // Counted in double so that a huge model cannot overflow before it is rejected.
   const double h = static_cast<double>(m.hidden_size);
   const double layers = static_cast<double>(m.num_layers);

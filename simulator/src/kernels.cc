@@ -139,8 +139,8 @@ class KernelListBuilder {
     fused_ = hw_.kernels == Kernels::kFused;
     flash_ = hw_.attention == AttentionKernel::kFlash;
     dropout_ = m_.dropout > 0;
-    context_ = seq_ / 2.0;  // causal: a query sees half the sequence on average
-    if (m_.sliding_window && *m_.sliding_window < c.training.seq_len) context_ = static_cast<double>(*m_.sliding_window);
+    // Causal: a query sees half the sequence on average, or the window where blocks have one.
+    context_ = m_.attention_context(c.training.seq_len);
   }
 
   // A forward GEMM [m, k] x [k, n], and in backward its two: the input's gradient [m, n] x

@@ -598,7 +598,7 @@ TEST(HfConfig, ProblemsFromAFile) {
       {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
       {"/num_local_expert", 16, "num_local_expert", "unknown field"},
       {"/model_type", "gpt2", "model_type",
-       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\" or \"llama\", got \"gpt2\""},
+       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\", \"gpt_oss\" or \"llama\", got \"gpt2\""},
       {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"gelu\""},
       {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
   };
@@ -705,6 +705,35 @@ TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
        "qk_rope_head_dim)"},
   };
   expect_each_model_edit_refused(v3, edits, "config.json");
+}
+
+// GPT-OSS: blocks alternating a 128-token window and full attention, sinks, biases, the clamped
+// gate; the 120B config reads as the shipped profile (the model card's 116.83B). A pattern of
+// windows other than every K-th block full, or two top-k that disagree, is refused by name.
+TEST(HfConfig, GptOssReadsAsTheShippedProfile) {
+  const Json config = parse_json_text(read_text(data_path("hf/gpt-oss-120b/config.json")), "config.json");
+  ModelSpec hf = model_from_hf_config(config, "config.json");
+  const ModelSpec profile = read_model_file(profile_path("models/gpt-oss-120b.json"));
+  hf.name = profile.name;
+  hf.source = profile.source;
+  EXPECT_EQ(hf, profile);
+  EXPECT_EQ(hf.full_attention_step, 2);
+  EXPECT_TRUE(hf.windowed_layer(0));
+  EXPECT_FALSE(hf.windowed_layer(1));
+  EXPECT_NEAR(static_cast<double>(count_parameters(profile).total()) / 1e9, 116.83, 0.01);
+  EXPECT_NEAR(static_cast<double>(count_parameters(read_model_file(profile_path("models/gpt-oss-20b.json"))).total()) / 1e9,
+              20.91, 0.01);
+  Json all_windowed = config;
+  for (Json& t : all_windowed["layer_types"]) t = "sliding_attention";
+  EXPECT_EQ(model_from_hf_config(all_windowed, "config.json").full_attention_step, 0);
+  const std::vector<ProfileEdit> edits = {
+      {"/layer_types/2", "full_attention", "layer_types",
+       "expected 36 of \"sliding_attention\" and \"full_attention\", full attention on every K-th block (blocks K-1, "
+       "2K-1, ...) or none: another pattern is not modelled"},
+      {"/experts_per_token", 2, "experts_per_token", "= 2 differs from num_experts_per_tok = 4"},
+      {"/swiglu_limit", -1, "swiglu_limit", "must be in [0, 1e+06], got -1"},
+  };
+  expect_each_model_edit_refused(config, edits, "config.json");
 }
 
 // DeepSeekMoE's first_k_dense_replace and moe_layer_freq place its dense blocks; what it says

@@ -141,6 +141,28 @@ TEST(ModelSpec, MultiTokenPredictionAddsABlockAProjectionAndAHead) {
   EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
 }
 
+// Windowed and full attention: GPT-OSS's 36 blocks alternate a 128-token window and the whole
+// sequence, so a query sees (18 x 128 + 18 x 2048) / 36 = 1,088 keys on average at sequence
+// 4,096; its FLOPs count that, and a window as long as the sequence is no window.
+TEST(ModelSpec, WindowedBlocksSeeTheirWindow) {
+  const ModelSpec m = test::model("gpt-oss-120b");
+  EXPECT_DOUBLE_EQ(m.attention_context(4096), 1088.0);
+  ModelSpec full = m;
+  full.sliding_window.reset();
+  full.full_attention_step = 0;
+  EXPECT_DOUBLE_EQ(full.attention_context(4096), 2048.0);
+  EXPECT_DOUBLE_EQ(m.attention_context(128), 64.0);  // the window covers the sequence
+  ModelSpec every = m;
+  every.full_attention_step = 0;
+  EXPECT_DOUBLE_EQ(every.attention_context(4096), 128.0);
+  const double core = 2.0 * (64 * 64 + 64 * 64) * 36;  // per key of context, all blocks
+  EXPECT_NEAR(forward_flops_per_token(full, 4096) - forward_flops_per_token(m, 4096), core * (2048 - 1088), 1e-6);
+  EXPECT_EQ(model_from_json(to_json(m), "profile"), m);
+  EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
+  EXPECT_STREQ(gpt_oss_variant_field(m), "model.full_attention_step");
+  EXPECT_EQ(gpt_oss_variant_field(test::model("mixtral-8x7b")), nullptr);
+}
+
 // A pipeline stage's blocks: contiguous without interleaving, V chunks with it; the stages'
 // counts add up to the model's either way.
 TEST(ModelSpec, StagesCountTheirMoeBlocks) {
@@ -199,7 +221,7 @@ TEST(ModelSpec, HuggingFaceConfigRejectsOtherArchitectures) {
   const auto problems = test::problems_of([&] { model_from_hf_config(config, "config.json"); }, "config.json");
   ASSERT_GE(problems.size(), 1u);
   EXPECT_EQ(problems[0].path, "model_type");
-  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\" or \"llama\", got \"gpt2\"");
+  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\", \"gpt_oss\" or \"llama\", got \"gpt2\"");
 }
 
 // Dense models count their parameters as published: Llama 3 8B and Llama 2 70B to the

@@ -99,6 +99,16 @@ const RuleCase kCases[] = {
      "= 1 after a dense last block: a multi-token prediction block is of the last block's kind, and only MoE ones are "
      "modelled",
      "= 1"},
+    {"FullAttentionStepWithoutAWindow", [](Scenario& s) { s.model.full_attention_step = 2; },
+     Rule::kBlockVariants, "model.full_attention_step", "= 2 without sliding_window: the other blocks need a window",
+     "= 2"},
+    {"ClampedGateOnAGeluLayer",
+     [](Scenario& s) {
+       s.model.mlp = Mlp::kGelu;
+       s.model.glu_limit = 7;
+     },
+     Rule::kBlockVariants, "model.glu_limit",
+     "= 7 with mlp = \"gelu\": the clamped gate is a gated (SwiGLU-shaped) layer", "= 7"},
     {"RouterGroupsSplitAnExpert", [](Scenario& s) { s.model.router_groups = 3; },
      Rule::kRouterGroups, "model.router_groups", "= 3 does not divide num_experts = 8", "= 3"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },

@@ -247,6 +247,17 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
         file(launch::export_launch(p, test::framework_rules("megatron"), "plan.json"), "megatron-args.txt").text);
   }();
   EXPECT_EQ(with_mtp.at("--mtp-num-layers"), "1");
+  // GPT-OSS: windows on every block but each second, sinks, biases everywhere, the clamped gate.
+  const auto oss = args_of("gpt-oss-20b");
+  EXPECT_EQ(oss.at("--window-size"), "128,0");
+  EXPECT_EQ(oss.at("--window-attn-skip-freq"), "2");
+  EXPECT_EQ(oss.at("--softmax-type"), "learnable");
+  EXPECT_EQ(oss.at("--activation-func-clamp-value"), "7");
+  EXPECT_EQ(oss.at("--glu-linear-offset"), "1.0");
+  EXPECT_EQ(oss.count("--quick-geglu"), 1u);
+  EXPECT_EQ(oss.count("--swiglu"), 0u);
+  EXPECT_EQ(oss.count("--disable-bias-linear"), 0u);
+  EXPECT_EQ(lite.count("--disable-bias-linear"), 1u);
 }
 
 TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {

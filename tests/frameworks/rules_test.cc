@@ -220,6 +220,32 @@ const FrameworkRuleCase kCases[] = {
      "= 1: torchtitan's job configs (TOML) train next-token prediction only; its multi-token prediction is set in the "
      "Python model config, which moeplan does not write",
      "= 1"},
+    {"ExecutorModeAttentionSinks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.attention_sinks = true;
+     },
+     "executor_trains_moe", "model.attention_sinks",
+     "is set: the executor trains Mixtral-style blocks (GPT-OSS's windowed and full attention, sinks, biases and "
+     "clamped gate are planned and simulated only)",
+     "is set"},
+    {"TorchtitanExpertBiases",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.expert_bias = true;
+     },
+     "torchtitan_models", "model.expert_bias",
+     "is set: moeplan writes torchtitan's llama3, llama4, qwen3 and deepseek_v3 models, not its gpt_oss", "gpt_oss"},
+    {"SmpClampedGate",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.model.glu_limit = 7;
+     },
+     "smp_models", "model.glu_limit", "is set: SMP's models are not GPT-OSS", "GPT-OSS"},
     {"ExecutorModeSigmoidRouter",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

@@ -885,6 +885,20 @@ TEST(LatentAttention, KernelsFollowItsProjectionsAndHeadWidths) {
                        2.0 * tokens * 2048 * 64 * (192 + 128));
 }
 
+// Windowed and full attention (GPT-OSS-20B: 24 blocks, every second one full): the attention
+// core of the simulated block sees the blocks' average context, (12 x 128 + 12 x 2048) / 24 of
+// the 2,048 keys a query sees without windows at sequence 4,096.
+TEST(WindowedAttention, TheCoreSeesTheBlocksAverageContext) {
+  Scenario c = make_scenario("gpt-oss-20b", "p5.48xlarge", 8, 8, 1, "RSE", Checkpointing::kFull, 1, 2, 4096);
+  ASSERT_TRUE(validate(c.config()).empty());
+  const OpCosts windowed = op_costs(c.config());
+  c.model.sliding_window.reset();
+  c.model.full_attention_step = 0;
+  const OpCosts full = op_costs(c.config());
+  EXPECT_NEAR(windowed.core_flops / full.core_flops, (12 * 128 + 12 * 2048) / 24.0 / 2048.0, 1e-12);
+  EXPECT_LT(windowed.attention_forward_s, full.attention_forward_s);
+}
+
 // Dense blocks among MoE blocks (DeepSeek's first blocks): no token exchange and their own
 // feed-forward layer over every token. At twice the expert width they do a top-2 block's work
 // without its router.

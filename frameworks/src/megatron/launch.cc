@@ -41,8 +41,20 @@ void model_args(const Plan& plan, Args& a) {
   a.push_back({"--rotary-base", number(m.rope_theta)});
   if (m.norm == Norm::kRmsNorm) a.push_back({"--normalization", "RMSNorm"});
   a.push_back({"--norm-epsilon", number(m.rms_norm_eps)});
-  if (m.mlp == Mlp::kSwiGlu) a.push_back({"--swiglu", ""});
-  a.push_back({"--disable-bias-linear", ""});
+  if (m.mlp == Mlp::kSwiGlu && m.glu_limit > 0) {  // GPT-OSS's gate
+    a.push_back({"--quick-geglu", ""});
+    a.push_back({"--glu-linear-offset", "1.0"});
+    a.push_back({"--activation-func-clamp-value", number(m.glu_limit)});
+  } else if (m.mlp == Mlp::kSwiGlu) {
+    a.push_back({"--swiglu", ""});
+  }
+  // Megatron-LM's linear layers take biases all or none; the q, k and v ones alone by their flag.
+  if (!m.output_bias && !m.expert_bias) a.push_back({"--disable-bias-linear", ""});
+  if (m.sliding_window) {
+    a.push_back({"--window-size", std::to_string(*m.sliding_window) + ",0"});
+    if (m.full_attention_step > 0) a.push_back({"--window-attn-skip-freq", std::to_string(m.full_attention_step)});
+  }
+  if (m.attention_sinks) a.push_back({"--softmax-type", "learnable"});
   if (m.qkv_bias) a.push_back({"--add-qkv-bias", ""});
   if (m.qk_norm) a.push_back({"--qk-layernorm", ""});  // of the --normalization kind
   if (!m.tie_word_embeddings) a.push_back({"--untie-embeddings-and-output-weights", ""});

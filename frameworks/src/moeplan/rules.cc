@@ -62,6 +62,11 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string("= ") + (m.router_groups > 1 ? rule_number(m.router_groups) : "\"sigmoid\"") +
              ": the executor's router takes the top-k of a softmax over every expert";
     });
+  if (const char* field = gpt_oss_variant_field(m))
+    sink(kTrainsMoe, field, [&] {
+      return std::string("is set: the executor trains Mixtral-style blocks (GPT-OSS's windowed and full attention, "
+                         "sinks, biases and clamped gate are planned and simulated only)");
+    });
   if (m.mtp_layers > 0)
     sink(kTrainsMoe, "model.mtp_layers", [&] {
       return "= " + rule_number(m.mtp_layers) + ": the executor trains next-token prediction only";

@@ -80,6 +80,8 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (m.router_scoring != RouterScoring::kSoftmax || m.router_groups > 1)
     sink(kModels, m.router_groups > 1 ? "model.router_groups" : "model.router_scoring",
          [&] { return std::string("set: SMP's MoE model (Mixtral) routes by a softmax over every expert"); });
+  if (const char* field = gpt_oss_variant_field(m))
+    sink(kModels, field, [&] { return std::string("is set: SMP's models are not GPT-OSS"); });
   if (m.mtp_layers > 0)
     sink(kModels, "model.mtp_layers",
          [&] { return "= " + rule_number(m.mtp_layers) + ": SMP's models predict the next token only"; });

@@ -111,6 +111,10 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kModels, "model.router_groups", [&] {
       return "= " + rule_number(m.router_groups) + ": torchtitan routes within groups in its deepseek_v3 only";
     });
+  if (const char* field = gpt_oss_variant_field(m))
+    sink(kModels, field, [&] {
+      return std::string("is set: moeplan writes torchtitan's llama3, llama4, qwen3 and deepseek_v3 models, not its gpt_oss");
+    });
   if (m.mtp_layers > 0)
     sink(kModels, "model.mtp_layers", [&] {
       return "= " + rule_number(m.mtp_layers) +

@@ -100,6 +100,19 @@ struct ModelSpec {
   // the last block's kind (an MoE block), a final norm, and the shared lm head with a loss of
   // its own. They run on the last pipeline stage, which then holds the embedding as well.
   int64_t mtp_layers = 0;
+  // Attention within a window on some blocks only (Gemma, GPT-OSS): with sliding_window set,
+  // every full_attention_step-th block (blocks K-1, 2K-1, ...: Megatron-Core's
+  // --window-attn-skip-freq) attends over the whole sequence, the others within the window;
+  // 0: every block within it.
+  int64_t full_attention_step = 0;
+  // GPT-OSS: a learned logit per head in each softmax (attention sinks), a bias on o_proj,
+  // biases on each expert's projections and on the router, and its gate: gate x
+  // sigmoid(1.702 gate) x (up + 1), both clamped at glu_limit (0: plain SwiGLU). The gate is
+  // priced as SwiGLU: the same GEMMs, its clamp inside the fused activation.
+  bool attention_sinks = false;
+  bool output_bias = false;
+  bool expert_bias = false;
+  double glu_limit = 0;
 
   // One expert is a dense model: its feed-forward layer takes every token and has no router.
   bool dense() const { return num_experts == 1; }
@@ -122,6 +135,13 @@ struct ModelSpec {
     return first_dense_layers == 0 && moe_layer_step == 1 ? num_layers : moe_layers_in(0, num_layers);
   }
   bool has_dense_layers() const { return moe_layers() < num_layers; }
+  // Whether block i attends within the sliding window.
+  bool windowed_layer(int64_t i) const {
+    return sliding_window.has_value() && (full_attention_step == 0 || (i + 1) % full_attention_step != 0);
+  }
+  // The keys a query sees on average over the blocks, at sequence length seq_len (causal: half
+  // the sequence; within a window shorter than the sequence, the window).
+  double attention_context(int64_t seq_len) const;
   // Every block that runs: the decoder's and the multi-token prediction ones.
   int64_t blocks() const { return num_layers + mtp_layers; }
   int64_t moe_blocks() const { return moe_layers() + mtp_layers; }
@@ -136,11 +156,11 @@ struct ParamCounts {
   int64_t lm_head = 0;              // vocab x hidden, 0 when tied
   int64_t final_norm = 0;           // hidden
   int64_t attention_per_layer = 0;  // q, k, v, o projections (their weights; MLA's down and up ones)
-  int64_t biases_per_layer = 0;     // q, k and v biases (qkv_bias)
+  int64_t biases_per_layer = 0;     // q, k and v biases (qkv_bias), o_proj's, the attention sinks
   int64_t norms_per_layer = 0;      // two RMSNorm weights, and q and k's (qk_norm) or MLA's latents'
   int64_t router_per_layer = 0;     // hidden x num_experts, no bias (none in a dense model)
   int64_t shared_expert_per_layer = 0;  // the shared experts' matrices and their gate
-  int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu)
+  int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu), its biases
   int64_t dense_mlp_per_layer = 0;  // the feed-forward layer of a dense block among MoE blocks
   // Of attention's, what every tensor-parallel rank holds whole: latent attention's down
   // projections and its latents' norms (0 without latent attention).
@@ -182,15 +202,20 @@ ModelSpec dense_block_model(const ModelSpec& model);
 
 ParamCounts count_parameters(const ModelSpec& model);
 
+// The first of GPT-OSS's block variants the model has, as its field ("model.full_attention_step",
+// "model.attention_sinks", "model.output_bias", "model.expert_bias", "model.glu_limit"), or
+// nullptr: what frameworks that build other blocks refuse by name.
+const char* gpt_oss_variant_field(const ModelSpec& model);
+
 // Forward FLOPs of one token through the whole model at sequence length seq_len (matrix
 // multiplies only, 2 FLOPs per multiply-add; causal attention counted at half the square).
 double forward_flops_per_token(const ModelSpec& model, int64_t seq_len);
 
 // moeplan model profile (profiles/models/*.json).
 ModelSpec model_from_json(const Json& json, const std::string& origin);
-// Hugging Face config.json: MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, or LlamaConfig (a
-// dense model). A field that changes the model's time or memory and that moeplan does not
-// model is refused by name.
+// Hugging Face config.json: MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, DeepseekConfig,
+// DeepseekV2Config, DeepseekV3Config, GptOssConfig, or LlamaConfig (a dense model). A field that
+// changes the model's time or memory and that moeplan does not model is refused by name.
 ModelSpec model_from_hf_config(const Json& json, const std::string& origin);
 // Reads either format from a file: a "model_type" field marks a Hugging Face config.
 ModelSpec read_model_file(const std::string& path);

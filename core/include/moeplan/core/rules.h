@@ -28,6 +28,7 @@ enum class Rule : uint8_t {
   kMoeLayerPattern,
   kLatentAttentionShape,
   kRouterGroups,
+  kBlockVariants,
   // Cluster and world size
   kWorldSizeFitsCluster,
   kWholeNodes,
