@@ -222,15 +222,17 @@ ModelSpec model_from_json(const Json& json, const std::string& origin) {
 namespace {
 
 // The Hugging Face architectures moeplan reads, by model_type.
+// Kimi K2's config says kimi_k2 for DeepSeek-V3's architecture (its auto_map: DeepseekV3Config).
 enum class HfType : uint8_t { kMixtral, kLlama, kQwen2Moe, kQwen3Moe, kDeepseek, kDeepseekV2, kDeepseekV3, kGptOss };
-constexpr std::array<std::pair<std::string_view, HfType>, 8> kHfTypes{{{"mixtral", HfType::kMixtral},
+constexpr std::array<std::pair<std::string_view, HfType>, 9> kHfTypes{{{"mixtral", HfType::kMixtral},
                                                                         {"llama", HfType::kLlama},
                                                                         {"qwen2_moe", HfType::kQwen2Moe},
                                                                         {"qwen3_moe", HfType::kQwen3Moe},
                                                                         {"deepseek", HfType::kDeepseek},
                                                                         {"deepseek_v2", HfType::kDeepseekV2},
                                                                         {"deepseek_v3", HfType::kDeepseekV3},
-                                                                        {"gpt_oss", HfType::kGptOss}}};
+                                                                        {"gpt_oss", HfType::kGptOss},
+                                                                        {"kimi_k2", HfType::kDeepseekV3}}};
 
 // Fields of PretrainedConfig and of the architectures above that change neither a step's time
 // nor its memory (token ids, caching, output switches, inference-only rope scaling, dtypes,
@@ -433,7 +435,7 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     if (!name.empty() && !known)
       d.error("model_type",
               "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", "
-              "\"deepseek_v3\", \"gpt_oss\" or \"llama\", got \"" + name + "\"");
+              "\"deepseek_v3\", \"kimi_k2\", \"gpt_oss\" or \"llama\", got \"" + name + "\"");
     // Each architecture's own defaults (transformers' config classes).
     const bool llama = type == HfType::kLlama, qwen = type == HfType::kQwen2Moe || type == HfType::kQwen3Moe;
     const bool deepseek = type == HfType::kDeepseek || type == HfType::kDeepseekV2 || type == HfType::kDeepseekV3;

@@ -201,6 +201,24 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
   EXPECT_EQ(hf.exit_code, 0) << show(hf);
 }
 
+// Each Hugging Face architecture moeplan reads plans from its config.json, and `check`
+// recomputes the plan's memory (the analytic estimate ranks: the simulator would only change
+// which plan wins). Search.CurrentMoeModelsPlanOnH100AndA100 plans every shipped profile.
+TEST_F(Cli, HuggingFaceMoeConfigsPlanAndCheck) {
+  Workdir dir;
+  for (const auto& [config, gpus] : {std::pair<std::string, int>{"hf/deepseek-v3/config.json", 256},
+                                     {"hf/gpt-oss-120b/config.json", 16},
+                                     {"hf/qwen3-30b-a3b/config.json", 8},
+                                     {"hf/qwen2-57b-a14b/config.json", 16},
+                                     {"hf/mixtral-8x7b/config.json", 8}}) {
+    const Outcome search = dir.moeplan("search --target any --estimator analytic --instance p5.48xlarge --model " +
+                                       quoted(test::data_path(config)) + " --gpus " + std::to_string(gpus));
+    ASSERT_EQ(search.exit_code, 0) << config << show(search);
+    const Outcome check = dir.moeplan("check plan.json");
+    EXPECT_EQ(check.exit_code, 0) << config << show(check);
+  }
+}
+
 // The MoE runs kept apart from the main set (docs/validation.md, "MoE runs beyond Mixtral"):
 // every one predicted in its published layout, none put over the device by the memory model.
 TEST_F(Cli, PublishedMoeRunsArePredictedInTheirOwnLayouts) {

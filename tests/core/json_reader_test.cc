@@ -544,8 +544,9 @@ TEST(ModelProfile, ProblemsFromAFile) {
 }
 
 TEST(ModelProfile, ShippedProfilesRoundTrip) {
-  for (const char* name :
-       {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen2-57b-a14b"}) {
+  for (const char* name : {"mixtral-8x7b", "mixtral-8x22b", "mixtral-tiny", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                           "qwen2-57b-a14b", "deepseek-moe-16b", "deepseek-v2-lite", "deepseek-v3", "gpt-oss-20b",
+                           "gpt-oss-120b", "moonlight-16b-a3b", "kimi-k2"}) {
     const ModelSpec m = read_model_file(profile_path(std::string("models/") + name + ".json"));
     EXPECT_EQ(m.name, name);
     EXPECT_EQ(model_from_json(Json::parse(to_json(m).dump()), "again"), m) << name;
@@ -598,7 +599,7 @@ TEST(HfConfig, ProblemsFromAFile) {
       {"/head_dim", 127.5, "head_dim", "expected an integer, got number 127.5"},
       {"/num_local_expert", 16, "num_local_expert", "unknown field"},
       {"/model_type", "gpt2", "model_type",
-       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\", \"gpt_oss\" or \"llama\", got \"gpt2\""},
+       "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\", \"kimi_k2\", \"gpt_oss\" or \"llama\", got \"gpt2\""},
       {"/hidden_act", "gelu", "hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"gelu\""},
       {"/num_key_value_heads", 5, "num_key_value_heads", "= 5 does not divide num_attention_heads = 32"},
   };
@@ -674,7 +675,8 @@ TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
     double total, active;  // billions; active counts the embedding, which the model cards leave out
   };
   for (const Case& c : {Case{"hf/deepseek-v2-lite/config.json", "models/deepseek-v2-lite.json", 15.7, 2.66},
-                        Case{"hf/deepseek-v3/config.json", "models/deepseek-v3.json", 682.6, 38.24}}) {
+                        Case{"hf/deepseek-v3/config.json", "models/deepseek-v3.json", 682.6, 38.24},
+                        Case{"hf/moonlight-16b-a3b/config.json", "models/moonlight-16b-a3b.json", 16.0, 2.94}}) {
     SCOPED_TRACE(c.config);
     const Json config = parse_json_text(read_text(data_path(c.config)), "config.json");
     ModelSpec hf = model_from_hf_config(config, "config.json");
@@ -687,6 +689,12 @@ TEST(HfConfig, DeepseekV2AndV3ReadAsTheShippedProfiles) {
     EXPECT_NEAR(static_cast<double>(p.active()) / 1e9, c.active, 0.05);
   }
   Json v3 = parse_json_text(read_text(data_path("hf/deepseek-v3/config.json")), "config.json");
+  // Kimi K2's config names DeepSeek-V3's architecture kimi_k2.
+  Json kimi = v3;
+  kimi["model_type"] = "kimi_k2";
+  EXPECT_EQ(model_from_hf_config(kimi, "config.json"), model_from_hf_config(v3, "config.json"));
+  EXPECT_NEAR(static_cast<double>(count_parameters(read_model_file(profile_path("models/kimi-k2.json"))).total()) / 1e9,
+              1026.4, 0.05);
   ModelSpec without = read_model_file(profile_path("models/deepseek-v3.json"));
   without.mtp_layers = 0;
   EXPECT_NEAR(static_cast<double>(count_parameters(without).total()) / 1e9, 671.0, 0.05);

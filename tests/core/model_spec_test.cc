@@ -221,7 +221,7 @@ TEST(ModelSpec, HuggingFaceConfigRejectsOtherArchitectures) {
   const auto problems = test::problems_of([&] { model_from_hf_config(config, "config.json"); }, "config.json");
   ASSERT_GE(problems.size(), 1u);
   EXPECT_EQ(problems[0].path, "model_type");
-  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\", \"gpt_oss\" or \"llama\", got \"gpt2\"");
+  EXPECT_EQ(problems[0].message, "expected \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"deepseek\", \"deepseek_v2\", \"deepseek_v3\", \"kimi_k2\", \"gpt_oss\" or \"llama\", got \"gpt2\"");
 }
 
 // Dense models count their parameters as published: Llama 3 8B and Llama 2 70B to the
