@@ -28,6 +28,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "expert_tensor_needs_sequence_parallel",
     "pipeline_degree_divides_layers",
     "virtual_stages_fit_the_pipeline",
+    "groups_share_one_shape",
     "seq_len_within_positions",
     "micro_batch_tokens",
     "global_batch_matches",
@@ -312,6 +313,39 @@ void check_degrees(const RunConfig& c, Sink& sink) {
     });
 }
 
+// Whether every group of `size` ranks `stride` apart falls on the nodes of `node` GPUs in the
+// same shape: groups inside a node, or each spanning whole nodes with as many members on each.
+// Otherwise some groups stay inside a node and others straddle two (T = 6 on 8-GPU nodes: ranks
+// 0-5, then 6-11), and pricing one group's shape would price the others wrong.
+bool groups_share_one_shape(int64_t size, int64_t stride, int64_t node) {
+  const int64_t span = size * stride;
+  if (size <= 1 || node % span == 0) return true;
+  return span % node == 0 && (node % stride == 0 || stride % node == 0);
+}
+
+// Each mesh dimension's groups in one shape across the nodes (costed as one).
+template <class Sink>
+void check_group_shapes(const RunConfig& c, Sink& sink) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t e = p.expert_parallel_degree, s = p.hybrid_shard_degree, tp = p.tensor_parallel_degree;
+  const int64_t pp = p.pipeline_parallel_degree;
+  if (e < 1 || s < 1 || tp < 1 || pp < 1 || p.world_size % (e * s * tp * pp) != 0) return;
+  const int64_t node = std::max<int64_t>(1, std::min(p.world_size, c.cluster.gpus_per_node));
+  for (MeshDim d : kAllMeshDims) {
+    if (groups_share_one_shape(p.degree(d), p.stride(d), node)) continue;
+    const char* field = d == MeshDim::kTensor     ? "parallel.tensor_parallel_degree"
+                        : d == MeshDim::kExpert   ? "parallel.expert_parallel_degree"
+                        : d == MeshDim::kShard    ? "parallel.hybrid_shard_degree"
+                        : d == MeshDim::kPipeline ? "parallel.pipeline_parallel_degree"
+                                                  : "parallel.replica_degree";
+    sink(Rule::kGroupsShareOneShape, field, [&, d = d] {
+      return "= " + str(p.degree(d)) + ": groups of ranks " + str(p.stride(d)) + " apart fall on nodes of " + str(node) +
+             " GPUs in different shapes (not every group has as many ranks on each node), which moeplan would cost as one";
+    });
+    return;
+  }
+}
+
 // Sequence, batch, checkpointing and offloading.
 template <class Sink>
 void check_batch(const RunConfig& c, Sink& sink) {
@@ -427,6 +461,7 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
 template <class Sink>
 void check_config(const RunConfig& c, Sink& sink) {
   check_degrees(c, sink);
+  check_group_shapes(c, sink);
   check_batch(c, sink);
   check_moe_and_training(c, sink);
   if (c.target && c.target->check) {

@@ -109,6 +109,20 @@ const RuleCase kCases[] = {
      },
      Rule::kBlockVariants, "model.glu_limit",
      "= 7 with mlp = \"gelu\": the clamped gate is a gated (SwiGLU-shaped) layer", "= 7"},
+    // 24 ranks on two nodes of 12, E8 S3: shard groups {i, i + 8, i + 16} put two ranks on the
+    // first node and one on the second for i < 4, one and two for the others.
+    {"ShardGroupsStraddleNodesUnevenly",
+     [](Scenario& s) {
+       s.cluster.gpus_per_node = 12;
+       s.parallel.world_size = 24;
+       s.parallel.expert_parallel_degree = 8;
+       s.parallel.hybrid_shard_degree = 3;
+       s.training.global_batch_tokens = 24 * 128 * 2048;
+     },
+     Rule::kGroupsShareOneShape, "parallel.hybrid_shard_degree",
+     "= 3: groups of ranks 8 apart fall on nodes of 12 GPUs in different shapes (not every group has as many ranks on "
+     "each node), which moeplan would cost as one",
+     "= 3"},
     {"RouterGroupsSplitAnExpert", [](Scenario& s) { s.model.router_groups = 3; },
      Rule::kRouterGroups, "model.router_groups", "= 3 does not divide num_experts = 8", "= 3"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 namespace moeplan::sim {
 namespace {
 
@@ -118,6 +120,30 @@ TEST(CostModel, AllToAllAcrossTwoNodes) {
   EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, local), 1e-6 + 0.014, 1e-12);
   // A 128-member group's latency is still one hop.
   EXPECT_NEAR(cost.all_to_all_seconds(8.0, GroupShape{128, 2, 64, 4}) - 10e-6, 0, 1e-6);
+}
+
+// A tensor-parallel group of 16 on nodes of 8 spans two: its collectives go through each node's
+// network card, so an all-reduce costs at least what half its ring traffic takes at the card's
+// bandwidth, over three times the same bytes inside one node over NVLink.
+TEST(CostModel, TensorGroupAcrossTwoNodesIsPricedAtTheCard) {
+  const ClusterSpec cl = test::hardware("p4d.24xlarge", 16);
+  ParallelConfig p;
+  p.world_size = 16;
+  p.expert_parallel_degree = 1;
+  p.hybrid_shard_degree = 1;
+  p.tensor_parallel_degree = 16;
+  const GroupShape across = group_shape(cl, p, MeshDim::kTensor);
+  EXPECT_TRUE(across.crosses_nodes());
+  EXPECT_EQ(across.per_node, 8);
+  EXPECT_EQ(across.nodes, 2);
+  p.tensor_parallel_degree = 8;
+  p.hybrid_shard_degree = 2;
+  const GroupShape inside = group_shape(cl, p, MeshDim::kTensor);
+  EXPECT_FALSE(inside.crosses_nodes());
+  const CostModel cost(cl);
+  const double bytes = 64e6;
+  EXPECT_GE(cost.all_reduce_seconds(bytes, across), 2 * bytes / 2 / cl.inter_node_bandwidth_bytes_per_s);
+  EXPECT_GT(cost.all_reduce_seconds(bytes, across), 3 * cost.all_reduce_seconds(bytes, inside));
 }
 
 TEST(CostModel, SingleMemberGroupsCostNothing) {

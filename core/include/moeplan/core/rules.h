@@ -43,6 +43,7 @@ enum class Rule : uint8_t {
   kExpertTensorNeedsSequenceParallel,
   kPipelineDividesLayers,
   kVirtualStagesFitThePipeline,
+  kGroupsShareOneShape,
   // Batch and sequence
   kSeqLenWithinPositions,
   kMicroBatchTokens,

@@ -21,8 +21,8 @@ struct GroupShape {
   bool crosses_nodes() const { return nodes > 1; }
 };
 
-// The group along mesh dimension `dim` (the group of rank 0; placements put every group of a
-// dimension in the same shape when degrees divide the node size).
+// The group along mesh dimension `dim` (the group of rank 0; the rule groups_share_one_shape
+// keeps to layouts whose groups of a dimension all have its shape).
 GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& parallel, MeshDim dim);
 // A group of `size` ranks with neighbours `stride` ranks apart.
 GroupShape group_shape(const ClusterSpec& cluster, int64_t world_size, int64_t size, int64_t stride);
