@@ -32,12 +32,13 @@ int64_t ModelSpec::moe_layers_in(int64_t begin, int64_t end) const {
 
 double ModelSpec::attention_context(int64_t seq_len) const {
   const double full = static_cast<double>(seq_len) / 2.0;
-  if (!sliding_window || *sliding_window >= seq_len || num_layers < 1) return full;
+  if (!sliding_window || *sliding_window >= seq_len) return full;
   const double window = static_cast<double>(*sliding_window);
   if (full_attention_step <= 0) return window;
-  const double full_blocks = static_cast<double>(num_layers / full_attention_step);
-  const double layers = static_cast<double>(num_layers);
-  return (full_blocks * full + (layers - full_blocks) * window) / layers;
+  // One block in full_attention_step attends over the whole sequence: the pattern's share, the
+  // same for a pipeline stage's blocks as for the model's (exact where the step divides them).
+  const double share = 1.0 / static_cast<double>(full_attention_step);
+  return share * full + (1.0 - share) * window;
 }
 
 ModelSpec dense_block_model(const ModelSpec& m) {

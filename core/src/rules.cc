@@ -192,7 +192,7 @@ void check_model(const ModelSpec& m, Sink& sink) {
   check_block_variants(m, sink);
   // Counted in double so that a huge model cannot overflow before it is rejected.
   const double h = static_cast<double>(m.hidden_size);
-  const double layers = static_cast<double>(m.num_layers);
+  const double layers = static_cast<double>(m.num_layers) + static_cast<double>(m.mtp_layers);
   const double params =
       2.0 * static_cast<double>(m.vocab_size) * h +
       layers * (4.0 * h * static_cast<double>(m.num_attention_heads * m.head_dim) +
@@ -323,7 +323,8 @@ bool groups_share_one_shape(int64_t size, int64_t stride, int64_t node) {
   return span % node == 0 && (node % stride == 0 || stride % node == 0);
 }
 
-// Each mesh dimension's groups in one shape across the nodes (costed as one).
+// Each mesh dimension's groups in one shape across the nodes (costed as one). The innermost
+// dimension whose groups differ is named: the dimensions outside it differ because of it.
 template <class Sink>
 void check_group_shapes(const RunConfig& c, Sink& sink) {
   const ParallelConfig& p = c.parallel;
@@ -331,7 +332,8 @@ void check_group_shapes(const RunConfig& c, Sink& sink) {
   const int64_t pp = p.pipeline_parallel_degree;
   if (e < 1 || s < 1 || tp < 1 || pp < 1 || p.world_size % (e * s * tp * pp) != 0) return;
   const int64_t node = std::max<int64_t>(1, std::min(p.world_size, c.cluster.gpus_per_node));
-  for (MeshDim d : kAllMeshDims) {
+  for (size_t i = kMeshDims; i-- > 0;) {
+    const MeshDim d = p.placement.outer_to_inner[i];
     if (groups_share_one_shape(p.degree(d), p.stride(d), node)) continue;
     const char* field = d == MeshDim::kTensor     ? "parallel.tensor_parallel_degree"
                         : d == MeshDim::kExpert   ? "parallel.expert_parallel_degree"

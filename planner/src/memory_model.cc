@@ -259,15 +259,15 @@ KeptActivations kept_activations(const BlockActivations& block, Checkpointing ch
 }
 
 // A pipeline stage keeps its blocks' activations for every micro-batch in flight: under 1F1B
-// the first stage runs P forwards before its first backward.
-// Interleaved (V chunks of L / (P V) blocks), rank 0 runs 2 (P - 1) + (V - 1) P chunk
+// stage s runs P - s forwards before its first backward (the first stage P).
+// Interleaved (V chunks of L / (P V) blocks), rank s runs 2 (P - 1 - s) + (V - 1) P chunk
 // forwards before its first backward, and keeps them and the one in use.
-double micro_batches_in_flight(const ParallelConfig& p) {
+double micro_batches_in_flight(const ParallelConfig& p, int64_t stage) {
   const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
   const int64_t vp = std::max<int64_t>(1, p.virtual_pipeline_degree);
-  double in_flight = static_cast<double>(std::min(pp, p.gradient_accumulation_steps));
+  double in_flight = static_cast<double>(std::min(pp - stage, p.gradient_accumulation_steps));
   if (vp > 1) {
-    const int64_t chunks = std::min(2 * (pp - 1) + (vp - 1) * pp + 1, p.gradient_accumulation_steps * vp);
+    const int64_t chunks = std::min(2 * (pp - 1 - stage) + (vp - 1) * pp + 1, p.gradient_accumulation_steps * vp);
     in_flight = static_cast<double>(chunks) / static_cast<double>(vp);
   }
   return in_flight;
@@ -276,7 +276,7 @@ double micro_batches_in_flight(const ParallelConfig& p) {
 // The activations the stage's blocks keep on the device and, offloaded, on the host: `moe`
 // of its MoE blocks and `dense` of its dense blocks.
 void add_activations(const ParallelConfig& p, const BlockActivations& moe, const BlockActivations& dense,
-                     StageBlockCounts blocks, MemoryEstimate& out) {
+                     StageBlockCounts blocks, double in_flight, MemoryEstimate& out) {
   const KeptActivations kept = kept_activations(moe, p.activation_checkpointing);
   const KeptActivations kept_dense = kept_activations(dense, p.activation_checkpointing);
   const double moe_layers = static_cast<double>(blocks.moe_layers);
@@ -288,7 +288,6 @@ void add_activations(const ParallelConfig& p, const BlockActivations& moe, const
   const int64_t offloadable = recomputes_moe(p.activation_checkpointing) ? moe.block_input : 0;
   const double resident = moe_layers * static_cast<double>(kept.stored_per_block - offloadable) +
                           dense_layers * static_cast<double>(kept_dense.stored_per_block - offloadable);
-  const double in_flight = micro_batches_in_flight(p);
   const int64_t stage_layers = blocks.layers;
   int64_t blocks_on_device = stage_layers;
   if (p.activation_offloading && offloadable > 0) {
@@ -353,13 +352,11 @@ void add_totals(const ClusterSpec& cluster, MemoryEstimate& out) {
   out.device_total = out.model_states() + transient + out.framework_overhead + out.fragmentation;
 }
 
-}  // namespace
-
-MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
+// One stage's memory: its blocks, with `in_flight` micro-batches' activations kept.
+MemoryEstimate estimate_stage_memory(const RunConfig& c, StageView view, StageBlockCounts blocks, double in_flight) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
   const int64_t a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  const StageBlockCounts blocks = busiest_stage(m, p);
   const ShardSizes sizes = stage_shard_sizes(m, blocks, p.expert_parallel_degree, p.hybrid_shard_degree,
                                              p.tensor_parallel_degree, p.pipeline_parallel_degree,
                                              view == StageView::kBusiest);
@@ -376,11 +373,37 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
           ? block_activations(dense_block_model(m), p.micro_batch_size, c.training.seq_len, tokens, a, c.cluster.kernels,
                               c.cluster.attention, split, c.training.fp8)
           : BlockActivations{};
-  add_activations(p, block, dense, blocks, out);
+  add_activations(p, block, dense, blocks, in_flight, out);
   out.moe_dispatch_buffers = dispatch_buffer_bytes(c, tokens, slots, a);
   out.logits = logits_bytes(c, tokens, a, out);
   add_totals(c.cluster, out);
   return out;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  if (c.model.mtp_layers == 0 || pp == 1)
+    return estimate_stage_memory(c, view, busiest_stage(c.model, p), micro_batches_in_flight(p, 0));
+  // Multi-token prediction's blocks are the last stage's, which keeps the fewest micro-batches
+  // in flight: the busiest of the decoder's stages with the first stage's micro-batches, or the
+  // last stage with its own, whichever needs more.
+  StageBlockCounts decoder = stage_block_counts(c.model, p, 0);
+  for (int64_t i = 1; i < pp; ++i) {
+    StageBlockCounts stage = stage_block_counts(c.model, p, i);
+    if (i + 1 == pp) {
+      stage.layers -= c.model.mtp_layers;
+      stage.moe_layers -= c.model.mtp_layers;
+    }
+    if (stage.moe_layers > decoder.moe_layers || (stage.moe_layers == decoder.moe_layers && stage.layers > decoder.layers))
+      decoder = stage;
+  }
+  const MemoryEstimate first = estimate_stage_memory(c, view, decoder, micro_batches_in_flight(p, 0));
+  const MemoryEstimate last =
+      estimate_stage_memory(c, view, stage_block_counts(c.model, p, pp - 1), micro_batches_in_flight(p, pp - 1));
+  return last.device_total > first.device_total ? last : first;
 }
 
 std::vector<MemoryItem> MemoryEstimate::device_items() const {

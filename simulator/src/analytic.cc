@@ -277,14 +277,18 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes, Kerne
   // The other stages: the last's time without the head in the ratio of their blocks' compute.
   const double last_weight = stage_weight(o, p, {blocks.blocks(), blocks.moe_blocks()});
   const double per_weight = std::max(0.0, per_micro_batch - o.head_s) / (last_weight > 0 ? last_weight : 1.0);
-  double slowest = per_micro_batch;
-  for (int64_t i = 0; i + 1 < p.pipeline_parallel_degree; ++i)
-    slowest = std::max(slowest, per_weight * stage_weight(o, p, stage_block_counts(c.model, p, i)));
-  out.pipeline_bubble_s = (stages - 1) * (std::max(0.0, per_micro_batch - o.head_s) / chunks + 2.0 * send) +
-                          accum * (slowest - per_micro_batch);
+  // The fill and drain: each other stage's micro-batch once (the last stage's blocks may be more,
+  // with multi-token prediction's).
+  double slowest = per_micro_batch, others = 0;
+  for (int64_t i = 0; i + 1 < p.pipeline_parallel_degree; ++i) {
+    const double stage_s = per_weight * stage_weight(o, p, stage_block_counts(c.model, p, i));
+    slowest = std::max(slowest, stage_s);
+    others += stage_s;
+  }
+  out.pipeline_bubble_s = others / chunks + (stages - 1) * 2.0 * send + accum * (slowest - per_micro_batch);
   out.exposed_comm_s += out.pipeline_bubble_s;
   out.step_time_s += out.pipeline_bubble_s;
-  out.lower_bound_s += (stages - 1) * std::max(0.0, busy_per_micro_batch - o.head_s) / chunks;
+  out.lower_bound_s += std::min((stages - 1) * std::max(0.0, busy_per_micro_batch - o.head_s), others) / chunks;
   fill_rates(c, out);
   return out;
 }

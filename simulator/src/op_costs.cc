@@ -13,9 +13,10 @@ namespace moeplan::sim {
 bool op_times_apply(const RunConfig& c) {
   const OpTimes& t = c.cluster.op_times;
   const ModelSpec& m = c.model;
-  // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks or
-  // latent attention.
+  // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks,
+  // latent attention, multi-token prediction or GPT-OSS's variants.
   return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && m.dense_intermediate_size == 0 && !m.mla() &&
+         m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
@@ -274,7 +275,10 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   o.dense_unit_bytes = gathered_share(block_dense);
   o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
-  o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head + params.mtp_projection));
+  // The last stage's head unit: under a pipeline, multi-token prediction looks tokens up there too.
+  const bool embedding_copy = p.pipeline_parallel_degree > 1 && m.mtp_layers > 0;
+  o.head_unit_bytes = gathered(static_cast<double>(params.final_norm + params.lm_head + params.mtp_projection +
+                                                   (embedding_copy ? params.embedding : 0)));
   o.offload_bytes = tokens / sp * h * a;  // the block input
   if (p.activation_checkpointing == Checkpointing::kSelective)
     o.offload_bytes += tokens * (3.0 * h / sp + (2.0 * q_width + 2.0 * kv_width) / tp) * a;

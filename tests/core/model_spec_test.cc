@@ -155,6 +155,10 @@ TEST(ModelSpec, WindowedBlocksSeeTheirWindow) {
   ModelSpec every = m;
   every.full_attention_step = 0;
   EXPECT_DOUBLE_EQ(every.attention_context(4096), 128.0);
+  // A pipeline stage of 9 of the 36 blocks sees the pattern's share, not 4 full blocks of 9.
+  ParallelConfig p4;
+  p4.pipeline_parallel_degree = 4;
+  EXPECT_DOUBLE_EQ(stage_blocks(m, p4, 3).attention_context(4096), 1088.0);
   const double core = 2.0 * (64 * 64 + 64 * 64) * 36;  // per key of context, all blocks
   EXPECT_NEAR(forward_flops_per_token(full, 4096) - forward_flops_per_token(m, 4096), core * (2048 - 1088), 1e-6);
   EXPECT_EQ(model_from_json(to_json(m), "profile"), m);

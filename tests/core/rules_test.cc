@@ -109,9 +109,9 @@ const RuleCase kCases[] = {
      },
      Rule::kBlockVariants, "model.glu_limit",
      "= 7 with mlp = \"gelu\": the clamped gate is a gated (SwiGLU-shaped) layer", "= 7"},
-    // 24 ranks on two nodes of 12, E8 S3: shard groups {i, i + 8, i + 16} put two ranks on the
-    // first node and one on the second for i < 4, one and two for the others.
-    {"ShardGroupsStraddleNodesUnevenly",
+    // 24 ranks on two nodes of 12, E8 S3: expert groups 0-7 and 16-23 inside a node, 8-15 four
+    // ranks on each (the shard groups differ too, because of them: the innermost is named).
+    {"ExpertGroupsStraddleNodesUnevenly",
      [](Scenario& s) {
        s.cluster.gpus_per_node = 12;
        s.parallel.world_size = 24;
@@ -119,10 +119,10 @@ const RuleCase kCases[] = {
        s.parallel.hybrid_shard_degree = 3;
        s.training.global_batch_tokens = 24 * 128 * 2048;
      },
-     Rule::kGroupsShareOneShape, "parallel.hybrid_shard_degree",
-     "= 3: groups of ranks 8 apart fall on nodes of 12 GPUs in different shapes (not every group has as many ranks on "
+     Rule::kGroupsShareOneShape, "parallel.expert_parallel_degree",
+     "= 8: groups of ranks 1 apart fall on nodes of 12 GPUs in different shapes (not every group has as many ranks on "
      "each node), which moeplan would cost as one",
-     "= 3"},
+     "= 8"},
     {"RouterGroupsSplitAnExpert", [](Scenario& s) { s.model.router_groups = 3; },
      Rule::kRouterGroups, "model.router_groups", "= 3 does not divide num_experts = 8", "= 3"},
     {"ClusterOfOneNode", [](Scenario& s) { s.cluster.num_nodes = 1; },

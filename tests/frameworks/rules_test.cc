@@ -246,6 +246,15 @@ const FrameworkRuleCase kCases[] = {
        s.model.glu_limit = 7;
      },
      "smp_models", "model.glu_limit", "is set: SMP's models are not GPT-OSS", "GPT-OSS"},
+    {"MegatronBiasesOnSomeLinearLayers",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.model.expert_bias = true;
+     },
+     "megatron_models", "model.output_bias",
+     "= false with expert_bias = true: Megatron-LM puts biases on every linear layer or on none", "expert_bias"},
     {"ExecutorModeSigmoidRouter",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

@@ -202,6 +202,21 @@ TEST(MemoryModel, MultiTokenPredictionWeighsOnTheLastStage) {
             (41'984'000 + 2 * 4096 * 4096 + 3 * 4096) / 2 + 88'080'384);
 }
 
+// Under a pipeline, multi-token prediction's block is the last stage's, which keeps one
+// micro-batch in flight under 1F1B: the first stage's four micro-batches of its own 8 blocks stay
+// the larger, so the activations are the same as without it (not 9 blocks x 4).
+TEST(MemoryModel, MultiTokenPredictionOnTheLastStageKeepsOneMicroBatch) {
+  Layout x = layout(2, 1, Checkpointing::kNone);
+  x.parallel.pipeline_parallel_degree = 4;
+  x.parallel.gradient_accumulation_steps = 64;
+  ModelSpec mtp = mixtral();
+  mtp.mtp_layers = 1;
+  const MemoryEstimate plain = x.estimate();
+  const MemoryEstimate with = estimate_memory({mtp, p4d_two_nodes(), x.parallel, x.moe, x.training});
+  EXPECT_EQ(with.activations, plain.activations);
+  EXPECT_GE(with.device_total, plain.device_total);
+}
+
 // The distributed optimizer splits the dense parameters' master weights and moments over E x R
 // (Megatron-Core's data-parallel group) and the experts' over R (its expert data-parallel
 // group): E8 S1 R2 keeps 1/16 of the one and 1/2 of the other; the gradients stay whole.

@@ -15,12 +15,14 @@ enum : int {
   kLayouts,
   kRouting,
   kRankOrder,
+  kModels,
   kCount
 };
 constexpr std::array<std::string_view, kCount> kNames = {
     "megatron_layouts",
     "megatron_routing",
     "framework_rank_order",
+    "megatron_models",
 };
 static_assert(kCount <= kMaxTargetRules);
 
@@ -62,6 +64,19 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kRankOrder, "parallel.placement", [&] {
       return "= \"" + p.placement.to_string() +
              "\": Megatron-LM orders ranks tensor innermost, then expert, data and pipeline (PRSET)";
+    });
+  // Its linear layers take biases all or none (--disable-bias-linear), q, k and v's also alone
+  // (--add-qkv-bias): o_proj's and the experts' go together, and with q, k and v's.
+  const ModelSpec& m = c.model;
+  if (m.output_bias != m.expert_bias)
+    sink(kModels, "model.output_bias", [&] {
+      return std::string("= ") + (m.output_bias ? "true" : "false") + " with expert_bias = " +
+             (m.expert_bias ? "true" : "false") + ": Megatron-LM puts biases on every linear layer or on none";
+    });
+  else if (m.output_bias && !m.qkv_bias)
+    sink(kModels, "model.qkv_bias", [&] {
+      return std::string("= false with output_bias and expert_bias: Megatron-LM's biases on every linear layer "
+                         "include q, k and v's");
     });
   if (c.moe.load_balancing == LoadBalancing::kBalanced)
     sink(kRouting, "moe.load_balancing", [&] {

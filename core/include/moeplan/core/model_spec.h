@@ -135,12 +135,9 @@ struct ModelSpec {
     return first_dense_layers == 0 && moe_layer_step == 1 ? num_layers : moe_layers_in(0, num_layers);
   }
   bool has_dense_layers() const { return moe_layers() < num_layers; }
-  // Whether block i attends within the sliding window.
-  bool windowed_layer(int64_t i) const {
-    return sliding_window.has_value() && (full_attention_step == 0 || (i + 1) % full_attention_step != 0);
-  }
   // The keys a query sees on average over the blocks, at sequence length seq_len (causal: half
-  // the sequence; within a window shorter than the sequence, the window).
+  // the sequence; within a window shorter than the sequence, the window; one block in
+  // full_attention_step the whole sequence).
   double attention_context(int64_t seq_len) const;
   // Every block that runs: the decoder's and the multi-token prediction ones.
   int64_t blocks() const { return num_layers + mtp_layers; }
@@ -158,7 +155,7 @@ struct ParamCounts {
   int64_t attention_per_layer = 0;  // q, k, v, o projections (their weights; MLA's down and up ones)
   int64_t biases_per_layer = 0;     // q, k and v biases (qkv_bias), o_proj's, the attention sinks
   int64_t norms_per_layer = 0;      // two RMSNorm weights, and q and k's (qk_norm) or MLA's latents'
-  int64_t router_per_layer = 0;     // hidden x num_experts, no bias (none in a dense model)
+  int64_t router_per_layer = 0;     // hidden x num_experts, and a bias each with expert_bias (none in a dense model)
   int64_t shared_expert_per_layer = 0;  // the shared experts' matrices and their gate
   int64_t expert = 0;               // one routed expert of one layer: w1, w2, w3 (fc1, fc2 for gelu), its biases
   int64_t dense_mlp_per_layer = 0;  // the feed-forward layer of a dense block among MoE blocks
