@@ -332,6 +332,11 @@ void check_group_shapes(const RunConfig& c, Sink& sink) {
   const int64_t pp = p.pipeline_parallel_degree;
   if (e < 1 || s < 1 || tp < 1 || pp < 1 || p.world_size % (e * s * tp * pp) != 0) return;
   const int64_t node = std::max<int64_t>(1, std::min(p.world_size, c.cluster.gpus_per_node));
+  // Powers of two on nodes of a power of two always share one shape (the search's usual case).
+  auto power_of_two = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
+  if (power_of_two(node) && power_of_two(e) && power_of_two(s) && power_of_two(tp) && power_of_two(pp) &&
+      power_of_two(p.replica_degree()))
+    return;
   for (size_t i = kMeshDims; i-- > 0;) {
     const MeshDim d = p.placement.outer_to_inner[i];
     if (groups_share_one_shape(p.degree(d), p.stride(d), node)) continue;
