@@ -194,8 +194,10 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   pins.expert_parallel_degree = 8;
   pins.tensor_parallel_degree = 1;
   pins.pipeline_parallel_degree = 2;
-  const auto args_of = [&](const char* model) {
-    const Plan plan = searched(model, "p5.48xlarge", 64, test::framework_rules("megatron"), pins, Precision::kMixed);
+  // The Megatron-LM arguments of the model's searched plan, with `mtp_layers` modules.
+  const auto args_of = [&](const char* model, int64_t mtp_layers = 0) {
+    Plan plan = searched(model, "p5.48xlarge", 64, test::framework_rules("megatron"), pins, Precision::kMixed);
+    plan.model.mtp_layers = mtp_layers;
     return megatron_args(file(launch::export_launch(plan, test::framework_rules("megatron"), "plan.json"),
                               "megatron-args.txt")
                              .text);
@@ -238,14 +240,7 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(lite.count("--moe-router-score-function"), 0u);
   EXPECT_EQ(lite.count("--mtp-num-layers"), 0u);
   // A multi-token prediction module: Megatron-Core's --mtp-num-layers.
-  auto with_mtp = [&] {
-    const Plan plan = searched("deepseek-v2-lite", "p5.48xlarge", 64, test::framework_rules("megatron"), pins,
-                               Precision::kMixed);
-    Plan p = plan;
-    p.model.mtp_layers = 1;
-    return megatron_args(
-        file(launch::export_launch(p, test::framework_rules("megatron"), "plan.json"), "megatron-args.txt").text);
-  }();
+  const auto with_mtp = args_of("deepseek-v2-lite", 1);
   EXPECT_EQ(with_mtp.at("--mtp-num-layers"), "1");
   // GPT-OSS: windows on every block but each second, sinks, biases everywhere, the clamped gate.
   const auto oss = args_of("gpt-oss-20b");

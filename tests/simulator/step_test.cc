@@ -899,16 +899,18 @@ TEST(WindowedAttention, TheCoreSeesTheBlocksAverageContext) {
   EXPECT_LT(windowed.attention_forward_s, full.attention_forward_s);
 }
 
+// Token exchanges of rank 0's first micro-batch: one per MoE block.
+int dispatches(const StepSimulation& sim) {
+  int n = 0;
+  for (const Op& op : sim.graph.ops()) n += op.rank == 0 && op.micro_batch == 0 && op.kind == OpKind::kDispatch ? 1 : 0;
+  return n;
+}
+
 // Dense blocks among MoE blocks (DeepSeek's first blocks): no token exchange and their own
 // feed-forward layer over every token. At twice the expert width they do a top-2 block's work
 // without its router.
 TEST(DenseBlocks, ExchangeNothingAndRunTheirOwnFeedForward) {
   Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull);
-  auto dispatches = [](const StepSimulation& sim) {
-    int n = 0;
-    for (const Op& op : sim.graph.ops()) n += op.rank == 0 && op.micro_batch == 0 && op.kind == OpKind::kDispatch ? 1 : 0;
-    return n;
-  };
   const StepSimulation all = simulate_step(c.config(), {});
   EXPECT_EQ(dispatches(all), 32);
   c.model.first_dense_layers = 4;
@@ -978,11 +980,6 @@ TEST(DenseBlocks, PipelineStagesScaleByTheirBlocksCompute) {
 // head. Under a pipeline they weigh on the last stage only, which then sets the pace.
 TEST(MultiTokenPrediction, OneMoreBlockAndLossOnTheLastStage) {
   Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 2, "RSE", Checkpointing::kFull);
-  auto dispatches = [](const StepSimulation& sim) {
-    int n = 0;
-    for (const Op& op : sim.graph.ops()) n += op.rank == 0 && op.micro_batch == 0 && op.kind == OpKind::kDispatch ? 1 : 0;
-    return n;
-  };
   const OpCosts before = op_costs(c.config());
   const StepSimulation plain = simulate_step(c.config(), {});
   c.model.mtp_layers = 1;
