@@ -157,17 +157,27 @@ ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, in
   return out;
 }
 
-StageBlockCounts busiest_stage(const ModelSpec& m, const ParallelConfig& p) {
+namespace {
+// The busiest stage; `decoder_only`: counting the last stage without multi-token prediction's
+// blocks.
+StageBlockCounts busiest_of(const ModelSpec& m, const ParallelConfig& p, bool decoder_only) {
   const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
-  StageBlockCounts busiest = stage_block_counts(m, p, 0);
-  for (int64_t i = 1; i < pp; ++i) {
-    const StageBlockCounts stage = stage_block_counts(m, p, i);
-    if (stage.moe_layers > busiest.moe_layers ||
+  StageBlockCounts busiest{};
+  for (int64_t i = 0; i < pp; ++i) {
+    StageBlockCounts stage = stage_block_counts(m, p, i);
+    if (decoder_only && i + 1 == pp) {
+      stage.layers -= m.mtp_layers;
+      stage.moe_layers -= m.mtp_layers;
+    }
+    if (i == 0 || stage.moe_layers > busiest.moe_layers ||
         (stage.moe_layers == busiest.moe_layers && stage.layers > busiest.layers))
       busiest = stage;
   }
   return busiest;
 }
+}  // namespace
+
+StageBlockCounts busiest_stage(const ModelSpec& m, const ParallelConfig& p) { return busiest_of(m, p, false); }
 
 ShardSizes shard_sizes(const ModelSpec& model, int64_t e, int64_t s, int64_t t, int64_t p) {
   ParallelConfig even;
@@ -390,17 +400,8 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   // Multi-token prediction's blocks are the last stage's, which keeps the fewest micro-batches
   // in flight: the busiest of the decoder's stages with the first stage's micro-batches, or the
   // last stage with its own, whichever needs more.
-  StageBlockCounts decoder = stage_block_counts(c.model, p, 0);
-  for (int64_t i = 1; i < pp; ++i) {
-    StageBlockCounts stage = stage_block_counts(c.model, p, i);
-    if (i + 1 == pp) {
-      stage.layers -= c.model.mtp_layers;
-      stage.moe_layers -= c.model.mtp_layers;
-    }
-    if (stage.moe_layers > decoder.moe_layers || (stage.moe_layers == decoder.moe_layers && stage.layers > decoder.layers))
-      decoder = stage;
-  }
-  const MemoryEstimate first = estimate_stage_memory(c, view, decoder, micro_batches_in_flight(p, 0));
+  const MemoryEstimate first =
+      estimate_stage_memory(c, view, busiest_of(c.model, p, true), micro_batches_in_flight(p, 0));
   const MemoryEstimate last =
       estimate_stage_memory(c, view, stage_block_counts(c.model, p, pp - 1), micro_batches_in_flight(p, pp - 1));
   return last.device_total > first.device_total ? last : first;
