@@ -77,6 +77,10 @@ void add_layout_options(CLI::App& cmd, Search& s) {
   cmd.add_option("--expert-parallel-degree", pin.expert_parallel_degree, "Fix E instead of searching it")->check(degree);
   cmd.add_option("--hybrid-shard-degree", pin.hybrid_shard_degree, "Fix S instead of searching it")->check(degree);
   cmd.add_option("--tensor-parallel-degree", pin.tensor_parallel_degree, "Fix T instead of searching it")->check(degree);
+  cmd.add_option("--expert-tensor-parallel-degree", pin.expert_tensor_parallel_degree,
+                 "Fix the routed experts' tensor split ETP (T, or 1 to fold the tensor ranks into the expert group) "
+                 "instead of searching it")
+      ->check(degree);
   cmd.add_option("--pipeline-parallel-degree", pin.pipeline_parallel_degree, "Fix P instead of searching it")
       ->check(degree);
   cmd.add_option("--virtual-pipeline-degree", pin.virtual_pipeline_degree,

@@ -76,6 +76,8 @@ static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
   p.expert_parallel_degree = r.integer("expert_parallel_degree", 1, kMaxDegree);
   p.hybrid_shard_degree = r.integer("hybrid_shard_degree", 0, kMaxDegree);
   p.tensor_parallel_degree = r.integer("tensor_parallel_degree", 1, kMaxDegree, 1);
+  p.expert_tensor_parallel_degree = r.integer("expert_tensor_parallel_degree", 0, kMaxDegree, 0);
+  if (p.expert_tensor_parallel_degree == p.tensor_parallel_degree) p.expert_tensor_parallel_degree = 0;  // one form
   p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
   p.virtual_pipeline_degree = r.integer("virtual_pipeline_degree", 1, kMaxDegree, 1);
   p.sequence_parallel = r.boolean("sequence_parallel", false);
@@ -102,11 +104,13 @@ static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
   // (Only when the degrees themselves were read: a fallback would make it look wrong.)
   if (r.has("replica_degree")) {
     const int64_t written = r.integer("replica_degree", 1, kMaxDegree);
-    const int64_t rest = p.expert_parallel_degree * p.hybrid_shard_degree * p.tensor_parallel_degree *
+    const int64_t rest = p.expert_data_degree() * p.hybrid_shard_degree * p.tensor_parallel_degree *
                          p.pipeline_parallel_degree;
     if (degrees_read && rest > 0 && p.world_size % rest == 0 && written != p.world_size / rest)
       d.error(r.path_of("replica_degree"),
-              std::to_string(written) + " does not equal world_size / (expert_parallel_degree * hybrid_shard_degree" +
+              std::to_string(written) + " does not equal world_size / (expert_parallel_degree" +
+                  (p.expert_fold() > 1 ? " / " + std::to_string(p.expert_fold()) + " folded tensor ranks" : std::string()) +
+                  " * hybrid_shard_degree" +
                   (p.tensor_parallel_degree != 1 ? " * tensor_parallel_degree" : "") +
                   (p.pipeline_parallel_degree != 1 ? " * pipeline_parallel_degree" : "") +
                   ") = " + std::to_string(p.world_size / rest));
@@ -176,6 +180,8 @@ Json to_json(const ParallelConfig& p) {
   j["hybrid_shard_degree"] = p.hybrid_shard_degree;
   j["replica_degree"] = p.replica_degree();
   j["tensor_parallel_degree"] = p.tensor_parallel_degree;
+  if (p.expert_tensor_parallel_degree > 0 && p.expert_tensor_parallel_degree != p.tensor_parallel_degree)
+    j["expert_tensor_parallel_degree"] = p.expert_tensor_parallel_degree;
   j["pipeline_parallel_degree"] = p.pipeline_parallel_degree;
   j["virtual_pipeline_degree"] = p.virtual_pipeline_degree;
   j["sequence_parallel"] = p.sequence_parallel;
@@ -317,6 +323,8 @@ std::string describe(const ParallelConfig& p) {
   std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" +
                   std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree());
   if (p.tensor_parallel_degree > 1) s += " T" + std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? " sp" : "");
+  if (p.expert_tensor_degree() != std::max<int64_t>(1, p.tensor_parallel_degree))
+    s += " ETP" + std::to_string(p.expert_tensor_degree());
   if (p.pipeline_parallel_degree > 1) s += " P" + std::to_string(p.pipeline_parallel_degree);
   if (p.virtual_pipeline_degree > 1) s += " V" + std::to_string(p.virtual_pipeline_degree);
   s += " " + p.placement.to_string() + " ckpt=" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing));

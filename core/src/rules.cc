@@ -24,6 +24,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "shard_expert_divides_world",
     "tensor_degree_divides_heads",
     "tensor_degree_divides_intermediate",
+    "expert_tensor_folds",
     "sequence_parallel_needs_tensor",
     "expert_tensor_needs_sequence_parallel",
     "pipeline_degree_divides_layers",
@@ -207,6 +208,37 @@ void check_model(const ModelSpec& m, Sink& sink) {
     });
 }
 
+// Parallel folding (Megatron-Core): with expert_tensor_parallel_degree below T, the T / ETP
+// tensor-parallel ranks of each routed expert's split join its expert group. moeplan prices ETP
+// = T and ETP = 1 (every tensor rank folded, the published runs' choice), the fold dividing E,
+// and the expert group laid out as Megatron-Core lays it: the mesh's E dimension directly
+// outside T, so that a group is E ranks ETP apart.
+template <class Sink>
+void check_expert_fold(const RunConfig& c, Sink& sink) {
+  const ParallelConfig& p = c.parallel;
+  const int64_t etp = p.expert_tensor_parallel_degree, tp = p.tensor_parallel_degree, e = p.expert_parallel_degree;
+  if (etp == 0 || etp == tp || tp < 1) return;
+  const char* field = "parallel.expert_tensor_parallel_degree";
+  if (etp != 1)
+    sink(Rule::kExpertTensorFolds, field, [&] {
+      return "= " + str(etp) + " with tensor_parallel_degree = " + str(tp) +
+             ": moeplan splits routed experts over all T ranks or over none (1, every tensor rank folded into the "
+             "expert group)";
+    });
+  else if (c.model.dense())
+    sink(Rule::kExpertTensorFolds, field, [&] { return "= 1 with a dense model: it has no routed experts to fold"; });
+  else if (e < 1 || e % tp != 0)
+    sink(Rule::kExpertTensorFolds, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(e) + " with expert_tensor_parallel_degree = 1: the expert group takes all " + str(tp) +
+             " tensor-parallel ranks, so tensor_parallel_degree = " + str(tp) + " must divide it";
+    });
+  else if (!p.expert_beside_tensor())
+    sink(Rule::kExpertTensorFolds, "parallel.placement", [&] {
+      return "= \"" + p.placement.to_string() + "\" with expert_tensor_parallel_degree = 1: the expert group folds "
+             "the tensor-parallel ranks in, so E must come directly outside T (as in \"PRSET\")";
+    });
+}
+
 // The world, the cluster and the parallel degrees.
 template <class Sink>
 void check_degrees(const RunConfig& c, Sink& sink) {
@@ -244,9 +276,10 @@ void check_degrees(const RunConfig& c, Sink& sink) {
       return "= " + str(s) + " must be a resolved degree of at least 1 (0, full sharding, is "
              "written as world_size / expert_parallel_degree)";
     });
-  else if (e >= 1 && tp >= 1 && pp >= 1 && w % (s * e * tp * pp) != 0)
+  else if (e >= 1 && tp >= 1 && pp >= 1 && e % p.expert_fold() == 0 && w % (s * p.expert_data_degree() * tp * pp) != 0)
     sink(Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree", [&] {
       std::string degrees = "expert_parallel_degree = " + str(e);
+      if (p.expert_fold() > 1) degrees += " / " + str(p.expert_fold()) + " folded tensor ranks";
       if (tp != 1) degrees += ", tensor_parallel_degree = " + str(tp);
       if (pp != 1) degrees += ", pipeline_parallel_degree = " + str(pp);
       return "= " + str(s) + " times " + degrees + " does not divide world_size = " + str(w);
@@ -258,16 +291,22 @@ void check_degrees(const RunConfig& c, Sink& sink) {
       return "= " + str(tp) + " must be at least 1 and divide num_key_value_heads = " + str(m.num_key_value_heads) +
              " (and num_attention_heads = " + str(m.num_attention_heads) + ")";
     });
-  if (tp >= 1 && (m.intermediate_size % tp != 0 || m.shared_expert_intermediate_size % tp != 0 ||
+  // Routed experts split over ETP ranks (T unless folded), shared experts and dense blocks over T.
+  const int64_t etp = p.expert_tensor_degree();
+  if (tp >= 1 && (m.intermediate_size % etp != 0 || m.shared_expert_intermediate_size % tp != 0 ||
                   m.dense_intermediate_size % tp != 0))
-    sink(Rule::kTensorDividesIntermediate, "parallel.tensor_parallel_degree", [&] {
-      const auto [field, width] = m.intermediate_size % tp != 0
-                                      ? std::pair{"intermediate_size", m.intermediate_size}
-                                  : m.shared_expert_intermediate_size % tp != 0
-                                      ? std::pair{"shared_expert_intermediate_size", m.shared_expert_intermediate_size}
-                                      : std::pair{"dense_intermediate_size", m.dense_intermediate_size};
-      return "= " + str(tp) + " does not divide " + field + " = " + str(width);
-    });
+    sink(Rule::kTensorDividesIntermediate,
+         m.intermediate_size % etp != 0 && etp != tp ? "parallel.expert_tensor_parallel_degree"
+                                                     : "parallel.tensor_parallel_degree",
+         [&] {
+           const auto [field, width] = m.intermediate_size % etp != 0
+                                           ? std::pair{"intermediate_size", m.intermediate_size}
+                                       : m.shared_expert_intermediate_size % tp != 0
+                                           ? std::pair{"shared_expert_intermediate_size", m.shared_expert_intermediate_size}
+                                           : std::pair{"dense_intermediate_size", m.dense_intermediate_size};
+           return "= " + str(m.intermediate_size % etp != 0 ? etp : tp) + " does not divide " + field + " = " + str(width);
+         });
+  check_expert_fold(c, sink);
   if (p.sequence_parallel && tp == 1)
     sink(Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel", [&] {
       return std::string("= true needs tensor_parallel_degree > 1 (it splits along the sequence over the "
@@ -328,7 +367,7 @@ bool groups_share_one_shape(int64_t size, int64_t stride, int64_t node) {
 template <class Sink>
 void check_group_shapes(const RunConfig& c, Sink& sink) {
   const ParallelConfig& p = c.parallel;
-  const int64_t e = p.expert_parallel_degree, s = p.hybrid_shard_degree, tp = p.tensor_parallel_degree;
+  const int64_t e = p.expert_data_degree(), s = p.hybrid_shard_degree, tp = p.tensor_parallel_degree;
   const int64_t pp = p.pipeline_parallel_degree;
   if (e < 1 || s < 1 || tp < 1 || pp < 1 || p.world_size % (e * s * tp * pp) != 0) return;
   const int64_t node = std::max<int64_t>(1, std::min(p.world_size, c.cluster.gpus_per_node));
@@ -351,6 +390,13 @@ void check_group_shapes(const RunConfig& c, Sink& sink) {
     });
     return;
   }
+  // A folded expert group: E ranks ETP tensor ranks apart (check_expert_fold).
+  const int64_t stride = p.stride(MeshDim::kTensor) * p.expert_tensor_degree();
+  if (p.expert_fold() > 1 && !groups_share_one_shape(p.expert_parallel_degree, stride, node))
+    sink(Rule::kGroupsShareOneShape, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(p.expert_parallel_degree) + " with the tensor-parallel ranks folded in: groups of ranks " +
+             str(stride) + " apart fall on nodes of " + str(node) + " GPUs in different shapes, which moeplan would cost as one";
+    });
 }
 
 // Sequence, batch, checkpointing and offloading.

@@ -125,10 +125,10 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
 }
 
 ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t,
-                             int64_t p, bool with_ends) {
+                             int64_t p, bool with_ends, int64_t etp) {
   const ParamCounts c = count_parameters(model);
   t = std::max<int64_t>(1, t);
-  const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, t);
+  const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, etp > 0 ? etp : t);
   // Latent attention's down projections are whole on every tensor-parallel rank.
   const int64_t whole = c.tensor_replicated_per_layer;
   const int64_t dense_per_layer = ceil_div(c.dense_per_layer() - whole, t) + whole;
@@ -216,10 +216,10 @@ void add_model_states(const RunConfig& c, const ShardSizes& sizes, int64_t a, Me
       break;
   }
   // The distributed optimizer splits the master weights and the moments over the ranks that
-  // hold the same parameters (Megatron-Core's data-parallel group for the dense ones: E x R;
-  // its expert data-parallel group for the experts: R); the gradients stay whole for the
-  // reduce-scatter.
-  const int64_t r = p.replica_degree(), dense_ranks = r * std::max<int64_t>(1, p.expert_parallel_degree);
+  // hold the same parameters (Megatron-Core's data-parallel group for the dense ones: E x R,
+  // the mesh's E; its expert data-parallel group for the experts: R); the gradients stay whole
+  // for the reduce-scatter.
+  const int64_t r = p.replica_degree(), dense_ranks = r * std::max<int64_t>(1, p.expert_data_degree());
   if (p.distributed_optimizer && dense_ranks > 1 && shard > 0) {
     const int64_t experts = sizes.shard_expert_params;
     const int64_t kept = ceil_div(shard - experts, dense_ranks) + ceil_div(experts, r);
@@ -369,7 +369,7 @@ MemoryEstimate estimate_stage_memory(const RunConfig& c, StageView view, StageBl
   const int64_t a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
   const ShardSizes sizes = stage_shard_sizes(m, blocks, p.expert_parallel_degree, p.hybrid_shard_degree,
                                              p.tensor_parallel_degree, p.pipeline_parallel_degree,
-                                             view == StageView::kBusiest);
+                                             view == StageView::kBusiest, p.expert_tensor_degree());
   MemoryEstimate out;
   add_model_states(c, sizes, a, out);
   const int64_t tokens = p.micro_batch_size * c.training.seq_len;

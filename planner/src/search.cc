@@ -142,6 +142,9 @@ struct Space {
   // Micro-batch sizes for T and P: powers of two and the divisors of the per-reader batch.
   std::vector<int64_t> micro_batches(int64_t t, int64_t pp) const;
   std::vector<Variant> variants(int64_t e, int64_t s, int64_t t, int64_t pp) const;
+  // Each pipeline degree with each split of the routed experts under T: T (0), and where the
+  // framework folds the tensor ranks into the expert group, 1.
+  std::vector<std::pair<int64_t, int64_t>> pipeline_and_expert_tensor_degrees(int64_t t) const;
 
   const ModelSpec& model;
   const SearchOptions& options;
@@ -206,6 +209,16 @@ std::vector<std::pair<int64_t, int64_t>> Space::stage_splits(int64_t pp) const {
   return out;
 }
 
+std::vector<std::pair<int64_t, int64_t>> Space::pipeline_and_expert_tensor_degrees(int64_t t) const {
+  std::vector<int64_t> splits = {0};
+  if (pin.expert_tensor_parallel_degree) splits = {*pin.expert_tensor_parallel_degree == t ? 0 : *pin.expert_tensor_parallel_degree};
+  else if (t > 1 && !model.dense() && capabilities.expert_tensor_folding) splits = {0, 1};
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t pp : pipeline_degrees)
+    for (int64_t etp : splits) out.emplace_back(pp, etp);
+  return out;
+}
+
 int64_t Space::seqs_per_reader(int64_t t, int64_t pp) const {
   const TrainingConfig& training = options.training;
   const int64_t readers = t >= 1 && pp >= 1 ? w / (t * pp) : 0;
@@ -244,7 +257,7 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
   if (t > 1) sequence_options = {true, false};
   if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
   // The distributed optimizer shards states over the data-parallel ranks that hold the same
-  // parameters (the dense ones: E x R): a choice only with more than one.
+  // parameters (the dense ones: E x R, the mesh's E): a choice only with more than one.
   const bool replicated =
       e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (s * t * pp) > 1;
   std::vector<bool> optimizer_options = {false};
@@ -263,16 +276,24 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
 // the same estimate, and the first stands for both. Degrees that do not divide the world have
 // no layout, and one placement stands for all (the rules reject them). Returns (position in
 // `placements`, placement) of each distinct one, and their shapes.
+//
+// The rules are checked with one placement for all; a folded expert group's also depends on it (E
+// directly outside T): the others break expert_tensor_folds, and are counted in `misplaced`.
 std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutShapes>> distinct_placements(
-    const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements) {
-  const int64_t w = p.world_size, e = p.expert_parallel_degree, s = p.hybrid_shard_degree,
+    const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements, int64_t& misplaced) {
+  const int64_t w = p.world_size, e = p.expert_data_degree(), s = p.hybrid_shard_degree,
                 t = p.tensor_parallel_degree, pp = p.pipeline_parallel_degree;
-  const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0;
+  const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 &&
+                       p.expert_parallel_degree % p.expert_fold() == 0;
   std::vector<std::pair<int64_t, Placement>> distinct;
   std::vector<sim::LayoutShapes> shapes;
-  std::set<std::array<int64_t, 3 * kMeshDims>> layouts;
+  std::set<std::array<int64_t, 3 * (kMeshDims + 1)>> layouts;
   for (size_t i = 0; i < placements.size(); ++i) {
     p.placement = placements[i];
+    if (p.expert_fold() > 1 && !p.expert_beside_tensor()) {
+      ++misplaced;
+      continue;
+    }
     if (!divides) {
       if (distinct.empty()) {
         distinct.emplace_back(static_cast<int64_t>(i), placements[i]);
@@ -281,9 +302,10 @@ std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutSha
       continue;
     }
     const sim::LayoutShapes shape = sim::layout_shapes(cluster, p);
-    std::array<int64_t, 3 * kMeshDims> key{};
+    std::array<int64_t, 3 * (kMeshDims + 1)> key{};
     size_t k = 0;
-    for (const sim::GroupShape* g : {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline}) {
+    for (const sim::GroupShape* g :
+         {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline, &shape.exchange}) {
       const bool spread = g->size > 1;
       key[k++] = spread ? g->per_node : 0;
       key[k++] = spread ? g->nodes : 0;
@@ -340,23 +362,31 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   for (int64_t e : space.expert_degrees) {
     for (int64_t s : space.shard_degrees) {
       for (int64_t t : space.tensor_degrees) {
-        for (int64_t pp : space.pipeline_degrees) {
+        for (const auto& [pp, etp] : space.pipeline_and_expert_tensor_degrees(t)) {
           ParallelConfig p;
           p.world_size = w;
           p.expert_parallel_degree = e;
           p.hybrid_shard_degree = s;
           p.tensor_parallel_degree = t;
+          p.expert_tensor_parallel_degree = etp;
           p.pipeline_parallel_degree = pp;
           const int64_t seqs_per_reader = space.seqs_per_reader(t, pp);
           const std::vector<int64_t> micro_batches = space.micro_batches(t, pp);
-          const std::vector<Variant> variants = space.variants(e, s, t, pp);
+          const std::vector<Variant> variants = space.variants(p.expert_data_degree(), s, t, pp);
           const int64_t inner = static_cast<int64_t>(variants.size() * space.checkpointing.size() *
                                                      space.offloads.size() * micro_batches.size());
-          const auto [distinct, shapes] = distinct_placements(cluster, p, space.placements);
+          int64_t misplaced = 0;
+          const auto [distinct, shapes] = distinct_placements(cluster, p, space.placements, misplaced);
           const auto tried = static_cast<int64_t>(space.placements.size());
-          const auto kept = static_cast<int64_t>(distinct.size());
           stats.enumerated += inner * tried;
-          stats.duplicate_placements += inner * (tried - kept);
+          const auto kept = static_cast<int64_t>(distinct.size());
+          stats.duplicate_placements += inner * (tried - kept - misplaced);
+          stats.rule_rejected += inner * misplaced;
+          stats.rejected_by_rule[static_cast<size_t>(Rule::kExpertTensorFolds)] += inner * misplaced;
+          if (distinct.empty()) {
+            index += inner * tried;
+            continue;
+          }
           p.placement = distinct.front().second;
 
           // Rules and memory do not depend on the placement: each is checked once for all.

@@ -9,10 +9,18 @@
 namespace moeplan::sim {
 
 LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& parallel) {
-  return {group_shape(cluster, parallel, MeshDim::kExpert),
+  const GroupShape expert = group_shape(cluster, parallel, MeshDim::kExpert);
+  const GroupShape exchange =
+      parallel.expert_fold() > 1
+          ? group_shape(cluster, parallel.world_size, parallel.expert_parallel_degree,
+                        parallel.stride(MeshDim::kTensor) * parallel.expert_tensor_degree())
+          : expert;
+  return {expert,
           group_shape(cluster, parallel, MeshDim::kShard),
-          group_shape(cluster, parallel, MeshDim::kReplica), group_shape(cluster, parallel, MeshDim::kTensor),
-          group_shape(cluster, parallel, MeshDim::kPipeline)};
+          group_shape(cluster, parallel, MeshDim::kReplica),
+          group_shape(cluster, parallel, MeshDim::kTensor),
+          group_shape(cluster, parallel, MeshDim::kPipeline),
+          exchange};
 }
 
 namespace {
@@ -39,6 +47,7 @@ struct Stage {
   double dense_layers() const { return static_cast<double>(blocks.layers - blocks.moe_layers); }
 
   double region(double bytes, const GroupShape& g, bool backward = false) const {
+    if (bytes <= 0) return 0;  // no region: routed experts folded out of the tensor split, no shared ones
     return region_seconds(cost, o, c.parallel, bytes, g, backward);
   }
 };
@@ -80,14 +89,14 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   if (p.expert_parallel_degree <= 1) return;
   double per_exchange;
   if (c.moe.dispatcher == Dispatcher::kAllToAll) {
-    per_exchange = cost.all_to_all_seconds(o.dispatch_send_bytes, s.shapes.expert);
+    per_exchange = cost.all_to_all_seconds(o.dispatch_send_bytes, s.shapes.exchange);
   } else {
     // Gather every rank's tokens, then reduce-scatter the expert outputs back.
     const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
     const double group_bytes = static_cast<double>(p.expert_parallel_degree * p.micro_batch_size *
                                                    c.training.seq_len * c.model.hidden_size) * a;
-    per_exchange = 0.5 * (cost.all_gather_seconds(group_bytes, s.shapes.expert) +
-                          cost.reduce_scatter_seconds(group_bytes, s.shapes.expert));
+    per_exchange = 0.5 * (cost.all_gather_seconds(group_bytes, s.shapes.exchange) +
+                          cost.reduce_scatter_seconds(group_bytes, s.shapes.exchange));
   }
   const double exchanges = 4.0 + (recomputes_moe(p.activation_checkpointing) ? 2.0 : 0.0);
   // Under tensor parallelism the backward dispatch (the input gradients going home) runs
@@ -101,13 +110,13 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   t.expert_comm = layers * (exchanges * per_exchange - std::min(per_exchange, moe_beside) -
                             std::min(per_exchange, attention_beside));
   if (c.moe.dispatcher == Dispatcher::kAllToAll) {
-    GroupShape alone = s.shapes.expert;
+    GroupShape alone = s.shapes.exchange;
     alone.groups_per_node = 1;
     const double alone_s = cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
     t.expert_chain_min = layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
                                    std::min(alone_s, o.tensor_overlap_s));
-    t.nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.expert).nic_bytes_per_node *
-                      static_cast<double>(s.shapes.expert.groups_per_node);
+    t.nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
+                      static_cast<double>(s.shapes.exchange.groups_per_node);
   }
 }
 
@@ -195,7 +204,7 @@ void add_gradient_sync(const Stage& s, StageTimes& t) {
   const ParallelConfig& p = s.c.parallel;
   const OpCosts& o = s.o;
   const CostModel& cost = s.cost;
-  const double e = static_cast<double>(p.expert_parallel_degree);
+  const double e = static_cast<double>(p.expert_data_degree());
   auto sync = [&](double bytes, const GroupShape& g) {
     return p.distributed_optimizer ? cost.reduce_scatter_seconds(bytes, g) + cost.all_gather_seconds(bytes, g)
                                    : cost.all_reduce_seconds(bytes, g);

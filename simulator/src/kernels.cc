@@ -128,6 +128,10 @@ class KernelListBuilder {
     local_ = tokens_ / sp_;
     h_ = static_cast<double>(m_.hidden_size);
     f_ = static_cast<double>(m_.intermediate_size) / tp_;
+    // Routed experts split over ETP ranks; with ETP < T (folded) a rank computes the slots of
+    // its 1/T of the tokens' ETP-gathered share, its experts' columns over ETP.
+    etp_ = m_.dense() ? tp_ : static_cast<double>(p.expert_tensor_degree());
+    expert_f_ = static_cast<double>(m_.intermediate_size) / etp_;
     shared_ = static_cast<double>(m_.shared_expert_intermediate_size) / tp_;
     q_ = static_cast<double>(m_.num_attention_heads * m_.head_dim) / tp_;
     kv_ = static_cast<double>(m_.num_key_value_heads * m_.head_dim) / tp_;
@@ -392,8 +396,10 @@ class KernelListBuilder {
     const double k = static_cast<double>(m_.experts_per_token);
     const double experts = static_cast<double>(m_.num_experts);
     const double local_experts = experts / static_cast<double>(std::max<int64_t>(1, c_.parallel.expert_parallel_degree));
-    // Every tensor-parallel rank computes its columns of the experts for every gathered slot.
-    const double slots = dense ? tokens_ : k * tokens_ * load;
+    // Every expert-tensor-parallel rank computes its columns of the experts for every slot
+    // gathered over the ETP ranks (all T of them unless folded).
+    const double slots = dense ? tokens_ : k * tokens_ * etp_ / tp_ * load;
+    const double f = expert_f_;
     const double rows = slots / local_experts;  // per local expert
     const double sent = dense ? 0.0 : k * local_;  // slots leaving this rank's tokens
     const bool swiglu = m_.mlp == Mlp::kSwiGlu;
@@ -407,7 +413,7 @@ class KernelListBuilder {
         l.append(one, local_experts);
       }
     };
-    auto activation = [&] { feed_forward_activation(l, "activation", slots * f_, backward); };
+    auto activation = [&] { feed_forward_activation(l, "activation", slots * f, backward); };
     auto routing = [&] {
       if (dense) return;
       gemm(l, "router", local_, experts, h_, backward, plain_, 1, false);
@@ -431,13 +437,13 @@ class KernelListBuilder {
       routing();
       permute("permute");
       if (swiglu && !fused_) {
-        experts_gemm("w1", f_, h_);
-        experts_gemm("w3", f_, h_);
+        experts_gemm("w1", f, h_);
+        experts_gemm("w3", f, h_);
       } else {
-        experts_gemm("fc1", swiglu ? 2.0 * f_ : f_, h_);
+        experts_gemm("fc1", swiglu ? 2.0 * f : f, h_);
       }
       activation();
-      experts_gemm("fc2", h_, f_);
+      experts_gemm("fc2", h_, f);
       permute("unpermute");
       shared_experts(l, false);
       residual(l, local_, false);
@@ -446,13 +452,13 @@ class KernelListBuilder {
     residual(l, local_, true);
     shared_experts(l, true);
     permute("unpermute");
-    experts_gemm("fc2", h_, f_);
+    experts_gemm("fc2", h_, f);
     activation();
     if (swiglu && !fused_) {
-      experts_gemm("w1", f_, h_);
-      experts_gemm("w3", f_, h_);
+      experts_gemm("w1", f, h_);
+      experts_gemm("w3", f, h_);
     } else {
-      experts_gemm("fc1", swiglu ? 2.0 * f_ : f_, h_);
+      experts_gemm("fc1", swiglu ? 2.0 * f : f, h_);
     }
     const double fc1_wgrad = last_wgrad_s_;
     permute("permute");
@@ -520,6 +526,7 @@ class KernelListBuilder {
   double last_wgrad_s_ = 0;
   double a_ = 2;
   GemmType linear_ = GemmType::kBf16, plain_ = GemmType::kBf16;
+  double etp_ = 1, expert_f_ = 0;  // the routed experts' split and width per rank
   double tp_ = 1, sp_ = 1, seq_ = 0, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, shared_ = 0, q_ = 0, kv_ = 0,
          heads_ = 0, head_dim_ = 0, vocab_ = 0, context_ = 0;
   double value_dim_ = 0, v_ = 0;  // a value's width per head, and the rank's values (the o_proj input)
@@ -546,6 +553,7 @@ MicroBatchKernels dense_block_kernels(const RunConfig& c) {
   const ModelSpec model = dense_block_model(c.model);
   ParallelConfig parallel = c.parallel;
   parallel.expert_parallel_degree = 1;
+  parallel.expert_tensor_parallel_degree = 0;
   return micro_batch_kernels({model, c.cluster, parallel, c.moe, c.training, c.target});
 }
 

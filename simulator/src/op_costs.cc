@@ -16,7 +16,7 @@ bool op_times_apply(const RunConfig& c) {
   // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks,
   // latent attention, multi-token prediction or GPT-OSS's variants.
   return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && m.dense_intermediate_size == 0 && !m.mla() &&
-         m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr &&
+         m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr && c.parallel.expert_fold() == 1 &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
@@ -209,9 +209,9 @@ OpCosts op_costs(const RunConfig& c) { return op_costs(c, kernel_costs(c)); }
 
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;
-  const std::array<int64_t, 7> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
-                                   p.expert_parallel_degree, c.model.num_layers, c.model.first_dense_layers,
-                                   c.model.mtp_layers};
+  const std::array<int64_t, 8> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
+                                   p.expert_parallel_degree, p.expert_tensor_degree(), c.model.num_layers,
+                                   c.model.first_dense_layers, c.model.mtp_layers};
   auto it = costs_.find(key);
   if (it == costs_.end()) it = costs_.emplace(key, kernel_costs(c)).first;
   return it->second;
@@ -227,6 +227,7 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   const double s = static_cast<double>(p.hybrid_shard_degree);
   const double h = static_cast<double>(m.hidden_size);
   const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
+  const double etp = static_cast<double>(p.expert_tensor_degree());  // the routed experts' split
   const double sp = p.sequence_parallel ? tp : 1.0;
   const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(c.training.seq_len);
   const double mean_slots = static_cast<double>(m.experts_per_token) * tokens;
@@ -253,8 +254,9 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   // the experts' over the slots they computed.
   if (p.tensor_parallel_degree > 1) {
     o.tensor_bytes = tokens * h * a;
-    // Shared experts reduce their own output over the tokens.
-    o.tensor_moe_bytes = (busiest_slots + (m.shared_experts() ? tokens : 0.0)) * h * a;
+    // Shared experts reduce their own output over the tokens. Routed experts folded out of the
+    // tensor split (ETP = 1) end no region: each rank computes whole experts on its own slots.
+    o.tensor_moe_bytes = ((p.expert_fold() > 1 ? 0.0 : busiest_slots) + (m.shared_experts() ? tokens : 0.0)) * h * a;
     o.tensor_dense_bytes = tokens * h * a;
   }
   // Each tensor-parallel rank sends its 1/T of the activation to the next stage, which gathers
@@ -266,14 +268,15 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   const double block_dense = params.tensor_share(static_cast<double>(params.dense_per_layer()), 1, tp);
   const double dense_block = params.tensor_share(static_cast<double>(params.dense_block()), 1, tp);
   const double block_whole = static_cast<double>(params.tensor_replicated_per_layer);
-  o.unit_bytes = (static_cast<double>(params.dense_per_layer()) - block_whole +
-                  static_cast<double>(m.num_experts * params.expert) / e) / tp * a + block_whole * a;
+  const double block_experts = static_cast<double>(m.num_experts * params.expert) / e / etp;
+  o.unit_bytes = (static_cast<double>(params.dense_per_layer()) - block_whole) / tp * a + block_experts * a +
+                 block_whole * a;
   o.dense_block_bytes = dense_block * a;
   auto gathered = [&](double numel) { return std::ceil(numel / tp / s) * s * a; };
   auto gathered_share = [&](double share) { return std::ceil(share / s) * s * a; };
   o.dense_block_unit_bytes = gathered_share(dense_block);
   o.dense_unit_bytes = gathered_share(block_dense);
-  o.expert_unit_bytes = gathered(static_cast<double>(m.num_experts * params.expert) / e);
+  o.expert_unit_bytes = gathered_share(block_experts);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
   // The last stage's head unit: under a pipeline, multi-token prediction looks tokens up there too.
   const bool embedding_copy = p.pipeline_parallel_degree > 1 && m.mtp_layers > 0;
@@ -285,16 +288,16 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   const double layers = static_cast<double>(params.num_layers);
   const double dense_share = params.tensor_share(static_cast<double>(params.dense()), layers, tp);
   o.dense_shard_bytes = dense_share / s * a;
-  o.expert_shard_bytes = static_cast<double>(params.experts()) / e / tp / s * a;
+  o.expert_shard_bytes = static_cast<double>(params.experts()) / e / etp / s * a;
 
   // AdamW over the rank's shard (the distributed optimizer divides it over the data-parallel
-  // ranks that hold the same parameters: the dense ones' over E x R, the experts' over R).
+  // ranks that hold the same parameters: the dense ones' over E x R (the mesh's E), the
+  // experts' over R).
   const double model_whole = layers * block_whole;
   const double r = p.distributed_optimizer ? static_cast<double>(std::max<int64_t>(1, p.replica_degree())) : 1.0;
-  const double dense_ranks = p.distributed_optimizer ? r * e : 1.0;
-  const double shard_params =
-      ((static_cast<double>(params.dense()) - model_whole) / s / dense_ranks + static_cast<double>(params.experts()) / e / s / r) / tp +
-      model_whole / s / dense_ranks;
+  const double dense_ranks = p.distributed_optimizer ? r * static_cast<double>(p.expert_data_degree()) : 1.0;
+  const double shard_params = (static_cast<double>(params.dense()) - model_whole) / s / dense_ranks / tp +
+                              static_cast<double>(params.experts()) / e / etp / s / r + model_whole / s / dense_ranks;
   o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
                              : optimizer_kernels(c, shard_params).seconds();
   o.forward_flops_per_token = forward_flops_per_token(m, c.training.seq_len);

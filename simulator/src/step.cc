@@ -96,7 +96,9 @@ class Builder {
         overlap_sync_(c.cluster.gradient_sync_overlaps_backward()),
         grad_scale_(c.training.precision == Precision::kMixed && c.training.fp32_gradients ? 2.0 : 1.0) {
     for (int64_t rank : layout.ranks()) {
-      const int64_t e = layout.coord(rank, MeshDim::kExpert);
+      // The rank's place in its expert group: folded tensor ranks (ETP apart) innermost.
+      const int64_t e = layout.coord(rank, MeshDim::kExpert) * p_.expert_fold() +
+                        layout.coord(rank, MeshDim::kTensor) / p_.expert_tensor_degree() % p_.expert_fold();
       const double load = expert_rank_load(c.model, c.moe, p_.expert_parallel_degree, e);
       moe_by_rank_.push_back(moe_forward_seconds(c, load));
       moe_backward_by_rank_.push_back(moe_backward_seconds(c, load));
@@ -284,10 +286,10 @@ class Builder {
     if (c_.moe.dispatcher == Dispatcher::kAllToAll && (kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute)) {
       const double counts = static_cast<double>(p_.expert_parallel_degree * c_.model.num_experts) * 8;  // int64
       collective_round(after, MeshDim::kExpert, OpKind::kDispatchCounts, TraceStream::kExpertComm, layer, mb,
-                       cost_.all_gather_cost(counts, shapes_.expert), counts, false);
+                       cost_.all_gather_cost(counts, shapes_.exchange), counts, false);
     }
     collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb,
-                     cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.expert), o_.dispatch_send_bytes, false);
+                     cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.exchange), o_.dispatch_send_bytes, false);
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
@@ -295,7 +297,7 @@ class Builder {
   // As measured inside the split's whole micro-batch where the profile has it
   // (OpCosts::tensor_region_forward_s), else CostModel::tensor_region_cost.
   void tensor(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb, double bytes) {
-    if (p_.tensor_parallel_degree <= 1) return;
+    if (p_.tensor_parallel_degree <= 1 || bytes <= 0) return;
     const double measured = kind == OpKind::kTensorBackward ? o_.tensor_region_backward_s : o_.tensor_region_forward_s;
     const CollectiveCost cost = measured > 0 ? CollectiveCost{0, measured, 0}
                                              : cost_.tensor_region_cost(bytes, shapes_.tensor, p_.sequence_parallel);

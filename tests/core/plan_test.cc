@@ -123,6 +123,33 @@ TEST(Plan, TensorAndPipelineParallelPlanRoundTrips) {
   EXPECT_TRUE(back == plan);
 }
 
+// Folded experts (ETP 1 under T = 2): the plan writes expert_tensor_parallel_degree, reads it
+// back, and checks replica_degree against the mesh's E dimension (E / 2).
+TEST(Plan, FoldedExpertPlanRoundTrips) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+  planner::SearchOptions options = test::search_options(16);
+  options.pins.tensor_parallel_degree = 2;
+  options.pins.pipeline_parallel_degree = 1;
+  options.pins.expert_parallel_degree = 8;
+  options.pins.expert_tensor_parallel_degree = 1;
+  options.pins.hybrid_shard_degree = 2;
+  options.pins.placement = "RSE";
+  const planner::SearchResult result = planner::search(model, cluster, options);
+  ASSERT_FALSE(result.ranked.empty());
+  const Plan plan = planner::make_plan(model, cluster, options, result, "moeplan search --gpus 16");
+  Json json = parse_json_text(plan_to_text(plan), "plan.json");
+  EXPECT_EQ(json["parallel"]["expert_tensor_parallel_degree"], 1);
+  EXPECT_EQ(json["parallel"]["replica_degree"], 1);  // 16 / (8 / 2 x 2 x 2)
+  EXPECT_TRUE(plan_from_json(json, "plan.json") == plan);
+  json["parallel"]["replica_degree"] = 2;
+  const std::vector<Diagnostic> problems = plan_problems(json);
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
+  EXPECT_EQ(problems[0].message,
+            "2 does not equal world_size / (expert_parallel_degree / 2 folded tensor ranks * hybrid_shard_degree * "
+            "tensor_parallel_degree) = 1");
+}
+
 TEST(Plan, RoundTripsThroughAFile) {
   TempDir dir;
   const std::string path = dir.file("plan.json");

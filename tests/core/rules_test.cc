@@ -109,6 +109,45 @@ const RuleCase kCases[] = {
      },
      Rule::kBlockVariants, "model.glu_limit",
      "= 7 with mlp = \"gelu\": the clamped gate is a gated (SwiGLU-shaped) layer", "= 7"},
+    // Parallel folding, from the base's E2 S8 with T = 4 (readers 4, ga 512): ETP strictly
+    // between 1 and T, a fold that does not divide E, and E not directly outside T.
+    {"ExpertTensorSplitBetweenOneAndT",
+     [](Scenario& s) {
+       s.parallel.tensor_parallel_degree = 4;
+       s.parallel.sequence_parallel = true;
+       s.parallel.expert_parallel_degree = 4;
+       s.parallel.expert_tensor_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 2;
+       s.parallel.gradient_accumulation_steps = 512;
+     },
+     Rule::kExpertTensorFolds, "parallel.expert_tensor_parallel_degree",
+     "= 2 with tensor_parallel_degree = 4: moeplan splits routed experts over all T ranks or over none (1, every "
+     "tensor rank folded into the expert group)",
+     "= 2"},
+    {"FoldedTensorRanksDoNotDivideTheExpertGroup",
+     [](Scenario& s) {
+       s.parallel.tensor_parallel_degree = 4;
+       s.parallel.sequence_parallel = true;
+       s.parallel.expert_tensor_parallel_degree = 1;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 512;
+     },
+     Rule::kExpertTensorFolds, "parallel.expert_parallel_degree",
+     "= 2 with expert_tensor_parallel_degree = 1: the expert group takes all 4 tensor-parallel ranks, so "
+     "tensor_parallel_degree = 4 must divide it",
+     "= 2"},
+    {"FoldedExpertsAwayFromTheTensorRanks",
+     [](Scenario& s) {
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.expert_tensor_parallel_degree = 1;
+       s.parallel.placement = *Placement::parse("ERS");
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kExpertTensorFolds, "parallel.placement",
+     "= \"ERS\" with expert_tensor_parallel_degree = 1: the expert group folds the tensor-parallel ranks in, so E must "
+     "come directly outside T (as in \"PRSET\")",
+     "ERS"},
     // 24 ranks on two nodes of 12, E8 S3: expert groups 0-7 and 16-23 inside a node, 8-15 four
     // ranks on each (the shard groups differ too, because of them: the innermost is named).
     {"ExpertGroupsStraddleNodesUnevenly",
@@ -467,6 +506,14 @@ TEST(Rules, ValidVariantsOfTheBaseStayValid) {
       {"E1 S1 R16", [](Scenario& s) {
          s.parallel.expert_parallel_degree = 1;
          s.parallel.hybrid_shard_degree = 1;
+       }},
+      {"E4 over two data-parallel ranks and the two tensor ranks (ETP 1)", [](Scenario& s) {
+         s.parallel.tensor_parallel_degree = 2;
+         s.parallel.sequence_parallel = true;
+         s.parallel.expert_parallel_degree = 4;
+         s.parallel.expert_tensor_parallel_degree = 1;
+         s.parallel.hybrid_shard_degree = 4;
+         s.parallel.gradient_accumulation_steps = 256;
        }},
       {"horizon 0 without offloading", [](Scenario& s) { s.parallel.activation_loading_horizon = 0; }},
       {"imbalance at its maximum 4", [](Scenario& s) { s.moe.expert_load_imbalance = 4.0; }},

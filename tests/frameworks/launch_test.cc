@@ -304,6 +304,42 @@ TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {
   EXPECT_EQ(s.at("parallelism.data_parallel_shard_degree"), "8");
 }
 
+// Parallel folding: the experts outside the tensor split (ETP 1), the two tensor-parallel ranks in
+// each expert group, so that E = 8 spans four data-parallel ranks. Megatron-LM takes ETP as
+// its own flag; torchtitan's expert ranks come from data_parallel_shard_degree (S x the mesh's
+// E) and, with ETP 1, the tensor ranks.
+TEST(ExportLaunch, FoldedExpertsExportWithEachFrameworksNames) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 8;
+  pins.expert_tensor_parallel_degree = 1;
+  pins.hybrid_shard_degree = 1;
+  pins.tensor_parallel_degree = 2;
+  pins.sequence_parallel = true;
+  pins.pipeline_parallel_degree = 1;
+  pins.micro_batch_size = 1;
+  pins.placement = "PRSET";
+  const Plan megatron = searched("mixtral-8x7b", "p5.48xlarge", 32, test::framework_rules("megatron"), pins,
+                                 Precision::kMixed, 0, LoadBalancing::kAuxLoss);
+  EXPECT_EQ(megatron.parallel.expert_fold(), 2);
+  EXPECT_EQ(megatron.parallel.replica_degree(), 4);  // 32 / (8 / 2 x 1 x 2)
+  const auto a = megatron_args(file(launch::export_launch(megatron, test::framework_rules("megatron"), "plan.json"),
+                                    "megatron-args.txt").text);
+  EXPECT_EQ(a.at("--expert-model-parallel-size"), "8");
+  EXPECT_EQ(a.at("--expert-tensor-parallel-size"), "1");
+  EXPECT_EQ(a.at("--tensor-model-parallel-size"), "2");
+
+  pins.hybrid_shard_degree = 2;  // torchtitan shards the parameters (FSDP)
+  const Plan titan = searched("mixtral-8x7b", "p5.48xlarge", 32, test::framework_rules("torchtitan"), pins,
+                              Precision::kMixed, 0, LoadBalancing::kAuxLoss);
+  const auto t = toml_values(
+      file(launch::export_launch(titan, test::framework_rules("torchtitan"), "plan.json"), "torchtitan.toml").text);
+  EXPECT_EQ(t.at("parallelism.expert_parallel_degree"), "8");
+  EXPECT_EQ(t.at("parallelism.expert_tensor_parallel_degree"), "1");
+  EXPECT_EQ(t.at("parallelism.data_parallel_shard_degree"), "8");  // S 2 x the mesh's E 4
+  EXPECT_EQ(t.at("parallelism.data_parallel_replicate_degree"), "2");
+
+}
+
 // A plan another target searched, exported where it cannot run: refused with the rule's name.
 TEST(ExportLaunch, EachFrameworkRefusesWhatItCannotRunByRule) {
   planner::SearchOptions::Pins pipeline;

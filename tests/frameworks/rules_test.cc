@@ -154,6 +154,20 @@ const FrameworkRuleCase kCases[] = {
      },
      "executor_trains_moe", "model.shared_expert_intermediate_size",
      "= 5632: the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)", "5632"},
+    // The base's E2 S8 with T2 folded into the expert group: E2 is the two tensor ranks, and
+    // the mesh's E dimension is 1 (S8 x 1 x T2 = 16).
+    {"ExecutorFoldsNoTensorRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.parallel.tensor_parallel_degree = 2;
+       s.parallel.sequence_parallel = true;
+       s.parallel.expert_tensor_parallel_degree = 1;
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     "executor_tensor_splits", "parallel.expert_tensor_parallel_degree",
+     "= 1 with tensor_parallel_degree = 2: the executor splits every expert over the tensor-parallel ranks "
+     "(planned and simulated only; megatron and torchtitan fold them into the expert group)",
+     "= 1"},
     {"ExecutorModeDenseBlocks",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

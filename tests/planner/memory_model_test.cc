@@ -202,6 +202,51 @@ TEST(MemoryModel, MultiTokenPredictionWeighsOnTheLastStage) {
             (41'984'000 + 2 * 4096 * 4096 + 3 * 4096) / 2 + 88'080'384);
 }
 
+// Parallel folding: Qwen3-235B-A22B's experts whole on each rank (ETP 1) with T = 2, so E = 32
+// over 16 data-parallel ranks holds 4 experts a rank, all their width, where E = 16 with the
+// experts split over T (ETP 2) holds 8 experts' halves: the same expert parameters. The dense
+// part stays split over T. The distributed optimizer shards the dense states over the mesh's
+// E (16) x R, not over E.
+TEST(MemoryModel, FoldedExpertsAreWholeAndTheirRanksAreTheMeshs) {
+  const ModelSpec& m = test::model("qwen3-235b-a22b");
+  const ParamCounts c = count_parameters(m);
+  const ShardSizes split = stage_shard_sizes(m, {1, 1}, 16, 1, 2, 1, false);
+  const ShardSizes folded = stage_shard_sizes(m, {1, 1}, 32, 1, 2, 1, false, 1);
+  EXPECT_EQ(folded.local_params, split.local_params);
+  EXPECT_EQ(folded.local_params - (c.dense_per_layer() + 1) / 2, 4 * c.expert);
+
+  ParallelConfig p;
+  p.world_size = 256;
+  p.tensor_parallel_degree = 2;
+  p.sequence_parallel = true;
+  p.pipeline_parallel_degree = 8;
+  p.expert_parallel_degree = 32;
+  p.expert_tensor_parallel_degree = 1;
+  p.first_stage_layers = p.last_stage_layers = 11;
+  p.micro_batch_size = 1;
+  p.gradient_accumulation_steps = 128;
+  p.distributed_optimizer = true;
+  EXPECT_EQ(p.expert_fold(), 2);
+  EXPECT_EQ(p.expert_data_degree(), 16);
+  EXPECT_EQ(p.replica_degree(), 1);
+  TrainingConfig t;
+  t.seq_len = 4096;
+  t.global_batch_tokens = int64_t{2048} * 4096;
+  t.precision = Precision::kMixed;
+  t.fp32_gradients = false;  // Megatron-Bridge reduces them in bf16
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kBalanced;
+  const ClusterSpec cluster = test::hardware("dgx-h100", 256);
+  const RunConfig config{m, cluster, p, moe, t};
+  EXPECT_EQ(violated_rules(config), RuleMask{0});
+  const MemoryEstimate memory = estimate_memory(config);
+  const ShardSizes sizes = stage_shard_sizes(m, busiest_stage(m, p), 32, 1, 2, 8, true, 1);
+  // Master weights (fp32): the dense part over 16 ranks, the experts' over R = 1.
+  const int64_t dense = sizes.shard_params - sizes.shard_expert_params;
+  EXPECT_EQ(memory.master_weights, 4 * ((dense + 15) / 16 + sizes.shard_expert_params));
+  EXPECT_LT(memory.device_total, cluster.usable_memory_bytes());
+}
+
 // Under a pipeline, multi-token prediction's block is the last stage's, which keeps one
 // micro-batch in flight under 1F1B: the first stage's four micro-batches of its own 8 blocks stay
 // the larger, so the activations are the same as without it (not 9 blocks x 4).

@@ -92,6 +92,56 @@ TEST(Search, CurrentMoeModelsPlanOnH100AndA100) {
     }
 }
 
+// Parallel folding is a choice of the search where the framework runs it: with T = 2, Megatron-LM's
+// plans include experts whole on each rank with the tensor ranks in the expert group (E beyond
+// the data-parallel ranks); moeplan's executor's never do. Qwen3-235B-A22B's published layout on
+// 256 H100 (T2 P8 E32 ETP1, 16 data-parallel ranks) plans within the device.
+TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
+  auto folded_plans = [](Target target) {
+    SearchOptions options = test::search_options(16);
+    options.estimator = Estimator::kAnalytic;
+    options.keep = 400;
+    options.pins.tensor_parallel_degree = 2;
+    options.moe.load_balancing = LoadBalancing::kAuxLoss;
+    options.training.precision = Precision::kMixed;
+    options.target = target;
+    const SearchResult r = search(test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), options);
+    EXPECT_FALSE(r.ranked.empty());
+    int folded = 0;
+    for (const Candidate& c : r.ranked)
+      if (c.parallel.expert_fold() > 1) {
+        ++folded;
+        EXPECT_EQ(c.parallel.expert_parallel_degree, 2 * c.parallel.expert_data_degree());
+      }
+    return folded;
+  };
+  EXPECT_GT(folded_plans(test::framework_rules("megatron")), 0);
+  EXPECT_EQ(folded_plans(test::framework_rules("moeplan")), 0);
+
+  SearchOptions options = test::search_options(256, 4096);
+  options.estimator = Estimator::kAnalytic;
+  options.keep = 1;
+  options.training.global_batch_tokens = int64_t{2048} * 4096;
+  options.training.precision = Precision::kMixed;
+  options.training.fp32_gradients = false;
+  options.moe.load_balancing = LoadBalancing::kBalanced;
+  SearchOptions::Pins& pin = options.pins;
+  pin.tensor_parallel_degree = 2;
+  pin.sequence_parallel = true;
+  pin.pipeline_parallel_degree = 8;
+  pin.virtual_pipeline_degree = 4;
+  pin.first_stage_layers = pin.last_stage_layers = 11;
+  pin.expert_parallel_degree = 32;
+  pin.expert_tensor_parallel_degree = 1;
+  pin.hybrid_shard_degree = 1;
+  pin.micro_batch_size = 1;
+  pin.distributed_optimizer = true;
+  const SearchResult r = search(test::model("qwen3-235b-a22b"), test::hardware("dgx-h100", 256), options);
+  ASSERT_FALSE(r.ranked.empty()) << r.stats.over_device_memory << " over the device";
+  EXPECT_EQ(r.ranked.front().parallel.expert_data_degree(), 16);
+  EXPECT_EQ(r.ranked.front().parallel.data_parallel_degree(), 16);
+}
+
 // T, P, E, S and the placement are chosen together: the joint best is at least as fast as the
 // best of each part of the space, and the ranking mixes the degrees.
 TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {

@@ -100,6 +100,61 @@ TEST(TensorParallel, ComputeSplitsOverTheRanks) {
 // forward through the three stages before it, the last stage's 8 micro-batches, the last
 // micro-batch's backward through the three before it, and the update:
 //   m X_last + (P - 1) X_mid + optimizer, with X_mid = X_last - head.
+// Parallel folding, Mixtral 8x7B on two p5 nodes with T = 2: E = 8 with the experts split over
+// T (E8 over eight data-parallel ranks) against E = 8 folded (ETP 1: four data-parallel ranks
+// and the two tensor ranks). Folding moves the experts' work between ranks, not its amount:
+// the same expert FLOPs per rank, no tensor-parallel region around the routed experts (Mixtral
+// has no shared ones), and the exchange over the folded group of 8 consecutive ranks (one
+// node) where the mesh's E dimension is 4 ranks 2 apart.
+TEST(TensorParallel, FoldedExpertsExchangeOverTheTensorRanksAndEndNoRegion) {
+  Scenario c{test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), {}, {}, {}};
+  c.parallel.world_size = 16;
+  c.parallel.tensor_parallel_degree = 2;
+  c.parallel.sequence_parallel = true;
+  c.parallel.expert_parallel_degree = 8;
+  c.parallel.micro_batch_size = 1;
+  c.parallel.gradient_accumulation_steps = 4;
+  c.training.seq_len = 4096;
+  c.training.global_batch_tokens = 8 * 4 * 4096;
+  c.moe.load_balancing = LoadBalancing::kBalanced;
+  ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+  Scenario folded = c;
+  folded.parallel.expert_tensor_parallel_degree = 1;
+  folded.parallel.hybrid_shard_degree = 1;
+  ASSERT_TRUE(validate(folded.config()).empty()) << folded.describe();
+  EXPECT_EQ(folded.parallel.expert_data_degree(), 4);
+  EXPECT_EQ(folded.parallel.replica_degree(), 2);
+
+  const OpCosts split = op_costs(c.config()), fold = op_costs(folded.config());
+  EXPECT_NEAR(fold.moe_flops, split.moe_flops, 1e-9 * split.moe_flops);
+  EXPECT_GT(split.tensor_moe_bytes, 0);
+  EXPECT_EQ(fold.tensor_moe_bytes, 0);
+  EXPECT_EQ(fold.dispatch_send_bytes, split.dispatch_send_bytes);
+  // The experts' parameters a rank holds: one expert whole against one expert's half (the split
+  // spreads the 8 experts over all 16 ranks, the fold over 8 of them, replicated twice).
+  EXPECT_EQ(fold.expert_shard_bytes, 2 * split.expert_shard_bytes);
+
+  const LayoutShapes shapes = layout_shapes(folded.cluster, folded.parallel);
+  EXPECT_EQ(shapes.exchange.size, 8);
+  EXPECT_EQ(shapes.exchange.nodes, 1);
+  EXPECT_EQ(shapes.expert.size, 4);
+  const LayoutShapes unfolded = layout_shapes(c.cluster, c.parallel);
+  EXPECT_EQ(unfolded.exchange.size, 8);
+  EXPECT_EQ(unfolded.exchange.nodes, 2);  // E8 over the data-parallel ranks, 2 apart: both nodes
+
+  // In the simulated step the folded layout runs no tensor-parallel collective beside the
+  // experts: half as many per block as the split one.
+  auto tensor_ops = [](const Scenario& s) {
+    const StepSimulation sim = simulate_step(s.config(), {.all_ranks = true, .all_micro_batches = true});
+    int n = 0;
+    for (const Op& op : sim.graph.ops())
+      if (op.rank == 0 && op.kind == OpKind::kTensorForward) ++n;
+    return n;
+  };
+  EXPECT_EQ(tensor_ops(c), 2 * 32 * 4);
+  EXPECT_EQ(tensor_ops(folded), 32 * 4);
+}
+
 TEST(Pipeline, StepIsTheScheduleAroundTheLastStageWorkedByHand) {
   const Scenario c = with_free_communication(dense(4, 1, 4, 8));
   ASSERT_TRUE(validate(c.config()).empty()) << c.describe();

@@ -72,6 +72,7 @@ std::vector<PublishedCase> read_published_cases(const std::string& path) {
           pin("expert_parallel_degree", c.pins.expert_parallel_degree);
           pin("hybrid_shard_degree", c.pins.hybrid_shard_degree);
           pin("tensor_parallel_degree", c.pins.tensor_parallel_degree);
+          pin("expert_tensor_parallel_degree", c.pins.expert_tensor_parallel_degree);
           pin("pipeline_parallel_degree", c.pins.pipeline_parallel_degree);
           pin("virtual_pipeline_degree", c.pins.virtual_pipeline_degree);
           pin("micro_batch_size", c.pins.micro_batch_size);
@@ -102,6 +103,8 @@ std::vector<PublishedCase> read_published_cases(const std::string& path) {
         if (!c.pins.sequence_parallel) c.pins.sequence_parallel = false;
         if (!c.pins.distributed_optimizer) c.pins.distributed_optimizer = false;
         if (!c.pins.tensor_parallel_degree) c.pins.tensor_parallel_degree = 1;
+        // Megatron-LM's expert tensor split is T unless set.
+        if (!c.pins.expert_tensor_parallel_degree) c.pins.expert_tensor_parallel_degree = c.pins.tensor_parallel_degree;
         if (!c.pins.pipeline_parallel_degree) c.pins.pipeline_parallel_degree = 1;
         if (!c.pins.first_stage_layers && !c.pins.last_stage_layers) c.pins.first_stage_layers = c.pins.last_stage_layers = 0;
         r.finish();
@@ -122,8 +125,9 @@ std::string layout_text(const ParallelConfig& p) {
                   (p.first_stage_layers > 0 || p.last_stage_layers > 0
                        ? "(" + std::to_string(p.first_stage_layers) + "/" + std::to_string(p.last_stage_layers) + ")"
                        : "") +
-                  " E" + std::to_string(p.expert_parallel_degree) + " S" + std::to_string(p.hybrid_shard_degree) +
-                  " R" + std::to_string(p.replica_degree()) + (p.distributed_optimizer ? " dopt" : "") + " " +
+ " E" + std::to_string(p.expert_parallel_degree) +
+                  (p.expert_fold() > 1 ? "/ETP" + std::to_string(p.expert_tensor_degree()) : "") + " S" +
+                  std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) + (p.distributed_optimizer ? " dopt" : "") + " " +
                   std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + " mbs " +
                   std::to_string(p.micro_batch_size);
   return s;

@@ -103,9 +103,9 @@ void layout_args(const Plan& plan, Args& a) {
       if (plan.model.shared_expert_gate) a.push_back({"--moe-shared-expert-gate", ""});
     }
     a.push_back({"--expert-model-parallel-size", std::to_string(p.expert_parallel_degree)});
-    // moeplan splits every expert over the tensor-parallel ranks, as Megatron did before it
-    // had a separate expert tensor size.
-    a.push_back({"--expert-tensor-parallel-size", std::to_string(p.tensor_parallel_degree)});
+    // Each routed expert over ETP ranks: T, or 1 with the tensor ranks folded into the expert
+    // group (Megatron-Core's parallel folding).
+    a.push_back({"--expert-tensor-parallel-size", std::to_string(p.expert_tensor_degree())});
     a.push_back({"--moe-router-load-balancing-type", std::string(name_of(kLoadBalancingNames, plan.moe.load_balancing))});
     // Megatron-LM asserts a zero coefficient unless the router balances by the loss.
     const bool aux = plan.moe.load_balancing == LoadBalancing::kAuxLoss;

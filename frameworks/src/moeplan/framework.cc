@@ -14,11 +14,12 @@ const Framework moeplan_framework{
     // trained through the pipeline stages.
     .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
     // What its rule executor_layouts refuses is not tried at all: the executor recomputes whole
-    // blocks or MoE sub-blocks, runs equal stages and shards optimizer states over
-    // hybrid_shard_degree only.
+    // blocks or MoE sub-blocks, runs equal stages, shards optimizer states over
+    // hybrid_shard_degree only and splits experts over the tensor-parallel ranks.
     .capabilities = {.attention_core_recomputation = false,
                      .uneven_pipeline_stages = false,
-                     .distributed_optimizer = false},
+                     .distributed_optimizer = false,
+                     .expert_tensor_folding = false},
     // `moeplan run` trains a plan itself, and writes its own metrics: nothing to export or read.
     .export_launch = nullptr,
     .read_log_line = nullptr,

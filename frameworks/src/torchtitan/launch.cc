@@ -25,7 +25,7 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
   std::string toml = "# torchtitan job for " + summary(plan) + ".\n# Written by `moeplan export-launch --to torchtitan`.\n";
   if (p.expert_parallel_degree > 1)
     toml += "# torchtitan shards the dense blocks over every rank of data_parallel_shard_degree (" +
-            std::to_string(p.hybrid_shard_degree * p.expert_parallel_degree) +
+            std::to_string(p.hybrid_shard_degree * p.expert_data_degree()) +
             "), the expert\n# ranks included; the plan shards them over hybrid_shard_degree (" +
             std::to_string(p.hybrid_shard_degree) + ") and replicates them over the expert ranks.\n";
   toml += "# The model's shape, for a flavor of torchtitan's MoE model: dim " + std::to_string(m.hidden_size) +
@@ -60,7 +60,9 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
 
   toml += "[parallelism]\n";
   toml += line("data_parallel_replicate_degree", p.replica_degree());
-  toml += line("data_parallel_shard_degree", p.hybrid_shard_degree * p.expert_parallel_degree);
+  // Expert parallelism borrows its ranks from data_parallel_shard_degree (and with
+  // expert_tensor_parallel_degree = 1 from the tensor-parallel ranks too).
+  toml += line("data_parallel_shard_degree", p.hybrid_shard_degree * p.expert_data_degree());
   toml += line("tensor_parallel_degree", p.tensor_parallel_degree);
   toml += line("pipeline_parallel_degree", p.pipeline_parallel_degree);
   if (pipelined) {
@@ -75,7 +77,7 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
   toml += line("context_parallel_degree", 1);
   if (!m.dense()) {
     toml += line("expert_parallel_degree", p.expert_parallel_degree);
-    toml += line("expert_tensor_parallel_degree", p.tensor_parallel_degree);
+    toml += line("expert_tensor_parallel_degree", p.expert_tensor_degree());
   }
   toml += "\n[activation_checkpoint]\n" +
           line("mode", quoted(p.activation_checkpointing == Checkpointing::kFull ? "full" : "none"));

@@ -2,6 +2,7 @@
 // How a training run is spread over the cluster (SMP v2 semantics, docs/architecture.md section 6), and
 // the MoE and training settings that go with it.
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -79,6 +80,12 @@ struct ParallelConfig {
   int64_t expert_parallel_degree = 1;   // E: experts partitioned over E ranks
   int64_t hybrid_shard_degree = 1;      // S: model states sharded over S ranks (0 = W/E)
   int64_t tensor_parallel_degree = 1;   // T: each block's matrices split over T ranks (Megatron)
+  // ETP: each routed expert's matrices split over ETP ranks; 0: over the T ranks, as Megatron-LM
+  // does when --expert-tensor-parallel-size is unset. With ETP < T the other T / ETP
+  // tensor-parallel ranks join the expert group instead (Megatron-Core's parallel folding): E
+  // counts them, so E may exceed the data-parallel ranks (E = T / ETP x the mesh's E
+  // dimension, expert_data_degree()).
+  int64_t expert_tensor_parallel_degree = 0;
   int64_t pipeline_parallel_degree = 1; // P: the blocks split into P stages (1F1B schedule)
   // V: each stage's blocks in V chunks, run with the interleaved schedule (Megatron's virtual
   // pipeline); 1 = plain 1F1B.
@@ -102,9 +109,27 @@ struct ParallelConfig {
   int64_t first_stage_layers = 0;
   int64_t last_stage_layers = 0;
 
-  // R = W / (S * E * T * P): replicas of each shard. Only meaningful for a valid config.
+  // ETP resolved: T where unset.
+  int64_t expert_tensor_degree() const {
+    return expert_tensor_parallel_degree > 0 ? expert_tensor_parallel_degree : std::max<int64_t>(1, tensor_parallel_degree);
+  }
+  // The tensor-parallel ranks folded into each expert group: T / ETP (1 without folding).
+  int64_t expert_fold() const {
+    const int64_t etp = expert_tensor_degree();
+    return tensor_parallel_degree > etp && tensor_parallel_degree % etp == 0 ? tensor_parallel_degree / etp : 1;
+  }
+  // The mesh's E dimension: the data-parallel ranks an expert group spans, E / (T / ETP).
+  int64_t expert_data_degree() const { return expert_parallel_degree / expert_fold(); }
+  // Whether the placement puts E directly outside T, as a folded expert group needs.
+  bool expert_beside_tensor() const {
+    const auto& order = placement.outer_to_inner;
+    const auto e = std::find(order.begin(), order.end(), MeshDim::kExpert);
+    return e + 1 != order.end() && *(e + 1) == MeshDim::kTensor;
+  }
+  // R = W / (S * E * T * P) (with folding, the mesh's E dimension for E): replicas of each
+  // shard. Only meaningful for a valid config.
   int64_t replica_degree() const {
-    const int64_t rest = expert_parallel_degree * hybrid_shard_degree * tensor_parallel_degree * pipeline_parallel_degree;
+    const int64_t rest = expert_data_degree() * hybrid_shard_degree * tensor_parallel_degree * pipeline_parallel_degree;
     return rest > 0 ? world_size / rest : 0;
   }
   // Ranks that read different data: R * S * E = W / (T * P).
@@ -116,7 +141,7 @@ struct ParallelConfig {
     switch (d) {
       case MeshDim::kReplica: return replica_degree();
       case MeshDim::kShard: return hybrid_shard_degree;
-      case MeshDim::kExpert: return expert_parallel_degree;
+      case MeshDim::kExpert: return expert_data_degree();
       case MeshDim::kTensor: return tensor_parallel_degree;
       case MeshDim::kPipeline: return pipeline_parallel_degree;
     }

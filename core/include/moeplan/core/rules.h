@@ -39,6 +39,7 @@ enum class Rule : uint8_t {
   kShardExpertDividesWorld,
   kTensorDividesHeads,
   kTensorDividesIntermediate,
+  kExpertTensorFolds,
   kSequenceParallelNeedsTensor,
   kExpertTensorNeedsSequenceParallel,
   kPipelineDividesLayers,

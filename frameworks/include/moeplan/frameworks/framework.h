@@ -38,6 +38,9 @@ struct FrameworkCapabilities {
   bool uneven_pipeline_stages = true;
   // Optimizer states sharded over the data-parallel replicas, tried where there are some.
   bool distributed_optimizer = true;
+  // Routed experts outside the tensor split, the tensor ranks folded into the expert group
+  // (expert_tensor_parallel_degree = 1 under T > 1), tried with MoE models.
+  bool expert_tensor_folding = true;
 };
 
 struct Framework {

@@ -71,9 +71,11 @@ struct ShardSizes {
   int64_t largest_unit_params = 0;  // the biggest flat parameter gathered at once
 };
 // The `blocks` of one pipeline stage of `model` (or all of them); `with_ends`: the embedding or
-// the head (the larger) on the stage, both with one stage.
+// the head (the larger) on the stage, both with one stage. Routed experts are split over
+// `expert_tensor_degree` ranks (0: tensor_degree).
 ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, int64_t expert_degree,
-                             int64_t shard_degree, int64_t tensor_degree, int64_t pipeline_degree, bool with_ends);
+                             int64_t shard_degree, int64_t tensor_degree, int64_t pipeline_degree, bool with_ends,
+                             int64_t expert_tensor_degree = 0);
 // The busiest of `pipeline_degree` equal stages of `model`.
 ShardSizes shard_sizes(const ModelSpec& model, int64_t expert_degree, int64_t shard_degree, int64_t tensor_degree = 1,
                        int64_t pipeline_degree = 1);

@@ -11,11 +11,14 @@ namespace moeplan::sim {
 
 // The communication groups of one mesh layout; computed once per (E, S, placement).
 struct LayoutShapes {
-  GroupShape expert;   // E: token dispatch, expert-parameter sharding peers
+  GroupShape expert;   // the mesh's E: the dense gradients' first sync
   GroupShape shard;    // S: all-gather / reduce-scatter of model states
   GroupShape replica;  // R: gradient all-reduce of expert parameters
   GroupShape tensor;   // T: all-reduces inside each block
   GroupShape pipeline; // P: activations to the next stage
+  // The expert group the tokens travel in: E along the mesh, or with folded tensor ranks
+  // (ParallelConfig::expert_fold) E ranks ETP apart.
+  GroupShape exchange;
 };
 LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& parallel);
 

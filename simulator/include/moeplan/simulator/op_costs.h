@@ -90,7 +90,7 @@ class KernelCostCache {
   const KernelCosts& get(const RunConfig& config);
 
  private:
-  std::map<std::array<int64_t, 7>, KernelCosts> costs_;
+  std::map<std::array<int64_t, 8>, KernelCosts> costs_;
 };
 
 // The model the last pipeline stage runs: its blocks (num_layers / P, or last_stage_layers, its
