@@ -103,7 +103,7 @@ void add_layout_options(CLI::App& cmd, Search& s) {
       ->capture_default_str();
   add_choice(cmd, "--checkpointing", pin.checkpointing, kCheckpointingNames,
              "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's selective "
-             "recomputation)");
+             "recomputation; latent_up: latent attention's up projections, Megatron's mla_up_proj)");
   add_choice(cmd, "--distributed-optimizer", pin.distributed_optimizer, kOnOff,
              "Fix the distributed optimizer (states sharded over the data-parallel ranks, ZeRO-1)");
   cmd.add_option("--first-stage-layers", pin.first_stage_layers, "Fix the blocks of the first pipeline stage")
@@ -131,6 +131,9 @@ void add_framework_options(CLI::App& cmd, Search& s) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 10));
   cmd.add_option("--micro-batch", pin.micro_batch_size, "Fix the micro-batch size")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd.add_flag("--overlap-exchange", r.options.moe.overlap_exchange,
+               "Each token exchange beside another micro-batch's compute (Megatron-Core's merged 1F1B schedule, "
+               "--overlap-moe-expert-parallel-comm)");
   cmd.add_option("--expert-load-imbalance", r.options.moe.expert_load_imbalance,
                  "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));

@@ -34,10 +34,12 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "micro_batch_tokens",
     "global_batch_matches",
     "offload_needs_checkpointing",
+    "latent_up_needs_latent_attention",
     "horizon_positive",
     "horizon_within_layers",
     "load_imbalance_range",
     "token_shuffle_needs_experts",
+    "exchange_overlap_schedule",
     "token_counts_match_experts",
     "min_lr_within_lr",
     "warmup_within_steps",
@@ -437,8 +439,14 @@ void check_batch(const RunConfig& c, Sink& sink) {
              str(step_tokens);
     });
 
+  if (p.activation_checkpointing == Checkpointing::kLatentUpProjections && !m.mla())
+    sink(Rule::kLatentUpNeedsLatentAttention, "parallel.activation_checkpointing", [&] {
+      return std::string("= \"latent_up\" with a model without latent attention (kv_lora_rank = 0): it recomputes "
+                         "latent attention's up projections");
+    });
   if (p.activation_offloading) {
-    if (p.activation_checkpointing == Checkpointing::kNone || p.activation_checkpointing == Checkpointing::kAttentionCore)
+    if (p.activation_checkpointing == Checkpointing::kNone || p.activation_checkpointing == Checkpointing::kAttentionCore ||
+        p.activation_checkpointing == Checkpointing::kLatentUpProjections)
       sink(Rule::kOffloadNeedsCheckpointing, "parallel.activation_offloading", [&] {
         return std::string("= true needs activation_checkpointing full or selective (only checkpointed block "
                            "inputs are offloaded)");
@@ -495,6 +503,20 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
       return std::string("= true needs expert_parallel_degree > 1 (it shuffles tokens across the "
                          "expert-parallel group)");
     });
+  // Megatron-Core pairs one micro-batch's forward with another's backward in the steady state
+  // of 1F1B: without pipeline parallelism, or with the interleaved schedule.
+  if (c.moe.overlap_exchange) {
+    const ParallelConfig& par = c.parallel;
+    const char* why = e == 1 ? "expert_parallel_degree > 1 (there is no exchange to overlap)"
+                      : c.moe.dispatcher != Dispatcher::kAllToAll ? "the alltoall dispatcher"
+                      : par.pipeline_parallel_degree > 1 && par.virtual_pipeline_degree == 1
+                          ? "pipeline_parallel_degree = 1 or the interleaved schedule (virtual_pipeline_degree > 1)"
+                      : recomputes_moe(par.activation_checkpointing) ? "activation_checkpointing that keeps the MoE sub-block"
+                                                                     : nullptr;
+    if (why != nullptr)
+      sink(Rule::kExchangeOverlapSchedule, "moe.overlap_exchange",
+           [&] { return "= true needs " + std::string(why) + " (Megatron-Core's merged 1F1B schedule)"; });
+  }
 
   if (t.fp8 && (cl.peak_fp8_flops <= 0 || t.precision == Precision::kFp32))
     sink(Rule::kFp8NeedsHardware, "training.fp8", [&] {

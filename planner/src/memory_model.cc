@@ -1,6 +1,7 @@
 #include "moeplan/planner/memory_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "moeplan/core/moe_load.h"
@@ -69,6 +70,9 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   BlockActivations out;
   out.block_input = to_bytes(t * h * bytes * outside);
   out.core = to_bytes(core);
+  // Latent attention's up projections make every head's query, key and value from the latents;
+  // the attention core keeps them for its backward.
+  if (m.mla()) out.latent_up = to_bytes(t * (q + kv + v) * bytes * inside);
   if (kernels == Kernels::kFused) {
     // What a GEMM keeps of its input for the weight gradient: with FP8 GEMMs (Transformer
     // Engine), the input's one-byte FP8 copy.
@@ -82,13 +86,15 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
     out.attention = to_bytes(t * (h * bytes + h * gemm_input + mask * h) * outside +
                              t * ((q + kv + v + qk_norm) * bytes + o_in * gemm_input) * inside + latents + core);
     // The norm's input and output (the first GEMM's input), dropout's mask; an MoE keeps the
-    // fp32 router probabilities and per token-expert slot the expert input and output (the
-    // permuted copy, and the row returned for the weighted sum); then per slot the
-    // intermediate-width tensors (GELU: fc1's output and its GELU, the fc2 input).
+    // fp32 router probabilities and per token-expert slot the expert input (the permuted copy,
+    // fc1's input) with its fp32 routing weight, which scales the activation (Megatron-Core's
+    // grouped experts, activation_func_with_probs), so that the combine is an unweighted sum
+    // that keeps nothing; then per slot the intermediate-width tensors (GELU: fc1's output and
+    // its GELU, the fc2 input).
     // Shared experts take every token through the same intermediate-width tensors at their
     // width, from the input the router reads; a gate keeps their output and its fp32 value.
     out.moe = to_bytes((t * (h * bytes + h * gemm_input + mask * h) +
-                        (dense ? 0.0 : t * router * kBytesFp32 + routed * h * (gemm_input + bytes)) +
+                        (dense ? 0.0 : t * router * kBytesFp32 + routed * (h * gemm_input + kBytesFp32)) +
                         (m.shared_expert_gate ? t * (h * bytes + kBytesFp32) : 0.0)) *
                            outside +
                        (routed * f + t * shared) * ((mlp_kept - 1) * bytes + gemm_input) * inside);
@@ -124,8 +130,13 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
   return out;
 }
 
-ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t,
-                             int64_t p, bool with_ends, int64_t etp) {
+namespace {
+// Which ends of the model a stage holds beside its blocks: the first stage the embedding, the
+// last the head, one stage both; kLarger: whichever is larger (a stage standing for any).
+enum class Ends : uint8_t { kNone, kFirst, kLast, kBoth, kLarger };
+
+ShardSizes shard_sizes_with(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t, int64_t p,
+                            Ends which, int64_t etp) {
   const ParamCounts c = count_parameters(model);
   t = std::max<int64_t>(1, t);
   const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, etp > 0 ? etp : t);
@@ -139,22 +150,31 @@ ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, in
   // under a pipeline the embedding again when multi-token prediction looks tokens up there.
   const int64_t head = ceil_div(c.final_norm + c.lm_head + c.mtp_projection, t) +
                        (p > 1 && model.mtp_layers > 0 ? embedding : 0);
-  // The first stage holds the embedding, the last the head; with one stage, both.
-  const int64_t ends = !with_ends ? 0 : p > 1 ? std::max(embedding, head) : embedding + head;
+  const bool first = which == Ends::kFirst || which == Ends::kBoth, last = which == Ends::kLast || which == Ends::kBoth;
+  const int64_t ends = which == Ends::kLarger ? std::max(embedding, head) : (first ? embedding : 0) + (last ? head : 0);
   ShardSizes out;
   out.local_params = ends + moe_layers * (dense_per_layer + experts_per_layer) + dense_layers * dense_block;
   // Flat parameters (FSDP units): the embedding; per block its dense part and its experts
   // (they reduce over different groups); the final norm with the lm head. Each is padded to
   // a multiple of S before it is split.
-  const int64_t ends_shard = !with_ends ? 0
-                             : p > 1  ? std::max(ceil_div(embedding, s), ceil_div(head, s))
-                                      : ceil_div(embedding, s) + ceil_div(head, s);
+  const int64_t ends_shard = which == Ends::kLarger ? std::max(ceil_div(embedding, s), ceil_div(head, s))
+                                                    : (first ? ceil_div(embedding, s) : 0) + (last ? ceil_div(head, s) : 0);
   out.shard_expert_params = moe_layers * ceil_div(experts_per_layer, s);
   out.shard_params = ends_shard + moe_layers * ceil_div(dense_per_layer, s) + out.shard_expert_params +
                      dense_layers * ceil_div(dense_block, s);
-  out.largest_unit_params = std::max({embedding, head, moe_layers > 0 ? dense_per_layer + experts_per_layer : 0,
+  // (A stage standing for any counts either end's unit as gathered, the stage of its own its own.)
+  const bool any = which == Ends::kNone || which == Ends::kLarger;
+  out.largest_unit_params = std::max({any ? std::max(embedding, head) : std::max(first ? embedding : 0, last ? head : 0),
+                                      moe_layers > 0 ? dense_per_layer + experts_per_layer : 0,
                                       dense_layers > 0 ? dense_block : 0});
   return out;
+}
+}  // namespace
+
+ShardSizes stage_shard_sizes(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t,
+                             int64_t p, bool with_ends, int64_t etp) {
+  const Ends which = !with_ends ? Ends::kNone : p > 1 ? Ends::kLarger : Ends::kBoth;
+  return shard_sizes_with(model, blocks, e, s, t, p, which, etp);
 }
 
 namespace {
@@ -264,6 +284,10 @@ KeptActivations kept_activations(const BlockActivations& block, Checkpointing ch
       kept.stored_per_block = block.full() - block.core;
       kept.working_set = block.core;
       break;
+    case Checkpointing::kLatentUpProjections:  // q, k and v are made again from the latents
+      kept.stored_per_block = block.full() - block.latent_up;
+      kept.working_set = block.latent_up;
+      break;
   }
   return kept;
 }
@@ -362,14 +386,15 @@ void add_totals(const ClusterSpec& cluster, MemoryEstimate& out) {
   out.device_total = out.model_states() + transient + out.framework_overhead + out.fragmentation;
 }
 
-// One stage's memory: its blocks, with `in_flight` micro-batches' activations kept.
-MemoryEstimate estimate_stage_memory(const RunConfig& c, StageView view, StageBlockCounts blocks, double in_flight) {
+// One stage's memory: its blocks and `ends`, with `in_flight` micro-batches' activations kept,
+// and with `loss` the logits.
+MemoryEstimate estimate_stage_memory(const RunConfig& c, Ends ends, StageBlockCounts blocks, double in_flight, bool loss) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
   const int64_t a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  const ShardSizes sizes = stage_shard_sizes(m, blocks, p.expert_parallel_degree, p.hybrid_shard_degree,
-                                             p.tensor_parallel_degree, p.pipeline_parallel_degree,
-                                             view == StageView::kBusiest, p.expert_tensor_degree());
+  const ShardSizes sizes = shard_sizes_with(m, blocks, p.expert_parallel_degree, p.hybrid_shard_degree,
+                                            p.tensor_parallel_degree, p.pipeline_parallel_degree, ends,
+                                            p.expert_tensor_degree());
   MemoryEstimate out;
   add_model_states(c, sizes, a, out);
   const int64_t tokens = p.micro_batch_size * c.training.seq_len;
@@ -385,7 +410,7 @@ MemoryEstimate estimate_stage_memory(const RunConfig& c, StageView view, StageBl
           : BlockActivations{};
   add_activations(p, block, dense, blocks, in_flight, out);
   out.moe_dispatch_buffers = dispatch_buffer_bytes(c, tokens, slots, a);
-  out.logits = logits_bytes(c, tokens, a, out);
+  if (loss) out.logits = logits_bytes(c, tokens, a, out);
   add_totals(c.cluster, out);
   return out;
 }
@@ -395,16 +420,26 @@ MemoryEstimate estimate_stage_memory(const RunConfig& c, StageView view, StageBl
 MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   const ParallelConfig& p = c.parallel;
   const int64_t pp = std::max<int64_t>(1, p.pipeline_parallel_degree);
-  if (c.model.mtp_layers == 0 || pp == 1)
-    return estimate_stage_memory(c, view, busiest_stage(c.model, p), micro_batches_in_flight(p, 0));
-  // Multi-token prediction's blocks are the last stage's, which keeps the fewest micro-batches
-  // in flight: the busiest of the decoder's stages with the first stage's micro-batches, or the
-  // last stage with its own, whichever needs more.
-  const MemoryEstimate first =
-      estimate_stage_memory(c, view, busiest_of(c.model, p, true), micro_batches_in_flight(p, 0));
-  const MemoryEstimate last =
-      estimate_stage_memory(c, view, stage_block_counts(c.model, p, pp - 1), micro_batches_in_flight(p, pp - 1));
-  return last.device_total > first.device_total ? last : first;
+  if (view == StageView::kBlocksOnly)  // the busiest blocks with the first stage's micro-batches
+    return estimate_stage_memory(c, Ends::kNone, busiest_of(c.model, p, true), micro_batches_in_flight(p, 0), true);
+  if (pp == 1) return estimate_stage_memory(c, Ends::kBoth, busiest_stage(c.model, p), micro_batches_in_flight(p, 0), true);
+  // Under a pipeline each stage keeps its own blocks' activations for its own micro-batches in
+  // flight (the first stage the most): the first stage with the embedding, the second with the
+  // most micro-batches of the middle stages (they hold as many blocks), and the last with the
+  // head, the loss's logits and multi-token prediction's blocks. The device must hold the
+  // largest.
+  MemoryEstimate worst;
+  const std::array<int64_t, 3> stages{0, pp > 2 ? 1 : pp - 1, pp - 1};
+  for (size_t i = 0; i < stages.size(); ++i) {
+    if (i == 2 && pp == 2) break;  // stage 1 is the last
+    const int64_t stage = stages[i];
+    const bool last = stage == pp - 1;
+    const MemoryEstimate here = estimate_stage_memory(c, stage == 0 ? Ends::kFirst : last ? Ends::kLast : Ends::kNone,
+                                                      stage_block_counts(c.model, p, stage),
+                                                      micro_batches_in_flight(p, stage), last);
+    if (here.device_total > worst.device_total) worst = here;
+  }
+  return worst;
 }
 
 std::vector<MemoryItem> MemoryEstimate::device_items() const {

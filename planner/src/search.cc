@@ -175,6 +175,8 @@ Space::Space(const ModelSpec& m, const ClusterSpec& cluster, const SearchOptions
   checkpointing = {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
   if (cluster.attention == AttentionKernel::kUnfused && capabilities.attention_core_recomputation)
     checkpointing.push_back(Checkpointing::kAttentionCore);
+  // Latent attention keeps every head's q, k and v, which its up projections remake cheaply.
+  if (model.mla() && capabilities.latent_up_recomputation) checkpointing.push_back(Checkpointing::kLatentUpProjections);
   placements = all_placements();
   if (pin.expert_parallel_degree) expert_degrees = {*pin.expert_parallel_degree};
   if (pin.hybrid_shard_degree) shard_degrees = {*pin.hybrid_shard_degree};

@@ -109,12 +109,17 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
       std::max(0.0, o.tensor_overlap_s - (tensor ? s.region(o.tensor_bytes, s.shapes.tensor, true) : 0.0));
   t.expert_comm = layers * (exchanges * per_exchange - std::min(per_exchange, moe_beside) -
                             std::min(per_exchange, attention_beside));
+  // Merged 1F1B: each exchange beside another micro-batch's compute (the rule
+  // exchange_overlap_schedule keeps recomputed exchanges out).
+  const ExchangeCover cover = exchange_cover(o);
+  if (c.moe.overlap_exchange) t.expert_comm = layers * cover.exposed(per_exchange);
   if (c.moe.dispatcher == Dispatcher::kAllToAll) {
     GroupShape alone = s.shapes.exchange;
     alone.groups_per_node = 1;
     const double alone_s = cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
-    t.expert_chain_min = layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
-                                   std::min(alone_s, o.tensor_overlap_s));
+    t.expert_chain_min = c.moe.overlap_exchange ? layers * cover.exposed(alone_s)
+                                                : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
+                                                            std::min(alone_s, o.tensor_overlap_s));
     t.nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
                       static_cast<double>(s.shapes.exchange.groups_per_node);
   }

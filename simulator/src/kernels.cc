@@ -314,6 +314,21 @@ class KernelListBuilder {
     query();
   }
 
+  // What latent_up checkpointing runs again before attention's backward (Megatron-Core's
+  // mla_up_proj recompute module): the up projections to every head's query, key and value,
+  // and the rotary embedding on them.
+  KernelList latent_up() {
+    KernelList l;
+    if (!m_.mla()) return l;
+    const double q_rank = static_cast<double>(m_.q_lora_rank);
+    const double kv_rank = static_cast<double>(m_.kv_lora_rank);
+    const double rope = static_cast<double>(m_.qk_rope_head_dim);
+    if (q_rank > 0) gemm(l, "q_up", tokens_, q_, q_rank, false, linear_, 1, false);
+    gemm(l, "kv_up", tokens_, heads_ * (head_dim_ - rope + value_dim_), kv_rank, false, linear_, 1, false);
+    rotary(l);
+    return l;
+  }
+
   void repeat_kv(KernelList& l) {
     if (!flash_ && !fused_ && kv_ < q_) memory(l, "attention.repeat_kv", 2.0 * tokens_ * (kv_ + q_) * a_, 2);
   }
@@ -538,6 +553,7 @@ MicroBatchKernels micro_batch_kernels(const RunConfig& c) {
   KernelListBuilder b(c);
   MicroBatchKernels k;
   k.core_forward = b.attention_core(false);
+  k.latent_up_forward = b.latent_up();
   k.attention_forward = b.attention(false, k.core_forward);
   k.attention_backward = b.attention(true, b.attention_core(true));
   k.attention_wgrad_s = b.last_wgrad_s();

@@ -68,6 +68,7 @@ StageCompute stage_compute(const OpCosts& o, const ParallelConfig& p, StageBlock
   if (p.activation_checkpointing == Checkpointing::kFull) out.recompute = out.forward;
   if (p.activation_checkpointing == Checkpointing::kSelective) out.recompute = ffn_forward;
   if (p.activation_checkpointing == Checkpointing::kAttentionCore) out.recompute = layers * o.core_forward_s;
+  if (p.activation_checkpointing == Checkpointing::kLatentUpProjections) out.recompute = layers * o.latent_up_forward_s;
   return out;
 }
 
@@ -126,6 +127,8 @@ KernelCosts kernel_costs(const RunConfig& c) {
     o.attention_forward_s = k.attention_forward.seconds();
     o.attention_backward_s = k.attention_backward.seconds();
     o.core_forward_s = k.core_forward.seconds();
+    o.latent_up_forward_s = k.latent_up_forward.seconds();
+    o.latent_up_flops = k.latent_up_forward.flops();
     o.moe_forward_s = k.moe_forward.seconds();
     o.moe_forward_busiest_s = moe_busiest_forward.seconds();
     o.moe_backward_busiest_s = moe_busiest_backward.seconds();
@@ -206,6 +209,16 @@ KernelCosts kernel_costs(const RunConfig& c) {
 }
 
 OpCosts op_costs(const RunConfig& c) { return op_costs(c, kernel_costs(c)); }
+
+ExchangeCover exchange_cover(const KernelCosts& k) {
+  return {k.moe_backward_busiest_s, k.attention_backward_s, k.attention_forward_s, k.moe_forward_busiest_s};
+}
+
+double ExchangeCover::exposed(double exchange_s) const {
+  double sum = 0;
+  for (const double cover : {dispatch, combine, combine_backward, dispatch_backward}) sum += std::max(0.0, exchange_s - cover);
+  return sum;
+}
 
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;

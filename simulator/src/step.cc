@@ -89,6 +89,7 @@ class Builder {
         layout_(layout),
         cost_(c.cluster),
         o_(op_costs(c)),
+        cover_(exchange_cover(o_)),
         shapes_(layout_shapes(c.cluster, c.parallel)),
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
@@ -288,8 +289,21 @@ class Builder {
       collective_round(after, MeshDim::kExpert, OpKind::kDispatchCounts, TraceStream::kExpertComm, layer, mb,
                        cost_.all_gather_cost(counts, shapes_.exchange), counts, false);
     }
-    collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb,
-                     cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.exchange), o_.dispatch_send_bytes, false);
+    CollectiveCost cost = cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.exchange);
+    if (c_.moe.overlap_exchange) {
+      // Beside another micro-batch's compute (merged 1F1B): only what the exchange takes beyond
+      // it holds the chain, and only that share of its bytes is left for the card.
+      const double whole = cost_.all_to_all_seconds(o_.dispatch_send_bytes, shapes_.exchange);
+      const double cover = kind == OpKind::kDispatch          ? cover_.dispatch
+                           : kind == OpKind::kCombine         ? cover_.combine
+                           : kind == OpKind::kCombineBackward ? cover_.combine_backward
+                           : kind == OpKind::kDispatchBackward ? cover_.dispatch_backward
+                                                               : 0.0;
+      const double share = whole > 0 ? std::max(0.0, whole - cover) / whole : 1.0;
+      cost = {cost.latency_s * share, cost.intra_s * share, cost.nic_bytes_per_node * share};
+    }
+    collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb, cost, o_.dispatch_send_bytes,
+                     false);
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
@@ -444,6 +458,9 @@ class Builder {
     if (p_.activation_checkpointing == Checkpointing::kAttentionCore)
       for (size_t r = 0; r < n; ++r)
         chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.core_forward_s, o_.core_flops));
+    if (p_.activation_checkpointing == Checkpointing::kLatentUpProjections)
+      for (size_t r = 0; r < n; ++r)
+        chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.latent_up_forward_s, o_.latent_up_flops));
     const double attention_beside = std::min(o_.tensor_overlap_s, o_.attention_backward_s);
     for (size_t r = 0; r < n; ++r)
       chain(state, r,
@@ -464,6 +481,7 @@ class Builder {
   const Layout& layout_;
   CostModel cost_;
   OpCosts o_;
+  ExchangeCover cover_;  // under moe.overlap_exchange
   LayoutShapes shapes_;
   StepGraph graph_;
   int64_t micro_batches_;
@@ -741,7 +759,9 @@ const KernelList* kernels_of(const StepSimulation& sim, const Op& op) {
     case OpKind::kExpertRecompute: return &k.moe_forward;
     case OpKind::kExpertBackward: return &k.moe_backward;
     case OpKind::kAttentionRecompute:
-      return sim.checkpointing == Checkpointing::kAttentionCore ? &k.core_forward : &k.attention_forward;
+      return sim.checkpointing == Checkpointing::kAttentionCore        ? &k.core_forward
+             : sim.checkpointing == Checkpointing::kLatentUpProjections ? &k.latent_up_forward
+                                                                        : &k.attention_forward;
     default: return nullptr;
   }
 }

@@ -217,7 +217,7 @@ std::vector<PlanEdit> plan_edits() {
       {"OffloadingAsString", "/parallel/activation_offloading", "yes", "parallel.activation_offloading",
        "expected true or false, got string \"yes\""},
       {"UnknownCheckpointing", "/parallel/activation_checkpointing", "partial", "parallel.activation_checkpointing",
-       "expected one of \"none\", \"selective\", \"full\", \"attention_core\", got string \"partial\""},
+       "expected one of \"none\", \"selective\", \"full\", \"attention_core\", \"latent_up\", got string \"partial\""},
       {"UnknownDispatcher", "/moe/dispatcher", "alltoallv", "moe.dispatcher",
        "expected one of \"alltoall\", \"allgather\", got string \"alltoallv\""},
       {"PlacementRepeatsALetter", "/parallel/placement", "RRE", "parallel.placement",

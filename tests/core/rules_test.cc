@@ -109,6 +109,17 @@ const RuleCase kCases[] = {
      },
      Rule::kBlockVariants, "model.glu_limit",
      "= 7 with mlp = \"gelu\": the clamped gate is a gated (SwiGLU-shaped) layer", "= 7"},
+    // The base recomputes whole blocks, their exchanges too: Megatron-Core's merged 1F1B does not.
+    {"OverlappedExchangesRecomputed", [](Scenario& s) { s.moe.overlap_exchange = true; },
+     Rule::kExchangeOverlapSchedule, "moe.overlap_exchange",
+     "= true needs activation_checkpointing that keeps the MoE sub-block (Megatron-Core's merged 1F1B schedule)",
+     "= true"},
+    {"LatentUpWithoutLatentAttention",
+     [](Scenario& s) { s.parallel.activation_checkpointing = Checkpointing::kLatentUpProjections; },
+     Rule::kLatentUpNeedsLatentAttention, "parallel.activation_checkpointing",
+     "= \"latent_up\" with a model without latent attention (kv_lora_rank = 0): it recomputes latent attention's up "
+     "projections",
+     "latent_up"},
     // Parallel folding, from the base's E2 S8 with T = 4 (readers 4, ga 512): ETP strictly
     // between 1 and T, a fold that does not divide E, and E not directly outside T.
     {"ExpertTensorSplitBetweenOneAndT",

@@ -340,6 +340,30 @@ TEST(ExportLaunch, FoldedExpertsExportWithEachFrameworksNames) {
 
 }
 
+// Recomputing latent attention's up projections is Megatron-LM's selective recompute module
+// mla_up_proj; torchtitan, SMP and moeplan's executor have none and refuse it by rule.
+TEST(ExportLaunch, LatentUpCheckpointingIsMegatronsUpProjectionModule) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 64;
+  pins.tensor_parallel_degree = 1;
+  pins.pipeline_parallel_degree = 1;
+  pins.checkpointing = Checkpointing::kLatentUpProjections;
+  pins.micro_batch_size = 1;
+  const Plan plan = searched("deepseek-v3", "p5.48xlarge", 64, test::framework_rules("megatron"), pins, Precision::kMixed,
+                             0, LoadBalancing::kAuxLoss, true);
+  const auto a = megatron_args(file(launch::export_launch(plan, test::framework_rules("megatron"), "plan.json"),
+                                    "megatron-args.txt").text);
+  EXPECT_EQ(a.at("--recompute-granularity"), "selective");
+  EXPECT_EQ(a.at("--recompute-modules"), "mla_up_proj");
+  for (const char* other : {"torchtitan", "smp", "moeplan"}) {
+    RunConfig c{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training, test::framework_rules(other)};
+    bool refused = false;
+    for (const Violation& v : validate(c))
+      refused = refused || (v.field == "parallel.activation_checkpointing" && v.message.find("latent_up") != std::string::npos);
+    EXPECT_TRUE(refused) << other;
+  }
+}
+
 // A plan another target searched, exported where it cannot run: refused with the rule's name.
 TEST(ExportLaunch, EachFrameworkRefusesWhatItCannotRunByRule) {
   planner::SearchOptions::Pins pipeline;

@@ -84,14 +84,16 @@ TEST(MemoryModel, FlatParametersArePaddedToTheShardDegree) {
 // (4096 token-expert slots):
 //   block input   2048 x 4096 x 2                                       = 16,777,216
 //   attention     2048 x (2x4096 + 2x4096 + 2x1024) x 2 + 2048 x 32 x 4 = 75,759,616
-//   moe           2048 x 2x4096 x 2 + 2048 x 8 x 4 + 4096 x (2x4096 + 3x14336) x 2
-//                 = 33,554,432 + 65,536 + 419,430,400                    = 453,050,368
+//   moe           2048 x 2x4096 x 2 + 2048 x 8 x 4 + 4096 x (4096 x 2 + 4) + 4096 x 3x14336 x 2
+//                 = 33,554,432 + 65,536 + 33,570,816 + 352,321,536      = 419,512,320
+// (per slot the expert's input and its fp32 routing weight, which scales the activation: the
+// combine keeps no expert output)
 TEST(MemoryModel, ActivationsPerBlock) {
   const BlockActivations b = block_activations(mixtral(), 1, 2048, 4096, 2);
   EXPECT_EQ(b.block_input, 16'777'216);
   EXPECT_EQ(b.attention, 75'759'616);
-  EXPECT_EQ(b.moe, 453'050'368);
-  EXPECT_EQ(b.full(), 528'809'984);
+  EXPECT_EQ(b.moe, 419'512'320);
+  EXPECT_EQ(b.full(), 495'271'936);
 }
 
 // The same block run by eager kernels, bf16, unfused attention:
@@ -131,7 +133,7 @@ TEST(MemoryModel, SharedExpertsAndQkNormsPerBlock) {
   const BlockActivations b = block_activations(m, 1, 2048, 4096, 2);
   EXPECT_EQ(b.block_input, 16'777'216);
   EXPECT_EQ(b.attention, 75'759'616 + 20'971'520);
-  EXPECT_EQ(b.moe, 453'050'368 + 176'160'768 + 16'785'408);
+  EXPECT_EQ(b.moe, 419'512'320 + 176'160'768 + 16'785'408);
 }
 
 // Shared experts are dense parameters: split over the tensor ranks and sharded over S, never
@@ -163,6 +165,12 @@ TEST(MemoryModel, LatentAttentionKeepsItsLatentsAndEveryHeadsKeysAndValues) {
   EXPECT_EQ(p.tensor_replicated_per_layer, whole);
   const ShardSizes one = stage_shard_sizes(m, {1, 1}, 256, 1, 2, 1, false);
   EXPECT_EQ(one.local_params, (p.dense_per_layer() - whole + 1) / 2 + whole + p.expert / 2);
+  // Of it, the up projections' every-head q (192 wide), k (192) and v (128): what latent_up
+  // checkpointing drops and remakes.
+  EXPECT_EQ(b.latent_up, int64_t{4096} * 128 * (192 + 192 + 128) * 2);
+  EXPECT_EQ(block_activations(test::model("mixtral-8x7b"), 1, 4096, 8 * 4096, 2, Kernels::kFused, AttentionKernel::kFlash)
+                .latent_up,
+            0);
 }
 
 // Multi-token prediction weighs on the last stage: its MoE block (4 of 256 experts at E = 64),
@@ -240,10 +248,17 @@ TEST(MemoryModel, FoldedExpertsAreWholeAndTheirRanksAreTheMeshs) {
   const RunConfig config{m, cluster, p, moe, t};
   EXPECT_EQ(violated_rules(config), RuleMask{0});
   const MemoryEstimate memory = estimate_memory(config);
-  const ShardSizes sizes = stage_shard_sizes(m, busiest_stage(m, p), 32, 1, 2, 8, true, 1);
-  // Master weights (fp32): the dense part over 16 ranks, the experts' over R = 1.
+  // Master weights (fp32) of one stage of 32 ranks: the dense part over the mesh's 16 E ranks,
+  // the experts' over R = 1.
+  ParallelConfig one = p;
+  one.world_size = 32;
+  one.pipeline_parallel_degree = 1;
+  one.first_stage_layers = one.last_stage_layers = 0;
+  one.virtual_pipeline_degree = 1;
+  const MemoryEstimate stage = estimate_memory({m, test::hardware("dgx-h100", 32), one, moe, t});
+  const ShardSizes sizes = stage_shard_sizes(m, busiest_stage(m, one), 32, 1, 2, 1, true, 1);
   const int64_t dense = sizes.shard_params - sizes.shard_expert_params;
-  EXPECT_EQ(memory.master_weights, 4 * ((dense + 15) / 16 + sizes.shard_expert_params));
+  EXPECT_EQ(stage.master_weights, 4 * ((dense + 15) / 16 + sizes.shard_expert_params));
   EXPECT_LT(memory.device_total, cluster.usable_memory_bytes());
 }
 
@@ -305,13 +320,36 @@ TEST(MemoryModel, DenseBlocksLightenTheirStage) {
   EXPECT_GT(mixed.activations, all.activations * 24 / 32);
 }
 
-// 32 blocks: none keeps every block (32 x 528,809,984); full keeps block inputs and recomputes
-// one block (32 x 16,777,216 + 528,809,984); selective keeps attention plus the MoE input and
-// recomputes one MoE sub-block (32 x 92,536,832 + 453,050,368).
+// 32 blocks: none keeps every block (32 x 495,271,936); full keeps block inputs and recomputes
+// one block (32 x 16,777,216 + 495,271,936); selective keeps attention plus the MoE input and
+// recomputes one MoE sub-block (32 x 92,536,832 + 419,512,320).
 TEST(MemoryModel, ActivationsWithAndWithoutCheckpointing) {
-  EXPECT_EQ(layout(8, 2, Checkpointing::kNone).estimate().activations, 16'921'919'488);
-  EXPECT_EQ(layout(8, 2, Checkpointing::kFull).estimate().activations, 1'065'680'896);
-  EXPECT_EQ(layout(8, 2, Checkpointing::kSelective).estimate().activations, 3'414'228'992);
+  EXPECT_EQ(layout(8, 2, Checkpointing::kNone).estimate().activations, 15'848'701'952);
+  EXPECT_EQ(layout(8, 2, Checkpointing::kFull).estimate().activations, 1'032'142'848);
+  EXPECT_EQ(layout(8, 2, Checkpointing::kSelective).estimate().activations, 3'380'690'944);
+}
+
+// latent_up checkpointing (Megatron-Core's mla_up_proj): every block of DeepSeek-V3 (its 3 dense
+// ones and the multi-token prediction block too, all with latent attention) drops its heads' q,
+// k and v, and the block in backward holds one block's again.
+TEST(MemoryModel, LatentUpCheckpointingDropsEveryBlocksQueriesKeysAndValues) {
+  const ModelSpec& m = test::model("deepseek-v3");
+  ParallelConfig p;
+  p.world_size = 8;
+  p.expert_parallel_degree = 8;
+  p.micro_batch_size = 1;
+  TrainingConfig t;
+  t.seq_len = 4096;
+  t.global_batch_tokens = 8 * 4096;
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kBalanced;
+  const ClusterSpec cluster = test::hardware("p5.48xlarge", 8);
+  const MemoryEstimate none = estimate_memory({m, cluster, p, moe, t});
+  p.activation_checkpointing = Checkpointing::kLatentUpProjections;
+  const MemoryEstimate latent = estimate_memory({m, cluster, p, moe, t});
+  const int64_t per_block = int64_t{4096} * 128 * (192 + 192 + 128) * 2;
+  EXPECT_EQ(none.activations - latent.activations, (m.blocks() - 1) * per_block);
+  EXPECT_EQ(latent.activation_working_set, per_block);
 }
 
 // Offload with horizon 2 keeps 3 block inputs on the device (the one in use and two
@@ -321,19 +359,19 @@ TEST(MemoryModel, OffloadMovesBlockInputsToTheHost) {
   x.parallel.activation_offloading = true;
   x.parallel.activation_loading_horizon = 2;
   const MemoryEstimate m = x.estimate();
-  EXPECT_EQ(m.activations, 3 * 16'777'216 + 528'809'984);
+  EXPECT_EQ(m.activations, 3 * 16'777'216 + 495'271'936);
   EXPECT_EQ(m.offloaded_activations, 32 * 16'777'216);
 }
 
 // Selective checkpointing offloads the MoE sub-block's input (block-input sized); attention's
 // activations stay for all 32 blocks: 32 x 75,759,616 + 3 x 16,777,216 + one MoE sub-block
-// (453,050,368) on the device, 32 block inputs on the host.
+// (419,512,320) on the device, 32 block inputs on the host.
 TEST(MemoryModel, SelectiveOffloadKeepsAttentionOnTheDevice) {
   Layout x = layout(8, 2, Checkpointing::kSelective);
   x.parallel.activation_offloading = true;
   x.parallel.activation_loading_horizon = 2;
   const MemoryEstimate m = x.estimate();
-  EXPECT_EQ(m.activations, 32 * 75'759'616LL + 3 * 16'777'216LL + 453'050'368LL);
+  EXPECT_EQ(m.activations, 32 * 75'759'616LL + 3 * 16'777'216LL + 419'512'320LL);
   EXPECT_EQ(m.offloaded_activations, 32 * 16'777'216);
 }
 
@@ -344,7 +382,7 @@ TEST(MemoryModel, ImbalanceGrowsExpertActivationsAndDispatchBuffers) {
   const MemoryEstimate uniform = x.estimate();
   x.moe.expert_load_imbalance = 1.5;
   const MemoryEstimate skewed = x.estimate();
-  EXPECT_EQ(skewed.activations - uniform.activations, int64_t{32} * 2048 * (2 * 4096 + 3 * 14336) * 2);
+  EXPECT_EQ(skewed.activations - uniform.activations, int64_t{32} * 2048 * (4096 * 2 + 4 + 3 * 14336 * 2));
   EXPECT_EQ(uniform.moe_dispatch_buffers, (4096 + 4096) * 4096 * 2);
   EXPECT_EQ(skewed.moe_dispatch_buffers, (4096 + 6144) * 4096 * 2);
 }
@@ -353,13 +391,13 @@ TEST(MemoryModel, ImbalanceGrowsExpertActivationsAndDispatchBuffers) {
 //   model states 28,971,122,688
 //   gathered: 2 units of the largest flat parameter (a block: 41,984,000 + 176,160,768 =
 //     218,144,768) in bf16 = 872,579,072; gradient buffer: one unit = 436,289,536
-//   activations 1,065,680,896; dispatch (4096 sent + 4096 received) x 4096 x 2 = 67,108,864
+//   activations 1,032,142,848; dispatch (4096 sent + 4096 received) x 4096 x 2 = 67,108,864
 //   logits 2048 x 32000 x (2 + 4) = 393,216,000 are freed before a block's backward, whose
-//     recompute (528,809,984), gathered units, gradient buffer and dispatch buffers hold more:
+//     recompute (495,271,936), gathered units, gradient buffer and dispatch buffers hold more:
 //     they add 0; framework 1,610,612,736 (profile)
-//   fragmentation 0.1 x (872,579,072 + 436,289,536 + 1,065,680,896 + 67,108,864)
-//     = 0.1 x 2,441,658,368 = 244,165,837 (rounded)
-//   total 33,267,559,629
+//   fragmentation 0.1 x (872,579,072 + 436,289,536 + 1,032,142,848 + 67,108,864)
+//     = 0.1 x 2,408,120,320 = 240,812,032
+//   total 33,230,667,776
 TEST(MemoryModel, DeviceTotalIsTheSumOfItems) {
   const MemoryEstimate m = layout(8, 2, Checkpointing::kFull).estimate();
   EXPECT_EQ(m.gathered_parameters, 872'579'072);
@@ -367,8 +405,8 @@ TEST(MemoryModel, DeviceTotalIsTheSumOfItems) {
   EXPECT_EQ(m.moe_dispatch_buffers, 67'108'864);
   EXPECT_EQ(m.logits, 0);
   EXPECT_EQ(m.framework_overhead, 1'610'612'736);
-  EXPECT_EQ(m.fragmentation, 244'165'837);
-  EXPECT_EQ(m.device_total, 33'267'559'629);
+  EXPECT_EQ(m.fragmentation, 240'812'032);
+  EXPECT_EQ(m.device_total, 33'230'667'776);
   int64_t sum = 0;
   for (const MemoryItem& item : m.device_items()) sum += item.bytes;
   EXPECT_EQ(sum, m.device_total);
@@ -377,7 +415,7 @@ TEST(MemoryModel, DeviceTotalIsTheSumOfItems) {
 // The logits count where they outweigh a block's backward: without checkpointing, sharding or
 // expert parallelism a block's backward holds nothing beyond the kept activations, so all
 // 2048 x 32000 x (2 + 4) bytes count; with full checkpointing the recomputed block
-// (528,809,984 bytes) holds more, and they count nothing.
+// (495,271,936 bytes) holds more, and they count nothing.
 TEST(MemoryModel, LogitsCountOnlyOverABlocksBackward) {
   EXPECT_EQ(layout(1, 1, Checkpointing::kNone).estimate().logits, 393'216'000);
   EXPECT_EQ(layout(1, 1, Checkpointing::kFull).estimate().logits, 0);

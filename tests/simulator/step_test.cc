@@ -885,6 +885,28 @@ TEST(LatentAttention, KernelsFollowItsProjectionsAndHeadWidths) {
                        2.0 * tokens * 2048 * 64 * (192 + 128));
 }
 
+// latent_up checkpointing remakes every block's heads' q, k and v before its attention backward:
+// q_up (4,096 x 1,536 -> 128 x 192) and kv_up (512 -> 128 x (128 + 128)) forward, and the rotary
+// embedding; the simulated step recomputes that per block and micro-batch, nothing else.
+TEST(LatentAttention, UpProjectionCheckpointingRecomputesTheUpProjections) {
+  Scenario c = make_scenario("deepseek-v3", "p5.48xlarge", 8, 8, 1, "RSE", Checkpointing::kLatentUpProjections, 1, 2, 4096);
+  ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+  const OpCosts o = op_costs(c.config());
+  EXPECT_DOUBLE_EQ(o.latent_up_flops, 2.0 * 4096 * (1536.0 * 128 * 192 + 512.0 * 128 * 256));
+  EXPECT_GT(o.latent_up_forward_s, 0);
+  EXPECT_LT(o.latent_up_forward_s, 0.2 * o.attention_forward_s);
+  const StepSimulation sim = simulate_step(c.config(), {.all_ranks = true, .all_micro_batches = true});
+  double recomputed = 0;
+  for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+    const Op& op = sim.graph.ops()[i];
+    if (op.rank == 0 && op.kind == OpKind::kAttentionRecompute) recomputed += to_seconds(sim.times.end[i] - sim.times.start[i]);
+  }
+  EXPECT_NEAR(recomputed, 2.0 * static_cast<double>(c.model.blocks()) * o.latent_up_forward_s, 1e-6);
+  EXPECT_EQ(op_costs(make_scenario("mixtral-8x7b", "p5.48xlarge", 8, 8, 1, "RSE", Checkpointing::kNone, 1, 2).config())
+                .latent_up_forward_s,
+            0);
+}
+
 // Windowed and full attention (GPT-OSS-20B: 24 blocks, every second one full): the attention
 // core of the simulated block sees the blocks' average context, (12 x 128 + 12 x 2048) / 24 of
 // the 2,048 keys a query sees without windows at sequence 4,096.

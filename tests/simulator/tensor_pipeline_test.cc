@@ -155,6 +155,49 @@ TEST(TensorParallel, FoldedExpertsExchangeOverTheTensorRanksAndEndNoRegion) {
   EXPECT_EQ(tensor_ops(folded), 32 * 4);
 }
 
+// Merged 1F1B (moe.overlap_exchange): each of a block's four exchanges runs beside another
+// micro-batch's compute, so only what it takes beyond that compute holds the chain. Mixtral
+// 8x7B, E8 two ranks apart over two p5 nodes (every exchange crosses the cards).
+TEST(ExchangeOverlap, OnlyWhatAnExchangeTakesBeyondThePairedComputeIsExposed) {
+  Scenario c{test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), {}, {}, {}};
+  c.parallel.world_size = 16;
+  c.parallel.expert_parallel_degree = 8;
+  c.parallel.hybrid_shard_degree = 2;
+  c.parallel.placement = *Placement::parse("ESR");
+  c.parallel.micro_batch_size = 1;
+  c.parallel.gradient_accumulation_steps = 4;
+  c.training.seq_len = 4096;
+  c.training.global_batch_tokens = 16 * 4 * 4096;
+  c.moe.load_balancing = LoadBalancing::kBalanced;
+  Scenario overlapped = c;
+  overlapped.moe.overlap_exchange = true;
+  ASSERT_TRUE(validate(overlapped.config()).empty()) << overlapped.describe();
+  auto exchanges = [](const Scenario& s) {
+    const StepSimulation sim = simulate_step(s.config(), {.all_ranks = true, .all_micro_batches = true});
+    std::map<OpKind, double> seconds;
+    for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+      const Op& op = sim.graph.ops()[i];
+      if (op.rank == 0 && op.layer == 3 && op.micro_batch == 1 && op.collective >= 0)
+        seconds[op.kind] += to_seconds(sim.times.end[i] - sim.times.collective_start[static_cast<size_t>(op.collective)]);
+    }
+    return std::pair{seconds, sim.estimate.step_time_s};
+  };
+  const auto [alone, step_alone] = exchanges(c);
+  const auto [beside, step_beside] = exchanges(overlapped);
+  const ExchangeCover cover = exchange_cover(op_costs(c.config()));
+  EXPECT_GT(cover.dispatch, 0);
+  for (const auto& [kind, covered] : {std::pair{OpKind::kDispatch, cover.dispatch},
+                                      std::pair{OpKind::kCombine, cover.combine},
+                                      std::pair{OpKind::kCombineBackward, cover.combine_backward},
+                                      std::pair{OpKind::kDispatchBackward, cover.dispatch_backward}}) {
+    ASSERT_GT(alone.at(kind), 0) << op_kind_name(kind);
+    EXPECT_NEAR(beside.count(kind) ? beside.at(kind) : 0.0, std::max(0.0, alone.at(kind) - covered),
+                0.05 * alone.at(kind) + 1e-6)
+        << op_kind_name(kind);
+  }
+  EXPECT_LT(step_beside, step_alone);
+}
+
 TEST(Pipeline, StepIsTheScheduleAroundTheLastStageWorkedByHand) {
   const Scenario c = with_free_communication(dense(4, 1, 4, 8));
   ASSERT_TRUE(validate(c.config()).empty()) << c.describe();

@@ -112,6 +112,7 @@ void layout_args(const Plan& plan, Args& a) {
     a.push_back({"--moe-aux-loss-coeff", aux ? number(plan.moe.aux_loss_coef) : "0"});
     if (plan.moe.z_loss_coef != 0) a.push_back({"--moe-z-loss-coeff", number(plan.moe.z_loss_coef)});
     a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
+    if (plan.moe.overlap_exchange) a.push_back({"--overlap-moe-expert-parallel-comm", ""});
     a.push_back({"--moe-grouped-gemm", ""});
   }
   switch (p.activation_checkpointing) {
@@ -122,6 +123,10 @@ void layout_args(const Plan& plan, Args& a) {
       a.push_back({"--recompute-num-layers", "1"});
       break;
     case Checkpointing::kAttentionCore: a.push_back({"--recompute-granularity", "selective"}); break;
+    case Checkpointing::kLatentUpProjections:
+      a.push_back({"--recompute-granularity", "selective"});
+      a.push_back({"--recompute-modules", "mla_up_proj"});
+      break;
     case Checkpointing::kSelective:
       a.push_back({"--recompute-granularity", "selective"});
       a.push_back({"--recompute-modules", plan.model.dense() ? "mlp" : "moe"});

@@ -17,6 +17,7 @@ const Framework moeplan_framework{
     // blocks or MoE sub-blocks, runs equal stages, shards optimizer states over
     // hybrid_shard_degree only and splits experts over the tensor-parallel ranks.
     .capabilities = {.attention_core_recomputation = false,
+                     .latent_up_recomputation = false,
                      .uneven_pipeline_stages = false,
                      .distributed_optimizer = false,
                      .expert_tensor_folding = false},

@@ -104,10 +104,15 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (p.world_size == 1 && p.activation_offloading)
     sink(kLayouts, "parallel.activation_offloading",
          [&] { return std::string("= true on one rank: the executor offloads in runs of two or more ranks only"); });
-  if (p.activation_checkpointing == Checkpointing::kAttentionCore)
+  if (c.moe.overlap_exchange)
+    sink(kLayouts, "moe.overlap_exchange", [&] {
+      return std::string("= true: the executor runs each micro-batch's exchanges on its own compute chain");
+    });
+  if (p.activation_checkpointing == Checkpointing::kAttentionCore ||
+      p.activation_checkpointing == Checkpointing::kLatentUpProjections)
     sink(kLayouts, "parallel.activation_checkpointing", [&] {
-      return std::string(
-          "= \"attention_core\": the executor recomputes whole blocks (full) or MoE sub-blocks (selective) only");
+      return "= \"" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) +
+             "\": the executor recomputes whole blocks (full) or MoE sub-blocks (selective) only";
     });
   if (p.distributed_optimizer)
     sink(kLayouts, "parallel.distributed_optimizer", [&] {

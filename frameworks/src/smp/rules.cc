@@ -47,8 +47,13 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "parallel.distributed_optimizer", [&] {
       return std::string("= true: SMP (FSDP) shards optimizer states with the parameters over hybrid_shard_degree");
     });
+  if (c.moe.overlap_exchange)
+    sink(kLayouts, "moe.overlap_exchange", [&] {
+      return std::string("= true: SMP runs each micro-batch's exchanges on its own compute chain");
+    });
   if (p.activation_checkpointing == Checkpointing::kSelective ||
-      p.activation_checkpointing == Checkpointing::kAttentionCore)
+      p.activation_checkpointing == Checkpointing::kAttentionCore ||
+      p.activation_checkpointing == Checkpointing::kLatentUpProjections)
     sink(kLayouts, "parallel.activation_checkpointing", [&] {
       return checkpointing_name(p) + ": SMP's activation_checkpointing recomputes whole transformer layers (full)";
     });

@@ -40,8 +40,13 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= false with tensor_parallel_degree = " + rule_number(tp) +
              ": torchtitan's tensor parallelism always splits the sequence (sequence parallelism)";
     });
+  if (c.moe.overlap_exchange)
+    sink(kLayouts, "moe.overlap_exchange", [&] {
+      return std::string("= true: torchtitan runs each micro-batch's exchanges on its own compute chain");
+    });
   if (p.activation_checkpointing == Checkpointing::kSelective ||
-      p.activation_checkpointing == Checkpointing::kAttentionCore)
+      p.activation_checkpointing == Checkpointing::kAttentionCore ||
+      p.activation_checkpointing == Checkpointing::kLatentUpProjections)
     sink(kLayouts, "parallel.activation_checkpointing", [&] {
       return checkpointing_name(p) +
              ": torchtitan checkpoints whole blocks (full) or operators it picks itself, not a sub-block";

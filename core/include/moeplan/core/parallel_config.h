@@ -46,17 +46,20 @@ struct Placement {
 // What a block recomputes in backward instead of keeping: nothing; its MoE (or MLP) sub-block
 // (selective, SMP's choice of modules); the attention core alone, QK^T, softmax, dropout and
 // the weighted sum (attention_core: Megatron-LM's "selective" recomputation, Korthikanti et
-// al. 2022); or the whole block from its input (full).
-enum class Checkpointing : uint8_t { kNone, kSelective, kFull, kAttentionCore };
+// al. 2022); latent attention's up projections, which make every head's query, key and value
+// from the latents (latent_up: Megatron-Core's recompute module mla_up_proj); or
+// the whole block from its input (full).
+enum class Checkpointing : uint8_t { kNone, kSelective, kFull, kAttentionCore, kLatentUpProjections };
 enum class Precision : uint8_t { kBf16, kMixed, kFp32 };
 enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
 enum class Dispatcher : uint8_t { kAllToAll, kAllGather };
 
-inline constexpr std::array<std::pair<std::string_view, Checkpointing>, 4> kCheckpointingNames{
+inline constexpr std::array<std::pair<std::string_view, Checkpointing>, 5> kCheckpointingNames{
     {{"none", Checkpointing::kNone},
      {"selective", Checkpointing::kSelective},
      {"full", Checkpointing::kFull},
-     {"attention_core", Checkpointing::kAttentionCore}}};
+     {"attention_core", Checkpointing::kAttentionCore},
+     {"latent_up", Checkpointing::kLatentUpProjections}}};
 // Whether the MoE (or MLP) sub-block runs again in backward, and with it its token exchange.
 inline bool recomputes_moe(Checkpointing c) { return c == Checkpointing::kSelective || c == Checkpointing::kFull; }
 
@@ -155,6 +158,10 @@ struct ParallelConfig {
 struct MoeConfig {
   LoadBalancing load_balancing = LoadBalancing::kSinkhorn;  // SMP's default
   Dispatcher dispatcher = Dispatcher::kAllToAll;
+  // Each token exchange runs beside another micro-batch's compute: Megatron-Core's merged 1F1B
+  // schedule (--overlap-moe-expert-parallel-comm), which pairs one micro-batch's forward with
+  // another's backward and runs each one's all-to-alls under the other's compute.
+  bool overlap_exchange = false;
   bool global_token_shuffle = false;
   double aux_loss_coef = 0.001;
   double z_loss_coef = 0.0;

@@ -51,11 +51,13 @@ enum class Rule : uint8_t {
   kGlobalBatchMatches,
   // Activation checkpointing and offloading
   kOffloadNeedsCheckpointing,
+  kLatentUpNeedsLatentAttention,
   kHorizonPositive,
   kHorizonWithinLayers,
   // MoE
   kLoadImbalanceRange,
   kTokenShuffleNeedsExperts,
+  kExchangeOverlapSchedule,
   kTokenCountsMatchExperts,
   // Training schedule
   kMinLrWithinLr,

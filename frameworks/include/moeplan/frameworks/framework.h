@@ -33,6 +33,9 @@ struct FrameworkCapabilities {
   // Recomputing only the attention core (Checkpointing::kAttentionCore), tried where attention
   // is unfused.
   bool attention_core_recomputation = true;
+  // Recomputing latent attention's up projections (Checkpointing::kLatentUpProjections), tried
+  // with latent-attention models.
+  bool latent_up_recomputation = true;
   // End stages a block or two lighter than the others, tried where the pipeline degree does not
   // divide the blocks.
   bool uneven_pipeline_stages = true;

@@ -15,6 +15,7 @@ struct BlockActivations {
   int64_t block_input = 0;  // the residual stream entering the block
   int64_t attention = 0;    // everything the attention sub-block keeps for backward
   int64_t core = 0;         // of that, what the attention core alone keeps (scores or log-sum-exp)
+  int64_t latent_up = 0;    // of that, latent attention's every-head q, k and v (its up projections' outputs)
   int64_t moe = 0;          // everything the MoE sub-block keeps for backward
   int64_t full() const { return attention + moe; }
 };

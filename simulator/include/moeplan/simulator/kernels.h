@@ -69,6 +69,9 @@ struct MicroBatchKernels {
   KernelList attention_forward, attention_backward;
   // The attention core alone (what attention_core checkpointing recomputes).
   KernelList core_forward;
+  // Latent attention's up projections and rotary embedding (what latent_up checkpointing
+  // recomputes); empty without latent attention.
+  KernelList latent_up_forward;
   // MoE (or MLP) sub-block at the mean expert load: norm, router, permutation, experts,
   // activation, unpermutation, residual.
   KernelList moe_forward, moe_backward;

@@ -25,6 +25,7 @@ struct KernelCosts {
   double moe_forward_busiest_s = 0;  // the same on the busiest expert-parallel rank
   double moe_backward_busiest_s = 0;
   double core_forward_s = 0;       // the attention core alone (recomputed under attention_core)
+  double latent_up_forward_s = 0;  // latent attention's up projections (recomputed under latent_up)
   double head_forward_s = 0;       // lm head and loss
   double head_s = 0;               // lm head and loss, forward and backward, and the embedding
   bool measured = false;           // times from the profile's op_times
@@ -40,6 +41,7 @@ struct KernelCosts {
   double moe_flops = 0;  // at the mean load
   double head_flops = 0;
   double core_flops = 0;  // the attention core's forward
+  double latent_up_flops = 0;  // latent attention's up projections' forward
   // In backward the collective of each region's input gradient runs beside the weight
   // gradient of its first GEMM (Megatron's asynchronous tensor-parallel communication).
   double tensor_overlap_s = 0, tensor_moe_overlap_s = 0;
@@ -78,6 +80,19 @@ struct OpCosts : KernelCosts {
   double optimizer_s = 0;
   double forward_flops_per_token = 0;  // the model's, for MFU
 };
+
+// Under moe.overlap_exchange, the compute of another micro-batch that each of a block's four
+// token exchanges runs beside (Megatron-Core's merged 1F1B schedule pairs one micro-batch's
+// forward with another's backward): the forward dispatch beside the experts' backward, the
+// forward combine beside attention's backward, the backward combine beside attention's forward,
+// the backward dispatch beside the experts' forward. Only what an exchange takes beyond it is
+// exposed.
+struct ExchangeCover {
+  double dispatch = 0, combine = 0, combine_backward = 0, dispatch_backward = 0;
+  // What `exchange_s` seconds for each of the four leave exposed, per block.
+  double exposed(double exchange_s) const;
+};
+ExchangeCover exchange_cover(const KernelCosts& kernels);
 
 KernelCosts kernel_costs(const RunConfig& config);
 OpCosts op_costs(const RunConfig& config, const KernelCosts& kernels);

@@ -18,6 +18,7 @@ struct PublishedCase {
   int64_t gpus = 0, seq_len = 0, global_batch_sequences = 0;
   Precision precision = Precision::kBf16;
   bool fp8 = false, fp32_gradients = true;
+  bool overlap_exchange = false;  // moe.overlap_exchange: Megatron-Core's merged 1F1B
   std::optional<Kernels> kernels;
   std::optional<AttentionKernel> attention;
   std::optional<bool> overlap_gradient_sync;
