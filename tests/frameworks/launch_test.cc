@@ -327,6 +327,19 @@ TEST(ExportLaunch, FoldedExpertsExportWithEachFrameworksNames) {
   EXPECT_EQ(a.at("--expert-model-parallel-size"), "8");
   EXPECT_EQ(a.at("--expert-tensor-parallel-size"), "1");
   EXPECT_EQ(a.at("--tensor-model-parallel-size"), "2");
+  EXPECT_EQ(a.count("--overlap-moe-expert-parallel-comm"), 0u);
+  // The merged 1F1B schedule, each exchange beside another micro-batch's compute, is
+  // Megatron-Core's own flag; torchtitan's rules refuse it by name.
+  Plan overlapped = megatron;
+  overlapped.moe.overlap_exchange = true;
+  overlapped.parallel.activation_checkpointing = Checkpointing::kNone;
+  EXPECT_EQ(megatron_args(file(launch::export_launch(overlapped, test::framework_rules("megatron"), "plan.json"),
+                               "megatron-args.txt").text)
+                .count("--overlap-moe-expert-parallel-comm"),
+            1u);
+  EXPECT_NE(refusal([&] { launch::export_launch(overlapped, test::framework_rules("torchtitan"), "plan.json"); })
+                .find("moe.overlap_exchange"),
+            std::string::npos);
 
   pins.hybrid_shard_degree = 2;  // torchtitan shards the parameters (FSDP)
   const Plan titan = searched("mixtral-8x7b", "p5.48xlarge", 32, test::framework_rules("torchtitan"), pins,
