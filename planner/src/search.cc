@@ -201,12 +201,18 @@ std::vector<std::pair<int64_t, int64_t>> Space::stage_splits(int64_t pp) const {
   std::vector<std::pair<int64_t, int64_t>> out = {{0, 0}};
   if (pin.first_stage_layers || pin.last_stage_layers)
     return {{pin.first_stage_layers.value_or(0), pin.last_stage_layers.value_or(0)}};
-  if (pp < 3 || model.num_layers % pp == 0 || !capabilities.uneven_pipeline_stages) return out;
+  if (pp < 2 || model.num_layers % pp == 0 || !capabilities.uneven_pipeline_stages) return out;
   out.clear();
-  const int64_t even = (model.num_layers + pp - 1) / pp;
+  // Two stages: the first takes the odd block. More: the middle stages equal, and what is left
+  // on the end stages, the last (which also holds the head) taking the lighter half when the
+  // rest is odd (DeepSeek-V3's 61 blocks on 8 stages: 7, 8 x 6, 6).
+  const int64_t blocks = model.num_layers;
+  if (pp == 2) return {{(blocks + 1) / 2, blocks / 2}};
+  const int64_t even = (blocks + pp - 1) / pp;
   for (int64_t middle = even; middle <= even + 1; ++middle) {
-    const int64_t rest = model.num_layers - (pp - 2) * middle;
-    if (rest >= 2 && rest % 2 == 0 && rest / 2 < middle) out.emplace_back(rest / 2, rest / 2);
+    const int64_t rest = blocks - (pp - 2) * middle;
+    const int64_t first = (rest + 1) / 2, last = rest / 2;
+    if (last >= 1 && first <= middle && (first < middle || last < middle)) out.emplace_back(first, last);
   }
   return out;
 }

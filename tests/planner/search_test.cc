@@ -142,6 +142,29 @@ TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
   EXPECT_EQ(r.ranked.front().parallel.data_parallel_degree(), 16);
 }
 
+// A depth no pipeline degree divides (DeepSeek-V3's 61 blocks) still pipelines: equal middle
+// stages and the rest on the end stages, the last (with the head) the lighter when the rest is
+// odd; two stages split 31 / 30.
+TEST(Search, UnevenEndStagesSplitAnOddDepth) {
+  for (const int64_t stages : {int64_t{2}, int64_t{8}}) {
+    SearchOptions options = test::search_options(256, 4096);
+    options.estimator = Estimator::kAnalytic;
+    options.keep = 50;
+    options.ignore_memory_limits = true;
+    options.target = test::framework_rules("megatron");
+    options.training.precision = Precision::kMixed;
+    options.pins.pipeline_parallel_degree = stages;
+    options.pins.virtual_pipeline_degree = 1;
+    const SearchResult r = search(test::model("deepseek-v3"), test::hardware("p5.48xlarge", 256), options);
+    ASSERT_FALSE(r.ranked.empty()) << stages;
+    std::set<std::pair<int64_t, int64_t>> ends;
+    for (const Candidate& c : r.ranked) ends.insert({c.parallel.first_stage_layers, c.parallel.last_stage_layers});
+    const std::set<std::pair<int64_t, int64_t>> expected =
+        stages == 2 ? std::set<std::pair<int64_t, int64_t>>{{31, 30}} : std::set<std::pair<int64_t, int64_t>>{{7, 6}, {4, 3}};
+    for (const auto& e : ends) EXPECT_TRUE(expected.count(e)) << stages << ": " << e.first << "/" << e.second;
+  }
+}
+
 // T, P, E, S and the placement are chosen together: the joint best is at least as fast as the
 // best of each part of the space, and the ranking mixes the degrees.
 TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {
