@@ -55,6 +55,10 @@ std::vector<Candidate> simulate_best(const ModelSpec& model, const ClusterSpec& 
     // The bound is in double, the simulation rounds each op to a nanosecond: leave a margin.
     if (options.prune && best_times.size() >= options.keep && c.estimate.lower_bound_s > best_times.back() * (1 + 1e-6))
       continue;
+    if (options.prune && stats.simulated >= options.max_simulated) {
+      ++stats.unsimulated;
+      continue;
+    }
     const RunConfig config{model, cluster, c.parallel, options.moe, options.training};
     Candidate s = c;
     s.estimate = sim::simulate_step(config).estimate;
@@ -465,7 +469,11 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
 std::string stats_text(const SearchStats& s) {
   return std::to_string(s.enumerated) + " configurations: " + std::to_string(s.rule_valid) + " valid, " +
          std::to_string(s.fitting) + " fit in memory, " + std::to_string(s.simulated) +
-         " simulated (the rest pruned by a lower bound)";
+         " simulated (the rest pruned by a lower bound" +
+         (s.unsimulated > 0 ? ", or " + std::to_string(s.unsimulated) + " past the first " + std::to_string(s.simulated) +
+                                   " in the analytic estimate's order"
+                             : "") +
+         ")";
 }
 
 Prediction predict(const RunConfig& config, Estimator estimator) {

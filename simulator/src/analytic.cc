@@ -293,16 +293,24 @@ StepEstimate estimate_step(const RunConfig& c, const LayoutShapes& shapes, Kerne
   const double per_weight = std::max(0.0, per_micro_batch - o.head_s) / (last_weight > 0 ? last_weight : 1.0);
   // The fill and drain: each other stage's micro-batch once (the last stage's blocks may be more,
   // with multi-token prediction's).
-  double slowest = per_micro_batch, others = 0;
+  // Every stage runs all the micro-batches, so the busiest stage's bound (the last stage's, in
+  // the ratio of its blocks) bounds the step from below too (with uneven ends the middle stages
+  // may hold twice the last's blocks).
+  const double bound_per_micro_batch = std::max(0.0, out.lower_bound_s - o.optimizer_s) / accum;
+  const double busy_per_weight = std::max(0.0, bound_per_micro_batch - o.head_s) / (last_weight > 0 ? last_weight : 1.0);
+  double slowest = per_micro_batch, others = 0, busiest = bound_per_micro_batch;
   for (int64_t i = 0; i + 1 < p.pipeline_parallel_degree; ++i) {
-    const double stage_s = per_weight * stage_weight(o, p, stage_block_counts(c.model, p, i));
+    const double weight = stage_weight(o, p, stage_block_counts(c.model, p, i));
+    const double stage_s = per_weight * weight;
     slowest = std::max(slowest, stage_s);
+    busiest = std::max(busiest, busy_per_weight * weight);
     others += stage_s;
   }
   out.pipeline_bubble_s = others / chunks + (stages - 1) * 2.0 * send + accum * (slowest - per_micro_batch);
   out.exposed_comm_s += out.pipeline_bubble_s;
   out.step_time_s += out.pipeline_bubble_s;
   out.lower_bound_s += std::min((stages - 1) * std::max(0.0, busy_per_micro_batch - o.head_s), others) / chunks;
+  out.lower_bound_s = std::max(out.lower_bound_s, accum * busiest + o.optimizer_s);
   fill_rates(c, out);
   return out;
 }

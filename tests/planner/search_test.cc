@@ -142,6 +142,23 @@ TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
   EXPECT_EQ(r.ranked.front().parallel.data_parallel_degree(), 16);
 }
 
+// The simulator ranks at most max_simulated candidates, the analytic estimate's best first; the
+// others the bound does not prune are counted apart. Without pruning every candidate runs.
+TEST(Search, SimulatesAtMostTheCapInTheAnalyticOrder) {
+  SearchOptions options = test::search_options(16);
+  options.max_simulated = 3;
+  const SearchResult capped = search(mixtral(), p4d(16), options);
+  EXPECT_EQ(capped.stats.simulated, 3);
+  EXPECT_GT(capped.stats.unsimulated, 0);
+  ASSERT_FALSE(capped.ranked.empty());
+  options.max_simulated = 1'000'000;
+  const SearchResult all = search(mixtral(), p4d(16), options);
+  EXPECT_GT(all.stats.simulated, 3);
+  EXPECT_EQ(all.stats.unsimulated, 0);
+  // The analytic estimate's best three hold the simulator's best here.
+  EXPECT_EQ(capped.ranked.front().parallel, all.ranked.front().parallel);
+}
+
 // A depth no pipeline degree divides (DeepSeek-V3's 61 blocks) still pipelines: equal middle
 // stages and the rest on the end stages, the last (with the head) the lighter when the rest is
 // odd; two stages split 31 / 30.

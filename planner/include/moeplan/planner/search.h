@@ -34,6 +34,9 @@ struct SearchOptions {
   // rank's compute) prunes them, and the discrete-event simulator ranks the rest.
   Estimator estimator = Estimator::kSimulator;
   bool prune = true;  // false: simulate every candidate that fits (to check the bound)
+  // With pruning, the simulator ranks at most this many candidates, taken in the analytic
+  // estimate's order (best first) among those the bound does not prune.
+  int64_t max_simulated = 20000;
   // Choices the user fixed (SMP's knobs); unset ones are searched.
   struct Pins {
     std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
@@ -71,6 +74,7 @@ struct SearchStats {
   int64_t over_host_memory = 0;
   int64_t fitting = 0;  // rule-valid and within both memory limits
   int64_t simulated = 0;  // fitting candidates the step simulator ran (the rest were pruned)
+  int64_t unsimulated = 0;  // of the rest, those past options.max_simulated (not pruned by the bound): dropped
   // Among rule-valid candidates that do not fit: the one closest to each limit.
   std::optional<Candidate> closest_over_device;
   std::optional<Candidate> closest_over_host;
