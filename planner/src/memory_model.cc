@@ -132,8 +132,9 @@ BlockActivations block_activations(const ModelSpec& m, int64_t micro_batch, int6
 
 namespace {
 // Which ends of the model a stage holds beside its blocks: the first stage the embedding, the
-// last the head, one stage both; kLarger: whichever is larger (a stage standing for any).
-enum class Ends : uint8_t { kNone, kFirst, kLast, kBoth, kLarger };
+// last the head, one stage both, a middle stage neither; kLarger: whichever is larger, and
+// kNone none (stages standing for any: each counts the larger end's unit as gathered).
+enum class Ends : uint8_t { kNone, kFirst, kLast, kBoth, kMiddle, kLarger };
 
 ShardSizes shard_sizes_with(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t, int64_t p,
                             Ends which, int64_t etp) {
@@ -162,7 +163,6 @@ ShardSizes shard_sizes_with(const ModelSpec& model, StageBlockCounts blocks, int
   out.shard_expert_params = moe_layers * ceil_div(experts_per_layer, s);
   out.shard_params = ends_shard + moe_layers * ceil_div(dense_per_layer, s) + out.shard_expert_params +
                      dense_layers * ceil_div(dense_block, s);
-  // (A stage standing for any counts either end's unit as gathered, the stage of its own its own.)
   const bool any = which == Ends::kNone || which == Ends::kLarger;
   out.largest_unit_params = std::max({any ? std::max(embedding, head) : std::max(first ? embedding : 0, last ? head : 0),
                                       moe_layers > 0 ? dense_per_layer + experts_per_layer : 0,
@@ -428,16 +428,22 @@ MemoryEstimate estimate_memory(const RunConfig& c, StageView view) {
   // most micro-batches of the middle stages (they hold as many blocks), and the last with the
   // head, the loss's logits and multi-token prediction's blocks. The device must hold the
   // largest.
-  MemoryEstimate worst;
-  const std::array<int64_t, 3> stages{0, pp > 2 ? 1 : pp - 1, pp - 1};
-  for (size_t i = 0; i < stages.size(); ++i) {
-    if (i == 2 && pp == 2) break;  // stage 1 is the last
-    const int64_t stage = stages[i];
-    const bool last = stage == pp - 1;
-    const MemoryEstimate here = estimate_stage_memory(c, stage == 0 ? Ends::kFirst : last ? Ends::kLast : Ends::kNone,
-                                                      stage_block_counts(c.model, p, stage),
-                                                      micro_batches_in_flight(p, stage), last);
-    if (here.device_total > worst.device_total) worst = here;
+  MemoryEstimate worst = estimate_stage_memory(c, Ends::kFirst, stage_block_counts(c.model, p, 0),
+                                               micro_batches_in_flight(p, 0), false);
+  const MemoryEstimate last = estimate_stage_memory(c, Ends::kLast, stage_block_counts(c.model, p, pp - 1),
+                                                    micro_batches_in_flight(p, pp - 1), true);
+  if (last.device_total > worst.device_total) worst = last;
+  if (pp > 2) {
+    // The middle stages: the one with the most MoE blocks (then blocks), with the second stage's
+    // micro-batches in flight, the most of any of them.
+    StageBlockCounts middle{};
+    for (int64_t i = 1; i + 1 < pp; ++i) {
+      const StageBlockCounts here = stage_block_counts(c.model, p, i);
+      if (i == 1 || here.moe_layers > middle.moe_layers || (here.moe_layers == middle.moe_layers && here.layers > middle.layers))
+        middle = here;
+    }
+    const MemoryEstimate inner = estimate_stage_memory(c, Ends::kMiddle, middle, micro_batches_in_flight(p, 1), false);
+    if (inner.device_total > worst.device_total) worst = inner;
   }
   return worst;
 }

@@ -112,15 +112,20 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   // Merged 1F1B: each exchange beside another micro-batch's compute (the rule
   // exchange_overlap_schedule keeps recomputed exchanges out).
   const ExchangeCover cover = exchange_cover(o);
-  if (c.moe.overlap_exchange) t.expert_comm = layers * cover.exposed(per_exchange);
+  if (c.moe.overlap_exchange) t.expert_comm = layers * cover.exposed(per_exchange, moe_beside, attention_beside);
   if (c.moe.dispatcher == Dispatcher::kAllToAll) {
     GroupShape alone = s.shapes.exchange;
     alone.groups_per_node = 1;
     const double alone_s = cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
-    t.expert_chain_min = c.moe.overlap_exchange ? layers * cover.exposed(alone_s)
-                                                : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
-                                                            std::min(alone_s, o.tensor_overlap_s));
-    t.nic_bytes_a2a = layers * exchanges * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
+    t.expert_chain_min = c.moe.overlap_exchange
+                             ? layers * cover.exposed(alone_s, o.tensor_moe_overlap_s, o.tensor_overlap_s)
+                             : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
+                                         std::min(alone_s, o.tensor_overlap_s));
+    // Overlapped, an exchange's bytes are priced at the share of it that is exposed, as the
+    // step simulator prices them.
+    const double priced = c.moe.overlap_exchange ? (per_exchange > 0 ? cover.exposed(per_exchange) / per_exchange : 0.0)
+                                                 : exchanges;
+    t.nic_bytes_a2a = layers * priced * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
                       static_cast<double>(s.shapes.exchange.groups_per_node);
   }
 }

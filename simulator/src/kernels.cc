@@ -324,6 +324,7 @@ class KernelListBuilder {
     const double kv_rank = static_cast<double>(m_.kv_lora_rank);
     const double rope = static_cast<double>(m_.qk_rope_head_dim);
     if (q_rank > 0) gemm(l, "q_up", tokens_, q_, q_rank, false, linear_, 1, false);
+    else gemm(l, "q_proj", tokens_, q_, h_, false, linear_, 1, false);
     gemm(l, "kv_up", tokens_, heads_ * (head_dim_ - rope + value_dim_), kv_rank, false, linear_, 1, false);
     rotary(l);
     return l;

@@ -136,7 +136,9 @@ KernelCosts kernel_costs(const RunConfig& c) {
     o.head_s = o.head_forward_s + k.head_backward.seconds();
     if (p.tensor_parallel_degree > 1) {
       o.tensor_overlap_s = k.attention_wgrad_s;
-      o.tensor_moe_overlap_s = k.moe_wgrad_s;
+      // Folded routed experts end no tensor-parallel region: without shared experts there is no
+      // collective for their weight gradients to run beside.
+      if (p.expert_fold() == 1 || m.shared_experts()) o.tensor_moe_overlap_s = k.moe_wgrad_s;
     }
     o.attention_flops = k.attention_forward.flops();
     o.moe_flops = k.moe_forward.flops();
@@ -214,10 +216,10 @@ ExchangeCover exchange_cover(const KernelCosts& k) {
   return {k.moe_backward_busiest_s, k.attention_backward_s, k.attention_forward_s, k.moe_forward_busiest_s};
 }
 
-double ExchangeCover::exposed(double exchange_s) const {
-  double sum = 0;
-  for (const double cover : {dispatch, combine, combine_backward, dispatch_backward}) sum += std::max(0.0, exchange_s - cover);
-  return sum;
+double ExchangeCover::exposed(double exchange_s, double moe_beside, double attention_beside) const {
+  auto beyond = [&](double cover) { return std::max(0.0, exchange_s - cover); };
+  return beyond(dispatch) + beyond(combine) + std::max(0.0, beyond(combine_backward) - attention_beside) +
+         std::max(0.0, beyond(dispatch_backward) - moe_beside);
 }
 
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {

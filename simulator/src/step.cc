@@ -284,12 +284,19 @@ class Builder {
   void exchange(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb) {
     std::vector<OpId> after(state.size());
     for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
+    // A folded expert group (E ranks over T / ETP tensor ranks) is simulated as that many groups
+    // along the mesh's E dimension, each with its share of the group's bytes through the cards.
+    const double share_of_group = 1.0 / static_cast<double>(p_.expert_fold());
+    auto mesh_share = [&](CollectiveCost c) {
+      c.nic_bytes_per_node *= share_of_group;
+      return c;
+    };
     if (c_.moe.dispatcher == Dispatcher::kAllToAll && (kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute)) {
       const double counts = static_cast<double>(p_.expert_parallel_degree * c_.model.num_experts) * 8;  // int64
       collective_round(after, MeshDim::kExpert, OpKind::kDispatchCounts, TraceStream::kExpertComm, layer, mb,
-                       cost_.all_gather_cost(counts, shapes_.exchange), counts, false);
+                       mesh_share(cost_.all_gather_cost(counts, shapes_.exchange)), counts, false);
     }
-    CollectiveCost cost = cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.exchange);
+    CollectiveCost cost = mesh_share(cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.exchange));
     if (c_.moe.overlap_exchange) {
       // Beside another micro-batch's compute (merged 1F1B): only what the exchange takes beyond
       // it holds the chain, and only that share of its bytes is left for the card.

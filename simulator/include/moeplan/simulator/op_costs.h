@@ -89,8 +89,10 @@ struct OpCosts : KernelCosts {
 // exposed.
 struct ExchangeCover {
   double dispatch = 0, combine = 0, combine_backward = 0, dispatch_backward = 0;
-  // What `exchange_s` seconds for each of the four leave exposed, per block.
-  double exposed(double exchange_s) const;
+  // What `exchange_s` seconds for each of the four leave exposed, per block; the backward
+  // dispatch's exposed part may run beside the experts' weight gradients (`moe_beside`) and the
+  // backward combine's beside attention's (`attention_beside`), as without the overlap.
+  double exposed(double exchange_s, double moe_beside = 0, double attention_beside = 0) const;
 };
 ExchangeCover exchange_cover(const KernelCosts& kernels);
 
