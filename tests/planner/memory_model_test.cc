@@ -352,6 +352,31 @@ TEST(MemoryModel, LatentUpCheckpointingDropsEveryBlocksQueriesKeysAndValues) {
   EXPECT_EQ(latent.activation_working_set, per_block);
 }
 
+// The middle stages need not be alike: DeepSeek-V3 (its first 3 blocks dense) on 4 stages of
+// 1 / 29 / 29 / 2 blocks puts 2 dense blocks on stage 1 and 29 MoE blocks on stage 2; with two
+// micro-batches in flight on both, stage 2's expert parameters decide.
+TEST(MemoryModel, TheMiddleStageWithTheMostExpertBlocksIsCounted) {
+  ModelSpec m = test::model("deepseek-v3");
+  m.mtp_layers = 0;
+  ParallelConfig p;
+  p.world_size = 256;
+  p.expert_parallel_degree = 64;
+  p.pipeline_parallel_degree = 4;
+  p.first_stage_layers = 1;
+  p.last_stage_layers = 2;
+  p.micro_batch_size = 1;
+  p.gradient_accumulation_steps = 2;
+  TrainingConfig t;
+  t.seq_len = 4096;
+  t.global_batch_tokens = 64 * 2 * 4096;
+  t.precision = Precision::kMixed;
+  ASSERT_EQ(stage_block_counts(m, p, 1).moe_layers, 27);
+  ASSERT_EQ(stage_block_counts(m, p, 2).moe_layers, 29);
+  const MemoryEstimate memory = estimate_memory({m, test::hardware("p5.48xlarge", 256), p, {}, t});
+  const ShardSizes stage2 = stage_shard_sizes(m, stage_block_counts(m, p, 2), 64, 1, 1, 4, false);
+  EXPECT_EQ(memory.parameters, 2 * stage2.shard_params);
+}
+
 // Offload with horizon 2 keeps 3 block inputs on the device (the one in use and two
 // prefetched) and all 32 on the host.
 TEST(MemoryModel, OffloadMovesBlockInputsToTheHost) {

@@ -905,6 +905,10 @@ TEST(LatentAttention, UpProjectionCheckpointingRecomputesTheUpProjections) {
   EXPECT_EQ(op_costs(make_scenario("mixtral-8x7b", "p5.48xlarge", 8, 8, 1, "RSE", Checkpointing::kNone, 1, 2).config())
                 .latent_up_forward_s,
             0);
+  // Without a query latent (DeepSeek-V2-Lite) the query is projected from the block input again.
+  const Scenario lite =
+      make_scenario("deepseek-v2-lite", "p5.48xlarge", 8, 8, 1, "RSE", Checkpointing::kLatentUpProjections, 1, 2, 4096);
+  EXPECT_DOUBLE_EQ(op_costs(lite.config()).latent_up_flops, 2.0 * 4096 * (2048.0 * 16 * 192 + 512.0 * 16 * 256));
 }
 
 // Windowed and full attention (GPT-OSS-20B: 24 blocks, every second one full): the attention
