@@ -90,6 +90,11 @@ class Builder {
         cost_(c.cluster),
         o_(op_costs(c)),
         cover_(exchange_cover(o_)),
+        fold_per_node_(c.parallel.expert_fold() > 1
+                           ? group_shape(c.cluster, c.parallel.world_size, c.parallel.expert_fold(),
+                                         c.parallel.stride(MeshDim::kTensor) * c.parallel.expert_tensor_degree())
+                                 .per_node
+                           : 1),
         shapes_(layout_shapes(c.cluster, c.parallel)),
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
@@ -285,8 +290,10 @@ class Builder {
     std::vector<OpId> after(state.size());
     for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
     // A folded expert group (E ranks over T / ETP tensor ranks) is simulated as that many groups
-    // along the mesh's E dimension, each with its share of the group's bytes through the cards.
-    const double share_of_group = 1.0 / static_cast<double>(p_.expert_fold());
+    // along the mesh's E dimension; those with members on one node share the group's bytes
+    // through its card (all of them where the tensor ranks share a node, one where each is on
+    // another node).
+    const double share_of_group = 1.0 / static_cast<double>(fold_per_node_);
     auto mesh_share = [&](CollectiveCost c) {
       c.nic_bytes_per_node *= share_of_group;
       return c;
@@ -489,6 +496,7 @@ class Builder {
   CostModel cost_;
   OpCosts o_;
   ExchangeCover cover_;  // under moe.overlap_exchange
+  int64_t fold_per_node_;  // a folded expert group's mesh-E groups with members on one node
   LayoutShapes shapes_;
   StepGraph graph_;
   int64_t micro_batches_;

@@ -188,6 +188,29 @@ TEST(TensorParallel, AFoldedExchangeCrossesTheCardOnce) {
   double bytes = 0;
   for (const int32_t id : on_node_0) bytes += sim.graph.collectives()[static_cast<size_t>(id)].nic_bytes_per_node;
   EXPECT_NEAR(bytes, whole, 1e-6 * whole);
+
+  // With the shards innermost (PRETS, S8 T2 E4 folded) each folded group is 4 ranks 8 apart on 4
+  // nodes, and its two tensor ranks are on different nodes: node 0 holds one member of 8
+  // groups, and each of its 8 mesh-E groups carries its whole group's bytes.
+  Scenario spread = c;
+  spread.parallel.expert_parallel_degree = 4;
+  spread.parallel.hybrid_shard_degree = 8;
+  spread.parallel.placement = *Placement::parse("PRETS");
+  ASSERT_TRUE(validate(spread.config()).empty()) << spread.describe();
+  const LayoutShapes spread_shapes = layout_shapes(spread.cluster, spread.parallel);
+  ASSERT_EQ(spread_shapes.exchange.per_node, 1);
+  const double per_group = CostModel(spread.cluster)
+                               .all_to_all_cost(op_costs(spread.config()).dispatch_send_bytes, spread_shapes.exchange)
+                               .nic_bytes_per_node;
+  const StepSimulation spread_sim = simulate_step(spread.config(), {.all_ranks = true, .all_micro_batches = true});
+  std::set<int32_t> spread_on_node_0;
+  for (const Op& op : spread_sim.graph.ops())
+    if (op.rank < 8 && op.kind == OpKind::kDispatch && op.layer == 0 && op.micro_batch == 0)
+      spread_on_node_0.insert(op.collective);
+  double spread_bytes = 0;
+  for (const int32_t id : spread_on_node_0)
+    spread_bytes += spread_sim.graph.collectives()[static_cast<size_t>(id)].nic_bytes_per_node;
+  EXPECT_NEAR(spread_bytes, static_cast<double>(spread_shapes.exchange.groups_per_node) * per_group, 1e-6 * spread_bytes);
 }
 
 // Merged 1F1B (moe.overlap_exchange): each of a block's four exchanges runs beside another
