@@ -180,13 +180,18 @@ TEST(TensorParallel, AFoldedExchangeCrossesTheCardOnce) {
   const double whole = CostModel(c.cluster).all_to_all_cost(op_costs(c.config()).dispatch_send_bytes, shapes.exchange)
                            .nic_bytes_per_node;
   ASSERT_GT(whole, 0);
-  const StepSimulation sim = simulate_step(c.config(), {.all_ranks = true, .all_micro_batches = true});
-  std::set<int32_t> on_node_0;
-  for (const Op& op : sim.graph.ops())
-    if (op.rank < 8 && op.kind == OpKind::kDispatch && op.layer == 0 && op.micro_batch == 0) on_node_0.insert(op.collective);
-  ASSERT_EQ(on_node_0.size(), 2u);
-  double bytes = 0;
-  for (const int32_t id : on_node_0) bytes += sim.graph.collectives()[static_cast<size_t>(id)].nic_bytes_per_node;
+  // The first dispatch's collectives with members on node 0 (ranks 0-7), and their card bytes.
+  auto node_0_dispatch = [](const Scenario& s) {
+    const StepSimulation sim = simulate_step(s.config(), {.all_ranks = true, .all_micro_batches = true});
+    std::set<int32_t> ids;
+    for (const Op& op : sim.graph.ops())
+      if (op.rank < 8 && op.kind == OpKind::kDispatch && op.layer == 0 && op.micro_batch == 0) ids.insert(op.collective);
+    double bytes = 0;
+    for (const int32_t id : ids) bytes += sim.graph.collectives()[static_cast<size_t>(id)].nic_bytes_per_node;
+    return std::pair{ids.size(), bytes};
+  };
+  const auto [collectives, bytes] = node_0_dispatch(c);
+  ASSERT_EQ(collectives, 2u);
   EXPECT_NEAR(bytes, whole, 1e-6 * whole);
 
   // With the shards innermost (PRETS, S8 T2 E4 folded) each folded group is 4 ranks 8 apart on 4
@@ -202,14 +207,7 @@ TEST(TensorParallel, AFoldedExchangeCrossesTheCardOnce) {
   const double per_group = CostModel(spread.cluster)
                                .all_to_all_cost(op_costs(spread.config()).dispatch_send_bytes, spread_shapes.exchange)
                                .nic_bytes_per_node;
-  const StepSimulation spread_sim = simulate_step(spread.config(), {.all_ranks = true, .all_micro_batches = true});
-  std::set<int32_t> spread_on_node_0;
-  for (const Op& op : spread_sim.graph.ops())
-    if (op.rank < 8 && op.kind == OpKind::kDispatch && op.layer == 0 && op.micro_batch == 0)
-      spread_on_node_0.insert(op.collective);
-  double spread_bytes = 0;
-  for (const int32_t id : spread_on_node_0)
-    spread_bytes += spread_sim.graph.collectives()[static_cast<size_t>(id)].nic_bytes_per_node;
+  const double spread_bytes = node_0_dispatch(spread).second;
   EXPECT_NEAR(spread_bytes, static_cast<double>(spread_shapes.exchange.groups_per_node) * per_group, 1e-6 * spread_bytes);
 }
 
