@@ -83,6 +83,12 @@ void add_layout_options(CLI::App& cmd, Search& s) {
       ->check(degree);
   cmd.add_option("--pipeline-parallel-degree", pin.pipeline_parallel_degree, "Fix P instead of searching it")
       ->check(degree);
+  cmd.add_option("--context-parallel-degree", pin.context_parallel_degree,
+                 "Fix C, the ranks each sequence is split over (context parallelism), instead of searching it")
+      ->check(degree);
+  add_choice(cmd, "--context-exchange", o.context_exchange, kContextExchangeNames,
+             "How context-parallel ranks pass keys and values: p2p (a ring beside the attention, the default) or "
+             "all_gather");
   cmd.add_option("--virtual-pipeline-degree", pin.virtual_pipeline_degree,
                  "Fix the interleaved chunks per pipeline stage (1: plain 1F1B)")
       ->check(degree);

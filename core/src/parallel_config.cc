@@ -17,6 +17,7 @@ char letter(MeshDim d) {
     case MeshDim::kExpert: return 'E';
     case MeshDim::kTensor: return 'T';
     case MeshDim::kPipeline: return 'P';
+    case MeshDim::kContext: return 'C';
   }
   return '?';
 }
@@ -45,11 +46,12 @@ std::optional<Placement> Placement::parse(std::string_view text) {
       case 'D': dims.insert(dims.end(), {MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert}); break;
       default: return std::nullopt;
     }
-    if (dims.size() > kMeshDims) return std::nullopt;
+    if (dims.size() > kPlacedDims) return std::nullopt;
   }
   std::array<int, kMeshDims> seen{};
   for (MeshDim d : dims) ++seen[static_cast<size_t>(d)];
   for (MeshDim d : kAllMeshDims) {
+    if (d == MeshDim::kContext) continue;  // not placed: directly outside T
     const bool optional = d == MeshDim::kTensor || d == MeshDim::kPipeline;
     if (seen[static_cast<size_t>(d)] > 1 || (!optional && seen[static_cast<size_t>(d)] == 0)) return std::nullopt;
   }
@@ -61,10 +63,13 @@ std::optional<Placement> Placement::parse(std::string_view text) {
 }
 
 int64_t ParallelConfig::stride(MeshDim d) const {
+  if (d == MeshDim::kContext) return stride(MeshDim::kTensor) * tensor_parallel_degree;
   int64_t s = 1;
-  for (size_t i = kMeshDims; i-- > 0;) {
-    if (placement.outer_to_inner[i] == d) return s;
-    s *= degree(placement.outer_to_inner[i]);
+  for (size_t i = kPlacedDims; i-- > 0;) {
+    const MeshDim here = placement.outer_to_inner[i];
+    if (here == d) return s;
+    s *= degree(here);
+    if (here == MeshDim::kTensor) s *= context_parallel_degree;  // C directly outside T
   }
   return s;
 }
@@ -79,6 +84,8 @@ static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
   p.expert_tensor_parallel_degree = r.integer("expert_tensor_parallel_degree", 0, kMaxDegree, 0);
   if (p.expert_tensor_parallel_degree == p.tensor_parallel_degree) p.expert_tensor_parallel_degree = 0;  // one form
   p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
+  p.context_parallel_degree = r.integer("context_parallel_degree", 1, kMaxDegree, 1);
+  p.context_exchange = r.choice<ContextExchange>("context_exchange", kContextExchangeNames, ContextExchange::kRing);
   p.virtual_pipeline_degree = r.integer("virtual_pipeline_degree", 1, kMaxDegree, 1);
   p.sequence_parallel = r.boolean("sequence_parallel", false);
   const bool degrees_read = d.items().size() == problems_before;
@@ -105,13 +112,14 @@ static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
   if (r.has("replica_degree")) {
     const int64_t written = r.integer("replica_degree", 1, kMaxDegree);
     const int64_t rest = p.expert_data_degree() * p.hybrid_shard_degree * p.tensor_parallel_degree *
-                         p.pipeline_parallel_degree;
+                         p.pipeline_parallel_degree * p.context_parallel_degree;
     if (degrees_read && rest > 0 && p.world_size % rest == 0 && written != p.world_size / rest)
       d.error(r.path_of("replica_degree"),
               std::to_string(written) + " does not equal world_size / (expert_parallel_degree" +
-                  (p.expert_fold() > 1 ? " / " + std::to_string(p.expert_fold()) + " folded tensor ranks" : std::string()) +
+                  (p.expert_fold() > 1 ? " / " + std::to_string(p.expert_fold()) + " folded ranks" : std::string()) +
                   " * hybrid_shard_degree" +
                   (p.tensor_parallel_degree != 1 ? " * tensor_parallel_degree" : "") +
+                  (p.context_parallel_degree != 1 ? " * context_parallel_degree" : "") +
                   (p.pipeline_parallel_degree != 1 ? " * pipeline_parallel_degree" : "") +
                   ") = " + std::to_string(p.world_size / rest));
   }
@@ -184,6 +192,10 @@ Json to_json(const ParallelConfig& p) {
   if (p.expert_tensor_parallel_degree > 0 && p.expert_tensor_parallel_degree != p.tensor_parallel_degree)
     j["expert_tensor_parallel_degree"] = p.expert_tensor_parallel_degree;
   j["pipeline_parallel_degree"] = p.pipeline_parallel_degree;
+  if (p.context_parallel_degree > 1) {
+    j["context_parallel_degree"] = p.context_parallel_degree;
+    j["context_exchange"] = name_of(kContextExchangeNames, p.context_exchange);
+  }
   j["virtual_pipeline_degree"] = p.virtual_pipeline_degree;
   j["sequence_parallel"] = p.sequence_parallel;
   j["placement"] = p.placement.to_string();
@@ -328,6 +340,9 @@ std::string describe(const ParallelConfig& p) {
   if (p.expert_tensor_degree() != std::max<int64_t>(1, p.tensor_parallel_degree))
     s += " ETP" + std::to_string(p.expert_tensor_degree());
   if (p.pipeline_parallel_degree > 1) s += " P" + std::to_string(p.pipeline_parallel_degree);
+  if (p.context_parallel_degree > 1)
+    s += " C" + std::to_string(p.context_parallel_degree) +
+         (p.context_exchange == ContextExchange::kAllGather ? " all_gather" : "");
   if (p.virtual_pipeline_degree > 1) s += " V" + std::to_string(p.virtual_pipeline_degree);
   s += " " + p.placement.to_string() + " ckpt=" + std::string(name_of(kCheckpointingNames, p.activation_checkpointing));
   if (p.activation_offloading) s += " offload=h" + std::to_string(p.activation_loading_horizon);

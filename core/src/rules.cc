@@ -25,6 +25,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "tensor_degree_divides_heads",
     "tensor_degree_divides_intermediate",
     "expert_tensor_folds",
+    "expert_spans_context",
     "sequence_parallel_needs_tensor",
     "expert_tensor_needs_sequence_parallel",
     "pipeline_degree_divides_layers",
@@ -33,6 +34,8 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "seq_len_within_positions",
     "micro_batch_tokens",
     "global_batch_matches",
+    "context_splits_sequence",
+    "context_needs_flash_attention",
     "offload_needs_checkpointing",
     "latent_up_needs_latent_attention",
     "horizon_positive",
@@ -241,6 +244,28 @@ void check_expert_fold(const RunConfig& c, Sink& sink) {
     });
 }
 
+// Context parallelism with experts: Megatron-Core and torchtitan lay the expert group over the
+// context-parallel ranks (and the folded tensor ranks inside them), so E counts them: it must be
+// a multiple of C x T / ETP, with the mesh's E directly outside C and T.
+template <class Sink>
+void check_expert_context(const RunConfig& c, Sink& sink) {
+  const ParallelConfig& p = c.parallel;
+  if (!p.expert_spans_context()) return;
+  const int64_t e = p.expert_parallel_degree, fold = p.expert_fold();
+  if (e % fold != 0)
+    sink(Rule::kExpertSpansContext, "parallel.expert_parallel_degree", [&] {
+      return "= " + str(e) + " with context_parallel_degree = " + str(p.context_parallel_degree) +
+             ": the expert group spans the context-parallel ranks" +
+             (p.expert_tensor_fold() > 1 ? " and the folded tensor ranks" : "") + ", so " + str(fold) + " must divide it";
+    });
+  else if (!p.expert_beside_tensor())
+    sink(Rule::kExpertSpansContext, "parallel.placement", [&] {
+      return "= \"" + p.placement.to_string() + "\" with context_parallel_degree = " + str(p.context_parallel_degree) +
+             ": the expert group spans the context-parallel ranks (directly outside T), so E must come directly "
+             "outside T (as in \"PRSET\")";
+    });
+}
+
 // The world, the cluster and the parallel degrees.
 template <class Sink>
 void check_degrees(const RunConfig& c, Sink& sink) {
@@ -278,11 +303,13 @@ void check_degrees(const RunConfig& c, Sink& sink) {
       return "= " + str(s) + " must be a resolved degree of at least 1 (0, full sharding, is "
              "written as world_size / expert_parallel_degree)";
     });
-  else if (e >= 1 && tp >= 1 && pp >= 1 && e % p.expert_fold() == 0 && w % (s * p.expert_data_degree() * tp * pp) != 0)
+  else if (e >= 1 && tp >= 1 && pp >= 1 && p.context_parallel_degree >= 1 && e % p.expert_fold() == 0 &&
+           w % (s * p.expert_data_degree() * tp * pp * p.context_parallel_degree) != 0)
     sink(Rule::kShardExpertDividesWorld, "parallel.hybrid_shard_degree", [&] {
       std::string degrees = "expert_parallel_degree = " + str(e);
-      if (p.expert_fold() > 1) degrees += " / " + str(p.expert_fold()) + " folded tensor ranks";
+      if (p.expert_fold() > 1) degrees += " / " + str(p.expert_fold()) + " folded ranks";
       if (tp != 1) degrees += ", tensor_parallel_degree = " + str(tp);
+      if (p.context_parallel_degree != 1) degrees += ", context_parallel_degree = " + str(p.context_parallel_degree);
       if (pp != 1) degrees += ", pipeline_parallel_degree = " + str(pp);
       return "= " + str(s) + " times " + degrees + " does not divide world_size = " + str(w);
     });
@@ -309,6 +336,7 @@ void check_degrees(const RunConfig& c, Sink& sink) {
            return "= " + str(m.intermediate_size % etp != 0 ? etp : tp) + " does not divide " + field + " = " + str(width);
          });
   check_expert_fold(c, sink);
+  check_expert_context(c, sink);
   if (p.sequence_parallel && tp == 1)
     sink(Rule::kSequenceParallelNeedsTensor, "parallel.sequence_parallel", [&] {
       return std::string("= true needs tensor_parallel_degree > 1 (it splits along the sequence over the "
@@ -370,18 +398,25 @@ template <class Sink>
 void check_group_shapes(const RunConfig& c, Sink& sink) {
   const ParallelConfig& p = c.parallel;
   const int64_t e = p.expert_data_degree(), s = p.hybrid_shard_degree, tp = p.tensor_parallel_degree;
-  const int64_t pp = p.pipeline_parallel_degree;
-  if (e < 1 || s < 1 || tp < 1 || pp < 1 || p.world_size % (e * s * tp * pp) != 0) return;
+  const int64_t pp = p.pipeline_parallel_degree, cp = p.context_parallel_degree;
+  if (e < 1 || s < 1 || tp < 1 || pp < 1 || cp < 1 || p.world_size % (e * s * tp * pp * cp) != 0) return;
   const int64_t node = std::max<int64_t>(1, std::min(p.world_size, c.cluster.gpus_per_node));
   // Powers of two on nodes of a power of two always share one shape (the search's usual case).
   auto power_of_two = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
   if (power_of_two(node) && power_of_two(e) && power_of_two(s) && power_of_two(tp) && power_of_two(pp) &&
-      power_of_two(p.replica_degree()))
+      power_of_two(cp) && power_of_two(p.replica_degree()))
     return;
-  for (size_t i = kMeshDims; i-- > 0;) {
-    const MeshDim d = p.placement.outer_to_inner[i];
+  // Innermost first: the placed dimensions, C just outside T.
+  std::array<MeshDim, kMeshDims> inner_first{};
+  size_t n = 0;
+  for (size_t i = kPlacedDims; i-- > 0;) {
+    inner_first[n++] = p.placement.outer_to_inner[i];
+    if (p.placement.outer_to_inner[i] == MeshDim::kTensor) inner_first[n++] = MeshDim::kContext;
+  }
+  for (const MeshDim d : inner_first) {
     if (groups_share_one_shape(p.degree(d), p.stride(d), node)) continue;
     const char* field = d == MeshDim::kTensor     ? "parallel.tensor_parallel_degree"
+                        : d == MeshDim::kContext  ? "parallel.context_parallel_degree"
                         : d == MeshDim::kExpert   ? "parallel.expert_parallel_degree"
                         : d == MeshDim::kShard    ? "parallel.hybrid_shard_degree"
                         : d == MeshDim::kPipeline ? "parallel.pipeline_parallel_degree"
@@ -392,11 +427,11 @@ void check_group_shapes(const RunConfig& c, Sink& sink) {
     });
     return;
   }
-  // A folded expert group: E ranks ETP tensor ranks apart (check_expert_fold).
-  const int64_t stride = p.stride(MeshDim::kTensor) * p.expert_tensor_degree();
+  // A folded expert group: E ranks ETP tensor ranks apart (check_expert_fold, check_expert_context).
+  const int64_t stride = p.expert_stride();
   if (p.expert_fold() > 1 && !groups_share_one_shape(p.expert_parallel_degree, stride, node))
     sink(Rule::kGroupsShareOneShape, "parallel.expert_parallel_degree", [&] {
-      return "= " + str(p.expert_parallel_degree) + " with the tensor-parallel ranks folded in: groups of ranks " +
+      return "= " + str(p.expert_parallel_degree) + " with tensor or context ranks folded in: groups of ranks " +
              str(stride) + " apart fall on nodes of " + str(node) + " GPUs in different shapes, which moeplan would cost as one";
     });
 }
@@ -423,15 +458,19 @@ void check_batch(const RunConfig& c, Sink& sink) {
              " tokens per micro-batch";
     });
   // Every rank reads its own micro-batch, except that the T ranks of a tensor-parallel group
-  // share one and the P stages of a pipeline pass it on: W / (T * P) ranks read data.
-  const int64_t readers = w / (std::max<int64_t>(1, tp) * std::max<int64_t>(1, pp));
+  // share one, the C ranks of a context-parallel group one sequence, and the P stages of a
+  // pipeline pass it on: W / (C * T * P) ranks read data.
+  const int64_t cp = p.context_parallel_degree;
+  const int64_t readers = w / (std::max<int64_t>(1, tp) * std::max<int64_t>(1, pp) * std::max<int64_t>(1, cp));
   const double step_tokens = static_cast<double>(readers) * static_cast<double>(p.micro_batch_size) *
                              static_cast<double>(p.gradient_accumulation_steps) *
                              static_cast<double>(t.seq_len);
   if (step_tokens != static_cast<double>(t.global_batch_tokens))
     sink(Rule::kGlobalBatchMatches, "training.global_batch_tokens", [&] {
       const std::string ranks = readers == w ? std::string("world_size")
-                                             : "world_size / (tensor_parallel_degree x pipeline_parallel_degree)";
+                                : cp > 1 ? "world_size / (context_parallel_degree x tensor_parallel_degree x "
+                                           "pipeline_parallel_degree)"
+                                         : "world_size / (tensor_parallel_degree x pipeline_parallel_degree)";
       return "= " + str(t.global_batch_tokens) + " does not equal " + ranks +
              " x micro_batch_size x gradient_accumulation_steps x seq_len = " + str(readers) + " x " +
              str(p.micro_batch_size) +
@@ -439,6 +478,19 @@ void check_batch(const RunConfig& c, Sink& sink) {
              str(step_tokens);
     });
 
+  // Context parallelism: each rank holds 2 of the sequence's 2C chunks (causal load balancing,
+  // as Megatron-Core and torchtitan split it), and its attention runs as flash attention on
+  // each pair of chunks.
+  if (cp > 1 && t.seq_len % (2 * cp * std::max<int64_t>(1, p.sequence_parallel ? tp : 1)) != 0)
+    sink(Rule::kContextSplitsSequence, "parallel.context_parallel_degree", [&] {
+      return "= " + str(cp) + ": seq_len = " + str(t.seq_len) + " must split into 2 x " + str(cp) + " equal chunks" +
+             (p.sequence_parallel && tp > 1 ? " each divisible by tensor_parallel_degree = " + str(tp) : std::string());
+    });
+  if (cp > 1 && c.cluster.attention != AttentionKernel::kFlash)
+    sink(Rule::kContextNeedsFlashAttention, "parallel.context_parallel_degree", [&] {
+      return "= " + str(cp) + " on a cluster whose attention is unfused: context parallelism runs flash attention "
+             "on each chunk of keys and values as it arrives";
+    });
   if (p.activation_checkpointing == Checkpointing::kLatentUpProjections && !m.mla())
     sink(Rule::kLatentUpNeedsLatentAttention, "parallel.activation_checkpointing", [&] {
       return std::string("= \"latent_up\" with a model without latent attention (kv_lora_rank = 0): it recomputes "
@@ -569,8 +621,8 @@ bool ranks_ordered(const ParallelConfig& p, const Placement& order) {
   size_t j = 0;
   for (MeshDim d : p.placement.outer_to_inner) {
     if (p.degree(d) <= 1) continue;
-    while (j < kMeshDims && p.degree(order.outer_to_inner[j]) <= 1) ++j;
-    if (j == kMeshDims || order.outer_to_inner[j] != d) return false;
+    while (j < kPlacedDims && p.degree(order.outer_to_inner[j]) <= 1) ++j;
+    if (j == kPlacedDims || order.outer_to_inner[j] != d) return false;
     ++j;
   }
   return true;

@@ -236,13 +236,15 @@ void add_model_states(const RunConfig& c, const ShardSizes& sizes, int64_t a, Me
       break;
   }
   // The distributed optimizer splits the master weights and the moments over the ranks that
-  // hold the same parameters (Megatron-Core's data-parallel group for the dense ones: E x R,
-  // the mesh's E; its expert data-parallel group for the experts: R); the gradients stay whole
-  // for the reduce-scatter.
-  const int64_t r = p.replica_degree(), dense_ranks = r * std::max<int64_t>(1, p.expert_data_degree());
+  // hold the same parameters (Megatron-Core's data-parallel group for the dense ones: E x C x R,
+  // the mesh's E; its expert data-parallel group for the experts: R, and C where the expert
+  // group does not span it); the gradients stay whole for the reduce-scatter.
+  const int64_t cp = std::max<int64_t>(1, p.context_parallel_degree);
+  const int64_t r = p.replica_degree(), dense_ranks = r * std::max<int64_t>(1, p.expert_data_degree()) * cp;
+  const int64_t expert_ranks = p.expert_spans_context() ? r : r * cp;
   if (p.distributed_optimizer && dense_ranks > 1 && shard > 0) {
     const int64_t experts = sizes.shard_expert_params;
-    const int64_t kept = ceil_div(shard - experts, dense_ranks) + ceil_div(experts, r);
+    const int64_t kept = ceil_div(shard - experts, dense_ranks) + ceil_div(experts, expert_ranks);
     out.master_weights = out.master_weights / shard * kept;
     out.optimizer_states = out.optimizer_states / shard * kept;
   }
@@ -397,15 +399,18 @@ MemoryEstimate estimate_stage_memory(const RunConfig& c, Ends ends, StageBlockCo
                                             p.expert_tensor_degree());
   MemoryEstimate out;
   add_model_states(c, sizes, a, out);
-  const int64_t tokens = p.micro_batch_size * c.training.seq_len;
+  // A rank's share of each sequence: 1 / C of it under context parallelism (with flash
+  // attention, rule context_needs_flash_attention, nothing of a block grows with the whole).
+  const int64_t seq = p.local_seq_len(c.training.seq_len);
+  const int64_t tokens = p.micro_batch_size * seq;
   const int64_t slots = busiest_rank_slots(c, tokens);
   const TensorSplit split{p.tensor_parallel_degree, p.sequence_parallel};
-  const BlockActivations block = block_activations(m, p.micro_batch_size, c.training.seq_len, slots, a,
-                                                   c.cluster.kernels, c.cluster.attention, split, c.training.fp8);
+  const BlockActivations block = block_activations(m, p.micro_batch_size, seq, slots, a, c.cluster.kernels,
+                                                   c.cluster.attention, split, c.training.fp8);
   // A dense block among MoE blocks: its feed-forward layer takes every token.
   const BlockActivations dense =
       blocks.moe_layers < blocks.layers
-          ? block_activations(dense_block_model(m), p.micro_batch_size, c.training.seq_len, tokens, a, c.cluster.kernels,
+          ? block_activations(dense_block_model(m), p.micro_batch_size, seq, tokens, a, c.cluster.kernels,
                               c.cluster.attention, split, c.training.fp8)
           : BlockActivations{};
   add_activations(p, block, dense, blocks, in_flight, out);

@@ -140,22 +140,26 @@ struct Space {
   // or two lighter than the others (they also hold the embedding and the head; Llama 3 405B
   // runs 126 blocks on 16 stages as 7, 14 x 8 and 7).
   std::vector<std::pair<int64_t, int64_t>> stage_splits(int64_t pp) const;
-  // The sequences each data reader takes per step with T and P (the ranks that read data are
-  // W / (T P)).
-  int64_t seqs_per_reader(int64_t t, int64_t pp) const;
-  // Micro-batch sizes for T and P: powers of two and the divisors of the per-reader batch.
-  std::vector<int64_t> micro_batches(int64_t t, int64_t pp) const;
-  std::vector<Variant> variants(int64_t e, int64_t s, int64_t t, int64_t pp) const;
-  // Each pipeline degree with each split of the routed experts under T: T (0), and where the
-  // framework folds the tensor ranks into the expert group, 1.
-  std::vector<std::pair<int64_t, int64_t>> pipeline_and_expert_tensor_degrees(int64_t t) const;
+  // The sequences each data reader takes per step with T, P and C (the ranks that read data
+  // are W / (C T P)).
+  int64_t seqs_per_reader(int64_t t, int64_t pp, int64_t cp) const;
+  // Micro-batch sizes for T, P and C: powers of two and the divisors of the per-reader batch.
+  std::vector<int64_t> micro_batches(int64_t t, int64_t pp, int64_t cp) const;
+  std::vector<Variant> variants(int64_t e, int64_t s, int64_t t, int64_t pp, int64_t cp) const;
+  // The degrees chosen with T: each pipeline degree, each split of the routed experts under T
+  // (T as 0, and where the framework folds the tensor ranks into the expert group, 1) and each
+  // context-parallel degree.
+  struct InnerDegrees {
+    int64_t pp, etp, cp;
+  };
+  std::vector<InnerDegrees> inner_degrees(int64_t t) const;
 
   const ModelSpec& model;
   const SearchOptions& options;
   const SearchOptions::Pins& pin;
   const FrameworkCapabilities& capabilities;  // of the target's framework
   const int64_t w;
-  std::vector<int64_t> expert_degrees, shard_degrees, tensor_degrees, pipeline_degrees;
+  std::vector<int64_t> expert_degrees, shard_degrees, tensor_degrees, pipeline_degrees, context_degrees;
   std::vector<OffloadOption> offloads;
   std::vector<Checkpointing> checkpointing;
   std::vector<Placement> placements;
@@ -172,6 +176,13 @@ Space::Space(const ModelSpec& m, const ClusterSpec& cluster, const SearchOptions
     if (d <= cluster.gpus_per_node) tensor_degrees.push_back(d);
     if (d <= model.num_layers) pipeline_degrees.push_back(d);
   }
+  // Context parallelism where the framework splits sequences: powers of two that leave each
+  // rank at least min_context_tokens of a sequence.
+  context_degrees = {1};
+  if (capabilities.context_parallelism)
+    for (int64_t cp = 2; cp <= w && o.training.seq_len / cp >= o.min_context_tokens; cp *= 2)
+      if (w % cp == 0) context_degrees.push_back(cp);
+  if (pin.context_parallel_degree) context_degrees = {*pin.context_parallel_degree};
   offloads = {{false, 1}};
   for (int64_t h : options.loading_horizons) offloads.push_back({true, h});
   // Recomputing the attention core saves the T x T scores of unfused attention; flash
@@ -221,25 +232,26 @@ std::vector<std::pair<int64_t, int64_t>> Space::stage_splits(int64_t pp) const {
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> Space::pipeline_and_expert_tensor_degrees(int64_t t) const {
+std::vector<Space::InnerDegrees> Space::inner_degrees(int64_t t) const {
   std::vector<int64_t> splits = {0};
   if (pin.expert_tensor_parallel_degree) splits = {*pin.expert_tensor_parallel_degree == t ? 0 : *pin.expert_tensor_parallel_degree};
   else if (t > 1 && !model.dense() && capabilities.expert_tensor_folding) splits = {0, 1};
-  std::vector<std::pair<int64_t, int64_t>> out;
+  std::vector<InnerDegrees> out;
   for (int64_t pp : pipeline_degrees)
-    for (int64_t etp : splits) out.emplace_back(pp, etp);
+    for (int64_t etp : splits)
+      for (int64_t cp : context_degrees) out.push_back({pp, etp, cp});
   return out;
 }
 
-int64_t Space::seqs_per_reader(int64_t t, int64_t pp) const {
+int64_t Space::seqs_per_reader(int64_t t, int64_t pp, int64_t cp) const {
   const TrainingConfig& training = options.training;
-  const int64_t readers = t >= 1 && pp >= 1 ? w / (t * pp) : 0;
+  const int64_t readers = t >= 1 && pp >= 1 && cp >= 1 ? w / (t * pp * cp) : 0;
   return training.seq_len > 0 && readers > 0 ? training.global_batch_tokens / (training.seq_len * readers) : 0;
 }
 
-std::vector<int64_t> Space::micro_batches(int64_t t, int64_t pp) const {
+std::vector<int64_t> Space::micro_batches(int64_t t, int64_t pp, int64_t cp) const {
   if (pin.micro_batch_size) return {*pin.micro_batch_size};
-  const int64_t seqs = seqs_per_reader(t, pp);
+  const int64_t seqs = seqs_per_reader(t, pp, cp);
   std::vector<int64_t> out;
   for (int64_t b = 1; b <= options.max_micro_batch; ++b) {
     const bool power_of_two = (b & (b - 1)) == 0;
@@ -248,7 +260,7 @@ std::vector<int64_t> Space::micro_batches(int64_t t, int64_t pp) const {
   return out;
 }
 
-std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp) const {
+std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp, int64_t cp) const {
   // Interleaved chunks per stage: the divisors of the stage's blocks up to 8, where the
   // micro-batches come in whole rounds of the stages.
   std::vector<int64_t> chunk_options = {1};
@@ -269,9 +281,9 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
   if (t > 1) sequence_options = {true, false};
   if (pin.sequence_parallel) sequence_options = {*pin.sequence_parallel};
   // The distributed optimizer shards states over the data-parallel ranks that hold the same
-  // parameters (the dense ones: E x R, the mesh's E): a choice only with more than one.
+  // parameters (the dense ones: E x C x R, the mesh's E): a choice only with more than one.
   const bool replicated =
-      e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 && w / (s * t * pp) > 1;
+      e >= 1 && s >= 1 && t >= 1 && pp >= 1 && cp >= 1 && w % (e * s * t * pp * cp) == 0 && w / (s * t * pp) > 1;
   std::vector<bool> optimizer_options = {false};
   if (replicated && capabilities.distributed_optimizer) optimizer_options = {false, true};
   if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
@@ -294,8 +306,8 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
 std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutShapes>> distinct_placements(
     const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements, int64_t& misplaced) {
   const int64_t w = p.world_size, e = p.expert_data_degree(), s = p.hybrid_shard_degree,
-                t = p.tensor_parallel_degree, pp = p.pipeline_parallel_degree;
-  const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && w % (e * s * t * pp) == 0 &&
+                t = p.tensor_parallel_degree, pp = p.pipeline_parallel_degree, cp = p.context_parallel_degree;
+  const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && cp >= 1 && w % (e * s * t * pp * cp) == 0 &&
                        p.expert_parallel_degree % p.expert_fold() == 0;
   std::vector<std::pair<int64_t, Placement>> distinct;
   std::vector<sim::LayoutShapes> shapes;
@@ -316,8 +328,8 @@ std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutSha
     const sim::LayoutShapes shape = sim::layout_shapes(cluster, p);
     std::array<int64_t, 3 * (kMeshDims + 1)> key{};
     size_t k = 0;
-    for (const sim::GroupShape* g :
-         {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline, &shape.exchange}) {
+    for (const sim::GroupShape* g : {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline,
+                                     &shape.exchange, &shape.context}) {
       const bool spread = g->size > 1;
       key[k++] = spread ? g->per_node : 0;
       key[k++] = spread ? g->nodes : 0;
@@ -374,7 +386,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   for (int64_t e : space.expert_degrees) {
     for (int64_t s : space.shard_degrees) {
       for (int64_t t : space.tensor_degrees) {
-        for (const auto& [pp, etp] : space.pipeline_and_expert_tensor_degrees(t)) {
+        for (const auto& [pp, etp, cp] : space.inner_degrees(t)) {
           ParallelConfig p;
           p.world_size = w;
           p.expert_parallel_degree = e;
@@ -382,9 +394,11 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
           p.tensor_parallel_degree = t;
           p.expert_tensor_parallel_degree = etp;
           p.pipeline_parallel_degree = pp;
-          const int64_t seqs_per_reader = space.seqs_per_reader(t, pp);
-          const std::vector<int64_t> micro_batches = space.micro_batches(t, pp);
-          const std::vector<Variant> variants = space.variants(p.expert_data_degree(), s, t, pp);
+          p.context_parallel_degree = cp;
+          p.context_exchange = options.context_exchange;
+          const int64_t seqs_per_reader = space.seqs_per_reader(t, pp, cp);
+          const std::vector<int64_t> micro_batches = space.micro_batches(t, pp, cp);
+          const std::vector<Variant> variants = space.variants(p.expert_data_degree(), s, t, pp, cp);
           const int64_t inner = static_cast<int64_t>(variants.size() * space.checkpointing.size() *
                                                      space.offloads.size() * micro_batches.size());
           int64_t misplaced = 0;

@@ -12,15 +12,15 @@ LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& par
   const GroupShape expert = group_shape(cluster, parallel, MeshDim::kExpert);
   const GroupShape exchange =
       parallel.expert_fold() > 1
-          ? group_shape(cluster, parallel.world_size, parallel.expert_parallel_degree,
-                        parallel.stride(MeshDim::kTensor) * parallel.expert_tensor_degree())
+          ? group_shape(cluster, parallel.world_size, parallel.expert_parallel_degree, parallel.expert_stride())
           : expert;
   return {expert,
           group_shape(cluster, parallel, MeshDim::kShard),
           group_shape(cluster, parallel, MeshDim::kReplica),
           group_shape(cluster, parallel, MeshDim::kTensor),
           group_shape(cluster, parallel, MeshDim::kPipeline),
-          exchange};
+          exchange,
+          group_shape(cluster, parallel, MeshDim::kContext)};
 }
 
 namespace {
@@ -62,6 +62,7 @@ struct StageTimes {
   double nic_bytes_a2a = 0;     // through each node's card
   double tensor_comm = 0;
   double tensor_chain_min = 0;  // the same, each group alone on the node's card
+  double context_comm = 0;      // the key-value exchange of context parallelism, exposed
   double beside_compute = 0;    // communication running beside compute
   double shard_comm_exposed = 0;
   double gather_stream_min = 0;
@@ -94,7 +95,7 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
     // Gather every rank's tokens, then reduce-scatter the expert outputs back.
     const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
     const double group_bytes = static_cast<double>(p.expert_parallel_degree * p.micro_batch_size *
-                                                   c.training.seq_len * c.model.hidden_size) * a;
+                                                   p.local_seq_len(c.training.seq_len) * c.model.hidden_size) * a;
     per_exchange = 0.5 * (cost.all_gather_seconds(group_bytes, s.shapes.exchange) +
                           cost.reduce_scatter_seconds(group_bytes, s.shapes.exchange));
   }
@@ -171,6 +172,17 @@ void add_tensor_collectives(const Stage& s, StageTimes& t) {
   }
 }
 
+// Context parallelism: each block's key-value exchange in forward and backward, and again
+// where attention (or its core) is recomputed; on the compute chain.
+void add_context_exchange(const Stage& s, StageTimes& t) {
+  const ParallelConfig& p = s.c.parallel;
+  if (p.context_parallel_degree <= 1) return;
+  const ContextExchangeCost x = context_exchange_cost(s.cost, s.o, p, s.shapes.context);
+  const bool again = p.activation_checkpointing == Checkpointing::kFull ||
+                     p.activation_checkpointing == Checkpointing::kAttentionCore;
+  t.context_comm = s.layers() * ((again ? 2.0 : 1.0) * x.forward_s + x.backward_s);
+}
+
 // Sharded model states: each block's unit is gathered for forward and again for backward,
 // and its gradient reduce-scattered, behind the compute of the neighbouring block.
 void add_sharded_states(const Stage& s, StageTimes& t) {
@@ -208,19 +220,24 @@ void add_activation_offload(const Stage& s, StageTimes& t) {
   t.offload_exposed = std::max(0.0, copies - (t.compute + t.recompute));
 }
 
-// Gradient sync across replicas once per step: dense shards over E x R (hierarchically: E,
-// then R on 1/E of the bytes), expert shards over R.
+// Gradient sync across replicas once per step: dense shards over E x C x R (hierarchically: E,
+// then C on 1/E of the bytes, then R on 1/(E C)), expert shards over R (and C where the expert
+// group does not span it).
 void add_gradient_sync(const Stage& s, StageTimes& t) {
   const ParallelConfig& p = s.c.parallel;
   const OpCosts& o = s.o;
   const CostModel& cost = s.cost;
   const double e = static_cast<double>(p.expert_data_degree());
+  const double cp = static_cast<double>(std::max<int64_t>(1, p.context_parallel_degree));
   auto sync = [&](double bytes, const GroupShape& g) {
     return p.distributed_optimizer ? cost.reduce_scatter_seconds(bytes, g) + cost.all_gather_seconds(bytes, g)
                                    : cost.all_reduce_seconds(bytes, g);
   };
-  t.full_sync =
-      sync(o.dense_shard_bytes, s.shapes.expert) + sync(o.dense_shard_bytes / e + o.expert_shard_bytes, s.shapes.replica);
+  const bool experts_over_context = !p.expert_spans_context();
+  t.full_sync = sync(o.dense_shard_bytes, s.shapes.expert) +
+                sync(o.dense_shard_bytes / e + (experts_over_context ? o.expert_shard_bytes : 0.0), s.shapes.context) +
+                sync(o.dense_shard_bytes / e / cp + o.expert_shard_bytes / (experts_over_context ? cp : 1.0),
+                     s.shapes.replica);
   t.grad_sync = t.full_sync;
   // On GPUs the sync runs behind the last micro-batch's backward, block by block, where the
   // framework starts it there.
@@ -237,7 +254,7 @@ StepEstimate step_of_stage(const Stage& s, const StageTimes& t) {
   StepEstimate out;
   out.compute_s = accum * t.compute;
   out.recompute_s = accum * t.recompute;
-  out.expert_comm_s = accum * (t.expert_comm + t.tensor_comm);
+  out.expert_comm_s = accum * (t.expert_comm + t.tensor_comm + t.context_comm);
   out.shard_comm_exposed_s = accum * t.shard_comm_exposed;
   out.offload_exposed_s = accum * t.offload_exposed;
   out.grad_sync_s = t.grad_sync;
@@ -262,6 +279,7 @@ StepEstimate estimate_stage(const RunConfig& c, const LayoutShapes& shapes, cons
   add_compute(stage, t);
   add_expert_exchange(stage, t);
   add_tensor_collectives(stage, t);
+  add_context_exchange(stage, t);
   add_sharded_states(stage, t);
   add_activation_offload(stage, t);
   add_gradient_sync(stage, t);

@@ -15,7 +15,7 @@ constexpr std::array<std::string_view, static_cast<size_t>(OpKind::kCount)> kKin
     "dispatch_bwd", "combine_bwd",     "dispatch_recompute", "combine_recompute", "gather_fwd",
     "gather_bwd",   "reduce_scatter",  "grad_all_reduce", "offload",          "reload",
     "dispatch_counts", "stage_fwd",       "stage_bwd",       "send_activations", "send_gradients",
-    "tp_fwd",       "tp_bwd",          "tp_recompute"};
+    "tp_fwd",       "tp_bwd",          "tp_recompute",    "cp_fwd",           "cp_bwd"};
 
 enum EventKind : uint32_t { kOpDone, kCollectiveFlowsStart, kCollectiveDone, kNicCheck };
 
@@ -42,7 +42,9 @@ std::string_view op_category(OpKind kind) {
     case OpKind::kOffload:
     case OpKind::kReload: return "copy";
     case OpKind::kSendActivations:
-    case OpKind::kSendGradients: return "send_recv";
+    case OpKind::kSendGradients:
+    case OpKind::kContextForward:
+    case OpKind::kContextBackward: return "send_recv";
     default: return "compute";
   }
 }

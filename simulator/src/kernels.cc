@@ -122,7 +122,9 @@ class KernelListBuilder {
     plain_ = fp32_ ? GemmType::kFp32 : GemmType::kBf16;
     tp_ = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
     sp_ = p.sequence_parallel ? tp_ : 1.0;
-    seq_ = static_cast<double>(c.training.seq_len);
+    // A rank's share of each sequence: 1 / C of it under context parallelism.
+    seq_ = static_cast<double>(p.local_seq_len(c.training.seq_len));
+    context_chunks_ = static_cast<double>(std::max<int64_t>(1, p.context_parallel_degree));
     mbs_ = static_cast<double>(p.micro_batch_size);
     tokens_ = mbs_ * seq_;
     local_ = tokens_ / sp_;
@@ -143,7 +145,9 @@ class KernelListBuilder {
     fused_ = hw_.kernels == Kernels::kFused;
     flash_ = hw_.attention == AttentionKernel::kFlash;
     dropout_ = m_.dropout > 0;
-    // Causal: a query sees half the sequence on average, or the window where blocks have one.
+    // Causal: a query sees half the sequence on average, or the window where blocks have one
+    // (the whole sequence's, also for a rank's chunks under context parallelism: their
+    // balanced pairs see as much as the average query).
     context_ = m_.attention_context(c.training.seq_len);
   }
 
@@ -228,7 +232,9 @@ class KernelListBuilder {
                                                  : (fp32_ ? hw_.peak_fp32_flops : hw_.peak_bf16_flops) *
                                                        hw_.efficiency_at(flops);
       const double f = backward ? 2.5 * flops : flops;
-      l.add("attention.flash", KernelClass::kAttention, f / rate + hw_.kernel_overhead_s, f);
+      // Under context parallelism one kernel per ring step (C of them), each on the keys and
+      // values that step brings.
+      l.add("attention.flash", KernelClass::kAttention, f / rate + context_chunks_ * hw_.kernel_overhead_s, f);
       return l;
     }
     // Unfused: the whole T x T square per head is computed and masked.
@@ -543,7 +549,7 @@ class KernelListBuilder {
   double a_ = 2;
   GemmType linear_ = GemmType::kBf16, plain_ = GemmType::kBf16;
   double etp_ = 1, expert_f_ = 0;  // the routed experts' split and width per rank
-  double tp_ = 1, sp_ = 1, seq_ = 0, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, shared_ = 0, q_ = 0, kv_ = 0,
+  double tp_ = 1, sp_ = 1, seq_ = 0, context_chunks_ = 1, mbs_ = 0, tokens_ = 0, local_ = 0, h_ = 0, f_ = 0, shared_ = 0, q_ = 0, kv_ = 0,
          heads_ = 0, head_dim_ = 0, vocab_ = 0, context_ = 0;
   double value_dim_ = 0, v_ = 0;  // a value's width per head, and the rank's values (the o_proj input)
 };

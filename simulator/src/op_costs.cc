@@ -17,6 +17,7 @@ bool op_times_apply(const RunConfig& c) {
   // latent attention, multi-token prediction or GPT-OSS's variants.
   return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && m.dense_intermediate_size == 0 && !m.mla() &&
          m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr && c.parallel.expert_fold() == 1 &&
+         c.parallel.context_parallel_degree == 1 &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
          t.num_attention_heads == m.num_attention_heads && t.num_key_value_heads == m.num_key_value_heads &&
@@ -90,6 +91,24 @@ void add_dense_blocks(const RunConfig& c, KernelCosts& o) {
 
 }  // namespace
 
+ContextExchangeCost context_exchange_cost(const CostModel& cost, const OpCosts& o, const ParallelConfig& p,
+                                          const GroupShape& g) {
+  ContextExchangeCost out;
+  const double chunks = static_cast<double>(p.context_parallel_degree);
+  if (p.context_parallel_degree <= 1 || o.context_kv_bytes <= 0) return out;
+  if (p.context_exchange == ContextExchange::kAllGather) {
+    const double whole = chunks * o.context_kv_bytes;
+    out.forward_s = cost.all_gather_seconds(whole, g);
+    out.backward_s = out.forward_s + cost.reduce_scatter_seconds(whole, g);
+    return out;
+  }
+  // Each of the C - 1 steps beside one chunk pair's attention (1 / C of the core's time).
+  const double steps = chunks - 1.0;
+  out.forward_s = steps * std::max(0.0, cost.send_seconds(o.context_kv_bytes, g) - o.core_forward_s / chunks);
+  out.backward_s = steps * std::max(0.0, cost.send_seconds(2.0 * o.context_kv_bytes, g) - o.core_backward_s / chunks);
+  return out;
+}
+
 KernelCosts kernel_costs(const RunConfig& c) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
@@ -101,7 +120,7 @@ KernelCosts kernel_costs(const RunConfig& c) {
   const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
   const double sp = p.sequence_parallel ? tp : 1.0;
   const double vocab = std::ceil(static_cast<double>(m.vocab_size) / tp);
-  const double seq = static_cast<double>(c.training.seq_len);
+  const double seq = static_cast<double>(p.local_seq_len(c.training.seq_len));
   const double tokens = static_cast<double>(p.micro_batch_size) * seq;
   // Token-expert pairs per rank: each rank routes k per token and the E ranks of the group
   // share the pairs; the busiest rank gets its load (moe_load.h) times the mean.
@@ -127,6 +146,7 @@ KernelCosts kernel_costs(const RunConfig& c) {
     o.attention_forward_s = k.attention_forward.seconds();
     o.attention_backward_s = k.attention_backward.seconds();
     o.core_forward_s = k.core_forward.seconds();
+    o.core_backward_s = k.attention_backward.seconds(KernelClass::kAttention);
     o.latent_up_forward_s = k.latent_up_forward.seconds();
     o.latent_up_flops = k.latent_up_forward.flops();
     o.moe_forward_s = k.moe_forward.seconds();
@@ -224,9 +244,9 @@ double ExchangeCover::exposed(double exchange_s, double moe_beside, double atten
 
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;
-  const std::array<int64_t, 8> key{p.tensor_parallel_degree, p.sequence_parallel ? 1 : 0, p.micro_batch_size,
-                                   p.expert_parallel_degree, p.expert_tensor_degree(), c.model.num_layers,
-                                   c.model.first_dense_layers, c.model.mtp_layers};
+  const std::array<int64_t, 9> key{p.tensor_parallel_degree,  p.sequence_parallel ? 1 : 0, p.micro_batch_size,
+                                   p.expert_parallel_degree,  p.expert_tensor_degree(),     c.model.num_layers,
+                                   c.model.first_dense_layers, c.model.mtp_layers,         p.context_parallel_degree};
   auto it = costs_.find(key);
   if (it == costs_.end()) it = costs_.emplace(key, kernel_costs(c)).first;
   return it->second;
@@ -244,11 +264,18 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
   const double etp = static_cast<double>(p.expert_tensor_degree());  // the routed experts' split
   const double sp = p.sequence_parallel ? tp : 1.0;
-  const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(c.training.seq_len);
+  const double tokens =
+      static_cast<double>(p.micro_batch_size) * static_cast<double>(p.local_seq_len(c.training.seq_len));
   const double mean_slots = static_cast<double>(m.experts_per_token) * tokens;
   const double busiest_slots = mean_slots * busiest_expert_rank_load(m, c.moe, p.expert_parallel_degree);
   const double q_width = static_cast<double>(m.num_attention_heads * m.head_dim);
   const double kv_width = static_cast<double>(m.num_key_value_heads * m.head_dim);
+  // The keys (heads x head_dim, rotary part included) and values (heads x value width) of the
+  // rank's kv heads: under latent attention the up projections' output for every head.
+  const double context_kv_bytes =
+      p.context_parallel_degree > 1
+          ? tokens * (kv_width + static_cast<double>(m.num_key_value_heads * m.value_head_dim())) / tp * a
+          : 0.0;
 
   OpCosts o;
   static_cast<KernelCosts&>(o) = kernels;
@@ -264,6 +291,7 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   }
 
   o.dispatch_send_bytes = busiest_slots / sp * h * a;
+  o.context_kv_bytes = context_kv_bytes;
   // Each tensor-parallel region ends in an all-reduce of its output (sequence parallel: a
   // reduce-scatter, and an all-gather where the next begins), attention's over the tokens,
   // the experts' over the slots they computed.
@@ -306,13 +334,18 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   o.expert_shard_bytes = static_cast<double>(params.experts()) / e / etp / s * a;
 
   // AdamW over the rank's shard (the distributed optimizer divides it over the data-parallel
-  // ranks that hold the same parameters: the dense ones' over E x R (the mesh's E), the
-  // experts' over R).
+  // ranks that hold the same parameters: the dense ones' over E x C x R (the mesh's E), the
+  // experts' over R, or C x R where the expert group does not span C).
   const double model_whole = layers * block_whole;
+  // Context-parallel ranks hold the same dense parameters (and the same experts where the
+  // expert group does not span them).
+  const double cp = static_cast<double>(std::max<int64_t>(1, p.context_parallel_degree));
   const double r = p.distributed_optimizer ? static_cast<double>(std::max<int64_t>(1, p.replica_degree())) : 1.0;
-  const double dense_ranks = p.distributed_optimizer ? r * static_cast<double>(p.expert_data_degree()) : 1.0;
+  const double expert_ranks = p.distributed_optimizer && !p.expert_spans_context() ? r * cp : r;
+  const double dense_ranks = p.distributed_optimizer ? r * static_cast<double>(p.expert_data_degree()) * cp : 1.0;
   const double shard_params = (static_cast<double>(params.dense()) - model_whole) / s / dense_ranks / tp +
-                              static_cast<double>(params.experts()) / e / etp / s / r + model_whole / s / dense_ranks;
+                              static_cast<double>(params.experts()) / e / etp / s / expert_ranks +
+                              model_whole / s / dense_ranks;
   o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
                              : optimizer_kernels(c, shard_params).seconds();
   o.forward_flops_per_token = forward_flops_per_token(m, c.training.seq_len);

@@ -92,19 +92,24 @@ class Builder {
         cover_(exchange_cover(o_)),
         fold_per_node_(c.parallel.expert_fold() > 1
                            ? group_shape(c.cluster, c.parallel.world_size, c.parallel.expert_fold(),
-                                         c.parallel.stride(MeshDim::kTensor) * c.parallel.expert_tensor_degree())
+                                         c.parallel.expert_stride())
                                  .per_node
                            : 1),
         shapes_(layout_shapes(c.cluster, c.parallel)),
+        context_(context_exchange_cost(cost_, o_, c.parallel, shapes_.context)),
         graph_(static_cast<int32_t>(layout.ranks().size()), layout.nodes()),
         micro_batches_(micro_batches),
         layers_(static_cast<int>(c.model.blocks())),
         overlap_sync_(c.cluster.gradient_sync_overlaps_backward()),
         grad_scale_(c.training.precision == Precision::kMixed && c.training.fp32_gradients ? 2.0 : 1.0) {
     for (int64_t rank : layout.ranks()) {
-      // The rank's place in its expert group: folded tensor ranks (ETP apart) innermost.
+      // The rank's place in its expert group: folded tensor ranks (ETP apart) innermost, then
+      // the context ranks it spans.
+      const int64_t folded =
+          (p_.expert_spans_context() ? layout.coord(rank, MeshDim::kContext) * p_.tensor_parallel_degree : 0) +
+          layout.coord(rank, MeshDim::kTensor);
       const int64_t e = layout.coord(rank, MeshDim::kExpert) * p_.expert_fold() +
-                        layout.coord(rank, MeshDim::kTensor) / p_.expert_tensor_degree() % p_.expert_fold();
+                        folded / p_.expert_tensor_degree() % p_.expert_fold();
       const double load = expert_rank_load(c.model, c.moe, p_.expert_parallel_degree, e);
       moe_by_rank_.push_back(moe_forward_seconds(c, load));
       moe_backward_by_rank_.push_back(moe_backward_seconds(c, load));
@@ -200,6 +205,11 @@ class Builder {
     if (dense)
       collective_round(synced_, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
                        cost(shapes_.expert), bytes, true);
+    // The context ranks hold the same dense parameters, and the same experts where the expert
+    // group does not span them.
+    if (dense || !p_.expert_spans_context())
+      collective_round(synced_, MeshDim::kContext, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
+                       cost(shapes_.context), bytes, true);
     collective_round(synced_, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
                      cost(shapes_.replica), bytes, true);
   }
@@ -335,6 +345,18 @@ class Builder {
     for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
   }
 
+  // Context parallelism: what a block's key-value exchange leaves exposed after its attention
+  // (context_exchange_cost), on the compute chain.
+  void context(std::vector<RankState>& state, OpKind kind, int layer, int64_t mb) {
+    if (p_.context_parallel_degree <= 1) return;
+    const double exposed = kind == OpKind::kContextBackward ? context_.backward_s : context_.forward_s;
+    std::vector<OpId> after(state.size());
+    for (size_t r = 0; r < state.size(); ++r) after[r] = state[r].last;
+    collective_round(after, MeshDim::kContext, kind, TraceStream::kExpertComm, layer, mb, CollectiveCost{0, exposed, 0},
+                     o_.context_kv_bytes, true);
+    for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
+  }
+
   // The tail of the latest compute op (a weight gradient) as its own op beside what follows
   // on the chain: the chain's next collective starts without it, the next compute op waits
   // for it (the compute stream runs one op at a time).
@@ -388,6 +410,7 @@ class Builder {
       chain(state, r, compute(r, OpKind::kAttentionForward, l, mb, o_.attention_forward_s, o_.attention_flops));
       graph_.depend(state[r].last, gathered[r]);
     }
+    context(state, OpKind::kContextForward, l, mb);
     tensor(state, OpKind::kTensorForward, l, mb, o_.tensor_bytes);
     if (experts) exchange(state, OpKind::kDispatch, l, mb);
     for (size_t r = 0; r < n; ++r)
@@ -441,6 +464,7 @@ class Builder {
       for (size_t r = 0; r < n; ++r)
         chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.attention_forward_s, o_.attention_flops));
       gate_first();
+      context(state, OpKind::kContextForward, l, mb);
       tensor(state, OpKind::kTensorRecompute, l, mb, o_.tensor_bytes);
     }
     if (recomputes_moe(p_.activation_checkpointing)) {
@@ -469,9 +493,11 @@ class Builder {
     if (sharded && moe) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
     tensor(state, OpKind::kTensorBackward, l, mb, ffn_tensor_bytes(l));
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
-    if (p_.activation_checkpointing == Checkpointing::kAttentionCore)
+    if (p_.activation_checkpointing == Checkpointing::kAttentionCore) {
       for (size_t r = 0; r < n; ++r)
         chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.core_forward_s, o_.core_flops));
+      context(state, OpKind::kContextForward, l, mb);
+    }
     if (p_.activation_checkpointing == Checkpointing::kLatentUpProjections)
       for (size_t r = 0; r < n; ++r)
         chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.latent_up_forward_s, o_.latent_up_flops));
@@ -481,6 +507,7 @@ class Builder {
             compute(r, OpKind::kAttentionBackward, l, mb, o_.attention_backward_s - attention_beside,
                     2.0 * o_.attention_flops));
     beside(state, OpKind::kAttentionBackward, l, mb, attention_beside);
+    context(state, OpKind::kContextBackward, l, mb);
     tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_bytes);
     for (size_t r = 0; r < n; ++r) state[r].bwd_done[at] = state[r].last;
     if (sharded) {
@@ -498,6 +525,7 @@ class Builder {
   ExchangeCover cover_;  // under moe.overlap_exchange
   int64_t fold_per_node_;  // a folded expert group's mesh-E groups with members on one node
   LayoutShapes shapes_;
+  ContextExchangeCost context_;  // under context parallelism, per block
   StepGraph graph_;
   int64_t micro_batches_;
   int layers_;

@@ -146,7 +146,7 @@ TEST(Plan, FoldedExpertPlanRoundTrips) {
   const std::vector<Diagnostic> problems = plan_problems(json);
   ASSERT_EQ(problems.size(), 1u) << describe(problems);
   EXPECT_EQ(problems[0].message,
-            "2 does not equal world_size / (expert_parallel_degree / 2 folded tensor ranks * hybrid_shard_degree * "
+            "2 does not equal world_size / (expert_parallel_degree / 2 folded ranks * hybrid_shard_degree * "
             "tensor_parallel_degree) = 1");
 }
 

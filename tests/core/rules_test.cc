@@ -159,6 +159,43 @@ const RuleCase kCases[] = {
      "= \"ERS\" with expert_tensor_parallel_degree = 1: the expert group folds the tensor-parallel ranks in, so E must "
      "come directly outside T (as in \"PRSET\")",
      "ERS"},
+    // Context parallelism: the expert group spans the C ranks (Megatron-Core, torchtitan).
+    {"ExpertGroupNarrowerThanTheContextRanks",
+     [](Scenario& s) {
+       s.parallel.context_parallel_degree = 4;
+       s.parallel.gradient_accumulation_steps = 512;
+     },
+     Rule::kExpertSpansContext, "parallel.expert_parallel_degree",
+     "= 2 with context_parallel_degree = 4: the expert group spans the context-parallel ranks, so 4 must divide it",
+     "= 2"},
+    {"ExpertsAwayFromTheContextRanks",
+     [](Scenario& s) {
+       s.parallel.context_parallel_degree = 2;
+       s.parallel.placement = *Placement::parse("ERS");
+       s.parallel.gradient_accumulation_steps = 256;
+     },
+     Rule::kExpertSpansContext, "parallel.placement",
+     "= \"ERS\" with context_parallel_degree = 2: the expert group spans the context-parallel ranks (directly "
+     "outside T), so E must come directly outside T (as in \"PRSET\")",
+     "ERS"},
+    {"SequenceNotInTwoChunksPerContextRank",
+     [](Scenario& s) {
+       s.parallel.context_parallel_degree = 2;
+       s.training.seq_len = 2050;
+       s.training.global_batch_tokens = 8 * 128 * 2050;
+     },
+     Rule::kContextSplitsSequence, "parallel.context_parallel_degree",
+     "= 2: seq_len = 2050 must split into 2 x 2 equal chunks", "2050"},
+    {"ContextParallelismWithUnfusedAttention",
+     [](Scenario& s) {
+       s.parallel.context_parallel_degree = 2;
+       s.parallel.gradient_accumulation_steps = 256;
+       s.cluster.attention = AttentionKernel::kUnfused;
+     },
+     Rule::kContextNeedsFlashAttention, "parallel.context_parallel_degree",
+     "= 2 on a cluster whose attention is unfused: context parallelism runs flash attention on each chunk of keys and "
+     "values as it arrives",
+     "= 2"},
     // 24 ranks on two nodes of 12, E8 S3: expert groups 0-7 and 16-23 inside a node, 8-15 four
     // ranks on each (the shard groups differ too, because of them: the innermost is named).
     {"ExpertGroupsStraddleNodesUnevenly",

@@ -74,6 +74,9 @@ std::vector<PublishedCase> read_published_cases(const std::string& path) {
           pin("tensor_parallel_degree", c.pins.tensor_parallel_degree);
           pin("expert_tensor_parallel_degree", c.pins.expert_tensor_parallel_degree);
           pin("pipeline_parallel_degree", c.pins.pipeline_parallel_degree);
+          pin("context_parallel_degree", c.pins.context_parallel_degree);
+          if (layout->has("context_exchange"))
+            c.context_exchange = layout->choice<ContextExchange>("context_exchange", kContextExchangeNames);
           pin("virtual_pipeline_degree", c.pins.virtual_pipeline_degree);
           pin("micro_batch_size", c.pins.micro_batch_size);
           pin("first_stage_layers", c.pins.first_stage_layers);
@@ -107,6 +110,7 @@ std::vector<PublishedCase> read_published_cases(const std::string& path) {
         // Megatron-LM's expert tensor split is T unless set.
         if (!c.pins.expert_tensor_parallel_degree) c.pins.expert_tensor_parallel_degree = c.pins.tensor_parallel_degree;
         if (!c.pins.pipeline_parallel_degree) c.pins.pipeline_parallel_degree = 1;
+        if (!c.pins.context_parallel_degree) c.pins.context_parallel_degree = 1;
         if (!c.pins.first_stage_layers && !c.pins.last_stage_layers) c.pins.first_stage_layers = c.pins.last_stage_layers = 0;
         r.finish();
         out.push_back(std::move(c));
@@ -126,7 +130,8 @@ std::string layout_text(const ParallelConfig& p) {
                   (p.first_stage_layers > 0 || p.last_stage_layers > 0
                        ? "(" + std::to_string(p.first_stage_layers) + "/" + std::to_string(p.last_stage_layers) + ")"
                        : "") +
- " E" + std::to_string(p.expert_parallel_degree) +
+                  (p.context_parallel_degree > 1 ? " C" + std::to_string(p.context_parallel_degree) : "") +
+                  " E" + std::to_string(p.expert_parallel_degree) +
                   (p.expert_fold() > 1 ? "/ETP" + std::to_string(p.expert_tensor_degree()) : "") + " S" +
                   std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) + (p.distributed_optimizer ? " dopt" : "") + " " +
                   std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + " mbs " +
@@ -234,6 +239,7 @@ PublishedRow predict(const Loaded& l, const FitValues& values) {
   options.training.fp32_gradients = c.fp32_gradients;
   options.moe.aux_loss_coef = l.model.router_aux_loss_coef;
   options.moe.overlap_exchange = c.overlap_exchange;
+  options.context_exchange = c.context_exchange;
   options.max_micro_batch = 16;
   options.keep = 1;
   options.pins = c.pins;

@@ -13,6 +13,7 @@ int64_t& MeshCoords::of(MeshDim d) {
     case MeshDim::kExpert: return e;
     case MeshDim::kTensor: return t;
     case MeshDim::kPipeline: return p;
+    case MeshDim::kContext: return c;
   }
   return r;
 }

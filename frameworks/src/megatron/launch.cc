@@ -73,6 +73,10 @@ void layout_args(const Plan& plan, Args& a) {
   a.push_back({"--tensor-model-parallel-size", std::to_string(p.tensor_parallel_degree)});
   if (p.sequence_parallel) a.push_back({"--sequence-parallel", ""});
   a.push_back({"--pipeline-model-parallel-size", std::to_string(p.pipeline_parallel_degree)});
+  if (p.context_parallel_degree > 1) {
+    a.push_back({"--context-parallel-size", std::to_string(p.context_parallel_degree)});
+    a.push_back({"--cp-comm-type", std::string(name_of(kContextExchangeNames, p.context_exchange))});
+  }
   if (p.first_stage_layers > 0) a.push_back({"--decoder-first-pipeline-num-layers", std::to_string(p.first_stage_layers)});
   if (p.last_stage_layers > 0) a.push_back({"--decoder-last-pipeline-num-layers", std::to_string(p.last_stage_layers)});
   // Chunks per stage rather than blocks per chunk: Megatron-LM takes only this form with uneven

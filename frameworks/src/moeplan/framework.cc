@@ -15,12 +15,14 @@ const Framework moeplan_framework{
     .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
     // What its rule executor_layouts refuses is not tried at all: the executor recomputes whole
     // blocks or MoE sub-blocks, runs equal stages, shards optimizer states over
-    // hybrid_shard_degree only and splits experts over the tensor-parallel ranks.
+    // hybrid_shard_degree only, splits experts over the tensor-parallel ranks and keeps each
+    // sequence whole on a rank.
     .capabilities = {.attention_core_recomputation = false,
                      .latent_up_recomputation = false,
                      .uneven_pipeline_stages = false,
                      .distributed_optimizer = false,
-                     .expert_tensor_folding = false},
+                     .expert_tensor_folding = false,
+                     .context_parallelism = false},
     // `moeplan run` trains a plan itself, and writes its own metrics: nothing to export or read.
     .export_launch = nullptr,
     .read_log_line = nullptr,

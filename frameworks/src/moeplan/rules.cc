@@ -118,6 +118,12 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "parallel.distributed_optimizer", [&] {
       return std::string("= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)");
     });
+  if (p.context_parallel_degree > 1)
+    sink(kLayouts, "parallel.context_parallel_degree", [&] {
+      return "= " + rule_number(p.context_parallel_degree) +
+             ": the executor keeps each sequence whole on a rank (planned and simulated only; megatron and torchtitan "
+             "split it)";
+    });
   if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
     sink(kLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",
          [&] { return std::string("is set: the executor runs equal pipeline stages only"); });

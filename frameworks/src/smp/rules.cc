@@ -47,6 +47,12 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "parallel.distributed_optimizer", [&] {
       return std::string("= true: SMP (FSDP) shards optimizer states with the parameters over hybrid_shard_degree");
     });
+  // SMP v2's context parallelism (2.4.0 and later) is Transformer Engine's, for its dense models;
+  // moeplan does not export it.
+  if (p.context_parallel_degree > 1)
+    sink(kLayouts, "parallel.context_parallel_degree", [&] {
+      return "= " + rule_number(p.context_parallel_degree) + ": moeplan exports SMP plans without context parallelism";
+    });
   if (c.moe.overlap_exchange)
     sink(kLayouts, "moe.overlap_exchange", [&] {
       return std::string("= true: SMP runs each micro-batch's exchanges on its own compute chain");

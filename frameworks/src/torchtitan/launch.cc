@@ -74,7 +74,11 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
     toml += line("pipeline_parallel_first_stage_less_layers", 0);
     toml += line("pipeline_parallel_last_stage_less_layers", 0);
   }
-  toml += line("context_parallel_degree", 1);
+  toml += line("context_parallel_degree", p.context_parallel_degree);
+  // Its ring passes the keys and values on by all-to-all ("alltoall"), or gathers them whole.
+  if (p.context_parallel_degree > 1)
+    toml += line("context_parallel_rotate_method",
+                 quoted(p.context_exchange == ContextExchange::kAllGather ? "allgather" : "alltoall"));
   if (!m.dense()) {
     toml += line("expert_parallel_degree", p.expert_parallel_degree);
     toml += line("expert_tensor_parallel_degree", p.expert_tensor_degree());

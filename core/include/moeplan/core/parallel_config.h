@@ -16,12 +16,14 @@
 
 namespace moeplan {
 
-// The dimensions of the device mesh [P, R, S, E, T]: pipeline stages, replicas, shards,
-// experts, tensor-parallel ranks.
-enum class MeshDim : uint8_t { kReplica, kShard, kExpert, kTensor, kPipeline };
-inline constexpr size_t kMeshDims = 5;
-inline constexpr std::array<MeshDim, kMeshDims> kAllMeshDims{MeshDim::kReplica, MeshDim::kShard, MeshDim::kExpert,
-                                                             MeshDim::kTensor, MeshDim::kPipeline};
+// The dimensions of the device mesh [P, R, S, E, C, T]: pipeline stages, replicas, shards,
+// experts, context-parallel ranks, tensor-parallel ranks. A placement orders five of them; C
+// always sits directly outside T (Megatron-Core's tp-cp-ep-dp-pp order, torchtitan's mesh).
+enum class MeshDim : uint8_t { kReplica, kShard, kExpert, kTensor, kPipeline, kContext };
+inline constexpr size_t kMeshDims = 6;
+inline constexpr size_t kPlacedDims = 5;
+inline constexpr std::array<MeshDim, kMeshDims> kAllMeshDims{MeshDim::kReplica, MeshDim::kShard,    MeshDim::kExpert,
+                                                             MeshDim::kTensor,  MeshDim::kPipeline, MeshDim::kContext};
 
 // Order of the mesh dimensions from outermost to innermost, like a row-major mesh shape: in
 // "RSE" the expert dimension varies fastest, so an expert group occupies consecutive ranks
@@ -34,7 +36,7 @@ inline constexpr std::array<MeshDim, kMeshDims> kAllMeshDims{MeshDim::kReplica, 
 // (data parallelism) stands for "RSE", "cluster" is "DPT" and "spread" is "TPD"; as in SMP the
 // right-most letter is innermost.
 struct Placement {
-  std::array<MeshDim, kMeshDims> outer_to_inner{MeshDim::kPipeline, MeshDim::kReplica, MeshDim::kShard,
+  std::array<MeshDim, kPlacedDims> outer_to_inner{MeshDim::kPipeline, MeshDim::kReplica, MeshDim::kShard,
                                                 MeshDim::kExpert, MeshDim::kTensor};
 
   // The three-letter form when P is outermost and T innermost, else all five letters.
@@ -53,6 +55,11 @@ enum class Checkpointing : uint8_t { kNone, kSelective, kFull, kAttentionCore, k
 enum class Precision : uint8_t { kBf16, kMixed, kFp32 };
 enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
 enum class Dispatcher : uint8_t { kAllToAll, kAllGather };
+// How the context-parallel ranks pass keys and values: around a ring, each step's transfer
+// beside the attention of the chunk before (p2p: Megatron-Core's default --cp-comm-type,
+// torchtitan's rotate method "alltoall"), or all-gathered whole before the attention and their
+// gradients reduce-scattered after (all_gather, as Llama 3 trained).
+enum class ContextExchange : uint8_t { kRing, kAllGather };
 
 inline constexpr std::array<std::pair<std::string_view, Checkpointing>, 5> kCheckpointingNames{
     {{"none", Checkpointing::kNone},
@@ -70,6 +77,8 @@ inline constexpr std::array<std::pair<std::string_view, LoadBalancing>, 4> kLoad
      {"aux_loss", LoadBalancing::kAuxLoss}, {"none", LoadBalancing::kNone}}};
 inline constexpr std::array<std::pair<std::string_view, Dispatcher>, 2> kDispatcherNames{
     {{"alltoall", Dispatcher::kAllToAll}, {"allgather", Dispatcher::kAllGather}}};
+inline constexpr std::array<std::pair<std::string_view, ContextExchange>, 2> kContextExchangeNames{
+    {{"p2p", ContextExchange::kRing}, {"all_gather", ContextExchange::kAllGather}}};
 
 template <class Enum, size_t N>
 std::string_view name_of(const std::array<std::pair<std::string_view, Enum>, N>& names, Enum e) {
@@ -90,6 +99,13 @@ struct ParallelConfig {
   // dimension, expert_data_degree()).
   int64_t expert_tensor_parallel_degree = 0;
   int64_t pipeline_parallel_degree = 1; // P: the blocks split into P stages (1F1B schedule)
+  // C: each sequence split over C ranks (context parallelism): every rank holds 1 / C of a
+  // micro-batch's tokens, in 2C chunks so that causal attention's work is even, and attends to
+  // the others' keys and values as context_exchange passes them. With E > 1 the expert group
+  // spans the C ranks (Megatron-Core and torchtitan lay it over them): E counts them as it
+  // counts folded tensor ranks.
+  int64_t context_parallel_degree = 1;
+  ContextExchange context_exchange = ContextExchange::kRing;
   // V: each stage's blocks in V chunks, run with the interleaved schedule (Megatron's virtual
   // pipeline); 1 = plain 1F1B.
   int64_t virtual_pipeline_degree = 1;
@@ -117,29 +133,44 @@ struct ParallelConfig {
     return expert_tensor_parallel_degree > 0 ? expert_tensor_parallel_degree : std::max<int64_t>(1, tensor_parallel_degree);
   }
   // The tensor-parallel ranks folded into each expert group: T / ETP (1 without folding).
-  int64_t expert_fold() const {
+  int64_t expert_tensor_fold() const {
     const int64_t etp = expert_tensor_degree();
     return tensor_parallel_degree > etp && tensor_parallel_degree % etp == 0 ? tensor_parallel_degree / etp : 1;
   }
-  // The mesh's E dimension: the data-parallel ranks an expert group spans, E / (T / ETP).
+  // Whether the expert group spans the context-parallel ranks (E > 1 and C > 1).
+  bool expert_spans_context() const { return expert_parallel_degree > 1 && context_parallel_degree > 1; }
+  // The ranks of each expert group that the mesh's E dimension does not count: the folded
+  // tensor ranks times, where it spans them, the context ranks (1 without folding).
+  int64_t expert_fold() const {
+    return expert_tensor_fold() * (expert_spans_context() ? std::max<int64_t>(1, context_parallel_degree) : 1);
+  }
+  // The mesh's E dimension: the data-parallel ranks an expert group spans, E / fold.
   int64_t expert_data_degree() const { return expert_parallel_degree / expert_fold(); }
-  // Whether the placement puts E directly outside T, as a folded expert group needs.
+  // Distance in ranks between neighbours of an expert group: ETP tensor ranks (the group's
+  // folded ranks innermost, C directly outside T), or the mesh's E without folding.
+  int64_t expert_stride() const {
+    return expert_fold() > 1 ? stride(MeshDim::kTensor) * expert_tensor_degree() : stride(MeshDim::kExpert);
+  }
+  // Whether the placement puts E directly outside T (and C), as a folded expert group needs.
   bool expert_beside_tensor() const {
     const auto& order = placement.outer_to_inner;
     const auto e = std::find(order.begin(), order.end(), MeshDim::kExpert);
     return e + 1 != order.end() && *(e + 1) == MeshDim::kTensor;
   }
-  // R = W / (S * E * T * P) (with folding, the mesh's E dimension for E): replicas of each
-  // shard. Only meaningful for a valid config.
+  // R = W / (S * E * C * T * P) (with folding, the mesh's E dimension for E): replicas of
+  // each shard. Only meaningful for a valid config.
   int64_t replica_degree() const {
-    const int64_t rest = expert_data_degree() * hybrid_shard_degree * tensor_parallel_degree * pipeline_parallel_degree;
+    const int64_t rest = expert_data_degree() * hybrid_shard_degree * tensor_parallel_degree * pipeline_parallel_degree *
+                         context_parallel_degree;
     return rest > 0 ? world_size / rest : 0;
   }
-  // Ranks that read different data: R * S * E = W / (T * P).
+  // Ranks that read different sequences: R * S * E (the mesh's) = W / (C * T * P).
   int64_t data_parallel_degree() const {
-    const int64_t tp = tensor_parallel_degree * pipeline_parallel_degree;
+    const int64_t tp = tensor_parallel_degree * pipeline_parallel_degree * context_parallel_degree;
     return tp > 0 ? world_size / tp : 0;
   }
+  // Tokens of a micro-batch's sequence on one rank: seq_len / C.
+  int64_t local_seq_len(int64_t seq_len) const { return seq_len / std::max<int64_t>(1, context_parallel_degree); }
   int64_t degree(MeshDim d) const {
     switch (d) {
       case MeshDim::kReplica: return replica_degree();
@@ -147,6 +178,7 @@ struct ParallelConfig {
       case MeshDim::kExpert: return expert_data_degree();
       case MeshDim::kTensor: return tensor_parallel_degree;
       case MeshDim::kPipeline: return pipeline_parallel_degree;
+      case MeshDim::kContext: return context_parallel_degree;
     }
     return 0;
   }

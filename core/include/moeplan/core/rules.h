@@ -40,6 +40,7 @@ enum class Rule : uint8_t {
   kTensorDividesHeads,
   kTensorDividesIntermediate,
   kExpertTensorFolds,
+  kExpertSpansContext,
   kSequenceParallelNeedsTensor,
   kExpertTensorNeedsSequenceParallel,
   kPipelineDividesLayers,
@@ -49,6 +50,8 @@ enum class Rule : uint8_t {
   kSeqLenWithinPositions,
   kMicroBatchTokens,
   kGlobalBatchMatches,
+  kContextSplitsSequence,
+  kContextNeedsFlashAttention,
   // Activation checkpointing and offloading
   kOffloadNeedsCheckpointing,
   kLatentUpNeedsLatentAttention,

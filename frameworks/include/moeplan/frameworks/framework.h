@@ -44,6 +44,9 @@ struct FrameworkCapabilities {
   // Routed experts outside the tensor split, the tensor ranks folded into the expert group
   // (expert_tensor_parallel_degree = 1 under T > 1), tried with MoE models.
   bool expert_tensor_folding = true;
+  // Each sequence split over context-parallel ranks (context_parallel_degree > 1), tried where
+  // the sequence is long enough (SearchOptions::min_context_chunk).
+  bool context_parallelism = true;
 };
 
 struct Framework {

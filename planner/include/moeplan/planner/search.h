@@ -37,11 +37,17 @@ struct SearchOptions {
   // With pruning, the simulator ranks at most this many candidates, taken in the analytic
   // estimate's order (best first) among those the bound does not prune.
   int64_t max_simulated = 20000;
+  // Context parallelism is tried at powers of two C that leave each rank at least this many
+  // tokens of a sequence (two chunks of half as many: shorter ones leave flash attention's tiles
+  // and the exchange's messages too small to pay).
+  int64_t min_context_tokens = 2048;
+  // How the context-parallel ranks pass keys and values (--context-exchange).
+  ContextExchange context_exchange = ContextExchange::kRing;
   // Choices the user fixed (SMP's knobs); unset ones are searched.
   struct Pins {
     std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
     std::optional<int64_t> tensor_parallel_degree, pipeline_parallel_degree, virtual_pipeline_degree;
-    std::optional<int64_t> expert_tensor_parallel_degree;
+    std::optional<int64_t> expert_tensor_parallel_degree, context_parallel_degree;
     std::optional<bool> sequence_parallel, distributed_optimizer;
     std::optional<int64_t> first_stage_layers, last_stage_layers;
     std::optional<Checkpointing> checkpointing;

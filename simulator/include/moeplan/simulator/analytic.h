@@ -16,9 +16,10 @@ struct LayoutShapes {
   GroupShape replica;  // R: gradient all-reduce of expert parameters
   GroupShape tensor;   // T: all-reduces inside each block
   GroupShape pipeline; // P: activations to the next stage
-  // The expert group the tokens travel in: E along the mesh, or with folded tensor ranks
-  // (ParallelConfig::expert_fold) E ranks ETP apart.
+  // The expert group the tokens travel in: E along the mesh, or with folded tensor or context
+  // ranks (ParallelConfig::expert_fold) E ranks ETP apart.
   GroupShape exchange;
+  GroupShape context;  // C: keys and values passed between a sequence's chunks; dense gradients
 };
 LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& parallel);
 
@@ -36,7 +37,7 @@ struct StepEstimate {
   // activations, residuals, softmax and loss, routing and permutation, FP8 casts).
   double gemm_s = 0, attention_s = 0, memory_bound_s = 0;
   double recompute_s = 0;            // forward again under activation checkpointing
-  double expert_comm_s = 0;          // token dispatch and combine (on the critical path)
+  double expert_comm_s = 0;          // token dispatch and combine, tensor and context collectives (on the critical path)
   double shard_comm_exposed_s = 0;   // all-gather / reduce-scatter not hidden behind compute
   double grad_sync_s = 0;            // gradient all-reduce across replicas
   double pipeline_bubble_s = 0;      // stages idle while the pipeline fills and drains (in exposed_comm_s)

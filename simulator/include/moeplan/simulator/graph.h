@@ -50,6 +50,8 @@ enum class OpKind : uint8_t {
   kTensorForward,    // a tensor-parallel all-reduce (or reduce-scatter + all-gather) in forward
   kTensorBackward,
   kTensorRecompute,
+  kContextForward,   // context parallelism's key-value exchange in forward (and recompute)
+  kContextBackward,  // and in backward, with the gradients
   kCount
 };
 std::string_view op_kind_name(OpKind kind);

@@ -25,6 +25,7 @@ struct KernelCosts {
   double moe_forward_busiest_s = 0;  // the same on the busiest expert-parallel rank
   double moe_backward_busiest_s = 0;
   double core_forward_s = 0;       // the attention core alone (recomputed under attention_core)
+  double core_backward_s = 0;      // its backward
   double latent_up_forward_s = 0;  // latent attention's up projections (recomputed under latent_up)
   double head_forward_s = 0;       // lm head and loss
   double head_s = 0;               // lm head and loss, forward and backward, and the embedding
@@ -62,6 +63,9 @@ struct OpCosts : KernelCosts {
   std::array<double, 3> compute_share{1.0, 0.0, 0.0};
 
   double dispatch_send_bytes = 0;  // per rank and exchange (busiest rank's share)
+  // Context parallelism (C > 1): the keys and values of a rank's chunks of one block, what each
+  // step of the exchange passes on (0 without).
+  double context_kv_bytes = 0;
   // Tensor parallelism (T > 1): the all-reduce ending attention (tokens x hidden) and the one
   // ending the experts or MLP (the busiest rank's slots x hidden); 0 without.
   double tensor_bytes = 0, tensor_moe_bytes = 0;
@@ -96,6 +100,19 @@ struct ExchangeCover {
 };
 ExchangeCover exchange_cover(const KernelCosts& kernels);
 
+// Context parallelism (C > 1): what one block's key-value exchange over the C ranks (group
+// shape `g`) leaves exposed on the compute chain, per micro-batch, in forward (again for a
+// recomputed attention core) and in backward. Ring (p2p): C - 1 steps, each passing the keys and
+// values on (in backward with their gradients) beside the attention of the chunk before; what
+// a step takes beyond that chunk's attention is exposed. all_gather: the keys and values
+// gathered whole before the attention, in backward gathered again and their gradients
+// reduce-scattered, all exposed.
+struct ContextExchangeCost {
+  double forward_s = 0, backward_s = 0;
+};
+ContextExchangeCost context_exchange_cost(const CostModel& cost, const OpCosts& costs, const ParallelConfig& parallel,
+                                          const GroupShape& g);
+
 KernelCosts kernel_costs(const RunConfig& config);
 OpCosts op_costs(const RunConfig& config, const KernelCosts& kernels);
 OpCosts op_costs(const RunConfig& config);
@@ -107,7 +124,7 @@ class KernelCostCache {
   const KernelCosts& get(const RunConfig& config);
 
  private:
-  std::map<std::array<int64_t, 8>, KernelCosts> costs_;
+  std::map<std::array<int64_t, 9>, KernelCosts> costs_;
 };
 
 // The model the last pipeline stage runs: its blocks (num_layers / P, or last_stage_layers, its

@@ -29,7 +29,7 @@
 namespace moeplan::executor {
 
 struct MeshCoords {
-  int64_t r = 0, s = 0, e = 0, t = 0, p = 0;
+  int64_t r = 0, s = 0, e = 0, t = 0, p = 0, c = 0;  // c: context (the executor runs C = 1)
   int64_t of(MeshDim d) const;
   int64_t& of(MeshDim d);
   bool operator==(const MeshCoords&) const = default;
