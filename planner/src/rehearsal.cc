@@ -101,6 +101,7 @@ Plan reference_plan(const Plan& rehearsal) {
   q.world_size = 1;
   q.expert_parallel_degree = q.hybrid_shard_degree = 1;
   q.tensor_parallel_degree = q.pipeline_parallel_degree = q.virtual_pipeline_degree = 1;
+  q.context_parallel_degree = 1;
   q.sequence_parallel = false;
   q.activation_checkpointing = Checkpointing::kNone;
   q.activation_offloading = false;

@@ -302,7 +302,8 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
 // `placements`, placement) of each distinct one, and their shapes.
 //
 // The rules are checked with one placement for all; a folded expert group's also depends on it (E
-// directly outside T): the others break expert_tensor_folds, and are counted in `misplaced`.
+// directly outside T): the others break expert_tensor_folds (or expert_spans_context where only
+// the context ranks are folded in), and are counted in `misplaced`.
 std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutShapes>> distinct_placements(
     const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements, int64_t& misplaced) {
   const int64_t w = p.world_size, e = p.expert_data_degree(), s = p.hybrid_shard_degree,
@@ -408,7 +409,8 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
           const auto kept = static_cast<int64_t>(distinct.size());
           stats.duplicate_placements += inner * (tried - kept - misplaced);
           stats.rule_rejected += inner * misplaced;
-          stats.rejected_by_rule[static_cast<size_t>(Rule::kExpertTensorFolds)] += inner * misplaced;
+          const Rule misplacing = p.expert_tensor_fold() > 1 ? Rule::kExpertTensorFolds : Rule::kExpertSpansContext;
+          stats.rejected_by_rule[static_cast<size_t>(misplacing)] += inner * misplaced;
           if (distinct.empty()) {
             index += inner * tried;
             continue;

@@ -89,7 +89,7 @@ std::string size_row_text(const SizeResult& size, const TrainingGoal& goal) {
 }
 
 void add_table(std::string& out, const SearchResult& result, const ClusterSpec& cluster, size_t top) {
-  add(out, "\n  #   E   S   R     T     P  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   "
+  add(out, "\n  #   E   S   R     T     P   C  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   "
            "tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
   for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
     const Candidate& c = result.ranked[i];
@@ -98,14 +98,15 @@ void add_table(std::string& out, const SearchResult& result, const ClusterSpec& 
     const sim::StepEstimate& e = c.estimate;
     // T, "s" with sequence parallelism, "/1" with the experts outside the split (folded).
     const std::string tensor = std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? "s" : "") +
-                               (p.expert_fold() > 1 ? "/" + std::to_string(p.expert_tensor_degree()) : "");
+                               (p.expert_tensor_fold() > 1 ? "/" + std::to_string(p.expert_tensor_degree()) : "");
     const std::string pipeline = std::to_string(p.pipeline_parallel_degree) +
                                  (p.virtual_pipeline_degree > 1 ? "x" + std::to_string(p.virtual_pipeline_degree) : "");
     add(out,
-        "%3zu %3lld %3lld %3lld %5s %5s  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f %5.1f%% "
-        "%6.1f/%.1f\n",
+        "%3zu %3lld %3lld %3lld %5s %5s %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f "
+        "%5.1f%% %6.1f/%.1f\n",
         i + 1, static_cast<long long>(p.expert_parallel_degree), static_cast<long long>(p.hybrid_shard_degree),
-        static_cast<long long>(p.replica_degree()), tensor.c_str(), pipeline.c_str(), p.placement.to_string().c_str(),
+        static_cast<long long>(p.replica_degree()), tensor.c_str(), pipeline.c_str(),
+        static_cast<long long>(p.context_parallel_degree), p.placement.to_string().c_str(),
         std::string(name_of(kCheckpointingNames, p.activation_checkpointing)).c_str(), offload.c_str(),
         static_cast<long long>(p.micro_batch_size), static_cast<long long>(p.gradient_accumulation_steps),
         e.step_time_s, e.compute_s, e.recompute_s, e.exposed_comm_s, e.tokens_per_s, e.tflops_per_gpu, 100.0 * e.mfu,
@@ -154,7 +155,7 @@ void add_unmeasured_splits(std::string& out, const SearchResult& result, const R
   if (!sim::op_times_apply(setting)) return;
   for (size_t i = 0; i < std::min(top, result.ranked.size()); ++i) {
     const RunConfig c{setting.model, setting.cluster, result.ranked[i].parallel, setting.moe, setting.training};
-    if (sim::op_times_apply(c)) continue;
+    if (sim::op_times_apply(c) || c.parallel.context_parallel_degree > 1) continue;
     add(out,
         "\nnote: %s has no operation times measured at T = %lld; such plans are estimated from FLOPs and\n"
         "      its matrix-multiply curve, less closely (docs/validation.md); pin --tensor-parallel-degree\n"

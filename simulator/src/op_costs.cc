@@ -16,7 +16,7 @@ bool op_times_apply(const RunConfig& c) {
   // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks,
   // latent attention, multi-token prediction or GPT-OSS's variants.
   return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && m.dense_intermediate_size == 0 && !m.mla() &&
-         m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr && c.parallel.expert_fold() == 1 &&
+         m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr && c.parallel.expert_tensor_fold() == 1 &&
          c.parallel.context_parallel_degree == 1 &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
@@ -158,7 +158,7 @@ KernelCosts kernel_costs(const RunConfig& c) {
       o.tensor_overlap_s = k.attention_wgrad_s;
       // Folded routed experts end no tensor-parallel region: without shared experts there is no
       // collective for their weight gradients to run beside.
-      if (p.expert_fold() == 1 || m.shared_experts()) o.tensor_moe_overlap_s = k.moe_wgrad_s;
+      if (p.expert_tensor_fold() == 1 || m.shared_experts()) o.tensor_moe_overlap_s = k.moe_wgrad_s;
     }
     o.attention_flops = k.attention_forward.flops();
     o.moe_flops = k.moe_forward.flops();
@@ -299,7 +299,7 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
     o.tensor_bytes = tokens * h * a;
     // Shared experts reduce their own output over the tokens. Routed experts folded out of the
     // tensor split (ETP = 1) end no region: each rank computes whole experts on its own slots.
-    o.tensor_moe_bytes = ((p.expert_fold() > 1 ? 0.0 : busiest_slots) + (m.shared_experts() ? tokens : 0.0)) * h * a;
+    o.tensor_moe_bytes = ((p.expert_tensor_fold() > 1 ? 0.0 : busiest_slots) + (m.shared_experts() ? tokens : 0.0)) * h * a;
     o.tensor_dense_bytes = tokens * h * a;
   }
   // Each tensor-parallel rank sends its 1/T of the activation to the next stage, which gathers

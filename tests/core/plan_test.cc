@@ -150,6 +150,43 @@ TEST(Plan, FoldedExpertPlanRoundTrips) {
             "tensor_parallel_degree) = 1");
 }
 
+// Context parallelism: the plan writes context_parallel_degree and its exchange, reads them
+// back, and checks replica_degree against C (the expert group spans the context ranks: E / C
+// along the mesh).
+TEST(Plan, ContextParallelPlanRoundTrips) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+  planner::SearchOptions options = test::search_options(16);
+  options.pins.context_parallel_degree = 2;
+  options.pins.tensor_parallel_degree = 1;
+  options.pins.pipeline_parallel_degree = 1;
+  options.pins.expert_parallel_degree = 4;
+  options.pins.hybrid_shard_degree = 2;
+  options.pins.placement = "RSE";
+  options.context_exchange = ContextExchange::kAllGather;
+  options.target = nullptr;
+  options.ignore_memory_limits = true;
+  const planner::SearchResult result = planner::search(model, cluster, options);
+  ASSERT_FALSE(result.ranked.empty());
+  const Plan plan = planner::make_plan(model, cluster, options, result, "moeplan search --gpus 16");
+  Json json = parse_json_text(plan_to_text(plan), "plan.json");
+  EXPECT_EQ(json["parallel"]["context_parallel_degree"], 2);
+  EXPECT_EQ(json["parallel"]["context_exchange"], "all_gather");
+  EXPECT_EQ(json["parallel"]["placement"], "RSE");
+  EXPECT_EQ(json["parallel"]["replica_degree"], 2);  // 16 / (4 / 2 x 2 x 2)
+  EXPECT_TRUE(plan_from_json(json, "plan.json") == plan);
+  json["parallel"]["replica_degree"] = 1;
+  const std::vector<Diagnostic> problems = plan_problems(json);
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
+  EXPECT_EQ(problems[0].message,
+            "1 does not equal world_size / (expert_parallel_degree / 2 folded ranks * hybrid_shard_degree * "
+            "context_parallel_degree) = 2");
+  json["parallel"]["context_exchange"] = "ring";
+  const std::vector<Diagnostic> bad = plan_problems(json);
+  ASSERT_FALSE(bad.empty());
+  EXPECT_NE(bad[0].path.find("context_exchange"), std::string::npos) << describe(bad);
+}
+
 TEST(Plan, RoundTripsThroughAFile) {
   TempDir dir;
   const std::string path = dir.file("plan.json");

@@ -353,6 +353,55 @@ TEST(ExportLaunch, FoldedExpertsExportWithEachFrameworksNames) {
 
 }
 
+// Context parallelism exports with each framework's names: Megatron-LM's --context-parallel-size
+// and --cp-comm-type, torchtitan's context_parallel_degree and rotate method; the executor and
+// SMP refuse it by rule.
+TEST(ExportLaunch, ContextParallelismExportsWithEachFrameworksNames) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 8;
+  pins.context_parallel_degree = 2;
+  pins.tensor_parallel_degree = 2;
+  pins.expert_tensor_parallel_degree = 2;
+  pins.sequence_parallel = true;
+  pins.hybrid_shard_degree = 1;
+  pins.pipeline_parallel_degree = 1;
+  pins.micro_batch_size = 1;
+  pins.placement = "PRSET";
+  const Plan megatron = searched("mixtral-8x7b", "p5.48xlarge", 32, test::framework_rules("megatron"), pins,
+                                 Precision::kMixed, 0, LoadBalancing::kAuxLoss);
+  EXPECT_EQ(megatron.parallel.context_parallel_degree, 2);
+  EXPECT_EQ(megatron.parallel.expert_fold(), 2);         // the expert group spans the two context ranks
+  EXPECT_EQ(megatron.parallel.replica_degree(), 2);      // 32 / (8 / 2 x 2 x 2)
+  EXPECT_EQ(megatron.parallel.data_parallel_degree(), 8);  // sequences read: 32 / (2 x 2)
+  const auto a = megatron_args(file(launch::export_launch(megatron, test::framework_rules("megatron"), "plan.json"),
+                                    "megatron-args.txt").text);
+  EXPECT_EQ(a.at("--context-parallel-size"), "2");
+  EXPECT_EQ(a.at("--cp-comm-type"), "p2p");
+  EXPECT_EQ(a.at("--expert-model-parallel-size"), "8");
+
+  Plan gathered = megatron;
+  gathered.parallel.context_exchange = ContextExchange::kAllGather;
+  EXPECT_EQ(megatron_args(file(launch::export_launch(gathered, test::framework_rules("megatron"), "plan.json"),
+                               "megatron-args.txt").text)
+                .at("--cp-comm-type"),
+            "all_gather");
+
+  pins.hybrid_shard_degree = 2;  // torchtitan shards the parameters (FSDP)
+  const Plan titan = searched("mixtral-8x7b", "p5.48xlarge", 32, test::framework_rules("torchtitan"), pins,
+                              Precision::kMixed, 0, LoadBalancing::kAuxLoss);
+  const auto t = toml_values(
+      file(launch::export_launch(titan, test::framework_rules("torchtitan"), "plan.json"), "torchtitan.toml").text);
+  EXPECT_EQ(t.at("parallelism.context_parallel_degree"), "2");
+  EXPECT_EQ(t.at("parallelism.context_parallel_rotate_method"), "\"alltoall\"");
+  EXPECT_EQ(t.at("parallelism.data_parallel_shard_degree"), "8");  // S 2 x the mesh's E 4
+
+  for (const char* name : {"moeplan", "smp"})
+    EXPECT_NE(refusal([&] { launch::export_launch(megatron, test::framework_rules(name), "plan.json"); })
+                  .find("parallel.context_parallel_degree"),
+              std::string::npos)
+        << name;
+}
+
 // Recomputing latent attention's up projections is Megatron-LM's selective recompute module
 // mla_up_proj; torchtitan, SMP and moeplan's executor have none and refuse it by rule.
 TEST(ExportLaunch, LatentUpCheckpointingIsMegatronsUpProjectionModule) {

@@ -142,6 +142,36 @@ TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
   EXPECT_EQ(r.ranked.front().parallel.data_parallel_degree(), 16);
 }
 
+// Context parallelism is a choice of the search where the framework splits sequences and each
+// rank keeps at least min_context_tokens of one: for 8192-token sequences Megatron-LM's plans on
+// 16 H100 include C = 2 and C = 4 (not 8: 1024 tokens a rank), moeplan's executor's none. The
+// sequences read per step follow C: W / (C T P) readers take the global batch.
+TEST(Search, SplitsSequencesOverContextRanksWhereTheFrameworkDoes) {
+  auto context_degrees = [](Target target) {
+    SearchOptions options = test::search_options(16, 8192);
+    options.estimator = Estimator::kAnalytic;
+    options.keep = 2000;
+    options.pins.pipeline_parallel_degree = 1;
+    options.moe.load_balancing = LoadBalancing::kAuxLoss;
+    options.training.precision = Precision::kMixed;
+    options.target = target;
+    options.ignore_memory_limits = true;
+    const SearchResult r = search(test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), options);
+    EXPECT_FALSE(r.ranked.empty());
+    std::set<int64_t> seen;
+    for (const Candidate& c : r.ranked) {
+      seen.insert(c.parallel.context_parallel_degree);
+      const ParallelConfig& p = c.parallel;
+      EXPECT_EQ(p.data_parallel_degree() * p.micro_batch_size * p.gradient_accumulation_steps * 8192,
+                options.training.global_batch_tokens)
+          << describe(p);
+    }
+    return seen;
+  };
+  EXPECT_EQ(context_degrees(test::framework_rules("megatron")), (std::set<int64_t>{1, 2, 4}));
+  EXPECT_EQ(context_degrees(test::framework_rules("moeplan")), (std::set<int64_t>{1}));
+}
+
 // The simulator ranks at most max_simulated candidates, the analytic estimate's best first; the
 // others the bound does not prune are counted apart. Without pruning every candidate runs.
 TEST(Search, SimulatesAtMostTheCapInTheAnalyticOrder) {

@@ -132,7 +132,7 @@ std::string layout_text(const ParallelConfig& p) {
                        : "") +
                   (p.context_parallel_degree > 1 ? " C" + std::to_string(p.context_parallel_degree) : "") +
                   " E" + std::to_string(p.expert_parallel_degree) +
-                  (p.expert_fold() > 1 ? "/ETP" + std::to_string(p.expert_tensor_degree()) : "") + " S" +
+                  (p.expert_tensor_fold() > 1 ? "/ETP" + std::to_string(p.expert_tensor_degree()) : "") + " S" +
                   std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) + (p.distributed_optimizer ? " dopt" : "") + " " +
                   std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + " mbs " +
                   std::to_string(p.micro_batch_size);

@@ -33,12 +33,12 @@ int64_t MeshLayout::rank_of(const MeshCoords& c) const {
 }
 
 int64_t MeshLayout::reader(int64_t rank) const {
-  // The readers in rank order: those at t = 0 and p = 0.
+  // The readers in rank order: those at t = 0, c = 0 and p = 0.
   const MeshCoords mine = coords(rank);
   int64_t index = 0;
   for (int64_t other = 0; other < world_size_; ++other) {
     const MeshCoords c = coords(other);
-    if (c.t != 0 || c.p != 0) continue;
+    if (c.t != 0 || c.p != 0 || c.c != 0) continue;
     if (c.r == mine.r && c.s == mine.s && c.e == mine.e) return index;
     ++index;
   }
@@ -91,7 +91,8 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
   shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address);
   expert = make_group("expert", layout_.group(rank, {D::kExpert}), rank, store, timeout, address);
   dense_replicas =
-      make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert}), rank, store, timeout, address);
+      make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert, D::kContext}), rank, store, timeout,
+                 address);
   expert_replicas = make_group("expert-replica", layout_.group(rank, {D::kReplica}), rank, store, timeout, address);
   tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address);
   pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address);

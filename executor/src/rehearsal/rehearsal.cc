@@ -95,7 +95,7 @@ std::string describe_groups(const ParallelConfig& p, int64_t gpus_per_node) {
   };
   const Kind kinds[] = {{"shard", {MeshDim::kShard}},
                         {"expert", {MeshDim::kExpert}},
-                        {"dense replica", {MeshDim::kReplica, MeshDim::kExpert}},
+                        {"dense replica", {MeshDim::kReplica, MeshDim::kExpert, MeshDim::kContext}},
                         {"expert replica", {MeshDim::kReplica}},
                         {"tensor", {MeshDim::kTensor}},
                         {"pipeline", {MeshDim::kPipeline}}};

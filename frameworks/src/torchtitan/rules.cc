@@ -73,7 +73,9 @@ void check(const RunConfig& c, RuleSink& sink) {
     });
   // Its mixed precision is FSDP's: without sharding, tensor or pipeline parallelism trains in
   // fp32, and replicas over them are DDP, which it runs on one mesh dimension only.
-  if (p.hybrid_shard_degree * p.expert_data_degree() == 1 && (tp > 1 || p.pipeline_parallel_degree > 1))
+  // (FSDP shards over the context ranks too: dp_shard x cp.)
+  if (p.hybrid_shard_degree * p.expert_data_degree() * p.context_parallel_degree == 1 &&
+      (tp > 1 || p.pipeline_parallel_degree > 1))
     sink(kLayouts, "parallel.hybrid_shard_degree", [&] {
       return std::string("= 1 with expert_parallel_degree = 1 under tensor or pipeline parallelism: torchtitan "
                          "applies mixed precision and replicas through FSDP, so the shard degree must exceed 1");
