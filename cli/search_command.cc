@@ -137,6 +137,9 @@ void add_framework_options(CLI::App& cmd, Search& s) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 10));
   cmd.add_option("--micro-batch", pin.micro_batch_size, "Fix the micro-batch size")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  add_choice(cmd, "--dispatcher", r.options.moe.dispatcher, kDispatcherNames,
+             "How tokens reach their experts: alltoall (NCCL), allgather, or deepep (DeepEP's fused kernels, "
+             "Megatron-Core's flex dispatcher; across nodes it needs InfiniBand or RoCE)");
   cmd.add_flag("--overlap-exchange", r.options.moe.overlap_exchange,
                "Each token exchange beside another micro-batch's compute (Megatron-Core's merged 1F1B schedule, "
                "--overlap-moe-expert-parallel-comm)");

@@ -125,6 +125,43 @@ void print_step(const Plan& plan, const sim::StepSimulation& s) {
                 100.0 * s.nic_busy_s / e.step_time_s);
 }
 
+// One micro-batch on the first simulated rank by operation, forward, backward and recompute
+// together: each kernel of the model's blocks (latent attention's projections, shared experts,
+// the router, token permutation, the experts' GEMMs), and the collectives on its chain by kind
+// (the token dispatch and combine, tensor-parallel and context-parallel exchanges), from the
+// step's trace. A steady micro-batch (the second) where more than one was simulated.
+void print_operations(const sim::StepSimulation& s, size_t top) {
+  if (s.ranks.empty()) return;
+  const std::string micro_batch = s.micro_batches > 1 ? "mb1." : "mb0.";
+  std::map<std::string, int64_t> by_name;
+  int64_t total = 0;
+  for (const TraceEvent& e : sim::step_trace(s).events) {
+    if (e.rank != s.ranks.front() || e.name.rfind(micro_batch, 0) != 0) continue;
+    std::string name = e.name.substr(micro_batch.size());
+    if (name.size() > 1 && name[0] == 'L' && name.find('.') != std::string::npos) name = name.substr(name.find('.') + 1);
+    // A kernel's name ends in the op it belongs to (".attn_fwd", ".experts_bwd", ...).
+    if (e.category == "compute" && name.rfind('.') != std::string::npos) name = name.substr(0, name.rfind('.'));
+    else if (e.category != "compute") name += " (" + e.category + ")";
+    by_name[name] += e.duration_ns;
+    total += e.duration_ns;
+  }
+  if (total <= 0) return;
+  std::vector<std::pair<std::string, int64_t>> rows(by_name.begin(), by_name.end());
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::printf("one micro-batch on rank %lld by operation (forward, backward and recompute; collectives from arrival):\n",
+              static_cast<long long>(s.ranks.front()));
+  int64_t shown = 0;
+  for (size_t i = 0; i < rows.size() && i < top; ++i) {
+    std::printf("  %-34s %10.3f ms %6.1f%%\n", rows[i].first.c_str(), 1e-6 * static_cast<double>(rows[i].second),
+                100.0 * static_cast<double>(rows[i].second) / static_cast<double>(total));
+    shown += rows[i].second;
+  }
+  if (rows.size() > top)
+    std::printf("  %-34s %10.3f ms %6.1f%%\n", ("the other " + std::to_string(rows.size() - top)).c_str(),
+                1e-6 * static_cast<double>(total - shown),
+                100.0 * static_cast<double>(total - shown) / static_cast<double>(total));
+}
+
 int run_simulate(const Simulate& args) {
   try {
     const Plan plan = read_plan_file(args.plan);
@@ -146,6 +183,7 @@ int run_simulate(const Simulate& args) {
                 static_cast<long long>(plan.parallel.gradient_accumulation_steps), s.graph.ops().size(),
                 static_cast<unsigned long long>(s.times.events));
     print_step(plan, s);
+    print_operations(s, 16);
     if (!args.measured.empty()) print_phase_comparison(s, measured, config);
     if (!args.trace.empty()) {
       write_file_atomic(args.trace, to_json(simulated_trace(plan, config, s)).dump() + "\n");

@@ -44,6 +44,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "token_shuffle_needs_experts",
     "exchange_overlap_schedule",
     "token_counts_match_experts",
+    "deepep_needs_rdma",
     "min_lr_within_lr",
     "warmup_within_steps",
     "fp8_needs_hardware",
@@ -560,7 +561,7 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
   if (c.moe.overlap_exchange) {
     const ParallelConfig& par = c.parallel;
     const char* why = e == 1 ? "expert_parallel_degree > 1 (there is no exchange to overlap)"
-                      : c.moe.dispatcher != Dispatcher::kAllToAll ? "the alltoall dispatcher"
+                      : c.moe.dispatcher == Dispatcher::kAllGather ? "the alltoall or deepep dispatcher"
                       : par.pipeline_parallel_degree > 1 && par.virtual_pipeline_degree == 1
                           ? "pipeline_parallel_degree = 1 or the interleaved schedule (virtual_pipeline_degree > 1)"
                       : recomputes_moe(par.activation_checkpointing) ? "activation_checkpointing that keeps the MoE sub-block"
@@ -570,6 +571,17 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
            [&] { return "= true needs " + std::string(why) + " (Megatron-Core's merged 1F1B schedule)"; });
   }
 
+  // DeepEP's kernels post RDMA from the GPU (NVSHMEM over InfiniBand or RoCE): an expert group
+  // across nodes needs such a network.
+  if (c.moe.dispatcher == Dispatcher::kDeepEp && e > 1 && !cl.gpu_initiated_rdma()) {
+    const ParallelConfig& par = c.parallel;
+    const int64_t node = std::max<int64_t>(1, std::min(par.world_size, cl.gpus_per_node));
+    if ((e - 1) * par.expert_stride() >= node)
+      sink(Rule::kDeepEpNeedsRdma, "moe.dispatcher", [&] {
+        return "= \"deepep\" with an expert group across nodes on " + cl.name + ", whose network (" +
+               cl.inter_node_fabric + ") lets no GPU post RDMA itself (DeepEP needs InfiniBand or RoCE)";
+      });
+  }
   if (t.fp8 && (cl.peak_fp8_flops <= 0 || t.precision == Precision::kFp32))
     sink(Rule::kFp8NeedsHardware, "training.fp8", [&] {
       if (t.precision == Precision::kFp32) return std::string("= true needs precision bf16 or mixed, not fp32");

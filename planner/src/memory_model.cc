@@ -353,7 +353,7 @@ int64_t dispatch_buffer_bytes(const RunConfig& c, int64_t tokens, int64_t slots,
   if (p.expert_parallel_degree <= 1) return 0;
   const double share = sequence_share(p);
   const double t = static_cast<double>(tokens) / share;
-  const double sent = c.moe.dispatcher == Dispatcher::kAllToAll ? static_cast<double>(m.experts_per_token) * t
+  const double sent = c.moe.dispatcher != Dispatcher::kAllGather ? static_cast<double>(m.experts_per_token) * t
                                                                 : static_cast<double>(p.expert_parallel_degree) * t;
   return to_bytes((sent + static_cast<double>(slots) / share) * static_cast<double>(m.hidden_size * a));
 }

@@ -88,9 +88,10 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   const CostModel& cost = s.cost;
   const double layers = s.moe_layers();  // dense blocks exchange nothing
   if (p.expert_parallel_degree <= 1) return;
+  const bool pairwise = c.moe.dispatcher != Dispatcher::kAllGather;  // NCCL's all-to-all or DeepEP's kernels
   double per_exchange;
-  if (c.moe.dispatcher == Dispatcher::kAllToAll) {
-    per_exchange = cost.all_to_all_seconds(o.dispatch_send_bytes, s.shapes.exchange);
+  if (pairwise) {
+    per_exchange = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange), s.shapes.exchange);
   } else {
     // Gather every rank's tokens, then reduce-scatter the expert outputs back.
     const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
@@ -114,10 +115,10 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   // exchange_overlap_schedule keeps recomputed exchanges out).
   const ExchangeCover cover = exchange_cover(o);
   if (c.moe.overlap_exchange) t.expert_comm = layers * cover.exposed(per_exchange, moe_beside, attention_beside);
-  if (c.moe.dispatcher == Dispatcher::kAllToAll) {
+  if (pairwise) {
     GroupShape alone = s.shapes.exchange;
     alone.groups_per_node = 1;
-    const double alone_s = cost.all_to_all_seconds(o.dispatch_send_bytes, alone);
+    const double alone_s = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, alone), alone);
     t.expert_chain_min = c.moe.overlap_exchange
                              ? layers * cover.exposed(alone_s, o.tensor_moe_overlap_s, o.tensor_overlap_s)
                              : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
@@ -126,7 +127,8 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
     // step simulator prices them.
     const double priced = c.moe.overlap_exchange ? (per_exchange > 0 ? cover.exposed(per_exchange) / per_exchange : 0.0)
                                                  : exchanges;
-    t.nic_bytes_a2a = layers * priced * cost.all_to_all_cost(o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
+    t.nic_bytes_a2a = layers * priced *
+                      token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
                       static_cast<double>(s.shapes.exchange.groups_per_node);
   }
 }

@@ -115,6 +115,20 @@ CollectiveCost CostModel::all_to_all_cost(double send_bytes, const GroupShape& g
   return c;
 }
 
+CollectiveCost CostModel::fused_dispatch_cost(double send_bytes, double network_bytes, const GroupShape& g) const {
+  CollectiveCost c;
+  if (g.size <= 1 || send_bytes <= 0) return c;
+  const double n = static_cast<double>(g.size);
+  const double m = static_cast<double>(g.per_node);
+  const bool across = g.crosses_nodes();
+  c.latency_s = cluster_->collective_base_latency_s + (across ? cluster_->inter_node_latency_s : cluster_->intra_node_latency_s);
+  // NVLink carries the slots for the node's other members and forwards what arrives from the
+  // network to them.
+  c.intra_s = (send_bytes * (m - 1) / n + (across ? network_bytes : 0.0)) / cluster_->intra_node_bandwidth_bytes_per_s;
+  if (across) c.nic_bytes_per_node = m * network_bytes;
+  return c;
+}
+
 CollectiveCost CostModel::tensor_region_cost(double bytes, const GroupShape& g, bool sequence_parallel) const {
   if (!sequence_parallel || !cluster_->all_gather_fit.given() || !cluster_->reduce_scatter_fit.given())
     return all_reduce_cost(bytes, g);

@@ -91,6 +91,26 @@ void add_dense_blocks(const RunConfig& c, KernelCosts& o) {
 
 }  // namespace
 
+double fused_network_bytes(const ModelSpec& m, double send_bytes, const GroupShape& g) {
+  if (!g.crosses_nodes() || m.experts_per_token <= 0) return 0;
+  const double nodes = static_cast<double>(g.nodes);
+  const double experts = static_cast<double>(m.num_experts);
+  const double on_a_node = experts / nodes;
+  double missed = 1.0;  // P(none of the k experts on a given node)
+  for (int64_t i = 0; i < m.experts_per_token; ++i)
+    missed *= std::max(0.0, (experts - on_a_node - static_cast<double>(i)) / (experts - static_cast<double>(i)));
+  double other_nodes = (nodes - 1.0) * (1.0 - missed);
+  if (m.router_groups > 1 && m.router_groups % g.nodes == 0)
+    other_nodes = std::min(other_nodes, static_cast<double>(m.router_group_topk));
+  return send_bytes / static_cast<double>(m.experts_per_token) * other_nodes;
+}
+
+CollectiveCost token_exchange_cost(const CostModel& cost, const RunConfig& c, double send_bytes, const GroupShape& g) {
+  if (c.moe.dispatcher == Dispatcher::kDeepEp)
+    return cost.fused_dispatch_cost(send_bytes, fused_network_bytes(c.model, send_bytes, g), g);
+  return cost.all_to_all_cost(send_bytes, g);
+}
+
 ContextExchangeCost context_exchange_cost(const CostModel& cost, const OpCosts& o, const ParallelConfig& p,
                                           const GroupShape& g) {
   ContextExchangeCost out;

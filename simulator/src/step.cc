@@ -308,16 +308,18 @@ class Builder {
       c.nic_bytes_per_node *= share_of_group;
       return c;
     };
+    // (DeepEP's kernels count the tokens for each rank inside the dispatch.)
     if (c_.moe.dispatcher == Dispatcher::kAllToAll && (kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute)) {
       const double counts = static_cast<double>(p_.expert_parallel_degree * c_.model.num_experts) * 8;  // int64
       collective_round(after, MeshDim::kExpert, OpKind::kDispatchCounts, TraceStream::kExpertComm, layer, mb,
                        mesh_share(cost_.all_gather_cost(counts, shapes_.exchange)), counts, false);
     }
-    CollectiveCost cost = mesh_share(cost_.all_to_all_cost(o_.dispatch_send_bytes, shapes_.exchange));
+    const CollectiveCost whole_cost = token_exchange_cost(cost_, c_, o_.dispatch_send_bytes, shapes_.exchange);
+    CollectiveCost cost = mesh_share(whole_cost);
     if (c_.moe.overlap_exchange) {
       // Beside another micro-batch's compute (merged 1F1B): only what the exchange takes beyond
       // it holds the chain, and only that share of its bytes is left for the card.
-      const double whole = cost_.all_to_all_seconds(o_.dispatch_send_bytes, shapes_.exchange);
+      const double whole = cost_.seconds(whole_cost, shapes_.exchange);
       const double cover = kind == OpKind::kDispatch          ? cover_.dispatch
                            : kind == OpKind::kCombine         ? cover_.combine
                            : kind == OpKind::kCombineBackward ? cover_.combine_backward

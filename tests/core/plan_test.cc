@@ -256,7 +256,7 @@ std::vector<PlanEdit> plan_edits() {
       {"UnknownCheckpointing", "/parallel/activation_checkpointing", "partial", "parallel.activation_checkpointing",
        "expected one of \"none\", \"selective\", \"full\", \"attention_core\", \"latent_up\", got string \"partial\""},
       {"UnknownDispatcher", "/moe/dispatcher", "alltoallv", "moe.dispatcher",
-       "expected one of \"alltoall\", \"allgather\", got string \"alltoallv\""},
+       "expected one of \"alltoall\", \"allgather\", \"deepep\", got string \"alltoallv\""},
       {"PlacementRepeatsALetter", "/parallel/placement", "RRE", "parallel.placement",
        "expected the letters R, S and E once each and P and T at most once, outermost first (e.g. \"RSE\" or "
        "\"PRSET\"; \"D\" stands for \"RSE\"; or SMP's \"cluster\" or \"spread\"), got \"RRE\""},

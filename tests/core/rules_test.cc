@@ -196,6 +196,17 @@ const RuleCase kCases[] = {
      "= 2 on a cluster whose attention is unfused: context parallelism runs flash attention on each chunk of keys and "
      "values as it arrives",
      "= 2"},
+    // DeepEP across nodes needs GPU-initiated RDMA, which EFA (p4d) does not offer: E2 outermost
+    // pairs ranks 8 apart, on the two nodes.
+    {"DeepEpAcrossEfa",
+     [](Scenario& s) {
+       s.moe.dispatcher = Dispatcher::kDeepEp;
+       s.parallel.placement = *Placement::parse("ESR");
+     },
+     Rule::kDeepEpNeedsRdma, "moe.dispatcher",
+     "= \"deepep\" with an expert group across nodes on p4d.24xlarge, whose network (EFA) lets no GPU post RDMA itself "
+     "(DeepEP needs InfiniBand or RoCE)",
+     "deepep"},
     // 24 ranks on two nodes of 12, E8 S3: expert groups 0-7 and 16-23 inside a node, 8-15 four
     // ranks on each (the shard groups differ too, because of them: the innermost is named).
     {"ExpertGroupsStraddleNodesUnevenly",

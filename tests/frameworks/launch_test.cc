@@ -400,6 +400,25 @@ TEST(ExportLaunch, ContextParallelismExportsWithEachFrameworksNames) {
                   .find("parallel.context_parallel_degree"),
               std::string::npos)
         << name;
+
+  // DeepEP is Megatron-Core's flex dispatcher; the others refuse it by rule. Its expert group
+  // here spans two nodes: on p5's EFA the core rule deepep_needs_rdma refuses it, on DGX
+  // H100's InfiniBand it exports.
+  Plan fused = megatron;
+  fused.moe.dispatcher = Dispatcher::kDeepEp;
+  EXPECT_NE(refusal([&] { launch::export_launch(fused, test::framework_rules("megatron"), "plan.json"); })
+                .find("deepep_needs_rdma"),
+            std::string::npos);
+  fused.cluster = test::hardware("dgx-h100", 32);
+  const auto f = megatron_args(
+      file(launch::export_launch(fused, test::framework_rules("megatron"), "plan.json"), "megatron-args.txt").text);
+  EXPECT_EQ(f.at("--moe-token-dispatcher-type"), "flex");
+  EXPECT_EQ(f.count("--moe-enable-deepep"), 1u);
+  Plan fused_titan = titan;
+  fused_titan.moe.dispatcher = Dispatcher::kDeepEp;
+  EXPECT_NE(refusal([&] { launch::export_launch(fused_titan, test::framework_rules("torchtitan"), "plan.json"); })
+                .find("moe.dispatcher"),
+            std::string::npos);
 }
 
 // Recomputing latent attention's up projections is Megatron-LM's selective recompute module

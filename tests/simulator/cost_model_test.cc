@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include "moeplan/simulator/op_costs.h"
 #include "test_support.h"
 
 namespace moeplan::sim {
@@ -120,6 +121,45 @@ TEST(CostModel, AllToAllAcrossTwoNodes) {
   EXPECT_NEAR(cost.all_to_all_seconds(1.6e9, local), 1e-6 + 0.014, 1e-12);
   // A 128-member group's latency is still one hop.
   EXPECT_NEAR(cost.all_to_all_seconds(8.0, GroupShape{128, 2, 64, 4}) - 10e-6, 0, 1e-6);
+}
+
+// DeepEP's fused dispatch sends a token across the network once per other node that holds one
+// of its experts, and forwards it over NVLink there. Mixtral's 8 experts (top 2) over 16 ranks on
+// two nodes, 4 experts on each: a token misses the other node when both its experts are on its
+// own, C(4, 2) / C(8, 2) = 6/28 of the time, so it crosses 22/28 of a time, and each of its 2
+// slots' bytes 11/28: less than the all-to-all's 8/16 off the node.
+TEST(CostModel, DeepEpSendsATokenOncePerNode) {
+  const ClusterSpec c = toy(2);
+  const CostModel cost(c);
+  ModelSpec mixtral;
+  mixtral.num_experts = 8;
+  mixtral.experts_per_token = 2;
+  GroupShape g{16, 8, 2, 1};
+  const double send = 1.6e9;
+  const double network = fused_network_bytes(mixtral, send, g);
+  EXPECT_NEAR(network, send * 11.0 / 28.0, 1e-3);
+  // Its 8 ranks' share through the node's card at 10 GB/s; NVLink carries the 7/16 for the
+  // node's other ranks and forwards what arrived: (0.7 + 0.629) GB at 100 GB/s, under the card.
+  const CollectiveCost fused = cost.fused_dispatch_cost(send, network, g);
+  EXPECT_NEAR(fused.nic_bytes_per_node, 8 * network, 1e-3);
+  EXPECT_NEAR(cost.seconds(fused, g), 10e-6 + 8 * network / 10e9, 1e-9);
+  EXPECT_LT(cost.seconds(fused, g), cost.all_to_all_seconds(send, g));
+  // Inside one node there is nothing to save: NVLink carries the 7/8 for the other ranks.
+  GroupShape local{8, 8, 1, 1};
+  EXPECT_EQ(fused_network_bytes(mixtral, send, local), 0);
+  EXPECT_NEAR(cost.seconds(cost.fused_dispatch_cost(send, 0, local), local), cost.all_to_all_seconds(send, local), 1e-12);
+
+  // DeepSeek-V3's group-limited routing (8 groups of 32 experts, 4 of them a token) on 8 nodes
+  // that each hold one group reaches at most 4 other nodes (uniform top-8 would reach 4.6).
+  ModelSpec v3;
+  v3.num_experts = 256;
+  v3.experts_per_token = 8;
+  v3.router_groups = 8;
+  v3.router_group_topk = 4;
+  const GroupShape eight_nodes{64, 8, 8, 1};
+  EXPECT_NEAR(fused_network_bytes(v3, send, eight_nodes), send / 8 * 4, 1e-3);
+  v3.router_groups = 1;
+  EXPECT_GT(fused_network_bytes(v3, send, eight_nodes), send / 8 * 4.5);
 }
 
 // A tensor-parallel group of 16 on nodes of 8 spans two: its collectives go through each node's

@@ -115,7 +115,13 @@ void layout_args(const Plan& plan, Args& a) {
     const bool aux = plan.moe.load_balancing == LoadBalancing::kAuxLoss;
     a.push_back({"--moe-aux-loss-coeff", aux ? number(plan.moe.aux_loss_coef) : "0"});
     if (plan.moe.z_loss_coef != 0) a.push_back({"--moe-z-loss-coeff", number(plan.moe.z_loss_coef)});
-    a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
+    // DeepEP runs as Megatron-Core's flex dispatcher.
+    if (plan.moe.dispatcher == Dispatcher::kDeepEp) {
+      a.push_back({"--moe-token-dispatcher-type", "flex"});
+      a.push_back({"--moe-enable-deepep", ""});
+    } else {
+      a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
+    }
     if (plan.moe.overlap_exchange) a.push_back({"--overlap-moe-expert-parallel-comm", ""});
     a.push_back({"--moe-grouped-gemm", ""});
   }

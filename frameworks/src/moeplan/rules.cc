@@ -108,6 +108,9 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "moe.overlap_exchange", [&] {
       return std::string("= true: the executor runs each micro-batch's exchanges on its own compute chain");
     });
+  if (c.moe.dispatcher == Dispatcher::kDeepEp)
+    sink(kLayouts, "moe.dispatcher",
+         [&] { return std::string("= \"deepep\": the executor exchanges tokens over c10d (alltoall or allgather)"); });
   if (p.activation_checkpointing == Checkpointing::kAttentionCore ||
       p.activation_checkpointing == Checkpointing::kLatentUpProjections)
     sink(kLayouts, "parallel.activation_checkpointing", [&] {

@@ -57,6 +57,9 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "moe.overlap_exchange", [&] {
       return std::string("= true: SMP runs each micro-batch's exchanges on its own compute chain");
     });
+  if (c.moe.dispatcher == Dispatcher::kDeepEp)
+    sink(kLayouts, "moe.dispatcher",
+         [&] { return std::string("= \"deepep\": SMP's MoE layers dispatch by all-to-all or all-gather"); });
   if (p.activation_checkpointing == Checkpointing::kSelective ||
       p.activation_checkpointing == Checkpointing::kAttentionCore ||
       p.activation_checkpointing == Checkpointing::kLatentUpProjections)

@@ -164,6 +164,11 @@ struct ClusterSpec {
   // Measured per collective on the intra-node level (empty on profiles that are not calibrated).
   CollectiveFit all_gather_fit, reduce_scatter_fit, all_reduce_fit, all_to_all_fit;
   std::string inter_node_fabric;
+  // Whether the network lets GPUs post RDMA themselves (InfiniBand or RoCE, through NVSHMEM's
+  // IBGDA), as DeepEP's kernels across nodes need; AWS EFA does not.
+  bool gpu_initiated_rdma() const {
+    return inter_node_fabric.find("InfiniBand") != std::string::npos || inter_node_fabric.find("RoCE") != std::string::npos;
+  }
   double inter_node_bandwidth_bytes_per_s = 0;  // per node, one direction, shared by its GPUs
   double inter_node_latency_s = 0;
 

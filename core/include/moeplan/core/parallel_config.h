@@ -54,7 +54,11 @@ struct Placement {
 enum class Checkpointing : uint8_t { kNone, kSelective, kFull, kAttentionCore, kLatentUpProjections };
 enum class Precision : uint8_t { kBf16, kMixed, kFp32 };
 enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
-enum class Dispatcher : uint8_t { kAllToAll, kAllGather };
+// How tokens travel to their experts: NCCL's all-to-all, an all-gather of every rank's tokens,
+// or DeepEP's fused dispatch and combine kernels (deepep: across nodes each token crosses the
+// network once per node it is routed to and is forwarded over NVLink there; Megatron-Core's
+// flex dispatcher).
+enum class Dispatcher : uint8_t { kAllToAll, kAllGather, kDeepEp };
 // How the context-parallel ranks pass keys and values: around a ring, each step's transfer
 // beside the attention of the chunk before (p2p: Megatron-Core's default --cp-comm-type,
 // torchtitan's rotate method "alltoall"), or all-gathered whole before the attention and their
@@ -75,8 +79,8 @@ inline constexpr std::array<std::pair<std::string_view, Precision>, 3> kPrecisio
 inline constexpr std::array<std::pair<std::string_view, LoadBalancing>, 4> kLoadBalancingNames{
     {{"sinkhorn", LoadBalancing::kSinkhorn}, {"balanced", LoadBalancing::kBalanced},
      {"aux_loss", LoadBalancing::kAuxLoss}, {"none", LoadBalancing::kNone}}};
-inline constexpr std::array<std::pair<std::string_view, Dispatcher>, 2> kDispatcherNames{
-    {{"alltoall", Dispatcher::kAllToAll}, {"allgather", Dispatcher::kAllGather}}};
+inline constexpr std::array<std::pair<std::string_view, Dispatcher>, 3> kDispatcherNames{
+    {{"alltoall", Dispatcher::kAllToAll}, {"allgather", Dispatcher::kAllGather}, {"deepep", Dispatcher::kDeepEp}}};
 inline constexpr std::array<std::pair<std::string_view, ContextExchange>, 2> kContextExchangeNames{
     {{"p2p", ContextExchange::kRing}, {"all_gather", ContextExchange::kAllGather}}};
 

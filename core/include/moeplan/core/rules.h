@@ -62,6 +62,7 @@ enum class Rule : uint8_t {
   kTokenShuffleNeedsExperts,
   kExchangeOverlapSchedule,
   kTokenCountsMatchExperts,
+  kDeepEpNeedsRdma,
   // Training schedule
   kMinLrWithinLr,
   kWarmupWithinSteps,

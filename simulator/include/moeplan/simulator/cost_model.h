@@ -62,6 +62,13 @@ class CostModel {
   CollectiveCost reduce_scatter_cost(double input_bytes, const GroupShape& g) const;
   CollectiveCost all_reduce_cost(double bytes, const GroupShape& g) const;
   CollectiveCost all_to_all_cost(double send_bytes, const GroupShape& g) const;
+  // DeepEP's fused dispatch (or combine) of the `send_bytes` a rank's slots take: inside a node
+  // over NVLink; across nodes each token crosses the network once per node it goes to
+  // (`network_bytes` a rank) and is forwarded over NVLink there. Both at the links' rates:
+  // DeepEP's normal kernels reach 153 to 158 GB/s of H800's ~160 GB/s NVLink, and 43 to 58 GB/s
+  // of a 400 Gbit/s (~50 GB/s) CX7 card (deepseek-ai/DeepEP, docs/legacy.md, "Normal kernels
+  // with NVLink and RDMA forwarding", EP 8 to 64).
+  CollectiveCost fused_dispatch_cost(double send_bytes, double network_bytes, const GroupShape& g) const;
   // What ends a tensor-parallel region: the all-reduce, or with sequence parallelism the
   // region's reduce-scatter and the next region's all-gather. The ring model counts that pair
   // as the all-reduce (the same bytes over the same links); a profile that measured both (a
@@ -78,9 +85,10 @@ class CostModel {
 
   const ClusterSpec& cluster() const { return *cluster_; }
 
- private:
   // A collective's time when `groups_per_node` groups cross each NIC at once.
   double seconds(const CollectiveCost& c, const GroupShape& g) const;
+
+ private:
   const ClusterSpec* cluster_;
 };
 

@@ -100,6 +100,18 @@ struct ExchangeCover {
 };
 ExchangeCover exchange_cover(const KernelCosts& kernels);
 
+// One token exchange (a dispatch or a combine) of `send_bytes` a rank in the expert group `g`:
+// NCCL's all-to-all, or DeepEP's fused kernels (moe.dispatcher), whose network share is each
+// token once per other node it is routed to (fused_network_bytes).
+CollectiveCost token_exchange_cost(const CostModel& cost, const RunConfig& config, double send_bytes,
+                                   const GroupShape& g);
+// What a rank's `send_bytes` of slots put on the network under DeepEP: a token crosses it once
+// for each other node of the group that holds one of its k experts. With the experts spread
+// evenly over the group's nodes and routing balanced, a node is missed with the probability
+// that none of the k distinct experts falls on it; group-limited routing whose groups each sit
+// on whole nodes reaches at most router_group_topk of them.
+double fused_network_bytes(const ModelSpec& model, double send_bytes, const GroupShape& g);
+
 // Context parallelism (C > 1): what one block's key-value exchange over the C ranks (group
 // shape `g`) leaves exposed on the compute chain, per micro-batch, in forward (again for a
 // recomputed attention core) and in backward. Ring (p2p): C - 1 steps, each passing the keys and

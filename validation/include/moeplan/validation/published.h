@@ -20,6 +20,7 @@ struct PublishedCase {
   bool fp8 = false, fp32_gradients = true;
   bool overlap_exchange = false;  // moe.overlap_exchange: Megatron-Core's merged 1F1B
   ContextExchange context_exchange = ContextExchange::kRing;  // under context parallelism
+  Dispatcher dispatcher = Dispatcher::kAllToAll;              // moe.dispatcher
   std::optional<Kernels> kernels;
   std::optional<AttentionKernel> attention;
   std::optional<bool> overlap_gradient_sync;
