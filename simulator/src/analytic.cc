@@ -114,7 +114,10 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   // Merged 1F1B: each exchange beside another micro-batch's compute (the rule
   // exchange_overlap_schedule keeps recomputed exchanges out).
   const ExchangeCover cover = exchange_cover(o);
-  if (c.moe.overlap_exchange) t.expert_comm = layers * cover.exposed(per_exchange, moe_beside, attention_beside);
+  if (c.moe.overlap_exchange) {
+    t.expert_comm = layers * cover.exposed(per_exchange, moe_beside, attention_beside);
+    t.beside_compute += layers * cover.covered(per_exchange);
+  }
   if (pairwise) {
     GroupShape alone = s.shapes.exchange;
     alone.groups_per_node = 1;

@@ -262,6 +262,11 @@ double ExchangeCover::exposed(double exchange_s, double moe_beside, double atten
          std::max(0.0, beyond(dispatch_backward) - moe_beside);
 }
 
+double ExchangeCover::covered(double exchange_s) const {
+  return std::min(exchange_s, dispatch) + std::min(exchange_s, combine) + std::min(exchange_s, combine_backward) +
+         std::min(exchange_s, dispatch_backward);
+}
+
 const KernelCosts& KernelCostCache::get(const RunConfig& c) {
   const ParallelConfig& p = c.parallel;
   const std::array<int64_t, 9> key{p.tensor_parallel_degree,  p.sequence_parallel ? 1 : 0, p.micro_batch_size,

@@ -712,6 +712,16 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
       in_period = overlapped_seconds(sim.graph, sim.times, rank, ends[0], ends[1]);
       if (repeats > 0) overlapped += in_period * static_cast<double>(repeats);
     }
+    // Under moe.overlap_exchange the covered part of each exchange runs beside another
+    // micro-batch's compute (ExchangeCover::covered), off the simulated chain.
+    if (c.moe.overlap_exchange && p.expert_parallel_degree > 1) {
+      const CostModel cost(c.cluster);
+      const LayoutShapes shapes = layout_shapes(c.cluster, p);
+      const double exchange = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, shapes.exchange), shapes.exchange);
+      const double per_micro_batch = static_cast<double>(c.model.moe_blocks()) * exchange_cover(o).covered(exchange);
+      overlapped += per_micro_batch * static_cast<double>(p.gradient_accumulation_steps);
+      in_period += per_micro_batch;
+    }
     est.contention_s = c.cluster.overlap_slowdown * overlapped;
     step += est.contention_s;
     sim.micro_batch_s += c.cluster.overlap_slowdown * (sim.micro_batches >= 2 ? in_period : overlapped);

@@ -97,6 +97,9 @@ struct ExchangeCover {
   // dispatch's exposed part may run beside the experts' weight gradients (`moe_beside`) and the
   // backward combine's beside attention's (`attention_beside`), as without the overlap.
   double exposed(double exchange_s, double moe_beside = 0, double attention_beside = 0) const;
+  // What the four take beside the other micro-batch's compute, per block: that compute shares
+  // the GPU with them and slows by the profile's overlap_slowdown for as long.
+  double covered(double exchange_s) const;
 };
 ExchangeCover exchange_cover(const KernelCosts& kernels);
 
