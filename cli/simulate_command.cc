@@ -183,7 +183,11 @@ int run_simulate(const Simulate& args) {
                 static_cast<long long>(plan.parallel.gradient_accumulation_steps), s.graph.ops().size(),
                 static_cast<unsigned long long>(s.times.events));
     print_step(plan, s);
-    print_operations(s, 16);
+    if (plan.parallel.expert_parallel_degree > 1)
+      std::printf("token exchange: %s over the %lld ranks of each expert group\n",
+                  std::string(name_of(kDispatcherNames, plan.moe.dispatcher)).c_str(),
+                  static_cast<long long>(plan.parallel.expert_parallel_degree));
+    print_operations(s, 24);
     if (!args.measured.empty()) print_phase_comparison(s, measured, config);
     if (!args.trace.empty()) {
       write_file_atomic(args.trace, to_json(simulated_trace(plan, config, s)).dump() + "\n");

@@ -507,6 +507,31 @@ TEST(StepTrace, CommandLineWritesTheSameStructure) {
   if (!HasFailure()) std::filesystem::remove_all(dir);
 }
 
+// `moeplan simulate` of a DeepSeek-V3 plan on 256 H100 (InfiniBand, DeepEP's dispatch) splits a
+// micro-batch by operation: latent attention's projections, the shared expert, the token
+// permutation and the exchanges by kind, and says which dispatcher the plan uses.
+TEST(StepTrace, SimulateSplitsAMicroBatchByOperation) {
+  ASSERT_TRUE(std::filesystem::exists(MOEPLAN_BINARY)) << MOEPLAN_BINARY << " is not built";
+  std::string dir_template = (std::filesystem::temp_directory_path() / "moeplan_step_test_XXXXXX").string();
+  ASSERT_NE(mkdtemp(dir_template.data()), nullptr);
+  const std::filesystem::path dir(dir_template);
+  const std::string cd = "cd '" + dir.string() + "' && '" + MOEPLAN_BINARY + "'";
+  ASSERT_EQ(std::system((cd + " search --model deepseek-v3 --instance dgx-h100 --gpus 256 --target megatron"
+                              " --seq-len 4096 --dispatcher deepep --expert-parallel-degree 16"
+                              " --tensor-parallel-degree 2 --expert-tensor-parallel-degree 1 --context-parallel-degree 2"
+                              " --pipeline-parallel-degree 16 --profiles '" MOEPLAN_PROFILE_DIR
+                              "' --out plan.json > search.log 2>&1")
+                             .c_str()),
+            0)
+      << "see " << dir / "search.log";
+  ASSERT_EQ(std::system((cd + " simulate plan.json > simulate.log 2>&1").c_str()), 0) << "see " << dir / "simulate.log";
+  const std::string out = test::read_text(dir / "simulate.log");
+  for (const char* op : {"token exchange: deepep over the 16 ranks", "one micro-batch on rank 0 by operation", "q_up",
+                         "kv_up", "shared_expert.fc1", "permute", "dispatch (all_to_all)", "combine_bwd (all_to_all)"})
+    EXPECT_NE(out.find(op), std::string::npos) << op << " missing from\n" << out;
+  if (!HasFailure()) std::filesystem::remove_all(dir);
+}
+
 // Determinism: the same configuration simulates to the same times and the same trace text,
 // also with another simulation run in between (no state survives a run).
 TEST(StepDeterminism, SameConfigurationSameResult) {
