@@ -57,7 +57,7 @@ enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
 // How tokens travel to their experts: NCCL's all-to-all, an all-gather of every rank's tokens,
 // or DeepEP's fused dispatch and combine kernels (deepep: across nodes each token crosses the
 // network once per node it is routed to and is forwarded over NVLink there; Megatron-Core's
-// flex dispatcher).
+// flex dispatcher with DeepEP, not its HybridEP backend).
 enum class Dispatcher : uint8_t { kAllToAll, kAllGather, kDeepEp };
 // How the context-parallel ranks pass keys and values: around a ring, each step's transfer
 // beside the attention of the chunk before (p2p: Megatron-Core's default --cp-comm-type,
