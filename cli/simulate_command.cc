@@ -1,6 +1,7 @@
 // `moeplan simulate plan.json`: one training step of a plan, where its time goes, and beside a
 // run's measured phases.
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -136,9 +137,15 @@ void print_operations(const sim::StepSimulation& s, size_t top) {
   std::map<std::string, int64_t> by_name;
   int64_t total = 0;
   for (const TraceEvent& e : sim::step_trace(s).events) {
-    if (e.rank != s.ranks.front() || e.name.rfind(micro_batch, 0) != 0) continue;
+    // The compute chain and the exchanges on it (not the gathers, gradient syncs and copies
+    // that run beside it).
+    if (e.rank != s.ranks.front() || e.name.rfind(micro_batch, 0) != 0 ||
+        (e.stream != TraceStream::kCompute && e.stream != TraceStream::kExpertComm))
+      continue;
     std::string name = e.name.substr(micro_batch.size());
-    if (name.size() > 1 && name[0] == 'L' && name.find('.') != std::string::npos) name = name.substr(name.find('.') + 1);
+    if (name.size() > 1 && name[0] == 'L' && std::isdigit(static_cast<unsigned char>(name[1])) &&
+        name.find('.') != std::string::npos)
+      name = name.substr(name.find('.') + 1);
     // A kernel's name ends in the op it belongs to (".attn_fwd", ".experts_bwd", ...).
     if (e.category == "compute" && name.rfind('.') != std::string::npos) name = name.substr(0, name.rfind('.'));
     else if (e.category != "compute") name += " (" + e.category + ")";
@@ -148,7 +155,8 @@ void print_operations(const sim::StepSimulation& s, size_t top) {
   if (total <= 0) return;
   std::vector<std::pair<std::string, int64_t>> rows(by_name.begin(), by_name.end());
   std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-  std::printf("one micro-batch on rank %lld by operation (forward, backward and recompute; collectives from arrival):\n",
+  std::printf("one micro-batch on rank %lld by operation (forward, backward and recompute; collectives from arrival, "
+              "an overlapped exchange's exposed part only):\n",
               static_cast<long long>(s.ranks.front()));
   int64_t shown = 0;
   for (size_t i = 0; i < rows.size() && i < top; ++i) {

@@ -44,7 +44,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "token_shuffle_needs_experts",
     "exchange_overlap_schedule",
     "token_counts_match_experts",
-    "deepep_needs_rdma",
+    "deepep_layout",
     "min_lr_within_lr",
     "warmup_within_steps",
     "fp8_needs_hardware",
@@ -571,16 +571,25 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
            [&] { return "= true needs " + std::string(why) + " (Megatron-Core's merged 1F1B schedule)"; });
   }
 
-  // DeepEP's kernels post RDMA from the GPU (NVSHMEM over InfiniBand or RoCE): an expert group
-  // across nodes needs such a network.
-  if (c.moe.dispatcher == Dispatcher::kDeepEp && e > 1 && !cl.gpu_initiated_rdma()) {
+  // DeepEP across nodes (deepseek-ai/DeepEP): its kernels post RDMA from the GPU (NVSHMEM over
+  // InfiniBand or RoCE), run on Hopper-class GPUs (its SM80 build has intranode kernels only;
+  // FP8 tensor cores stand for the class here), and take rank / 8 as the node and rank % 8 as
+  // the GPU: 8 consecutive ranks of the group on each node.
+  if (c.moe.dispatcher == Dispatcher::kDeepEp && e > 1) {
     const ParallelConfig& par = c.parallel;
     const int64_t node = std::max<int64_t>(1, std::min(par.world_size, cl.gpus_per_node));
-    if ((e - 1) * par.expert_stride() >= node)
-      sink(Rule::kDeepEpNeedsRdma, "moe.dispatcher", [&] {
-        return "= \"deepep\" with an expert group across nodes on " + cl.name + ", whose network (" +
-               cl.inter_node_fabric + ") lets no GPU post RDMA itself (DeepEP needs InfiniBand or RoCE)";
-      });
+    const int64_t stride = par.expert_stride();
+    if ((e - 1) * stride >= node) {
+      const char* why = !cl.gpu_initiated_rdma() ? "a network that lets GPUs post RDMA themselves (InfiniBand or RoCE)"
+                        : cl.peak_fp8_flops <= 0 ? "Hopper-class GPUs (its A100 build runs inside a node only)"
+                        : stride != 1 || node != 8  ? "8 consecutive ranks of the group on each node"
+                                                    : nullptr;
+      if (why != nullptr)
+        sink(Rule::kDeepEpLayout, "moe.dispatcher", [&] {
+          return "= \"deepep\" with an expert group across nodes of " + cl.name + " (" + cl.inter_node_fabric +
+                 "): DeepEP across nodes needs " + why;
+        });
+    }
   }
   if (t.fp8 && (cl.peak_fp8_flops <= 0 || t.precision == Precision::kFp32))
     sink(Rule::kFp8NeedsHardware, "training.fp8", [&] {

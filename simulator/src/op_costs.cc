@@ -99,10 +99,16 @@ double fused_network_bytes(const ModelSpec& m, double send_bytes, const GroupSha
   double missed = 1.0;  // P(none of the k experts on a given node)
   for (int64_t i = 0; i < m.experts_per_token; ++i)
     missed *= std::max(0.0, (experts - on_a_node - static_cast<double>(i)) / (experts - static_cast<double>(i)));
-  double other_nodes = (nodes - 1.0) * (1.0 - missed);
-  if (m.router_groups > 1 && m.router_groups % g.nodes == 0)
-    other_nodes = std::min(other_nodes, static_cast<double>(m.router_group_topk));
-  return send_bytes / static_cast<double>(m.experts_per_token) * other_nodes;
+  // Group-limited routing with whole groups on each node: a node is missed when none of its
+  // groups is among the router_group_topk chosen (fewer nodes than the experts alone would hit).
+  if (m.router_groups > 1 && m.router_groups % g.nodes == 0) {
+    const double groups = static_cast<double>(m.router_groups), on_a_node_g = groups / nodes;
+    double groups_missed = 1.0;
+    for (int64_t i = 0; i < m.router_group_topk; ++i)
+      groups_missed *= std::max(0.0, (groups - on_a_node_g - static_cast<double>(i)) / (groups - static_cast<double>(i)));
+    missed = std::max(missed, groups_missed);
+  }
+  return send_bytes / static_cast<double>(m.experts_per_token) * (nodes - 1.0) * (1.0 - missed);
 }
 
 CollectiveCost token_exchange_cost(const CostModel& cost, const RunConfig& c, double send_bytes, const GroupShape& g) {

@@ -203,9 +203,9 @@ const RuleCase kCases[] = {
        s.moe.dispatcher = Dispatcher::kDeepEp;
        s.parallel.placement = *Placement::parse("ESR");
      },
-     Rule::kDeepEpNeedsRdma, "moe.dispatcher",
-     "= \"deepep\" with an expert group across nodes on p4d.24xlarge, whose network (EFA) lets no GPU post RDMA itself "
-     "(DeepEP needs InfiniBand or RoCE)",
+     Rule::kDeepEpLayout, "moe.dispatcher",
+     "= \"deepep\" with an expert group across nodes of p4d.24xlarge (EFA): DeepEP across nodes needs a network that "
+     "lets GPUs post RDMA themselves (InfiniBand or RoCE)",
      "deepep"},
     // 24 ranks on two nodes of 12, E8 S3: expert groups 0-7 and 16-23 inside a node, 8-15 four
     // ranks on each (the shard groups differ too, because of them: the innermost is named).

@@ -401,21 +401,37 @@ TEST(ExportLaunch, ContextParallelismExportsWithEachFrameworksNames) {
               std::string::npos)
         << name;
 
-  // DeepEP is Megatron-Core's flex dispatcher; the others refuse it by rule. Its expert group
-  // here spans two nodes: on p5's EFA the core rule deepep_needs_rdma refuses it, on DGX
-  // H100's InfiniBand it exports.
-  Plan fused = megatron;
+  // DeepEP is Megatron-Core's flex dispatcher; the others refuse it by rule. Qwen3-30B-A3B's
+  // expert group of 16 consecutive ranks spans two nodes: on p5's EFA the core rule
+  // deepep_layout refuses it, on DGX H100's InfiniBand it exports.
+  planner::SearchOptions::Pins ep16;
+  ep16.expert_parallel_degree = 16;
+  ep16.tensor_parallel_degree = 1;
+  ep16.context_parallel_degree = 1;
+  ep16.pipeline_parallel_degree = 1;
+  ep16.micro_batch_size = 1;
+  ep16.placement = "PRSET";
+  Plan fused = searched("qwen3-30b-a3b", "p5.48xlarge", 32, test::framework_rules("megatron"), ep16,
+                        Precision::kMixed, 0, LoadBalancing::kAuxLoss);
   fused.moe.dispatcher = Dispatcher::kDeepEp;
   EXPECT_NE(refusal([&] { launch::export_launch(fused, test::framework_rules("megatron"), "plan.json"); })
-                .find("deepep_needs_rdma"),
+                .find("deepep_layout"),
             std::string::npos);
   fused.cluster = test::hardware("dgx-h100", 32);
+  // With the experts split over the tensor ranks Megatron-LM's flex dispatcher is refused.
+  Plan split = megatron;
+  split.moe.dispatcher = Dispatcher::kDeepEp;
+  split.cluster = test::hardware("dgx-h100", 32);
+  EXPECT_NE(refusal([&] { launch::export_launch(split, test::framework_rules("megatron"), "plan.json"); })
+                .find("megatron_layouts"),
+            std::string::npos);
   const auto f = megatron_args(
       file(launch::export_launch(fused, test::framework_rules("megatron"), "plan.json"), "megatron-args.txt").text);
   EXPECT_EQ(f.at("--moe-token-dispatcher-type"), "flex");
   EXPECT_EQ(f.count("--moe-enable-deepep"), 1u);
   Plan fused_titan = titan;
   fused_titan.moe.dispatcher = Dispatcher::kDeepEp;
+  fused_titan.cluster = test::hardware("dgx-h100", 32);
   EXPECT_NE(refusal([&] { launch::export_launch(fused_titan, test::framework_rules("torchtitan"), "plan.json"); })
                 .find("moe.dispatcher"),
             std::string::npos);

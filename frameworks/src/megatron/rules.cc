@@ -32,6 +32,14 @@ static_assert(kCount <= kMaxTargetRules);
 // pipeline (its default order "tp-cp-ep-dp-pp"); routing by its own load-balancing types.
 void check(const RunConfig& c, RuleSink& sink) {
   const ParallelConfig& p = c.parallel;
+  // Its flex dispatcher runs DeepEP over the ETP x EP ranks and asserts that there are several;
+  // moeplan prices DeepEP over the expert group with whole experts on each rank.
+  if (c.moe.dispatcher == Dispatcher::kDeepEp && (p.expert_parallel_degree <= 1 || p.expert_tensor_degree() > 1))
+    sink(kLayouts, "moe.dispatcher", [&] {
+      return "= \"deepep\" with expert_parallel_degree = " + rule_number(p.expert_parallel_degree) +
+             " and expert_tensor_parallel_degree = " + rule_number(p.expert_tensor_degree()) +
+             ": moeplan exports Megatron-LM's flex dispatcher with E > 1 and each expert whole on a rank (ETP 1)";
+    });
   if (p.hybrid_shard_degree > 1)
     sink(kLayouts, "parallel.hybrid_shard_degree", [&] {
       return "= " + rule_number(p.hybrid_shard_degree) +

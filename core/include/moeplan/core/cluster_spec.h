@@ -3,6 +3,7 @@
 // and a network card shared by the node's GPUs (EFA). Numbers are per GPU unless named per node.
 
 #include <array>
+#include <cctype>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -167,7 +168,9 @@ struct ClusterSpec {
   // Whether the network lets GPUs post RDMA themselves (InfiniBand or RoCE, through NVSHMEM's
   // IBGDA), as DeepEP's kernels across nodes need; AWS EFA does not.
   bool gpu_initiated_rdma() const {
-    return inter_node_fabric.find("InfiniBand") != std::string::npos || inter_node_fabric.find("RoCE") != std::string::npos;
+    std::string fabric = inter_node_fabric;
+    for (char& ch : fabric) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return fabric.find("infiniband") != std::string::npos || fabric.find("roce") != std::string::npos;
   }
   double inter_node_bandwidth_bytes_per_s = 0;  // per node, one direction, shared by its GPUs
   double inter_node_latency_s = 0;

@@ -62,7 +62,7 @@ enum class Rule : uint8_t {
   kTokenShuffleNeedsExperts,
   kExchangeOverlapSchedule,
   kTokenCountsMatchExperts,
-  kDeepEpNeedsRdma,
+  kDeepEpLayout,
   // Training schedule
   kMinLrWithinLr,
   kWarmupWithinSteps,

@@ -111,8 +111,8 @@ CollectiveCost token_exchange_cost(const CostModel& cost, const RunConfig& confi
 // What a rank's `send_bytes` of slots put on the network under DeepEP: a token crosses it once
 // for each other node of the group that holds one of its k experts. With the experts spread
 // evenly over the group's nodes and routing balanced, a node is missed with the probability
-// that none of the k distinct experts falls on it; group-limited routing whose groups each sit
-// on whole nodes reaches at most router_group_topk of them.
+// that none of the k distinct experts falls on it; under group-limited routing whose groups
+// each sit on whole nodes, at least with the probability that none of its groups is chosen.
 double fused_network_bytes(const ModelSpec& model, double send_bytes, const GroupShape& g);
 
 // Context parallelism (C > 1): what one block's key-value exchange over the C ranks (group
