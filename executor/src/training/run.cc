@@ -241,13 +241,28 @@ std::string save(const Plan& plan, const RunOptions& o, const TokenDataset& data
   remove_checkpoint_shard(dir, me.rank);
   me.barrier();
   if (leader) fs::remove_all(dir, ec);
-  if (failure) std::rethrow_exception(failure);
+  // A rank whose own write failed reports that; rank 0 also says what became of the save, even
+  // when its own write failed too (a full disk fails every rank at once).
+  if (failure && !leader) std::rethrow_exception(failure);
   std::string names;
   for (const int64_t r : failed) names += (names.empty() ? "" : ", ") + std::to_string(r);
   const std::string newest = latest_checkpoint(checkpoints);
-  throw InputError(dir, {{"", "not saved: the save failed on rank " + names +
-                                  " (its error names the file); what the save wrote is removed, the newest "
-                                  "checkpoint is " + (newest.empty() ? "none" : newest)}});
+  const Diagnostic summary{"", "not saved: the save failed on rank " + names +
+                                   " (its error names the file); what the save wrote is removed, the newest "
+                                   "checkpoint is " + (newest.empty() ? "none" : newest)};
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const InputError& e) {
+      std::vector<Diagnostic> own;
+      for (const std::string& line : e.lines()) own.push_back({"", line});
+      own.push_back(summary);
+      throw InputError(dir, own);
+    } catch (const std::exception& e) {
+      throw InputError(dir, {{"", e.what()}, summary});
+    }
+  }
+  throw InputError(dir, {summary});
 }
 
 // The measured trace of the last step and the report: every rank hands rank 0 its part.
