@@ -10,6 +10,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -490,17 +491,26 @@ TEST(StepTrace, MemoryCurveHoldsEachBlocksActivationsUntilItsBackward) {
   EXPECT_GE(offloaded, kResident + block2 - 1.0);
 }
 
+// A fresh folder for the real command line; the tests remove it unless they fail (its logs).
+std::filesystem::path command_dir() {
+  std::string dir_template = (std::filesystem::temp_directory_path() / "moeplan_step_test_XXXXXX").string();
+  if (mkdtemp(dir_template.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + dir_template);
+  return dir_template;
+}
+
+// `moeplan <args>` run in `dir`, its output in `log` there; its exit status.
+int run_moeplan_in(const std::filesystem::path& dir, const std::string& args, const std::string& log) {
+  const std::string cd = "cd '" + dir.string() + "' && '" + MOEPLAN_BINARY + "'";
+  return std::system((cd + " " + args + " > " + log + " 2>&1").c_str());
+}
+
 // The trace file of the real command line, from a plan the real search wrote.
 TEST(StepTrace, CommandLineWritesTheSameStructure) {
   ASSERT_TRUE(std::filesystem::exists(MOEPLAN_BINARY)) << MOEPLAN_BINARY << " is not built";
-  std::string dir_template = (std::filesystem::temp_directory_path() / "moeplan_step_test_XXXXXX").string();
-  ASSERT_NE(mkdtemp(dir_template.data()), nullptr);
-  const std::filesystem::path dir(dir_template);
-  const std::string cd = "cd '" + dir.string() + "' && '" + MOEPLAN_BINARY + "'";
-  ASSERT_EQ(std::system((cd + " search --gpus 16 --profiles '" MOEPLAN_PROFILE_DIR "' --out plan.json > search.log 2>&1").c_str()), 0)
+  const std::filesystem::path dir = command_dir();
+  ASSERT_EQ(run_moeplan_in(dir, "search --gpus 16 --profiles '" MOEPLAN_PROFILE_DIR "' --out plan.json", "search.log"), 0)
       << "see " << dir / "search.log";
-  ASSERT_EQ(std::system((cd + " simulate plan.json --trace sim.json > simulate.log 2>&1").c_str()), 0)
-      << "see " << dir / "simulate.log";
+  ASSERT_EQ(run_moeplan_in(dir, "simulate plan.json --trace sim.json", "simulate.log"), 0) << "see " << dir / "simulate.log";
   const Json j = parse_json_text(test::read_text(dir / "sim.json"), (dir / "sim.json").string());
   expect_trace_structure(j, 16);
   EXPECT_EQ(j["otherData"]["source"], "simulated");
@@ -512,19 +522,16 @@ TEST(StepTrace, CommandLineWritesTheSameStructure) {
 // permutation and the exchanges by kind, and says which dispatcher the plan uses.
 TEST(StepTrace, SimulateSplitsAMicroBatchByOperation) {
   ASSERT_TRUE(std::filesystem::exists(MOEPLAN_BINARY)) << MOEPLAN_BINARY << " is not built";
-  std::string dir_template = (std::filesystem::temp_directory_path() / "moeplan_step_test_XXXXXX").string();
-  ASSERT_NE(mkdtemp(dir_template.data()), nullptr);
-  const std::filesystem::path dir(dir_template);
-  const std::string cd = "cd '" + dir.string() + "' && '" + MOEPLAN_BINARY + "'";
-  ASSERT_EQ(std::system((cd + " search --model deepseek-v3 --instance dgx-h100 --gpus 256 --target megatron"
-                              " --seq-len 4096 --dispatcher deepep --expert-parallel-degree 16"
-                              " --tensor-parallel-degree 2 --expert-tensor-parallel-degree 1 --context-parallel-degree 2"
-                              " --pipeline-parallel-degree 16 --profiles '" MOEPLAN_PROFILE_DIR
-                              "' --out plan.json > search.log 2>&1")
-                             .c_str()),
+  const std::filesystem::path dir = command_dir();
+  ASSERT_EQ(run_moeplan_in(dir,
+                           "search --model deepseek-v3 --instance dgx-h100 --gpus 256 --target megatron --seq-len 4096"
+                           " --dispatcher deepep --expert-parallel-degree 16 --tensor-parallel-degree 2"
+                           " --expert-tensor-parallel-degree 1 --context-parallel-degree 2 --pipeline-parallel-degree 16"
+                           " --profiles '" MOEPLAN_PROFILE_DIR "' --out plan.json",
+                           "search.log"),
             0)
       << "see " << dir / "search.log";
-  ASSERT_EQ(std::system((cd + " simulate plan.json > simulate.log 2>&1").c_str()), 0) << "see " << dir / "simulate.log";
+  ASSERT_EQ(run_moeplan_in(dir, "simulate plan.json", "simulate.log"), 0) << "see " << dir / "simulate.log";
   const std::string out = test::read_text(dir / "simulate.log");
   for (const char* op : {"token exchange: deepep over the 16 ranks", "one micro-batch on rank 0 by operation", "q_up",
                          "kv_up", "shared_expert.fc1", "permute", "dispatch (all_to_all)", "combine_bwd (all_to_all)"})
