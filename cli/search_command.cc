@@ -110,6 +110,9 @@ void add_layout_options(CLI::App& cmd, Search& s) {
   add_choice(cmd, "--checkpointing", pin.checkpointing, kCheckpointingNames,
              "Fix activation checkpointing (selective: the MoE sub-block; attention_core: Megatron's selective "
              "recomputation; latent_up: latent attention's up projections, Megatron's mla_up_proj)");
+  add_choice(cmd, "--dense-shard-spans-experts", pin.dense_shard_spans_experts, kOnOff,
+             "Fix whether the dense parameters are sharded over the expert and context ranks too (FSDP2's shard "
+             "dimension spanning EP and CP)");
   add_choice(cmd, "--distributed-optimizer", pin.distributed_optimizer, kOnOff,
              "Fix the distributed optimizer (states sharded over the data-parallel ranks, ZeRO-1)");
   cmd.add_option("--first-stage-layers", pin.first_stage_layers, "Fix the blocks of the first pipeline stage")

@@ -86,6 +86,7 @@ static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
   p.pipeline_parallel_degree = r.integer("pipeline_parallel_degree", 1, kMaxDegree, 1);
   p.context_parallel_degree = r.integer("context_parallel_degree", 1, kMaxDegree, 1);
   p.context_exchange = r.choice<ContextExchange>("context_exchange", kContextExchangeNames, ContextExchange::kRing);
+  p.dense_shard_spans_experts = r.boolean("dense_shard_spans_experts", false);
   p.virtual_pipeline_degree = r.integer("virtual_pipeline_degree", 1, kMaxDegree, 1);
   p.sequence_parallel = r.boolean("sequence_parallel", false);
   const bool degrees_read = d.items().size() == problems_before;
@@ -196,6 +197,7 @@ Json to_json(const ParallelConfig& p) {
     j["context_parallel_degree"] = p.context_parallel_degree;
     j["context_exchange"] = name_of(kContextExchangeNames, p.context_exchange);
   }
+  if (p.dense_shard_spans_experts) j["dense_shard_spans_experts"] = true;
   j["virtual_pipeline_degree"] = p.virtual_pipeline_degree;
   j["sequence_parallel"] = p.sequence_parallel;
   j["placement"] = p.placement.to_string();
@@ -334,8 +336,9 @@ ModelSpec stage_blocks(const ModelSpec& model, const ParallelConfig& p, int64_t 
 }
 
 std::string describe(const ParallelConfig& p) {
-  std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" +
-                  std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree());
+  std::string s = "E" + std::to_string(p.expert_parallel_degree) + " S" + std::to_string(p.hybrid_shard_degree) +
+                  (p.dense_shard_spanning() ? " dense-S" + std::to_string(p.dense_shard_degree()) : "") + " R" +
+                  std::to_string(p.replica_degree());
   if (p.tensor_parallel_degree > 1) s += " T" + std::to_string(p.tensor_parallel_degree) + (p.sequence_parallel ? " sp" : "");
   if (p.expert_tensor_degree() != std::max<int64_t>(1, p.tensor_parallel_degree))
     s += " ETP" + std::to_string(p.expert_tensor_degree());

@@ -136,8 +136,10 @@ namespace {
 // kNone none (stages standing for any: each counts the larger end's unit as gathered).
 enum class Ends : uint8_t { kNone, kFirst, kLast, kBoth, kMiddle, kLarger };
 
+// The dense parameters are split over `s` ranks, the routed experts over `expert_s` (0: s).
 ShardSizes shard_sizes_with(const ModelSpec& model, StageBlockCounts blocks, int64_t e, int64_t s, int64_t t, int64_t p,
-                            Ends which, int64_t etp) {
+                            Ends which, int64_t etp, int64_t expert_s = 0) {
+  if (expert_s <= 0) expert_s = s;
   const ParamCounts c = count_parameters(model);
   t = std::max<int64_t>(1, t);
   const int64_t experts_per_layer = ceil_div(model.num_experts / e * c.expert, etp > 0 ? etp : t);
@@ -160,7 +162,7 @@ ShardSizes shard_sizes_with(const ModelSpec& model, StageBlockCounts blocks, int
   // a multiple of S before it is split.
   const int64_t ends_shard = which == Ends::kLarger ? std::max(ceil_div(embedding, s), ceil_div(head, s))
                                                     : (first ? ceil_div(embedding, s) : 0) + (last ? ceil_div(head, s) : 0);
-  out.shard_expert_params = moe_layers * ceil_div(experts_per_layer, s);
+  out.shard_expert_params = moe_layers * ceil_div(experts_per_layer, expert_s);
   out.shard_params = ends_shard + moe_layers * ceil_div(dense_per_layer, s) + out.shard_expert_params +
                      dense_layers * ceil_div(dense_block, s);
   const bool any = which == Ends::kNone || which == Ends::kLarger;
@@ -238,9 +240,11 @@ void add_model_states(const RunConfig& c, const ShardSizes& sizes, int64_t a, Me
   // The distributed optimizer splits the master weights and the moments over the ranks that
   // hold the same parameters (Megatron-Core's data-parallel group for the dense ones: E x C x R,
   // the mesh's E; its expert data-parallel group for the experts: R, and C where the expert
-  // group does not span it); the gradients stay whole for the reduce-scatter.
-  const int64_t cp = std::max<int64_t>(1, p.context_parallel_degree);
-  const int64_t r = p.replica_degree(), dense_ranks = r * std::max<int64_t>(1, p.expert_data_degree()) * cp;
+  // group does not span it; where the dense shard spans E and C, R alone); the gradients stay
+  // whole for the reduce-scatter.
+  const int64_t cp = p.dense_shard_spanning() ? 1 : std::max<int64_t>(1, p.context_parallel_degree);
+  const int64_t r = p.replica_degree();
+  const int64_t dense_ranks = p.dense_shard_spanning() ? r : r * std::max<int64_t>(1, p.expert_data_degree()) * cp;
   const int64_t expert_ranks = p.expert_spans_context() ? r : r * cp;
   if (p.distributed_optimizer && dense_ranks > 1 && shard > 0) {
     const int64_t experts = sizes.shard_expert_params;
@@ -250,7 +254,7 @@ void add_model_states(const RunConfig& c, const ShardSizes& sizes, int64_t a, Me
   }
   // FP8 GEMMs: Transformer Engine keeps each weight's FP8 copy for the step's micro-batches.
   if (c.training.fp8) out.parameters += shard;
-  if (p.hybrid_shard_degree > 1) {
+  if (p.shards_states()) {
     out.gathered_parameters = 2 * sizes.largest_unit_params * a;
     out.gradient_buffers = sizes.largest_unit_params * a;
   }
@@ -394,9 +398,9 @@ MemoryEstimate estimate_stage_memory(const RunConfig& c, Ends ends, StageBlockCo
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
   const int64_t a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-  const ShardSizes sizes = shard_sizes_with(m, blocks, p.expert_parallel_degree, p.hybrid_shard_degree,
+  const ShardSizes sizes = shard_sizes_with(m, blocks, p.expert_parallel_degree, p.dense_shard_degree(),
                                             p.tensor_parallel_degree, p.pipeline_parallel_degree, ends,
-                                            p.expert_tensor_degree());
+                                            p.expert_tensor_degree(), p.expert_shard_degree());
   MemoryEstimate out;
   add_model_states(c, sizes, a, out);
   // A rank's share of each sequence: 1 / C of it under context parallelism (with flash

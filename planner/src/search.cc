@@ -122,7 +122,7 @@ struct OffloadOption {
 // Choices made per (E, S, T, P) beside checkpointing, offloading and the micro-batch.
 struct Variant {
   int64_t chunks;
-  bool sequence, distributed_optimizer;
+  bool sequence, distributed_optimizer, dense_shard_spans_experts;
   std::pair<int64_t, int64_t> ends;
 };
 
@@ -146,6 +146,9 @@ struct Space {
   // Micro-batch sizes for T, P and C: powers of two and the divisors of the per-reader batch.
   std::vector<int64_t> micro_batches(int64_t t, int64_t pp, int64_t cp) const;
   std::vector<Variant> variants(int64_t e, int64_t s, int64_t t, int64_t pp, int64_t cp) const;
+  // Whether the dense shard spans the expert (the mesh's E) and context ranks: what the framework
+  // does, where there are some.
+  std::vector<bool> dense_shard_span_options(int64_t e, int64_t cp) const;
   // The degrees chosen with T: each pipeline degree, each split of the routed experts under T
   // (T as 0, and where the framework folds the tensor ranks into the expert group, 1) and each
   // context-parallel degree.
@@ -287,12 +290,23 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
   std::vector<bool> optimizer_options = {false};
   if (replicated && capabilities.distributed_optimizer) optimizer_options = {false, true};
   if (pin.distributed_optimizer) optimizer_options = {*pin.distributed_optimizer};
+  const std::vector<bool> span_options = dense_shard_span_options(e, cp);
   std::vector<Variant> out;
   for (const auto& ends : stage_splits(pp))
     for (int64_t chunks : pin.virtual_pipeline_degree || ends.first == 0 ? chunk_options : uneven_chunk_options)
       for (bool sequence : sequence_options)
-        for (bool sharded_optimizer : optimizer_options) out.push_back({chunks, sequence, sharded_optimizer, ends});
+        for (bool sharded_optimizer : optimizer_options)
+          for (bool span : span_options) out.push_back({chunks, sequence, sharded_optimizer, span, ends});
   return out;
+}
+
+std::vector<bool> Space::dense_shard_span_options(int64_t e, int64_t cp) const {
+  using Span = FrameworkCapabilities::DenseShardSpan;
+  if (pin.dense_shard_spans_experts) return {*pin.dense_shard_spans_experts};
+  // Nothing to span: the flag would change nothing.
+  if (e * cp <= 1 || capabilities.dense_shard_span == Span::kNever) return {false};
+  if (capabilities.dense_shard_span == Span::kAlways) return {true};
+  return {false, true};
 }
 
 // Placements matter through the shape of each dimension's groups (members per node, nodes
@@ -303,16 +317,18 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
 //
 // The rules are checked with one placement for all; a folded expert group's also depends on it (E
 // directly outside T): the others break expert_tensor_folds (or expert_spans_context where only
-// the context ranks are folded in), and are counted in `misplaced`.
+// the context ranks are folded in), and are counted in `misplaced`. `shard_span`: some variants
+// shard the dense parameters over S x E x C, whose group's shape counts too.
 std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutShapes>> distinct_placements(
-    const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements, int64_t& misplaced) {
+    const ClusterSpec& cluster, ParallelConfig p, const std::vector<Placement>& placements, bool shard_span,
+    int64_t& misplaced) {
   const int64_t w = p.world_size, e = p.expert_data_degree(), s = p.hybrid_shard_degree,
                 t = p.tensor_parallel_degree, pp = p.pipeline_parallel_degree, cp = p.context_parallel_degree;
   const bool divides = e >= 1 && s >= 1 && t >= 1 && pp >= 1 && cp >= 1 && w % (e * s * t * pp * cp) == 0 &&
                        p.expert_parallel_degree % p.expert_fold() == 0;
   std::vector<std::pair<int64_t, Placement>> distinct;
   std::vector<sim::LayoutShapes> shapes;
-  std::set<std::array<int64_t, 3 * (kMeshDims + 1)>> layouts;
+  std::set<std::array<int64_t, 3 * (kMeshDims + 2)>> layouts;
   for (size_t i = 0; i < placements.size(); ++i) {
     p.placement = placements[i];
     if (p.expert_fold() > 1 && !p.expert_beside_tensor()) {
@@ -327,10 +343,11 @@ std::pair<std::vector<std::pair<int64_t, Placement>>, std::vector<sim::LayoutSha
       continue;
     }
     const sim::LayoutShapes shape = sim::layout_shapes(cluster, p);
-    std::array<int64_t, 3 * (kMeshDims + 1)> key{};
+    std::array<int64_t, 3 * (kMeshDims + 2)> key{};
     size_t k = 0;
+    const sim::GroupShape none;
     for (const sim::GroupShape* g : {&shape.replica, &shape.shard, &shape.expert, &shape.tensor, &shape.pipeline,
-                                     &shape.exchange, &shape.context}) {
+                                     &shape.exchange, &shape.context, shard_span ? &shape.shard_span : &none}) {
       const bool spread = g->size > 1;
       key[k++] = spread ? g->per_node : 0;
       key[k++] = spread ? g->nodes : 0;
@@ -403,7 +420,9 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
           const int64_t inner = static_cast<int64_t>(variants.size() * space.checkpointing.size() *
                                                      space.offloads.size() * micro_batches.size());
           int64_t misplaced = 0;
-          const auto [distinct, shapes] = distinct_placements(cluster, p, space.placements, misplaced);
+          const bool shard_span = std::any_of(variants.begin(), variants.end(),
+                                              [](const Variant& v) { return v.dense_shard_spans_experts; });
+          const auto [distinct, shapes] = distinct_placements(cluster, p, space.placements, shard_span, misplaced);
           const auto tried = static_cast<int64_t>(space.placements.size());
           stats.enumerated += inner * tried;
           const auto kept = static_cast<int64_t>(distinct.size());
@@ -423,6 +442,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
             p.virtual_pipeline_degree = v.chunks;
             p.sequence_parallel = v.sequence;
             p.distributed_optimizer = v.distributed_optimizer;
+            p.dense_shard_spans_experts = v.dense_shard_spans_experts;
             p.first_stage_layers = v.ends.first;
             p.last_stage_layers = v.ends.second;
             for (Checkpointing ckpt : space.checkpointing) {

@@ -1,7 +1,10 @@
 #include "moeplan/simulator/analytic.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 
 #include "moeplan/core/units.h"
 #include "moeplan/simulator/op_costs.h"
@@ -20,7 +23,8 @@ LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& par
           group_shape(cluster, parallel, MeshDim::kTensor),
           group_shape(cluster, parallel, MeshDim::kPipeline),
           exchange,
-          group_shape(cluster, parallel, MeshDim::kContext)};
+          group_shape(cluster, parallel, MeshDim::kContext),
+          group_shape(cluster, parallel, kShardSpanDims)};
 }
 
 namespace {
@@ -194,28 +198,42 @@ void add_sharded_states(const Stage& s, StageTimes& t) {
   const OpCosts& o = s.o;
   const CostModel& cost = s.cost;
   const double layers = s.layers();
-  if (s.c.parallel.hybrid_shard_degree <= 1) return;
+  const ParallelConfig& p = s.c.parallel;
+  if (!p.shards_states()) return;
   const double per_block_compute = (t.compute + t.recompute - o.head_s) / layers;
-  GroupShape alone = s.shapes.shard;
-  alone.groups_per_node = 1;
-  // Blocks of `unit_bytes` each: an MoE block, or a dense block among MoE blocks.
-  auto add_blocks = [&](double blocks, double unit_bytes) {
+  // A block's units: (bytes, the group they are sharded over).
+  using Units = std::initializer_list<std::pair<double, const GroupShape*>>;
+  // Blocks of `units` each: an MoE block, or a dense block among MoE blocks.
+  auto add_blocks = [&](double blocks, const Units& units) {
     if (blocks <= 0) return;
-    const double gather = cost.all_gather_seconds(unit_bytes, s.shapes.shard);
-    const double scatter = cost.reduce_scatter_seconds(unit_bytes, s.shapes.shard);
-    const double per_block_comm = 2.0 * gather + scatter;
+    double gather = 0, per_block_comm = 0, gather_alone = 0, nic = 0;
+    for (const auto& [bytes, group] : units) {
+      if (group->size <= 1) continue;
+      GroupShape alone = *group;
+      alone.groups_per_node = 1;
+      const double g = cost.all_gather_seconds(bytes, *group);
+      gather += g;
+      per_block_comm += 2.0 * g + cost.reduce_scatter_seconds(bytes, *group);
+      gather_alone += cost.all_gather_seconds(bytes, alone);
+      nic += cost.all_gather_cost(bytes, *group).nic_bytes_per_node * static_cast<double>(group->groups_per_node);
+    }
     // The first gather has nothing to hide behind; the rest overlap block by block.
     if (t.shard_comm_exposed == 0) t.shard_comm_exposed = gather;
     t.shard_comm_exposed += blocks * std::max(0.0, per_block_comm - per_block_compute);
     t.beside_compute += blocks * std::min(per_block_comm, per_block_compute);
     // The gather stream runs 2 gathers per block and micro-batch, the gradient stream one
     // reduce-scatter.
-    const CollectiveCost g = cost.all_gather_cost(unit_bytes, s.shapes.shard);
-    t.gather_stream_min += 2.0 * blocks * cost.all_gather_seconds(unit_bytes, alone);
-    t.nic_bytes += 3.0 * blocks * g.nic_bytes_per_node * static_cast<double>(s.shapes.shard.groups_per_node);
+    t.gather_stream_min += 2.0 * blocks * gather_alone;
+    t.nic_bytes += 3.0 * blocks * nic;
   };
-  add_blocks(s.moe_layers(), o.unit_bytes);
-  add_blocks(s.dense_layers(), o.dense_block_bytes);
+  const GroupShape& dense = s.shapes.dense_shard(p);
+  // Where the dense shard spans other ranks than the experts', a block's dense part and its
+  // experts are gathered in their own groups.
+  if (p.dense_shard_spanning())
+    add_blocks(s.moe_layers(), {{o.dense_unit_bytes, &dense}, {o.expert_unit_bytes, &s.shapes.expert_shard(p)}});
+  else
+    add_blocks(s.moe_layers(), {{o.unit_bytes, &dense}});
+  add_blocks(s.dense_layers(), {{o.dense_block_bytes, &dense}});
 }
 
 // Activation offload: every stored block activation goes to the host and comes back.
@@ -239,10 +257,16 @@ void add_gradient_sync(const Stage& s, StageTimes& t) {
                                    : cost.all_reduce_seconds(bytes, g);
   };
   const bool experts_over_context = !p.expert_spans_context();
-  t.full_sync = sync(o.dense_shard_bytes, s.shapes.expert) +
-                sync(o.dense_shard_bytes / e + (experts_over_context ? o.expert_shard_bytes : 0.0), s.shapes.context) +
-                sync(o.dense_shard_bytes / e / cp + o.expert_shard_bytes / (experts_over_context ? cp : 1.0),
-                     s.shapes.replica);
+  if (p.dense_shard_spanning()) {
+    // The expert and context ranks hold shards of the dense parameters (and of the experts
+    // where the expert group does not span C): every shard syncs over R alone.
+    t.full_sync = sync(o.dense_shard_bytes + o.expert_shard_bytes, s.shapes.replica);
+  } else {
+    t.full_sync = sync(o.dense_shard_bytes, s.shapes.expert) +
+                  sync(o.dense_shard_bytes / e + (experts_over_context ? o.expert_shard_bytes : 0.0), s.shapes.context) +
+                  sync(o.dense_shard_bytes / e / cp + o.expert_shard_bytes / (experts_over_context ? cp : 1.0),
+                       s.shapes.replica);
+  }
   t.grad_sync = t.full_sync;
   // On GPUs the sync runs behind the last micro-batch's backward, block by block, where the
   // framework starts it there.

@@ -21,6 +21,27 @@ GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& paralle
   return group_shape(cluster, parallel.world_size, parallel.degree(dim), parallel.stride(dim));
 }
 
+GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& parallel, std::span<const MeshDim> dims) {
+  GroupShape g;
+  for (MeshDim d : dims) g.size *= std::max<int64_t>(1, parallel.degree(d));
+  const int64_t node_ranks = std::max<int64_t>(1, std::min(parallel.world_size, cluster.gpus_per_node));
+  // Members on the first node: ranks whose coordinates are 0 along every other dimension.
+  int64_t on_first = 0;
+  for (int64_t rank = 0; rank < node_ranks; ++rank) {
+    bool member = true;
+    for (MeshDim d : kAllMeshDims) {
+      if (std::find(dims.begin(), dims.end(), d) != dims.end()) continue;
+      const int64_t degree = std::max<int64_t>(1, parallel.degree(d));
+      if ((rank / std::max<int64_t>(1, parallel.stride(d))) % degree != 0) member = false;
+    }
+    if (member) ++on_first;
+  }
+  g.per_node = std::clamp<int64_t>(on_first, 1, g.size);
+  g.nodes = (g.size + g.per_node - 1) / g.per_node;
+  g.groups_per_node = std::max<int64_t>(1, node_ranks / g.per_node);
+  return g;
+}
+
 double CostModel::matmul_seconds(double flops, double gemm_flops, bool fp32) const {
   if (flops <= 0) return 0;
   const double peak = fp32 ? cluster_->peak_fp32_flops : cluster_->peak_bf16_flops;

@@ -290,7 +290,10 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   const bool fp32 = c.training.precision == Precision::kFp32;
   const double a = fp32 ? kBytesFp32 : kBytesBf16;
   const double e = static_cast<double>(p.expert_parallel_degree);
-  const double s = static_cast<double>(p.hybrid_shard_degree);
+  // The dense parameters' shard group and the routed experts' (S, or S x E x C where the dense
+  // shard spans the expert and context ranks).
+  const double s = static_cast<double>(p.dense_shard_degree());
+  const double expert_s = static_cast<double>(p.expert_shard_degree());
   const double h = static_cast<double>(m.hidden_size);
   const double tp = static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
   const double etp = static_cast<double>(p.expert_tensor_degree());  // the routed experts' split
@@ -347,10 +350,10 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
                  block_whole * a;
   o.dense_block_bytes = dense_block * a;
   auto gathered = [&](double numel) { return std::ceil(numel / tp / s) * s * a; };
-  auto gathered_share = [&](double share) { return std::ceil(share / s) * s * a; };
-  o.dense_block_unit_bytes = gathered_share(dense_block);
-  o.dense_unit_bytes = gathered_share(block_dense);
-  o.expert_unit_bytes = gathered_share(block_experts);
+  auto gathered_share = [&](double share, double over) { return std::ceil(share / over) * over * a; };
+  o.dense_block_unit_bytes = gathered_share(dense_block, s);
+  o.dense_unit_bytes = gathered_share(block_dense, s);
+  o.expert_unit_bytes = gathered_share(block_experts, expert_s);
   o.embed_unit_bytes = gathered(static_cast<double>(params.embedding));
   // The last stage's head unit: under a pipeline, multi-token prediction looks tokens up there too.
   const bool embedding_copy = p.pipeline_parallel_degree > 1 && m.mtp_layers > 0;
@@ -362,20 +365,22 @@ OpCosts op_costs(const RunConfig& c, const KernelCosts& kernels) {
   const double layers = static_cast<double>(params.num_layers);
   const double dense_share = params.tensor_share(static_cast<double>(params.dense()), layers, tp);
   o.dense_shard_bytes = dense_share / s * a;
-  o.expert_shard_bytes = static_cast<double>(params.experts()) / e / etp / s * a;
+  o.expert_shard_bytes = static_cast<double>(params.experts()) / e / etp / expert_s * a;
 
   // AdamW over the rank's shard (the distributed optimizer divides it over the data-parallel
   // ranks that hold the same parameters: the dense ones' over E x C x R (the mesh's E), the
-  // experts' over R, or C x R where the expert group does not span C).
+  // experts' over R, or C x R where the expert group does not span C; where the dense shard
+  // spans E and C, over R alone).
   const double model_whole = layers * block_whole;
   // Context-parallel ranks hold the same dense parameters (and the same experts where the
-  // expert group does not span them).
-  const double cp = static_cast<double>(std::max<int64_t>(1, p.context_parallel_degree));
+  // expert group does not span them) unless the shard spans them.
+  const double cp = p.dense_shard_spanning() ? 1.0 : static_cast<double>(std::max<int64_t>(1, p.context_parallel_degree));
   const double r = p.distributed_optimizer ? static_cast<double>(std::max<int64_t>(1, p.replica_degree())) : 1.0;
   const double expert_ranks = p.distributed_optimizer && !p.expert_spans_context() ? r * cp : r;
-  const double dense_ranks = p.distributed_optimizer ? r * static_cast<double>(p.expert_data_degree()) * cp : 1.0;
+  const double dense_ranks =
+      p.distributed_optimizer && !p.dense_shard_spanning() ? r * static_cast<double>(p.expert_data_degree()) * cp : r;
   const double shard_params = (static_cast<double>(params.dense()) - model_whole) / s / dense_ranks / tp +
-                              static_cast<double>(params.experts()) / e / etp / s / expert_ranks +
+                              static_cast<double>(params.experts()) / e / etp / expert_s / expert_ranks +
                               model_whole / s / dense_ranks;
   o.optimizer_s = o.measured ? curve_at(c.cluster.op_times.optimizer, shard_params)
                              : optimizer_kernels(c, shard_params).seconds();

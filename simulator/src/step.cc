@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <span>
 #include <stdexcept>
 
 #include "moeplan/core/moe_load.h"
@@ -30,7 +31,11 @@ class Layout {
     for (int64_t r = 0; r < count; ++r) ranks_.push_back(r);
     nodes_ = all_ranks ? static_cast<int32_t>((p.world_size + node_ranks - 1) / node_ranks) : 1;
     node_ranks_ = node_ranks;
-    for (MeshDim d : kAllMeshDims) groups_[static_cast<size_t>(d)] = find_groups(d);
+    for (MeshDim d : kAllMeshDims) {
+      const std::array<MeshDim, 1> one{d};
+      groups_[static_cast<size_t>(d)] = find_groups(one);
+    }
+    shard_span_ = find_groups(kShardSpanDims);
   }
 
   const std::vector<int64_t>& ranks() const { return ranks_; }
@@ -48,22 +53,34 @@ class Layout {
     std::vector<std::vector<int32_t>> nodes;
   };
   const Groups& groups(MeshDim d) const { return groups_[static_cast<size_t>(d)]; }
+  // The groups over S x E x C, where the dense parameters' shard spans the expert and context
+  // ranks.
+  const Groups& shard_span_groups() const { return shard_span_; }
 
  private:
-  Groups find_groups(MeshDim d) const {
-    const int64_t stride = c_.parallel.stride(d);
-    const int64_t degree = c_.parallel.degree(d);
+  // The groups of ranks that differ only along `dims`.
+  Groups find_groups(std::span<const MeshDim> dims) const {
+    const ParallelConfig& p = c_.parallel;
+    // A group's members: its smallest rank plus each combination of offsets along `dims`.
+    std::vector<int64_t> offsets = {0};
+    for (MeshDim d : dims) {
+      std::vector<int64_t> wider;
+      for (int64_t i = 0; i < p.degree(d); ++i)
+        for (int64_t o : offsets) wider.push_back(o + i * p.stride(d));
+      offsets = std::move(wider);
+    }
     Groups g;
     std::map<int64_t, int32_t> index_of_base;  // a group is known by its smallest rank
     for (int64_t rank : ranks_) {
-      const int64_t base = rank - coord(rank, d) * stride;
+      int64_t base = rank;
+      for (MeshDim d : dims) base -= coord(rank, d) * p.stride(d);
       auto [it, fresh] = index_of_base.try_emplace(base, static_cast<int32_t>(g.parts.size()));
       g.of_rank.push_back(it->second);
       if (!fresh) continue;
       int32_t parts = 0;
       std::vector<int32_t> nodes;
-      for (int64_t i = 0; i < degree; ++i) {
-        const int64_t member = base + i * stride;
+      for (int64_t offset : offsets) {
+        const int64_t member = base + offset;
         if (member < static_cast<int64_t>(ranks_.size())) ++parts;
         const auto node = static_cast<int32_t>(member / node_ranks_);
         if (node < nodes_ && std::find(nodes.begin(), nodes.end(), node) == nodes.end()) nodes.push_back(node);
@@ -79,6 +96,7 @@ class Layout {
   int32_t nodes_ = 1;
   int64_t node_ranks_ = 1;
   std::array<Groups, kMeshDims> groups_;
+  Groups shard_span_;
 };
 
 class Builder {
@@ -135,10 +153,11 @@ class Builder {
       const bool last = mb + 1 == micro_batches_ && overlap_sync_;
       for (int l = 0; l < layers_; ++l) forward_layer(state, static_cast<int16_t>(mb), l);
       std::vector<OpId> head_gathered(n, kNoOp);
-      if (p_.hybrid_shard_degree > 1) {
+      if (dense_sharded()) {
         // The final norm and lm head, gathered for forward and again for backward.
         for (size_t r = 0; r < n; ++r) head_gathered[r] = layers_ >= 2 ? state[r].fwd_done[static_cast<size_t>(layers_ - 2)] : kNoOp;
-        for (int pass = 0; pass < 2; ++pass) gather(head_gathered, OpKind::kGatherForward, -1, mb, o_.head_unit_bytes);
+        for (int pass = 0; pass < 2; ++pass)
+          gather(head_gathered, OpKind::kGatherForward, -1, mb, o_.head_unit_bytes, true);
       }
       for (size_t r = 0; r < n; ++r) {
         Op head = compute(r, OpKind::kHeadForwardBackward, -1, mb, o_.head_s, 3.0 * o_.head_flops);
@@ -146,7 +165,7 @@ class Builder {
         graph_.depend(state[r].last, state[r].layer_out);
         graph_.depend(state[r].last, head_gathered[r]);
       }
-      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.head_unit_bytes);
+      if (dense_sharded()) reduce_scatter(state, -1, mb, o_.head_unit_bytes, true);
       else
         for (RankState& st : state) st.last_grad = st.last;
       if (last) sync_unit(state, o_.head_unit_bytes, true);
@@ -154,7 +173,7 @@ class Builder {
         backward_layer(state, static_cast<int16_t>(mb), l);
         if (last) sync_block(state, l);
       }
-      if (p_.hybrid_shard_degree > 1) reduce_scatter(state, -1, mb, o_.embed_unit_bytes);
+      if (dense_sharded()) reduce_scatter(state, -1, mb, o_.embed_unit_bytes, true);
       else
         for (RankState& st : state) st.last_grad = st.last;
       if (last) sync_unit(state, o_.embed_unit_bytes, true);
@@ -175,7 +194,7 @@ class Builder {
     // next step's forward waits only for the first unit (Megatron's overlapped parameter
     // gather); the others arrive behind its compute.
     if (p_.distributed_optimizer && p_.replica_degree() > 1) {
-      const double bytes = o_.embed_unit_bytes / static_cast<double>(p_.hybrid_shard_degree);
+      const double bytes = o_.embed_unit_bytes / static_cast<double>(p_.dense_shard_degree());
       collective_round(synced_, MeshDim::kReplica, OpKind::kGatherForward, TraceStream::kGradComm, -1, -1,
                        cost_.all_gather_cost(bytes, shapes_.replica), bytes, true);
     }
@@ -190,11 +209,15 @@ class Builder {
     std::vector<OpId> fwd_done, bwd_done, offloaded;
   };
 
-  // One unit's gradient shard (`unit_bytes` / S) across the replicas: a dense unit's over E
-  // then R, an expert unit's over R. All-reduced, or reduce-scattered under the distributed
-  // optimizer (which gathers the parameters back after the update).
+  // One unit's gradient shard (`unit_bytes` / its shard degree) across the replicas: a dense
+  // unit's over E, C then R, an expert unit's over R (and C where the expert group does not
+  // span it); where the dense shard spans E and C, every unit's over R alone. All-reduced, or
+  // reduce-scattered under the distributed optimizer (which gathers the parameters back after
+  // the update).
   void sync_unit(const std::vector<RankState>& state, double unit_bytes, bool dense) {
-    const double bytes = unit_bytes * grad_scale_ / static_cast<double>(p_.hybrid_shard_degree);
+    const double shards = static_cast<double>(dense ? p_.dense_shard_degree() : p_.expert_shard_degree());
+    const double bytes = unit_bytes * grad_scale_ / shards;
+    const bool spanned = p_.dense_shard_spanning();
     // After the unit's gradients are complete (its reduce-scatter, or the backward op); the
     // gradient stream keeps the syncs in issue order.
     for (size_t r = 0; r < state.size(); ++r) synced_[r] = state[r].last_grad;
@@ -202,12 +225,12 @@ class Builder {
     auto cost = [&](const GroupShape& g) {
       return scatter ? cost_.reduce_scatter_cost(bytes, g) : cost_.all_reduce_cost(bytes, g);
     };
-    if (dense)
+    if (dense && !spanned)
       collective_round(synced_, MeshDim::kExpert, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
                        cost(shapes_.expert), bytes, true);
     // The context ranks hold the same dense parameters, and the same experts where the expert
     // group does not span them.
-    if (dense || !p_.expert_spans_context())
+    if (!spanned && (dense || !p_.expert_spans_context()))
       collective_round(synced_, MeshDim::kContext, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
                        cost(shapes_.context), bytes, true);
     collective_round(synced_, MeshDim::kReplica, OpKind::kGradAllReduce, TraceStream::kGradComm, -1, -1,
@@ -252,7 +275,12 @@ class Builder {
   void collective_round(std::vector<OpId>& after, MeshDim d, OpKind kind, TraceStream stream, int layer, int64_t mb,
                         const CollectiveCost& cost, double bytes, bool skip_single, bool timed_in_place = false) {
     if (skip_single && p_.degree(d) <= 1) return;
-    const Layout::Groups& groups = layout_.groups(d);
+    collective_round_in(layout_.groups(d), after, kind, stream, layer, mb, cost, bytes, timed_in_place);
+  }
+
+  // The same over the given groups.
+  void collective_round_in(const Layout::Groups& groups, std::vector<OpId>& after, OpKind kind, TraceStream stream,
+                           int layer, int64_t mb, const CollectiveCost& cost, double bytes, bool timed_in_place) {
     std::vector<int32_t> collective_of_group(groups.parts.size(), -1);
     const SimTime latency = to_sim_time(cost.latency_s);
     const SimTime intra = to_sim_time(cost.intra_s);
@@ -276,20 +304,35 @@ class Builder {
     }
   }
 
-  // A gather of `bytes` along the shard dimension after `after[r]`, which it replaces.
-  void gather(std::vector<OpId>& after, OpKind kind, int layer, int64_t mb, double bytes) {
-    collective_round(after, MeshDim::kShard, kind, TraceStream::kShardGather, layer, mb,
-                     cost_.all_gather_cost(bytes, shapes_.shard), bytes, false);
+  // Whether the dense parameters, or the routed experts, are sharded.
+  bool dense_sharded() const { return p_.dense_shard_degree() > 1; }
+  bool experts_sharded() const { return p_.expert_shard_degree() > 1; }
+  // The groups a dense unit, or an expert unit, is sharded over: S, or S x E x C where the
+  // dense shard spans them (the experts' too where they are sharded over as many ranks).
+  const Layout::Groups& shard_groups(bool dense) const {
+    const bool spanned = p_.dense_shard_spanning() && (dense || p_.expert_shard_degree() == p_.dense_shard_degree());
+    return spanned ? layout_.shard_span_groups() : layout_.groups(MeshDim::kShard);
+  }
+  const GroupShape& shard_shape(bool dense) const {
+    return dense ? shapes_.dense_shard(p_) : shapes_.expert_shard(p_);
   }
 
-  // A gradient reduce-scatter of a unit (`bytes` in the compute dtype) after the rank's latest
-  // compute.
-  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double unit_bytes) {
+  // A gather of a unit's `bytes` over its shard group after `after[r]`, which it replaces.
+  void gather(std::vector<OpId>& after, OpKind kind, int layer, int64_t mb, double bytes, bool dense) {
+    if (!(dense ? dense_sharded() : experts_sharded())) return;
+    collective_round_in(shard_groups(dense), after, kind, TraceStream::kShardGather, layer, mb,
+                        cost_.all_gather_cost(bytes, shard_shape(dense)), bytes, false);
+  }
+
+  // A gradient reduce-scatter of a unit (`bytes` in the compute dtype) over its shard group
+  // after the rank's latest compute.
+  void reduce_scatter(std::vector<RankState>& state, int layer, int64_t mb, double unit_bytes, bool dense) {
     const double bytes = unit_bytes * grad_scale_;
     std::vector<OpId> chain(state.size());
     for (size_t r = 0; r < state.size(); ++r) chain[r] = state[r].last;
-    collective_round(chain, MeshDim::kShard, OpKind::kReduceScatter, TraceStream::kGradComm, layer, mb,
-                     cost_.reduce_scatter_cost(bytes, shapes_.shard), bytes, false);
+    if (dense ? dense_sharded() : experts_sharded())
+      collective_round_in(shard_groups(dense), chain, OpKind::kReduceScatter, TraceStream::kGradComm, layer, mb,
+                          cost_.reduce_scatter_cost(bytes, shard_shape(dense)), bytes, false);
     for (size_t r = 0; r < state.size(); ++r) state[r].last_grad = chain[r];
   }
 
@@ -386,18 +429,18 @@ class Builder {
   // or a dense block whole.
   void gather_block(std::vector<OpId>& gathered, OpKind kind, int l, int16_t mb) {
     if (!moe_block(l)) {
-      gather(gathered, kind, l, mb, o_.dense_block_unit_bytes);
+      gather(gathered, kind, l, mb, o_.dense_block_unit_bytes, true);
       return;
     }
-    gather(gathered, kind, l, mb, o_.dense_unit_bytes);
-    gather(gathered, kind, l, mb, o_.expert_unit_bytes);
+    gather(gathered, kind, l, mb, o_.dense_unit_bytes, true);
+    gather(gathered, kind, l, mb, o_.expert_unit_bytes, false);
   }
 
   // Forward of one block (attention, then the MoE sub-block with its token exchange), the
   // gather of its parameters and the offload of what it keeps.
   void forward_layer(std::vector<RankState>& state, int16_t mb, int l) {
     const size_t n = state.size();
-    const bool sharded = p_.hybrid_shard_degree > 1;
+    const bool sharded = p_.shards_states();
     const bool moe = moe_block(l);
     const bool experts = moe && p_.expert_parallel_degree > 1;
     std::vector<OpId> gathered(n, kNoOp);
@@ -405,7 +448,7 @@ class Builder {
       // Two buffers: the block in use and the one prefetched; a gather waits for the block
       // two back to be freed.
       for (size_t r = 0; r < n; ++r) gathered[r] = l >= 2 ? state[r].fwd_done[static_cast<size_t>(l - 2)] : kNoOp;
-      if (l == 0) gather(gathered, OpKind::kGatherForward, -1, mb, o_.embed_unit_bytes);
+      if (l == 0) gather(gathered, OpKind::kGatherForward, -1, mb, o_.embed_unit_bytes, true);
       gather_block(gathered, OpKind::kGatherForward, l, mb);
     }
     for (size_t r = 0; r < n; ++r) {
@@ -432,7 +475,7 @@ class Builder {
 
   void backward_layer(std::vector<RankState>& state, int16_t mb, int l) {
     const size_t n = state.size();
-    const bool sharded = p_.hybrid_shard_degree > 1;
+    const bool sharded = p_.shards_states();
     const bool moe = moe_block(l);
     const bool experts = moe && p_.expert_parallel_degree > 1;
     const auto at = static_cast<size_t>(l);
@@ -492,7 +535,7 @@ class Builder {
     }
     gate_first();
     beside(state, OpKind::kExpertBackward, l, mb, moe_beside);
-    if (sharded && moe) reduce_scatter(state, l, mb, o_.expert_unit_bytes);  // the experts' gradients are complete
+    if (sharded && moe) reduce_scatter(state, l, mb, o_.expert_unit_bytes, false);  // the experts' gradients are complete
     tensor(state, OpKind::kTensorBackward, l, mb, ffn_tensor_bytes(l));
     if (experts) exchange(state, OpKind::kDispatchBackward, l, mb);
     if (p_.activation_checkpointing == Checkpointing::kAttentionCore) {
@@ -513,7 +556,7 @@ class Builder {
     tensor(state, OpKind::kTensorBackward, l, mb, o_.tensor_bytes);
     for (size_t r = 0; r < n; ++r) state[r].bwd_done[at] = state[r].last;
     if (sharded) {
-      reduce_scatter(state, l, mb, moe ? o_.dense_unit_bytes : o_.dense_block_unit_bytes);
+      reduce_scatter(state, l, mb, moe ? o_.dense_unit_bytes : o_.dense_block_unit_bytes, true);
     } else {
       for (size_t r = 0; r < n; ++r) state[r].last_grad = state[r].last;
     }

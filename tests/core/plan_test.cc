@@ -164,6 +164,7 @@ TEST(Plan, ContextParallelPlanRoundTrips) {
   options.pins.hybrid_shard_degree = 2;
   options.pins.placement = "RSE";
   options.context_exchange = ContextExchange::kAllGather;
+  options.pins.dense_shard_spans_experts = true;
   options.target = nullptr;
   options.ignore_memory_limits = true;
   const planner::SearchResult result = planner::search(model, cluster, options);
@@ -172,6 +173,10 @@ TEST(Plan, ContextParallelPlanRoundTrips) {
   Json json = parse_json_text(plan_to_text(plan), "plan.json");
   EXPECT_EQ(json["parallel"]["context_parallel_degree"], 2);
   EXPECT_EQ(json["parallel"]["context_exchange"], "all_gather");
+  // The dense parameters over S2 x the mesh's E2 x C2.
+  EXPECT_EQ(json["parallel"]["dense_shard_spans_experts"], true);
+  EXPECT_EQ(plan.parallel.dense_shard_degree(), 8);
+  EXPECT_EQ(plan.parallel.expert_shard_degree(), 2);
   EXPECT_EQ(json["parallel"]["placement"], "RSE");
   EXPECT_EQ(json["parallel"]["replica_degree"], 2);  // 16 / (4 / 2 x 2 x 2)
   EXPECT_TRUE(plan_from_json(json, "plan.json") == plan);

@@ -94,6 +94,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanSelectiveCheckpointing",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.parallel.activation_checkpointing = Checkpointing::kSelective;
@@ -104,6 +105,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanSinkhorn",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
      },
      "torchtitan_routing", "moe.load_balancing",
@@ -112,12 +114,35 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanRankOrder",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.parallel.placement = *Placement::parse("ERS");
      },
      "framework_rank_order", "parallel.placement",
      "= \"ERS\": torchtitan's mesh is pipeline, replicate, shard (experts innermost), tensor (PRSET)", "ERS"},
+    // The base's E2: torchtitan's FSDP shards the dense parameters over the expert ranks too.
+    {"TorchtitanDenseShardOverExpertRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+     },
+     "torchtitan_layouts", "parallel.dense_shard_spans_experts",
+     "= false with 2 expert and context ranks to span: torchtitan's FSDP shards the dense parameters over "
+     "data_parallel_shard_degree x context_parallel_degree, the expert ranks included",
+     "false"},
+    {"MegatronDenseShardOverExpertRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.parallel.dense_shard_spans_experts = true;
+     },
+     "megatron_layouts", "parallel.dense_shard_spans_experts",
+     "= true: Megatron-LM keeps the dense parameters whole on the expert and context ranks (its distributed "
+     "optimizer shards their states over them)",
+     "true"},
     {"SmpSharedExperts",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");
@@ -130,6 +155,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanGatedSharedExpert",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.model.shared_expert_intermediate_size = 14336;
@@ -140,6 +166,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanSharedExpertsNotWholeExperts",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.model.shared_expert_intermediate_size = 5632;
@@ -190,6 +217,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanDenseBlocks",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.model.first_dense_layers = 3;
@@ -226,6 +254,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanMultiTokenPrediction",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.model.mtp_layers = 1;
@@ -246,6 +275,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanExpertBiases",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.model.expert_bias = true;
@@ -279,6 +309,7 @@ const FrameworkRuleCase kCases[] = {
     {"TorchtitanGroupsWithoutLatentAttention",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
        s.training.precision = Precision::kMixed;
        s.moe.load_balancing = LoadBalancing::kAuxLoss;
        s.model.router_groups = 2;

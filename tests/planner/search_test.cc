@@ -172,6 +172,34 @@ TEST(Search, SplitsSequencesOverContextRanksWhereTheFrameworkDoes) {
   EXPECT_EQ(context_degrees(test::framework_rules("moeplan")), (std::set<int64_t>{1}));
 }
 
+// Where the dense shard spans the expert and context ranks is the framework's choice: torchtitan's
+// FSDP always spans them, Megatron-LM never does, and "any" tries both.
+TEST(Search, ShardsDenseParametersOverTheExpertRanksWhereTheFrameworkDoes) {
+  auto spans = [](Target target) {
+    SearchOptions options = test::search_options(16, 8192);
+    options.estimator = Estimator::kAnalytic;
+    options.keep = 2000;
+    options.pins.pipeline_parallel_degree = 1;
+    options.moe.load_balancing = LoadBalancing::kAuxLoss;
+    options.training.precision = Precision::kMixed;
+    options.target = target;
+    options.ignore_memory_limits = true;
+    const SearchResult r = search(test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), options);
+    EXPECT_FALSE(r.ranked.empty());
+    std::set<bool> seen;
+    for (const Candidate& c : r.ranked) {
+      const ParallelConfig& p = c.parallel;
+      // Where there is nothing to span the flag stays off: one candidate per layout.
+      if (p.expert_data_degree() * p.context_parallel_degree == 1) EXPECT_FALSE(p.dense_shard_spans_experts);
+      else seen.insert(p.dense_shard_spans_experts);
+    }
+    return seen;
+  };
+  EXPECT_EQ(spans(test::framework_rules("torchtitan")), (std::set<bool>{true}));
+  EXPECT_EQ(spans(test::framework_rules("megatron")), (std::set<bool>{false}));
+  EXPECT_EQ(spans(nullptr), (std::set<bool>{false, true}));
+}
+
 // The simulator ranks at most max_simulated candidates, the analytic estimate's best first; the
 // others the bound does not prune are counted apart. Without pruning every candidate runs.
 TEST(Search, SimulatesAtMostTheCapInTheAnalyticOrder) {
@@ -216,7 +244,7 @@ TEST(Search, UnevenEndStagesSplitAnOddDepth) {
 // best of each part of the space, and the ranking mixes the degrees.
 TEST(Search, ChoosesAmongTensorPipelineExpertAndShardJointly) {
   SearchOptions options = test::search_options(16);
-  options.keep = 60;  // each layout with and without the distributed optimizer
+  options.keep = 120;  // each layout with and without the distributed optimizer and the dense shard spanning E
   const SearchResult joint = search(mixtral(), p4d(16), options);
   ASSERT_FALSE(joint.ranked.empty());
   std::set<std::array<int64_t, 4>> degrees;

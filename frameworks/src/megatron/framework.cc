@@ -14,7 +14,7 @@ const Framework megatron_framework{
     // balanced by an auxiliary loss (--moe-router-load-balancing-type aux_loss).
     .defaults = {.precision = Precision::kMixed, .fp32_gradients = true, .load_balancing = LoadBalancing::kAuxLoss},
     // Every layout is tried; its rules remove what it does not run.
-    .capabilities = {},
+    .capabilities = {.dense_shard_span = FrameworkCapabilities::DenseShardSpan::kNever},
     .export_launch = export_megatron,
     .read_log_line = read_megatron_log_line,
     .log_lines = "Megatron-LM (\"iteration N/M | ... elapsed time per iteration (ms): ...\")",

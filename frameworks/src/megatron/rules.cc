@@ -46,6 +46,11 @@ void check(const RunConfig& c, RuleSink& sink) {
              ": Megatron-LM replicates parameters over the data-parallel ranks and shards optimizer states "
              "(distributed_optimizer) instead";
     });
+  if (p.dense_shard_spanning())
+    sink(kLayouts, "parallel.dense_shard_spans_experts", [&] {
+      return std::string("= true: Megatron-LM keeps the dense parameters whole on the expert and context ranks "
+                         "(its distributed optimizer shards their states over them)");
+    });
   if (p.activation_offloading)
     sink(kLayouts, "parallel.activation_offloading", [&] {
       return std::string("= true: moeplan exports no activation offloading to Megatron-LM (its CPU offloading has "

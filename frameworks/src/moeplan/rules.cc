@@ -121,6 +121,10 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "parallel.distributed_optimizer", [&] {
       return std::string("= true: the executor shards optimizer states over hybrid_shard_degree only (use S instead)");
     });
+  if (p.dense_shard_spanning())
+    sink(kLayouts, "parallel.dense_shard_spans_experts", [&] {
+      return std::string("= true: the executor shards the dense parameters over hybrid_shard_degree only");
+    });
   if (p.context_parallel_degree > 1)
     sink(kLayouts, "parallel.context_parallel_degree", [&] {
       return "= " + rule_number(p.context_parallel_degree) +

@@ -15,7 +15,10 @@ const Framework smp_framework{
     .defaults = {.precision = Precision::kMixed, .fp32_gradients = false, .load_balancing = LoadBalancing::kSinkhorn},
     // Every layout is tried but folding (its experts and tensor ranks never combine) and context
     // parallelism (not exported); its rules remove what it does not run.
-    .capabilities = {.latent_up_recomputation = false, .expert_tensor_folding = false, .context_parallelism = false},
+    .capabilities = {.latent_up_recomputation = false,
+                     .expert_tensor_folding = false,
+                     .context_parallelism = false,
+                     .dense_shard_span = FrameworkCapabilities::DenseShardSpan::kNever},
     .export_launch = export_smp,
     .read_log_line = read_smp_log_line,
     .log_lines = "SMP's example script (\"Batch N Loss: ..., Speed: ... samples/sec\") or the Hugging Face Trainer "

@@ -53,6 +53,10 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "parallel.context_parallel_degree", [&] {
       return "= " + rule_number(p.context_parallel_degree) + ": moeplan exports SMP plans without context parallelism";
     });
+  if (p.dense_shard_spanning())
+    sink(kLayouts, "parallel.dense_shard_spans_experts", [&] {
+      return std::string("= true: SMP shards the dense parameters over hybrid_shard_degree only");
+    });
   if (c.moe.overlap_exchange)
     sink(kLayouts, "moe.overlap_exchange", [&] {
       return std::string("= true: SMP runs each micro-batch's exchanges on its own compute chain");

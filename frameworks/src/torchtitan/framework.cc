@@ -14,7 +14,7 @@ const Framework torchtitan_framework{
     // balanced by an auxiliary loss.
     .defaults = {.precision = Precision::kMixed, .fp32_gradients = true, .load_balancing = LoadBalancing::kAuxLoss},
     // Every layout is tried; its rules remove what it does not run.
-    .capabilities = {.latent_up_recomputation = false},
+    .capabilities = {.latent_up_recomputation = false, .dense_shard_span = FrameworkCapabilities::DenseShardSpan::kAlways},
     .export_launch = export_torchtitan,
     .read_log_line = read_torchtitan_log_line,
     .log_lines = "torchtitan (\"step: N  loss: ...  tps: ...\")",

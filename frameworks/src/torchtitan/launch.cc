@@ -23,12 +23,6 @@ std::vector<launch::LaunchFile> export_torchtitan(const Plan& plan, Diagnostics&
   const TrainingConfig& t = plan.training;
   const bool pipelined = p.pipeline_parallel_degree > 1;
   std::string toml = "# torchtitan job for " + summary(plan) + ".\n# Written by `moeplan export-launch --to torchtitan`.\n";
-  if (p.expert_parallel_degree > 1 || p.context_parallel_degree > 1)
-    toml += "# torchtitan shards the dense blocks over every rank of data_parallel_shard_degree x\n"
-            "# context_parallel_degree (" +
-            std::to_string(p.hybrid_shard_degree * p.expert_data_degree() * p.context_parallel_degree) +
-            "), the expert and context ranks included; the plan shards them over hybrid_shard_degree (" +
-            std::to_string(p.hybrid_shard_degree) + ")\n# and replicates them over the expert and context ranks.\n";
   toml += "# The model's shape, for a flavor of torchtitan's MoE model: dim " + std::to_string(m.hidden_size) +
           ", n_layers " + std::to_string(m.num_layers) + ", n_heads " + std::to_string(m.num_attention_heads) +
           ", n_kv_heads " + std::to_string(m.num_key_value_heads) + ",\n# vocab_size " + std::to_string(m.vocab_size) +

@@ -83,6 +83,15 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string("= 1 with expert_parallel_degree = 1 under tensor or pipeline parallelism: torchtitan "
                          "applies mixed precision and replicas through FSDP, so the shard degree must exceed 1");
     });
+  // FSDP2 shards every parameter over dp_shard x cp, and the expert ranks come out of dp_shard:
+  // the dense parameters are sharded over the expert and context ranks too.
+  if (const int64_t spanned = p.expert_data_degree() * p.context_parallel_degree;
+      spanned > 1 && !p.dense_shard_spans_experts)
+    sink(kLayouts, "parallel.dense_shard_spans_experts", [&] {
+      return "= false with " + rule_number(spanned) +
+             " expert and context ranks to span: torchtitan's FSDP shards the dense parameters over "
+             "data_parallel_shard_degree x context_parallel_degree, the expert ranks included";
+    });
   if (c.training.precision == Precision::kBf16)
     sink(kLayouts, "training.precision", [&] {
       return std::string("= \"bf16\": torchtitan keeps fp32 parameters and computes in bf16 (plan with mixed)");

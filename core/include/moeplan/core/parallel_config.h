@@ -110,6 +110,12 @@ struct ParallelConfig {
   // counts folded tensor ranks.
   int64_t context_parallel_degree = 1;
   ContextExchange context_exchange = ContextExchange::kRing;
+  // The dense parameters (everything but the routed experts), their gradients and optimizer
+  // states sharded over the S x E x C ranks (the mesh's E) instead of over S alone, as FSDP2
+  // does where the expert ranks come out of its shard dimension (torchtitan's dp_shard spanning
+  // EP and CP); the routed experts stay sharded over S (and over C too where the expert group
+  // does not span it). false: the dense parameters are replicated over the E and C ranks.
+  bool dense_shard_spans_experts = false;
   // V: each stage's blocks in V chunks, run with the interleaved schedule (Megatron's virtual
   // pipeline); 1 = plain 1F1B.
   int64_t virtual_pipeline_degree = 1;
@@ -168,6 +174,24 @@ struct ParallelConfig {
                          context_parallel_degree;
     return rest > 0 ? world_size / rest : 0;
   }
+  // Whether the dense shard group is larger than S: the flag, with expert or context ranks to span.
+  bool dense_shard_spanning() const {
+    return dense_shard_spans_experts && expert_data_degree() * std::max<int64_t>(1, context_parallel_degree) > 1;
+  }
+  // The ranks the dense parameters are sharded over: S, or S x E (the mesh's) x C.
+  int64_t dense_shard_degree() const {
+    return dense_shard_spanning() ? hybrid_shard_degree * expert_data_degree() * std::max<int64_t>(1, context_parallel_degree)
+                                  : hybrid_shard_degree;
+  }
+  // The ranks the routed experts are sharded over: S, or S x C where the dense shard spans the
+  // context ranks and the expert group does not.
+  int64_t expert_shard_degree() const {
+    return dense_shard_spanning() && !expert_spans_context()
+               ? hybrid_shard_degree * std::max<int64_t>(1, context_parallel_degree)
+               : hybrid_shard_degree;
+  }
+  // Whether any parameters are sharded (and gathered block by block).
+  bool shards_states() const { return dense_shard_degree() > 1 || expert_shard_degree() > 1; }
   // Ranks that read different sequences: R * S * E (the mesh's) = W / (C * T * P).
   int64_t data_parallel_degree() const {
     const int64_t tp = tensor_parallel_degree * pipeline_parallel_degree * context_parallel_degree;

@@ -47,6 +47,11 @@ struct FrameworkCapabilities {
   // Each sequence split over context-parallel ranks (context_parallel_degree > 1), tried where
   // the sequence is long enough (SearchOptions::min_context_chunk).
   bool context_parallelism = true;
+  // The dense parameters sharded over the expert and context ranks too
+  // (ParallelConfig::dense_shard_spans_experts), where there are some: never; always (FSDP2 over
+  // a shard dimension the expert ranks come out of); or both tried.
+  enum class DenseShardSpan : uint8_t { kNever, kAlways, kEither };
+  DenseShardSpan dense_shard_span = DenseShardSpan::kEither;
 };
 
 struct Framework {

@@ -48,7 +48,7 @@ struct SearchOptions {
     std::optional<int64_t> expert_parallel_degree, hybrid_shard_degree, micro_batch_size, loading_horizon;
     std::optional<int64_t> tensor_parallel_degree, pipeline_parallel_degree, virtual_pipeline_degree;
     std::optional<int64_t> expert_tensor_parallel_degree, context_parallel_degree;
-    std::optional<bool> sequence_parallel, distributed_optimizer;
+    std::optional<bool> sequence_parallel, distributed_optimizer, dense_shard_spans_experts;
     std::optional<int64_t> first_stage_layers, last_stage_layers;
     std::optional<Checkpointing> checkpointing;
     std::optional<bool> offloading;

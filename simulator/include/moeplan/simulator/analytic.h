@@ -3,6 +3,8 @@
 // hide behind it. Cheap enough to score millions of candidates per second; the planner ranks
 // with it before (or instead of) the discrete-event simulation.
 
+#include <array>
+
 #include "moeplan/core/rules.h"
 #include "moeplan/simulator/cost_model.h"
 #include "moeplan/simulator/op_costs.h"
@@ -10,6 +12,9 @@
 namespace moeplan::sim {
 
 // The communication groups of one mesh layout; computed once per (E, S, placement).
+// The dimensions a dense shard spanning the expert and context ranks covers.
+inline constexpr std::array<MeshDim, 3> kShardSpanDims{MeshDim::kShard, MeshDim::kExpert, MeshDim::kContext};
+
 struct LayoutShapes {
   GroupShape expert;   // the mesh's E: the dense gradients' first sync
   GroupShape shard;    // S: all-gather / reduce-scatter of model states
@@ -20,6 +25,16 @@ struct LayoutShapes {
   // ranks (ParallelConfig::expert_fold) E ranks ETP apart.
   GroupShape exchange;
   GroupShape context;  // C: keys and values passed between a sequence's chunks; dense gradients
+  // S x E (the mesh's) x C: the dense parameters' shard group where it spans the expert and
+  // context ranks (ParallelConfig::dense_shard_spans_experts).
+  GroupShape shard_span;
+
+  // The group the dense parameters are gathered and their gradients reduce-scattered in, and
+  // the routed experts' (the same where both span the context ranks).
+  const GroupShape& dense_shard(const ParallelConfig& p) const { return p.dense_shard_spanning() ? shard_span : shard; }
+  const GroupShape& expert_shard(const ParallelConfig& p) const {
+    return p.dense_shard_spanning() && p.expert_shard_degree() == p.dense_shard_degree() ? shard_span : shard;
+  }
 };
 LayoutShapes layout_shapes(const ClusterSpec& cluster, const ParallelConfig& parallel);
 

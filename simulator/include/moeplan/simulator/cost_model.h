@@ -4,6 +4,7 @@
 // PCIe. The discrete-event engine and the analytic estimate both take their times from here.
 
 #include <cstdint>
+#include <span>
 
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/parallel_config.h"
@@ -26,6 +27,9 @@ struct GroupShape {
 GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& parallel, MeshDim dim);
 // A group of `size` ranks with neighbours `stride` ranks apart.
 GroupShape group_shape(const ClusterSpec& cluster, int64_t world_size, int64_t size, int64_t stride);
+// The group of rank 0 over several mesh dimensions: the ranks whose coordinates differ from
+// rank 0's only along `dims`.
+GroupShape group_shape(const ClusterSpec& cluster, const ParallelConfig& parallel, std::span<const MeshDim> dims);
 
 // A collective split into the parts the simulator schedules separately: ring latency, the
 // transfer over the intra-node fabric, and the bytes one group pushes through the network card
