@@ -84,6 +84,7 @@ std::vector<PublishedCase> read_published_cases(const std::string& path) {
           if (layout->has("sequence_parallel")) c.pins.sequence_parallel = layout->boolean("sequence_parallel");
           if (layout->has("distributed_optimizer"))
             c.pins.distributed_optimizer = layout->boolean("distributed_optimizer");
+          c.pins.dense_shard_spans_experts = layout->boolean("dense_shard_spans_experts", false);
           if (layout->has("placement")) c.pins.placement = layout->string("placement");
           if (layout->has("activation_checkpointing"))
             c.pins.checkpointing = layout->choice<Checkpointing>("activation_checkpointing", kCheckpointingNames);
@@ -134,7 +135,8 @@ std::string layout_text(const ParallelConfig& p) {
                   (p.context_parallel_degree > 1 ? " C" + std::to_string(p.context_parallel_degree) : "") +
                   " E" + std::to_string(p.expert_parallel_degree) +
                   (p.expert_tensor_fold() > 1 ? "/ETP" + std::to_string(p.expert_tensor_degree()) : "") + " S" +
-                  std::to_string(p.hybrid_shard_degree) + " R" + std::to_string(p.replica_degree()) + (p.distributed_optimizer ? " dopt" : "") + " " +
+                  std::to_string(p.hybrid_shard_degree) +
+                  (p.dense_shard_spanning() ? " dense-S" + std::to_string(p.dense_shard_degree()) : "") + " R" + std::to_string(p.replica_degree()) + (p.distributed_optimizer ? " dopt" : "") + " " +
                   std::string(name_of(kCheckpointingNames, p.activation_checkpointing)) + " mbs " +
                   std::to_string(p.micro_batch_size);
   return s;
