@@ -362,6 +362,32 @@ int64_t dispatch_buffer_bytes(const RunConfig& c, int64_t tokens, int64_t slots,
   return to_bytes((sent + static_cast<double>(slots) / share) * static_cast<double>(m.hidden_size * a));
 }
 
+// DeepEP's buffers as Megatron-Core's flex dispatcher allocates them (fused_a2a.get_buffer):
+// the larger of the dispatch and combine configs' size hints for the expert group, with a
+// token's hidden state in bf16 (deepseek-ai/DeepEP, csrc/config.hpp get_nvl_buffer_size_hint
+// and get_rdma_buffer_size_hint; deep_ep/buffer.py, the configs for each group size and 20
+// SMs, 10 channels). Each channel keeps, per NVLink peer, a ring of received tokens with their
+// top-k indices and weights (room for 128 of each) and 128 scales; across nodes each RDMA
+// peer's ring again, for sending and receiving.
+int64_t deepep_buffer_bytes(int64_t hidden, int64_t group) {
+  constexpr int64_t kNvlPeers = 8, kChannels = 10, kMaxTopK = 128, kMaxScales = 128, kSourceMeta = 8;
+  // The received tokens each channel holds, the larger of the dispatch and combine configs' for
+  // the group size: NVLink rings of 256 tokens up to 8 ranks, 288 up to 64, 560 at 128, 720
+  // beyond; RDMA rings of 128 rounded up to a whole number of chunked sends (140 up to 64
+  // ranks, 132 beyond).
+  const int64_t nvl_tokens = group <= 8 ? 256 : group <= 64 ? 288 : group <= 128 ? 560 : 720;
+  const int64_t rdma_tokens = group <= 64 ? 140 : 132;
+  const int64_t hidden_bytes = hidden * kBytesBf16;
+  const int64_t rdma_ranks = std::max<int64_t>(1, group / kNvlPeers), nvl_ranks = std::min(group, kNvlPeers);
+  const int64_t per_token = hidden_bytes + kSourceMeta + kMaxTopK * (8 + 4) + kMaxScales * 4;
+  auto align = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
+  const int64_t nvl = align(kChannels * nvl_ranks * ((2 * rdma_ranks + 3) * 4 + nvl_tokens * per_token));
+  if (group <= kNvlPeers) return nvl;
+  const int64_t rdma = align(kChannels * rdma_ranks * ((kNvlPeers * 2 + 2) * 2 * 4 + rdma_tokens * 2 * (per_token + 16)) +
+                             (int64_t{1} << 20));
+  return nvl + rdma;
+}
+
 // Logits in the compute dtype and the fp32 log-probabilities the loss keeps. They are freed
 // when the lm head has run backward, before any block does: the peak is either at the loss
 // (kept activations + logits) or in a block's backward (kept activations + its recompute
@@ -389,7 +415,8 @@ void add_totals(const ClusterSpec& cluster, MemoryEstimate& out) {
   const int64_t transient = out.gathered_parameters + out.gradient_buffers + out.activations +
                             out.moe_dispatch_buffers + out.logits;
   out.fragmentation = to_bytes(std::round(static_cast<double>(transient) * (cluster.fragmentation_factor - 1.0)));
-  out.device_total = out.model_states() + transient + out.framework_overhead + out.fragmentation;
+  out.device_total =
+      out.model_states() + transient + out.communication_buffers + out.framework_overhead + out.fragmentation;
 }
 
 // One stage's memory: its blocks and `ends`, with `in_flight` micro-batches' activations kept,
@@ -419,6 +446,8 @@ MemoryEstimate estimate_stage_memory(const RunConfig& c, Ends ends, StageBlockCo
           : BlockActivations{};
   add_activations(p, block, dense, blocks, in_flight, out);
   out.moe_dispatch_buffers = dispatch_buffer_bytes(c, tokens, slots, a);
+  if (c.moe.dispatcher == Dispatcher::kDeepEp && p.expert_parallel_degree > 1)
+    out.communication_buffers = deepep_buffer_bytes(m.hidden_size, p.expert_parallel_degree);
   if (loss) out.logits = logits_bytes(c, tokens, a, out);
   add_totals(c.cluster, out);
   return out;
@@ -467,6 +496,7 @@ std::vector<MemoryItem> MemoryEstimate::device_items() const {
           {"activations", activations},
           {"moe_dispatch_buffers", moe_dispatch_buffers},
           {"logits", logits},
+          {"communication_buffers", communication_buffers},
           {"framework_overhead", framework_overhead},
           {"fragmentation", fragmentation}};
 }

@@ -412,6 +412,20 @@ TEST(MemoryModel, ImbalanceGrowsExpertActivationsAndDispatchBuffers) {
   EXPECT_EQ(skewed.moe_dispatch_buffers, (4096 + 6144) * 4096 * 2);
 }
 
+// DeepEP's buffers, allocated once as Megatron-Core's flex dispatcher sizes them: inside a node
+// (E8) 10 channels x 8 NVLink peers x (5 ints + 256 tokens x (4096 x 2 bytes + 8 bytes of source
+// + 128 top-k indices and weights x 12 bytes + 128 scales x 4 bytes)) = 209,880,640, rounded up
+// to 128 bytes: 209,880,704. Persistent, so outside the fragmentation of the transient items.
+TEST(MemoryModel, DeepEpKeepsItsBuffersForTheStep) {
+  Layout x = layout(8, 2, Checkpointing::kFull);
+  const MemoryEstimate nccl = x.estimate();
+  EXPECT_EQ(nccl.communication_buffers, 0);
+  x.moe.dispatcher = Dispatcher::kDeepEp;
+  const MemoryEstimate deepep = x.estimate();
+  EXPECT_EQ(deepep.communication_buffers, 209'880'704);
+  EXPECT_EQ(deepep.device_total - nccl.device_total, 209'880'704);
+}
+
 // Every item of E8 S2 with full checkpointing, and the total:
 //   model states 28,971,122,688
 //   gathered: 2 units of the largest flat parameter (a block: 41,984,000 + 176,160,768 =

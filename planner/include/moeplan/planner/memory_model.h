@@ -52,6 +52,8 @@ struct MemoryEstimate {
   int64_t activation_working_set = 0;  // of activations, the recomputed block's (0 without recompute)
   int64_t moe_dispatch_buffers = 0;
   int64_t logits = 0;
+  // Allocated once for the step: DeepEP's NVLink and RDMA buffers (dispatcher deepep).
+  int64_t communication_buffers = 0;
   int64_t framework_overhead = 0;
   int64_t fragmentation = 0;  // (factor - 1) x the transient items
   int64_t device_total = 0;
