@@ -92,18 +92,8 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   const CostModel& cost = s.cost;
   const double layers = s.moe_layers();  // dense blocks exchange nothing
   if (p.expert_parallel_degree <= 1) return;
-  const bool pairwise = c.moe.dispatcher != Dispatcher::kAllGather;  // NCCL's all-to-all or DeepEP's kernels
-  double per_exchange;
-  if (pairwise) {
-    per_exchange = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange), s.shapes.exchange);
-  } else {
-    // Gather every rank's tokens, then reduce-scatter the expert outputs back.
-    const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
-    const double group_bytes = static_cast<double>(p.expert_parallel_degree * p.micro_batch_size *
-                                                   p.local_seq_len(c.training.seq_len) * c.model.hidden_size) * a;
-    per_exchange = 0.5 * (cost.all_gather_seconds(group_bytes, s.shapes.exchange) +
-                          cost.reduce_scatter_seconds(group_bytes, s.shapes.exchange));
-  }
+  const double per_exchange =
+      cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange), s.shapes.exchange);
   const double exchanges = 4.0 + (recomputes_moe(p.activation_checkpointing) ? 2.0 : 0.0);
   // Under tensor parallelism the backward dispatch (the input gradients going home) runs
   // beside the experts' weight gradients, after the tensor-parallel collective before it, and
@@ -122,22 +112,20 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
     t.expert_comm = layers * cover.exposed(per_exchange, moe_beside, attention_beside);
     t.beside_compute += layers * cover.covered(per_exchange);
   }
-  if (pairwise) {
-    GroupShape alone = s.shapes.exchange;
-    alone.groups_per_node = 1;
-    const double alone_s = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, alone), alone);
-    t.expert_chain_min = c.moe.overlap_exchange
-                             ? layers * cover.exposed(alone_s, o.tensor_moe_overlap_s, o.tensor_overlap_s)
-                             : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
-                                         std::min(alone_s, o.tensor_overlap_s));
-    // Overlapped, an exchange's bytes are priced at the share of it that is exposed, as the
-    // step simulator prices them.
-    const double priced = c.moe.overlap_exchange ? (per_exchange > 0 ? cover.exposed(per_exchange) / per_exchange : 0.0)
-                                                 : exchanges;
-    t.nic_bytes_a2a = layers * priced *
-                      token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
-                      static_cast<double>(s.shapes.exchange.groups_per_node);
-  }
+  GroupShape alone = s.shapes.exchange;
+  alone.groups_per_node = 1;
+  const double alone_s = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, alone), alone);
+  t.expert_chain_min = c.moe.overlap_exchange
+                           ? layers * cover.exposed(alone_s, o.tensor_moe_overlap_s, o.tensor_overlap_s)
+                           : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
+                                       std::min(alone_s, o.tensor_overlap_s));
+  // Overlapped, an exchange's bytes are priced at the share of it that is exposed, as the
+  // step simulator prices them.
+  const double priced = c.moe.overlap_exchange ? (per_exchange > 0 ? cover.exposed(per_exchange) / per_exchange : 0.0)
+                                               : exchanges;
+  t.nic_bytes_a2a = layers * priced *
+                    token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange).nic_bytes_per_node *
+                    static_cast<double>(s.shapes.exchange.groups_per_node);
 }
 
 // Tensor parallelism: two all-reduces per block in forward, two in backward, and those of

@@ -114,6 +114,17 @@ double fused_network_bytes(const ModelSpec& m, double send_bytes, const GroupSha
 CollectiveCost token_exchange_cost(const CostModel& cost, const RunConfig& c, double send_bytes, const GroupShape& g) {
   if (c.moe.dispatcher == Dispatcher::kDeepEp)
     return cost.fused_dispatch_cost(send_bytes, fused_network_bytes(c.model, send_bytes, g), g);
+  if (c.moe.dispatcher == Dispatcher::kAllGather) {
+    // The dispatch gathers every rank's tokens and the combine reduce-scatters the experts'
+    // outputs back: each exchange is priced as half of the pair.
+    const ParallelConfig& p = c.parallel;
+    const double a = c.training.precision == Precision::kFp32 ? kBytesFp32 : kBytesBf16;
+    const double group_bytes = static_cast<double>(p.expert_parallel_degree * p.micro_batch_size *
+                                                   p.local_seq_len(c.training.seq_len) * c.model.hidden_size) * a;
+    const CollectiveCost gather = cost.all_gather_cost(group_bytes, g), scatter = cost.reduce_scatter_cost(group_bytes, g);
+    return {0.5 * (gather.latency_s + scatter.latency_s), 0.5 * (gather.intra_s + scatter.intra_s),
+            0.5 * (gather.nic_bytes_per_node + scatter.nic_bytes_per_node)};
+  }
   return cost.all_to_all_cost(send_bytes, g);
 }
 

@@ -81,6 +81,37 @@ constexpr int kScenariosPerProperty = 100;
 
 int64_t step_ns(const StepSimulation& s) { return std::llround(s.estimate.step_time_s * 1e9); }
 
+// The all-gather dispatcher gathers every rank's tokens of the expert group and reduce-scatters
+// the outputs back: the estimate and the simulator price each exchange as half of that pair
+// (Mixtral over E8 on each of two p4d nodes, 2,048-token sequences).
+TEST(Step, AllGatherDispatchIsPricedAlikeByTheEstimateAndTheSimulator) {
+  Scenario c = make_scenario("mixtral-8x7b", "p4d.24xlarge", 16, 8, 1, "RSE");
+  c.moe.dispatcher = Dispatcher::kAllGather;
+  c.moe.load_balancing = LoadBalancing::kBalanced;
+  ASSERT_TRUE(validate(c.config()).empty()) << c.describe();
+  const CostModel cost(c.cluster);
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  const double group_bytes = 8.0 * 2048 * 4096 * 2;
+  const double pair = 0.5 * (cost.all_gather_seconds(group_bytes, shapes.exchange) +
+                             cost.reduce_scatter_seconds(group_bytes, shapes.exchange));
+  const OpCosts o = op_costs(c.config());
+  EXPECT_NEAR(cost.seconds(token_exchange_cost(cost, c.config(), o.dispatch_send_bytes, shapes.exchange), shapes.exchange),
+              pair, 1e-9);
+  const StepSimulation sim = simulate_step(c.config());
+  double dispatch = 0;
+  for (const Op& op : sim.graph.ops())
+    if (op.rank == 0 && op.kind == OpKind::kDispatch && op.layer == 0 && op.micro_batch == 0)
+      dispatch = to_seconds(sim.times.end[static_cast<size_t>(&op - sim.graph.ops().data())] -
+                            sim.times.start[static_cast<size_t>(&op - sim.graph.ops().data())]);
+  EXPECT_NEAR(dispatch, pair, 1e-6 + 0.01 * pair);
+  // An all-to-all sends each rank's k slots instead: less than the whole group's tokens, in
+  // both.
+  Scenario a2a = c;
+  a2a.moe.dispatcher = Dispatcher::kAllToAll;
+  EXPECT_LT(simulate_step(a2a.config()).estimate.step_time_s, sim.estimate.step_time_s);
+  EXPECT_LT(estimate_step(a2a.config(), shapes).step_time_s, estimate_step(c.config(), shapes).step_time_s);
+}
+
 TEST(StepProperties, RandomScenariosAreValid) {
   // The generator itself: every scenario passes the rules, and the draws cover the space.
   std::map<std::string, int> seen;

@@ -104,8 +104,10 @@ struct ExchangeCover {
 ExchangeCover exchange_cover(const KernelCosts& kernels);
 
 // One token exchange (a dispatch or a combine) of `send_bytes` a rank in the expert group `g`:
-// NCCL's all-to-all, or DeepEP's fused kernels (moe.dispatcher), whose network share is each
-// token once per other node it is routed to (fused_network_bytes).
+// NCCL's all-to-all; DeepEP's fused kernels (moe.dispatcher), whose network share is each
+// token once per other node it is routed to (fused_network_bytes); or, for the all-gather
+// dispatcher, half of an all-gather and a reduce-scatter of the whole group's tokens. The
+// estimate and the step simulator both price exchanges here.
 CollectiveCost token_exchange_cost(const CostModel& cost, const RunConfig& config, double send_bytes,
                                    const GroupShape& g);
 // What a rank's `send_bytes` of slots put on the network under DeepEP: a token crosses it once
