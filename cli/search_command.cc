@@ -146,6 +146,9 @@ void add_framework_options(CLI::App& cmd, Search& s) {
   cmd.add_flag("--overlap-exchange", r.options.moe.overlap_exchange,
                "Each token exchange beside another micro-batch's compute (Megatron-Core's merged 1F1B schedule, "
                "--overlap-moe-expert-parallel-comm)");
+  cmd.add_flag("--overlap-shared-expert", r.options.moe.overlap_shared_expert,
+               "The shared experts' forward beside the dispatch and combine, on a stream of its own "
+               "(Megatron-Core's --moe-shared-expert-overlap)");
   cmd.add_option("--expert-load-imbalance", r.options.moe.expert_load_imbalance,
                  "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));

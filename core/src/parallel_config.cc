@@ -135,6 +135,7 @@ static void read_moe_fields(ObjectReader& r, MoeConfig& m) {
   m.load_balancing = r.choice<LoadBalancing>("load_balancing", kLoadBalancingNames, LoadBalancing::kSinkhorn);
   m.dispatcher = r.choice<Dispatcher>("dispatcher", kDispatcherNames, Dispatcher::kAllToAll);
   m.overlap_exchange = r.boolean("overlap_exchange", false);
+  m.overlap_shared_expert = r.boolean("overlap_shared_expert", false);
   m.global_token_shuffle = r.boolean("global_token_shuffle", false);
   m.aux_loss_coef = r.number("aux_loss_coef", 0.0, 1e3, 0.001);
   m.z_loss_coef = r.number("z_loss_coef", 0.0, 1e3, 0.0);
@@ -217,6 +218,7 @@ Json to_json(const MoeConfig& m) {
   j["load_balancing"] = name_of(kLoadBalancingNames, m.load_balancing);
   j["dispatcher"] = name_of(kDispatcherNames, m.dispatcher);
   if (m.overlap_exchange) j["overlap_exchange"] = true;
+  if (m.overlap_shared_expert) j["overlap_shared_expert"] = true;
   j["global_token_shuffle"] = m.global_token_shuffle;
   j["aux_loss_coef"] = m.aux_loss_coef;
   j["z_loss_coef"] = m.z_loss_coef;

@@ -112,13 +112,19 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
     t.expert_comm = layers * cover.exposed(per_exchange, moe_beside, attention_beside);
     t.beside_compute += layers * cover.covered(per_exchange);
   }
+  // The shared experts' forward beside the forward exchanges (moe.overlap_shared_expert).
+  const SharedExpertCover shared = shared_expert_cover(c, o);
+  const bool recomputed = recomputes_moe(p.activation_checkpointing);
+  const double shared_hidden = shared.hidden(per_exchange, recomputed);
+  t.expert_comm -= layers * shared_hidden;
+  t.beside_compute += layers * shared_hidden;
   GroupShape alone = s.shapes.exchange;
   alone.groups_per_node = 1;
   const double alone_s = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, alone), alone);
   t.expert_chain_min = c.moe.overlap_exchange
                            ? layers * cover.exposed(alone_s, o.tensor_moe_overlap_s, o.tensor_overlap_s)
                            : layers * (exchanges * alone_s - std::min(alone_s, o.tensor_moe_overlap_s) -
-                                       std::min(alone_s, o.tensor_overlap_s));
+                                       std::min(alone_s, o.tensor_overlap_s) - shared.hidden(alone_s, recomputed));
   // Overlapped, an exchange's bytes are priced at the share of it that is exposed, as the
   // step simulator prices them.
   const double priced = c.moe.overlap_exchange ? (per_exchange > 0 ? cover.exposed(per_exchange) / per_exchange : 0.0)

@@ -189,6 +189,10 @@ KernelCosts kernel_costs(const RunConfig& c) {
     o.moe_forward_s = k.moe_forward.seconds();
     o.moe_forward_busiest_s = moe_busiest_forward.seconds();
     o.moe_backward_busiest_s = moe_busiest_backward.seconds();
+    for (const Kernel& kernel : k.moe_forward.kernels()) {
+      if (!kernel.name.starts_with("shared_expert.")) continue;
+      (kernel.name == "shared_expert.fc2" ? o.shared_down_forward_s : o.shared_up_forward_s) += kernel.seconds;
+    }
     o.head_forward_s = k.head_forward.seconds();
     o.head_s = o.head_forward_s + k.head_backward.seconds();
     if (p.tensor_parallel_degree > 1) {
@@ -277,6 +281,20 @@ double ExchangeCover::exposed(double exchange_s, double moe_beside, double atten
   auto beyond = [&](double cover) { return std::max(0.0, exchange_s - cover); };
   return beyond(dispatch) + beyond(combine) + std::max(0.0, beyond(combine_backward) - attention_beside) +
          std::max(0.0, beyond(dispatch_backward) - moe_beside);
+}
+
+double SharedExpertCover::hidden(double exchange_s, bool recomputed) const {
+  return (recomputed ? 2.0 : 1.0) * (std::min(exchange_s, dispatch) + std::min(exchange_s, combine));
+}
+
+SharedExpertCover shared_expert_cover(const RunConfig& c, const KernelCosts& k) {
+  SharedExpertCover out;
+  if (!c.moe.overlap_shared_expert || c.moe.overlap_exchange || !c.model.shared_experts() ||
+      c.parallel.expert_parallel_degree <= 1)
+    return out;
+  out.dispatch = k.shared_up_forward_s;
+  out.combine = k.shared_down_forward_s;
+  return out;
 }
 
 double ExchangeCover::covered(double exchange_s) const {

@@ -108,6 +108,7 @@ class Builder {
         cost_(c.cluster),
         o_(op_costs(c)),
         cover_(exchange_cover(o_)),
+        shared_(shared_expert_cover(c, o_)),
         fold_per_node_(c.parallel.expert_fold() > 1
                            ? group_shape(c.cluster, c.parallel.world_size, c.parallel.expert_fold(),
                                          c.parallel.expert_stride())
@@ -359,16 +360,24 @@ class Builder {
     }
     const CollectiveCost whole_cost = token_exchange_cost(cost_, c_, o_.dispatch_send_bytes, shapes_.exchange);
     CollectiveCost cost = mesh_share(whole_cost);
+    const double whole = cost_.seconds(whole_cost, shapes_.exchange);
     if (c_.moe.overlap_exchange) {
       // Beside another micro-batch's compute (merged 1F1B): only what the exchange takes beyond
       // it holds the chain, and only that share of its bytes is left for the card.
-      const double whole = cost_.seconds(whole_cost, shapes_.exchange);
       const double cover = kind == OpKind::kDispatch          ? cover_.dispatch
                            : kind == OpKind::kCombine         ? cover_.combine
                            : kind == OpKind::kCombineBackward ? cover_.combine_backward
                            : kind == OpKind::kDispatchBackward ? cover_.dispatch_backward
                                                                : 0.0;
       const double share = whole > 0 ? std::max(0.0, whole - cover) / whole : 1.0;
+      cost = {cost.latency_s * share, cost.intra_s * share, cost.nic_bytes_per_node * share};
+    } else if (const double beside = kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute ? shared_.dispatch
+                                     : kind == OpKind::kCombine || kind == OpKind::kCombineRecompute  ? shared_.combine
+                                                                                                      : 0.0;
+               beside > 0 && whole > 0) {
+      // The shared experts' forward runs beside it on their own stream: the chain waits only for
+      // what the exchange takes beyond them, priced as the merged 1F1B's exposed share is.
+      const double share = std::max(0.0, whole - beside) / whole;
       cost = {cost.latency_s * share, cost.intra_s * share, cost.nic_bytes_per_node * share};
     }
     collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb, cost, o_.dispatch_send_bytes,
@@ -568,6 +577,7 @@ class Builder {
   CostModel cost_;
   OpCosts o_;
   ExchangeCover cover_;  // under moe.overlap_exchange
+  SharedExpertCover shared_;  // under moe.overlap_shared_expert
   int64_t fold_per_node_;  // a folded expert group's mesh-E groups with members on one node
   LayoutShapes shapes_;
   ContextExchangeCost context_;  // under context parallelism, per block
@@ -757,11 +767,16 @@ StepSimulation simulate_stage(const RunConfig& c, const StepSimOptions& options)
     }
     // Under moe.overlap_exchange the covered part of each exchange runs beside another
     // micro-batch's compute (ExchangeCover::covered), off the simulated chain.
-    if (c.moe.overlap_exchange && p.expert_parallel_degree > 1) {
+    // Under moe.overlap_shared_expert the shared experts' forward runs beside each forward
+    // exchange, its part of the exchange off the chain likewise.
+    const SharedExpertCover shared = shared_expert_cover(c, o);
+    if ((c.moe.overlap_exchange || shared.dispatch + shared.combine > 0) && p.expert_parallel_degree > 1) {
       const CostModel cost(c.cluster);
       const LayoutShapes shapes = layout_shapes(c.cluster, p);
       const double exchange = cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, shapes.exchange), shapes.exchange);
-      const double per_micro_batch = static_cast<double>(c.model.moe_blocks()) * exchange_cover(o).covered(exchange);
+      const double per_block = c.moe.overlap_exchange ? exchange_cover(o).covered(exchange)
+                                                      : shared.hidden(exchange, recomputes_moe(p.activation_checkpointing));
+      const double per_micro_batch = static_cast<double>(c.model.moe_blocks()) * per_block;
       overlapped += per_micro_batch * static_cast<double>(p.gradient_accumulation_steps);
       in_period += per_micro_batch;
     }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/plan.h"
 #include "moeplan/planner/search.h"
 #include "framework_rules.h"
 #include "test_support.h"
@@ -452,6 +453,16 @@ TEST(ExportLaunch, LatentUpCheckpointingIsMegatronsUpProjectionModule) {
                                     "megatron-args.txt").text);
   EXPECT_EQ(a.at("--recompute-granularity"), "selective");
   EXPECT_EQ(a.at("--recompute-modules"), "mla_up_proj");
+  EXPECT_EQ(a.count("--moe-shared-expert-overlap"), 0u);
+  // Its shared expert beside the dispatch and combine: Megatron-LM's --moe-shared-expert-overlap.
+  Plan overlapped = plan;
+  overlapped.moe.overlap_shared_expert = true;
+  EXPECT_EQ(megatron_args(file(launch::export_launch(overlapped, test::framework_rules("megatron"), "plan.json"),
+                               "megatron-args.txt")
+                              .text)
+                .count("--moe-shared-expert-overlap"),
+            1u);
+  EXPECT_TRUE(plan_from_json(parse_json_text(plan_to_text(overlapped), "plan.json"), "plan.json").moe.overlap_shared_expert);
   for (const char* other : {"torchtitan", "smp", "moeplan"}) {
     RunConfig c{plan.model, plan.cluster, plan.parallel, plan.moe, plan.training, test::framework_rules(other)};
     bool refused = false;

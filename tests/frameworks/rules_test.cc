@@ -143,6 +143,46 @@ const FrameworkRuleCase kCases[] = {
      "= true: Megatron-LM keeps the dense parameters whole on the expert and context ranks (its distributed "
      "optimizer shards their states over them)",
      "true"},
+    {"TorchtitanSharedExpertOverlap",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.model.shared_expert_intermediate_size = 14336;
+       s.moe.overlap_shared_expert = true;
+     },
+     "torchtitan_layouts", "moe.overlap_shared_expert",
+     "= true: torchtitan runs its shared experts in turn with the routed ones", "true"},
+    {"MegatronSharedExpertOverlapWithDeepEp",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.model.shared_expert_intermediate_size = 14336;
+       s.moe.dispatcher = Dispatcher::kDeepEp;
+       s.moe.overlap_shared_expert = true;
+     },
+     "megatron_layouts", "moe.overlap_shared_expert",
+     "= true with dispatcher \"deepep\": moeplan exports Megatron-LM's shared-expert overlap with the all-to-all "
+     "dispatcher",
+     "deepep"},
+    {"SmpDenseShardOverExpertRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.parallel.dense_shard_spans_experts = true;
+     },
+     "smp_layouts", "parallel.dense_shard_spans_experts",
+     "= true: SMP shards the dense parameters over hybrid_shard_degree only", "true"},
+    {"ExecutorDenseShardOverExpertRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.parallel.dense_shard_spans_experts = true;
+     },
+     "executor_layouts", "parallel.dense_shard_spans_experts",
+     "= true: the executor shards the dense parameters over hybrid_shard_degree only", "true"},
     {"SmpSharedExperts",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");

@@ -96,6 +96,7 @@ std::vector<PublishedCase> read_published_cases(const std::string& path) {
             c.overlap_gradient_sync = layout->boolean("overlap_gradient_sync");
           c.fp8 = layout->boolean("fp8", false);
           c.overlap_exchange = layout->boolean("overlap_exchange", false);
+          c.overlap_shared_expert = layout->boolean("overlap_shared_expert", false);
           c.dispatcher = layout->choice<Dispatcher>("dispatcher", kDispatcherNames, Dispatcher::kAllToAll);
           c.fp32_gradients = layout->boolean("fp32_gradients", true);
           layout->finish();
@@ -242,6 +243,7 @@ PublishedRow predict(const Loaded& l, const FitValues& values) {
   options.training.fp32_gradients = c.fp32_gradients;
   options.moe.aux_loss_coef = l.model.router_aux_loss_coef;
   options.moe.overlap_exchange = c.overlap_exchange;
+  options.moe.overlap_shared_expert = c.overlap_shared_expert;
   options.moe.dispatcher = c.dispatcher;
   options.context_exchange = c.context_exchange;
   options.max_micro_batch = 16;

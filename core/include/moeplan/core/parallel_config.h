@@ -222,6 +222,11 @@ struct MoeConfig {
   // schedule (--overlap-moe-expert-parallel-comm), which pairs one micro-batch's forward with
   // another's backward and runs each one's all-to-alls under the other's compute.
   bool overlap_exchange = false;
+  // The shared experts' forward on a stream of its own beside the forward exchanges: their
+  // first GEMM and activation beside the dispatch, their second beside the combine
+  // (Megatron-Core's --moe-shared-expert-overlap). Without shared experts or expert parallelism
+  // it changes nothing.
+  bool overlap_shared_expert = false;
   bool global_token_shuffle = false;
   double aux_loss_coef = 0.001;
   double z_loss_coef = 0.0;

@@ -56,6 +56,9 @@ struct KernelCosts {
   // still prices them for the stages that have them).
   double dense_forward_s = 0, dense_backward_s = 0, dense_flops = 0, tensor_dense_overlap_s = 0;
   std::array<double, 3> dense_block_by_class{};
+  // The shared experts' forward: up to and with the activation (their first GEMM, the gate),
+  // and their second GEMM; 0 without shared experts.
+  double shared_up_forward_s = 0, shared_down_forward_s = 0;
 };
 
 struct OpCosts : KernelCosts {
@@ -102,6 +105,17 @@ struct ExchangeCover {
   double covered(double exchange_s) const;
 };
 ExchangeCover exchange_cover(const KernelCosts& kernels);
+
+// Under moe.overlap_shared_expert (with shared experts and E > 1, and not already under
+// moe.overlap_exchange), what runs beside each forward exchange on the shared experts' stream:
+// their first GEMM and activation beside the dispatch, their second GEMM beside the combine
+// (also when the MoE sub-block is recomputed). Backward runs in turn. 0 where it does not apply.
+struct SharedExpertCover {
+  double dispatch = 0, combine = 0;
+  // What the forward exchanges of one block (and their recomputation) hide, each of `exchange_s`.
+  double hidden(double exchange_s, bool recomputed) const;
+};
+SharedExpertCover shared_expert_cover(const RunConfig& config, const KernelCosts& kernels);
 
 // One token exchange (a dispatch or a combine) of `send_bytes` a rank in the expert group `g`:
 // NCCL's all-to-all; DeepEP's fused kernels (moe.dispatcher), whose network share is each

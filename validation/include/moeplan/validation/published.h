@@ -19,6 +19,7 @@ struct PublishedCase {
   Precision precision = Precision::kBf16;
   bool fp8 = false, fp32_gradients = true;
   bool overlap_exchange = false;  // moe.overlap_exchange: Megatron-Core's merged 1F1B
+  bool overlap_shared_expert = false;  // moe.overlap_shared_expert: --moe-shared-expert-overlap
   ContextExchange context_exchange = ContextExchange::kRing;  // under context parallelism
   Dispatcher dispatcher = Dispatcher::kAllToAll;              // moe.dispatcher
   std::optional<Kernels> kernels;
