@@ -574,9 +574,16 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
   // DeepEP across nodes (deepseek-ai/DeepEP): its kernels post RDMA from the GPU (NVSHMEM over
   // InfiniBand or RoCE), run on Hopper-class GPUs (its SM80 build has intranode kernels only;
   // FP8 tensor cores stand for the class here), and take rank / 8 as the node and rank % 8 as
-  // the GPU: 8 consecutive ranks of the group on each node.
+  // the GPU: 8 consecutive ranks of the group on each node. Its buffers are sized from a table
+  // of group sizes (deep_ep/buffer.py get_dispatch_config), which it asserts.
   if (c.moe.dispatcher == Dispatcher::kDeepEp && e > 1) {
     const ParallelConfig& par = c.parallel;
+    constexpr std::array<int64_t, 10> kGroupSizes{2, 4, 8, 16, 24, 32, 64, 128, 144, 160};
+    if (std::find(kGroupSizes.begin(), kGroupSizes.end(), e) == kGroupSizes.end())
+      sink(Rule::kDeepEpLayout, "moe.dispatcher", [&] {
+        return "= \"deepep\" with an expert group of " + str(e) +
+               " ranks: DeepEP runs groups of 2, 4, 8, 16, 24, 32, 64, 128, 144 or 160";
+      });
     const int64_t node = std::max<int64_t>(1, std::min(par.world_size, cl.gpus_per_node));
     const int64_t stride = par.expert_stride();
     if ((e - 1) * stride >= node) {

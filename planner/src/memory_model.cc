@@ -166,9 +166,11 @@ ShardSizes shard_sizes_with(const ModelSpec& model, StageBlockCounts blocks, int
   out.shard_params = ends_shard + moe_layers * ceil_div(dense_per_layer, s) + out.shard_expert_params +
                      dense_layers * ceil_div(dense_block, s);
   const bool any = which == Ends::kNone || which == Ends::kLarger;
+  // What is gathered of an MoE block: its dense part, and its experts where they are sharded
+  // too (a dense shard over the expert ranks leaves them whole with S = 1).
+  const int64_t moe_gathered = dense_per_layer + (expert_s > 1 || s <= 1 ? experts_per_layer : 0);
   out.largest_unit_params = std::max({any ? std::max(embedding, head) : std::max(first ? embedding : 0, last ? head : 0),
-                                      moe_layers > 0 ? dense_per_layer + experts_per_layer : 0,
-                                      dense_layers > 0 ? dense_block : 0});
+                                      moe_layers > 0 ? moe_gathered : 0, dense_layers > 0 ? dense_block : 0});
   return out;
 }
 }  // namespace

@@ -299,7 +299,9 @@ std::vector<Variant> Space::variants(int64_t e, int64_t s, int64_t t, int64_t pp
           for (bool span : span_options) {
             // FSDP over the expert ranks shards the optimizer states with the parameters: no
             // framework adds a distributed optimizer to it (unless both are asked for).
-            if (span && sharded_optimizer && !(pin.distributed_optimizer && pin.dense_shard_spans_experts)) continue;
+            if (span && e * cp > 1 && sharded_optimizer &&
+                !(pin.distributed_optimizer && pin.dense_shard_spans_experts))
+              continue;
             out.push_back({chunks, sequence, sharded_optimizer, span, ends});
           }
   return out;

@@ -89,7 +89,7 @@ std::string size_row_text(const SizeResult& size, const TrainingGoal& goal) {
 }
 
 void add_table(std::string& out, const SearchResult& result, const ClusterSpec& cluster, size_t top) {
-  add(out, "\n  #   E     S   R     T     P   C  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   "
+  add(out, "\n  #   E      S   R     T     P   C  place  ckpt       offload  mbs   ga  step(s)  compute  recomp.  waiting   "
            "tokens/s  TFLOP/s/GPU   MFU  mem(GiB)\n");
   for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
     const Candidate& c = result.ranked[i];
@@ -105,7 +105,7 @@ void add_table(std::string& out, const SearchResult& result, const ClusterSpec& 
     const std::string pipeline = std::to_string(p.pipeline_parallel_degree) +
                                  (p.virtual_pipeline_degree > 1 ? "x" + std::to_string(p.virtual_pipeline_degree) : "");
     add(out,
-        "%3zu %3lld %5s %3lld %5s %5s %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f "
+        "%3zu %3lld %6s %3lld %5s %5s %3lld  %-5s  %-9s  %-7s %4lld %4lld %8.3f %8.3f %8.3f %8.3f %10.0f %12.1f "
         "%5.1f%% %6.1f/%.1f\n",
         i + 1, static_cast<long long>(p.expert_parallel_degree), shard.c_str(), static_cast<long long>(p.replica_degree()), tensor.c_str(), pipeline.c_str(),
         static_cast<long long>(p.context_parallel_degree), p.placement.to_string().c_str(),

@@ -207,6 +207,21 @@ const RuleCase kCases[] = {
      "= \"deepep\" with an expert group across nodes of p4d.24xlarge (EFA): DeepEP across nodes needs a network that "
      "lets GPUs post RDMA themselves (InfiniBand or RoCE)",
      "deepep"},
+    // DeepEP sizes its buffers from a table of group sizes: 12 experts over the 12 ranks of a
+    // node (two nodes of 12, E12 S2) is not among them.
+    {"DeepEpGroupSizeOutsideItsTable",
+     [](Scenario& s) {
+       s.moe.dispatcher = Dispatcher::kDeepEp;
+       s.model.num_experts = 12;
+       s.cluster.gpus_per_node = 12;
+       s.parallel.world_size = 24;
+       s.parallel.expert_parallel_degree = 12;
+       s.parallel.hybrid_shard_degree = 2;
+       s.training.global_batch_tokens = 24 * 128 * 2048;
+     },
+     Rule::kDeepEpLayout, "moe.dispatcher",
+     "= \"deepep\" with an expert group of 12 ranks: DeepEP runs groups of 2, 4, 8, 16, 24, 32, 64, 128, 144 or 160",
+     "deepep"},
     // 24 ranks on two nodes of 12, E8 S3: expert groups 0-7 and 16-23 inside a node, 8-15 four
     // ranks on each (the shard groups differ too, because of them: the innermost is named).
     {"ExpertGroupsStraddleNodesUnevenly",

@@ -424,6 +424,12 @@ TEST(MemoryModel, DeepEpKeepsItsBuffersForTheStep) {
   const MemoryEstimate deepep = x.estimate();
   EXPECT_EQ(deepep.communication_buffers, 209'880'704);
   EXPECT_EQ(deepep.device_total - nccl.device_total, 209'880'704);
+  // Over two nodes (E16): each NVLink peer's ring also counts 2 RDMA peers' heads (288 tokens of
+  // 10,248 bytes), and each of the 2 RDMA peers has a send and a receive ring of 140 tokens with
+  // 16 bytes more each, and 1 MiB: 236,116,224 + 58,529,920.
+  x.parallel.expert_parallel_degree = 16;
+  x.parallel.hybrid_shard_degree = 1;
+  EXPECT_EQ(x.estimate().communication_buffers, 236'116'224 + 58'529'920);
 }
 
 // Every item of E8 S2 with full checkpointing, and the total:

@@ -192,6 +192,9 @@ TEST(Search, ShardsDenseParametersOverTheExpertRanksWhereTheFrameworkDoes) {
       // Where there is nothing to span the flag stays off: one candidate per layout.
       if (p.expert_data_degree() * p.context_parallel_degree == 1) EXPECT_FALSE(p.dense_shard_spans_experts);
       else seen.insert(p.dense_shard_spans_experts);
+      // FSDP over the expert ranks shards the optimizer states already: no distributed
+      // optimizer on top unless both are pinned.
+      EXPECT_FALSE(p.dense_shard_spanning() && p.distributed_optimizer) << describe(p);
     }
     return seen;
   };

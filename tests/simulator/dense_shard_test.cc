@@ -49,6 +49,10 @@ TEST(DenseShard, SpansTheExpertAndContextRanks) {
   EXPECT_EQ(c.parallel.expert_shard_degree(), 2);
   const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
   EXPECT_EQ(shapes.shard_span.size, 8);
+  // C directly outside T (stride 1), E at stride 2, S at stride 4: rank 0's group is the first
+  // node's 8 ranks, which differ along all three.
+  EXPECT_EQ(shapes.shard_span.per_node, 8);
+  EXPECT_EQ(shapes.shard_span.nodes, 1);
   EXPECT_EQ(shapes.dense_shard(c.parallel).size, 8);
   EXPECT_EQ(shapes.expert_shard(c.parallel).size, 2);
   // Without experts to span (E1), C alone: the experts are sharded with the dense parameters.
@@ -88,9 +92,21 @@ TEST(DenseShard, EachRankKeepsItsShareOfTheDenseParameters) {
   const double dense = static_cast<double>(params.dense());
   const double saved = static_cast<double>(whole.model_states() - split.model_states());
   EXPECT_NEAR(saved, 8.0 * dense * 7.0 / 8.0, 1e-3 * saved);
-  // Gathered a unit at a time, as FSDP does.
+  // Gathered a unit at a time, as FSDP does: a block's dense part, its experts staying whole
+  // (S = 1), or the embedding or head where larger.
   EXPECT_EQ(whole.gathered_parameters, 0);
+  const planner::ShardSizes units =
+      planner::stage_shard_sizes(sharded.model, planner::busiest_stage(sharded.model, sharded.parallel), 8, 8, 1, 1,
+                                 true, 0);
   EXPECT_GT(split.gathered_parameters, 0);
+  EXPECT_LT(split.gathered_parameters, 2 * units.largest_unit_params * 2);
+  EXPECT_EQ(split.gradient_buffers * 2, split.gathered_parameters);
+  // The distributed optimizer, pinned on top, divides the states over the 2 replicas alone.
+  Scenario both = mixtral(true);
+  both.parallel.distributed_optimizer = true;
+  const planner::MemoryEstimate halved = planner::estimate_memory(both.config());
+  EXPECT_NEAR(static_cast<double>(halved.optimizer_states), static_cast<double>(split.optimizer_states) / 2.0,
+              1e-6 * static_cast<double>(split.optimizer_states) + 8);
 }
 
 int count_ops(const StepSimulation& sim, OpKind kind) {
@@ -113,6 +129,24 @@ TEST(DenseShard, TheSimulatorGathersOverTheSpanAndSyncsOverTheReplicas) {
   // Per simulated micro-batch: the embedding, each block's dense part, the head twice.
   EXPECT_GT(count_ops(after, OpKind::kGatherForward), layers);
   EXPECT_GT(count_ops(after, OpKind::kReduceScatter), layers);
+  // Each dense gather spans the 8 ranks of rank 0's node; each dense gradient shard synced
+  // over the replicas is an eighth of its unit (bf16 gradients): the head's comes first.
+  const OpCosts o = op_costs(sharded.config());
+  bool gathered = false, synced = false;
+  for (const Op& op : after.graph.ops()) {
+    if (op.rank != 0) continue;
+    if (op.kind == OpKind::kGatherForward && !gathered) {
+      gathered = true;
+      EXPECT_EQ(after.graph.collectives()[static_cast<size_t>(op.collective)].parts, 8);
+      EXPECT_DOUBLE_EQ(op.bytes, o.embed_unit_bytes);
+    }
+    if (op.kind == OpKind::kGradAllReduce && !synced) {
+      synced = true;
+      EXPECT_EQ(after.graph.collectives()[static_cast<size_t>(op.collective)].parts, 2);
+      EXPECT_DOUBLE_EQ(op.bytes, o.head_unit_bytes / 8);
+    }
+  }
+  EXPECT_TRUE(gathered && synced);
   const int syncs_before = count_ops(before, OpKind::kGradAllReduce);
   const int syncs_after = count_ops(after, OpKind::kGradAllReduce);
   // Dense units (the embedding, each block's dense part, the head) synced over E and R before,
@@ -124,6 +158,14 @@ TEST(DenseShard, TheSimulatorGathersOverTheSpanAndSyncsOverTheReplicas) {
   // reach of the simulator's.
   const StepEstimate estimate = estimate_step(sharded.config(), layout_shapes(sharded.cluster, sharded.parallel));
   EXPECT_GT(estimate.lower_bound_s, 0);
+  // The estimate gathers over the span too: the step's first gather has nothing to hide behind.
+  EXPECT_EQ(estimate_step(replicated.config(), layout_shapes(replicated.cluster, replicated.parallel)).shard_comm_exposed_s,
+            0);
+  EXPECT_GT(estimate.shard_comm_exposed_s, 0);
+  // Its gradient shards sync over the replicas alone: an eighth of the dense bytes, one ring
+  // over R, where the replicated layout syncs them over E first.
+  EXPECT_LT(estimate.grad_sync_s,
+            estimate_step(replicated.config(), layout_shapes(replicated.cluster, replicated.parallel)).grad_sync_s);
   EXPECT_NEAR(estimate.step_time_s, after.estimate.step_time_s, 0.15 * after.estimate.step_time_s);
 }
 
