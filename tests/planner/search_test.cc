@@ -142,20 +142,27 @@ TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
   EXPECT_EQ(r.ranked.front().parallel.data_parallel_degree(), 16);
 }
 
+// Mixtral on 16 H100 with 8192-token sequences, every layout without pipeline stages that the
+// target runs, ranked by the estimate whatever its memory.
+SearchOptions every_layout_on_two_p5_nodes(Target target) {
+  SearchOptions options = test::search_options(16, 8192);
+  options.estimator = Estimator::kAnalytic;
+  options.keep = 2000;
+  options.pins.pipeline_parallel_degree = 1;
+  options.moe.load_balancing = LoadBalancing::kAuxLoss;
+  options.training.precision = Precision::kMixed;
+  options.target = target;
+  options.ignore_memory_limits = true;
+  return options;
+}
+
 // Context parallelism is a choice of the search where the framework splits sequences and each
 // rank keeps at least min_context_tokens of one: for 8192-token sequences Megatron-LM's plans on
 // 16 H100 include C = 2 and C = 4 (not 8: 1024 tokens a rank), moeplan's executor's none. The
 // sequences read per step follow C: W / (C T P) readers take the global batch.
 TEST(Search, SplitsSequencesOverContextRanksWhereTheFrameworkDoes) {
   auto context_degrees = [](Target target) {
-    SearchOptions options = test::search_options(16, 8192);
-    options.estimator = Estimator::kAnalytic;
-    options.keep = 2000;
-    options.pins.pipeline_parallel_degree = 1;
-    options.moe.load_balancing = LoadBalancing::kAuxLoss;
-    options.training.precision = Precision::kMixed;
-    options.target = target;
-    options.ignore_memory_limits = true;
+    const SearchOptions options = every_layout_on_two_p5_nodes(target);
     const SearchResult r = search(test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), options);
     EXPECT_FALSE(r.ranked.empty());
     std::set<int64_t> seen;
@@ -176,14 +183,7 @@ TEST(Search, SplitsSequencesOverContextRanksWhereTheFrameworkDoes) {
 // FSDP always spans them, Megatron-LM never does, and "any" tries both.
 TEST(Search, ShardsDenseParametersOverTheExpertRanksWhereTheFrameworkDoes) {
   auto spans = [](Target target) {
-    SearchOptions options = test::search_options(16, 8192);
-    options.estimator = Estimator::kAnalytic;
-    options.keep = 2000;
-    options.pins.pipeline_parallel_degree = 1;
-    options.moe.load_balancing = LoadBalancing::kAuxLoss;
-    options.training.precision = Precision::kMixed;
-    options.target = target;
-    options.ignore_memory_limits = true;
+    const SearchOptions options = every_layout_on_two_p5_nodes(target);
     const SearchResult r = search(test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), options);
     EXPECT_FALSE(r.ranked.empty());
     std::set<bool> seen;

@@ -20,16 +20,8 @@ using test::Scenario;
 // Mixtral 8x7B on two p5 nodes: experts over E8, S1, two replicas; `span`: the dense
 // parameters sharded over the 8 expert ranks.
 Scenario mixtral(bool span) {
-  Scenario c{test::model("mixtral-8x7b"), test::hardware("p5.48xlarge", 16), {}, {}, {}};
-  c.parallel.world_size = 16;
-  c.parallel.expert_parallel_degree = 8;
-  c.parallel.hybrid_shard_degree = 1;
+  Scenario c = test::make_scenario("mixtral-8x7b", "p5.48xlarge", 16, 8, 1, "RSE", Checkpointing::kFull, 1, 4, 4096);
   c.parallel.dense_shard_spans_experts = span;
-  c.parallel.micro_batch_size = 1;
-  c.parallel.gradient_accumulation_steps = 4;
-  c.parallel.activation_checkpointing = Checkpointing::kFull;
-  c.training.seq_len = 4096;
-  c.training.global_batch_tokens = 16 * 4 * 4096;
   c.moe.load_balancing = LoadBalancing::kBalanced;
   return c;
 }

@@ -18,14 +18,8 @@ using test::Scenario;
 // Moonlight-16B-A3B (64 experts, top-6, one shared expert of 2,816) over E16 on two p5 nodes:
 // every exchange crosses the card, longer than the shared expert's forward beside it.
 Scenario moonlight(bool overlap) {
-  Scenario c{test::model("moonlight-16b-a3b"), test::hardware("p5.48xlarge", 16), {}, {}, {}};
-  c.parallel.world_size = 16;
-  c.parallel.expert_parallel_degree = 16;
-  c.parallel.hybrid_shard_degree = 1;
-  c.parallel.micro_batch_size = 1;
-  c.parallel.gradient_accumulation_steps = 4;
-  c.training.seq_len = 4096;
-  c.training.global_batch_tokens = 16 * 4 * 4096;
+  Scenario c =
+      test::make_scenario("moonlight-16b-a3b", "p5.48xlarge", 16, 16, 1, "RSE", Checkpointing::kNone, 1, 4, 4096);
   c.moe.load_balancing = LoadBalancing::kBalanced;
   c.moe.overlap_shared_expert = overlap;
   return c;

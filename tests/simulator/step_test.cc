@@ -23,23 +23,7 @@ namespace moeplan::sim {
 namespace {
 
 using test::Scenario;
-
-Scenario make_scenario(const std::string& model_name, const std::string& hardware_name, int64_t world, int64_t e,
-                       int64_t s, const char* placement, Checkpointing ckpt = Checkpointing::kNone,
-                       int64_t micro_batch = 1, int64_t accumulation = 2, int64_t seq_len = 2048) {
-  Scenario c{test::model(model_name), test::hardware(hardware_name, world), {}, {}, {}};
-  c.parallel.world_size = world;
-  c.parallel.expert_parallel_degree = e;
-  c.parallel.hybrid_shard_degree = s;
-  c.parallel.placement = *Placement::parse(placement);
-  c.parallel.activation_checkpointing = ckpt;
-  c.parallel.micro_batch_size = micro_batch;
-  c.parallel.gradient_accumulation_steps = accumulation;
-  c.training.seq_len = seq_len;
-  c.training.precision = Precision::kBf16;
-  c.training.global_batch_tokens = world * micro_batch * accumulation * seq_len;
-  return c;
-}
+using test::make_scenario;
 
 // rng() % n rather than std::uniform_int_distribution, whose output differs between standard
 // libraries: the scenarios are the same everywhere.

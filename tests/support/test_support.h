@@ -142,6 +142,25 @@ struct Scenario {
   }
 };
 
+// `world` ranks of `hardware_name` training `model_name` in bf16 over E experts and S shards
+// placed as given, with `micro_batch` x `accumulation` sequences of `seq_len` a rank and step.
+inline Scenario make_scenario(const std::string& model_name, const std::string& hardware_name, int64_t world,
+                              int64_t e, int64_t s, const char* placement, Checkpointing ckpt = Checkpointing::kNone,
+                              int64_t micro_batch = 1, int64_t accumulation = 2, int64_t seq_len = 2048) {
+  Scenario c{model(model_name), hardware(hardware_name, world), {}, {}, {}};
+  c.parallel.world_size = world;
+  c.parallel.expert_parallel_degree = e;
+  c.parallel.hybrid_shard_degree = s;
+  c.parallel.placement = *Placement::parse(placement);
+  c.parallel.activation_checkpointing = ckpt;
+  c.parallel.micro_batch_size = micro_batch;
+  c.parallel.gradient_accumulation_steps = accumulation;
+  c.training.seq_len = seq_len;
+  c.training.precision = Precision::kBf16;
+  c.training.global_batch_tokens = world * micro_batch * accumulation * seq_len;
+  return c;
+}
+
 // The same scenario with links that cost nothing: infinite bandwidths, zero latencies.
 inline Scenario with_free_communication(Scenario c) {
   c.cluster.intra_node_bandwidth_bytes_per_s = 1e30;
