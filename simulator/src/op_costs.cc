@@ -289,9 +289,7 @@ double SharedExpertCover::hidden(double exchange_s, bool recomputed) const {
 
 SharedExpertCover shared_expert_cover(const RunConfig& c, const KernelCosts& k) {
   SharedExpertCover out;
-  if (!c.moe.overlap_shared_expert || c.moe.overlap_exchange || !c.model.shared_experts() ||
-      c.parallel.expert_parallel_degree <= 1)
-    return out;
+  if (!overlaps_shared_expert(c.model, c.moe, c.parallel) || c.moe.overlap_exchange) return out;
   out.dispatch = k.shared_up_forward_s;
   out.combine = k.shared_down_forward_s;
   return out;

@@ -123,7 +123,7 @@ void layout_args(const Plan& plan, Args& a) {
       a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
     }
     if (plan.moe.overlap_exchange) a.push_back({"--overlap-moe-expert-parallel-comm", ""});
-    if (plan.moe.overlap_shared_expert && plan.model.shared_experts()) a.push_back({"--moe-shared-expert-overlap", ""});
+    if (overlaps_shared_expert(plan.model, plan.moe, p)) a.push_back({"--moe-shared-expert-overlap", ""});
     a.push_back({"--moe-grouped-gemm", ""});
   }
   switch (p.activation_checkpointing) {

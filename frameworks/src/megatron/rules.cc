@@ -41,8 +41,7 @@ void check(const RunConfig& c, RuleSink& sink) {
              ": moeplan exports Megatron-LM's flex dispatcher with E > 1 and each expert whole on a rank (ETP 1)";
     });
   // --moe-shared-expert-overlap works with the all-to-all dispatcher.
-  if (c.moe.overlap_shared_expert && c.model.shared_experts() && p.expert_parallel_degree > 1 &&
-      c.moe.dispatcher != Dispatcher::kAllToAll)
+  if (overlaps_shared_expert(c.model, c.moe, p) && c.moe.dispatcher != Dispatcher::kAllToAll)
     sink(kLayouts, "moe.overlap_shared_expert", [&] {
       return "= true with dispatcher \"" + std::string(name_of(kDispatcherNames, c.moe.dispatcher)) +
              "\": moeplan exports Megatron-LM's shared-expert overlap with the all-to-all dispatcher";

@@ -40,7 +40,7 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= false with tensor_parallel_degree = " + rule_number(tp) +
              ": torchtitan's tensor parallelism always splits the sequence (sequence parallelism)";
     });
-  if (c.moe.overlap_shared_expert && c.model.shared_experts() && p.expert_parallel_degree > 1)
+  if (overlaps_shared_expert(c.model, c.moe, p))
     sink(kLayouts, "moe.overlap_shared_expert", [&] {
       return std::string("= true: torchtitan runs its shared experts in turn with the routed ones");
     });

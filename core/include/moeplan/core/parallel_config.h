@@ -240,6 +240,12 @@ struct MoeConfig {
   bool operator==(const MoeConfig&) const = default;
 };
 
+// Whether moe.overlap_shared_expert takes effect: the model has shared experts and there is a
+// token exchange (E > 1) for their forward to run beside.
+inline bool overlaps_shared_expert(const ModelSpec& model, const MoeConfig& moe, const ParallelConfig& p) {
+  return moe.overlap_shared_expert && model.shared_experts() && p.expert_parallel_degree > 1;
+}
+
 struct TrainingConfig {
   int64_t seq_len = 2048;
   int64_t global_batch_tokens = 0;
