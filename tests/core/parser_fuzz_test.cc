@@ -23,6 +23,7 @@
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/model_spec.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/routing_profile.h"
 #include "moeplan/planner/memory_model.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/simulator/analytic.h"
@@ -359,7 +360,7 @@ std::string token_soup(Random& random) {
 // ---------------------------------------------------------------------------------------------
 // The fuzz loop
 
-enum class Target : uint8_t { kPlan, kCluster, kModel, kHfConfig, kJsonText };
+enum class Target : uint8_t { kPlan, kCluster, kModel, kHfConfig, kRouting, kJsonText };
 
 const char* target_name(Target t) {
   switch (t) {
@@ -367,6 +368,7 @@ const char* target_name(Target t) {
     case Target::kCluster: return "cluster_from_json";
     case Target::kModel: return "model_from_json";
     case Target::kHfConfig: return "model_from_hf_config";
+    case Target::kRouting: return "routing_profile_from_json";
     case Target::kJsonText: return "parse_json_text";
   }
   return "?";
@@ -440,6 +442,11 @@ class Fuzzer {
       case Target::kHfConfig: {
         const ModelSpec m = model_from_hf_config(json, "fuzz.json");
         expect_round_trip(target, [&] { return model_from_json(Json(to_json(m)), "again") == m; });
+        return true;
+      }
+      case Target::kRouting: {
+        const RoutingProfile r = routing_profile_from_json(json, "fuzz.json");
+        expect_round_trip(target, [&] { return routing_profile_from_json(routing_profile_json(r), "again") == r; });
         return true;
       }
     }
@@ -556,6 +563,17 @@ std::vector<Document> documents() {
   add_plan("mixtral-8x7b", "p4d.24xlarge", 16);
   add_plan("mixtral-tiny", "p5.48xlarge", 8);
 
+  // Routing profiles of each kind, as `--routing FILE` reads them.
+  const char* routing[] = {
+      R"({"schema_version": 1, "kind": "balanced", "source": "balanced"})",
+      R"({"schema_version": 1, "kind": "skew", "source": "Zipf", "skew": 2.5})",
+      R"({"schema_version": 1, "kind": "measured", "source": "a run", "num_experts": 4, "experts_per_token": 2,
+          "slots": [[[4, 2, 1, 1], [2, 2, 2, 2], [0, 0, 8, 0]], [[1, 1, 1, 5], [8, 0, 0, 0], [3, 3, 1, 1]]]})"};
+  for (const char* text : routing) {
+    const Json json = parse_json_text(text, "routing.json");
+    docs.push_back({Target::kRouting, "routing.json", json.dump(2), json});
+  }
+
   // mistralai/Mixtral-8x7B-v0.1 config.json, and a newer-style one with head_dim and
   // rope_scaling written out.
   const std::string published = read_text(data_path("hf/mixtral-8x7b/config.json"));
@@ -587,6 +605,7 @@ constexpr Budget kBudget[] = {
     {Target::kCluster, 8'000, 14'000},
     {Target::kModel, 8'000, 14'000},
     {Target::kHfConfig, 6'000, 14'000},
+    {Target::kRouting, 3'000, 6'000},
 };
 constexpr int64_t kTokenSoups = 12'000;
 
