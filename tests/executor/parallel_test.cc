@@ -7,11 +7,14 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 
+#include "moeplan/core/step_record.h"
 #include "moeplan/core/trace.h"
 #include "run_fixture.h"
 
@@ -29,6 +32,39 @@ struct Layout {
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
+
+using SlotTable = std::vector<std::vector<int64_t>>;  // [layer][expert]
+
+// Whether every table of `seen` is the sum of `per` tables of `reference`, no reference table
+// used twice and every one used: an expert group's micro-batch carries the routing of its E
+// readers' micro-batches, which one rank computed one by one.
+bool sums_of_reference(const std::vector<SlotTable>& seen, size_t next, const std::vector<SlotTable>& reference,
+                       std::vector<bool>& used, size_t per) {
+  if (next == seen.size()) return std::all_of(used.begin(), used.end(), [](bool u) { return u; });
+  // Choose `per` unused reference tables (in increasing order) whose sum is seen[next].
+  std::vector<size_t> pick;
+  const std::function<bool(size_t)> choose = [&](size_t from) -> bool {
+    if (pick.size() == per) {
+      SlotTable sum = reference[pick[0]];
+      for (size_t i = 1; i < pick.size(); ++i)
+        for (size_t l = 0; l < sum.size(); ++l)
+          for (size_t e = 0; e < sum[l].size(); ++e) sum[l][e] += reference[pick[i]][l][e];
+      if (sum != seen[next]) return false;
+      for (size_t i : pick) used[i] = true;
+      if (sums_of_reference(seen, next + 1, reference, used, per)) return true;
+      for (size_t i : pick) used[i] = false;
+      return false;
+    }
+    for (size_t i = from; i < reference.size(); ++i) {
+      if (used[i]) continue;
+      pick.push_back(i);
+      if (choose(i + 1)) return true;
+      pick.pop_back();
+    }
+    return false;
+  };
+  return choose(0);
+}
 void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
 
 class Parallel : public ::testing::TestWithParam<Layout> {
@@ -107,6 +143,19 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
     // Routing decisions are discrete: the same tokens reach the same experts.
     EXPECT_EQ(m[i]["tokens_per_expert"], reference_[i]["tokens_per_expert"]) << "step " << i + 1;
     EXPECT_EQ(m[i]["tokens"], reference_[i]["tokens"]);
+    // Each expert group's micro-batches: R S groups of T P micro-batches, each the routing of
+    // the group's E readers' sequences (the one rank's micro-batches, E at a time).
+    const StepRecord one = step_record_from_json(reference_[i], "reference"), here = step_record_from_json(m[i], l.name);
+    ASSERT_EQ(here.exchange_slots.size(), static_cast<size_t>(4 / (l.e * l.t * l.p))) << "step " << i + 1;
+    std::vector<SlotTable> seen;
+    for (const auto& group : here.exchange_slots) {
+      ASSERT_EQ(group.size(), static_cast<size_t>(l.t * l.p)) << "step " << i + 1;
+      seen.insert(seen.end(), group.begin(), group.end());
+    }
+    ASSERT_EQ(one.exchange_slots.size(), 1u);
+    std::vector<bool> used(one.exchange_slots[0].size(), false);
+    EXPECT_TRUE(sums_of_reference(seen, 0, one.exchange_slots[0], used, static_cast<size_t>(l.e)))
+        << "step " << i + 1 << ": the groups' micro-batches are not the one rank's, " << l.e << " at a time";
   }
   // The run leaves its measured trace (every rank's phases) and report, and prints the comparison.
   const Trace trace = trace_from_json(read_json_file(out + "/trace.json"), "trace.json");

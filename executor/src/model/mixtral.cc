@@ -366,4 +366,13 @@ LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, cons
   return loss;
 }
 
+std::vector<std::vector<int64_t>> slot_table(const torch::Tensor& counts) {
+  const torch::Tensor host = counts.to(torch::kCPU, torch::kLong).contiguous();
+  const int64_t* data = host.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(host.size(0)));
+  for (size_t l = 0; l < rows.size(); ++l)
+    rows[l].assign(data + static_cast<int64_t>(l) * host.size(1), data + static_cast<int64_t>(l + 1) * host.size(1));
+  return rows;
+}
+
 }  // namespace moeplan::executor

@@ -95,10 +95,14 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
-  torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  // Token-expert slots by [expert group][micro-batch][layer][expert], each rank adding its
+  // tokens' routing to its own group's micro-batch; summed over the world after the step.
+  const int64_t groups = mesh_.layout().world_size() / (mesh_.pipeline.size() * mesh_.expert.size() * mesh_.tensor.size());
+  torch::Tensor counts = torch::zeros({groups, ga, spec.num_layers, spec.num_experts}, torch::kLong);
+  torch::Tensor mine = counts[mesh_.coords().r * mesh_.shard.size() + mesh_.coords().s];
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
   nonfinite_layers_ = torch::zeros({spec.num_layers}, torch::kLong);
-  if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, counts, sums);
+  if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, mine, sums);
   for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
     const auto f0 = Clock::now();
@@ -116,7 +120,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
     nonfinite_layers_ += out.nonfinite_layers;
     if (!counts_data) continue;
-    counts += out.tokens_per_expert;
+    mine[m] += out.tokens_per_expert;
     sums[0] += terms.lm.item<double>();
     sums[1] += terms.aux.item<double>();
     sums[2] += terms.z.item<double>();
@@ -183,10 +187,10 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   r.z_loss = sums[2].item<double>() / n;
   r.total_loss = sums[3].item<double>() / n;
   r.tokens = static_cast<int64_t>(sums[4].item<double>());
-  for (int64_t l = 0; l < spec.num_layers; ++l) {
-    std::vector<int64_t> row;
-    for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(counts[l][e].item<int64_t>());
-    r.tokens_per_expert.push_back(std::move(row));
+  r.tokens_per_expert = slot_table(counts.sum({0, 1}));
+  for (int64_t g = 0; g < groups; ++g) {
+    std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
+    for (int64_t m = 0; m < ga; ++m) group.push_back(slot_table(counts[g][m]));
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return r;
@@ -282,7 +286,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
       router += router_loss_sums(out.router_logits, k, experts);
-      if (counts_data) counts += out.tokens_per_expert;
+      if (counts_data) counts[a.micro_batch] += out.tokens_per_expert;
       nonfinite_layers_ += out.nonfinite_layers;
       if (stage + 1 < stages) {
         f.output = out.hidden;

@@ -20,26 +20,6 @@
 namespace moeplan::executor {
 namespace fs = std::filesystem;
 
-std::string to_json_line(const StepRecord& r) {
-  Json j;
-  j["step"] = r.step;
-  j["loss"] = r.loss;
-  j["aux_loss"] = r.aux_loss;
-  j["z_loss"] = r.z_loss;
-  j["total_loss"] = r.total_loss;
-  j["lr"] = r.learning_rate;
-  j["grad_norm"] = r.grad_norm;
-  j["tokens"] = r.tokens;
-  j["step_s"] = r.seconds;
-  j["tokens_per_s"] = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0;
-  j["tokens_per_expert"] = r.tokens_per_expert;
-  if (r.skipped) {
-    j["skipped"] = true;
-    j["nonfinite"] = r.nonfinite;
-  }
-  return j.dump();
-}
-
 void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptions& o, Diagnostics& d) {
   // Every rule of the plan, the executor's own (what it trains) among them: the same rules the
   // search applies for `--target moeplan`, so that it never writes a plan this refuses.

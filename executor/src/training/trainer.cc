@@ -147,6 +147,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   }
   const MixtralWeights weights = MixtralWeights::bind(spec, compute);
   int64_t micro_batch = 0;
+  std::vector<torch::Tensor> per_micro_batch;  // tokens_per_expert of each, read once at the end
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();
@@ -168,6 +169,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
     counts += out.tokens_per_expert;
+    per_micro_batch.push_back(out.tokens_per_expert);
     nonfinite_layers += out.nonfinite_layers;
     sums.push_back(torch::stack({terms.lm, terms.aux, terms.z, terms.total}).detach().to(torch::kDouble));
     r.tokens += ids.numel();
@@ -200,12 +202,11 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.z_loss = mean_losses[2].item<double>();
   r.total_loss = mean_losses[3].item<double>();
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  const torch::Tensor host_counts = counts.cpu();
-  for (int64_t l = 0; l < spec.num_layers; ++l) {
-    std::vector<int64_t> row;
-    for (int64_t e = 0; e < spec.num_experts; ++e) row.push_back(host_counts[l][e].item<int64_t>());
-    r.tokens_per_expert.push_back(std::move(row));
-  }
+  r.tokens_per_expert = slot_table(counts);
+  // One rank is one expert group.
+  std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
+  const torch::Tensor all = torch::stack(per_micro_batch).cpu();
+  for (int64_t m = 0; m < all.size(0); ++m) group.push_back(slot_table(all[m]));
   return r;
 }
 

@@ -107,6 +107,9 @@ struct ForwardResult {
   torch::Tensor nonfinite_layers;
 };
 
+// A [layers, num_experts] count tensor (tokens_per_expert) as rows on the host.
+std::vector<std::vector<int64_t>> slot_table(const torch::Tensor& counts);
+
 // Adds 1 to nonfinite_layers[layer] when `output` holds a NaN or an Inf, without a host sync.
 void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& output);
 

@@ -54,7 +54,8 @@ class ShardedTrainer final : public StepTrainer {
 
  private:
   // The forward and backward passes of a step's micro-batches on a pipeline stage; adds the
-  // stage's counts and (on the last stage) the losses and tokens into counts and sums.
+  // stage's counts into counts[micro-batch] and (on the last stage) the losses and tokens into
+  // sums.
   void run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts, torch::Tensor& sums);
 
   const Plan& plan_;

@@ -121,7 +121,4 @@ void truncate_metrics(const std::string& path, int64_t last_step);
 // The metrics.jsonl lines of a run folder, parsed (none when the file is missing).
 std::vector<Json> read_metrics(const std::string& run_dir);
 
-// One metrics.jsonl line (no newline).
-std::string to_json_line(const StepRecord& record);
-
 }  // namespace moeplan::executor

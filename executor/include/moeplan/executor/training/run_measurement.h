@@ -11,6 +11,7 @@
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/core/run_report.h"
+#include "moeplan/core/step_record.h"
 #include "moeplan/core/trace.h"
 
 namespace moeplan::executor {
@@ -59,23 +60,6 @@ struct RankMeasurement {
 Json to_json(const RankMeasurement& m);
 RankMeasurement rank_measurement_from_json(const Json& j, const std::string& origin);
 
-struct StepRecord {
-  int64_t step = 0;
-  double loss = 0;        // language-model cross entropy, mean over micro-batches
-  double aux_loss = 0;
-  double z_loss = 0;
-  double total_loss = 0;  // what was differentiated
-  double learning_rate = 0;
-  double grad_norm = 0;   // before clipping
-  int64_t tokens = 0;
-  double seconds = 0;
-  std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
-  // A NaN or an Inf in the loss or the gradients: the update was not applied (the step's data
-  // is consumed and the schedule moves on, as Megatron-LM skips such iterations), and where
-  // it began.
-  bool skipped = false;
-  std::string nonfinite;
-};
 // Joins the ranks' measurements into trace.json and report.json in out_dir and returns the report.
 RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const std::vector<StepRecord>& steps,
                             const std::vector<RankMeasurement>& ranks, const std::string& where);

@@ -1,0 +1,46 @@
+#pragma once
+// One training step as a run measured it: a line of the run's metrics.jsonl (docs/executor.md,
+// "Metrics"). The executor writes them; `moeplan routing` and the tests read them back.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/json_reader.h"
+
+namespace moeplan {
+
+// Token-expert slots indexed [group][micro-batch][layer][expert].
+using ExchangeSlots = std::vector<std::vector<std::vector<std::vector<int64_t>>>>;
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0;        // language-model cross entropy, mean over micro-batches
+  double aux_loss = 0;
+  double z_loss = 0;
+  double total_loss = 0;  // what was differentiated
+  double learning_rate = 0;
+  double grad_norm = 0;   // before clipping
+  int64_t tokens = 0;
+  double seconds = 0;
+  std::vector<std::vector<int64_t>> tokens_per_expert;  // [layer][expert] token-expert slots
+  // The same per micro-batch of each expert group (the ranks one dispatch spans, numbered
+  // r S + s by their replica and shard coordinates): what each exchange carried. A layer on
+  // another pipeline stage is counted by that stage's ranks.
+  ExchangeSlots exchange_slots;
+  // A NaN or an Inf in the loss or the gradients: the update was not applied (the step's data
+  // is consumed and the schedule moves on, as Megatron-LM skips such iterations), and where
+  // it began.
+  bool skipped = false;
+  std::string nonfinite;
+  bool operator==(const StepRecord&) const = default;
+};
+
+// One metrics.jsonl line (no newline). A NaN or an Inf loss is written as null.
+std::string to_json_line(const StepRecord& record);
+// A line read back, strictly: every field checked, null losses read as NaN.
+StepRecord step_record_from_json(const Json& json, const std::string& origin);
+// Every line of a metrics.jsonl file; an error names the file and the line.
+std::vector<StepRecord> read_step_records(const std::string& path);
+
+}  // namespace moeplan
