@@ -44,6 +44,7 @@ Command add_validate_command(CLI::App& app);
 Command add_export_command(CLI::App& app);
 Command add_compare_published_command(CLI::App& app);
 Command add_compare_profiles_command(CLI::App& app);
+Command add_routing_command(CLI::App& app);
 
 // One line per problem on stderr, "moeplan: error: <origin>: <problem>".
 void print_error(const InputError& e);

@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
       add_view_command(app, invocation),      add_run_command(app, invocation),
       add_calibrate_command(app, invocation), add_validate_command(app),
       add_export_command(app),                add_compare_published_command(app),
-      add_compare_profiles_command(app),
+      add_compare_profiles_command(app),      add_routing_command(app),
   };
   try {
     app.parse(argc, argv);

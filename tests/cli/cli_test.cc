@@ -14,6 +14,8 @@
 
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/routing_profile.h"
+#include "moeplan/core/step_record.h"
 #include "moeplan/frameworks/training_log.h"
 #include "moeplan/planner/training_time.h"
 #include "moeplan/validation/compare_log.h"
@@ -722,6 +724,50 @@ TEST(CliWrite, PlanToAPipeGoesThroughThePipe) {
   std::stringstream text;
   text << copy.rdbuf();
   EXPECT_NO_THROW(plan_from_json(Json::parse(text.str()), "copy.json"));
+}
+
+}  // namespace
+}  // namespace moeplan
+
+namespace moeplan {
+namespace {
+
+// A run folder's metrics.jsonl as the executor writes it (three steps of one expert group, two
+// micro-batches, one layer of four experts, top-2), summarised and made a routing profile.
+TEST_F(Cli, RoutingSummarisesARunAndWritesItsProfile) {
+  Workdir dir;
+  fs::create_directories(dir / "run");
+  std::string lines;
+  for (int64_t s = 1; s <= 3; ++s) {
+    StepRecord r;
+    r.step = s;
+    r.tokens = 32;
+    r.seconds = 0.5;
+    r.exchange_slots = {{{{8, 8, 8, 8}}, {{16, 8, 4, 4}}}};
+    r.tokens_per_expert = {{24, 16, 12, 12}};
+    lines += to_json_line(r) + "\n";
+  }
+  std::ofstream(dir / "run" / "metrics.jsonl") << lines;
+  const Outcome run = dir.moeplan("routing run --out routing.json");
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  EXPECT_NE(run.out.find("steps 1 to 3 (3), 1 MoE layers, 4 experts, top-2; 1 expert group x 2 micro-batches"),
+            std::string::npos)
+      << run.out;
+  // Loads 1.0 and 2.0 in every step: median 1.5, p95 2.0 (at 4.75 of the six sorted, among
+  // the 2.0s), 1.0 apart in a step.
+  EXPECT_NE(run.out.find("0         1.50   2.00   2.00            1.00        1.50       1.50"), std::string::npos)
+      << run.out;
+  const RoutingProfile profile = read_routing_profile((dir / "routing.json").string());
+  EXPECT_EQ(profile.micro_batches(), 6);
+  EXPECT_EQ(profile.experts_per_token, 2);
+  EXPECT_EQ(profile.slots[0][1], (std::vector<int64_t>{16, 8, 4, 4}));
+
+  const Outcome missing = dir.moeplan("routing nowhere");
+  EXPECT_EQ(missing.exit_code, 2) << show(missing);
+  EXPECT_NE(missing.err.find("nowhere/metrics.jsonl: cannot be read"), std::string::npos) << show(missing);
+  const Outcome degree = dir.moeplan("routing run --expert-degree 3");
+  EXPECT_EQ(degree.exit_code, 2) << show(degree);
+  EXPECT_NE(degree.err.find("--expert-degree: = 3 does not divide"), std::string::npos) << show(degree);
 }
 
 }  // namespace

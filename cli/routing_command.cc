@@ -1,0 +1,57 @@
+// `moeplan routing RUN`: how a run's router spread the tokens (core/routing_summary.h), and the
+// measured routing profile that `--routing FILE` plans with.
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "command.h"
+#include "moeplan/core/routing_summary.h"
+#include "moeplan/core/step_record.h"
+
+namespace moeplan::cli {
+
+namespace {
+
+struct RoutingOptions {
+  std::string run_dir;
+  int64_t from_step = 1;
+  int64_t expert_degree = 0;
+  std::string out;
+};
+
+int summarise(const RoutingOptions& o) {
+  try {
+    const std::string metrics = o.run_dir + "/metrics.jsonl";
+    const std::vector<StepRecord> steps = read_step_records(metrics);
+    std::printf("routing of %s: %s", o.run_dir.c_str(),
+                format_routing_summary(summarise_routing(steps, o.from_step, o.expert_degree, metrics)).c_str());
+    if (!o.out.empty()) {
+      const RoutingProfile profile = measured_routing_profile(
+          steps, o.from_step, "measured by moeplan run " + o.run_dir + " from step " + std::to_string(o.from_step));
+      write_routing_profile(profile, o.out);
+      std::printf("wrote %s: %s\n", o.out.c_str(), describe_routing(profile).c_str());
+    }
+  } catch (const InputError& e) {
+    print_error(e);
+    return kExitBadInput;
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_routing_command(CLI::App& app) {
+  auto o = std::make_shared<RoutingOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "routing", "How a run's router spread the tokens over the experts, and its measured routing profile");
+  cmd->add_option("run", o->run_dir, "A run folder (moeplan run --out), with its metrics.jsonl")->required();
+  cmd->add_option("--from-step", o->from_step, "Leave out the steps before this one")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--expert-degree", o->expert_degree,
+                  "Count the busiest of this many expert-parallel ranks instead of the busiest expert")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--out", o->out, "Write the measured routing profile here (for --routing FILE)");
+  return {cmd, [o] { return summarise(*o); }};
+}
+
+}  // namespace moeplan::cli

@@ -1,0 +1,41 @@
+#pragma once
+// What a run's routing was, from its metrics (core/step_record.h): how much the busiest expert
+// (or expert-parallel rank) of each micro-batch took over the mean, per layer, how that spread
+// within a step and drifted over training, and the measured routing profile it makes
+// (core/routing_profile.h). `moeplan routing RUN` prints and writes them.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/routing_profile.h"
+#include "moeplan/core/step_record.h"
+
+namespace moeplan {
+
+// The busiest expert's (or rank's) load over the mean, over micro-batches.
+struct RoutingSpread {
+  double median = 1, p95 = 1, max = 1;
+  double within_step = 0;  // the median over steps of (highest - lowest) among a step's micro-batches
+  double first = 1, last = 1;  // the median over the first and over the last tenth of the steps
+};
+
+struct RoutingSummary {
+  int64_t steps = 0, first_step = 0, last_step = 0;
+  int64_t groups = 0, micro_batches = 0;  // expert groups, and micro-batches of each a step
+  int64_t num_experts = 0, experts_per_token = 0;
+  int64_t expert_degree = 0;  // ranks the experts are spread over (num_experts: each its own)
+  std::vector<RoutingSpread> layers;
+  RoutingSpread all;  // every layer's micro-batches together
+};
+
+// The steps from `from_step` on; `expert_degree` 0 counts each expert on its own. An InputError
+// at `origin` when no step has per-micro-batch counts or their shapes differ.
+RoutingSummary summarise_routing(const std::vector<StepRecord>& steps, int64_t from_step, int64_t expert_degree,
+                                 const std::string& origin);
+// Every micro-batch of every expert group from `from_step` on, as a measured profile.
+RoutingProfile measured_routing_profile(const std::vector<StepRecord>& steps, int64_t from_step,
+                                        const std::string& source);
+std::string format_routing_summary(const RoutingSummary& summary);
+
+}  // namespace moeplan
