@@ -10,9 +10,12 @@
 
 #include "command.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/moe_load.h"
+#include "moeplan/core/routing_profile.h"
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/trace.h"
 #include "moeplan/planner/memory_model.h"
+#include "moeplan/simulator/routing.h"
 #include "moeplan/simulator/step.h"
 
 namespace moeplan::cli {
@@ -25,6 +28,8 @@ struct Simulate {
   bool all_ranks = false;
   bool all_micro_batches = false;
   std::string measured;  // a run's report.json: simulate with its expert load, compare phases
+  std::string routing;   // a routing profile: the step over draws from it
+  int64_t draws = 32;
 };
 
 // What a run measured, from its report.json (core/run_report.h).
@@ -170,6 +175,31 @@ void print_operations(const sim::StepSimulation& s, size_t top) {
                 100.0 * static_cast<double>(total - shown) / static_cast<double>(total));
 }
 
+// The step over draws from a routing profile beside the plan's own routing, and the memory of
+// the busiest rank at the p99 load.
+void print_routing(const Plan& plan, const RunConfig& config, double step_s, const Simulate& args) {
+  const RoutingProfile profile = routing_profile_from_spec(args.routing);
+  const ModelSpec& m = plan.model;
+  const std::vector<Diagnostic> problems =
+      routing_mismatches(profile, m.num_experts, m.experts_per_token, m.moe_layers(), "--routing");
+  if (!problems.empty()) throw InputError(args.routing, problems);
+  const sim::RoutedStep r = sim::simulate_routing(config, sim::layout_shapes(plan.cluster, plan.parallel), step_s,
+                                                  profile, args.draws, static_cast<uint64_t>(plan.moe.random_seed));
+  const auto change = [&](double x) { return 100.0 * (x / r.base_step_s - 1.0); };
+  std::printf("routing %s, %lld draws: step median %.3f s (%+.1f%%), p95 %.3f s (%+.1f%%), against %.3f s under the "
+              "plan's own routing (busiest expert-parallel rank at %.2f x the mean)\n",
+              describe_routing(profile).c_str(), static_cast<long long>(args.draws), r.median_s, change(r.median_s),
+              r.p95_s, change(r.p95_s), r.base_step_s, r.base_load);
+  const MoeConfig tail = with_busiest_rank_load(m, config.moe, plan.parallel.expert_parallel_degree, r.load_p99);
+  const auto gib = [](int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); };
+  const int64_t own = planner::estimate_memory(config).device_total;
+  const int64_t at_tail =
+      planner::estimate_memory({m, plan.cluster, plan.parallel, tail, plan.training}).device_total;
+  std::printf("  busiest expert-parallel rank of a micro-batch's MoE block: median %.2f, p99 %.2f x the mean; memory "
+              "per GPU at the p99 load %.1f GiB (%.1f GiB under the plan's own routing, %.1f GiB on the device)\n",
+              r.load_median, r.load_p99, gib(at_tail), gib(own), gib(plan.cluster.usable_memory_bytes()));
+}
+
 int run_simulate(const Simulate& args) {
   try {
     const Plan plan = read_plan_file(args.plan);
@@ -196,6 +226,7 @@ int run_simulate(const Simulate& args) {
                   std::string(name_of(kDispatcherNames, plan.moe.dispatcher)).c_str(),
                   static_cast<long long>(plan.parallel.expert_parallel_degree));
     print_operations(s, 24);
+    if (!args.routing.empty()) print_routing(plan, config, s.estimate.step_time_s, args);
     if (!args.measured.empty()) print_phase_comparison(s, measured, config);
     if (!args.trace.empty()) {
       write_file_atomic(args.trace, to_json(simulated_trace(plan, config, s)).dump() + "\n");
@@ -226,6 +257,10 @@ Command add_simulate_command(CLI::App& app) {
   cmd->add_flag("--all-micro-batches", args->all_micro_batches, "Simulate every micro-batch, not two");
   cmd->add_option("--measured", args->measured,
                   "A run's report.json: simulate with its measured expert load and compare phase by phase");
+  cmd->add_option("--routing", args->routing,
+                  "balanced, skew:X (the busiest expert X times the mean) or a routing profile file: the step over "
+                  "draws of each micro-batch's expert loads from it");
+  cmd->add_option("--draws", args->draws, "Steps drawn under --routing")->capture_default_str()->check(CLI::Range(1, 100000));
   return {cmd, [args] { return run_simulate(*args); }};
 }
 

@@ -44,4 +44,20 @@ double busiest_expert_rank_load(const ModelSpec& m, const MoeConfig& moe, int64_
   return most;
 }
 
+MoeConfig with_busiest_rank_load(const ModelSpec& m, const MoeConfig& moe, int64_t expert_degree, double load) {
+  MoeConfig out = moe;
+  const auto n = static_cast<double>(m.num_experts);
+  const auto e = static_cast<double>(std::max<int64_t>(1, expert_degree));
+  const double local = n / e;
+  const double k = static_cast<double>(std::max<int64_t>(1, m.experts_per_token));
+  // Each expert of the busiest rank takes load / n of the slots; at most 1 / k.
+  const double l = std::clamp(load, 1.0, std::max(1.0, std::min(e, n / k)));
+  out.tokens_per_expert.assign(static_cast<size_t>(m.num_experts), 0.0);
+  for (int64_t i = 0; i < m.num_experts; ++i) {
+    const bool busiest = static_cast<double>(i) < local;
+    out.tokens_per_expert[static_cast<size_t>(i)] = busiest || e == 1 ? l / n : (1.0 - l / e) / (n - local);
+  }
+  return out;
+}
+
 }  // namespace moeplan

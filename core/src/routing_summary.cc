@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/fit.h"
 
 namespace moeplan {
 
@@ -31,16 +32,6 @@ std::vector<const StepRecord*> usable_steps(const std::vector<StepRecord>& steps
   if (out.empty())
     throw InputError(origin, {{"", "has no step from step " + std::to_string(from_step) + " on"}});
   return out;
-}
-
-// The q-quantile of xs (0 <= q <= 1) by linear interpolation between order statistics.
-double quantile(std::vector<double> xs, double q) {
-  if (xs.empty()) return 1;
-  std::sort(xs.begin(), xs.end());
-  const double at = q * static_cast<double>(xs.size() - 1);
-  const auto lo = static_cast<size_t>(std::floor(at));
-  const size_t hi = std::min(lo + 1, xs.size() - 1);
-  return xs[lo] + (at - static_cast<double>(lo)) * (xs[hi] - xs[lo]);
 }
 
 double busiest_of(const std::vector<int64_t>& counts, int64_t degree) {

@@ -32,6 +32,9 @@ using CurvePoints = std::vector<std::pair<double, double>>;
 double curve_at(const CurvePoints& points, double x);
 
 double median(std::vector<double> values);
+// The q-quantile (0 <= q <= 1) by linear interpolation between the sorted values (index
+// q (n - 1)): the median at q = 0.5; 0 for none.
+double quantile(std::vector<double> values, double q);
 
 // The lower quartile: the value a quarter of the way up the sorted values (index (n - 1) / 4,
 // no interpolation), as calibration keeps a figure over its passes; 0 for none.

@@ -20,4 +20,11 @@ double expert_rank_load(const ModelSpec& model, const MoeConfig& moe, int64_t ex
 // The largest expert_rank_load over the E ranks.
 double busiest_expert_rank_load(const ModelSpec& model, const MoeConfig& moe, int64_t expert_degree);
 
+// `moe` with tokens_per_expert set so that the first of `expert_degree` ranks carries `load`
+// times the mean rank load, spread evenly over its experts, and the other ranks share the rest
+// evenly: the busiest-rank load the routing profile gave one micro-batch, as the memory model and
+// the step estimate take it. `load` is kept within [1, expert_degree] and below what top-k
+// allows (no expert above 1/experts_per_token of the slots).
+MoeConfig with_busiest_rank_load(const ModelSpec& model, const MoeConfig& moe, int64_t expert_degree, double load);
+
 }  // namespace moeplan

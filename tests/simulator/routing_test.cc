@@ -1,0 +1,108 @@
+#include "moeplan/simulator/routing.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "moeplan/core/moe_load.h"
+#include "test_support.h"
+
+namespace moeplan::sim {
+namespace {
+
+// Mixtral 8x7B on one p5 node, experts over 8 ranks (one expert each), 4 micro-batches a step.
+test::Scenario eight_experts(int64_t pipeline = 1) {
+  test::Scenario c = test::make_scenario("mixtral-8x7b", "p5.48xlarge", 8 * pipeline, 8, 1, "PRSET",
+                                         Checkpointing::kFull, 1, 4, 4096);
+  c.parallel.pipeline_parallel_degree = pipeline;
+  return c;
+}
+
+// One micro-batch's shares over 8 experts with the first rank (expert 0) at `load` times the mean.
+std::vector<double> shares_at(double load) {
+  std::vector<double> s(8, (1.0 - load / 8.0) / 7.0);
+  s[0] = load / 8.0;
+  return s;
+}
+
+StepRouting every_block_at(const ModelSpec& m, int64_t micro_batches, double load) {
+  return StepRouting(static_cast<size_t>(m.moe_layers()),
+                     std::vector<std::vector<double>>(static_cast<size_t>(micro_batches), shares_at(load)));
+}
+
+// The defining case: every block of every micro-batch at load L costs what the step estimate
+// says L on every block costs, beyond the plan's own (balanced) routing.
+TEST(RoutedStep, UniformLoadsAddWhatTheEstimateAdds) {
+  const test::Scenario c = eight_experts();
+  const RunConfig config = c.config();
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  RoutingDelay delay(config, shapes);
+  EXPECT_EQ(delay.base_load(), 1.0);
+  EXPECT_EQ(delay.block_delay_s(1.0), 0.0);
+  const double base = estimate_step(config, shapes).step_time_s;
+  for (double load : {1.5, 2.0, 3.0}) {
+    const MoeConfig moe = with_busiest_rank_load(c.model, c.moe, 8, load);
+    EXPECT_DOUBLE_EQ(busiest_expert_rank_load(c.model, moe, 8), load);
+    const double skewed = estimate_step({c.model, c.cluster, c.parallel, moe, c.training}, shapes).step_time_s;
+    EXPECT_NEAR(delay.delay_s(every_block_at(c.model, 4, load)), skewed - base, 1e-9 * skewed) << load;
+    EXPECT_GT(skewed, base);
+  }
+  EXPECT_LT(delay.block_delay_s(1.5), delay.block_delay_s(2.0));
+}
+
+// One hot micro-batch in one block costs one block's delay; the others cost nothing.
+TEST(RoutedStep, OneHotMicroBatchCostsOneBlock) {
+  const test::Scenario c = eight_experts();
+  RoutingDelay delay(c.config(), layout_shapes(c.cluster, c.parallel));
+  StepRouting loads = every_block_at(c.model, 4, 1.0);
+  loads[5][2] = shares_at(2.5);
+  EXPECT_DOUBLE_EQ(delay.delay_s(loads), delay.block_delay_s(2.5));
+  EXPECT_GT(delay.block_delay_s(2.5), 0.0);
+}
+
+// Two stages of 16 blocks each: hot blocks on one stage cost that stage's sum; on both, the
+// slower stage's.
+TEST(RoutedStep, TheSlowestStageSetsTheStep) {
+  const test::Scenario c = eight_experts(2);
+  RoutingDelay delay(c.config(), layout_shapes(c.cluster, c.parallel));
+  StepRouting loads = every_block_at(c.model, 4, 1.0);
+  loads[20][0] = loads[21][0] = shares_at(2.0);  // stage 1
+  const double stage1 = 2.0 * delay.block_delay_s(2.0);
+  EXPECT_DOUBLE_EQ(delay.delay_s(loads), stage1);
+  loads[3][1] = shares_at(2.5);  // stage 0, less than stage 1's two
+  ASSERT_LT(delay.block_delay_s(2.5), stage1);
+  EXPECT_DOUBLE_EQ(delay.delay_s(loads), stage1);
+}
+
+TEST(RoutedStep, DrawsSpreadTheStepAndTheLoad) {
+  const test::Scenario c = eight_experts();
+  const RunConfig config = c.config();
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  const double base = estimate_step(config, shapes).step_time_s;
+  const RoutedStep balanced = simulate_routing(config, shapes, base, routing_profile_from_spec("balanced"), 8, 1);
+  EXPECT_EQ(balanced.median_s, base);
+  EXPECT_EQ(balanced.p95_s, base);
+  EXPECT_EQ(balanced.load_p99, 1.0);
+  const RoutedStep skew = simulate_routing(config, shapes, base, routing_profile_from_spec("skew:2"), 32, 1);
+  ASSERT_EQ(skew.step_s.size(), 32u);
+  EXPECT_GT(skew.median_s, base);
+  EXPECT_GE(skew.p95_s, skew.median_s);
+  // One expert a rank: the busiest rank is the busiest expert, 2 times the mean give or take chance.
+  EXPECT_NEAR(skew.load_median, 2.0, 0.05);
+  EXPECT_GE(skew.load_p99, skew.load_median);
+  // The same seed, the same draws.
+  EXPECT_EQ(simulate_routing(config, shapes, base, routing_profile_from_spec("skew:2"), 32, 1).step_s, skew.step_s);
+
+  // Without expert parallelism no rank waits for another.
+  test::Scenario one = c;
+  one.parallel.expert_parallel_degree = 1;
+  one.parallel.hybrid_shard_degree = 8;
+  const RunConfig alone = one.config();
+  const LayoutShapes alone_shapes = layout_shapes(one.cluster, one.parallel);
+  const double alone_base = estimate_step(alone, alone_shapes).step_time_s;
+  EXPECT_EQ(simulate_routing(alone, alone_shapes, alone_base, routing_profile_from_spec("skew:2"), 4, 1).median_s,
+            alone_base);
+}
+
+}  // namespace
+}  // namespace moeplan::sim
