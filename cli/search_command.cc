@@ -152,6 +152,12 @@ void add_framework_options(CLI::App& cmd, Search& s) {
   cmd.add_option("--expert-load-imbalance", r.options.moe.expert_load_imbalance,
                  "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));
+  cmd.add_option("--routing", r.options.routing,
+                 "balanced, skew:X (the busiest expert X times the mean) or a routing profile file: rank the best "
+                 "plans by steps drawn under it, each micro-batch's expert loads drawn anew");
+  add_choice(cmd, "--rank-by", r.options.rank_by, planner::kRankByNames,
+             "Under --routing, rank by the median (p50) or the p95 of the drawn steps")
+      ->capture_default_str();
   cmd.add_option("--tokens-per-expert", r.options.moe.tokens_per_expert,
                  "Token counts per expert, e.g. measured (comma-separated); overrides the imbalance")
       ->delimiter(',')->check(CLI::Range(0.0, 1e18));

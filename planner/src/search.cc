@@ -4,8 +4,11 @@
 #include <set>
 #include <stdexcept>
 
+#include "moeplan/core/moe_load.h"
+#include "moeplan/core/routing_profile.h"
 #include "moeplan/core/units.h"
 #include "moeplan/frameworks/framework.h"
+#include "moeplan/simulator/routing.h"
 #include "moeplan/simulator/step.h"
 
 namespace moeplan::planner {
@@ -393,6 +396,38 @@ std::vector<Candidate> rank(const ModelSpec& model, const ClusterSpec& cluster, 
   return ranked;
 }
 
+// The best of `ranked` (by the plan's own routing) drawn under options.routing, ordered by the
+// quantile asked for; those whose busiest rank no longer fits at the p99 load are dropped.
+std::vector<Candidate> rank_by_routing(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options,
+                                       std::vector<Candidate> ranked, SearchStats& stats) {
+  const RoutingProfile profile = routing_profile_from_spec(options.routing, "--routing");
+  const std::vector<Diagnostic> problems =
+      routing_mismatches(profile, model.num_experts, model.experts_per_token, model.moe_layers(), "--routing");
+  if (!problems.empty()) throw InputError(options.routing, problems);
+  std::vector<Candidate> kept;
+  for (Candidate& c : ranked) {
+    const RunConfig config{model, cluster, c.parallel, options.moe, options.training, options.target};
+    const sim::RoutedStep r = sim::simulate_routing(config, sim::layout_shapes(cluster, c.parallel),
+                                                    c.estimate.step_time_s, profile, options.routing_draws,
+                                                    static_cast<uint64_t>(options.moe.random_seed));
+    const MoeConfig tail =
+        with_busiest_rank_load(model, options.moe, c.parallel.expert_parallel_degree, r.load_p99);
+    const int64_t tail_bytes =
+        estimate_memory({model, cluster, c.parallel, tail, options.training, options.target}).device_total;
+    c.routed = RoutedFigures{r.median_s, r.p95_s, r.load_p99, tail_bytes};
+    if (tail_bytes > cluster.usable_memory_bytes() && !options.ignore_memory_limits) {
+      ++stats.over_device_at_tail;
+      continue;
+    }
+    kept.push_back(std::move(c));
+  }
+  std::stable_sort(kept.begin(), kept.end(), [&](const Candidate& a, const Candidate& b) {
+    return a.routed->ranked_s(options.rank_by) < b.routed->ranked_s(options.rank_by);
+  });
+  if (kept.size() > options.keep) kept.resize(options.keep);
+  return kept;
+}
+
 }  // namespace
 
 SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const SearchOptions& options) {
@@ -505,7 +540,13 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
     }
   }
   stats.fitting = static_cast<int64_t>(fitting.size());
-  result.ranked = rank(model, cluster, options, fitting, stats);
+  if (options.routing.empty()) {
+    result.ranked = rank(model, cluster, options, fitting, stats);
+    return result;
+  }
+  SearchOptions pool = options;
+  pool.keep = std::max(options.keep, static_cast<size_t>(std::max<int64_t>(1, options.routing_pool)));
+  result.ranked = rank_by_routing(model, cluster, options, rank(model, cluster, pool, fitting, stats), stats);
   return result;
 }
 

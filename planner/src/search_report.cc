@@ -116,6 +116,27 @@ void add_table(std::string& out, const SearchResult& result, const ClusterSpec& 
   }
 }
 
+// Under --routing: each ranked plan's step under the plan's own routing beside the draws'.
+void add_routed_table(std::string& out, const SearchResult& result, const SearchOptions& options,
+                      const ClusterSpec& cluster, size_t top) {
+  if (options.routing.empty()) return;
+  add(out, "\nunder routing %s (%lld draws a plan, ranked by the %s step; balanced: the plan's own routing):\n",
+      options.routing.c_str(), static_cast<long long>(options.routing_draws),
+      std::string(name_of(kRankByNames, options.rank_by)).c_str());
+  add(out, "  #  balanced(s)   p50(s)   p95(s)  p95 vs balanced  busiest rank p99  mem at p99(GiB)\n");
+  for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
+    const Candidate& c = result.ranked[i];
+    if (!c.routed) continue;
+    const RoutedFigures& r = *c.routed;
+    add(out, "%3zu %12.3f %8.3f %8.3f %15.1f%% %17.2f %11.1f/%.1f\n", i + 1, c.estimate.step_time_s, r.median_s,
+        r.p95_s, 100.0 * (r.p95_s / c.estimate.step_time_s - 1.0), r.load_p99, in_gib(r.tail_device_bytes),
+        in_gib(cluster.usable_memory_bytes()));
+  }
+  if (result.stats.over_device_at_tail > 0)
+    add(out, "  (%lld of the plans drawn no longer fit the device at the p99 load and are left out)\n",
+        static_cast<long long>(result.stats.over_device_at_tail));
+}
+
 void add_explain(std::string& out, const SearchStats& s) {
   add(out, "\nwhy candidates were removed (a candidate counts once for each rule it breaks):\n");
   add(out, "  %-40s %10lld\n", "enumerated", static_cast<long long>(s.enumerated));
@@ -131,6 +152,8 @@ void add_explain(std::string& out, const SearchStats& s) {
   add(out, "  %-40s %10lld\n", "limit host memory (offload)", static_cast<long long>(s.over_host_memory));
   add(out, "  %-40s %10lld\n", "fit in memory", static_cast<long long>(s.fitting));
   add(out, "  %-40s %10lld\n", "simulated (others pruned by a lower bound)", static_cast<long long>(s.simulated));
+  if (s.over_device_at_tail > 0)
+    add(out, "  %-40s %10lld\n", "over the device at the p99 routing load", static_cast<long long>(s.over_device_at_tail));
 }
 
 // Each ranked plan's days and dollars to train the tokens asked for.
@@ -222,6 +245,7 @@ SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, cons
     add_unmeasured_splits(note, result, RunConfig{s.model, s.cluster, ParallelConfig{}, s.options.moe, s.options.training},
                           top);
     add_table(table, result, s.cluster, top);
+    add_routed_table(table, result, s.options, s.cluster, top);
     out += table + times + note;
   }
   print(out);

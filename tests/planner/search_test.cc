@@ -397,3 +397,72 @@ TEST(Search, DefaultGlobalBatchIsWholeSequencesPerRank) {
 
 }  // namespace
 }  // namespace moeplan::planner
+
+namespace moeplan::planner {
+namespace {
+
+// Under balanced routing the draws change nothing: the same plans in the same order, each
+// drawn step its own.
+TEST(SearchRouting, BalancedDrawsKeepTheRanking) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+  SearchOptions options = test::search_options(16);
+  const SearchResult plain = search(model, cluster, options);
+  options.routing = "balanced";
+  const SearchResult drawn = search(model, cluster, options);
+  ASSERT_EQ(drawn.ranked.size(), plain.ranked.size());
+  for (size_t i = 0; i < plain.ranked.size(); ++i) {
+    EXPECT_EQ(drawn.ranked[i].parallel, plain.ranked[i].parallel) << i;
+    ASSERT_TRUE(drawn.ranked[i].routed.has_value());
+    EXPECT_EQ(drawn.ranked[i].routed->median_s, plain.ranked[i].estimate.step_time_s);
+    EXPECT_EQ(drawn.ranked[i].routed->p95_s, plain.ranked[i].estimate.step_time_s);
+    EXPECT_EQ(drawn.ranked[i].routed->tail_device_bytes, plain.ranked[i].memory.device_total);
+  }
+}
+
+// Skewed routing on 64 H100: the plans come ordered by the quantile asked for, expert-parallel
+// plans pay for the wait, and the busiest rank's memory at the p99 load is what is checked.
+TEST(SearchRouting, SkewRanksByTheQuantileAskedFor) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p5.48xlarge", 64);
+  SearchOptions options = test::search_options(64);
+  options.estimator = Estimator::kAnalytic;  // the draws are what is tested; the simulator takes longer
+  options.routing = "skew:1.3";
+  for (RankBy by : {RankBy::kMedian, RankBy::kP95}) {
+    options.rank_by = by;
+    const SearchResult r = search(model, cluster, options);
+    ASSERT_FALSE(r.ranked.empty());
+    for (size_t i = 0; i < r.ranked.size(); ++i) {
+      const Candidate& c = r.ranked[i];
+      ASSERT_TRUE(c.routed.has_value());
+      if (i > 0) {
+        EXPECT_LE(r.ranked[i - 1].routed->ranked_s(by), c.routed->ranked_s(by));
+      }
+      EXPECT_GE(c.routed->p95_s, c.routed->median_s);
+      EXPECT_LE(c.routed->tail_device_bytes, cluster.usable_memory_bytes());
+      if (c.parallel.expert_parallel_degree > 1) {
+        EXPECT_GT(c.routed->median_s, c.estimate.step_time_s) << describe(c.parallel);
+        EXPECT_GT(c.routed->load_p99, 1.0);
+        EXPECT_GE(c.routed->tail_device_bytes, c.memory.device_total);
+      }
+    }
+  }
+}
+
+TEST(SearchRouting, BadRoutingIsRefusedNamingTheFlag) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+  SearchOptions options = test::search_options(16);
+  options.routing = "skew:one";
+  try {
+    search(model, cluster, options);
+    FAIL() << "skew:one was taken";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.origin(), "--routing");
+  }
+  options.routing = "skew:8";  // the busiest of 8 experts cannot take 8 times the mean
+  EXPECT_THROW(search(model, cluster, options), InputError);
+}
+
+}  // namespace
+}  // namespace moeplan::planner

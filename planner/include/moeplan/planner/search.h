@@ -23,6 +23,11 @@ enum class Estimator : uint8_t { kAnalytic, kSimulator };
 inline constexpr std::array<std::pair<std::string_view, Estimator>, 2> kEstimatorNames{
     {{"simulator", Estimator::kSimulator}, {"analytic", Estimator::kAnalytic}}};
 
+// Which step of the draws under a routing profile ranks the plans: the median or the p95.
+enum class RankBy : uint8_t { kMedian, kP95 };
+inline constexpr std::array<std::pair<std::string_view, RankBy>, 2> kRankByNames{
+    {{"p50", RankBy::kMedian}, {"p95", RankBy::kP95}}};
+
 struct SearchOptions {
   int64_t gpus = 16;
   TrainingConfig training;  // seq_len, global_batch_tokens, precision and the schedule
@@ -59,6 +64,22 @@ struct SearchOptions {
   // Only plans this framework runs (its rules, frameworks/; null: every layout moeplan models):
   // `moeplan search` plans for moeplan's executor unless asked for another framework.
   Target target = nullptr;
+  // Rank by steps drawn under this routing (balanced, skew:X or a routing profile file;
+  // core/routing_profile.h) instead of the plan's own: the best `routing_pool` by the plan's own
+  // routing are drawn `routing_draws` times each (sim/routing.h) and ordered by `rank_by`; those
+  // whose busiest rank no longer fits the device at the p99 load are dropped. Empty: not drawn.
+  std::string routing;
+  RankBy rank_by = RankBy::kMedian;
+  int64_t routing_draws = 16;
+  int64_t routing_pool = 32;
+};
+
+// A candidate's step over draws under SearchOptions::routing.
+struct RoutedFigures {
+  double median_s = 0, p95_s = 0;
+  double load_p99 = 1;          // the busiest expert-parallel rank's load over the mean, p99
+  int64_t tail_device_bytes = 0;  // the busiest rank's memory at that load
+  double ranked_s(RankBy by) const { return by == RankBy::kP95 ? p95_s : median_s; }
 };
 
 struct Candidate {
@@ -67,6 +88,7 @@ struct Candidate {
   sim::StepEstimate estimate;
   int64_t index = 0;  // position in enumeration order; breaks ties deterministically
   bool simulated = false;  // estimate comes from the step simulator
+  std::optional<RoutedFigures> routed = std::nullopt;  // under SearchOptions::routing
 };
 
 struct SearchStats {
@@ -81,6 +103,7 @@ struct SearchStats {
   int64_t fitting = 0;  // rule-valid and within both memory limits
   int64_t simulated = 0;  // fitting candidates the step simulator ran (the rest were pruned)
   int64_t unsimulated = 0;  // of the rest, those past options.max_simulated (not pruned by the bound): dropped
+  int64_t over_device_at_tail = 0;  // of those drawn under SearchOptions::routing, over the device at the p99 load
   // Among rule-valid candidates that do not fit: the one closest to each limit.
   std::optional<Candidate> closest_over_device;
   std::optional<Candidate> closest_over_host;
