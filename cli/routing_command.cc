@@ -7,6 +7,7 @@
 #include "command.h"
 #include "moeplan/core/routing_summary.h"
 #include "moeplan/core/step_record.h"
+#include "moeplan/validation/routing_check.h"
 
 namespace moeplan::cli {
 
@@ -17,6 +18,7 @@ struct RoutingOptions {
   int64_t from_step = 1;
   int64_t expert_degree = 0;
   std::string out;
+  bool predict = false;
 };
 
 int summarise(const RoutingOptions& o) {
@@ -25,6 +27,12 @@ int summarise(const RoutingOptions& o) {
     const std::vector<StepRecord> steps = read_step_records(metrics);
     std::printf("routing of %s: %s", o.run_dir.c_str(),
                 format_routing_summary(summarise_routing(steps, o.from_step, o.expert_degree, metrics)).c_str());
+    if (o.predict) {
+      const Plan plan = read_plan_file(o.run_dir + "/plan.json");
+      std::printf("%s", validation::format_routing_check(
+                            validation::predict_steps_from_routing(plan, steps, o.from_step, metrics))
+                            .c_str());
+    }
     if (!o.out.empty()) {
       const RoutingProfile profile = measured_routing_profile(
           steps, o.from_step, "measured by moeplan run " + o.run_dir + " from step " + std::to_string(o.from_step));
@@ -51,6 +59,8 @@ Command add_routing_command(CLI::App& app) {
                   "Count the busiest of this many expert-parallel ranks instead of the busiest expert")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--out", o->out, "Write the measured routing profile here (for --routing FILE)");
+  cmd->add_flag("--predict", o->predict,
+                "Predict each step from its measured expert loads with the run's plan.json, against the measured step");
   return {cmd, [o] { return summarise(*o); }};
 }
 

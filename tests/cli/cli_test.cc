@@ -20,6 +20,9 @@
 #include "moeplan/planner/training_time.h"
 #include "moeplan/validation/compare_log.h"
 #include "moeplan/validation/matrix.h"
+#include "moeplan/validation/routing_check.h"
+#include "moeplan/core/moe_load.h"
+#include "moeplan/simulator/analytic.h"
 #include "test_support.h"
 
 namespace moeplan {
@@ -768,6 +771,68 @@ TEST_F(Cli, RoutingSummarisesARunAndWritesItsProfile) {
   const Outcome degree = dir.moeplan("routing run --expert-degree 3");
   EXPECT_EQ(degree.exit_code, 2) << show(degree);
   EXPECT_NE(degree.err.find("--expert-degree: = 3 does not divide"), std::string::npos) << show(degree);
+}
+
+}  // namespace
+}  // namespace moeplan
+
+namespace moeplan {
+namespace {
+
+// Steps predicted from their measured loads (`moeplan routing RUN --predict`): a balanced step is
+// the plan's balanced step; one whose busiest rank carries 1.5 times the mean in every block and
+// micro-batch adds what the estimate adds for 1.5 everywhere.
+TEST_F(Cli, StepsArePredictedFromTheirMeasuredLoads) {
+  Workdir dir;
+  const Outcome made = dir.moeplan(
+      "search --gpus 2 --instance local-cpu --model mixtral-tiny --seq-len 256 --global-batch-tokens 4096 "
+      "--precision fp32 --expert-parallel-degree 2 --target moeplan --out plan.json");
+  ASSERT_EQ(made.exit_code, 0) << show(made);
+  const Plan plan = read_plan_file((dir / "plan.json").string());
+  const int64_t layers = plan.model.moe_layers(), ga = plan.parallel.gradient_accumulation_steps;
+  ASSERT_EQ(plan.model.num_experts, 8);
+  // Slots of one micro-batch over the expert group: 2 ranks x mbs x 256 tokens x top-2.
+  const int64_t slots = 2 * plan.parallel.micro_batch_size * 256 * 2;
+  const auto step = [&](int64_t n, double measured_s, int64_t first_rank_slots) {
+    StepRecord r;
+    r.step = n;
+    r.seconds = measured_s;
+    r.tokens = 2 * plan.parallel.micro_batch_size * 256 * ga;
+    const int64_t hot = first_rank_slots / 4, cold = (slots - first_rank_slots) / 4;
+    const std::vector<int64_t> table{hot, hot, hot, hot, cold, cold, cold, cold};
+    r.exchange_slots = {std::vector<std::vector<std::vector<int64_t>>>(
+        static_cast<size_t>(ga), std::vector<std::vector<int64_t>>(static_cast<size_t>(layers), table))};
+    std::vector<int64_t> total(8, 0);
+    for (size_t e = 0; e < 8; ++e) total[e] = table[e] * ga;
+    r.tokens_per_expert.assign(static_cast<size_t>(layers), total);
+    return r;
+  };
+  const std::vector<StepRecord> steps = {step(1, 1.0, slots / 2), step(2, 1.0, slots * 3 / 4)};
+  const validation::RoutingCheck check = validation::predict_steps_from_routing(plan, steps, 1, "metrics.jsonl");
+  ASSERT_EQ(check.steps.size(), 2u);
+  EXPECT_DOUBLE_EQ(check.steps[0].predicted_s, check.balanced_s);
+  EXPECT_DOUBLE_EQ(check.steps[0].busiest_load, 1.0);
+  EXPECT_DOUBLE_EQ(check.steps[1].busiest_load, 1.5);
+  MoeConfig balanced = plan.moe;
+  balanced.expert_load_imbalance = 1.0;
+  const RunConfig config{plan.model, plan.cluster, plan.parallel, balanced, plan.training};
+  const sim::LayoutShapes shapes = sim::layout_shapes(plan.cluster, plan.parallel);
+  const MoeConfig hot = with_busiest_rank_load(plan.model, balanced, 2, 1.5);
+  const double added = sim::estimate_step({plan.model, plan.cluster, plan.parallel, hot, plan.training}, shapes).step_time_s -
+                       sim::estimate_step(config, shapes).step_time_s;
+  EXPECT_GT(added, 0.0);
+  EXPECT_NEAR(check.steps[1].predicted_s - check.balanced_s, added, 1e-9);
+  EXPECT_DOUBLE_EQ(check.median_error_balanced, std::abs(check.balanced_s - 1.0));
+
+  // The same through the command, from the run folder's plan.json and metrics.jsonl.
+  fs::create_directories(dir / "run");
+  fs::copy_file(dir / "plan.json", dir / "run" / "plan.json");
+  std::ofstream(dir / "run" / "metrics.jsonl") << to_json_line(steps[0]) + "\n" + to_json_line(steps[1]) + "\n";
+  const Outcome predicted = dir.moeplan("routing run --predict");
+  ASSERT_EQ(predicted.exit_code, 0) << show(predicted);
+  EXPECT_NE(predicted.out.find("median |error| over 2 steps"), std::string::npos) << predicted.out;
+  std::ofstream(dir / "run" / "metrics.jsonl", std::ios::trunc) << to_json_line(step(1, 1.0, slots / 2)).substr(0, 40);
+  EXPECT_EQ(dir.moeplan("routing run --predict").exit_code, 2);
 }
 
 }  // namespace

@@ -1,0 +1,37 @@
+#pragma once
+// Each step of a run predicted from the expert loads it measured (core/step_record.h:
+// exchange_slots) against the step it measured: the plan's step under balanced routing plus what
+// the busiest expert-parallel rank of each micro-batch's MoE blocks adds (sim/routing.h). The
+// expert groups of a step meet at its end, so the slowest group's wait counts. `moeplan routing
+// RUN --predict` prints it.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeplan/core/plan.h"
+#include "moeplan/core/step_record.h"
+
+namespace moeplan::validation {
+
+struct PredictedStep {
+  int64_t step = 0;
+  double measured_s = 0;
+  double predicted_s = 0;  // balanced_s plus the wait for the busiest ranks
+  double busiest_load = 1;  // the busiest rank's load over the mean, averaged over the step's blocks
+};
+
+struct RoutingCheck {
+  double balanced_s = 0;  // the plan's step with every micro-batch balanced
+  std::vector<PredictedStep> steps;
+  // Median |error| of the steps' predictions, with and without the measured loads.
+  double median_error = 0, median_error_balanced = 0;
+};
+
+// The steps from `from_step` on (not the skipped ones). An InputError at `origin` when a step has
+// no per-micro-batch counts or counts for another model.
+RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<StepRecord>& steps, int64_t from_step,
+                                        const std::string& origin);
+std::string format_routing_check(const RoutingCheck& check);
+
+}  // namespace moeplan::validation

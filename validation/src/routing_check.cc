@@ -1,0 +1,98 @@
+#include "moeplan/validation/routing_check.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "moeplan/core/errors.h"
+#include "moeplan/core/fit.h"
+#include "moeplan/simulator/routing.h"
+#include "moeplan/simulator/step.h"
+
+namespace moeplan::validation {
+
+namespace {
+
+// One expert group's micro-batches of a step as shares per [layer][micro-batch][expert].
+StepRouting group_shares(const std::vector<std::vector<std::vector<int64_t>>>& micro_batches, size_t layers) {
+  StepRouting out(layers);
+  for (const auto& table : micro_batches)
+    for (size_t l = 0; l < layers; ++l) {
+      double total = 0;
+      for (int64_t c : table[l]) total += static_cast<double>(c);
+      std::vector<double> shares;
+      for (int64_t c : table[l]) shares.push_back(total > 0 ? static_cast<double>(c) / total : 0.0);
+      out[l].push_back(std::move(shares));
+    }
+  return out;
+}
+
+}  // namespace
+
+RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<StepRecord>& steps, int64_t from_step,
+                                        const std::string& origin) {
+  // The plan under balanced routing: what the draws add to.
+  MoeConfig balanced = plan.moe;
+  balanced.tokens_per_expert.clear();
+  balanced.expert_load_imbalance = 1.0;
+  const RunConfig config{plan.model, plan.cluster, plan.parallel, balanced, plan.training};
+  sim::StepSimOptions all;
+  all.all_micro_batches = true;
+  RoutingCheck out;
+  out.balanced_s = sim::simulate_step(config, all).estimate.step_time_s;
+  sim::RoutingDelay delay(config, sim::layout_shapes(plan.cluster, plan.parallel));
+  const auto layers = static_cast<size_t>(plan.model.moe_layers());
+  std::vector<double> errors, balanced_errors;
+  for (const StepRecord& s : steps) {
+    if (s.step < from_step || s.skipped) continue;
+    const std::string at = "step " + std::to_string(s.step);
+    if (s.exchange_slots.empty())
+      throw InputError(origin, {{at, "has no per-micro-batch expert counts (exchange_slots)"}});
+    if (s.tokens_per_expert.size() != layers || s.tokens_per_expert.front().size() != static_cast<size_t>(plan.model.num_experts))
+      throw InputError(origin, {{at, "counts " + std::to_string(s.tokens_per_expert.size()) +
+                                         " layers of experts; the plan's model has " + std::to_string(layers) + " MoE layers of " +
+                                         std::to_string(plan.model.num_experts)}});
+    PredictedStep p;
+    p.step = s.step;
+    p.measured_s = s.seconds;
+    double slowest = 0, load_sum = 0, blocks = 0;
+    for (const auto& group : s.exchange_slots) {
+      const StepRouting shares = group_shares(group, layers);
+      slowest = std::max(slowest, delay.delay_s(shares));
+      for (const auto& block : shares)
+        for (const auto& micro_batch : block) {
+          load_sum += busiest_rank_load(micro_batch, delay.expert_degree());
+          blocks += 1;
+        }
+    }
+    p.predicted_s = out.balanced_s + slowest;
+    p.busiest_load = blocks > 0 ? load_sum / blocks : 1.0;
+    errors.push_back(std::abs(p.predicted_s / p.measured_s - 1.0));
+    balanced_errors.push_back(std::abs(out.balanced_s / p.measured_s - 1.0));
+    out.steps.push_back(p);
+  }
+  if (out.steps.empty()) throw InputError(origin, {{"", "has no step from step " + std::to_string(from_step) + " on"}});
+  out.median_error = median(errors);
+  out.median_error_balanced = median(balanced_errors);
+  return out;
+}
+
+std::string format_routing_check(const RoutingCheck& c) {
+  std::string out;
+  char line[200];
+  std::snprintf(line, sizeof line, "step predicted from its measured expert loads (balanced: %.3f s)\n", c.balanced_s);
+  out += line;
+  out += "  step   busiest rank   predicted (s)   measured (s)   error\n";
+  for (const PredictedStep& s : c.steps) {
+    std::snprintf(line, sizeof line, "%6lld %14.3f %15.3f %14.3f %+7.1f%%\n", static_cast<long long>(s.step),
+                  s.busiest_load, s.predicted_s, s.measured_s, 100.0 * (s.predicted_s / s.measured_s - 1.0));
+    out += line;
+  }
+  std::snprintf(line, sizeof line,
+                "median |error| over %zu steps: %.1f%% from the measured loads, %.1f%% with balanced routing\n",
+                c.steps.size(), 100.0 * c.median_error, 100.0 * c.median_error_balanced);
+  out += line;
+  return out;
+}
+
+}  // namespace moeplan::validation
