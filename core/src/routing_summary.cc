@@ -102,6 +102,13 @@ RoutingSummary summarise_routing(const std::vector<StepRecord>& steps, int64_t f
   }
   for (const auto& layer : per_layer) r.layers.push_back(spread_of(layer));
   r.all = spread_of(every_layer);
+  const size_t ranks = first.exchange_seconds.size();
+  for (size_t rank = 0; rank < ranks; ++rank) {
+    std::vector<double> seconds;
+    for (const StepRecord* s : used)
+      if (s->exchange_seconds.size() == ranks) seconds.push_back(s->exchange_seconds[rank]);
+    r.exchange_seconds.push_back(median(seconds));
+  }
   return r;
 }
 
@@ -150,6 +157,14 @@ std::string format_routing_summary(const RoutingSummary& r) {
   };
   for (size_t l = 0; l < r.layers.size(); ++l) row(std::to_string(l), r.layers[l]);
   row("all", r.all);
+  if (!r.exchange_seconds.empty()) {
+    out += "seconds inside the expert exchanges a step (median over the steps), by rank:";
+    for (size_t rank = 0; rank < r.exchange_seconds.size(); ++rank) {
+      std::snprintf(line, sizeof line, " %zu: %.3f", rank, r.exchange_seconds[rank]);
+      out += line;
+    }
+    out += "\n";
+  }
   return out;
 }
 

@@ -94,6 +94,7 @@ std::string to_json_line(const StepRecord& r) {
   j["tokens_per_s"] = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0;
   j["tokens_per_expert"] = r.tokens_per_expert;
   if (!r.exchange_slots.empty()) j["exchange_slots"] = r.exchange_slots;
+  if (!r.exchange_seconds.empty()) j["exchange_s"] = r.exchange_seconds;
   if (r.skipped) {
     j["skipped"] = true;
     j["nonfinite"] = r.nonfinite;
@@ -124,6 +125,17 @@ StepRecord step_record_from_json(const Json& json, const std::string& origin) {
   if (const Json* slots = top.child("exchange_slots", true);
       slots != nullptr && read_counts(*slots, "exchange_slots", d, r.exchange_slots) && d.empty())
     check_exchange_shape(r, d);
+  if (const Json* seconds = top.child("exchange_s", true)) {
+    for (size_t i = 0; seconds->is_array() && i < seconds->size(); ++i) {
+      const Json& x = (*seconds)[i];
+      if (!x.is_number() || !(x.get<double>() >= 0) || !std::isfinite(x.get<double>())) {
+        d.error("exchange_s[" + std::to_string(i) + "]", "expected seconds (a finite number >= 0), got " + describe_json(x));
+        break;
+      }
+      r.exchange_seconds.push_back(x.get<double>());
+    }
+    if (!seconds->is_array()) d.error("exchange_s", "expected a list of seconds per rank, got " + describe_json(*seconds));
+  }
   r.skipped = top.boolean("skipped", false);
   if (r.skipped) r.nonfinite = top.string("nonfinite");
   top.finish();

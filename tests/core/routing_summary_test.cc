@@ -20,6 +20,7 @@ std::vector<StepRecord> ten_steps() {
     const std::vector<int64_t> skewed = s == 10 ? std::vector<int64_t>{10, 2, 2, 2} : std::vector<int64_t>{8, 4, 2, 2};
     r.exchange_slots = {{{{4, 4, 4, 4}, {6, 2, 4, 4}}, {skewed, {4, 4, 4, 4}}}};
     r.tokens_per_expert = {{4 + skewed[0], 4 + skewed[1], 4 + skewed[2], 4 + skewed[3]}, {10, 6, 8, 8}};
+    r.exchange_seconds = {0.1 * static_cast<double>(s), 0.5};
     steps.push_back(r);
   }
   return steps;
@@ -47,12 +48,17 @@ TEST(RoutingSummary, BusiestOverMeanPerLayerWorkedByHand) {
   EXPECT_DOUBLE_EQ(r.layers[1].max, 1.5);
   EXPECT_DOUBLE_EQ(r.layers[1].median, 1.25);
   EXPECT_DOUBLE_EQ(r.all.max, 2.5);
+  // Rank 0's 0.1 to 1.0 s: median 0.55; rank 1's 0.5 every step.
+  ASSERT_EQ(r.exchange_seconds.size(), 2u);
+  EXPECT_DOUBLE_EQ(r.exchange_seconds[0], 0.55);
+  EXPECT_DOUBLE_EQ(r.exchange_seconds[1], 0.5);
 
   // Over two ranks of two experts: {8, 4 | 2, 2} is 12 of 16 on the busier rank, 1.5 times the mean.
   const RoutingSummary ranks = summarise_routing(ten_steps(), 2, 2, "metrics.jsonl");
   EXPECT_EQ(ranks.steps, 9);
   EXPECT_DOUBLE_EQ(ranks.layers[0].max, 1.5);
   const std::string table = format_routing_summary(ranks);
+  EXPECT_NE(table.find("by rank: 0: 0.600 1: 0.500"), std::string::npos) << table;
   EXPECT_NE(table.find("busiest of 2 expert-parallel ranks over the mean"), std::string::npos) << table;
   EXPECT_NE(table.find("steps 2 to 10 (9), 2 MoE layers, 4 experts, top-1; 1 expert group x 2 micro-batches"),
             std::string::npos)

@@ -24,6 +24,7 @@ StepRecord two_micro_batches() {
   r.seconds = 0.25;
   r.exchange_slots = {{{{300, 212}, {256, 256}}, {{100, 412}, {500, 12}}}};
   r.tokens_per_expert = {{400, 624}, {756, 268}};
+  r.exchange_seconds = {0.125, 0.0625};
   return r;
 }
 
@@ -61,6 +62,9 @@ TEST(StepRecord, BadLinesNameTheField) {
   j = good;
   j["loss"] = "high";
   EXPECT_EQ(first_problem(j), "loss: expected a number or null, got string \"high\"");
+  j = good;
+  j["exchange_s"][1] = -0.5;
+  EXPECT_EQ(first_problem(j), "exchange_s[1]: expected seconds (a finite number >= 0), got number -0.5");
   j = good;
   j["step_time"] = 1;
   EXPECT_EQ(first_problem(j), "step_time: unknown field");

@@ -152,6 +152,9 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
       ASSERT_EQ(group.size(), static_cast<size_t>(l.t * l.p)) << "step " << i + 1;
       seen.insert(seen.end(), group.begin(), group.end());
     }
+    // Every rank's time inside its expert group's exchanges, where there is a group to exchange in.
+    EXPECT_EQ(here.exchange_seconds.size(), l.e > 1 ? 4u : 0u) << "step " << i + 1;
+    for (double seconds : here.exchange_seconds) EXPECT_GT(seconds, 0.0) << "step " << i + 1;
     ASSERT_EQ(one.exchange_slots.size(), 1u);
     std::vector<bool> used(one.exchange_slots[0].size(), false);
     EXPECT_TRUE(sums_of_reference(seen, 0, one.exchange_slots[0], used, static_cast<size_t>(l.e)))

@@ -181,6 +181,15 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   if (recorder_) recorder_->write(step_);
 
   mesh_.world.all_reduce_sum(counts);
+  // Each rank's time inside its expert group's exchanges (dispatch and combine, forward and
+  // backward): the transfers and the wait for the group's busiest rank.
+  if (mesh_.expert.size() > 1) {
+    torch::Tensor inside = torch::zeros({mesh_.layout().world_size()}, torch::kDouble);
+    for (const TraceEvent& e : clock_.events())
+      if (e.name.rfind("expert.", 0) == 0) inside[mesh_.rank()] += 1e-9 * static_cast<double>(e.duration_ns);
+    mesh_.world.all_reduce_sum(inside);
+    r.exchange_seconds.assign(inside.data_ptr<double>(), inside.data_ptr<double>() + inside.numel());
+  }
   const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
   r.aux_loss = sums[1].item<double>() / n;

@@ -27,6 +27,9 @@ struct RoutingSummary {
   int64_t expert_degree = 0;  // ranks the experts are spread over (num_experts: each its own)
   std::vector<RoutingSpread> layers;
   RoutingSpread all;  // every layer's micro-batches together
+  // Each rank's seconds inside the expert exchanges a step, median over the steps (empty where
+  // the run did not record them: E = 1).
+  std::vector<double> exchange_seconds;
 };
 
 // The steps from `from_step` on; `expert_degree` 0 counts each expert on its own. An InputError

@@ -28,6 +28,9 @@ struct StepRecord {
   // r S + s by their replica and shard coordinates): what each exchange carried. A layer on
   // another pipeline stage is counted by that stage's ranks.
   ExchangeSlots exchange_slots;
+  // Each rank's seconds inside its expert group's exchanges in the step (dispatch and combine,
+  // forward and backward, the wait for the group's busiest rank included); empty without E > 1.
+  std::vector<double> exchange_seconds;
   // A NaN or an Inf in the loss or the gradients: the update was not applied (the step's data
   // is consumed and the schedule moves on, as Megatron-LM skips such iterations), and where
   // it began.
