@@ -152,6 +152,15 @@ void add_framework_options(CLI::App& cmd, Search& s) {
   cmd.add_option("--expert-load-imbalance", r.options.moe.expert_load_imbalance,
                  "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));
+  cmd.add_option("--capacity-factor", r.options.moe.capacity_factor,
+                 "Drop the slots over this many times an expert's mean share of a micro-batch (Megatron-Core's "
+                 "--moe-expert-capacity-factor; default: dropless)")
+      ->check(CLI::Range(0.0, 1e6));
+  add_choice(cmd, "--drop-policy", r.options.moe.drop_policy, kTokenDropPolicyNames,
+             "Under --capacity-factor, drop the slots of the lowest router probability (probs) or the last (position)");
+  cmd.add_flag("--pad-to-capacity", r.options.moe.pad_to_capacity,
+               "Under --capacity-factor, every expert computes its whole capacity (Megatron-Core's "
+               "--moe-pad-expert-input-to-capacity)");
   cmd.add_option("--routing", r.options.routing,
                  "balanced, skew:X (the busiest expert X times the mean) or a routing profile file: rank the best "
                  "plans by steps drawn under it, each micro-batch's expert loads drawn anew");

@@ -198,6 +198,11 @@ void print_routing(const Plan& plan, const RunConfig& config, double step_s, con
   std::printf("  busiest expert-parallel rank of a micro-batch's MoE block: median %.2f, p99 %.2f x the mean; memory "
               "per GPU at the p99 load %.1f GiB (%.1f GiB under the plan's own routing, %.1f GiB on the device)\n",
               r.load_median, r.load_p99, gib(at_tail), gib(own), gib(plan.cluster.usable_memory_bytes()));
+  if (config.moe.capacity_factor > 0)
+    std::printf("  capacity factor %g (%s): %.2f%% of the slots dropped over the draws, %.2f%% under the plan's own "
+                "routing\n",
+                config.moe.capacity_factor, config.moe.pad_to_capacity ? "padded" : "not padded",
+                100.0 * r.dropped_fraction, 100.0 * dropped_fraction(m, config.moe));
 }
 
 int run_simulate(const Simulate& args) {

@@ -30,11 +30,45 @@ std::vector<double> expert_shares(const ModelSpec& m, const MoeConfig& moe) {
   return out;
 }
 
+double computed_share(double share, int64_t num_experts, const MoeConfig& moe) {
+  if (!(moe.capacity_factor > 0)) return share;
+  const double capacity = moe.capacity_factor / static_cast<double>(std::max<int64_t>(1, num_experts));
+  return moe.pad_to_capacity ? capacity : std::min(share, capacity);
+}
+
+double dropped_fraction(std::span<const double> shares, const MoeConfig& moe) {
+  if (!(moe.capacity_factor > 0)) return 0;
+  const auto n = static_cast<int64_t>(shares.size());
+  double dropped = 0;
+  for (double s : shares) dropped += std::max(0.0, s - moe.capacity_factor / static_cast<double>(n));
+  return dropped;
+}
+
+double dropped_fraction(const ModelSpec& m, const MoeConfig& moe) {
+  const std::vector<double> shares = expert_shares(m, moe);
+  return dropped_fraction(shares, moe);
+}
+
+double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe) {
+  const auto n = static_cast<int64_t>(shares.size());
+  const int64_t e = std::max<int64_t>(1, expert_degree);
+  const int64_t local = n / e;
+  double most = 0, total = 0;
+  for (double s : shares) total += s;
+  for (int64_t r = 0; r < e; ++r) {
+    double load = 0;
+    for (int64_t i = r * local; i < (r + 1) * local; ++i) load += computed_share(shares[static_cast<size_t>(i)], n, moe);
+    most = std::max(most, load);
+  }
+  return total > 0 ? most * static_cast<double>(e) / total : 1.0;
+}
+
 double expert_rank_load(const ModelSpec& m, const MoeConfig& moe, int64_t expert_degree, int64_t rank) {
   const double total = total_count(moe);
   const int64_t local = m.num_experts / expert_degree;
   double load = 0;
-  for (int64_t i = rank * local; i < (rank + 1) * local; ++i) load += share(m, moe, total, i);
+  for (int64_t i = rank * local; i < (rank + 1) * local; ++i)
+    load += computed_share(share(m, moe, total, i), m.num_experts, moe);
   return load * static_cast<double>(expert_degree);
 }
 

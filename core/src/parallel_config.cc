@@ -137,6 +137,9 @@ static void read_moe_fields(ObjectReader& r, MoeConfig& m) {
   m.overlap_exchange = r.boolean("overlap_exchange", false);
   m.overlap_shared_expert = r.boolean("overlap_shared_expert", false);
   m.global_token_shuffle = r.boolean("global_token_shuffle", false);
+  m.capacity_factor = r.number("capacity_factor", 0.0, 1e6, 0.0);
+  m.drop_policy = r.choice<TokenDropPolicy>("drop_policy", kTokenDropPolicyNames, TokenDropPolicy::kProbs);
+  m.pad_to_capacity = r.boolean("pad_to_capacity", false);
   m.aux_loss_coef = r.number("aux_loss_coef", 0.0, 1e3, 0.001);
   m.z_loss_coef = r.number("z_loss_coef", 0.0, 1e3, 0.0);
   m.expert_load_imbalance = r.number("expert_load_imbalance", 1.0, 1e6, 1.0);
@@ -220,6 +223,11 @@ Json to_json(const MoeConfig& m) {
   if (m.overlap_exchange) j["overlap_exchange"] = true;
   if (m.overlap_shared_expert) j["overlap_shared_expert"] = true;
   j["global_token_shuffle"] = m.global_token_shuffle;
+  if (m.capacity_factor > 0) {
+    j["capacity_factor"] = m.capacity_factor;
+    j["drop_policy"] = name_of(kTokenDropPolicyNames, m.drop_policy);
+    if (m.pad_to_capacity) j["pad_to_capacity"] = true;
+  }
   j["aux_loss_coef"] = m.aux_loss_coef;
   j["z_loss_coef"] = m.z_loss_coef;
   j["expert_load_imbalance"] = m.expert_load_imbalance;

@@ -45,6 +45,7 @@ constexpr std::array<std::string_view, kRuleCount> kRuleNames = {
     "exchange_overlap_schedule",
     "token_counts_match_experts",
     "deepep_layout",
+    "capacity_needs_factor",
     "min_lr_within_lr",
     "warmup_within_steps",
     "fp8_needs_hardware",
@@ -598,6 +599,12 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
         });
     }
   }
+  // A drop policy or padding says how an expert's capacity is kept: without one they mean nothing.
+  if (!(c.moe.capacity_factor > 0) && (c.moe.drop_policy != TokenDropPolicy::kProbs || c.moe.pad_to_capacity))
+    sink(Rule::kCapacityNeedsFactor, c.moe.pad_to_capacity ? "moe.pad_to_capacity" : "moe.drop_policy", [&] {
+      return std::string(c.moe.pad_to_capacity ? "= true" : "= \"position\"") +
+             " needs moe.capacity_factor > 0 (without it no token is dropped)";
+    });
   if (t.fp8 && (cl.peak_fp8_flops <= 0 || t.precision == Precision::kFp32))
     sink(Rule::kFp8NeedsHardware, "training.fp8", [&] {
       if (t.precision == Precision::kFp32) return std::string("= true needs precision bf16 or mixed, not fp32");

@@ -414,7 +414,7 @@ std::vector<Candidate> rank_by_routing(const ModelSpec& model, const ClusterSpec
         with_busiest_rank_load(model, options.moe, c.parallel.expert_parallel_degree, r.load_p99);
     const int64_t tail_bytes =
         estimate_memory({model, cluster, c.parallel, tail, options.training, options.target}).device_total;
-    c.routed = RoutedFigures{r.median_s, r.p95_s, r.load_p99, tail_bytes};
+    c.routed = RoutedFigures{r.median_s, r.p95_s, r.load_p99, tail_bytes, r.dropped_fraction};
     if (tail_bytes > cluster.usable_memory_bytes() && !options.ignore_memory_limits) {
       ++stats.over_device_at_tail;
       continue;

@@ -123,14 +123,18 @@ void add_routed_table(std::string& out, const SearchResult& result, const Search
   add(out, "\nunder routing %s (%lld draws a plan, ranked by the %s step; balanced: the plan's own routing):\n",
       options.routing.c_str(), static_cast<long long>(options.routing_draws),
       std::string(name_of(kRankByNames, options.rank_by)).c_str());
-  add(out, "  #  balanced(s)   p50(s)   p95(s)  p95 vs balanced  busiest rank p99  mem at p99(GiB)\n");
+  const bool drops = options.moe.capacity_factor > 0;
+  add(out, "  #  balanced(s)   p50(s)   p95(s)  p95 vs balanced  busiest rank p99  mem at p99(GiB)%s\n",
+      drops ? "  dropped" : "");
   for (size_t i = 0; i < result.ranked.size() && i < top; ++i) {
     const Candidate& c = result.ranked[i];
     if (!c.routed) continue;
     const RoutedFigures& r = *c.routed;
-    add(out, "%3zu %12.3f %8.3f %8.3f %15.1f%% %17.2f %11.1f/%.1f\n", i + 1, c.estimate.step_time_s, r.median_s,
+    add(out, "%3zu %12.3f %8.3f %8.3f %15.1f%% %17.2f %11.1f/%.1f", i + 1, c.estimate.step_time_s, r.median_s,
         r.p95_s, 100.0 * (r.p95_s / c.estimate.step_time_s - 1.0), r.load_p99, in_gib(r.tail_device_bytes),
         in_gib(cluster.usable_memory_bytes()));
+    if (drops) add(out, " %7.2f%%", 100.0 * r.dropped_fraction);
+    add(out, "\n");
   }
   if (result.stats.over_device_at_tail > 0)
     add(out, "  (%lld of the plans drawn no longer fit the device at the p99 load and are left out)\n",

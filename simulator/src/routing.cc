@@ -52,7 +52,7 @@ double RoutingDelay::delay_s(const StepRouting& loads) {
   for (const int64_t blocks : stage_moe_blocks_) {
     double stage = 0;
     for (int64_t b = 0; b < blocks && block < loads.size(); ++b, ++block)
-      for (const std::vector<double>& shares : loads[block]) stage += block_delay_s(busiest_rank_load(shares, expert_degree_));
+      for (const std::vector<double>& shares : loads[block]) stage += block_delay_s(busiest_rank_load(shares, expert_degree_, config_.moe));
     slowest = std::max(slowest, stage);
   }
   return slowest;
@@ -72,13 +72,18 @@ RoutedStep simulate_routing(const RunConfig& config, const LayoutShapes& shapes,
                                            p.local_seq_len(config.training.seq_len) * m.experts_per_token);
   RoutingRng rng(seed);
   std::vector<double> loads;
+  double dropped = 0;
   for (int64_t d = 0; d < draws; ++d) {
     const StepRouting step = draw_step_routing(profile, m.num_experts, m.moe_layers(),
                                                std::max<int64_t>(1, p.gradient_accumulation_steps), slots, rng);
     for (const auto& block : step)
-      for (const auto& shares : block) loads.push_back(busiest_rank_load(shares, delay.expert_degree()));
+      for (const auto& shares : block) {
+        loads.push_back(busiest_rank_load(shares, delay.expert_degree(), config.moe));
+        dropped += dropped_fraction(shares, config.moe);
+      }
     out.step_s.push_back(base_step_s + delay.delay_s(step));
   }
+  out.dropped_fraction = loads.empty() ? 0.0 : dropped / static_cast<double>(loads.size());
   out.median_s = quantile(out.step_s, 0.5);
   out.p95_s = quantile(out.step_s, 0.95);
   out.load_median = loads.empty() ? 1.0 : quantile(loads, 0.5);

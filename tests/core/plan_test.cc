@@ -661,3 +661,30 @@ TEST(Plan, MemoryEstimateOfAnAcceptedPlanIsNotNegative) {
 
 }  // namespace
 }  // namespace moeplan
+
+namespace moeplan {
+namespace {
+
+// Token dropping reads back as written, and a dropless plan writes none of its fields.
+TEST(Plan, CapacityFactorRoundTrips) {
+  MoeConfig moe;
+  EXPECT_FALSE(to_json(moe).contains("capacity_factor"));
+  EXPECT_FALSE(to_json(moe).contains("drop_policy"));
+  moe.capacity_factor = 1.25;
+  moe.drop_policy = TokenDropPolicy::kPosition;
+  moe.pad_to_capacity = true;
+  const Json j = to_json(moe);
+  EXPECT_EQ(j.at("capacity_factor"), 1.25);
+  EXPECT_EQ(j.at("drop_policy"), "position");
+  Diagnostics d;
+  EXPECT_EQ(read_moe(j, "moe", d), moe);
+  EXPECT_TRUE(d.empty());
+  Json bad = j;
+  bad["drop_policy"] = "random";
+  read_moe(bad, "moe", d);
+  ASSERT_FALSE(d.empty());
+  EXPECT_EQ(d.items().front().path, "moe.drop_policy");
+}
+
+}  // namespace
+}  // namespace moeplan

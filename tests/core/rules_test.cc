@@ -207,6 +207,9 @@ const RuleCase kCases[] = {
      "= \"deepep\" with an expert group across nodes of p4d.24xlarge (EFA): DeepEP across nodes needs a network that "
      "lets GPUs post RDMA themselves (InfiniBand or RoCE)",
      "deepep"},
+    // Padding to a capacity that is not set.
+    {"PaddingWithoutCapacity", [](Scenario& s) { s.moe.pad_to_capacity = true; }, Rule::kCapacityNeedsFactor,
+     "moe.pad_to_capacity", "= true needs moe.capacity_factor > 0 (without it no token is dropped)", "capacity"},
     // DeepEP sizes its buffers from a table of group sizes: 12 experts over the 12 ranks of a
     // node (two nodes of 12, E12 S2) is not among them.
     {"DeepEpGroupSizeOutsideItsTable",

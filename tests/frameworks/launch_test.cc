@@ -256,6 +256,31 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(lite.count("--disable-bias-linear"), 1u);
 }
 
+// Token dropping in Megatron-LM's names: the capacity factor, the drop policy and padding; a
+// dropless plan carries none of them.
+TEST(ExportLaunch, MegatronArgumentsCarryTheCapacityFactor) {
+  planner::SearchOptions::Pins pins;
+  pins.expert_parallel_degree = 8;
+  Plan plan = searched("mixtral-8x7b", "p5.48xlarge", 64, test::framework_rules("megatron"), pins, Precision::kMixed);
+  const auto args_of = [](const Plan& p) {
+    return megatron_args(
+        file(launch::export_launch(p, test::framework_rules("megatron"), "plan.json"), "megatron-args.txt").text);
+  };
+  for (const char* flag : {"--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity"})
+    EXPECT_EQ(args_of(plan).count(flag), 0u) << flag;
+  plan.moe.load_balancing = LoadBalancing::kAuxLoss;
+  plan.moe.capacity_factor = 1.25;
+  plan.moe.drop_policy = TokenDropPolicy::kPosition;
+  plan.moe.pad_to_capacity = true;
+  const auto dropping = args_of(plan);
+  EXPECT_EQ(dropping.at("--moe-expert-capacity-factor"), "1.25");
+  EXPECT_EQ(dropping.at("--moe-token-drop-policy"), "position");
+  EXPECT_EQ(dropping.count("--moe-pad-expert-input-to-capacity"), 1u);
+  // Megatron-LM drops tokens only with aux_loss or no load balancing: refused by its rule.
+  plan.moe.load_balancing = LoadBalancing::kSinkhorn;
+  EXPECT_THROW(launch::export_launch(plan, test::framework_rules("megatron"), "plan.json"), InputError);
+}
+
 TEST(ExportLaunch, TorchtitanConfigFollowsThePlan) {
   planner::SearchOptions::Pins pins;
   pins.expert_parallel_degree = 4;

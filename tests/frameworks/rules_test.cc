@@ -143,6 +143,52 @@ const FrameworkRuleCase kCases[] = {
      "= true: Megatron-LM keeps the dense parameters whole on the expert and context ranks (its distributed "
      "optimizer shards their states over them)",
      "true"},
+    {"MegatronCapacityWithSinkhorn",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.moe.capacity_factor = 1.25;
+     },
+     "megatron_routing", "moe.capacity_factor",
+     "= 1.25 with load_balancing \"sinkhorn\": Megatron-LM drops tokens only with aux_loss or none", "1.25"},
+    {"MegatronCapacityWithDeepEp",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.moe.dispatcher = Dispatcher::kDeepEp;
+       s.moe.capacity_factor = 1.5;
+     },
+     "megatron_routing", "moe.capacity_factor",
+     "= 1.5 with dispatcher \"deepep\": moeplan exports token dropping with the all-to-all or all-gather "
+     "dispatcher",
+     "1.5"},
+    {"TorchtitanCapacity",
+     [](Scenario& s) {
+       s.target = test::framework_rules("torchtitan");
+       s.parallel.dense_shard_spans_experts = true;  // its FSDP spans the expert ranks
+       s.training.precision = Precision::kMixed;
+       s.moe.load_balancing = LoadBalancing::kAuxLoss;
+       s.moe.capacity_factor = 1.25;
+     },
+     "torchtitan_routing", "moe.capacity_factor", "= 1.25: torchtitan's MoE layers are dropless", "1.25"},
+    {"ExecutorCapacity",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.moe.capacity_factor = 1;
+     },
+     "executor_trains_moe", "moe.capacity_factor",
+     "= 1: the executor trains dropless (token dropping is planned and simulated only)", "= 1"},
+    {"SmpCapacity",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.moe.capacity_factor = 1.25;
+     },
+     "smp_layouts", "moe.capacity_factor", "= 1.25: moeplan exports SMP's MoE layers dropless", "1.25"},
     {"TorchtitanSharedExpertOverlap",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");

@@ -28,6 +28,36 @@ TEST(MoeLoad, SkewNumberGivesRankLoads) {
 }
 
 // Counts 1,1,1,1,2,2,2,2: rank 1 of E = 2 holds 8 of 12 slots, 4/3 of the mean.
+// Capacity factor 1.25 over 4 experts: each computes at most 1.25 / 4 = 0.3125 of the slots.
+// Shares 0.5, 0.25, 0.15, 0.10: the first drops 0.1875; over two ranks the first computes
+// 0.3125 + 0.25 = 0.5625 of 0.5 each, 1.125 times the mean. Padded, every expert computes its
+// whole capacity: 1.25 on every rank.
+TEST(MoeLoad, CapacityBoundsWhatARankComputes) {
+  const std::vector<double> shares{0.5, 0.25, 0.15, 0.10};
+  MoeConfig moe;
+  EXPECT_DOUBLE_EQ(busiest_rank_load(shares, 2, moe), 1.5);  // dropless: 0.75 of 0.5
+  EXPECT_EQ(dropped_fraction(shares, moe), 0.0);
+  moe.capacity_factor = 1.25;
+  EXPECT_DOUBLE_EQ(computed_share(0.5, 4, moe), 0.3125);
+  EXPECT_DOUBLE_EQ(computed_share(0.1, 4, moe), 0.1);
+  EXPECT_DOUBLE_EQ(dropped_fraction(shares, moe), 0.1875);
+  EXPECT_DOUBLE_EQ(busiest_rank_load(shares, 2, moe), 1.125);
+  moe.pad_to_capacity = true;
+  EXPECT_DOUBLE_EQ(busiest_rank_load(shares, 2, moe), 1.25);
+  EXPECT_DOUBLE_EQ(busiest_rank_load(shares, 4, moe), 1.25);
+
+  // The plan's own routing: 8 experts, the busiest 3 times the mean, capacity 2: it computes
+  // 2 / 8 of the slots and drops 1 / 8; its rank (E8) computes 2 times the mean.
+  ModelSpec m = test::model("mixtral-8x7b");
+  MoeConfig skew;
+  skew.expert_load_imbalance = 3.0;
+  skew.capacity_factor = 2.0;
+  EXPECT_DOUBLE_EQ(busiest_expert_rank_load(m, skew, 8), 2.0);
+  EXPECT_DOUBLE_EQ(dropped_fraction(m, skew), 0.125);
+  skew.capacity_factor = 0;
+  EXPECT_DOUBLE_EQ(busiest_expert_rank_load(m, skew, 8), 3.0);
+}
+
 TEST(MoeLoad, CountsGiveRankLoads) {
   MoeConfig moe;
   moe.tokens_per_expert = {1, 1, 1, 1, 2, 2, 2, 2};

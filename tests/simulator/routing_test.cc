@@ -74,6 +74,30 @@ TEST(RoutedStep, TheSlowestStageSetsTheStep) {
   EXPECT_DOUBLE_EQ(delay.delay_s(loads), stage1);
 }
 
+// At capacity factor 1.5 a rank computes at most 1.5 times the mean: hotter micro-batches cost
+// what 1.5 costs, and their overflow is dropped.
+TEST(RoutedStep, CapacityBoundsTheWaitAndDropsTheRest) {
+  test::Scenario c = eight_experts();
+  c.moe.capacity_factor = 1.5;
+  const RunConfig config = c.config();
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  RoutingDelay delay(config, shapes);
+  StepRouting loads = every_block_at(c.model, 4, 1.0);
+  loads[0][0] = shares_at(3.0);
+  EXPECT_DOUBLE_EQ(delay.delay_s(loads), delay.block_delay_s(1.5));
+  EXPECT_GT(delay.block_delay_s(1.5), 0.0);
+  const double base = estimate_step(config, shapes).step_time_s;
+  const RoutedStep skew = simulate_routing(config, shapes, base, routing_profile_from_spec("skew:3"), 8, 1);
+  EXPECT_LE(skew.load_p99, 1.5 + 1e-12);
+  // The busiest expert's 3/8 of the slots against a capacity of 1.5/8: about 1.5/8 dropped in each
+  // micro-batch, give or take chance and the others' overflow.
+  EXPECT_NEAR(skew.dropped_fraction, 1.5 / 8.0, 0.03);
+  c.moe.capacity_factor = 0;
+  const RoutedStep dropless = simulate_routing(c.config(), shapes, base, routing_profile_from_spec("skew:3"), 8, 1);
+  EXPECT_EQ(dropless.dropped_fraction, 0.0);
+  EXPECT_GT(dropless.median_s, skew.median_s);
+}
+
 TEST(RoutedStep, DrawsSpreadTheStepAndTheLoad) {
   const test::Scenario c = eight_experts();
   const RunConfig config = c.config();

@@ -6,6 +6,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/fit.h"
+#include "moeplan/core/moe_load.h"
 #include "moeplan/simulator/routing.h"
 #include "moeplan/simulator/step.h"
 
@@ -61,7 +62,7 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
       slowest = std::max(slowest, delay.delay_s(shares));
       for (const auto& block : shares)
         for (const auto& micro_batch : block) {
-          load_sum += busiest_rank_load(micro_batch, delay.expert_degree());
+          load_sum += busiest_rank_load(micro_batch, delay.expert_degree(), plan.moe);
           blocks += 1;
         }
     }

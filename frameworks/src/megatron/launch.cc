@@ -122,6 +122,12 @@ void layout_args(const Plan& plan, Args& a) {
     } else {
       a.push_back({"--moe-token-dispatcher-type", std::string(name_of(kDispatcherNames, plan.moe.dispatcher))});
     }
+    // Token dropping: each expert's capacity, which slots go when it is full, and padding.
+    if (plan.moe.capacity_factor > 0) {
+      a.push_back({"--moe-expert-capacity-factor", number(plan.moe.capacity_factor)});
+      a.push_back({"--moe-token-drop-policy", std::string(name_of(kTokenDropPolicyNames, plan.moe.drop_policy))});
+      if (plan.moe.pad_to_capacity) a.push_back({"--moe-pad-expert-input-to-capacity", ""});
+    }
     if (plan.moe.overlap_exchange) a.push_back({"--overlap-moe-expert-parallel-comm", ""});
     if (overlaps_shared_expert(plan.model, plan.moe, p)) a.push_back({"--moe-shared-expert-overlap", ""});
     a.push_back({"--moe-grouped-gemm", ""});

@@ -104,6 +104,20 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (c.moe.global_token_shuffle)
     sink(kRouting, "moe.global_token_shuffle",
          [&] { return std::string("= true: Megatron-LM has no global token shuffle"); });
+  // --moe-expert-capacity-factor: Megatron-Core drops tokens with aux_loss (or its sequence and
+  // global variants) or no load-balancing loss (TransformerConfig.__post_init__).
+  if (c.moe.capacity_factor > 0 && c.moe.load_balancing != LoadBalancing::kAuxLoss &&
+      c.moe.load_balancing != LoadBalancing::kNone)
+    sink(kRouting, "moe.capacity_factor", [&] {
+      return "= " + rule_number(c.moe.capacity_factor) + " with load_balancing \"" +
+             std::string(name_of(kLoadBalancingNames, c.moe.load_balancing)) +
+             "\": Megatron-LM drops tokens only with aux_loss or none";
+    });
+  if (c.moe.capacity_factor > 0 && c.moe.dispatcher == Dispatcher::kDeepEp)
+    sink(kRouting, "moe.capacity_factor", [&] {
+      return "= " + rule_number(c.moe.capacity_factor) +
+             " with dispatcher \"deepep\": moeplan exports token dropping with the all-to-all or all-gather dispatcher";
+    });
 }
 
 }  // namespace

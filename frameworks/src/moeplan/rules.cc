@@ -47,6 +47,11 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= " + rule_number(m.shared_expert_intermediate_size) +
              ": the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)";
     });
+  if (c.moe.capacity_factor > 0)
+    sink(kTrainsMoe, "moe.capacity_factor", [&] {
+      return "= " + rule_number(c.moe.capacity_factor) +
+             ": the executor trains dropless (token dropping is planned and simulated only)";
+    });
   if (m.qk_norm)
     sink(kTrainsMoe, "model.qk_norm",
          [&] { return std::string("= true: the executor trains Mixtral-style attention, without q/k norms"); });

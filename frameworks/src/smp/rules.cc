@@ -64,6 +64,10 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (c.moe.dispatcher == Dispatcher::kDeepEp)
     sink(kLayouts, "moe.dispatcher",
          [&] { return std::string("= \"deepep\": SMP's MoE layers dispatch by all-to-all or all-gather"); });
+  if (c.moe.capacity_factor > 0)
+    sink(kLayouts, "moe.capacity_factor", [&] {
+      return "= " + rule_number(c.moe.capacity_factor) + ": moeplan exports SMP's MoE layers dropless";
+    });
   if (p.activation_checkpointing == Checkpointing::kSelective ||
       p.activation_checkpointing == Checkpointing::kAttentionCore ||
       p.activation_checkpointing == Checkpointing::kLatentUpProjections)

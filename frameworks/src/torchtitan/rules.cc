@@ -110,6 +110,10 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= \"" + std::string(name_of(kLoadBalancingNames, c.moe.load_balancing)) +
              "\": torchtitan's routers balance by a load-balancing loss or expert biases (aux_loss or none)";
     });
+  if (c.moe.capacity_factor > 0)
+    sink(kRouting, "moe.capacity_factor", [&] {
+      return "= " + rule_number(c.moe.capacity_factor) + ": torchtitan's MoE layers are dropless";
+    });
   if (c.moe.global_token_shuffle)
     sink(kRouting, "moe.global_token_shuffle",
          [&] { return std::string("= true: torchtitan has no global token shuffle"); });

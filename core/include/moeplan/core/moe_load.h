@@ -4,6 +4,7 @@
 // expert gets `expert_load_imbalance` times the mean share and the others split the rest.
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "moeplan/core/model_spec.h"
@@ -14,8 +15,20 @@ namespace moeplan {
 // Share of all token-expert slots each expert receives; they add up to 1.
 std::vector<double> expert_shares(const ModelSpec& model, const MoeConfig& moe);
 
+// What an expert that received `share` of a micro-batch's slots computes of them under moe's
+// capacity: at most capacity_factor / n, exactly that when padded, all of it when dropless.
+double computed_share(double share, int64_t num_experts, const MoeConfig& moe);
+// The fraction of a micro-batch's slots dropped at moe's capacity (0 when dropless), for one
+// micro-batch's shares or the plan's own routing.
+double dropped_fraction(std::span<const double> shares, const MoeConfig& moe);
+double dropped_fraction(const ModelSpec& model, const MoeConfig& moe);
+// The busiest of `expert_degree` ranks' computed slots (rank r holds experts [r n/E, (r+1) n/E))
+// over the mean rank's received slots, for one micro-batch's shares under moe's capacity.
+double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe);
+
 // Load of expert-parallel rank `rank` (holding experts [rank n/E, (rank+1) n/E)) over the mean
-// rank load: 1 when balanced. Allocation-free, for the search's hot path.
+// rank load: 1 when balanced; what it computes under a capacity factor. Allocation-free, for the
+// search's hot path.
 double expert_rank_load(const ModelSpec& model, const MoeConfig& moe, int64_t expert_degree, int64_t rank);
 // The largest expert_rank_load over the E ranks.
 double busiest_expert_rank_load(const ModelSpec& model, const MoeConfig& moe, int64_t expert_degree);

@@ -59,6 +59,9 @@ enum class LoadBalancing : uint8_t { kSinkhorn, kBalanced, kAuxLoss, kNone };
 // network once per node it is routed to and is forwarded over NVLink there; Megatron-Core's
 // flex dispatcher with DeepEP, not its HybridEP backend).
 enum class Dispatcher : uint8_t { kAllToAll, kAllGather, kDeepEp };
+// Which of an over-full expert's slots are dropped (Megatron-Core's --moe-token-drop-policy):
+// those of the lowest router probability, or the last in token order.
+enum class TokenDropPolicy : uint8_t { kProbs, kPosition };
 // How the context-parallel ranks pass keys and values: around a ring, each step's transfer
 // beside the attention of the chunk before (p2p: Megatron-Core's default --cp-comm-type,
 // torchtitan's rotate method "alltoall"), or all-gathered whole before the attention and their
@@ -81,6 +84,8 @@ inline constexpr std::array<std::pair<std::string_view, LoadBalancing>, 4> kLoad
      {"aux_loss", LoadBalancing::kAuxLoss}, {"none", LoadBalancing::kNone}}};
 inline constexpr std::array<std::pair<std::string_view, Dispatcher>, 3> kDispatcherNames{
     {{"alltoall", Dispatcher::kAllToAll}, {"allgather", Dispatcher::kAllGather}, {"deepep", Dispatcher::kDeepEp}}};
+inline constexpr std::array<std::pair<std::string_view, TokenDropPolicy>, 2> kTokenDropPolicyNames{
+    {{"probs", TokenDropPolicy::kProbs}, {"position", TokenDropPolicy::kPosition}}};
 inline constexpr std::array<std::pair<std::string_view, ContextExchange>, 2> kContextExchangeNames{
     {{"p2p", ContextExchange::kRing}, {"all_gather", ContextExchange::kAllGather}}};
 
@@ -228,6 +233,13 @@ struct MoeConfig {
   // it changes nothing.
   bool overlap_shared_expert = false;
   bool global_token_shuffle = false;
+  // Token dropping (Megatron-Core's --moe-expert-capacity-factor): each expert takes at most
+  // capacity_factor times its mean share of a micro-batch's slots (ceil(tokens x top-k /
+  // experts x factor)), the rest dropped by drop_policy; 0: dropless. With pad_to_capacity every
+  // expert computes its whole capacity (--moe-pad-expert-input-to-capacity).
+  double capacity_factor = 0;
+  TokenDropPolicy drop_policy = TokenDropPolicy::kProbs;
+  bool pad_to_capacity = false;
   double aux_loss_coef = 0.001;
   double z_loss_coef = 0.0;
   // Tokens of the busiest expert over the mean (1 = uniform routing); used when

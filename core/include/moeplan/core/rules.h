@@ -63,6 +63,7 @@ enum class Rule : uint8_t {
   kExchangeOverlapSchedule,
   kTokenCountsMatchExperts,
   kDeepEpLayout,
+  kCapacityNeedsFactor,
   // Training schedule
   kMinLrWithinLr,
   kWarmupWithinSteps,

@@ -79,6 +79,7 @@ struct RoutedFigures {
   double median_s = 0, p95_s = 0;
   double load_p99 = 1;          // the busiest expert-parallel rank's load over the mean, p99
   int64_t tail_device_bytes = 0;  // the busiest rank's memory at that load
+  double dropped_fraction = 0;    // of the slots, at the capacity factor (0 when dropless)
   double ranked_s(RankBy by) const { return by == RankBy::kP95 ? p95_s : median_s; }
 };
 

@@ -47,8 +47,10 @@ struct RoutedStep {
   double base_load = 1;    // the busiest expert-parallel rank's load there
   std::vector<double> step_s;  // one per draw
   double median_s = 0, p95_s = 0;
-  // The busiest expert-parallel rank's load over every drawn micro-batch and MoE block.
+  // The busiest expert-parallel rank's load (what it computes, under a capacity factor) over
+  // every drawn micro-batch and MoE block.
   double load_median = 1, load_p99 = 1;
+  double dropped_fraction = 0;  // of the slots, at the plan's capacity factor (0 when dropless)
 };
 
 // `draws` steps drawn from `profile` (seeded), each `base_step_s` plus its delay.
