@@ -93,5 +93,20 @@ void BM_Search(benchmark::State& state) {
 }
 BENCHMARK(BM_Search)->Arg(16)->Arg(64)->Arg(256)->Arg(1024)->Unit(benchmark::kMillisecond);
 
+// `moeplan search --gpus N --routing skew:2` as the command runs it: the step simulator ranks,
+// and the best 32 plans are drawn 16 times each under a skewed router and ranked again.
+void BM_SearchRouting(benchmark::State& state) {
+  const int64_t gpus = state.range(0);
+  const ClusterSpec cluster = p4d(gpus);
+  SearchOptions o = options_for(gpus);
+  o.estimator = Estimator::kSimulator;
+  o.routing = "skew:2";
+  for (auto _ : state) {
+    const SearchResult r = search(mixtral(), cluster, o);
+    benchmark::DoNotOptimize(r.ranked.data());
+  }
+}
+BENCHMARK(BM_SearchRouting)->Arg(1024)->Unit(benchmark::kMillisecond)->Iterations(1);
+
 }  // namespace
 }  // namespace moeplan::planner
