@@ -19,6 +19,8 @@
 
 #include "moeplan/core/trace.h"
 #include "moeplan/viewer/render.h"
+#include "moeplan/viewer/routing_map.h"
+#include "moeplan/core/step_record.h"
 #include "moeplan/viewer/timeline.h"
 #include "moeplan/viewer/timeline_widget.h"
 #include "moeplan/viewer/viewer_window.h"
@@ -435,3 +437,52 @@ int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
+
+namespace moeplan::viewer {
+namespace {
+
+// One step, one layer of four experts with 200, 100, 100 and 0 of 400 slots: the first at twice
+// the mean (red), two at the mean (white), the last at none (blue).
+std::vector<StepRecord> one_routed_step() {
+  StepRecord r;
+  r.step = 1;
+  r.tokens = 200;
+  r.tokens_per_expert = {{200, 100, 100, 0}};
+  return {r};
+}
+
+TEST(RoutingMap, EachCellIsItsExpertsLoadOverTheMean) {
+  EXPECT_EQ(load_colour(1.0), QColor(255, 255, 255));
+  EXPECT_EQ(load_colour(2.0), QColor(255, 0, 0));
+  EXPECT_EQ(load_colour(3.5), QColor(255, 0, 0));
+  EXPECT_EQ(load_colour(0.0), QColor(0, 0, 255));
+  EXPECT_EQ(load_colour(1.5), QColor(255, 128, 128));
+  RoutingMapGeometry g;
+  const RoutingMapLayout layout;
+  const QImage image = render_routing_map(one_routed_step(), 400, &g, layout);
+  ASSERT_FALSE(image.isNull());
+  const auto centre = [&](size_t expert) { return g.cell(0, 0, expert, layout).center(); };
+  EXPECT_EQ(image.pixelColor(centre(0)), QColor(255, 0, 0));
+  EXPECT_EQ(image.pixelColor(centre(1)), QColor(255, 255, 255));
+  EXPECT_EQ(image.pixelColor(centre(3)), QColor(0, 0, 255));
+  EXPECT_TRUE(render_routing_map({}, 400).isNull());
+}
+
+TEST_F(ViewCommand, DrawsARunsRoutingFromItsMetrics) {
+  TempDir dir;
+  fs::create_directories(dir.file("run"));
+  dir.write("run/metrics.jsonl", to_json_line(one_routed_step().front()) + "\n");
+  const Outcome o = moeplan(dir, "view run --routing-png map.png --width 500");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  QImage image(QString::fromStdString(dir.file("map.png")));
+  ASSERT_FALSE(image.isNull());
+  EXPECT_TRUE(image.convertToFormat(QImage::Format_RGB32) ==
+              render_routing_map(one_routed_step(), 500).convertToFormat(QImage::Format_RGB32));
+  fs::create_directories(dir.file("empty"));
+  const Outcome missing = moeplan(dir, "view empty --routing-png map2.png");
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.err.find("empty/metrics.jsonl: cannot be read"), std::string::npos) << missing.err;
+}
+
+}  // namespace
+}  // namespace moeplan::viewer

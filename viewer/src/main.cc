@@ -4,6 +4,7 @@
 //   moeplan view sim.json measured.json          both, the second aligned phase by phase
 //   moeplan view run/                            a run folder: its simulated.json and trace.json
 //   moeplan view trace.json --png out.png        the whole step as a picture, without a display
+//   moeplan view run/ --routing-png map.png      the run's routing as a heat map
 
 #include <cstdio>
 #include <cstdlib>
@@ -19,8 +20,10 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/exit_codes.h"
+#include "moeplan/core/step_record.h"
 #include "moeplan/core/trace.h"
 #include "moeplan/viewer/render.h"
+#include "moeplan/viewer/routing_map.h"
 #include "moeplan/viewer/timeline.h"
 #include "moeplan/viewer/viewer_window.h"
 
@@ -81,7 +84,38 @@ int main(int argc, char** argv) {
   app.add_option("--width", width, "Picture width in pixels")->capture_default_str()->check(CLI::Range(200, 32768));
   app.add_option("--height", height, "Picture height in pixels (default: every lane, at most 8192)")
       ->check(CLI::Range(0, 32768));
+  std::string routing_png;
+  app.add_option("--routing-png", routing_png,
+                 "With a run folder: draw its routing (each expert's slots over the mean, per layer and step, from "
+                 "metrics.jsonl) into this PNG file");
   CLI11_PARSE(app, argc, argv);
+
+  if (!routing_png.empty()) {
+    if (paths.size() != 1 || !std::filesystem::is_directory(paths[0])) {
+      std::fprintf(stderr, "moeplan: error: --routing-png: draws a run folder's routing; give one folder\n");
+      return moeplan::kExitBadInput;
+    }
+    std::vector<moeplan::StepRecord> steps;
+    try {
+      steps = moeplan::read_step_records(paths[0] + "/metrics.jsonl");
+    } catch (const moeplan::InputError& e) {
+      for (const std::string& line : e.lines()) std::fprintf(stderr, "moeplan: error: %s\n", line.c_str());
+      return moeplan::kExitBadInput;
+    }
+    if (std::getenv("QT_QPA_PLATFORM") == nullptr) qputenv("QT_QPA_PLATFORM", "offscreen");
+    QGuiApplication gui(argc, argv);
+    const QImage image = moeplan::viewer::render_routing_map(steps, width);
+    if (image.isNull()) {
+      std::fprintf(stderr, "moeplan: error: %s/metrics.jsonl: no step counts its experts\n", paths[0].c_str());
+      return moeplan::kExitBadInput;
+    }
+    if (!image.save(QString::fromStdString(routing_png), "PNG")) {
+      std::fprintf(stderr, "moeplan: error: --routing-png: cannot write %s\n", routing_png.c_str());
+      return moeplan::kExitBadInput;
+    }
+    std::printf("wrote %s (%d x %d)\n", routing_png.c_str(), image.width(), image.height());
+    return 0;
+  }
 
   if (paths.size() == 1 && std::filesystem::is_directory(paths[0])) {
     // A run folder: the plan's simulated step beside the measured one.
