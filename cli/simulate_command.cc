@@ -181,8 +181,8 @@ void print_routing(const Plan& plan, const RunConfig& config, double step_s, con
   const RoutingProfile profile = routing_profile_from_spec(args.routing);
   const ModelSpec& m = plan.model;
   const std::vector<Diagnostic> problems =
-      routing_mismatches(profile, m.num_experts, m.experts_per_token, m.moe_layers(), "--routing");
-  if (!problems.empty()) throw InputError(args.routing, problems);
+      routing_mismatches(profile, m.num_experts, m.experts_per_token, m.moe_layers(), "");
+  if (!problems.empty()) throw InputError("--routing", problems);
   const sim::RoutedStep r = sim::simulate_routing(config, sim::layout_shapes(plan.cluster, plan.parallel), step_s,
                                                   profile, args.draws, static_cast<uint64_t>(plan.moe.random_seed));
   const auto change = [&](double x) { return 100.0 * (x / r.base_step_s - 1.0); };
@@ -190,11 +190,9 @@ void print_routing(const Plan& plan, const RunConfig& config, double step_s, con
               "plan's own routing (busiest expert-parallel rank at %.2f x the mean)\n",
               describe_routing(profile).c_str(), static_cast<long long>(args.draws), r.median_s, change(r.median_s),
               r.p95_s, change(r.p95_s), r.base_step_s, r.base_load);
-  const MoeConfig tail = with_busiest_rank_load(m, config.moe, plan.parallel.expert_parallel_degree, r.load_p99);
   const auto gib = [](int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); };
   const int64_t own = planner::estimate_memory(config).device_total;
-  const int64_t at_tail =
-      planner::estimate_memory({m, plan.cluster, plan.parallel, tail, plan.training}).device_total;
+  const int64_t at_tail = planner::estimate_memory_at_load(config, r.load_p99).device_total;
   std::printf("  busiest expert-parallel rank of a micro-batch's MoE block: median %.2f, p99 %.2f x the mean; memory "
               "per GPU at the p99 load %.1f GiB (%.1f GiB under the plan's own routing, %.1f GiB on the device)\n",
               r.load_median, r.load_p99, gib(at_tail), gib(own), gib(plan.cluster.usable_memory_bytes()));
@@ -265,7 +263,7 @@ Command add_simulate_command(CLI::App& app) {
   cmd->add_option("--routing", args->routing,
                   "balanced, skew:X (the busiest expert X times the mean) or a routing profile file: the step over "
                   "draws of each micro-batch's expert loads from it");
-  cmd->add_option("--draws", args->draws, "Steps drawn under --routing")->capture_default_str()->check(CLI::Range(1, 100000));
+  cmd->add_option("--draws", args->draws, "Steps drawn under --routing")->capture_default_str()->check(CLI::Range(1, 1000));
   return {cmd, [args] { return run_simulate(*args); }};
 }
 

@@ -51,7 +51,7 @@ double dropped_fraction(const ModelSpec& m, const MoeConfig& moe) {
 
 double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe) {
   const auto n = static_cast<int64_t>(shares.size());
-  const int64_t e = std::max<int64_t>(1, expert_degree);
+  const int64_t e = std::clamp<int64_t>(expert_degree, 1, std::max<int64_t>(1, n));
   const int64_t local = n / e;
   double most = 0, total = 0;
   for (double s : shares) total += s;

@@ -68,7 +68,7 @@ std::vector<std::vector<std::vector<int64_t>>> read_slots(const Json* raw, const
       for (size_t e = 0; row.is_array() && e < row.size(); ++e) {
         if (!row[e].is_number_integer() || row[e].get<int64_t>() < 0 || row[e].get<int64_t>() > kRoutingMaxSlots) break;
         counts.push_back(row[e].get<int64_t>());
-        total += counts.back();
+        total = std::min(total + counts.back(), kRoutingMaxSlots);  // > 0 is all that is asked of it
       }
       if (!row.is_array() || counts.size() != row.size() || static_cast<int64_t>(counts.size()) != experts) {
         d.error(row_at, "expected " + std::to_string(experts) + " slot counts (num_experts), each an integer from 0 to " +
@@ -145,7 +145,8 @@ uint64_t RoutingRng::next() {
   return z ^ (z >> 31);
 }
 
-double RoutingRng::uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }
+// 2^52 values, each with its half step: (k + 0.5) / 2^52 is exact in a double and below 1.
+double RoutingRng::uniform() { return (static_cast<double>(next() >> 12) + 0.5) * 0x1.0p-52; }
 
 double RoutingRng::normal() {
   const double u = uniform(), v = uniform();
@@ -183,7 +184,8 @@ RoutingProfile routing_profile_from_spec(const std::string& spec, const std::str
     r.source = "Zipf expert shares, the busiest " + skew_text(x) + " times the mean (" + flag + ")";
     return r;
   }
-  if (!std::filesystem::is_regular_file(spec))
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(spec, error))
     throw InputError(flag, {{"", "= \"" + spec + "\": expected balanced, skew:X or a routing profile file, "
                                                  "and there is no such file"}});
   return read_routing_profile(spec);
@@ -208,7 +210,7 @@ RoutingProfile routing_profile_from_json(const Json& json, const std::string& or
     d.error("", "expected a routing profile object, got " + describe_json(json));
     d.throw_if_any(origin);
   }
-  const int64_t version = top.integer("schema_version", 1, kRoutingMaxLayers);
+  const int64_t version = top.integer("schema_version", 1, 1000);
   if (version != kRoutingSchemaVersion && d.empty())
     d.error("schema_version", "= " + std::to_string(version) + ": this moeplan reads version " +
                                   std::to_string(kRoutingSchemaVersion));
@@ -283,7 +285,8 @@ StepRouting draw_step_routing(const RoutingProfile& r, int64_t num_experts, int6
            "a measured profile is drawn for the shape it was measured with");
     // Micro-batch j of the step is a recorded micro-batch, the same one in every layer.
     for (size_t m = 0; m < out.front().size(); ++m) {
-      const auto pick = static_cast<size_t>(rng.uniform() * static_cast<double>(r.micro_batches()));
+      const auto pick = std::min(static_cast<size_t>(rng.uniform() * static_cast<double>(r.micro_batches())),
+                                 static_cast<size_t>(r.micro_batches() - 1));
       for (size_t l = 0; l < out.size(); ++l) {
         const std::vector<int64_t>& counts = r.slots[l][pick];
         double total = 0;
@@ -305,16 +308,5 @@ StepRouting draw_step_routing(const RoutingProfile& r, int64_t num_experts, int6
   return out;
 }
 
-double busiest_rank_load(std::span<const double> shares, int64_t expert_degree) {
-  const auto local = shares.size() / static_cast<size_t>(expert_degree);
-  double most = 0, total = 0;
-  for (size_t r = 0; r < static_cast<size_t>(expert_degree); ++r) {
-    double load = 0;
-    for (size_t e = r * local; e < (r + 1) * local; ++e) load += shares[e];
-    most = std::max(most, load);
-    total += load;
-  }
-  return total > 0 ? most * static_cast<double>(expert_degree) / total : 1.0;
-}
 
 }  // namespace moeplan

@@ -6,6 +6,7 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/fit.h"
+#include "moeplan/core/moe_load.h"
 
 namespace moeplan {
 
@@ -17,6 +18,8 @@ std::vector<const StepRecord*> usable_steps(const std::vector<StepRecord>& steps
   std::vector<const StepRecord*> out;
   for (const StepRecord& s : steps) {
     if (s.step < from_step) continue;
+    if (s.tokens_per_expert.empty() || s.tokens_per_expert.front().empty())
+      throw InputError(origin, {{"step " + std::to_string(s.step), "counts no expert (tokens_per_expert is empty)"}});
     if (s.exchange_slots.empty() || s.exchange_slots.front().empty())
       throw InputError(origin, {{"step " + std::to_string(s.step), "has no per-micro-batch expert counts "
                                                                     "(exchange_slots): a run of an older moeplan"}});
@@ -32,6 +35,15 @@ std::vector<const StepRecord*> usable_steps(const std::vector<StepRecord>& steps
   if (out.empty())
     throw InputError(origin, {{"", "has no step from step " + std::to_string(from_step) + " on"}});
   return out;
+}
+
+// The slots layer 0 of a step routed; an InputError where they do not fit in 64 bits.
+int64_t layer_slots(const StepRecord& s, const std::string& origin) {
+  int64_t slots = 0;
+  for (int64_t c : s.tokens_per_expert.front())
+    if (__builtin_add_overflow(slots, c, &slots))
+      throw InputError(origin, {{"step " + std::to_string(s.step), "routes more slots than 64 bits count"}});
+  return slots;
 }
 
 double busiest_of(const std::vector<int64_t>& counts, int64_t degree) {
@@ -77,8 +89,7 @@ RoutingSummary summarise_routing(const std::vector<StepRecord>& steps, int64_t f
   r.groups = static_cast<int64_t>(first.exchange_slots.size());
   r.micro_batches = static_cast<int64_t>(first.exchange_slots.front().size());
   r.num_experts = static_cast<int64_t>(first.tokens_per_expert.front().size());
-  int64_t slots = 0;
-  for (int64_t c : first.tokens_per_expert.front()) slots += c;
+  const int64_t slots = layer_slots(first, origin);
   r.experts_per_token = first.tokens > 0 ? slots / first.tokens : 0;
   if (first.tokens <= 0 || slots % first.tokens != 0 || r.experts_per_token < 1)
     throw InputError(origin, {{"step " + std::to_string(first.step),
@@ -120,8 +131,7 @@ RoutingProfile measured_routing_profile(const std::vector<StepRecord>& steps, in
   p.source = source;
   const StepRecord& first = *used.front();
   p.num_experts = static_cast<int64_t>(first.tokens_per_expert.front().size());
-  int64_t slots = 0;
-  for (int64_t c : first.tokens_per_expert.front()) slots += c;
+  const int64_t slots = layer_slots(first, source);
   p.experts_per_token = first.tokens > 0 ? std::max<int64_t>(1, slots / first.tokens) : 1;
   p.slots.resize(first.tokens_per_expert.size());
   for (const StepRecord* s : used)

@@ -600,10 +600,13 @@ void check_moe_and_training(const RunConfig& c, Sink& sink) {
     }
   }
   // A drop policy or padding says how an expert's capacity is kept: without one they mean nothing.
-  if (!(c.moe.capacity_factor > 0) && (c.moe.drop_policy != TokenDropPolicy::kProbs || c.moe.pad_to_capacity))
-    sink(Rule::kCapacityNeedsFactor, c.moe.pad_to_capacity ? "moe.pad_to_capacity" : "moe.drop_policy", [&] {
-      return std::string(c.moe.pad_to_capacity ? "= true" : "= \"position\"") +
-             " needs moe.capacity_factor > 0 (without it no token is dropped)";
+  if (!(c.moe.capacity_factor > 0) && c.moe.pad_to_capacity)
+    sink(Rule::kCapacityNeedsFactor, "moe.pad_to_capacity", [&] {
+      return std::string("= true needs moe.capacity_factor > 0 (without it no token is dropped)");
+    });
+  if (!(c.moe.capacity_factor > 0) && c.moe.drop_policy != TokenDropPolicy::kProbs)
+    sink(Rule::kCapacityNeedsFactor, "moe.drop_policy", [&] {
+      return std::string("= \"position\" needs moe.capacity_factor > 0 (without it no token is dropped)");
     });
   if (t.fp8 && (cl.peak_fp8_flops <= 0 || t.precision == Precision::kFp32))
     sink(Rule::kFp8NeedsHardware, "training.fp8", [&] {

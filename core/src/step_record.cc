@@ -120,8 +120,15 @@ StepRecord step_record_from_json(const Json& json, const std::string& origin) {
   r.tokens = top.integer("tokens", 0, kMaxStepCount);
   r.seconds = top.number("step_s", 0, 1e12);
   top.ignore("tokens_per_s");  // tokens over step_s, for people
-  if (const Json* counts = top.child("tokens_per_expert"))
-    read_counts(*counts, "tokens_per_expert", d, r.tokens_per_expert);
+  if (const Json* counts = top.child("tokens_per_expert");
+      counts != nullptr && read_counts(*counts, "tokens_per_expert", d, r.tokens_per_expert))
+    for (size_t l = 1; l < r.tokens_per_expert.size(); ++l)
+      if (r.tokens_per_expert[l].size() != r.tokens_per_expert.front().size()) {
+        d.error("tokens_per_expert[" + std::to_string(l) + "]",
+                "counts " + std::to_string(r.tokens_per_expert[l].size()) + " experts, layer 0 " +
+                    std::to_string(r.tokens_per_expert.front().size()));
+        break;
+      }
   if (const Json* slots = top.child("exchange_slots", true);
       slots != nullptr && read_counts(*slots, "exchange_slots", d, r.exchange_slots) && d.empty())
     check_exchange_shape(r, d);

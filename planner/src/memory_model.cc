@@ -518,4 +518,9 @@ MemoryBreakdown to_breakdown(const MemoryEstimate& m, const ClusterSpec& cluster
   return b;
 }
 
+MemoryEstimate estimate_memory_at_load(const RunConfig& config, double load) {
+  const MoeConfig moe = with_busiest_rank_load(config.model, config.moe, config.parallel.expert_parallel_degree, load);
+  return estimate_memory({config.model, config.cluster, config.parallel, moe, config.training, config.target});
+}
+
 }  // namespace moeplan::planner

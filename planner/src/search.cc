@@ -402,18 +402,15 @@ std::vector<Candidate> rank_by_routing(const ModelSpec& model, const ClusterSpec
                                        std::vector<Candidate> ranked, SearchStats& stats) {
   const RoutingProfile profile = routing_profile_from_spec(options.routing, "--routing");
   const std::vector<Diagnostic> problems =
-      routing_mismatches(profile, model.num_experts, model.experts_per_token, model.moe_layers(), "--routing");
-  if (!problems.empty()) throw InputError(options.routing, problems);
+      routing_mismatches(profile, model.num_experts, model.experts_per_token, model.moe_layers(), "");
+  if (!problems.empty()) throw InputError("--routing", problems);
   std::vector<Candidate> kept;
   for (Candidate& c : ranked) {
     const RunConfig config{model, cluster, c.parallel, options.moe, options.training, options.target};
     const sim::RoutedStep r = sim::simulate_routing(config, sim::layout_shapes(cluster, c.parallel),
                                                     c.estimate.step_time_s, profile, options.routing_draws,
                                                     static_cast<uint64_t>(options.moe.random_seed));
-    const MoeConfig tail =
-        with_busiest_rank_load(model, options.moe, c.parallel.expert_parallel_degree, r.load_p99);
-    const int64_t tail_bytes =
-        estimate_memory({model, cluster, c.parallel, tail, options.training, options.target}).device_total;
+    const int64_t tail_bytes = estimate_memory_at_load(config, r.load_p99).device_total;
     c.routed = RoutedFigures{r.median_s, r.p95_s, r.load_p99, tail_bytes, r.dropped_fraction};
     if (tail_bytes > cluster.usable_memory_bytes() && !options.ignore_memory_limits) {
       ++stats.over_device_at_tail;

@@ -18,19 +18,26 @@ constexpr double kLoadSteps = 256;  // loads are priced in 1/256ths
 RoutingDelay::RoutingDelay(const RunConfig& config, const LayoutShapes& shapes)
     : config_(config), shapes_(shapes), expert_degree_(std::max<int64_t>(1, config.parallel.expert_parallel_degree)) {
   const ParallelConfig& p = config_.parallel;
-  base_load_ = busiest_expert_rank_load(config_.model, config_.moe, expert_degree_);
+  const ModelSpec& m = config_.model;
+  base_load_ = busiest_expert_rank_load(m, config_.moe, expert_degree_);
   base_step_s_ = estimate_step(config_, shapes_).step_time_s;
-  int64_t most = 0;
-  for (int64_t s = 0; s < std::max<int64_t>(1, p.pipeline_parallel_degree); ++s) {
-    // The stage's blocks with routed experts, multi-token prediction blocks left out (the
-    // profile has the model's MoE blocks).
-    const int64_t blocks = std::min(stage_block_counts(config_.model, p, s).moe_layers,
-                                    config_.model.moe_layers() - std::accumulate(stage_moe_blocks_.begin(),
-                                                                                 stage_moe_blocks_.end(), int64_t{0}));
-    stage_moe_blocks_.push_back(std::max<int64_t>(0, blocks));
-    most = std::max(most, blocks);
+  // Each block's stage in block order: chunk v of every stage, then chunk v + 1 (Megatron's
+  // interleaved order; one chunk a stage without interleaving), each stage's blocks split
+  // evenly over its chunks.
+  const int64_t stages = std::max<int64_t>(1, p.pipeline_parallel_degree);
+  const int64_t chunks = std::max<int64_t>(1, p.virtual_pipeline_degree);
+  std::vector<int64_t> stage_of_block;
+  for (int64_t v = 0; v < chunks; ++v)
+    for (int64_t s = 0; s < stages; ++s)
+      for (int64_t b = 0; b < stage_layers(m.num_layers, p, s) / chunks; ++b) stage_of_block.push_back(s);
+  stage_of_block.resize(static_cast<size_t>(m.num_layers), stages - 1);
+  std::vector<int64_t> per_stage(static_cast<size_t>(stages), 0);
+  for (int64_t i = 0; i < m.num_layers; ++i) {
+    if (!m.moe_layer(i)) continue;
+    moe_block_stage_.push_back(stage_of_block[static_cast<size_t>(i)]);
+    ++per_stage[static_cast<size_t>(moe_block_stage_.back())];
   }
-  blocks_ = static_cast<double>(std::max<int64_t>(1, most)) *
+  blocks_ = static_cast<double>(std::max<int64_t>(1, *std::max_element(per_stage.begin(), per_stage.end()))) *
             static_cast<double>(std::max<int64_t>(1, p.gradient_accumulation_steps));
 }
 
@@ -47,15 +54,12 @@ double RoutingDelay::block_delay_s(double load) {
 }
 
 double RoutingDelay::delay_s(const StepRouting& loads) {
-  double slowest = 0;
-  size_t block = 0;
-  for (const int64_t blocks : stage_moe_blocks_) {
-    double stage = 0;
-    for (int64_t b = 0; b < blocks && block < loads.size(); ++b, ++block)
-      for (const std::vector<double>& shares : loads[block]) stage += block_delay_s(busiest_rank_load(shares, expert_degree_, config_.moe));
-    slowest = std::max(slowest, stage);
-  }
-  return slowest;
+  std::vector<double> by_stage(static_cast<size_t>(std::max<int64_t>(1, config_.parallel.pipeline_parallel_degree)), 0.0);
+  for (size_t block = 0; block < loads.size() && block < moe_block_stage_.size(); ++block)
+    for (const std::vector<double>& shares : loads[block])
+      by_stage[static_cast<size_t>(moe_block_stage_[block])] +=
+          block_delay_s(busiest_rank_load(shares, expert_degree_, config_.moe));
+  return *std::max_element(by_stage.begin(), by_stage.end());
 }
 
 RoutedStep simulate_routing(const RunConfig& config, const LayoutShapes& shapes, double base_step_s,

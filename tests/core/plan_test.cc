@@ -392,7 +392,7 @@ TEST(Plan, UnknownFieldsAtEveryLevel) {
       {"/cluster/gpu/memory_byte", "cluster.gpu.memory_byte"},
       {"/cluster/gpu/matmul_tiles", "cluster.gpu.matmul_tiles"},
       {"/model/num_expert", "model.num_expert"},
-      {"/moe/capacity_factor", "moe.capacity_factor"},
+      {"/moe/capacity", "moe.capacity"},
       {"/training/lr", "training.lr"},
       {"/prediction/memory/device_peak_bytes", "prediction.memory.device_peak_bytes"},
       {"/prediction/estimate", "prediction.estimate"},

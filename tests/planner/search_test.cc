@@ -461,7 +461,12 @@ TEST(SearchRouting, BadRoutingIsRefusedNamingTheFlag) {
     EXPECT_EQ(e.origin(), "--routing");
   }
   options.routing = "skew:8";  // the busiest of 8 experts cannot take 8 times the mean
-  EXPECT_THROW(search(model, cluster, options), InputError);
+  try {
+    search(model, cluster, options);
+    FAIL() << "skew:8 was taken for 8 experts";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.lines().front(), "--routing: = skew:8: the busiest of 8 experts takes less than 8 times the mean share");
+  }
 }
 
 }  // namespace

@@ -27,7 +27,6 @@ TEST(MoeLoad, SkewNumberGivesRankLoads) {
   EXPECT_DOUBLE_EQ(sum, 1.0);
 }
 
-// Counts 1,1,1,1,2,2,2,2: rank 1 of E = 2 holds 8 of 12 slots, 4/3 of the mean.
 // Capacity factor 1.25 over 4 experts: each computes at most 1.25 / 4 = 0.3125 of the slots.
 // Shares 0.5, 0.25, 0.15, 0.10: the first drops 0.1875; over two ranks the first computes
 // 0.3125 + 0.25 = 0.5625 of 0.5 each, 1.125 times the mean. Padded, every expert computes its
@@ -58,6 +57,7 @@ TEST(MoeLoad, CapacityBoundsWhatARankComputes) {
   EXPECT_DOUBLE_EQ(busiest_expert_rank_load(m, skew, 8), 3.0);
 }
 
+// Counts 1,1,1,1,2,2,2,2: rank 1 of E = 2 holds 8 of 12 slots, 4/3 of the mean.
 TEST(MoeLoad, CountsGiveRankLoads) {
   MoeConfig moe;
   moe.tokens_per_expert = {1, 1, 1, 1, 2, 2, 2, 2};

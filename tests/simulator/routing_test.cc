@@ -72,6 +72,13 @@ TEST(RoutedStep, TheSlowestStageSetsTheStep) {
   loads[3][1] = shares_at(2.5);  // stage 0, less than stage 1's two
   ASSERT_LT(delay.block_delay_s(2.5), stage1);
   EXPECT_DOUBLE_EQ(delay.delay_s(loads), stage1);
+
+  // Interleaved, two chunks a stage: blocks 0-7 and 16-23 on stage 0, 8-15 and 24-31 on stage
+  // 1. Blocks 20, 21 and 3 are all stage 0's now.
+  test::Scenario interleaved = c;
+  interleaved.parallel.virtual_pipeline_degree = 2;
+  RoutingDelay chunks(interleaved.config(), layout_shapes(interleaved.cluster, interleaved.parallel));
+  EXPECT_DOUBLE_EQ(chunks.delay_s(loads), 2.0 * chunks.block_delay_s(2.0) + chunks.block_delay_s(2.5));
 }
 
 // At capacity factor 1.5 a rank computes at most 1.5 times the mean: hotter micro-batches cost

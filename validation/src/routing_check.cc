@@ -49,10 +49,12 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
     const std::string at = "step " + std::to_string(s.step);
     if (s.exchange_slots.empty())
       throw InputError(origin, {{at, "has no per-micro-batch expert counts (exchange_slots)"}});
-    if (s.tokens_per_expert.size() != layers || s.tokens_per_expert.front().size() != static_cast<size_t>(plan.model.num_experts))
+    if (s.tokens_per_expert.size() != layers || layers == 0 ||
+        s.tokens_per_expert.front().size() != static_cast<size_t>(plan.model.num_experts))
       throw InputError(origin, {{at, "counts " + std::to_string(s.tokens_per_expert.size()) +
                                          " layers of experts; the plan's model has " + std::to_string(layers) + " MoE layers of " +
                                          std::to_string(plan.model.num_experts)}});
+    if (!(s.seconds > 0)) throw InputError(origin, {{at, "step_s = 0: a measured step takes time"}});
     PredictedStep p;
     p.step = s.step;
     p.measured_s = s.seconds;

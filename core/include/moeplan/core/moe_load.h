@@ -24,7 +24,8 @@ double dropped_fraction(std::span<const double> shares, const MoeConfig& moe);
 double dropped_fraction(const ModelSpec& model, const MoeConfig& moe);
 // The busiest of `expert_degree` ranks' computed slots (rank r holds experts [r n/E, (r+1) n/E))
 // over the mean rank's received slots, for one micro-batch's shares under moe's capacity.
-double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe);
+// 1 when balanced, and 1 with E = 1.
+double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe = {});
 
 // Load of expert-parallel rank `rank` (holding experts [rank n/E, (rank+1) n/E)) over the mean
 // rank load: 1 when balanced; what it computes under a capacity factor. Allocation-free, for the

@@ -8,9 +8,9 @@
 //   slots drawn from those shares (so a small micro-batch is also uneven by chance);
 // - measured: the slots each expert received in each recorded micro-batch of each MoE layer, as
 //   a run counted them.
-// A draw is seeded and the same on every machine: the generator and every distribution are
-// written here, not taken from the standard library, whose distributions differ between
-// implementations.
+// A draw is seeded: the generator and every distribution are written here, not taken from the
+// standard library, whose distributions differ between implementations (pow, exp, log and cos
+// still come from the C library).
 
 #include <cstdint>
 #include <span>
@@ -83,8 +83,5 @@ using StepRouting = std::vector<std::vector<std::vector<double>>>;
 StepRouting draw_step_routing(const RoutingProfile& profile, int64_t num_experts, int64_t moe_layers,
                               int64_t micro_batches, double slots, RoutingRng& rng);
 
-// Load of the busiest of `expert_degree` ranks (rank r holds experts [r n/E, (r+1) n/E)) over
-// the mean rank load, for one micro-batch's shares: 1 when balanced.
-double busiest_rank_load(std::span<const double> shares, int64_t expert_degree);
 
 }  // namespace moeplan

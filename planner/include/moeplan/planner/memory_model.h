@@ -91,6 +91,10 @@ StageBlockCounts busiest_stage(const ModelSpec& model, const ParallelConfig& par
 // stage holds (what Korthikanti et al. report).
 enum class StageView : uint8_t { kBusiest, kBlocksOnly };
 MemoryEstimate estimate_memory(const RunConfig& config, StageView view = StageView::kBusiest);
+// The same with the busiest expert-parallel rank carrying `load` times the mean rank's slots
+// (what routing draws reach at their tail, sim/routing.h): its dispatch buffers and expert
+// activations grow with it.
+MemoryEstimate estimate_memory_at_load(const RunConfig& config, double load);
 
 // Host memory available to one rank: the node's memory shared by its ranks.
 int64_t host_limit_bytes(const ClusterSpec& cluster, int64_t world_size);

@@ -9,7 +9,7 @@
 // forward, and the exchanges, grown with the busiest rank's slots) is the step estimate's
 // difference between L on every block and micro-batch and the plan's own load, spread over
 // them; a draw adds it for each block and micro-batch at the load it drew, summed per pipeline
-// stage (consecutive MoE blocks), the slowest stage setting the step.
+// stage (its chunks' blocks under interleaving), the slowest stage setting the step.
 
 #include <cstdint>
 #include <map>
@@ -38,7 +38,7 @@ class RoutingDelay {
   LayoutShapes shapes_;
   int64_t expert_degree_ = 1;
   double base_load_ = 1, base_step_s_ = 0, blocks_ = 1;
-  std::vector<int64_t> stage_moe_blocks_;  // MoE blocks on each pipeline stage, in order
+  std::vector<int64_t> moe_block_stage_;   // the pipeline stage of each MoE block, in block order
   std::map<int64_t, double> by_load_;      // block delay by load in 1/256ths
 };
 
