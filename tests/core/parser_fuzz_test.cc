@@ -605,7 +605,7 @@ constexpr Budget kBudget[] = {
     {Target::kCluster, 8'000, 14'000},
     {Target::kModel, 8'000, 14'000},
     {Target::kHfConfig, 6'000, 14'000},
-    {Target::kRouting, 3'000, 6'000},
+    {Target::kRouting, 1'000, 2'000},
 };
 constexpr int64_t kTokenSoups = 12'000;
 

@@ -22,6 +22,9 @@ Plan searched(const std::string& model_name, const std::string& instance, int64_
               const planner::SearchOptions::Pins& pins, Precision precision, int64_t global_batch_tokens = 0,
               LoadBalancing routing = LoadBalancing::kSinkhorn, bool ignore_memory = false) {
   planner::SearchOptions options = test::search_options(gpus);
+  // What is exported or refused is the plan's layout, pinned here; the analytic ranking picks it
+  // as the simulator would among so few, at a fraction of the time under the sanitizers.
+  options.estimator = planner::Estimator::kAnalytic;
   options.moe.load_balancing = routing;
   // SMP's bf16 = 1 reduces gradients in bf16.
   options.training.fp32_gradients = target != test::framework_rules("smp");

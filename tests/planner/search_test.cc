@@ -407,6 +407,8 @@ TEST(SearchRouting, BalancedDrawsKeepTheRanking) {
   const ModelSpec& model = test::model("mixtral-8x7b");
   const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
   SearchOptions options = test::search_options(16);
+  options.estimator = Estimator::kAnalytic;  // the draws are what is tested
+  options.routing_pool = 8;
   const SearchResult plain = search(model, cluster, options);
   options.routing = "balanced";
   const SearchResult drawn = search(model, cluster, options);
@@ -428,6 +430,8 @@ TEST(SearchRouting, SkewRanksByTheQuantileAskedFor) {
   SearchOptions options = test::search_options(64);
   options.estimator = Estimator::kAnalytic;  // the draws are what is tested; the simulator takes longer
   options.routing = "skew:1.3";
+  options.routing_pool = 12;
+  options.routing_draws = 8;
   for (RankBy by : {RankBy::kMedian, RankBy::kP95}) {
     options.rank_by = by;
     const SearchResult r = search(model, cluster, options);

@@ -180,29 +180,33 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
   if (recorder_) recorder_->write(step_);
 
-  mesh_.world.all_reduce_sum(counts);
-  // Each rank's time inside its expert group's exchanges (dispatch and combine, forward and
-  // backward): the transfers and the wait for the group's busiest rank.
-  if (mesh_.expert.size() > 1) {
-    torch::Tensor inside = torch::zeros({mesh_.layout().world_size()}, torch::kDouble);
-    for (const TraceEvent& e : clock_.events())
-      if (e.name.rfind("expert.", 0) == 0) inside[mesh_.rank()] += 1e-9 * static_cast<double>(e.duration_ns);
-    mesh_.world.all_reduce_sum(inside);
-    r.exchange_seconds.assign(inside.data_ptr<double>(), inside.data_ptr<double>() + inside.numel());
-  }
+  record_routing(r, counts);
   const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
   r.aux_loss = sums[1].item<double>() / n;
   r.z_loss = sums[2].item<double>() / n;
   r.total_loss = sums[3].item<double>() / n;
   r.tokens = static_cast<int64_t>(sums[4].item<double>());
-  r.tokens_per_expert = slot_table(counts.sum({0, 1}));
-  for (int64_t g = 0; g < groups; ++g) {
-    std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
-    for (int64_t m = 0; m < ga; ++m) group.push_back(slot_table(counts[g][m]));
-  }
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return r;
+}
+
+// The step's routing, summed over the world: the slots per expert group, micro-batch, layer and
+// expert, and each rank's time inside its expert group's exchanges (dispatch and combine,
+// forward and backward: the transfers and the wait for the group's busiest rank).
+void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
+  mesh_.world.all_reduce_sum(counts);
+  r.tokens_per_expert = slot_table(counts.sum({0, 1}));
+  for (int64_t g = 0; g < counts.size(0); ++g) {
+    std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
+    for (int64_t m = 0; m < counts.size(1); ++m) group.push_back(slot_table(counts[g][m]));
+  }
+  if (mesh_.expert.size() <= 1) return;
+  torch::Tensor inside = torch::zeros({mesh_.layout().world_size()}, torch::kDouble);
+  for (const TraceEvent& e : clock_.events())
+    if (e.name.rfind("expert.", 0) == 0) inside[mesh_.rank()] += 1e-9 * static_cast<double>(e.duration_ns);
+  mesh_.world.all_reduce_sum(inside);
+  r.exchange_seconds.assign(inside.data_ptr<double>(), inside.data_ptr<double>() + inside.numel());
 }
 
 // The micro-batches of a step through this rank's pipeline stage in the schedule's order

@@ -57,6 +57,9 @@ class ShardedTrainer final : public StepTrainer {
   // stage's counts into counts[micro-batch] and (on the last stage) the losses and tokens into
   // sums.
   void run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts, torch::Tensor& sums);
+  // Sums `counts` [expert group][micro-batch][layer][expert] over the world into the record,
+  // with each rank's time inside the expert exchanges.
+  void record_routing(StepRecord& r, torch::Tensor& counts);
 
   const Plan& plan_;
   DeviceMesh& mesh_;
