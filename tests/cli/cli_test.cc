@@ -208,7 +208,7 @@ TEST_F(Cli, DenseModelsArePlannedWithoutExpertParallelism) {
 
 // Each Hugging Face architecture moeplan reads plans from its config.json, and `check`
 // recomputes the plan's memory (the analytic estimate ranks: the simulator would only change
-// which plan wins). Search.CurrentMoeModelsPlanOnH100AndA100 plans every shipped profile.
+// which plan wins). Search.CurrentMoeModelsPlanOnH100 and OnA100 plan every shipped profile.
 TEST_F(Cli, HuggingFaceMoeConfigsPlanAndCheck) {
   Workdir dir;
   for (const auto& [config, gpus] : {std::pair<std::string, int>{"hf/deepseek-v3/config.json", 256},
