@@ -5,10 +5,10 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <numbers>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/plan.h"
 
 namespace moeplan {
 
@@ -251,9 +251,7 @@ Json routing_profile_json(const RoutingProfile& r) {
 }
 
 void write_routing_profile(const RoutingProfile& r, const std::string& path) {
-  std::ofstream out(path);
-  out << routing_profile_json(r).dump() << "\n";
-  if (!out) throw InputError(path, {{"", "could not be written"}});
+  write_file_atomic(path, routing_profile_json(r).dump() + "\n");
 }
 
 std::vector<Diagnostic> routing_mismatches(const RoutingProfile& r, int64_t num_experts, int64_t experts_per_token,
