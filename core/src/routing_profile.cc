@@ -166,6 +166,14 @@ double zipf_exponent_for_skew(double skew, int64_t n) {
   return 0.5 * (lo + hi);
 }
 
+std::vector<double> slot_shares(const std::vector<int64_t>& counts) {
+  double total = 0;
+  for (int64_t c : counts) total += static_cast<double>(c);
+  std::vector<double> shares;
+  for (int64_t c : counts) shares.push_back(total > 0 ? static_cast<double>(c) / total : 0.0);
+  return shares;
+}
+
 RoutingProfile routing_profile_from_spec(const std::string& spec, const std::string& flag) {
   RoutingProfile r;
   if (spec == "balanced") {
@@ -286,10 +294,7 @@ StepRouting draw_step_routing(const RoutingProfile& r, int64_t num_experts, int6
       const auto pick = std::min(static_cast<size_t>(rng.uniform() * static_cast<double>(r.micro_batches())),
                                  static_cast<size_t>(r.micro_batches() - 1));
       for (size_t l = 0; l < out.size(); ++l) {
-        const std::vector<int64_t>& counts = r.slots[l][pick];
-        double total = 0;
-        for (int64_t c : counts) total += static_cast<double>(c);
-        for (size_t e = 0; e < n; ++e) out[l][m][e] = static_cast<double>(counts[e]) / total;
+        out[l][m] = slot_shares(r.slots[l][pick]);
       }
     }
     return out;

@@ -47,8 +47,7 @@ int64_t layer_slots(const StepRecord& s, const std::string& origin) {
 }
 
 double busiest_of(const std::vector<int64_t>& counts, int64_t degree) {
-  std::vector<double> shares(counts.begin(), counts.end());
-  return busiest_rank_load(shares, degree);
+  return busiest_rank_load(slot_shares(counts), degree);
 }
 
 // Loads [step][micro-batch] of the layers in `layers` (each micro-batch of each group and

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "moeplan/core/fit.h"
 #include "moeplan/core/moe_load.h"

@@ -18,13 +18,7 @@ namespace {
 StepRouting group_shares(const std::vector<std::vector<std::vector<int64_t>>>& micro_batches, size_t layers) {
   StepRouting out(layers);
   for (const auto& table : micro_batches)
-    for (size_t l = 0; l < layers; ++l) {
-      double total = 0;
-      for (int64_t c : table[l]) total += static_cast<double>(c);
-      std::vector<double> shares;
-      for (int64_t c : table[l]) shares.push_back(total > 0 ? static_cast<double>(c) / total : 0.0);
-      out[l].push_back(std::move(shares));
-    }
+    for (size_t l = 0; l < layers; ++l) out[l].push_back(slot_shares(table[l]));
   return out;
 }
 

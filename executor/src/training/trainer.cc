@@ -127,7 +127,6 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
   if (replay_) replay_->start_step(step_);
-  torch::Tensor counts = torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(device_));
   const bool mixed = compute_type_ != master_type_;
   std::vector<torch::Tensor> master_grads;
   if (mixed)
@@ -168,7 +167,6 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     wait_for(device_);
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
-    counts += out.tokens_per_expert;
     per_micro_batch.push_back(out.tokens_per_expert);
     nonfinite_layers += out.nonfinite_layers;
     sums.push_back(torch::stack({terms.lm, terms.aux, terms.z, terms.total}).detach().to(torch::kDouble));
@@ -202,10 +200,10 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.z_loss = mean_losses[2].item<double>();
   r.total_loss = mean_losses[3].item<double>();
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  r.tokens_per_expert = slot_table(counts);
-  // One rank is one expert group.
-  std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
+  // One rank is one expert group; the step's counts are its micro-batches' together.
   const torch::Tensor all = torch::stack(per_micro_batch).cpu();
+  r.tokens_per_expert = slot_table(all.sum(0));
+  std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
   for (int64_t m = 0; m < all.size(0); ++m) group.push_back(slot_table(all[m]));
   return r;
 }

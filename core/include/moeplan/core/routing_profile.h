@@ -41,6 +41,9 @@ struct RoutingProfile {
   bool operator==(const RoutingProfile&) const = default;
 };
 
+// Each expert's share of a micro-batch's slot counts (all zero: all zero).
+std::vector<double> slot_shares(const std::vector<int64_t>& counts);
+
 // The profile a command-line value names: "balanced", "skew:X" (X >= 1) or a profile file.
 // A bad value is an InputError naming `flag`.
 RoutingProfile routing_profile_from_spec(const std::string& spec, const std::string& flag = "--routing");
