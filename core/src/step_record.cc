@@ -95,6 +95,7 @@ std::string to_json_line(const StepRecord& r) {
   j["tokens_per_expert"] = r.tokens_per_expert;
   if (!r.exchange_slots.empty()) j["exchange_slots"] = r.exchange_slots;
   if (!r.exchange_seconds.empty()) j["exchange_s"] = r.exchange_seconds;
+  if (!r.dropped_slots.empty()) j["dropped_slots"] = r.dropped_slots;
   if (r.skipped) {
     j["skipped"] = true;
     j["nonfinite"] = r.nonfinite;
@@ -143,6 +144,11 @@ StepRecord step_record_from_json(const Json& json, const std::string& origin) {
     }
     if (!seconds->is_array()) d.error("exchange_s", "expected a list of seconds per rank, got " + describe_json(*seconds));
   }
+  if (const Json* dropped = top.child("dropped_slots", true);
+      dropped != nullptr && read_counts(*dropped, "dropped_slots", d, r.dropped_slots) &&
+      r.dropped_slots.size() != r.tokens_per_expert.size())
+    d.error("dropped_slots", "counts " + std::to_string(r.dropped_slots.size()) + " layers, tokens_per_expert " +
+                                 std::to_string(r.tokens_per_expert.size()));
   r.skipped = top.boolean("skipped", false);
   if (r.skipped) r.nonfinite = top.string("nonfinite");
   top.finish();

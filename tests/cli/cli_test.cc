@@ -823,6 +823,24 @@ TEST_F(Cli, StepsArePredictedFromTheirMeasuredLoads) {
   EXPECT_GT(added, 0.0);
   EXPECT_NEAR(check.steps[1].predicted_s - check.balanced_s, added, 1e-9);
   EXPECT_DOUBLE_EQ(check.median_error_balanced, std::abs(check.balanced_s - 1.0));
+  EXPECT_EQ(check.predicted_dropped, -1.0);  // dropless
+
+  // At capacity factor 1 the hot micro-batches' four experts each hold 3/16 of the slots against
+  // a capacity of 1/8: a quarter of their slots go, an eighth of the two steps' (the balanced
+  // step drops none). What the run says it dropped is reported beside it; a run that does not
+  // say is refused.
+  Plan dropping = plan;
+  dropping.moe.capacity_factor = 1.0;
+  std::vector<StepRecord> dropped_steps = steps;
+  dropped_steps[0].dropped_slots.assign(static_cast<size_t>(layers), 0);
+  dropped_steps[1].dropped_slots.assign(static_cast<size_t>(layers), slots * ga / 8);
+  const validation::RoutingCheck drops = validation::predict_steps_from_routing(dropping, dropped_steps, 1, "metrics.jsonl");
+  EXPECT_NEAR(drops.predicted_dropped, 0.125, 1e-12);
+  EXPECT_NEAR(drops.measured_dropped, 0.0625, 1e-12);
+  EXPECT_NE(validation::format_routing_check(drops).find("12.50% predicted from the measured loads, 6.25% measured"),
+            std::string::npos)
+      << validation::format_routing_check(drops);
+  EXPECT_THROW(validation::predict_steps_from_routing(dropping, steps, 1, "metrics.jsonl"), InputError);
 
   // The same through the command, from the run folder's plan.json and metrics.jsonl.
   fs::create_directories(dir / "run");

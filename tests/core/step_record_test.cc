@@ -25,6 +25,7 @@ StepRecord two_micro_batches() {
   r.exchange_slots = {{{{300, 212}, {256, 256}}, {{100, 412}, {500, 12}}}};
   r.tokens_per_expert = {{400, 624}, {756, 268}};
   r.exchange_seconds = {0.125, 0.0625};
+  r.dropped_slots = {12, 0};
   return r;
 }
 
@@ -66,11 +67,18 @@ TEST(StepRecord, BadLinesNameTheField) {
   j["exchange_s"][1] = -0.5;
   EXPECT_EQ(first_problem(j), "exchange_s[1]: expected seconds (a finite number >= 0), got number -0.5");
   j = good;
+  j["dropped_slots"] = {1, 2, 3};
+  EXPECT_EQ(first_problem(j), "dropped_slots: counts 3 layers, tokens_per_expert 2");
+  j = good;
+  j["dropped_slots"][0] = -4;
+  EXPECT_EQ(first_problem(j), "dropped_slots: expected non-negative integer token counts, got number -4");
+  j = good;
   j["step_time"] = 1;
   EXPECT_EQ(first_problem(j), "step_time: unknown field");
   j = good;
   j.erase("exchange_slots");
-  EXPECT_EQ(first_problem(j), "");  // a line written before per-micro-batch counts
+  j.erase("dropped_slots");
+  EXPECT_EQ(first_problem(j), "");  // a line written before per-micro-batch counts, or dropless
 }
 
 TEST(StepRecord, AFileIsReadLineByLine) {

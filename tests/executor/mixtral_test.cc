@@ -198,6 +198,50 @@ void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
 
 TEST(Mixtral, LogitsMatchPlainReferenceInFp32) { expect_matches_reference(small_spec(), 11); }
 
+// Token dropping: each layer drops, beyond every expert's capacity, exactly the slots over it
+// (whatever the policy), a factor with room for every token changes nothing, and a dropped slot
+// adds nothing: dropping every slot is the model whose experts output zero.
+TEST(Mixtral, CapacityDropsTheSlotsOverIt) {
+  const ModelSpec s = small_spec();
+  const ParameterSet p = random_model(s, 5);
+  torch::manual_seed(3);
+  const int64_t B = 2, T = 9;
+  const torch::Tensor ids = torch::randint(s.vocab_size, {B, T}, torch::kLong);
+  const MixtralWeights w = MixtralWeights::bind(s, p.tensors());
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kNone;
+  const ForwardResult dropless = mixtral_forward(s, w, ids, moe);
+  EXPECT_EQ(dropless.dropped_slots.sum().item<int64_t>(), 0);
+  for (const TokenDropPolicy policy : {TokenDropPolicy::kProbs, TokenDropPolicy::kPosition}) {
+    moe.capacity_factor = 1.0;
+    moe.drop_policy = policy;
+    const ForwardResult out = mixtral_forward(s, w, ids, moe);
+    const int64_t capacity = expert_capacity(B * T, s.experts_per_token, s.num_experts, 1.0);
+    EXPECT_GT(out.dropped_slots.sum().item<int64_t>(), 0) << "nothing over capacity: the case tests nothing";
+    for (int64_t l = 0; l < s.num_layers; ++l) {
+      const int64_t over = (out.tokens_per_expert[l] - capacity).clamp_min(0).sum().item<int64_t>();
+      EXPECT_EQ(out.dropped_slots[l].item<int64_t>(), over) << "layer " << l;
+    }
+  }
+  moe.capacity_factor = static_cast<double>(s.num_experts);  // every expert has room for all tokens
+  EXPECT_TRUE(torch::equal(mixtral_forward(s, w, ids, moe).logits, dropless.logits));
+  // Every slot dropped (a replay that keeps none) against experts whose output is zero.
+  moe.capacity_factor = 1.0;
+  const RouteOverride keep_none = [&](int64_t, const torch::Tensor& logits) {
+    const Routing r = route(logits, s.experts_per_token, LoadBalancing::kNone);
+    return ChosenExperts{r.experts, r.experts, torch::zeros_like(r.experts, torch::kBool)};
+  };
+  const ForwardResult none_kept = mixtral_forward(s, w, ids, moe, keep_none);
+  std::vector<torch::Tensor> zeroed;
+  for (const torch::Tensor& t : p.tensors()) zeroed.push_back(t.detach().clone());
+  MixtralWeights silent = MixtralWeights::bind(s, zeroed);
+  for (LayerWeights& layer : silent.layers)
+    for (torch::Tensor& w2 : layer.w2) w2.zero_();
+  const ForwardResult zero_experts = mixtral_forward(s, silent, ids, LoadBalancing::kNone);
+  EXPECT_TRUE(torch::allclose(none_kept.logits, zero_experts.logits, 1e-6, 1e-6));
+  EXPECT_FALSE(torch::allclose(none_kept.logits, dropless.logits, 1e-3, 1e-3));
+}
+
 TEST(Mixtral, SlidingWindowMatchesReference) {
   ModelSpec s = small_spec();
   s.sliding_window = 3;

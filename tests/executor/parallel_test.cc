@@ -255,6 +255,48 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E1S1T2P2V2", 1, 1, "none", false, "alltoall", 2, 2, 2}),
     layout_name);
 
+// Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
+// exchange, as Megatron-Core does. A rank of these layouts routes one sequence per micro-batch,
+// as the one rank does, so the same slots are dropped and the layouts train the one rank's
+// dropping curve: padded in the all-to-all, unpadded in the all-gather.
+TEST_F(Parallel, DroppedSlotsAreTheOneRanksAtCapacity) {
+  constexpr int64_t kDropSteps = 8;
+  auto with_capacity = [](const std::string& path, bool pad, const std::string& name) {
+    Json plan = read_json_file(path);
+    plan["moe"]["capacity_factor"] = 1.0;
+    plan["moe"]["pad_to_capacity"] = pad;
+    return dir_->write(name, plan);
+  };
+  auto train = [&](const std::string& plan, const std::string& name) {
+    const std::string out = dir_->file(name);
+    const Command r = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + out + " --steps " +
+                                  std::to_string(kDropSteps) + " --timeout 60");
+    EXPECT_EQ(r.exit_code, 0) << show(r);
+    return read_metrics(out);
+  };
+  const std::vector<Json> one = train(with_capacity(reference_plan_, true, "plan-1-drop.json"), "drop-1");
+  ASSERT_EQ(one.size(), static_cast<size_t>(kDropSteps));
+  int64_t dropped = 0;
+  for (const Json& step : one) {
+    const StepRecord r = step_record_from_json(step, "one rank");
+    ASSERT_EQ(r.dropped_slots.size(), r.tokens_per_expert.size());
+    for (int64_t d : r.dropped_slots) dropped += d;
+  }
+  EXPECT_GT(dropped, 0) << "capacity factor 1 dropped nothing: the test no longer tests dropping";
+  for (const auto& [layout, pad] : {std::pair{Layout{"E2S2R1", 2, 2, "none", false}, true},
+                                    std::pair{Layout{"E4S1R1_allgather", 4, 1, "none", false, "allgather"}, false}}) {
+    const std::vector<Json> m =
+        train(with_capacity(plan_for(layout), pad, "plan-drop-" + layout.name + ".json"), "drop-" + layout.name);
+    ASSERT_EQ(m.size(), one.size()) << layout.name;
+    for (size_t i = 0; i < m.size(); ++i) {
+      const double a = one[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a)) << layout.name << " step " << i + 1 << ": one rank " << a << ", " << b;
+      EXPECT_EQ(m[i]["tokens_per_expert"], one[i]["tokens_per_expert"]) << layout.name << " step " << i + 1;
+      EXPECT_EQ(m[i]["dropped_slots"], one[i]["dropped_slots"]) << layout.name << " step " << i + 1;
+    }
+  }
+}
+
 // Steps `from`..`to` of a run's metrics against the one-rank reference.
 void expect_reference_losses(const std::vector<Json>& m, const std::vector<Json>& reference, size_t from, size_t to,
                              const std::string& what) {

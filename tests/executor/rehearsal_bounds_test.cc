@@ -111,7 +111,7 @@ RouteOverride replay_of(const ForwardResult& out, int64_t k, LoadBalancing metho
   return [&out, k, method](int64_t layer, const torch::Tensor&) {
     const torch::Tensor& logits = out.router_logits[static_cast<size_t>(layer)];
     return ChosenExperts{route(logits, k, method).experts,
-                         std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1))};
+                         std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1)), {}};
   };
 }
 

@@ -128,5 +128,66 @@ TEST(Routing, ChoiceCarriesNoGradientButWeightsDo) {
   EXPECT_GT(logits.grad().abs().sum().item<double>(), 0);
 }
 
+
+// Megatron-Core's get_capacity(tokens x k, experts, factor): ceil(tokens x k / experts x factor).
+TEST(Capacity, IsMegatronsGetCapacity) {
+  EXPECT_EQ(expert_capacity(2048, 2, 8, 1.0), 512);
+  EXPECT_EQ(expert_capacity(2048, 2, 8, 1.25), 640);
+  EXPECT_EQ(expert_capacity(10, 2, 8, 1.0), 3);  // 2.5 rounds up
+  EXPECT_EQ(expert_capacity(7, 1, 3, 1.5), 4);   // 3.5 rounds up
+}
+
+// Six tokens all routed to expert 0 (top-1 of two experts) with falling probability: at factor
+// 1 expert 0 keeps ceil(6 / 2) = 3 of them, the three most probable (probs) or the first three
+// (position).
+Routing six_tokens_on_expert_zero() {
+  Routing r;
+  r.experts = torch::zeros({6, 1}, torch::kLong);
+  r.weights = torch::tensor({0.6f, 0.9f, 0.7f, 0.95f, 0.55f, 0.8f}).view({6, 1});
+  return r;
+}
+
+TEST(Capacity, ProbsPolicyKeepsTheMostProbableSlots) {
+  const torch::Tensor kept = kept_slots(six_tokens_on_expert_zero(), 2, 1.0, TokenDropPolicy::kProbs);
+  EXPECT_TRUE(torch::equal(kept.flatten(), torch::tensor({false, true, false, true, false, true})));
+}
+
+TEST(Capacity, PositionPolicyKeepsTheFirstSlots) {
+  const torch::Tensor kept = kept_slots(six_tokens_on_expert_zero(), 2, 1.0, TokenDropPolicy::kPosition);
+  EXPECT_TRUE(torch::equal(kept.flatten(), torch::tensor({true, true, true, false, false, false})));
+}
+
+TEST(Capacity, DroplessAndRoomyFactorsKeepEverySlot) {
+  EXPECT_TRUE(kept_slots(six_tokens_on_expert_zero(), 2, 0, TokenDropPolicy::kProbs).all().item<bool>());
+  EXPECT_TRUE(kept_slots(six_tokens_on_expert_zero(), 2, 2.0, TokenDropPolicy::kProbs).all().item<bool>());
+}
+
+// On a skewed router every expert ends within its capacity, the slots kept are exactly those the
+// slot list carries, and each token's weights are its routed ones (not renormalised).
+TEST(Capacity, SlotListDropsToCapacityAndPads) {
+  const torch::Tensor logits = skewed_logits(400, 8);
+  const Routing r = route(logits, 2, LoadBalancing::kNone);
+  MoeConfig moe;
+  moe.capacity_factor = 1.0;
+  const int64_t capacity = expert_capacity(400, 2, 8, 1.0);
+  const SlotList s = slot_list(r, 8, moe);
+  ASSERT_TRUE(s.kept.defined());
+  EXPECT_EQ(s.dropped, 800 - s.token.size(0));
+  EXPECT_EQ(s.dropped, 800 - s.kept.sum().item<int64_t>());
+  EXPECT_GT(s.dropped, 0) << "the skewed router should overfill an expert";
+  const torch::Tensor load = torch::bincount(s.expert, {}, 8);
+  EXPECT_LE(load.max().item<int64_t>(), capacity);
+  EXPECT_TRUE(torch::equal(s.weight, r.weights.flatten().masked_select(s.kept.flatten())));
+  moe.pad_to_capacity = true;
+  const SlotList padded = slot_list(r, 8, moe);
+  EXPECT_TRUE(torch::equal(torch::bincount(padded.expert, {}, 8), torch::full({8}, capacity, torch::kLong)));
+  EXPECT_NEAR(padded.weight.sum().item<double>(), s.weight.sum().item<double>(), 1e-4);  // padding weighs 0
+  moe.capacity_factor = 0;
+  const SlotList all = slot_list(r, 8, moe);
+  EXPECT_FALSE(all.kept.defined());
+  EXPECT_EQ(all.token.size(0), 800);
+  EXPECT_EQ(all.dropped, 0);
+}
+
 }  // namespace
 }  // namespace moeplan::executor

@@ -174,13 +174,15 @@ const FrameworkRuleCase kCases[] = {
        s.moe.capacity_factor = 1.25;
      },
      "torchtitan_routing", "moe.capacity_factor", "= 1.25: torchtitan's MoE layers are dropless", "1.25"},
-    {"ExecutorCapacity",
+    {"ExecutorPadsInTheAllToAllOnly",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
        s.moe.capacity_factor = 1;
+       s.moe.pad_to_capacity = true;
+       s.moe.dispatcher = Dispatcher::kAllGather;
      },
-     "executor_trains_moe", "moe.capacity_factor",
-     "= 1: the executor trains dropless (token dropping is planned and simulated only)", "= 1"},
+     "executor_trains_moe", "moe.pad_to_capacity",
+     "= true with dispatcher \"all_gather\": the executor pads experts' input in the all-to-all exchange only", "= true"},
     {"SmpCapacity",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");

@@ -38,6 +38,8 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
   sim::RoutingDelay delay(config, sim::layout_shapes(plan.cluster, plan.parallel));
   const auto layers = static_cast<size_t>(plan.model.moe_layers());
   std::vector<double> errors, balanced_errors;
+  const bool dropping = plan.moe.capacity_factor > 0;
+  double predicted_dropped = 0, measured_dropped = 0, all_slots = 0;
   for (const StepRecord& s : steps) {
     if (s.step < from_step || s.skipped) continue;
     const std::string at = "step " + std::to_string(s.step);
@@ -56,11 +58,24 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
     for (const auto& group : s.exchange_slots) {
       const StepRouting shares = group_shares(group, layers);
       slowest = std::max(slowest, delay.delay_s(shares));
-      for (const auto& block : shares)
-        for (const auto& micro_batch : block) {
-          load_sum += busiest_rank_load(micro_batch, delay.expert_degree(), plan.moe);
+      for (size_t l = 0; l < layers; ++l)
+        for (size_t m = 0; m < shares[l].size(); ++m) {
+          load_sum += busiest_rank_load(shares[l][m], delay.expert_degree(), plan.moe);
           blocks += 1;
+          if (!dropping) continue;
+          double slots = 0;
+          for (int64_t c : group[m][l]) slots += static_cast<double>(c);
+          predicted_dropped += dropped_fraction(shares[l][m], plan.moe) * slots;
         }
+    }
+    if (dropping) {
+      if (s.dropped_slots.size() != layers)
+        throw InputError(origin, {{at, "has no dropped_slots per layer, and the plan drops at capacity factor " +
+                                           std::to_string(plan.moe.capacity_factor)}});
+      for (size_t l = 0; l < layers; ++l) {
+        measured_dropped += static_cast<double>(s.dropped_slots[l]);
+        for (int64_t c : s.tokens_per_expert[l]) all_slots += static_cast<double>(c);
+      }
     }
     p.predicted_s = out.balanced_s + slowest;
     p.busiest_load = blocks > 0 ? load_sum / blocks : 1.0;
@@ -71,6 +86,10 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
   if (out.steps.empty()) throw InputError(origin, {{"", "has no step from step " + std::to_string(from_step) + " on"}});
   out.median_error = median(errors);
   out.median_error_balanced = median(balanced_errors);
+  if (dropping && all_slots > 0) {
+    out.predicted_dropped = predicted_dropped / all_slots;
+    out.measured_dropped = measured_dropped / all_slots;
+  }
   return out;
 }
 
@@ -89,6 +108,11 @@ std::string format_routing_check(const RoutingCheck& c) {
                 "median |error| over %zu steps: %.1f%% from the measured loads, %.1f%% with balanced routing\n",
                 c.steps.size(), 100.0 * c.median_error, 100.0 * c.median_error_balanced);
   out += line;
+  if (c.measured_dropped >= 0) {
+    std::snprintf(line, sizeof line, "slots dropped at capacity: %.2f%% predicted from the measured loads, %.2f%% measured\n",
+                  100.0 * c.predicted_dropped, 100.0 * c.measured_dropped);
+    out += line;
+  }
   return out;
 }
 

@@ -268,25 +268,27 @@ torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_p
 
 namespace {
 
-torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x,
-                         LoadBalancing balancing, torch::Tensor& router_logits, torch::Tensor counts,
+torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const MoeConfig& moe,
+                         torch::Tensor& router_logits, torch::Tensor counts, torch::Tensor dropped,
                          const std::function<ChosenExperts(const torch::Tensor&)>& replay) {
   const int64_t h = x.size(-1);
   const torch::Tensor tokens = x.reshape({-1, h});
   router_logits = torch::matmul(tokens, w.router.t());
-  const Routing r = replay ? route_to(router_logits, replay(router_logits.detach()).experts)
-                           : route(router_logits, spec.experts_per_token, balancing);
-  const torch::Tensor weights = r.weights.to(x.scalar_type());
-  const torch::Tensor slots = r.experts.flatten();  // token-major: (t0, s0), (t0, s1), (t1, s0), ...
-  const torch::Tensor load = torch::bincount(slots, {}, spec.num_experts);
-  counts.copy_(load);
+  const ChosenExperts chosen = replay ? replay(router_logits.detach()) : ChosenExperts{};
+  const Routing r = replay ? route_to(router_logits, chosen.experts)
+                           : route(router_logits, spec.experts_per_token, moe.load_balancing);
+  counts.copy_(torch::bincount(r.experts.flatten(), {}, spec.num_experts));  // what the router asked for
+  const SlotList slots = slot_list(r, spec.num_experts, moe, chosen.kept);
+  dropped.fill_(slots.dropped);
+  const torch::Tensor weights = slots.weight.to(x.scalar_type());
+  const torch::Tensor load = torch::bincount(slots.expert, {}, spec.num_experts);
   // Group the token-expert slots by expert once (a stable sort keeps tokens in order), so each
   // expert reads a contiguous slice: one gather and one scatter per layer instead of one each
   // per expert.
-  const torch::Tensor order = std::get<1>(torch::sort(slots, /*stable=*/c10::optional<bool>(true), /*dim=*/0));
-  const torch::Tensor token_of = torch::div(order, spec.experts_per_token, "floor");
+  const torch::Tensor order = std::get<1>(torch::sort(slots.expert, /*stable=*/c10::optional<bool>(true), /*dim=*/0));
+  const torch::Tensor token_of = slots.token.index_select(0, order);
   const torch::Tensor gathered = tokens.index_select(0, token_of);
-  const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
+  const torch::Tensor slot_weights = weights.index_select(0, order).unsqueeze(-1);
   // The experts' row counts on the host, where the loop over experts needs them: on a GPU the
   // host waits here, with the sort and gathers above already queued.
   const torch::Tensor host_load = load.cpu();
@@ -306,6 +308,13 @@ void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& outp
 
 ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, const torch::Tensor& input_ids,
                               LoadBalancing balancing, const RouteOverride& replay) {
+  MoeConfig moe;
+  moe.load_balancing = balancing;
+  return mixtral_forward(spec, w, input_ids, moe, replay);
+}
+
+ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, const torch::Tensor& input_ids,
+                              const MoeConfig& moe, const RouteOverride& replay) {
   const int64_t t = input_ids.size(1);
   const torch::ScalarType dtype = w.embed_tokens.scalar_type();
   const Rope rope = rope_tables(spec, t, dtype, input_ids.device());
@@ -313,6 +322,7 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   ForwardResult out;
   out.tokens_per_expert =
       torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
+  out.dropped_slots = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
   out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
   torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
   for (int64_t l = 0; l < spec.num_layers; ++l) {
@@ -326,8 +336,8 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
         out.top_k.push_back(chosen.top_k);
         return chosen;
       };
-    x = x + sparse_moe(spec, layer, rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps), balancing,
-                       router_logits, out.tokens_per_expert[l], replay_layer);
+    x = x + sparse_moe(spec, layer, rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps), moe, router_logits,
+                       out.tokens_per_expert[l], out.dropped_slots[l], replay_layer);
     out.router_logits.push_back(router_logits);
     note_nonfinite(out, l, x);
   }

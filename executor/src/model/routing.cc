@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cmath>
 #include <numeric>
 
 namespace moeplan::executor {
@@ -128,6 +129,56 @@ Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& expert
   r.weights = torch::gather(probs, 1, experts);
   r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
   return r;
+}
+
+int64_t expert_capacity(int64_t tokens, int64_t k, int64_t experts, double capacity_factor) {
+  return static_cast<int64_t>(
+      std::ceil(static_cast<double>(tokens * k) / static_cast<double>(experts) * capacity_factor));
+}
+
+torch::Tensor kept_slots(const Routing& r, int64_t experts, double capacity_factor, TokenDropPolicy policy) {
+  torch::NoGradGuard no_grad;
+  const int64_t tokens = r.experts.size(0), k = r.experts.size(1);
+  const int64_t capacity = expert_capacity(tokens, k, experts, capacity_factor);
+  if (!(capacity_factor > 0) || capacity >= tokens) return torch::ones_like(r.experts, torch::kBool);
+  // [tokens, experts]: the weight of each routed pair (probs) or 1 (position), 0 elsewhere.
+  const torch::Tensor routed = torch::zeros({tokens, experts}, r.weights.options().dtype(torch::kFloat))
+                                   .scatter_(1, r.experts, 1.0);
+  torch::Tensor keep;
+  if (policy == TokenDropPolicy::kProbs) {
+    const torch::Tensor gates = torch::zeros_like(routed).scatter_(1, r.experts, r.weights.detach().to(torch::kFloat));
+    const torch::Tensor best = std::get<1>(torch::topk(gates, capacity, /*dim=*/0));  // [capacity, experts]
+    keep = torch::zeros_like(routed).scatter_(0, best, 1.0) * routed;
+  } else {
+    keep = routed * (routed.cumsum(0) <= static_cast<double>(capacity)).to(routed.scalar_type());
+  }
+  return torch::gather(keep, 1, r.experts) > 0;
+}
+
+SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, const torch::Tensor& kept_given) {
+  const int64_t tokens = r.experts.size(0), k = r.experts.size(1);
+  const torch::Tensor all = torch::arange(tokens * k, torch::dtype(torch::kLong).device(r.experts.device()));
+  SlotList s{torch::div(all, k, "floor"), r.experts.flatten(), r.weights.flatten(), {}};
+  if (!(moe.capacity_factor > 0)) return s;
+  s.kept = kept_given.defined() ? kept_given : kept_slots(r, experts, moe.capacity_factor, moe.drop_policy);
+  const torch::Tensor kept = torch::nonzero(s.kept.flatten()).flatten();
+  s.dropped = tokens * k - kept.size(0);
+  s.token = s.token.index_select(0, kept);
+  s.expert = s.expert.index_select(0, kept);
+  s.weight = s.weight.index_select(0, kept);
+  if (!moe.pad_to_capacity) return s;
+  const int64_t capacity = expert_capacity(tokens, k, experts, moe.capacity_factor);
+  const torch::Tensor load = torch::bincount(s.expert, {}, experts).cpu();
+  std::vector<int64_t> pad_expert;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t i = load[e].item<int64_t>(); i < capacity; ++i) pad_expert.push_back(e);
+  if (pad_expert.empty()) return s;
+  const auto n = static_cast<int64_t>(pad_expert.size());
+  const torch::Tensor pad = torch::tensor(pad_expert, torch::kLong).to(r.experts.device());
+  s.token = torch::cat({s.token, torch::zeros({n}, s.token.options())});
+  s.expert = torch::cat({s.expert, pad});
+  s.weight = torch::cat({s.weight, torch::zeros({n}, s.weight.options())});
+  return s;
 }
 
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,

@@ -36,7 +36,7 @@ int64_t slots_unlike(const torch::Tensor& a, const torch::Tensor& b, int64_t exp
 }  // namespace
 
 void RoutingRecorder::add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits,
-                          const torch::Tensor& experts) {
+                          const torch::Tensor& experts, const torch::Tensor& kept) {
   torch::NoGradGuard no_grad;
   Entry e;
   e.micro_batch = micro_batch;
@@ -49,6 +49,10 @@ void RoutingRecorder::add(int64_t micro_batch, int64_t layer, const torch::Tenso
   const torch::Tensor chosen = experts.to(torch::kCPU, torch::kLong).contiguous();
   const int64_t* c = chosen.data_ptr<int64_t>();
   for (int64_t i = 0; i < chosen.numel(); ++i) e.chosen.push_back(static_cast<uint8_t>(c[i]));
+  if (kept.defined()) {
+    const torch::Tensor k = kept.to(torch::kCPU, torch::kByte).contiguous();
+    e.kept.assign(k.data_ptr<uint8_t>(), k.data_ptr<uint8_t>() + k.numel());
+  }
   entries_.push_back(std::move(e));
 }
 
@@ -62,6 +66,8 @@ void RoutingRecorder::write(int64_t step) {
                          torch::from_blob(e.logits.data(), {e.tokens, e.experts}, torch::kFloat));
     tensors.emplace_back(key(e.micro_batch, e.layer, "experts"),
                          torch::from_blob(e.chosen.data(), {e.tokens, e.k}, torch::kByte));
+    if (!e.kept.empty())
+      tensors.emplace_back(key(e.micro_batch, e.layer, "kept"), torch::from_blob(e.kept.data(), {e.tokens, e.k}, torch::kByte));
   }
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank_));
@@ -96,9 +102,11 @@ void RoutingReplay::start_step(int64_t step) {
       long long micro = -1, layer = -1;
       char what[16] = {};
       if (std::sscanf(name.c_str(), "m%lld/l%lld/%15s", &micro, &layer, what) != 3)
-        throw InputError(file, {{name, "is not a routing record's tensor (m<micro-batch>/l<layer>/logits or experts)"}});
-      auto& slot = record_[{micro, layer}];
-      (std::string(what) == "logits" ? slot.first : slot.second) = tensor;
+        throw InputError(file,
+                         {{name, "is not a routing record's tensor (m<micro-batch>/l<layer>/logits, experts or kept)"}});
+      Recorded& slot = record_[{micro, layer}];
+      const std::string kind = what;
+      (kind == "logits" ? slot.logits : kind == "experts" ? slot.experts : slot.kept) = tensor;
     }
   current_ = ReplayedStep{};
   current_.step = step;
@@ -116,14 +124,15 @@ ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const to
   const torch::Tensor own = route(logits, k, method_).experts;
   current_.slots += own.numel();
   const auto it = record_.find({micro_batch, layer});
-  if (it == record_.end() || !it->second.first.defined() || !it->second.second.defined() ||
-      it->second.first.sizes() != logits.sizes() || it->second.second.size(0) != logits.size(0) ||
-      it->second.second.size(1) != k) {
+  if (it == record_.end() || !it->second.logits.defined() || !it->second.experts.defined() ||
+      it->second.logits.sizes() != logits.sizes() || it->second.experts.size(0) != logits.size(0) ||
+      it->second.experts.size(1) != k || (it->second.kept.defined() && it->second.kept.sizes() != it->second.experts.sizes())) {
     ++current_.unrecorded;
-    return {own, std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1))};
+    return {own, std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1)), {}};
   }
-  const torch::Tensor recorded_logits = it->second.first.to(logits.scalar_type());
-  const torch::Tensor chosen = it->second.second.to(torch::kLong);
+  const torch::Tensor recorded_logits = it->second.logits.to(logits.scalar_type());
+  const torch::Tensor chosen = it->second.experts.to(torch::kLong);
+  const torch::Tensor kept = it->second.kept.defined() ? (it->second.kept != 0).to(logits.device()) : torch::Tensor();
   // The layout routes as the plan says: its choice is route() of its own logits, exactly.
   current_.unlike_route += slots_unlike(chosen, route(recorded_logits, k, method_).experts, experts);
   current_.near_ties += slots_unlike(chosen, own, experts);
@@ -136,7 +145,7 @@ ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const to
   }
   // The load-balancing loss counts the k largest probabilities of the layout's logits, as the
   // layout's own loss did.
-  return {chosen, std::get<1>(torch::topk(torch::softmax(recorded_logits, -1, torch::kFloat), k, -1))};
+  return {chosen, std::get<1>(torch::topk(torch::softmax(recorded_logits, -1, torch::kFloat), k, -1)), kept};
 }
 
 void RoutingReplay::finish_step() {

@@ -305,6 +305,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
   ForwardResult out;
   out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
+  out.dropped_slots = torch::zeros({spec.num_layers}, torch::kLong);
   out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::kLong);
   torch::Tensor x;
   // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
@@ -342,7 +343,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
 torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed) {
   const ModelSpec& spec = plan_.model;
   const size_t dense_unit = static_cast<size_t>(1 + 2 * l), expert_unit = dense_unit + 1;
-  torch::Tensor counts = out.tokens_per_expert[l];
+  torch::Tensor counts = out.tokens_per_expert[l], dropped = out.dropped_slots[l];
   // This block's units were started by the one before; the next block's move while it computes.
   prefetch_block(l + 1);
   switch (plan_.parallel.activation_checkpointing) {
@@ -358,6 +359,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
               router_logits, shuffle_seed);
       out.router_logits.push_back(router_logits);
       counts.copy_(tokens_per_expert_);
+      dropped.fill_(dropped_slots_);
       const torch::Tensor y = h + scatter_sequence(moe_out);
       release(dense);
       release(experts);
@@ -370,12 +372,15 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
                                       rope_, mask_));
-      BlockFn fn = [this, l, expert_unit, counts, shuffle_seed](const std::vector<torch::Tensor>& in, bool recompute) {
+      BlockFn fn = [this, l, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in, bool recompute) {
         const Gathered experts = gather(expert_unit);
         torch::Tensor router_logits;
         const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps)), in[2],
                                           experts, !recompute, router_logits, shuffle_seed);
-        if (!recompute) counts.copy_(tokens_per_expert_);
+        if (!recompute) {
+          counts.copy_(tokens_per_expert_);
+          dropped.fill_(dropped_slots_);
+        }
         return std::vector<torch::Tensor>{in[0] + scatter_sequence(moe_out), router_logits};
       };
       const std::vector<torch::Tensor> outs = checkpoint(fn, {h, w.post_attention_norm, w.router}, l);
@@ -384,7 +389,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       return regather_in_backward(outs[0], {dense});
     }
     case Checkpointing::kFull: {
-      BlockFn fn = [this, l, dense_unit, expert_unit, counts, shuffle_seed](const std::vector<torch::Tensor>& in,
+      BlockFn fn = [this, l, dense_unit, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in,
                                                                             bool recompute) {
         const ModelSpec& spec = plan_.model;
         const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
@@ -396,7 +401,10 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
         torch::Tensor router_logits;
         const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)),
                                           w.router, experts, !recompute, router_logits, shuffle_seed);
-        if (!recompute) counts.copy_(tokens_per_expert_);
+        if (!recompute) {
+          counts.copy_(tokens_per_expert_);
+          dropped.fill_(dropped_slots_);
+        }
         return std::vector<torch::Tensor>{h + scatter_sequence(moe_out), router_logits};
       };
       const std::vector<torch::Tensor> outs = checkpoint(fn, {x}, l);
@@ -518,17 +526,26 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
   }
   router_logits = torch::matmul(tokens, router.t());
   const Routing r = route(router_logits, spec.experts_per_token, moe.load_balancing);
-  if (count) tokens_per_expert_ = torch::bincount(r.experts.flatten(), {}, spec.num_experts);
-  if (count && recorder_ && tp_rank_ == 0) recorder_->add(micro_batch_, layer, router_logits, r.experts);
+  // Each rank drops at its own tokens' capacity, before the exchange (Megatron-Core's).
+  SlotList slots = slot_list(r, spec.num_experts, moe);
+  if (count) {
+    tokens_per_expert_ = torch::bincount(r.experts.flatten(), {}, spec.num_experts);
+    dropped_slots_ = slots.dropped;
+  }
+  if (count && recorder_ && tp_rank_ == 0) recorder_->add(micro_batch_, layer, router_logits, r.experts, slots.kept);
   torch::Tensor sent_to = r.experts;
   if (fault_ == RehearsalFault::kExpertOnWrongRank && experts_per_rank_ < spec.num_experts) {
     // The planted fault: expert 0 and the second expert rank's first expert trade places.
     const int64_t other = experts_per_rank_;
-    sent_to = r.experts.masked_fill(r.experts == 0, other).masked_fill_(r.experts == other, 0);
+    auto swapped = [other](const torch::Tensor& e) { return e.masked_fill(e == 0, other).masked_fill_(e == other, 0); };
+    sent_to = swapped(r.experts);
+    slots.expert = swapped(slots.expert);
   }
-  const torch::Tensor weights = r.weights.to(tokens.scalar_type());
-  torch::Tensor out = moe.dispatcher == Dispatcher::kAllGather ? dispatch_all_gather(tokens, sent_to, weights, experts)
-                                                               : dispatch_all_to_all(tokens, sent_to, weights, experts);
+  // The all-gather dispatcher sends every slot's expert; a dropped one goes to none (-1).
+  if (slots.kept.defined()) sent_to = sent_to.masked_fill(slots.kept.logical_not(), -1);
+  torch::Tensor out = moe.dispatcher == Dispatcher::kAllGather
+                          ? dispatch_all_gather(tokens, sent_to, r.weights.to(tokens.scalar_type()), experts)
+                          : dispatch_all_to_all(tokens, slots, experts);
   if (shuffle)
     out = all_to_all_autograd(group, out.index_select(0, s.arrival), s.recv_rows, s.send_rows).index_select(0, s.send_inv);
   return out.view(x.sizes());
@@ -543,15 +560,14 @@ torch::Tensor ShardedModel::local_experts(const torch::Tensor& rows, const std::
   });
 }
 
-torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, const torch::Tensor& experts,
-                                                const torch::Tensor& weights, const Gathered& local) {
-  const int64_t k = plan_.model.experts_per_token, num_experts = plan_.model.num_experts;
-  const torch::Tensor slots = experts.flatten();
-  const torch::Tensor order = std::get<1>(torch::sort(slots, c10::optional<bool>(true), 0));
-  const torch::Tensor token_of = torch::div(order, k, "floor");
-  const torch::Tensor load = torch::bincount(slots, {}, num_experts);  // slots per expert, from this rank
-  const torch::Tensor sorted = tokens.index_select(0, token_of);        // grouped by expert
-  const torch::Tensor slot_weights = weights.flatten().index_select(0, order).unsqueeze(-1);
+torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, const SlotList& slots,
+                                                const Gathered& local) {
+  const int64_t num_experts = plan_.model.num_experts;
+  const torch::Tensor order = std::get<1>(torch::sort(slots.expert, c10::optional<bool>(true), 0));
+  const torch::Tensor token_of = slots.token.index_select(0, order);
+  const torch::Tensor load = torch::bincount(slots.expert, {}, num_experts);  // slots per expert, from this rank
+  const torch::Tensor sorted = tokens.index_select(0, token_of);               // grouped by expert
+  const torch::Tensor slot_weights = slots.weight.to(tokens.scalar_type()).index_select(0, order).unsqueeze(-1);
   Communicator& group = mesh_.expert;
   const int64_t ranks = group.size(), n = experts_per_rank_, first = first_expert_;
   torch::Tensor y;

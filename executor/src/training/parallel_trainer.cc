@@ -102,6 +102,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   torch::Tensor mine = counts[mesh_.coords().r * mesh_.shard.size() + mesh_.coords().s];
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
   nonfinite_layers_ = torch::zeros({spec.num_layers}, torch::kLong);
+  dropped_slots_ = torch::zeros({spec.num_layers}, torch::kLong);
   if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, mine, sums);
   for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
@@ -121,6 +122,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     nonfinite_layers_ += out.nonfinite_layers;
     if (!counts_data) continue;
     mine[m] += out.tokens_per_expert;
+    dropped_slots_ += out.dropped_slots;
     sums[0] += terms.lm.item<double>();
     sums[1] += terms.aux.item<double>();
     sums[2] += terms.z.item<double>();
@@ -192,7 +194,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
 }
 
 // The step's routing, summed over the world: the slots per expert group, micro-batch, layer and
-// expert, and each rank's time inside its expert group's exchanges (dispatch and combine,
+// expert, the slots dropped at capacity per layer, and each rank's time inside its expert group's exchanges (dispatch and combine,
 // forward and backward: the transfers and the wait for the group's busiest rank).
 void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
   mesh_.world.all_reduce_sum(counts);
@@ -200,6 +202,10 @@ void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
   for (int64_t g = 0; g < counts.size(0); ++g) {
     std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
     for (int64_t m = 0; m < counts.size(1); ++m) group.push_back(slot_table(counts[g][m]));
+  }
+  if (plan_.moe.capacity_factor > 0) {
+    mesh_.world.all_reduce_sum(dropped_slots_);
+    r.dropped_slots.assign(dropped_slots_.data_ptr<int64_t>(), dropped_slots_.data_ptr<int64_t>() + dropped_slots_.numel());
   }
   if (mesh_.expert.size() <= 1) return;
   torch::Tensor inside = torch::zeros({mesh_.layout().world_size()}, torch::kDouble);
@@ -299,7 +305,10 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
       router += router_loss_sums(out.router_logits, k, experts);
-      if (counts_data) counts[a.micro_batch] += out.tokens_per_expert;
+      if (counts_data) {
+        counts[a.micro_batch] += out.tokens_per_expert;
+        dropped_slots_ += out.dropped_slots;
+      }
       nonfinite_layers_ += out.nonfinite_layers;
       if (stage + 1 < stages) {
         f.output = out.hidden;

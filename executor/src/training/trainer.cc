@@ -147,11 +147,12 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   const MixtralWeights weights = MixtralWeights::bind(spec, compute);
   int64_t micro_batch = 0;
   std::vector<torch::Tensor> per_micro_batch;  // tokens_per_expert of each, read once at the end
+  torch::Tensor dropped = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(device_));
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();
-    ForwardResult out = mixtral_forward(spec, weights, ids, plan_.moe.load_balancing,
-                                        replay_ ? replay_->micro_batch(micro_batch++) : RouteOverride{});
+    ForwardResult out =
+        mixtral_forward(spec, weights, ids, plan_.moe, replay_ ? replay_->micro_batch(micro_batch++) : RouteOverride{});
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     wait_for(device_);  // the spans are of the device's work
@@ -168,6 +169,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
     per_micro_batch.push_back(out.tokens_per_expert);
+    dropped += out.dropped_slots;
     nonfinite_layers += out.nonfinite_layers;
     sums.push_back(torch::stack({terms.lm, terms.aux, terms.z, terms.total}).detach().to(torch::kDouble));
     r.tokens += ids.numel();
@@ -205,6 +207,10 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.tokens_per_expert = slot_table(all.sum(0));
   std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
   for (int64_t m = 0; m < all.size(0); ++m) group.push_back(slot_table(all[m]));
+  if (plan_.moe.capacity_factor > 0) {
+    const torch::Tensor host = dropped.cpu();
+    r.dropped_slots.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  }
   return r;
 }
 

@@ -47,10 +47,10 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= " + rule_number(m.shared_expert_intermediate_size) +
              ": the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)";
     });
-  if (c.moe.capacity_factor > 0)
-    sink(kTrainsMoe, "moe.capacity_factor", [&] {
-      return "= " + rule_number(c.moe.capacity_factor) +
-             ": the executor trains dropless (token dropping is planned and simulated only)";
+  // The executor drops at capacity with either dispatcher; it pads in the all-to-all only.
+  if (c.moe.capacity_factor > 0 && c.moe.pad_to_capacity && c.moe.dispatcher == Dispatcher::kAllGather)
+    sink(kTrainsMoe, "moe.pad_to_capacity", [&] {
+      return std::string("= true with dispatcher \"all_gather\": the executor pads experts' input in the all-to-all exchange only");
     });
   if (m.qk_norm)
     sink(kTrainsMoe, "model.qk_norm",

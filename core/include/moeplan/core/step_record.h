@@ -31,6 +31,9 @@ struct StepRecord {
   // Each rank's seconds inside its expert group's exchanges in the step (dispatch and combine,
   // forward and backward, the wait for the group's busiest rank included); empty without E > 1.
   std::vector<double> exchange_seconds;
+  // Per layer, the slots of tokens_per_expert that an expert's capacity dropped (summed over the
+  // step's micro-batches and ranks); empty when the plan is dropless.
+  std::vector<int64_t> dropped_slots;
   // A NaN or an Inf in the loss or the gradients: the update was not applied (the step's data
   // is consumed and the schedule moves on, as Megatron-LM skips such iterations), and where
   // it began.

@@ -26,6 +26,10 @@ struct RoutingCheck {
   std::vector<PredictedStep> steps;
   // Median |error| of the steps' predictions, with and without the measured loads.
   double median_error = 0, median_error_balanced = 0;
+  // Under a capacity factor, the share of the steps' slots dropped: predicted from each expert
+  // group's measured micro-batch loads at the plan's capacity (core/moe_load.h), and what the
+  // run dropped (its dropped_slots); both -1 when the plan is dropless.
+  double predicted_dropped = -1, measured_dropped = -1;
 };
 
 // The steps from `from_step` on (not the skipped ones). An InputError at `origin` when a step has

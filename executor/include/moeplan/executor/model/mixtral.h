@@ -98,6 +98,7 @@ struct ForwardResult {
   torch::Tensor logits;                      // [B, T, vocab], fp32 as in Hugging Face
   std::vector<torch::Tensor> router_logits;  // per layer [B*T, num_experts], compute dtype
   torch::Tensor tokens_per_expert;           // [layers, num_experts] int64: token-expert slots
+  torch::Tensor dropped_slots;               // [layers] int64: of those, the ones dropped at capacity
   torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
   // Per layer, when the routing was replayed (RouteOverride): the top-k slots the load-balancing
   // loss counts.
@@ -114,7 +115,12 @@ std::vector<std::vector<int64_t>> slot_table(const torch::Tensor& counts);
 void note_nonfinite(ForwardResult& out, int64_t layer, const torch::Tensor& output);
 
 // With `replay`, each layer sends its tokens to the experts it returns instead of its own
-// choice (a rehearsal's reference, routing_record.h).
+// choice (a rehearsal's reference, routing_record.h), and keeps the slots it says were kept.
+// moe's load balancing routes, and its capacity factor drops (routing.h: slot_list).
+ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weights,
+                              const torch::Tensor& input_ids, const MoeConfig& moe,
+                              const RouteOverride& replay = {});
+// Dropless, routed by `balancing`.
 ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weights,
                               const torch::Tensor& input_ids, LoadBalancing balancing,
                               const RouteOverride& replay = {});

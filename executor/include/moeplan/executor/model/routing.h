@@ -33,6 +33,7 @@ Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing metho
 struct ChosenExperts {
   torch::Tensor experts;
   torch::Tensor top_k;
+  torch::Tensor kept;  // [tokens, k] bool: the slots the layout's capacity kept; undefined when dropless
 };
 using RouteOverride = std::function<ChosenExperts(int64_t layer, const torch::Tensor& router_logits)>;
 
@@ -40,6 +41,29 @@ using RouteOverride = std::function<ChosenExperts(int64_t layer, const torch::Te
 // choice: the softmax probabilities of those experts, renormalised (the same values, bit for
 // bit, when the choice is route()'s).
 Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts);
+
+// Token dropping (Megatron-Core's --moe-expert-capacity-factor). An expert's capacity is
+// get_capacity(tokens x k, experts, factor) = ceil(tokens x k / experts x factor), counted over
+// the tokens one rank routes, before they are exchanged, as Megatron-Core counts it.
+int64_t expert_capacity(int64_t tokens, int64_t k, int64_t experts, double capacity_factor);
+
+// The slots [tokens, k] (bool) their experts keep when each takes at most its capacity: those of
+// the largest routing weight (drop policy probs) or the first tokens (position). Every slot when
+// capacity_factor is 0. A dropped slot adds nothing to its token's output; the weights of the
+// slots kept are not renormalised (Megatron-Core's).
+torch::Tensor kept_slots(const Routing& r, int64_t experts, double capacity_factor, TokenDropPolicy policy);
+
+// The token-expert pairs an MoE layer computes, flat: the token, the expert and the weight of
+// each. Without padding, the slots kept in token-major order; with pad_to_capacity, then each
+// expert's empty places up to its capacity, filled with token 0 at weight 0 (computed and
+// discarded, as Megatron-Core's padded dispatch computes them). `kept`, when given, is the
+// choice of kept_slots() made elsewhere (a replayed layout's).
+struct SlotList {
+  torch::Tensor token, expert, weight;  // [S] int64, int64, the weights' type
+  torch::Tensor kept;                   // [tokens, k] bool; undefined when dropless
+  int64_t dropped = 0;                  // slots the capacity dropped
+};
+SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, const torch::Tensor& kept = {});
 
 // Megatron's sinkhorn(): exp(logits), then alternate row and column normalisation until the
 // column scalings move by less than tol of their mean (at most max_iterations rounds).

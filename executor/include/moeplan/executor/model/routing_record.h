@@ -28,10 +28,13 @@ namespace moeplan::executor {
 class RoutingRecorder {
  public:
   RoutingRecorder(std::string dir, int64_t rank) : dir_(std::move(dir)), rank_(rank) {}
-  // One layer of one micro-batch: logits [tokens, experts], experts [tokens, k].
-  void add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits, const torch::Tensor& experts);
+  // One layer of one micro-batch: logits [tokens, experts], experts [tokens, k], and which of
+  // those slots the capacity kept (bool [tokens, k]; undefined when dropless).
+  void add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits, const torch::Tensor& experts,
+           const torch::Tensor& kept = {});
   // Writes the step's record, <dir>/step-<8 digits>/rank-<5 digits>.safetensors (logits F32,
-  // experts U8, named "m<micro-batch>/l<layer>/logits" and ".../experts"), and starts the next.
+  // experts U8 and, when tokens were dropped, kept U8, named "m<micro-batch>/l<layer>/logits",
+  // ".../experts" and ".../kept"), and starts the next.
   void write(int64_t step);
 
  private:
@@ -41,6 +44,7 @@ class RoutingRecorder {
     int64_t micro_batch = 0, layer = 0, tokens = 0, experts = 0, k = 0;
     std::vector<float> logits;
     std::vector<uint8_t> chosen;
+    std::vector<uint8_t> kept;  // empty when dropless
   };
   std::string dir_;
   int64_t rank_ = 0;
@@ -81,7 +85,10 @@ class RoutingReplay {
   std::string dir_, findings_path_;
   ModelSpec spec_;
   LoadBalancing method_;
-  std::map<std::pair<int64_t, int64_t>, std::pair<torch::Tensor, torch::Tensor>> record_;  // logits, experts
+  struct Recorded {
+    torch::Tensor logits, experts, kept;  // kept: undefined when dropless
+  };
+  std::map<std::pair<int64_t, int64_t>, Recorded> record_;
   ReplayedStep current_;
   std::vector<ReplayedStep> done_;
 };

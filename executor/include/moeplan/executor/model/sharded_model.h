@@ -137,8 +137,7 @@ class ShardedModel {
   torch::Tensor block(int64_t layer, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed);
   torch::Tensor moe(int64_t layer, const torch::Tensor& x, const torch::Tensor& router, const Gathered& experts,
                     bool count, torch::Tensor& router_logits, uint64_t shuffle_seed);
-  torch::Tensor dispatch_all_to_all(const torch::Tensor& tokens, const torch::Tensor& experts,
-                                    const torch::Tensor& weights, const Gathered& local);
+  torch::Tensor dispatch_all_to_all(const torch::Tensor& tokens, const SlotList& slots, const Gathered& local);
   torch::Tensor dispatch_all_gather(const torch::Tensor& tokens, const torch::Tensor& experts,
                                     const torch::Tensor& weights, const Gathered& local);
   torch::Tensor local_experts(const torch::Tensor& rows, const std::vector<int64_t>& rows_per_expert,
@@ -168,6 +167,7 @@ class ShardedModel {
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
   torch::Tensor tokens_per_expert_;  // of the forward in progress
+  int64_t dropped_slots_ = 0;        // of those, dropped at capacity
   int64_t busiest_expert_rows_ = 0;
   std::map<size_t, Communicator::PendingGather> prefetched_;  // by unit
   RoutingRecorder* recorder_ = nullptr;

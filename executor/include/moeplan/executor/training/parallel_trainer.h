@@ -70,6 +70,7 @@ class ShardedTrainer final : public StepTrainer {
   std::unique_ptr<RoutingRecorder> recorder_;
   RehearsalFault fault_ = RehearsalFault::kNone;
   torch::Tensor nonfinite_layers_;  // this step's, over its micro-batches (mixtral.h)
+  torch::Tensor dropped_slots_;     // [layers]: this step's slots dropped at capacity, this rank's
 };
 
 }  // namespace moeplan::executor
