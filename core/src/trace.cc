@@ -45,6 +45,7 @@ Json to_json(const Trace& trace) {
     args["duration_ns"] = e.duration_ns;
     if (e.flops > 0) args["flops"] = e.flops;
     if (e.bytes > 0) args["bytes"] = e.bytes;
+    if (e.group >= 0) args["group"] = e.group;
     j["args"] = args;
     events.push_back(std::move(j));
   }
@@ -134,6 +135,7 @@ Trace trace_from_json(const Json& json, const std::string& origin) {
           ev.duration_ns = args->integer("duration_ns", 0, int64_t{1} << 60, ev.duration_ns);
           ev.flops = args->number("flops", 0.0, 1e30, 0.0);
           ev.bytes = args->number("bytes", 0.0, 1e30, 0.0);
+          ev.group = args->integer("group", -1, int64_t{1} << 24, -1);
           args->finish();
         }
         e.finish();
@@ -184,6 +186,7 @@ struct RawEvent {
   std::optional<int64_t> pid, tid;
   std::optional<int64_t> start_ns, duration_ns, time_ns;
   std::optional<double> flops, bytes;
+  std::optional<int64_t> group;
   bool has_args = false;
   std::vector<std::pair<std::string, std::string>> problems;  // field, message
   void clear() { *this = RawEvent{}; }
@@ -437,6 +440,7 @@ class TraceSax final : public nlohmann::json_sax<SaxJson> {
     else if (key_ == "time_ns") take(event_.time_ns, as_integer(s), path, "an integer", s);
     else if (key_ == "flops") take(event_.flops, as_number(s), path, "a number", s);
     else if (key_ == "bytes") take(event_.bytes, as_number(s), path, "a number", s);
+    else if (key_ == "group") take(event_.group, as_integer(s), path, "an integer", s);
     else event_problem(path, "unknown field");
   }
 
@@ -476,7 +480,7 @@ class TraceSax final : public nlohmann::json_sax<SaxJson> {
       if (!e.has_args) error(event_path() + ".args", "missing");
       ok = in_range(e.bytes, "args.bytes", 0.0, 1e30, e.has_args) && ok;
       if (e.time_ns) ok = in_range(e.time_ns, "args.time_ns", int64_t{0}, kMaxNs, false) && ok;
-      if (e.dur || e.cat || e.tid || e.flops || e.start_ns || e.duration_ns)
+      if (e.dur || e.cat || e.tid || e.flops || e.start_ns || e.duration_ns || e.group)
         error(event_path(), "a memory counter has only name, ph, ts, pid and args.bytes");
       if (!ok || !e.has_args) return;
       MemorySample m;
@@ -497,6 +501,7 @@ class TraceSax final : public nlohmann::json_sax<SaxJson> {
     if (e.duration_ns) ok = in_range(e.duration_ns, "args.duration_ns", int64_t{0}, kMaxNs, false) && ok;
     if (e.flops) ok = in_range(e.flops, "args.flops", 0.0, 1e30, false) && ok;
     if (e.bytes) ok = in_range(e.bytes, "args.bytes", 0.0, 1e30, false) && ok;
+    if (e.group) ok = in_range(e.group, "args.group", int64_t{0}, kMaxRank, false) && ok;
     if (e.time_ns) {
       error(event_path() + ".args.time_ns", "unknown field");
       ok = false;
@@ -511,6 +516,7 @@ class TraceSax final : public nlohmann::json_sax<SaxJson> {
     ev.duration_ns = e.duration_ns ? *e.duration_ns : std::llround(*e.dur * 1000.0);
     ev.flops = e.flops.value_or(0.0);
     ev.bytes = e.bytes.value_or(0.0);
+    ev.group = e.group.value_or(-1);
     trace_.ranks = std::max(trace_.ranks, ev.rank + 1);
     trace_.events.push_back(std::move(ev));
   }

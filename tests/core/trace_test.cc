@@ -22,6 +22,7 @@ Trace measured_step() {
     const int64_t skew = r * 1000;
     t.events.push_back(op("forward", "compute", r, TraceStream::kCompute, 0 + skew, 100'000));
     t.events.push_back(op("dense.all_gather", "all_gather", r, TraceStream::kShardGather, 10'000 + skew, 5'000));
+    t.events.back().group = 0;  // both ranks' shard group
     t.events.push_back(op("backward", "compute", r, TraceStream::kCompute, 100'000 + skew, 200'000));
     t.events.push_back(op("forward", "compute", r, TraceStream::kCompute, 300'000 + skew, 110'000));
     t.events.push_back(op("backward", "compute", r, TraceStream::kCompute, 410'000 + skew, 190'000));
@@ -156,6 +157,10 @@ TEST(TraceFile, MalformedFilesAreRefusedWithTheEventAndField) {
                       "traceEvents[0].tid", "must be in"));
   EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "colour": 3}]})"),
                       "traceEvents[0].colour", "unknown field"));
+  EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "args": {"group": -1}}]})"),
+                      "traceEvents[0].args.group", "must be in"));
+  EXPECT_TRUE(reports(problems(head + R"({"name": "b", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "args": {"group": "e"}}]})"),
+                      "traceEvents[0].args.group", "expected an integer"));
   EXPECT_TRUE(reports(problems(head + R"({"ts": 1}]})"), "traceEvents[0].ph", "missing"));
   EXPECT_TRUE(reports(problems(head + R"(7]})"), "traceEvents[0]", "expected an object"));
   EXPECT_TRUE(reports(problems(head + R"({"name": "memory", "ph": "C", "ts": 1, "pid": 0, "args": {"bytes": "lots"}}]})"),

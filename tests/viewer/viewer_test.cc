@@ -94,6 +94,57 @@ TEST(Render, BoxesOfTheirKindsColourAtTheirTimes) {
   EXPECT_EQ(pixel(image, edge + QPoint(1, 0)), kind_colour(Kind::kCompute));
 }
 
+// Two ranks of expert group 0 in two all-to-alls. The first: rank 0 from 0 to 4 ms, rank 1
+// from 3 to 4 ms, so rank 0 waited 3 ms for rank 1. The second: rank 0 took 1 ms, rank 1 1.5 ms.
+// An all-reduce without a group and a group whose ranks recorded different counts get no wait.
+Trace exchange_trace() {
+  Trace t;
+  t.source = "measured";
+  t.ranks = 2;
+  auto exchange = [&](int64_t rank, int64_t start, int64_t duration, const char* name = "expert.all_to_all") {
+    t.events.push_back(op(name, "all_to_all", rank, TraceStream::kExpertComm, start, duration));
+    t.events.back().group = 0;
+  };
+  exchange(0, 0, 4 * kMs);
+  exchange(1, 3 * kMs, 1 * kMs);
+  exchange(0, 5 * kMs, 1 * kMs);
+  exchange(1, 5 * kMs - kMs / 2, 3 * kMs / 2);
+  t.events.push_back(op("world.all_reduce", "all_reduce", 0, TraceStream::kGradComm, 7 * kMs, 2 * kMs));
+  t.events.push_back(op("world.all_reduce", "all_reduce", 1, TraceStream::kGradComm, 8 * kMs, 1 * kMs));
+  exchange(0, 7 * kMs, 1 * kMs, "expert.all_gather");
+  exchange(0, 8 * kMs, 1 * kMs, "expert.all_gather");
+  exchange(1, 8 * kMs, 1 * kMs, "expert.all_gather");
+  return t;
+}
+
+TEST(Render, WaitsForTheGroupsLastRankAreMarked) {
+  const Trace trace = exchange_trace();
+  EXPECT_EQ(collective_waits(trace), (std::vector<int64_t>{3 * kMs, 0, 0, kMs / 2, 0, 0, 0, 0, 0}));
+  const Timeline t(trace);
+  const size_t lane0 = lane_index(t, "rank 0 expert_comm");
+  ASSERT_EQ(t.lanes()[lane0].boxes.front().wait_ns, 3 * kMs);
+  EXPECT_NE(describe(t, t.lanes()[lane0], t.lanes()[lane0].boxes.front()).find("of it 3 ms waiting for the group's last rank"),
+            std::string::npos)
+      << describe(t, t.lanes()[lane0], t.lanes()[lane0].boxes.front());
+  const QImage image = render_image(t, 1000);
+  const Renderer r(t);
+  const int bottom = r.layout().axis_height + r.lane_top(lane0) + r.lane_height(lane0) - 2;
+  const auto x = [&](int64_t time) {
+    View v;
+    v.t0 = t.begin_ns();
+    v.t1 = t.end_ns();
+    return static_cast<int>(r.x_of(time, v, 1000));
+  };
+  // Rank 0's first exchange: dark along its bottom while it waits, the exchange's colour after.
+  EXPECT_LT(image.pixelColor(x(1 * kMs), bottom).lightness(), 80);
+  EXPECT_EQ(image.pixelColor(x(3 * kMs + kMs / 2), bottom), kind_colour(Kind::kAllToAll));
+  EXPECT_EQ(image.pixelColor(x(1 * kMs), r.layout().axis_height + r.lane_top(lane0) + 1), kind_colour(Kind::kAllToAll));
+  // Rank 1 waited for nobody.
+  const size_t lane1 = lane_index(t, "rank 1 expert_comm");
+  const int bottom1 = r.layout().axis_height + r.lane_top(lane1) + r.lane_height(lane1) - 2;
+  EXPECT_EQ(image.pixelColor(x(3 * kMs + kMs / 2), bottom1), kind_colour(Kind::kAllToAll));
+}
+
 TEST(Render, EveryLaneIsLabelled) {
   const Timeline t(known_trace());
   const QImage image = render_image(t, 1000);

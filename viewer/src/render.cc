@@ -29,6 +29,7 @@ const QColor kMemoryFill{200, 214, 232};
 const QColor kMemoryLine{56, 92, 140};
 const QColor kText{20, 20, 20};
 const QColor kPhaseLine{0, 0, 0, 40};
+const QColor kWaitColour{90, 20, 20};  // a collective's wait for the group's last rank
 
 QFont small_font(int pixels) {
   QFont f;
@@ -195,6 +196,12 @@ void Renderer::paint_ops(QPainter& p, const Lane& lane, int y, int width, const 
     // A white pixel between neighbours once boxes are wide enough to tell apart.
     p.fillRect(QRect(a, y, w >= 4 ? w - 1 : w, h), kind_colour(b.kind));
     ++stats.rects_drawn;
+    // The wait for the group's last rank: a dark band along the bottom of the collective's start.
+    if (b.wait_ns > 0) {
+      const double wait_end = std::min(static_cast<double>(width) + 1, x_of(b.start_ns + b.wait_ns, view, width));
+      const int ww = static_cast<int>(std::floor(wait_end)) - a;
+      if (ww >= 1) p.fillRect(QRect(a, y + h - std::max(3, h / 3), ww, std::max(3, h / 3)), kWaitColour);
+    }
     if (w > 40 && h >= 10) {
       p.setPen(Qt::white);
       const QRect text(std::max(a, static_cast<int>(left)) + 3, y, std::min(e, width) - std::max(a, static_cast<int>(left)) - 6, h);
@@ -295,6 +302,10 @@ void Renderer::paint_legend(QPainter& p, QSize size) const {
     p.drawText(QPoint(x, y + 14), name);
     x += metrics.horizontalAdvance(name) + 14;
   }
+  p.fillRect(QRect(x, y + 10, 10, 5), kWaitColour);
+  x += 14;
+  p.setPen(kText);
+  p.drawText(QPoint(x, y + 14), QStringLiteral("waiting for the group's last rank"));
 }
 
 QImage render_image(const Timeline& timeline, int width, int height, PaintStats* stats) {

@@ -23,6 +23,32 @@ Kind kind_of(std::string_view category) {
 
 std::string_view kind_name(Kind kind) { return kKindNames[static_cast<size_t>(kind)]; }
 
+std::vector<int64_t> collective_waits(const Trace& trace) {
+  std::vector<int64_t> waits(trace.events.size(), 0);
+  // (group, name) -> rank -> its events of that collective, in time order.
+  std::map<std::pair<int64_t, std::string_view>, std::map<int64_t, std::vector<uint32_t>>> collectives;
+  for (size_t i = 0; i < trace.events.size(); ++i) {
+    const TraceEvent& e = trace.events[i];
+    const Kind kind = kind_of(e.category);
+    if (e.group < 0 || kind == Kind::kCompute || kind == Kind::kCopy || kind == Kind::kOther) continue;
+    collectives[{e.group, e.name}][e.rank].push_back(static_cast<uint32_t>(i));
+  }
+  for (auto& [key, by_rank] : collectives) {
+    if (by_rank.size() < 2) continue;
+    const size_t count = by_rank.begin()->second.size();
+    if (!std::all_of(by_rank.begin(), by_rank.end(), [&](const auto& r) { return r.second.size() == count; })) continue;
+    for (auto& [rank, ids] : by_rank)
+      std::stable_sort(ids.begin(), ids.end(),
+                       [&](uint32_t a, uint32_t b) { return trace.events[a].start_ns < trace.events[b].start_ns; });
+    for (size_t k = 0; k < count; ++k) {
+      int64_t shortest = INT64_MAX;
+      for (const auto& [rank, ids] : by_rank) shortest = std::min(shortest, trace.events[ids[k]].duration_ns);
+      for (const auto& [rank, ids] : by_rank) waits[ids[k]] = trace.events[ids[k]].duration_ns - shortest;
+    }
+  }
+  return waits;
+}
+
 Timeline::Timeline(Trace first, std::optional<Trace> second) : first_(std::move(first)) {
   if (second) second_ = align_phases(*second, first_);
 
@@ -59,10 +85,12 @@ Timeline::Timeline(Trace first, std::optional<Trace> second) : first_(std::move(
   begin_ns_ = std::min<int64_t>(begin, 0);
   end_ns_ = std::max(end, begin_ns_ + 1);
 
+  std::vector<std::vector<int64_t>> waits;
+  for (int s = 0; s < sources(); ++s) waits.push_back(collective_waits(trace(s)));
   for (int64_t rank = 0; rank < ranks; ++rank)
     for (int s = 0; s < sources(); ++s)
       add_lanes(s, rank, events[static_cast<size_t>(s)][static_cast<size_t>(rank)],
-                memory[static_cast<size_t>(s)][static_cast<size_t>(rank)]);
+                memory[static_cast<size_t>(s)][static_cast<size_t>(rank)], waits[static_cast<size_t>(s)]);
 
   for (int64_t rank = 0; rank < first_.ranks && phases_.empty(); ++rank) phases_ = step_phases(first_, rank);
   if (second_) differences_ = compare_phases(first_, *second_);
@@ -75,7 +103,7 @@ std::string_view Timeline::source_name(int source) const {
 }
 
 void Timeline::add_lanes(int source, int64_t rank, const std::vector<std::vector<uint32_t>>& by_stream,
-                         const std::vector<std::pair<int64_t, double>>& memory) {
+                         const std::vector<std::pair<int64_t, double>>& memory, const std::vector<int64_t>& waits) {
   const Trace& t = trace(source);
   const std::string who = "rank " + std::to_string(rank) + " ";
   const std::string suffix = sources() > 1 ? " (" + std::string(source_name(source)) + ")" : "";
@@ -90,7 +118,7 @@ void Timeline::add_lanes(int source, int64_t rank, const std::vector<std::vector
     lane.boxes.reserve(ids.size());
     for (uint32_t i : ids) {
       const TraceEvent& e = t.events[i];
-      lane.boxes.push_back({e.start_ns, e.start_ns + e.duration_ns, i, kind_of(e.category)});
+      lane.boxes.push_back({e.start_ns, e.start_ns + e.duration_ns, i, kind_of(e.category), waits[i]});
       lane.longest_ns = std::max(lane.longest_ns, e.duration_ns);
     }
     std::stable_sort(lane.boxes.begin(), lane.boxes.end(),
@@ -175,6 +203,7 @@ std::string describe(const Timeline& timeline, const Lane& lane, const Box& box)
                     std::string(stream_name(e.stream));
   if (timeline.sources() > 1) out += " (" + std::string(timeline.source_name(lane.source)) + ")";
   out += "\nstart " + format_duration(box.start_ns) + ", duration " + format_duration(e.duration_ns);
+  if (box.wait_ns > 0) out += ", of it " + format_duration(box.wait_ns) + " waiting for the group's last rank";
   if (e.bytes > 0) out += "\n" + format_bytes(e.bytes);
   if (e.flops > 0) out += "\n" + format_flops(e.flops);
   if (e.flops > 0 && e.duration_ns > 0) {

@@ -43,8 +43,8 @@ std::string CollectiveActivity::describe() const {
          ")";
 }
 
-Communicator::Communicator(BackendGroup group, std::string name)
-    : group_(std::move(group)), name_(std::move(name)) {
+Communicator::Communicator(BackendGroup group, std::string name, int64_t first_rank)
+    : group_(std::move(group)), name_(std::move(name)), first_rank_(first_rank) {
   if (group_) {
     rank_ = group_->getRank();
     size_ = group_->getSize();

@@ -71,11 +71,12 @@ Communicator make_group(const std::string& kind, const std::vector<int64_t>& ran
                         const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout,
                         const std::string& address) {
   const std::string name = kind + " {" + join(ranks) + "}";
-  if (ranks.size() == 1) return Communicator(BackendGroup(), name);
+  const int64_t first = *std::min_element(ranks.begin(), ranks.end());
+  if (ranks.size() == 1) return Communicator(BackendGroup(), name, first);
   const auto me = std::find(ranks.begin(), ranks.end(), rank) - ranks.begin();
   return Communicator(make_gloo_group(store, "group/" + kind + "/" + join(ranks) + "/", static_cast<int>(me),
                                       static_cast<int>(ranks.size()), timeout, address),
-                      name);
+                      name, first);
 }
 
 }  // namespace

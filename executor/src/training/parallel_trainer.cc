@@ -57,9 +57,10 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   }
   clock_.set_rank(mesh.rank());
   auto observe = [this](Communicator& comm, const std::string& group, TraceStream stream) {
-    comm.set_observer([this, group, stream](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,
-                                            PhaseClock::Clock::time_point end) {
-      clock_.add(group + "." + category_of(op), category_of(op), stream, start, end, static_cast<double>(bytes));
+    const int64_t first = comm.size() > 1 ? comm.first_rank() : -1;
+    comm.set_observer([this, group, stream, first](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,
+                                                   PhaseClock::Clock::time_point end) {
+      clock_.add(group + "." + category_of(op), category_of(op), stream, start, end, static_cast<double>(bytes), first);
     });
   };
   observe(mesh.expert, "expert", TraceStream::kExpertComm);

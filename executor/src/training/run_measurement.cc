@@ -28,7 +28,7 @@ void PhaseClock::sample_memory(Clock::time_point at) {
 }
 
 void PhaseClock::add(std::string name, std::string category, TraceStream stream, Clock::time_point start,
-                     Clock::time_point end, double bytes) {
+                     Clock::time_point end, double bytes, int64_t group) {
   TraceEvent e;
   e.name = std::move(name);
   e.category = std::move(category);
@@ -37,6 +37,7 @@ void PhaseClock::add(std::string name, std::string category, TraceStream stream,
   e.rank = rank_;
   e.stream = stream;
   e.bytes = bytes;
+  e.group = group;
   events_.push_back(std::move(e));
   sample_memory(end);
 }

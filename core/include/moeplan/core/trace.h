@@ -27,6 +27,9 @@ struct TraceEvent {
   TraceStream stream = TraceStream::kCompute;
   double flops = 0;
   double bytes = 0;
+  // A collective's group: the lowest rank of the ranks it spans (the k-th collective of a name
+  // on each rank of a group is one collective); -1 when not a collective or not recorded.
+  int64_t group = -1;
   bool operator==(const TraceEvent&) const = default;
 };
 

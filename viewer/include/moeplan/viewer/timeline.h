@@ -26,7 +26,15 @@ struct Box {
   int64_t end_ns = 0;
   uint32_t event = 0;  // index into the lane's trace's events
   Kind kind = Kind::kOther;
+  int64_t wait_ns = 0;  // of a collective: its first wait_ns spent waiting for the group's last rank
 };
+
+// Each event's wait for the last rank of its collective (0 for any other event): the k-th
+// collective of a name on each rank of a group (TraceEvent::group) is one collective, which
+// ends on all its ranks together, so a rank that took longer than the group's shortest took
+// the difference waiting for the others to arrive. Durations alone, so the ranks' clocks need
+// not agree. A group whose ranks recorded different numbers of a collective is left out.
+std::vector<int64_t> collective_waits(const Trace& trace);
 
 struct Lane {
   enum class Type : uint8_t { kOps, kMemory };
@@ -71,7 +79,7 @@ class Timeline {
 
  private:
   void add_lanes(int source, int64_t rank, const std::vector<std::vector<uint32_t>>& by_stream,
-                 const std::vector<std::pair<int64_t, double>>& memory);
+                 const std::vector<std::pair<int64_t, double>>& memory, const std::vector<int64_t>& waits);
 
   Trace first_;
   std::optional<Trace> second_;

@@ -55,12 +55,14 @@ class Communicator {
  public:
   // name: for messages, e.g. "expert group 1". A null group is a group of this rank alone,
   // where every collective is a copy (or nothing).
-  Communicator(BackendGroup group, std::string name);
+  // first_rank: the lowest world rank of the group, which names it in traces.
+  Communicator(BackendGroup group, std::string name, int64_t first_rank = 0);
   Communicator() = default;
 
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  int64_t first_rank() const { return first_rank_; }
 
   // In place: every rank ends with the sum.
   void all_reduce_sum(torch::Tensor& t);
@@ -125,7 +127,7 @@ class Communicator {
 
   BackendGroup group_;
   std::string name_ = "this rank";
-  int64_t rank_ = 0, size_ = 1;
+  int64_t rank_ = 0, size_ = 1, first_rank_ = 0;
   Observer observer_;
   std::shared_ptr<CollectiveActivity> activity_;
 };

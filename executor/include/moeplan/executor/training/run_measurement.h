@@ -23,8 +23,9 @@ class PhaseClock {
  public:
   using Clock = std::chrono::steady_clock;
   void start_step();
+  // group: a collective's group (core/trace.h), -1 for anything else.
   void add(std::string name, std::string category, TraceStream stream, Clock::time_point start, Clock::time_point end,
-           double bytes = 0);
+           double bytes = 0, int64_t group = -1);
   const std::vector<TraceEvent>& events() const { return events_; }
   const std::vector<MemorySample>& memory() const { return memory_; }
   void set_rank(int64_t rank) { rank_ = rank; }
