@@ -119,6 +119,19 @@ RoutingSummary summarise_routing(const std::vector<StepRecord>& steps, int64_t f
       if (s->exchange_seconds.size() == ranks) seconds.push_back(s->exchange_seconds[rank]);
     r.exchange_seconds.push_back(median(seconds));
   }
+  std::vector<double> step_seconds;
+  double dropped = 0, all_slots = 0;
+  bool drops = false;
+  for (const StepRecord* s : used) {
+    step_seconds.push_back(s->seconds);
+    drops = drops || !s->dropped_slots.empty();
+    for (int64_t d : s->dropped_slots) dropped += static_cast<double>(d);
+    for (const auto& layer : s->tokens_per_expert)
+      for (int64_t c : layer) all_slots += static_cast<double>(c);
+  }
+  r.step_median_s = median(step_seconds);
+  r.step_p95_s = quantile(step_seconds, 0.95);
+  if (drops && all_slots > 0) r.dropped_fraction = dropped / all_slots;
   return r;
 }
 
@@ -173,6 +186,12 @@ std::string format_routing_summary(const RoutingSummary& r) {
       out += line;
     }
     out += "\n";
+  }
+  std::snprintf(line, sizeof line, "step time: median %.3f s, p95 %.3f s\n", r.step_median_s, r.step_p95_s);
+  out += line;
+  if (r.dropped_fraction >= 0) {
+    std::snprintf(line, sizeof line, "slots dropped at capacity: %.2f%%\n", 100 * r.dropped_fraction);
+    out += line;
   }
   return out;
 }

@@ -21,6 +21,7 @@ std::vector<StepRecord> ten_steps() {
     r.exchange_slots = {{{{4, 4, 4, 4}, {6, 2, 4, 4}}, {skewed, {4, 4, 4, 4}}}};
     r.tokens_per_expert = {{4 + skewed[0], 4 + skewed[1], 4 + skewed[2], 4 + skewed[3]}, {10, 6, 8, 8}};
     r.exchange_seconds = {0.1 * static_cast<double>(s), 0.5};
+    r.seconds = static_cast<double>(s);  // 1 to 10 s
     steps.push_back(r);
   }
   return steps;
@@ -52,6 +53,15 @@ TEST(RoutingSummary, BusiestOverMeanPerLayerWorkedByHand) {
   ASSERT_EQ(r.exchange_seconds.size(), 2u);
   EXPECT_DOUBLE_EQ(r.exchange_seconds[0], 0.55);
   EXPECT_DOUBLE_EQ(r.exchange_seconds[1], 0.5);
+  // Steps of 1 to 10 s: median 5.5, p95 at 8.55 of 9: 9.55. A dropless run drops nothing.
+  EXPECT_DOUBLE_EQ(r.step_median_s, 5.5);
+  EXPECT_DOUBLE_EQ(r.step_p95_s, 9.55);
+  EXPECT_EQ(r.dropped_fraction, -1.0);
+  std::vector<StepRecord> dropping = ten_steps();
+  for (StepRecord& s : dropping) s.dropped_slots = {4, 0};  // 4 of a step's 64 slots
+  EXPECT_DOUBLE_EQ(summarise_routing(dropping, 1, 0, "metrics.jsonl").dropped_fraction, 4.0 / 64.0);
+  EXPECT_NE(format_routing_summary(summarise_routing(dropping, 1, 0, "metrics.jsonl")).find("slots dropped at capacity: 6.25%"),
+            std::string::npos);
 
   // Over two ranks of two experts: {8, 4 | 2, 2} is 12 of 16 on the busier rank, 1.5 times the mean.
   const RoutingSummary ranks = summarise_routing(ten_steps(), 2, 2, "metrics.jsonl");

@@ -118,7 +118,13 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     EXPECT_GT(fastest, 0);
     EXPECT_EQ(row.at("measured_step_time_s").get<double>(), fastest);
     EXPECT_GE(row.at("median_round_step_time_s").get<double>(), fastest);
-    for (const Json& r : rounds) EXPECT_GE(r.at("slowest_processor").get<double>(), 1.0);
+    for (const Json& r : rounds) {
+      EXPECT_GE(r.at("slowest_processor").get<double>(), 1.0);
+      // Each run's steps predicted from its own routing: at least the plan's balanced step.
+      EXPECT_GT(r.at("routed_step_time_s").get<double>(), 0);
+    }
+    EXPECT_NEAR(row.at("routed_step_time_error").get<double>(),
+                row.at("measured_step_time_s").get<double>() / row.at("routed_step_time_s").get<double>() - 1.0, 1e-12);
   }
   const double tau = v.at("summary").at("kendall_tau").get<double>();
   EXPECT_GE(tau, -1.0);
@@ -128,6 +134,7 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++circles;
   EXPECT_EQ(circles, 6u);
   EXPECT_NE(read_text(val_dir + "/validation.md").find("Kendall tau"), std::string::npos);
+  EXPECT_NE(read_text(val_dir + "/validation.md").find("with each run's measured routing"), std::string::npos);
 
   // Fed back: the first run's report against its plan, phase by phase.
   const std::string first = val_dir + "/" + v.at("configurations")[0].at("name").get<std::string>();

@@ -17,7 +17,9 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/core/profile_files.h"
 #include "moeplan/core/run_report.h"
+#include "moeplan/core/step_record.h"
 #include "moeplan/validation/matrix.h"
+#include "moeplan/validation/routing_check.h"
 
 namespace moeplan::validation {
 
@@ -56,6 +58,9 @@ std::vector<double> processor_probe() {
 struct Round {
   double measured_s = 0, measured_tps = 0, measured_bytes = 0;
   double slowest_processor = 1;  // the probe before the run: slowest processor / fastest seen
+  // The median over the same steps of each step predicted from its measured expert loads
+  // (routing_check.h): the plan's prediction with the run's own routing in it.
+  double routed_s = 0;
 };
 
 struct Row {
@@ -65,7 +70,7 @@ struct Row {
   std::vector<Round> rounds;
   // Over the rounds: the fastest round's step time and tokens/s (the machine least
   // disturbed), the median round's step time, the largest peak memory.
-  double measured_s = 0, measured_tps = 0, median_s = 0, measured_bytes = 0;
+  double measured_s = 0, measured_tps = 0, median_s = 0, measured_bytes = 0, routed_s = 0;
   void summarize() {
     std::vector<double> times;
     for (const Round& r : rounds) {
@@ -73,6 +78,7 @@ struct Row {
       if (measured_s == 0 || r.measured_s < measured_s) {
         measured_s = r.measured_s;
         measured_tps = r.measured_tps;
+        routed_s = r.routed_s;
       }
       measured_bytes = std::max(measured_bytes, r.measured_bytes);
     }
@@ -80,6 +86,7 @@ struct Row {
   }
   double median_error() const { return relative_error(median_s, predicted_s); }
   double step_error() const { return relative_error(measured_s, predicted_s); }
+  double routed_error() const { return relative_error(measured_s, routed_s); }
   double memory_error() const { return relative_error(measured_bytes, predicted_bytes); }
 };
 
@@ -150,11 +157,15 @@ struct Summary {
   double median_error = 0, worst_error = 0, worst_memory = 0, median_round_median_error = 0,
          median_round_worst_error = 0, tau = 0;
   size_t best_predicted = 0, best_measured = 0;
+  // The same with each run's own per-micro-batch routing in its prediction.
+  double routed_median_error = 0, routed_worst_error = 0, routed_tau = 0;
 };
 
 Summary summarize(const std::vector<Row>& rows) {
-  std::vector<double> errors, median_errors, memory_errors, predicted, measured;
+  std::vector<double> errors, median_errors, memory_errors, predicted, measured, routed_errors, routed;
   for (const Row& r : rows) {
+    routed_errors.push_back(std::abs(r.routed_error()));
+    routed.push_back(r.routed_s);
     errors.push_back(std::abs(r.step_error()));
     median_errors.push_back(std::abs(r.median_error()));
     memory_errors.push_back(std::abs(r.memory_error()));
@@ -168,6 +179,9 @@ Summary summarize(const std::vector<Row>& rows) {
   s.median_round_median_error = median(median_errors);
   s.median_round_worst_error = *std::max_element(median_errors.begin(), median_errors.end());
   s.tau = kendall_tau(predicted, measured);
+  s.routed_median_error = median(routed_errors);
+  s.routed_worst_error = *std::max_element(routed_errors.begin(), routed_errors.end());
+  s.routed_tau = kendall_tau(routed, measured);
   s.best_predicted = static_cast<size_t>(std::min_element(predicted.begin(), predicted.end()) - predicted.begin());
   s.best_measured = static_cast<size_t>(std::min_element(measured.begin(), measured.end()) - measured.begin());
   return s;
@@ -200,10 +214,10 @@ std::vector<FamilyErrors> family_errors(const std::vector<Row>& rows) {
 void write_validation(const ValidateOptions& options, const std::vector<Row>& rows, const Summary& s, int64_t ranks,
                       int64_t rounds) {
   // The table, as Markdown.
-  std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | each round (s) | "
-                   "slowest processor | predicted tokens/s | measured tokens/s | predicted memory (MiB) | "
-                   "measured peak RSS (MiB) | error |\n"
-                   "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
+  std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | with its routing (s) | "
+                   "error | each round (s) | slowest processor | predicted tokens/s | measured tokens/s | "
+                   "predicted memory (MiB) | measured peak RSS (MiB) | error |\n"
+                   "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
   char line[1024];
   for (const Row& r : rows) {
     std::string each, probe;
@@ -215,9 +229,9 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
       probe += v;
     }
     std::snprintf(line, sizeof line,
-                  "| %s | %s | %.3f | %.3f | %+.1f%% | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
+                  "| %s | %s | %.3f | %.3f | %+.1f%% | %.3f | %+.1f%% | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
                   r.config.name.c_str(), r.parallel.c_str(), r.predicted_s, r.measured_s, 100 * r.step_error(),
-                  each.c_str(), probe.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
+                  r.routed_s, 100 * r.routed_error(), each.c_str(), probe.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
                   r.measured_bytes / (1 << 20), 100 * r.memory_error());
     md += line;
   }
@@ -228,6 +242,14 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
                 static_cast<long long>(rounds), 100 * s.median_error, 100 * s.worst_error, 100 * s.worst_memory, s.tau,
                 rows[s.best_predicted].config.name.c_str(), rows[s.best_measured].config.name.c_str());
   md += line;
+  {
+    char more[256];
+    std::snprintf(more, sizeof more,
+                  "with each run's measured routing (every step predicted from its micro-batches' expert loads): "
+                  "median |error| %.1f%%, worst %.1f%%, Kendall tau %.2f\n",
+                  100 * s.routed_median_error, 100 * s.routed_worst_error, s.routed_tau);
+    md += more;
+  }
   for (const FamilyErrors& f : family_errors(rows)) {
     char more[256];
     std::snprintf(more, sizeof more, "%s layouts (%zu): median |error| %.1f%%, worst %.1f%%\n", f.family.c_str(), f.count,
@@ -257,12 +279,15 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
       each.push_back({{"measured_step_time_s", x.measured_s},
                       {"measured_tokens_per_s", x.measured_tps},
                       {"measured_peak_rss_bytes", x.measured_bytes},
-                      {"slowest_processor", x.slowest_processor}});
+                      {"slowest_processor", x.slowest_processor},
+                      {"routed_step_time_s", x.routed_s}});
     list.push_back({{"name", r.config.name},
                     {"parallel", r.parallel},
                     {"predicted_step_time_s", r.predicted_s},
                     {"measured_step_time_s", r.measured_s},
                     {"step_time_error", r.step_error()},
+                    {"routed_step_time_s", r.routed_s},
+                    {"routed_step_time_error", r.routed_error()},
                     {"median_round_step_time_s", r.median_s},
                     {"median_round_step_time_error", r.median_error()},
                     {"predicted_tokens_per_s", r.predicted_tps},
@@ -286,12 +311,26 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
                   {"median_round_median_abs_step_time_error", s.median_round_median_error},
                   {"median_round_worst_abs_step_time_error", s.median_round_worst_error},
                   {"kendall_tau", s.tau},
+                  {"routed_median_abs_step_time_error", s.routed_median_error},
+                  {"routed_worst_abs_step_time_error", s.routed_worst_error},
+                  {"routed_kendall_tau", s.routed_tau},
                   {"best_predicted", rows[s.best_predicted].config.name},
                   {"best_measured", rows[s.best_measured].config.name}};
   write_file_atomic(options.out + "/validation.json", j.dump(2) + "\n");
   std::fputs(line, stdout);
   std::printf("wrote %s/validation.md, validation.svg, validation.json\n", options.out.c_str());
 
+}
+
+// The median over a run's warm steps (all but the first, as the run's report takes them) of
+// each step predicted from its own measured routing.
+double routed_step_s(const std::string& plan_path, const std::string& metrics) {
+  const std::vector<StepRecord> steps = read_step_records(metrics);
+  const int64_t from = steps.size() > 1 ? steps.front().step + 1 : 1;
+  const RoutingCheck check = predict_steps_from_routing(read_plan_file(plan_path), steps, from, metrics);
+  std::vector<double> predicted;
+  for (const PredictedStep& p : check.steps) predicted.push_back(p.predicted_s);
+  return median(predicted);
 }
 
 // Each broken bound of --check on stderr; the exit code.
@@ -369,6 +408,7 @@ int run_validation(const ValidateOptions& options) {
         r.measured_s = report.step_time_s;
         r.measured_tps = report.tokens_per_s;
         r.measured_bytes = static_cast<double>(report.peak_rss_bytes);
+        r.routed_s = routed_step_s(dir + "/plan.json", out + "/metrics.jsonl");
         row.rounds.push_back(r);
         std::printf("  round %lld [%2zu/%zu] %-30s predicted %7.3f s  measured %7.3f s  %+5.0f%%   memory %+4.0f%%"
                     "   slowest processor %.2f\n",

@@ -30,6 +30,11 @@ struct RoutingSummary {
   // Each rank's seconds inside the expert exchanges a step, median over the steps (empty where
   // the run did not record them: E = 1).
   std::vector<double> exchange_seconds;
+  // The steps' measured seconds: median and 95th percentile (what `simulate --routing`
+  // predicts for a plan from a routing profile), and the share of slots dropped at capacity
+  // (-1 when the run did not drop).
+  double step_median_s = 0, step_p95_s = 0;
+  double dropped_fraction = -1;
 };
 
 // The steps from `from_step` on; `expert_degree` 0 counts each expert on its own. An InputError
