@@ -5,8 +5,10 @@
 #include <string>
 
 #include "command.h"
+#include "moeplan/core/profile_files.h"
 #include "moeplan/core/routing_summary.h"
 #include "moeplan/core/step_record.h"
+#include "moeplan/planner/search.h"
 #include "moeplan/validation/routing_check.h"
 
 namespace moeplan::cli {
@@ -19,6 +21,7 @@ struct RoutingOptions {
   int64_t expert_degree = 0;
   std::string out;
   bool predict = false;
+  std::string profile;  // price the run's plan on this hardware profile instead of its own
 };
 
 int summarise(const RoutingOptions& o) {
@@ -28,7 +31,9 @@ int summarise(const RoutingOptions& o) {
     std::printf("routing of %s: %s", o.run_dir.c_str(),
                 format_routing_summary(summarise_routing(steps, o.from_step, o.expert_degree, metrics)).c_str());
     if (o.predict) {
-      const Plan plan = read_plan_file(o.run_dir + "/plan.json");
+      Plan plan = read_plan_file(o.run_dir + "/plan.json");
+      if (!o.profile.empty())
+        plan.cluster = planner::size_cluster(load_hardware(o.profile, profile_dir("")), plan.parallel.world_size);
       std::printf("%s", validation::format_routing_check(
                             validation::predict_steps_from_routing(plan, steps, o.from_step, metrics))
                             .c_str());
@@ -61,6 +66,9 @@ Command add_routing_command(CLI::App& app) {
   cmd->add_option("--out", o->out, "Write the measured routing profile here (for --routing FILE)");
   cmd->add_flag("--predict", o->predict,
                 "Predict each step from its measured expert loads with the run's plan.json, against the measured step");
+  cmd->add_option("--profile", o->profile,
+                  "With --predict: price the run's plan on this hardware profile (name or .json) instead of the one "
+                  "in its plan.json, e.g. one calibrated since");
   return {cmd, [o] { return summarise(*o); }};
 }
 

@@ -152,10 +152,14 @@ void add_framework_options(CLI::App& cmd, Search& s) {
   cmd.add_option("--expert-load-imbalance", r.options.moe.expert_load_imbalance,
                  "Tokens of the busiest expert over the mean")
       ->capture_default_str()->check(CLI::Range(1.0, 1e6));
-  cmd.add_option("--capacity-factor", r.options.moe.capacity_factor,
+  cmd.add_option("--capacity-factor", r.capacity_factors,
                  "Drop the slots over this many times an expert's mean share of a micro-batch (Megatron-Core's "
-                 "--moe-expert-capacity-factor; default: dropless)")
-      ->check(CLI::Range(0.0, 1e6));
+                 "--moe-expert-capacity-factor; default: dropless); a list (e.g. 0,1.25,1.5; 0: dropless) searches "
+                 "each and plans the fastest that drops at most --max-dropped-fraction")
+      ->delimiter(',')->check(CLI::Range(0.0, 1e6));
+  cmd.add_option("--max-dropped-fraction", r.max_dropped_fraction,
+                 "Under a --capacity-factor list, the largest share of the slots a chosen factor may drop")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   add_choice(cmd, "--drop-policy", r.options.moe.drop_policy, kTokenDropPolicyNames,
              "Under --capacity-factor, drop the slots of the lowest router probability (probs) or the last (position)");
   cmd.add_flag("--pad-to-capacity", r.options.moe.pad_to_capacity,

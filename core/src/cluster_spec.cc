@@ -332,6 +332,7 @@ static ClusterSpec read_cluster_fields(ObjectReader& r) {
   if (auto host = r.object("host")) {
     c.host_memory_bytes = host->integer("memory_bytes", 1, kMaxBytes);
     c.pcie_bandwidth_bytes_per_s = host->number("pcie_bandwidth_bytes_per_s", 1.0, kMaxRate);
+    c.host_processors = host->integer("processors", 0, int64_t{1} << 20, 0);
     host->finish();
   }
   if (auto cost = r.object("cost", true)) {
@@ -576,6 +577,7 @@ Json to_json(const ClusterSpec& c) {
   Json host;
   host["memory_bytes"] = sourced(c, "host.memory_bytes", c.host_memory_bytes);
   host["pcie_bandwidth_bytes_per_s"] = sourced(c, "host.pcie_bandwidth_bytes_per_s", c.pcie_bandwidth_bytes_per_s);
+  if (c.host_processors > 0) host["processors"] = sourced(c, "host.processors", c.host_processors);
   j["host"] = host;
   if (Json cost = cost_json(c); !cost.empty()) j["cost"] = cost;
   j["framework"] = framework_json(c);

@@ -84,6 +84,14 @@ MoeConfig with_busiest_rank_load(const ModelSpec& m, const MoeConfig& moe, int64
   const auto e = static_cast<double>(std::max<int64_t>(1, expert_degree));
   const double local = n / e;
   const double k = static_cast<double>(std::max<int64_t>(1, m.experts_per_token));
+  // Under a capacity factor every rank may compute less than the mean (the hot experts clipped
+  // at their capacity, the others short of it): a busiest rank below 1 is every rank at that
+  // load, each expert's computed slots clipped to load / n.
+  if (moe.capacity_factor > 0 && !moe.pad_to_capacity && load < 1.0) {
+    out.tokens_per_expert.assign(static_cast<size_t>(m.num_experts), 1.0 / n);
+    out.capacity_factor = std::max(load, 1.0 / 256.0);
+    return out;
+  }
   // Each expert of the busiest rank takes load / n of the slots; at most 1 / k.
   const double l = std::clamp(load, 1.0, std::max(1.0, std::min(e, n / k)));
   out.tokens_per_expert.assign(static_cast<size_t>(m.num_experts), 0.0);

@@ -275,7 +275,7 @@ std::vector<Diagnostic> routing_mismatches(const RoutingProfile& r, int64_t num_
   if (r.kind != RoutingKind::kMeasured) return out;
   if (r.num_experts != num_experts) mismatch("num_experts", r.num_experts, num_experts);
   if (r.experts_per_token != experts_per_token) mismatch("experts_per_token", r.experts_per_token, experts_per_token);
-  if (r.layers() != moe_layers) mismatch("MoE layers", r.layers(), moe_layers);
+  (void)moe_layers;  // any depth: the measured layers are stretched over the model's (draw_step_routing)
   return out;
 }
 
@@ -288,14 +288,16 @@ StepRouting draw_step_routing(const RoutingProfile& r, int64_t num_experts, int6
   if (r.kind == RoutingKind::kBalanced || moe_layers == 0 || micro_batches == 0) return out;
   if (r.kind == RoutingKind::kMeasured) {
     assert(routing_mismatches(r, num_experts, r.experts_per_token, moe_layers, "").empty() &&
-           "a measured profile is drawn for the shape it was measured with");
-    // Micro-batch j of the step is a recorded micro-batch, the same one in every layer.
+           "a measured profile is drawn for the experts it was measured with");
+    // Micro-batch j of the step is a recorded micro-batch, the same one in every layer. A model
+    // of another depth takes the measured layers stretched over its own: its layer l is the
+    // measured layer floor(l x measured / moe_layers), early layers from early ones.
+    const auto measured_layers = static_cast<size_t>(r.layers());
     for (size_t m = 0; m < out.front().size(); ++m) {
       const auto pick = std::min(static_cast<size_t>(rng.uniform() * static_cast<double>(r.micro_batches())),
                                  static_cast<size_t>(r.micro_batches() - 1));
-      for (size_t l = 0; l < out.size(); ++l) {
-        out[l][m] = slot_shares(r.slots[l][pick]);
-      }
+      for (size_t l = 0; l < out.size(); ++l)
+        out[l][m] = slot_shares(r.slots[l * measured_layers / out.size()][pick]);
     }
     return out;
   }

@@ -106,13 +106,16 @@ PreparedSearch prepare_search(const SearchRequest& r) {
   if (r.attention) s.cluster.attention = *r.attention;
   s.options.gpus = gpus.max;
   s.options.keep = static_cast<size_t>(std::max<int64_t>(r.top, 5));
+  if (r.capacity_factors.size() == 1) s.options.moe.capacity_factor = r.capacity_factors.front();
+  if (r.capacity_factors.size() > 1 && gpus.is_range())
+    throw InputError("--capacity-factor", {{"", "a list of factors is chosen among at one cluster size, not over a --gpus range"}});
   decide_training(r, s.model, s.cluster, s.sizes.back(), s.options);
   check_layout(s.options);
   return s;
 }
 
 SearchOutcome plan_search(const SearchRequest& request, const std::string& command, const SearchProgress& progress) {
-  SearchOutcome found{prepare_search(request), {}, {}, std::nullopt};
+  SearchOutcome found{prepare_search(request), {}, {}, std::nullopt, {}};
   const PreparedSearch& s = found.search;
   if (progress.prepared) progress.prepared(s);
   if (s.gpus.is_range()) {
@@ -120,6 +123,15 @@ SearchOutcome plan_search(const SearchRequest& request, const std::string& comma
     if (found.sweep.chosen) {
       const SizeResult& chosen = found.sweep.sizes[*found.sweep.chosen];
       found.plan = make_plan(s.model, chosen.cluster, chosen.options, chosen.result, command);
+    }
+  } else if (request.capacity_factors.size() > 1) {
+    found.capacity = choose_capacity_factor(s.model, s.cluster, s.options, request.capacity_factors,
+                                            request.max_dropped_fraction);
+    if (found.capacity.chosen) {
+      const CapacityChoice& chosen = found.capacity.factors[*found.capacity.chosen];
+      found.search.options = chosen.options;
+      found.result = chosen.result;
+      found.plan = make_plan(s.model, s.cluster, chosen.options, chosen.result, command);
     }
   } else {
     found.result = search(s.model, s.cluster, s.options);

@@ -8,6 +8,7 @@
 #include "moeplan/core/errors.h"
 #include "moeplan/core/exit_codes.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/core/rules.h"
 #include "moeplan/core/units.h"
 #include "moeplan/simulator/op_costs.h"
 
@@ -222,6 +223,27 @@ SearchReport report_sizes(const SearchOutcome& found, const ReportOptions& optio
 }
 
 // One cluster size: the ranked table (or the plan as JSON), and the plan written.
+// The capacity factors listed, each with its best plan, its step and its dropped share.
+std::string capacity_text(const CapacityChoices& c, bool routed) {
+  std::string out;
+  add(out, "capacity factors (the fastest best plan dropping at most %.1f%% of the slots is planned):\n",
+      100 * c.max_dropped_fraction);
+  add(out, "  factor    best plan                                  %-10s  dropped\n", routed ? "step (s)*" : "step (s)");
+  for (size_t i = 0; i < c.factors.size(); ++i) {
+    const CapacityChoice& f = c.factors[i];
+    const std::string factor = f.factor > 0 ? rule_number(f.factor) : "dropless";
+    if (f.result.ranked.empty()) {
+      add(out, "  %-9s no plan\n", factor.c_str());
+      continue;
+    }
+    add(out, "  %-9s %-42s %10.3f  %6.2f%%%s\n", factor.c_str(), describe(f.result.ranked.front().parallel).c_str(),
+        f.step_s, 100 * f.dropped_fraction,
+        c.chosen == i ? "  <- planned" : f.allowed ? "" : "  (drops more than allowed)");
+  }
+  if (routed) add(out, "  * the drawn quantile the search ranks by (--rank-by)\n");
+  return out + "\n";
+}
+
 SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, const ReportOptions& options,
                              const Print& print) {
   SearchReport report;
@@ -229,6 +251,8 @@ SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, cons
   const PreparedSearch& s = found.search;
   const SearchResult& result = found.result;
   const size_t top = static_cast<size_t>(top_shown);
+  if (!options.json && !found.capacity.factors.empty())
+    out += capacity_text(found.capacity, !s.options.routing.empty());
   if (!options.json) add(out, "%s\n", stats_text(result.stats).c_str());
   if (options.explain) add_explain(out, result.stats);
   if (!found.plan) {

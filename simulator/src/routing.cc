@@ -38,16 +38,25 @@ RoutingDelay::RoutingDelay(const RunConfig& config, const LayoutShapes& shapes)
   }
   blocks_ = static_cast<double>(std::max<int64_t>(1, *std::max_element(per_stage.begin(), per_stage.end()))) *
             static_cast<double>(std::max<int64_t>(1, p.gradient_accumulation_steps));
+  if (const ClusterSpec& c = config_.cluster; c.host_processors > 0 && c.gpus_per_node > 0) {
+    const auto processors = static_cast<double>(c.host_processors), ranks = static_cast<double>(c.gpus_per_node);
+    const double groups = ranks / static_cast<double>(std::min(expert_degree_, c.gpus_per_node));
+    wait_speedup_ = std::min(1.0, processors / groups) / std::min(1.0, processors / ranks);
+  }
 }
 
 double RoutingDelay::block_delay_s(double load) {
-  if (expert_degree_ == 1 || config_.model.dense()) return 0;
+  // One expert rank waits for nobody; under a capacity factor it may still compute less.
+  if (config_.model.dense() || (expert_degree_ == 1 && !(config_.moe.capacity_factor > 0))) return 0;
   const auto key = static_cast<int64_t>(std::llround(load * kLoadSteps));
   if (const auto it = by_load_.find(key); it != by_load_.end()) return it->second;
   const MoeConfig moe =
       with_busiest_rank_load(config_.model, config_.moe, expert_degree_, static_cast<double>(key) / kLoadSteps);
   const RunConfig at{config_.model, config_.cluster, config_.parallel, moe, config_.training, config_.target};
-  const double delay = (estimate_step(at, shapes_).step_time_s - base_step_s_) / blocks_;
+  // A busier rank than the plan's own makes the others wait (faster where they free shared
+  // processors); a lighter one (under a capacity factor) is every rank computing less.
+  const double extra = (estimate_step(at, shapes_).step_time_s - base_step_s_) / blocks_;
+  const double delay = extra > 0 ? extra / wait_speedup_ : extra;
   by_load_.emplace(key, delay);
   return delay;
 }

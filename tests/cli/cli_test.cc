@@ -492,6 +492,33 @@ TEST_F(Cli, CompareLogPutsARunBesideItsPlan) {
 // Time and money: a range of cluster sizes with tokens to train and a deadline; the plan of
 // the size chosen is written, and its days and dollars follow from its prediction, the
 // profile's price and the goodput model. Bad requests are refused naming the flag.
+// A list of capacity factors under a skewed router: each factor's best plan in a table with its
+// step and dropped share, the chosen one planned (its factor in plan.json); a list over a range
+// of cluster sizes is refused.
+TEST_F(Cli, SearchChoosesAmongTheCapacityFactorsListed) {
+  Workdir dir;
+  const Outcome run = dir.moeplan(
+      "search --gpus 16 --estimator analytic --routing skew:2 --capacity-factor 0,1.25 --max-dropped-fraction 1 "
+      "--top 2 --out c.json");
+  ASSERT_EQ(run.exit_code, 0) << show(run);
+  EXPECT_NE(run.out.find("capacity factors (the fastest best plan dropping at most 100.0% of the slots is planned)"),
+            std::string::npos)
+      << run.out;
+  EXPECT_NE(run.out.find("  dropless "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("  1.25 "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("<- planned"), std::string::npos) << run.out;
+  const Plan plan = read_plan_file((dir / "c.json").string());
+  EXPECT_TRUE(plan.moe.capacity_factor == 0 || plan.moe.capacity_factor == 1.25) << plan.moe.capacity_factor;
+  const Outcome none = dir.moeplan(
+      "search --gpus 16 --estimator analytic --routing skew:2 --capacity-factor 0,1.25 --max-dropped-fraction 0 "
+      "--top 2 --out d.json");
+  ASSERT_EQ(none.exit_code, 0) << show(none);
+  EXPECT_EQ(read_plan_file((dir / "d.json").string()).moe.capacity_factor, 0.0);
+  const Outcome range = dir.moeplan("search --gpus 16:32 --capacity-factor 0,1.25 --out x.json");
+  EXPECT_EQ(range.exit_code, 2) << show(range);
+  EXPECT_NE(range.err.find("--capacity-factor: a list of factors"), std::string::npos) << show(range);
+}
+
 TEST_F(Cli, SearchPricesClusterSizesAndKeepsToTheDeadline) {
   Workdir dir;
   const Outcome run = dir.moeplan("search --gpus 16:256 --train-tokens 1T --deadline-days 30 --objective cost --out c.json");

@@ -291,6 +291,7 @@ Json calibrated_json() {
       {"source", "measured"},
       {"all_gather", {{"latency_s", 3e-4}, {"bandwidth_bytes_per_s", 7e8}, {"points", {{201728, 5e-4}, {3145728, 0.015}}}}},
       {"all_to_all", {{"latency_s", 2e-4}, {"bandwidth_bytes_per_s", 1e9}}}};
+  json["host"]["processors"] = {{"value", 2}, {"source", "measured"}};
   json["framework"]["comm_overlaps_compute"] = false;
   json["framework"]["overlap_gradient_sync"] = false;
   json["framework"]["collective_after_compute"] = {
@@ -349,6 +350,7 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.after_compute.all_to_all, (CurvePoints{{0.06, 0.002}}));
   EXPECT_TRUE(c.after_compute.all_reduce.empty());
   EXPECT_EQ(c.sources.at("framework.collective_after_compute"), "measured in lockstep");
+  EXPECT_EQ(c.host_processors, 2);
   EXPECT_EQ(cluster_from_json(Json::parse(to_json(c).dump()), "again"), c);
   // The shipped CPU profile overlaps nothing it does not say.
   EXPECT_TRUE(read_cluster_file(profile_path("hardware/local-cpu.json")).comm_overlaps_compute);
@@ -387,6 +389,7 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
        "unknown field"},
       {"/framework/comm_overlaps_compute", "no", "framework.comm_overlaps_compute", "expected true or false, got string \"no\""},
       {"/framework/overlap_gradient_sync", 1, "framework.overlap_gradient_sync", "expected true or false, got number 1"},
+      {"/host/processors", -1, "host.processors", "must be in [0, 1048576], got -1"},
   };
   TempDir dir;
   for (const ProfileEditPair& edit : edits) {

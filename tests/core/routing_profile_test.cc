@@ -106,11 +106,10 @@ TEST(RoutingProfile, BadFilesAreRefusedNamingTheField) {
 TEST(RoutingProfile, MismatchesWithTheModelAreNamed) {
   EXPECT_TRUE(routing_mismatches(measured(), 4, 2, 2, "--routing").empty());
   const auto d = routing_mismatches(measured(), 8, 1, 3, "--routing");
-  ASSERT_EQ(d.size(), 3u);
+  ASSERT_EQ(d.size(), 2u);  // another depth is not a mismatch: the layers stretch
   EXPECT_EQ(d[0].path, "--routing");
   EXPECT_EQ(d[0].message, "is measured with num_experts = 4, the model has 8");
   EXPECT_EQ(d[1].message, "is measured with experts_per_token = 2, the model has 1");
-  EXPECT_EQ(d[2].message, "is measured with MoE layers = 2, the model has 3");
   EXPECT_EQ(routing_mismatches(routing_profile_from_spec("skew:8"), 8, 2, 4, "--routing").size(), 1u);
   EXPECT_TRUE(routing_mismatches(routing_profile_from_spec("skew:7.5"), 8, 2, 4, "--routing").empty());
 }
@@ -209,6 +208,17 @@ TEST(RoutingProfile, MeasuredDrawsReplayRecordedMicroBatches) {
     seen.insert(pick);
   }
   EXPECT_EQ(seen.size(), 3u);
+  // A model of 5 MoE layers takes the two measured ones stretched: layers 0 to 2 from the first
+  // (floor(l x 2 / 5) = 0, 0, 0), 3 and 4 from the second, one recorded micro-batch throughout.
+  RoutingRng again(3);
+  const StepRouting deep = draw_step_routing(r, 4, 5, 50, 1e6, again);
+  ASSERT_EQ(deep.size(), 5u);
+  for (size_t m = 0; m < 50; ++m) {
+    EXPECT_EQ(deep[0][m], step[0][m]);
+    EXPECT_EQ(deep[2][m], step[0][m]);
+    EXPECT_EQ(deep[3][m], step[1][m]);
+    EXPECT_EQ(deep[4][m], step[1][m]);
+  }
 }
 
 TEST(RoutingProfile, BusiestRankLoad) {

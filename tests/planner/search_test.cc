@@ -6,6 +6,7 @@
 #include <set>
 
 #include "framework_rules.h"
+#include "moeplan/planner/capacity.h"
 #include "test_support.h"
 
 namespace moeplan::planner {
@@ -457,6 +458,37 @@ TEST(SearchRouting, SkewRanksByTheQuantileAskedFor) {
       }
     }
   }
+}
+
+// Capacity factors listed for Mixtral 8x7B on 16 A100 under a skewed router (the busiest expert
+// 1.5 times the mean): dropless drops
+// nothing, factor 1 drops the hot experts' excess; with no dropping allowed the dropless plan is
+// planned, with any allowed the fastest best plan is.
+TEST(SearchRouting, CapacityFactorsListedAreEachSearched) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 16);
+  SearchOptions options = test::search_options(16);
+  options.estimator = Estimator::kAnalytic;
+  options.routing = "skew:1.5";
+  options.routing_pool = 16;
+  options.routing_draws = 8;
+  const std::vector<double> factors{0, 1.0, 1.5};
+  const CapacityChoices strict = choose_capacity_factor(model, cluster, options, factors, 0.0);
+  ASSERT_EQ(strict.factors.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const CapacityChoice& c = strict.factors[i];
+    EXPECT_EQ(c.options.moe.capacity_factor, factors[i]);
+    ASSERT_FALSE(c.result.ranked.empty()) << factors[i];
+    EXPECT_GT(c.step_s, 0);
+    EXPECT_EQ(c.step_s, c.result.ranked.front().routed->median_s);
+  }
+  EXPECT_EQ(strict.factors[0].dropped_fraction, 0.0);
+  EXPECT_GT(strict.factors[1].dropped_fraction, 0.0);
+  EXPECT_GE(strict.factors[1].dropped_fraction, strict.factors[2].dropped_fraction);
+  EXPECT_EQ(strict.chosen, std::optional<size_t>(0));
+  const CapacityChoices any = choose_capacity_factor(model, cluster, options, factors, 1.0);
+  ASSERT_TRUE(any.chosen.has_value());
+  for (const CapacityChoice& c : any.factors) EXPECT_LE(any.factors[*any.chosen].step_s, c.step_s);
 }
 
 TEST(SearchRouting, BadRoutingIsRefusedNamingTheFlag) {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <tuple>
 #include <vector>
 
 #include "moeplan/core/moe_load.h"
@@ -48,6 +49,26 @@ TEST(RoutedStep, UniformLoadsAddWhatTheEstimateAdds) {
     EXPECT_GT(skewed, base);
   }
   EXPECT_LT(delay.block_delay_s(1.5), delay.block_delay_s(2.0));
+}
+
+// Ranks sharing processors: 8 ranks on 4 processors timed their operations at half a processor
+// each. Experts over all 8 (one group): while 7 wait, the busiest computes on a whole processor,
+// twice as fast, so its delay halves. Over 2 (4 groups): the 4 busiest ranks get a whole
+// processor each, twice as fast again. Over 8 ranks on 8 processors nothing changes, and on 2
+// processors with 4 groups the busiest ranks get half a processor where they had a quarter.
+TEST(RoutedStep, RanksSharingProcessorsRunTheWaitFaster) {
+  for (const auto& [processors, degree, speedup] :
+       std::vector<std::tuple<int64_t, int64_t, double>>{{4, 8, 2.0}, {4, 2, 2.0}, {8, 8, 1.0}, {2, 2, 2.0}}) {
+    test::Scenario c = eight_experts();
+    c.parallel.expert_parallel_degree = degree;
+    const RunConfig own = c.config();
+    const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+    const double alone = RoutingDelay(own, shapes).block_delay_s(2.0);
+    ASSERT_GT(alone, 0.0) << degree;
+    c.cluster.host_processors = processors;
+    EXPECT_NEAR(RoutingDelay(c.config(), shapes).block_delay_s(2.0), alone / speedup, 1e-12 * alone)
+        << processors << " processors, E" << degree;
+  }
 }
 
 // One hot micro-batch in one block costs one block's delay; the others cost nothing.
@@ -103,6 +124,28 @@ TEST(RoutedStep, CapacityBoundsTheWaitAndDropsTheRest) {
   const RoutedStep dropless = simulate_routing(c.config(), shapes, base, routing_profile_from_spec("skew:3"), 8, 1);
   EXPECT_EQ(dropless.dropped_fraction, 0.0);
   EXPECT_GT(dropless.median_s, skew.median_s);
+}
+
+// Experts over 2 ranks, capacity factor 1: two hot experts on the first rank take 0.4 of the
+// slots each and are clipped to 1/8, so that rank computes 0.35 of the slots where balanced it
+// computes 0.5, and the other 0.1: every rank computes less than balanced and the block is
+// faster, not slower. Dropless, the first rank's 0.9 makes the others wait.
+TEST(RoutedStep, DroppingBelowTheMeanMakesTheBlockFaster) {
+  test::Scenario c = eight_experts();
+  c.parallel.expert_parallel_degree = 2;
+  c.moe.capacity_factor = 1.0;
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  RoutingDelay delay(c.config(), shapes);
+  const std::vector<double> hot{0.4, 0.4, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025};
+  EXPECT_NEAR(busiest_rank_load(hot, 2, c.moe), 0.7, 1e-12);
+  StepRouting loads = every_block_at(c.model, 4, 1.0);
+  loads[0][0] = hot;
+  EXPECT_LT(delay.block_delay_s(0.7), 0.0);
+  EXPECT_NEAR(delay.delay_s(loads), delay.block_delay_s(0.7), 1e-15);
+  c.moe.capacity_factor = 0;
+  RoutingDelay dropless(c.config(), shapes);
+  EXPECT_NEAR(busiest_rank_load(hot, 2, c.moe), 1.8, 1e-12);
+  EXPECT_GT(dropless.delay_s(loads), 0.0);
 }
 
 TEST(RoutedStep, DrawsSpreadTheStepAndTheLoad) {

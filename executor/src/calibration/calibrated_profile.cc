@@ -2,6 +2,8 @@
 // place of its numbers, each with a source that says how.
 #include "moeplan/executor/calibration/calibrate.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -9,6 +11,14 @@
 namespace moeplan::executor {
 
 namespace {
+
+// The processors this process may run on, as the kernel's affinity mask says (at least 1).
+int64_t processors_available() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
 
 // A GPU's profile: its base's datasheet rates, kernel model and collectives stay (what one GPU
 // cannot measure of its node); the executor's operations at the model's shapes, the host copies
@@ -61,6 +71,8 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
   p.sources.erase("description");
   p.gpus_per_node = c.ranks;
   say("gpus_per_node", "the ranks calibrated together");
+  p.host_processors = processors_available();
+  say("host.processors", "measured: the processors this process may run on (sched_getaffinity), which the ranks share");
   const bool fp32 = o.precision == Precision::kFp32;
   (fp32 ? p.peak_fp32_flops : p.peak_bf16_flops) = c.peak_flops;
   if (fp32) p.peak_bf16_flops = std::max(p.peak_bf16_flops, p.peak_fp32_flops);

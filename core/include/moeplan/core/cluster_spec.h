@@ -177,6 +177,9 @@ struct ClusterSpec {
 
   int64_t host_memory_bytes = 0;           // per node
   double pcie_bandwidth_bytes_per_s = 0;   // per GPU, one direction
+  // CPU ranks: the processors a node's ranks share (fewer than its ranks when they are
+  // oversubscribed); 0 where each rank has a device of its own.
+  int64_t host_processors = 0;
 
   int64_t framework_overhead_bytes = 0;  // CUDA context, communicator buffers, kernels
   double fragmentation_factor = 1.0;     // allocator overhead on dynamic allocations

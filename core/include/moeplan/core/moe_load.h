@@ -38,7 +38,9 @@ double busiest_expert_rank_load(const ModelSpec& model, const MoeConfig& moe, in
 // times the mean rank load, spread evenly over its experts, and the other ranks share the rest
 // evenly: the busiest-rank load the routing profile gave one micro-batch, as the memory model and
 // the step estimate take it. `load` is kept within [1, expert_degree] and below what top-k
-// allows (no expert above 1/experts_per_token of the slots).
+// allows (no expert above 1/experts_per_token of the slots), except under an unpadded capacity
+// factor, where a load below 1 is every rank computing that load (each expert clipped to
+// load / n: the capacity dropped slots from every rank).
 MoeConfig with_busiest_rank_load(const ModelSpec& model, const MoeConfig& moe, int64_t expert_degree, double load);
 
 }  // namespace moeplan

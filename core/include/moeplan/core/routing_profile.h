@@ -57,8 +57,9 @@ Json routing_profile_json(const RoutingProfile& profile);
 void write_routing_profile(const RoutingProfile& profile, const std::string& path);
 
 // Problems using `profile` for a model with `num_experts` routed experts, top-`experts_per_token`
-// and `moe_layers` MoE layers (a measured profile must come from the same shape; a skew needs
-// fewer than num_experts), each at `path` ("--routing" or a field); empty when it fits.
+// and `moe_layers` MoE layers (a measured profile must come from as many experts and the same
+// top-k, of any depth: its layers are stretched over the model's; a skew needs fewer than
+// num_experts), each at `path` ("--routing" or a field); empty when it fits.
 std::vector<Diagnostic> routing_mismatches(const RoutingProfile& profile, int64_t num_experts,
                                            int64_t experts_per_token, int64_t moe_layers, const std::string& path);
 

@@ -17,6 +17,7 @@
 #include "moeplan/core/parallel_config.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/core/rules.h"
+#include "moeplan/planner/capacity.h"
 #include "moeplan/planner/search.h"
 #include "moeplan/planner/sweep.h"
 
@@ -52,6 +53,10 @@ struct SearchRequest {
   std::optional<AttentionKernel> attention;
   int64_t top = 5;  // candidates wanted; the search keeps enough for the plan's alternatives too
   TrainingGoal goal;
+  // Capacity factors to choose among (capacity.h), 0 dropless; one: options.moe's factor; none:
+  // options.moe's as it is. A choice drops at most max_dropped_fraction of the slots.
+  std::vector<double> capacity_factors;
+  double max_dropped_fraction = 0.01;
 };
 
 // A request with its profiles loaded and every default decided: what search and
@@ -79,6 +84,7 @@ struct SearchOutcome {
   SearchResult result;       // one size: its ranked candidates (a range: empty)
   SweepResult sweep;         // a range: each size (one size: empty)
   std::optional<Plan> plan;  // the best plan, or the best of the size the objective picked; none: no plan
+  CapacityChoices capacity;  // capacity factors listed: each searched (search.options is the chosen one's)
 };
 
 // The request prepared, searched (each size of a range) and its plan made, recording `command`

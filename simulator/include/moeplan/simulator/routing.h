@@ -10,6 +10,12 @@
 // difference between L on every block and micro-batch and the plan's own load, spread over
 // them; a draw adds it for each block and micro-batch at the load it drew, summed per pipeline
 // stage (its chunks' blocks under interleaving), the slowest stage setting the step.
+//
+// CPU ranks that share fewer processors than a node has ranks (host.processors) had their
+// operations timed with every rank busy, each getting processors / ranks of one. While the
+// ranks of an expert group wait for its busiest one (blocked in the exchange, off the
+// processors), only one rank per group computes, each getting min(1, processors / groups): the
+// busiest rank's extra work runs that much faster, and its delay is divided by the ratio.
 
 #include <cstdint>
 #include <map>
@@ -38,6 +44,7 @@ class RoutingDelay {
   LayoutShapes shapes_;
   int64_t expert_degree_ = 1;
   double base_load_ = 1, base_step_s_ = 0, blocks_ = 1;
+  double wait_speedup_ = 1;  // how much faster the busiest rank computes while its group waits
   std::vector<int64_t> moe_block_stage_;   // the pipeline stage of each MoE block, in block order
   std::map<int64_t, double> by_load_;      // block delay by load in 1/256ths
 };
