@@ -108,7 +108,8 @@ PreparedSearch prepare_search(const SearchRequest& r) {
   s.options.keep = static_cast<size_t>(std::max<int64_t>(r.top, 5));
   if (r.capacity_factors.size() == 1) s.options.moe.capacity_factor = r.capacity_factors.front();
   if (r.capacity_factors.size() > 1 && gpus.is_range())
-    throw InputError("--capacity-factor", {{"", "a list of factors is chosen among at one cluster size, not over a --gpus range"}});
+    throw InputError("--capacity-factor",
+                     {{"", "a list of factors is chosen among at one cluster size, not over a --gpus range"}});
   decide_training(r, s.model, s.cluster, s.sizes.back(), s.options);
   check_layout(s.options);
   return s;

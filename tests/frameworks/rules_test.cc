@@ -182,7 +182,7 @@ const FrameworkRuleCase kCases[] = {
        s.moe.dispatcher = Dispatcher::kAllGather;
      },
      "executor_trains_moe", "moe.pad_to_capacity",
-     "= true with dispatcher \"all_gather\": the executor pads experts' input in the all-to-all exchange only", "= true"},
+     "= true with dispatcher \"allgather\": the executor pads experts' input in the all-to-all exchange only", "= true"},
     {"SmpCapacity",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/fit.h"
@@ -54,7 +55,9 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
     PredictedStep p;
     p.step = s.step;
     p.measured_s = s.seconds;
-    double slowest = 0, load_sum = 0, blocks = 0;
+    // The slowest group's difference from the balanced step (below it when dropping leaves
+    // every rank computing less).
+    double slowest = -std::numeric_limits<double>::infinity(), load_sum = 0, blocks = 0;
     for (const auto& group : s.exchange_slots) {
       const StepRouting shares = group_shares(group, layers);
       slowest = std::max(slowest, delay.delay_s(shares));

@@ -67,7 +67,8 @@ void RoutingRecorder::write(int64_t step) {
     tensors.emplace_back(key(e.micro_batch, e.layer, "experts"),
                          torch::from_blob(e.chosen.data(), {e.tokens, e.k}, torch::kByte));
     if (!e.kept.empty())
-      tensors.emplace_back(key(e.micro_batch, e.layer, "kept"), torch::from_blob(e.kept.data(), {e.tokens, e.k}, torch::kByte));
+      tensors.emplace_back(key(e.micro_batch, e.layer, "kept"),
+                           torch::from_blob(e.kept.data(), {e.tokens, e.k}, torch::kByte));
   }
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank_));
@@ -126,7 +127,8 @@ ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const to
   const auto it = record_.find({micro_batch, layer});
   if (it == record_.end() || !it->second.logits.defined() || !it->second.experts.defined() ||
       it->second.logits.sizes() != logits.sizes() || it->second.experts.size(0) != logits.size(0) ||
-      it->second.experts.size(1) != k || (it->second.kept.defined() && it->second.kept.sizes() != it->second.experts.sizes())) {
+      it->second.experts.size(1) != k ||
+      (it->second.kept.defined() && it->second.kept.sizes() != it->second.experts.sizes())) {
     ++current_.unrecorded;
     return {own, std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1)), {}};
   }

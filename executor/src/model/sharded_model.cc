@@ -372,7 +372,8 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
                                       rope_, mask_));
-      BlockFn fn = [this, l, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in, bool recompute) {
+      BlockFn fn = [this, l, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in,
+                                                                         bool recompute) {
         const Gathered experts = gather(expert_unit);
         torch::Tensor router_logits;
         const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps)), in[2],
@@ -389,8 +390,8 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       return regather_in_backward(outs[0], {dense});
     }
     case Checkpointing::kFull: {
-      BlockFn fn = [this, l, dense_unit, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in,
-                                                                            bool recompute) {
+      BlockFn fn = [this, l, dense_unit, expert_unit, counts, dropped,
+                    shuffle_seed](const std::vector<torch::Tensor>& in, bool recompute) {
         const ModelSpec& spec = plan_.model;
         const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
         const LayerWeights w = dense_weights(dense);

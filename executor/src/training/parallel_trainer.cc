@@ -195,8 +195,9 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
 }
 
 // The step's routing, summed over the world: the slots per expert group, micro-batch, layer and
-// expert, the slots dropped at capacity per layer, and each rank's time inside its expert group's exchanges (dispatch and combine,
-// forward and backward: the transfers and the wait for the group's busiest rank).
+// expert, the slots dropped at capacity per layer, and each rank's time inside its expert
+// group's exchanges (dispatch and combine, forward and backward: the transfers and the wait for
+// the group's busiest rank).
 void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
   mesh_.world.all_reduce_sum(counts);
   r.tokens_per_expert = slot_table(counts.sum({0, 1}));
@@ -206,7 +207,8 @@ void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
   }
   if (plan_.moe.capacity_factor > 0) {
     mesh_.world.all_reduce_sum(dropped_slots_);
-    r.dropped_slots.assign(dropped_slots_.data_ptr<int64_t>(), dropped_slots_.data_ptr<int64_t>() + dropped_slots_.numel());
+    const int64_t* d = dropped_slots_.data_ptr<int64_t>();
+    r.dropped_slots.assign(d, d + dropped_slots_.numel());
   }
   if (mesh_.expert.size() <= 1) return;
   torch::Tensor inside = torch::zeros({mesh_.layout().world_size()}, torch::kDouble);

@@ -50,7 +50,8 @@ void check(const RunConfig& c, RuleSink& sink) {
   // The executor drops at capacity with either dispatcher; it pads in the all-to-all only.
   if (c.moe.capacity_factor > 0 && c.moe.pad_to_capacity && c.moe.dispatcher == Dispatcher::kAllGather)
     sink(kTrainsMoe, "moe.pad_to_capacity", [&] {
-      return std::string("= true with dispatcher \"all_gather\": the executor pads experts' input in the all-to-all exchange only");
+      return std::string(
+          "= true with dispatcher \"allgather\": the executor pads experts' input in the all-to-all exchange only");
     });
   if (m.qk_norm)
     sink(kTrainsMoe, "model.qk_norm",
