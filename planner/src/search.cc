@@ -543,7 +543,22 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   }
   SearchOptions pool = options;
   pool.keep = std::max(options.keep, static_cast<size_t>(std::max<int64_t>(1, options.routing_pool)));
-  result.ranked = rank_by_routing(model, cluster, options, rank(model, cluster, pool, fitting, stats), stats);
+  std::vector<Candidate> drawn = rank(model, cluster, pool, fitting, stats);
+  // And the best few of every expert degree: a plan that waits for nobody (E1) or for fewer
+  // ranks is drawn even where many expert-parallel plans are ahead of it by the balanced step.
+  SearchOptions per_degree = options;
+  per_degree.keep = std::max<size_t>(4, pool.keep / 4);
+  std::set<int64_t> degrees;
+  for (const Candidate& c : fitting) degrees.insert(c.parallel.expert_parallel_degree);
+  for (const int64_t e : degrees) {
+    std::vector<Candidate> of_degree;
+    for (const Candidate& c : fitting)
+      if (c.parallel.expert_parallel_degree == e) of_degree.push_back(c);
+    for (Candidate& c : rank(model, cluster, per_degree, of_degree, stats))
+      if (std::none_of(drawn.begin(), drawn.end(), [&](const Candidate& d) { return d.parallel == c.parallel; }))
+        drawn.push_back(std::move(c));
+  }
+  result.ranked = rank_by_routing(model, cluster, options, std::move(drawn), stats);
   return result;
 }
 

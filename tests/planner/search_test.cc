@@ -470,8 +470,8 @@ TEST(SearchRouting, CapacityFactorsListedAreEachSearched) {
   SearchOptions options = test::search_options(16);
   options.estimator = Estimator::kAnalytic;
   options.routing = "skew:1.5";
-  options.routing_pool = 16;
-  options.routing_draws = 8;
+  options.routing_pool = 4;
+  options.routing_draws = 4;
   const std::vector<double> factors{0, 1.0, 1.5};
   const CapacityChoices strict = choose_capacity_factor(model, cluster, options, factors, 0.0);
   ASSERT_EQ(strict.factors.size(), 3u);
@@ -489,6 +489,25 @@ TEST(SearchRouting, CapacityFactorsListedAreEachSearched) {
   const CapacityChoices any = choose_capacity_factor(model, cluster, options, factors, 1.0);
   ASSERT_TRUE(any.chosen.has_value());
   for (const CapacityChoice& c : any.factors) EXPECT_LE(any.factors[*any.chosen].step_s, c.step_s);
+}
+
+// The plans drawn include the best of every expert degree, not only the best by the balanced
+// step: on 64 A100 the best few balanced plans are all expert-parallel, and under skew the plan
+// that waits for nobody (E1) wins although its balanced step is behind theirs.
+TEST(SearchRouting, EveryExpertDegreeIsDrawn) {
+  const ModelSpec& model = test::model("mixtral-8x7b");
+  const ClusterSpec cluster = test::hardware("p4d.24xlarge", 64);
+  SearchOptions options = test::search_options(64);
+  options.estimator = Estimator::kAnalytic;
+  options.routing_pool = 4;
+  options.routing_draws = 8;
+  const SearchResult balanced = search(model, cluster, options);
+  for (size_t i = 0; i < 4 && i < balanced.ranked.size(); ++i)
+    ASSERT_GT(balanced.ranked[i].parallel.expert_parallel_degree, 1) << "the case needs expert-parallel leaders";
+  options.routing = "skew:2";
+  const SearchResult skewed = search(model, cluster, options);
+  ASSERT_FALSE(skewed.ranked.empty());
+  EXPECT_EQ(skewed.ranked.front().parallel.expert_parallel_degree, 1) << describe(skewed.ranked.front().parallel);
 }
 
 TEST(SearchRouting, BadRoutingIsRefusedNamingTheFlag) {

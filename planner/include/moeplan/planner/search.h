@@ -66,8 +66,9 @@ struct SearchOptions {
   Target target = nullptr;
   // Rank by steps drawn under this routing (balanced, skew:X or a routing profile file;
   // core/routing_profile.h) instead of the plan's own: the best `routing_pool` by the plan's own
-  // routing are drawn `routing_draws` times each (sim/routing.h) and ordered by `rank_by`; those
-  // whose busiest rank no longer fits the device at the p99 load are dropped. Empty: not drawn.
+  // routing, and the best quarter as many (at least 4) of each expert degree, are drawn
+  // `routing_draws` times each (sim/routing.h) and ordered by `rank_by`; those whose busiest
+  // rank no longer fits the device at the p99 load are dropped. Empty: not drawn.
   std::string routing;
   RankBy rank_by = RankBy::kMedian;
   int64_t routing_draws = 16;
