@@ -498,8 +498,8 @@ TEST_F(Cli, CompareLogPutsARunBesideItsPlan) {
 TEST_F(Cli, SearchChoosesAmongTheCapacityFactorsListed) {
   Workdir dir;
   const Outcome run = dir.moeplan(
-      "search --gpus 16 --estimator analytic --routing skew:2 --capacity-factor 0,1.25 --max-dropped-fraction 1 "
-      "--top 2 --out c.json");
+      "search --gpus 8 --model mixtral-tiny --seq-len 256 --estimator analytic --routing skew:2 "
+      "--capacity-factor 0,1.25 --max-dropped-fraction 1 --top 2 --out c.json");
   ASSERT_EQ(run.exit_code, 0) << show(run);
   EXPECT_NE(run.out.find("capacity factors (the fastest best plan dropping at most 100.0% of the slots is planned)"),
             std::string::npos)
@@ -510,8 +510,8 @@ TEST_F(Cli, SearchChoosesAmongTheCapacityFactorsListed) {
   const Plan plan = read_plan_file((dir / "c.json").string());
   EXPECT_TRUE(plan.moe.capacity_factor == 0 || plan.moe.capacity_factor == 1.25) << plan.moe.capacity_factor;
   const Outcome none = dir.moeplan(
-      "search --gpus 16 --estimator analytic --routing skew:2 --capacity-factor 0,1.25 --max-dropped-fraction 0 "
-      "--top 2 --out d.json");
+      "search --gpus 8 --model mixtral-tiny --seq-len 256 --estimator analytic --routing skew:2 "
+      "--capacity-factor 0,1.25 --max-dropped-fraction 0 --top 2 --out d.json");
   ASSERT_EQ(none.exit_code, 0) << show(none);
   EXPECT_EQ(read_plan_file((dir / "d.json").string()).moe.capacity_factor, 0.0);
   const Outcome range = dir.moeplan("search --gpus 16:32 --capacity-factor 0,1.25 --out x.json");
