@@ -547,7 +547,7 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   // And the best few of every expert degree: a plan that waits for nobody (E1) or for fewer
   // ranks is drawn even where many expert-parallel plans are ahead of it by the balanced step.
   SearchOptions per_degree = options;
-  per_degree.keep = std::max<size_t>(4, pool.keep / 4);
+  per_degree.keep = std::max<size_t>(2, pool.keep / 8);
   std::set<int64_t> degrees;
   for (const Candidate& c : fitting) degrees.insert(c.parallel.expert_parallel_degree);
   for (const int64_t e : degrees) {

@@ -66,7 +66,7 @@ struct SearchOptions {
   Target target = nullptr;
   // Rank by steps drawn under this routing (balanced, skew:X or a routing profile file;
   // core/routing_profile.h) instead of the plan's own: the best `routing_pool` by the plan's own
-  // routing, and the best quarter as many (at least 4) of each expert degree, are drawn
+  // routing, and an eighth as many (at least 2) of the best of each expert degree, are drawn
   // `routing_draws` times each (sim/routing.h) and ordered by `rank_by`; those whose busiest
   // rank no longer fits the device at the p99 load are dropped. Empty: not drawn.
   std::string routing;
