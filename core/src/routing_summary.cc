@@ -125,9 +125,8 @@ RoutingSummary summarise_routing(const std::vector<StepRecord>& steps, int64_t f
   for (const StepRecord* s : used) {
     step_seconds.push_back(s->seconds);
     drops = drops || !s->dropped_slots.empty();
-    for (int64_t d : s->dropped_slots) dropped += static_cast<double>(d);
-    for (const auto& layer : s->tokens_per_expert)
-      for (int64_t c : layer) all_slots += static_cast<double>(c);
+    dropped += static_cast<double>(s->total_dropped());
+    all_slots += static_cast<double>(s->total_slots());
   }
   r.step_median_s = median(step_seconds);
   r.step_p95_s = quantile(step_seconds, 0.95);

@@ -80,6 +80,19 @@ void check_exchange_shape(const StepRecord& r, Diagnostics& d) {
 
 }  // namespace
 
+int64_t StepRecord::total_slots() const {
+  int64_t n = 0;
+  for (const std::vector<int64_t>& layer : tokens_per_expert)
+    for (int64_t c : layer) n += c;
+  return n;
+}
+
+int64_t StepRecord::total_dropped() const {
+  int64_t n = 0;
+  for (int64_t d : dropped_slots) n += d;
+  return n;
+}
+
 std::string to_json_line(const StepRecord& r) {
   Json j;
   j["step"] = r.step;

@@ -1,6 +1,7 @@
 #include "moeplan/planner/search.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -548,12 +549,9 @@ SearchResult search(const ModelSpec& model, const ClusterSpec& cluster, const Se
   // ranks is drawn even where many expert-parallel plans are ahead of it by the balanced step.
   SearchOptions per_degree = options;
   per_degree.keep = std::max<size_t>(2, pool.keep / 8);
-  std::set<int64_t> degrees;
-  for (const Candidate& c : fitting) degrees.insert(c.parallel.expert_parallel_degree);
-  for (const int64_t e : degrees) {
-    std::vector<Candidate> of_degree;
-    for (const Candidate& c : fitting)
-      if (c.parallel.expert_parallel_degree == e) of_degree.push_back(c);
+  std::map<int64_t, std::vector<Candidate>> by_degree;
+  for (const Candidate& c : fitting) by_degree[c.parallel.expert_parallel_degree].push_back(c);
+  for (const auto& [degree, of_degree] : by_degree) {
     for (Candidate& c : rank(model, cluster, per_degree, of_degree, stats))
       if (std::none_of(drawn.begin(), drawn.end(), [&](const Candidate& d) { return d.parallel == c.parallel; }))
         drawn.push_back(std::move(c));

@@ -75,10 +75,8 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
       if (s.dropped_slots.size() != layers)
         throw InputError(origin, {{at, "has no dropped_slots per layer, and the plan drops at capacity factor " +
                                            std::to_string(plan.moe.capacity_factor)}});
-      for (size_t l = 0; l < layers; ++l) {
-        measured_dropped += static_cast<double>(s.dropped_slots[l]);
-        for (int64_t c : s.tokens_per_expert[l]) all_slots += static_cast<double>(c);
-      }
+      measured_dropped += static_cast<double>(s.total_dropped());
+      all_slots += static_cast<double>(s.total_slots());
     }
     p.predicted_s = out.balanced_s + slowest;
     p.busiest_load = blocks > 0 ? load_sum / blocks : 1.0;

@@ -169,9 +169,10 @@ SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, cons
   if (!moe.pad_to_capacity) return s;
   const int64_t capacity = expert_capacity(tokens, k, experts, moe.capacity_factor);
   const torch::Tensor load = torch::bincount(s.expert, {}, experts).cpu();
+  const int64_t* kept_of = load.data_ptr<int64_t>();
   std::vector<int64_t> pad_expert;
   for (int64_t e = 0; e < experts; ++e)
-    for (int64_t i = load[e].item<int64_t>(); i < capacity; ++i) pad_expert.push_back(e);
+    for (int64_t i = kept_of[e]; i < capacity; ++i) pad_expert.push_back(e);
   if (pad_expert.empty()) return s;
   const auto n = static_cast<int64_t>(pad_expert.size());
   const torch::Tensor pad = torch::tensor(pad_expert, torch::kLong).to(r.experts.device());

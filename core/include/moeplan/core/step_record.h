@@ -40,6 +40,11 @@ struct StepRecord {
   bool skipped = false;
   std::string nonfinite;
   bool operator==(const StepRecord&) const = default;
+
+  // The step's token-expert slots over every layer (what the router asked for), and of them
+  // those dropped at capacity.
+  int64_t total_slots() const;
+  int64_t total_dropped() const;
 };
 
 // One metrics.jsonl line (no newline). A NaN or an Inf loss is written as null.
