@@ -518,8 +518,9 @@ ModelSpec read_model_file(const std::string& path) {
 
 namespace {
 
-// The sizes, in the same order in both formats, under config.json's names where `hf_names`.
-void put_sizes(const ModelSpec& m, bool hf_names, Json& j) {
+// The sizes, in the same order in both formats, under the names of config.json's architecture
+// `hf` where there is one.
+void put_sizes(const ModelSpec& m, std::optional<HfType> hf, Json& j) {
   for (const auto& [field, value] : {std::pair<std::string_view, int64_t>{"vocab_size", m.vocab_size},
                                      {"hidden_size", m.hidden_size},
                                      {"intermediate_size", m.intermediate_size},
@@ -529,7 +530,7 @@ void put_sizes(const ModelSpec& m, bool hf_names, Json& j) {
                                      {"head_dim", m.head_dim},
                                      {"num_experts", m.num_experts},
                                      {"experts_per_token", m.experts_per_token}})
-    j[std::string(hf_names ? hf_field(HfType::kMixtral, field) : field)] = value;
+    j[std::string(hf ? hf_field(*hf, field) : field)] = value;
 }
 
 // The fields both formats name alike.
@@ -546,9 +547,10 @@ void put_positions_and_norms(const ModelSpec& m, Json& j) {
 }  // namespace
 
 Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
-  // A MixtralConfig has none of these.
+  const bool qwen3 = m.qk_norm;
+  const std::string architecture = qwen3 ? "Qwen3-MoE" : "Mixtral";
+  // Neither config class has these (Qwen3-MoE's q/k norms are its own).
   for (const auto& [field, has] : {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
-                                   {"qk_norm", m.qk_norm},
                                    {"qkv_bias", m.qkv_bias},
                                    {"first_dense_layers", m.has_dense_layers()},
                                    {"kv_lora_rank", m.mla()},
@@ -559,14 +561,28 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
                                    {"attention_sinks", m.attention_sinks},
                                    {"output_bias", m.output_bias},
                                    {"expert_bias", m.expert_bias},
-                                   {"glu_limit", m.glu_limit > 0}})
-    if (has) throw InputError(m.name, {{field, "a Mixtral config.json cannot say this"}});
+                                   {"glu_limit", m.glu_limit > 0},
+                                   {"sliding_window", qwen3 && m.sliding_window.has_value()}})
+    if (has) throw InputError(m.name, {{field, "a " + architecture + " config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
-  j["architectures"] = {"MixtralForCausalLM"};
-  j["model_type"] = "mixtral";
-  put_sizes(m, /*hf_names=*/true, j);
+  j["architectures"] = {qwen3 ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM"};
+  j["model_type"] = qwen3 ? "qwen3_moe" : "mixtral";
+  put_sizes(m, qwen3 ? HfType::kQwen3Moe : HfType::kMixtral, j);
   put_positions_and_norms(m, j);
+  if (qwen3) {
+    // Every block sparse (decoder_sparse_step 1, no mlp_only_layers): the dense width is
+    // unused, written as the experts' because the config class wants one. The chosen experts'
+    // weights renormalised, as Qwen3-30B-A3B's and 235B-A22B's configs say and as moeplan
+    // trains.
+    j["intermediate_size"] = m.intermediate_size;
+    j["decoder_sparse_step"] = 1;
+    j["mlp_only_layers"] = Json::array();
+    j["norm_topk_prob"] = true;
+    j["use_sliding_window"] = false;
+    j["max_window_layers"] = m.num_layers;
+    j["attention_bias"] = false;
+  }
   j["hidden_act"] = "silu";
   j["attention_dropout"] = 0.0;
   j["output_router_logits"] = false;
@@ -579,7 +595,7 @@ Json to_json(const ModelSpec& m) {
   Json j;
   j["name"] = m.name;
   j["source"] = m.source;
-  put_sizes(m, /*hf_names=*/false, j);
+  put_sizes(m, std::nullopt, j);
   put_positions_and_norms(m, j);
   j["mlp"] = std::string(name_of(kMlpNames, m.mlp));
   if (m.norm != Norm::kRmsNorm) j["norm"] = std::string(name_of(kNormNames, m.norm));

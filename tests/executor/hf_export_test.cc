@@ -146,6 +146,62 @@ got = expected.reshape(logits.shape)
 print("max_abs_diff %.3e max_abs_logit %.3e" % ((logits - got).abs().max().item(), logits.abs().max().item()))
 )PY";
 
+// The folder loaded by transformers itself (AutoModelForCausalLM: MixtralForCausalLM or
+// Qwen3MoeForCausalLM by config.json), in fp32 with eager attention; prints the class and the
+// largest difference from moeplan's logits for the same tokens.
+constexpr char kTransformersLogits[] = R"PY(
+import sys
+import torch, transformers
+d, ids_path, logits_path, B = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+model.eval()
+ids = torch.frombuffer(bytearray(open(ids_path, "rb").read()), dtype=torch.int64).reshape(B, -1)
+expected = torch.frombuffer(bytearray(open(logits_path, "rb").read()), dtype=torch.float32)
+with torch.no_grad():
+    logits = model(input_ids=ids).logits.float()
+got = expected.reshape(logits.shape)
+print("%s max_abs_diff %.3e max_abs_logit %.3e" % (type(model).__name__, (logits - got).abs().max().item(),
+                                                   logits.abs().max().item()))
+)PY";
+
+// moeplan's logits for two sequences of `data` from the Hugging Face folder `hf` (read by
+// read_hf_parameters), against those transformers computes from the same folder; skips where
+// the wheel's Python has no transformers.
+void expect_transformers_agrees(const std::string& hf, const std::string& model_file, const std::string& data,
+                                const std::string& architecture) {
+  const std::string python = MOEPLAN_TORCH_PYTHON;
+  if (std::system((python + " -W ignore -c 'import transformers' >/dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << python << " cannot import transformers (scripts/install-torch installs it): the exported folder "
+                              "was not loaded by transformers";
+  const test::TempDir tmp;
+  const ModelSpec model = read_model_file(model_file);
+  Diagnostics d;
+  const SlicedState state = read_hf_parameters(hf, model, torch::kFloat);
+  std::vector<torch::Tensor> tensors;
+  for (const ParamInfo& info : mixtral_parameters(model)) tensors.push_back(state.whole("param/" + info.name, info.shape, d));
+  ASSERT_TRUE(d.empty());
+  const torch::Tensor ids = TokenDataset::open(data).blocks({3, 11});
+  torch::NoGradGuard no_grad;
+  const torch::Tensor logits =
+      mixtral_forward(model, MixtralWeights::bind(model, tensors), ids, LoadBalancing::kAuxLoss).logits.contiguous();
+  auto write = [&](const std::string& name, const torch::Tensor& t) {
+    const std::string path = tmp.file(name);
+    std::ofstream(path, std::ios::binary).write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    return path;
+  };
+  const std::string script = tmp.write("transformers_logits.py", std::string(kTransformersLogits));
+  const Command r = test::run_command(python + " -W ignore " + script + " " + hf + " " + write("ids", ids.contiguous()) +
+                                      " " + write("logits", logits) + " " + std::to_string(ids.size(0)));
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  char loaded[128] = {};
+  double diff = 1, largest = 0;
+  ASSERT_EQ(std::sscanf(r.out.c_str(), "%127s max_abs_diff %lf max_abs_logit %lf", loaded, &diff, &largest), 3) << show(r);
+  std::cout << loaded << ": largest logit difference " << diff << " (largest logit " << largest << ")\n";
+  EXPECT_EQ(std::string(loaded), architecture);
+  EXPECT_GT(largest, 0.1) << "logits of a trained model, not zeros";
+  EXPECT_LE(diff, 1e-4 * std::max(1.0, largest)) << show(r);
+}
+
 class HfExport : public testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -370,6 +426,10 @@ TEST_F(HfImport, AnIndependentMixtralGivesTheSameLogits) {
   EXPECT_LE(diff, 1e-4 * std::max(1.0, largest)) << show(r);
 }
 
+TEST_F(HfImport, TransformersLoadsTheFolderAsMixtral) {
+  expect_transformers_agrees(hf(), model_, dir_->file("data"), "MixtralForCausalLM");
+}
+
 // A copy of the exported folder with one file replaced; the run must refuse it naming what is
 // wrong, before training.
 TEST_F(HfImport, MalformedFoldersAreRefusedNamingTheFault) {
@@ -436,6 +496,103 @@ TEST_F(HfImport, MalformedFoldersAreRefusedNamingTheFault) {
     std::ofstream(dir + "/model.safetensors.index.json") << spoilt.dump(2);
   });
   EXPECT_TRUE(contains(err, "weight_map." + embed + ": must name a file in the folder")) << err;
+}
+
+// Qwen3-MoE (qwen3-tiny: q/k norms, 32 experts, top-8): trained on 2 ranks with experts over
+// both, exported as a Qwen3MoeForCausalLM folder, imported, exported again.
+class HfQwen3 : public HfExport {
+ protected:
+  static void SetUpTestSuite() {
+    HfExport::SetUpTestSuite();
+    if (dir_ == nullptr) return;
+    model_ = test::write_small_model(*dir_, 512, "qwen3-tiny");
+    made_ = run_moeplan("run " + plan(*dir_, 2, 2, "0.001") + " --data " + dir_->file("data") + " --out " +
+                        dir_->file("qwen3-run") + " --steps 2 --checkpoint-every 2 --threads 1");
+    if (made_.exit_code != 0) return;
+    made_ = run_moeplan("export " + dir_->file("qwen3-run") + " --hf " + hf() + " --max-shard-bytes 3000000");
+  }
+  void SetUp() override {
+    HfExport::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_EQ(made_.exit_code, 0) << show(made_);
+  }
+  static std::string hf() { return dir_->file("qwen3-hf"); }
+  static std::string plan(const test::TempDir& tmp, int64_t gpus, int64_t e, const std::string& lr) {
+    const std::string path = tmp.file("qwen3-plan-" + std::to_string(gpus) + "-" + lr + ".json");
+    const Command made = run_moeplan("search --gpus " + std::to_string(gpus) + " --instance local-cpu --model " + model_ +
+                                     " --seq-len 64 --global-batch-tokens 256 --precision fp32 --max-micro-batch 1"
+                                     " --expert-parallel-degree " + std::to_string(e) +
+                                     " --hybrid-shard-degree 1 --tensor-parallel-degree 1 --pipeline-parallel-degree 1"
+                                     " --learning-rate " + lr + " --min-learning-rate 0 --out " + path);
+    EXPECT_EQ(made.exit_code, 0) << show(made);
+    return path;
+  }
+  inline static std::string model_;
+  inline static Command made_;
+};
+
+TEST_F(HfQwen3, ExportedFolderIsQwen3MoeWithItsNames) {
+  const Json config = read_json_file(hf() + "/config.json");
+  EXPECT_EQ(config["architectures"], Json::array({"Qwen3MoeForCausalLM"}));
+  EXPECT_EQ(config["model_type"], "qwen3_moe");
+  EXPECT_EQ(config["moe_intermediate_size"], 64);
+  EXPECT_EQ(config["num_experts"], 32);
+  EXPECT_EQ(config["num_experts_per_tok"], 8);
+  EXPECT_EQ(config["norm_topk_prob"], true);
+  // Read back as the same model.
+  EXPECT_EQ(model_from_hf_config(config, "config.json").experts_per_token, 8);
+  EXPECT_TRUE(model_from_hf_config(config, "config.json").qk_norm);
+  const Json index = read_json_file(hf() + "/model.safetensors.index.json");
+  for (const char* name : {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
+                           "model.layers.3.mlp.gate.weight", "model.layers.3.mlp.experts.31.gate_proj.weight",
+                           "model.layers.3.mlp.experts.31.up_proj.weight", "model.layers.3.mlp.experts.31.down_proj.weight"})
+    EXPECT_TRUE(index["weight_map"].contains(name)) << name;
+  for (const auto& [name, file] : index["weight_map"].items())
+    EXPECT_EQ(name.find("block_sparse_moe"), std::string::npos) << name;
+  // 3 + 4 layers x (9 + 32 x 3) tensors.
+  EXPECT_EQ(index["weight_map"].size(), 3u + 4u * (9u + 32u * 3u));
+}
+
+// Import, train 2 steps at learning rate 0, export: the same bytes. The same folder on one
+// rank and on two (experts split) gives the same first loss.
+TEST_F(HfQwen3, RoundTripIsByteIdenticalOnEitherLayout) {
+  const test::TempDir tmp;
+  std::vector<double> losses;
+  for (int64_t gpus : {1, 2}) {
+    const std::string run = tmp.file("run-" + std::to_string(gpus));
+    const Command trained = run_moeplan("run " + plan(tmp, gpus, gpus, "0") + " --data " + dir_->file("data") +
+                                        " --out " + run + " --steps 2 --checkpoint-every 2 --threads 1 --init-from " + hf());
+    ASSERT_EQ(trained.exit_code, 0) << show(trained);
+    losses.push_back(test::read_metrics(run)[0]["loss"].get<double>());
+    const std::string back = tmp.file("hf-back-" + std::to_string(gpus));
+    ASSERT_EQ(run_moeplan("export " + run + " --hf " + back + " --max-shard-bytes 3000000").exit_code, 0);
+    size_t files = 0;
+    for (const auto& entry : fs::directory_iterator(hf())) {
+      EXPECT_EQ(bytes_of(entry.path()), bytes_of(fs::path(back) / entry.path().filename())) << entry.path();
+      ++files;
+    }
+    EXPECT_GE(files, 3u);
+  }
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+}
+
+TEST_F(HfQwen3, TransformersLoadsTheFolderAsQwen3Moe) {
+  expect_transformers_agrees(hf(), model_, dir_->file("data"), "Qwen3MoeForCausalLM");
+}
+
+// A Qwen config that does not renormalise the chosen experts' weights is not what the executor
+// trains: refused naming the field.
+TEST_F(HfQwen3, AFolderWithoutRenormalisedWeightsIsRefused) {
+  const test::TempDir tmp;
+  const std::string copy = tmp.file("copy");
+  fs::copy(hf(), copy, fs::copy_options::recursive);
+  Json config = read_json_file(copy + "/config.json");
+  config.erase("norm_topk_prob");
+  std::ofstream(copy + "/config.json") << config.dump(2);
+  const Command r = run_moeplan("run " + plan(tmp, 1, 1, "0.001") + " --data " + dir_->file("data") + " --out " +
+                                tmp.file("run") + " --steps 1 --threads 1 --init-from " + copy);
+  EXPECT_EQ(r.exit_code, 2) << show(r);
+  EXPECT_TRUE(contains(r.err, "config.json: norm_topk_prob: is false or absent")) << r.err;
 }
 
 }  // namespace

@@ -69,7 +69,14 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
   for (int64_t i = 0; i < T; ++i) x[i] = Vec(embed.v.begin() + ids[i] * H, embed.v.begin() + (ids[i] + 1) * H);
   Reference ref;
   for (int64_t l = 0; l < s.num_layers; ++l) {
-    const Mat ln1(t[at++]), wq(t[at++]), wk(t[at++]), wv(t[at++]), wo(t[at++]), ln2(t[at++]), gate(t[at++]);
+    const Mat ln1(t[at++]), wq(t[at++]), wk(t[at++]), wv(t[at++]), wo(t[at++]);
+    // Qwen3: an RMSNorm of head_dim over each head's query and key, before the rotation.
+    const Mat qn(s.qk_norm ? t[at++] : torch::ones({hd})), kn(s.qk_norm ? t[at++] : torch::ones({hd}));
+    auto head_of = [&](const Vec& all, int64_t head, const Mat& norm) {
+      const Vec one(all.begin() + head * hd, all.begin() + (head + 1) * hd);
+      return s.qk_norm ? rms_norm(one, norm, s.rms_norm_eps) : one;
+    };
+    const Mat ln2(t[at++]), gate(t[at++]);
     std::vector<Mat> w1, w2, w3;
     for (int64_t e = 0; e < E; ++e) {
       w1.emplace_back(t[at++]);
@@ -89,12 +96,12 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
       Vec concat;
       for (int64_t hh = 0; hh < heads; ++hh) {
         const int64_t g = hh / (heads / kv);  // the key/value head this query head shares
-        const Vec qi = rope(Vec(q[i].begin() + hh * hd, q[i].begin() + (hh + 1) * hd), i, s.rope_theta);
+        const Vec qi = rope(head_of(q[i], hh, qn), i, s.rope_theta);
         std::vector<double> scores;
         std::vector<int64_t> keys;
         for (int64_t j = 0; j <= i; ++j) {
           if (s.sliding_window && i - j >= *s.sliding_window) continue;
-          const Vec kj = rope(Vec(k[j].begin() + g * hd, k[j].begin() + (g + 1) * hd), j, s.rope_theta);
+          const Vec kj = rope(head_of(k[j], g, kn), j, s.rope_theta);
           double dot = 0;
           for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kj[c];
           scores.push_back(dot / std::sqrt(static_cast<double>(hd)));
@@ -246,6 +253,14 @@ TEST(Mixtral, SlidingWindowMatchesReference) {
   ModelSpec s = small_spec();
   s.sliding_window = 3;
   expect_matches_reference(s, 12);
+}
+
+// Qwen3-MoE's attention: the norms (made to differ from one by random_model) act per head.
+TEST(Mixtral, QkNormMatchesReference) {
+  ModelSpec s = small_spec();
+  s.qk_norm = true;
+  s.experts_per_token = 3;  // fine-grained: more of fewer-wide experts per token
+  expect_matches_reference(s, 14);
 }
 
 TEST(Mixtral, MultiQueryAttentionMatchesReference) {

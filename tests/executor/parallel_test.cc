@@ -95,9 +95,9 @@ class Parallel : public ::testing::TestWithParam<Layout> {
     ASSERT_EQ(reference_.size(), static_cast<size_t>(kSteps));
   }
 
-  // The reference plan spread over 4 ranks with the layout's degrees.
-  static std::string plan_for(const Layout& l) {
-    Json plan = read_json_file(reference_plan_);
+  // The reference plan (or another one-rank plan) spread over 4 ranks with the layout's degrees.
+  static std::string plan_for(const Layout& l, const std::string& one_rank = reference_plan_) {
+    Json plan = read_json_file(one_rank);
     Json& p = plan["parallel"];
     p["world_size"] = 4;
     p["expert_parallel_degree"] = l.e;
@@ -117,7 +117,7 @@ class Parallel : public ::testing::TestWithParam<Layout> {
     // Four ranks on this 2-vCPU machine: oversubscribed, which changes the speed, not the result.
     plan["cluster"]["num_nodes"] = 2;
     plan["alternatives"] = Json::array();
-    return dir_->write("plan-" + l.name + ".json", plan);
+    return dir_->write("plan-" + std::string(plan["model"]["name"].get<std::string>()) + "-" + l.name + ".json", plan);
   }
 
   static TempDir* dir_;
@@ -254,6 +254,36 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2},
                       Layout{"E1S1T2P2V2", 1, 1, "none", false, "alltoall", 2, 2, 2}),
     layout_name);
+
+// Qwen3-MoE's blocks (qwen3-tiny: q/k norms, 32 fine-grained experts, top-8, query heads twice
+// the hidden width): sharded, recomputed, split over tensor-parallel ranks (each holding the q/k
+// norms whole for its heads) and over pipeline stages, each trains the one rank's losses and
+// routing.
+TEST_F(Parallel, Qwen3BlocksTrainTheOneRanksLosses) {
+  const std::string model = write_small_model(*dir_, 512, "qwen3-tiny");
+  const std::string one_rank = dir_->file("qwen3-plan-1.json");
+  const Command made = make_plan(model, one_rank, 64, 256, "fp32", 1);
+  ASSERT_EQ(made.exit_code, 0) << show(made);
+  constexpr int64_t kQwenSteps = 10;
+  auto train = [&](const std::string& plan, const std::string& out) {
+    const Command r = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + out + " --steps " +
+                                  std::to_string(kQwenSteps) + " --timeout 60");
+    EXPECT_EQ(r.exit_code, 0) << show(r);
+    return read_metrics(out);
+  };
+  const std::vector<Json> reference = train(one_rank, dir_->file("qwen3-reference"));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(kQwenSteps));
+  for (const Layout& l : {Layout{"E2S2R1_full", 2, 2, "full", false}, Layout{"E2S1T2", 2, 1, "none", false, "alltoall", 2},
+                          Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2}}) {
+    const std::vector<Json> m = train(plan_for(l, one_rank), dir_->file("qwen3-run-" + l.name));
+    ASSERT_EQ(m.size(), static_cast<size_t>(kQwenSteps)) << l.name;
+    for (size_t i = 0; i < m.size(); ++i) {
+      const double a = reference[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a)) << l.name << " step " << i + 1 << ": one rank " << a << ", " << b;
+      EXPECT_EQ(m[i]["tokens_per_expert"], reference[i]["tokens_per_expert"]) << l.name << " step " << i + 1;
+    }
+  }
+}
 
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
 // exchange, as Megatron-Core does. A rank of these layouts routes one sequence per micro-batch,

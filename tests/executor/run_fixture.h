@@ -108,12 +108,14 @@ inline std::vector<std::string> fortune_files(const std::vector<std::string>& na
   return files;
 }
 
-// mixtral-tiny with a smaller vocabulary, written into dir; returns the model file.
-inline std::string write_small_model(const TempDir& dir, int64_t vocab_size) {
-  Json model = read_json_file(profile_path("models/mixtral-tiny.json"));
-  model["name"] = "mixtral-tiny-v" + std::to_string(vocab_size);
+// A shipped tiny model (mixtral-tiny, qwen3-tiny) with a smaller vocabulary, written into dir
+// (model.json for mixtral-tiny, <profile>.json for the others); returns the model file.
+inline std::string write_small_model(const TempDir& dir, int64_t vocab_size,
+                                     const std::string& profile = "mixtral-tiny") {
+  Json model = read_json_file(profile_path("models/" + profile + ".json"));
+  model["name"] = profile + "-v" + std::to_string(vocab_size);
   model["vocab_size"] = vocab_size;
-  return dir.write("model.json", model);
+  return dir.write(profile == "mixtral-tiny" ? "model.json" : profile + ".json", model);
 }
 
 // A one-rank plan for the local CPU profile.

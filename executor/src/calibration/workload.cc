@@ -126,6 +126,10 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
   w.k_proj = weight({m.num_key_value_heads * m.head_dim, h});
   w.v_proj = weight({m.num_key_value_heads * m.head_dim, h});
   w.o_proj = weight({h, m.num_attention_heads * m.head_dim});
+  if (m.qk_norm) {
+    w.q_norm = torch::ones({m.head_dim}).to(device, type).requires_grad_(true);
+    w.k_norm = torch::ones({m.head_dim}).to(device, type).requires_grad_(true);
+  }
   w.router = weight({m.num_experts, h});
   w1 = weight({m.intermediate_size, h});
   w2 = weight({h, m.intermediate_size});

@@ -47,6 +47,20 @@ std::string shard_name(size_t k, size_t n) {
 
 }  // namespace
 
+std::string hf_parameter_name(const ModelSpec& model, const std::string& name) {
+  if (!model.qk_norm) return name;
+  static constexpr std::string_view kSparse = "block_sparse_moe.";
+  const size_t at = name.find(kSparse);
+  if (at == std::string::npos) return name;
+  std::string out = name.substr(0, at) + "mlp." + name.substr(at + kSparse.size());
+  for (const auto& [ours, theirs] : {std::pair<std::string_view, std::string_view>{".w1.weight", ".gate_proj.weight"},
+                                     {".w3.weight", ".up_proj.weight"},
+                                     {".w2.weight", ".down_proj.weight"}})
+    if (out.size() > ours.size() && out.compare(out.size() - ours.size(), ours.size(), ours) == 0)
+      return out.substr(0, out.size() - ours.size()) + std::string(theirs);
+  return out;
+}
+
 HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& out_dir, int64_t max_shard_bytes) {
   if (max_shard_bytes < 1) throw InputError("--max-shard-bytes", {{"", "must be at least 1"}});
   HfExport out;
@@ -76,7 +90,7 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
   NamedTensors tensors;
   for (const ParamInfo& info : mixtral_parameters(spec)) {
     torch::Tensor t = state.whole("param/" + info.name, info.shape, d);
-    if (t.defined()) tensors.emplace_back(info.name, t.contiguous());
+    if (t.defined()) tensors.emplace_back(hf_parameter_name(spec, info.name), t.contiguous());
   }
   d.throw_if_any(out.checkpoint);
 
@@ -143,6 +157,14 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
   same("qk_norm", theirs.qk_norm, model.qk_norm);
   same("qkv_bias", theirs.qkv_bias, model.qkv_bias);
   same("moe_layers", theirs.moe_layers(), model.moe_layers());
+  // Qwen's configs renormalise the chosen experts' weights only when they say so; moeplan's
+  // router always does (as Mixtral's, and Qwen3-30B-A3B's configuration).
+  const std::string model_type = config.value("model_type", "");
+  const Json* renormalise = config.contains("norm_topk_prob") ? &config["norm_topk_prob"] : nullptr;
+  if ((model_type == "qwen3_moe" || model_type == "qwen2_moe") &&
+      !(renormalise != nullptr && renormalise->is_boolean() && renormalise->get<bool>()))
+    d.error("norm_topk_prob", "is false or absent: moeplan's executor renormalises the chosen experts' weights "
+                              "(set true, as Qwen3-30B-A3B and Qwen3-235B-A22B do)");
   d.throw_if_any(config_path);
   // The dtype config.json declares, which every tensor must have.
   std::string declared;
@@ -163,22 +185,23 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
       file_of[name] = file.get<std::string>();
     }
   } else if (fs::exists(fs::path(dir) / "model.safetensors", ec)) {
-    for (const ParamInfo& info : params) file_of[info.name] = "model.safetensors";
+    for (const ParamInfo& info : params) file_of[hf_parameter_name(model, info.name)] = "model.safetensors";
   } else {
     throw InputError(dir, {{"", "neither model.safetensors.index.json nor model.safetensors"}});
   }
 
-  std::map<std::string, std::set<std::string>> needed;  // file -> tensors
-  std::map<std::string, const ParamInfo*> info_of;
+  std::map<std::string, std::set<std::string>> needed;  // file -> tensors, by their names there
+  std::map<std::string, const ParamInfo*> info_of;       // by the name there
   for (const ParamInfo& info : params) {
     if (wanted != nullptr && wanted->count(info.name) == 0) continue;
-    const auto it = file_of.find(info.name);
+    const std::string theirs = hf_parameter_name(model, info.name);
+    const auto it = file_of.find(theirs);
     if (it == file_of.end()) {
-      d.error(info.name, "is not in the checkpoint");
+      d.error(theirs, "is not in the checkpoint");
       continue;
     }
-    needed[it->second].insert(info.name);
-    info_of[info.name] = &info;
+    needed[it->second].insert(theirs);
+    info_of[theirs] = &info;
   }
   d.throw_if_any(index_path.string());
 
@@ -203,9 +226,9 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
         continue;
       }
       const torch::Tensor values = tensor.to(dtype);
-      tensors.emplace_back("param/" + name, values);
-      tensors.emplace_back("exp_avg/" + name, torch::zeros_like(values));
-      tensors.emplace_back("exp_avg_sq/" + name, torch::zeros_like(values));
+      tensors.emplace_back("param/" + info.name, values);
+      tensors.emplace_back("exp_avg/" + info.name, torch::zeros_like(values));
+      tensors.emplace_back("exp_avg_sq/" + info.name, torch::zeros_like(values));
     }
     d.throw_if_any(path);
     state.add(tensors);

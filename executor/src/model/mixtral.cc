@@ -26,19 +26,23 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
   auto matrix = [&](std::string name, std::vector<int64_t> shape, int64_t block, int64_t expert = -1) {
     p.push_back({std::move(name), std::move(shape), block, expert, InitKind::kNormal, std, true});
   };
-  auto norm = [&](std::string name, int64_t block) {
-    p.push_back({std::move(name), {h}, block, -1, InitKind::kOnes, 0, false});
+  auto norm = [&](std::string name, int64_t block, int64_t width) {
+    p.push_back({std::move(name), {width}, block, -1, InitKind::kOnes, 0, false});
   };
   matrix("model.embed_tokens.weight", {spec.vocab_size, h}, 0);
   for (int64_t l = 0; l < layers; ++l) {
     const std::string prefix = "model.layers." + std::to_string(l) + ".";
     const int64_t block = l + 1;
-    norm(prefix + "input_layernorm.weight", block);
+    norm(prefix + "input_layernorm.weight", block, h);
     matrix(prefix + "self_attn.q_proj.weight", {heads * hd, h}, block);
     matrix(prefix + "self_attn.k_proj.weight", {kv * hd, h}, block);
     matrix(prefix + "self_attn.v_proj.weight", {kv * hd, h}, block);
     matrix(prefix + "self_attn.o_proj.weight", {h, heads * hd}, block);
-    norm(prefix + "post_attention_layernorm.weight", block);
+    if (spec.qk_norm) {
+      norm(prefix + "self_attn.q_norm.weight", block, hd);
+      norm(prefix + "self_attn.k_norm.weight", block, hd);
+    }
+    norm(prefix + "post_attention_layernorm.weight", block, h);
     matrix(prefix + "block_sparse_moe.gate.weight", {spec.num_experts, h}, block);
     for (int64_t e = 0; e < spec.num_experts; ++e) {
       const std::string expert = prefix + "block_sparse_moe.experts." + std::to_string(e) + ".";
@@ -47,7 +51,7 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
       matrix(expert + "w3.weight", {ffn, h}, block, e);
     }
   }
-  norm("model.norm.weight", layers + 1);
+  norm("model.norm.weight", layers + 1, h);
   matrix("lm_head.weight", {spec.vocab_size, h}, layers + 1);
   return p;
 }
@@ -152,30 +156,57 @@ int64_t ParameterSet::find(const std::string& name) const {
   return -1;
 }
 
-MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<torch::Tensor>& t) {
-  [[maybe_unused]] const size_t per_layer = 7 + 3 * static_cast<size_t>(spec.num_experts);
-  assert(t.size() == 3 + per_layer * static_cast<size_t>(spec.num_layers) && "one tensor per parameter");
-  MixtralWeights w;
-  size_t i = 0;
-  w.embed_tokens = t[i++];
-  for (int64_t l = 0; l < spec.num_layers; ++l) {
-    LayerWeights layer;
-    layer.input_norm = t[i++];
-    layer.q_proj = t[i++];
-    layer.k_proj = t[i++];
-    layer.v_proj = t[i++];
-    layer.o_proj = t[i++];
-    layer.post_attention_norm = t[i++];
-    layer.router = t[i++];
-    for (int64_t e = 0; e < spec.num_experts; ++e) {
-      layer.w1.push_back(t[i++]);
-      layer.w2.push_back(t[i++]);
-      layer.w3.push_back(t[i++]);
-    }
-    w.layers.push_back(std::move(layer));
+void LayerWeights::bind(std::string_view role, const torch::Tensor& t, int64_t first_expert) {
+  static constexpr std::string_view kExperts = "block_sparse_moe.experts.";
+  if (role.substr(0, kExperts.size()) == kExperts) {
+    const std::string_view rest = role.substr(kExperts.size());  // "3.w1.weight"
+    const size_t dot = rest.find('.');
+    const int64_t e = std::stoll(std::string(rest.substr(0, dot))) - first_expert;
+    const std::string_view matrix = rest.substr(dot + 1);
+    std::vector<torch::Tensor>& list = matrix == "w1.weight" ? w1 : matrix == "w2.weight" ? w2 : w3;
+    if (matrix != "w1.weight" && matrix != "w2.weight" && matrix != "w3.weight")
+      throw std::logic_error("no role for expert parameter " + std::string(role));
+    if (e < 0) throw std::logic_error("expert parameter " + std::string(role) + " before the layer's first expert");
+    if (static_cast<int64_t>(list.size()) <= e) list.resize(static_cast<size_t>(e + 1));
+    list[static_cast<size_t>(e)] = t;
+    return;
   }
-  w.norm = t[i++];
-  w.lm_head = t[i++];
+  const std::pair<std::string_view, torch::Tensor LayerWeights::*> roles[] = {
+      {"input_layernorm.weight", &LayerWeights::input_norm},
+      {"self_attn.q_proj.weight", &LayerWeights::q_proj},
+      {"self_attn.k_proj.weight", &LayerWeights::k_proj},
+      {"self_attn.v_proj.weight", &LayerWeights::v_proj},
+      {"self_attn.o_proj.weight", &LayerWeights::o_proj},
+      {"self_attn.q_norm.weight", &LayerWeights::q_norm},
+      {"self_attn.k_norm.weight", &LayerWeights::k_norm},
+      {"post_attention_layernorm.weight", &LayerWeights::post_attention_norm},
+      {"block_sparse_moe.gate.weight", &LayerWeights::router}};
+  for (const auto& [name, member] : roles)
+    if (role == name) {
+      this->*member = t;
+      return;
+    }
+  throw std::logic_error("no role for layer parameter " + std::string(role));
+}
+
+MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<torch::Tensor>& t) {
+  const std::vector<ParamInfo> infos = mixtral_parameters(spec);
+  assert(t.size() == infos.size() && "one tensor per parameter");
+  MixtralWeights w;
+  w.layers.resize(static_cast<size_t>(spec.num_layers));
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const ParamInfo& info = infos[i];
+    if (info.name == "model.embed_tokens.weight") {
+      w.embed_tokens = t[i];
+    } else if (info.name == "model.norm.weight") {
+      w.norm = t[i];
+    } else if (info.name == "lm_head.weight") {
+      w.lm_head = t[i];
+    } else {
+      const std::string prefix = "model.layers." + std::to_string(info.block - 1) + ".";
+      w.layers[static_cast<size_t>(info.block - 1)].bind(std::string_view(info.name).substr(prefix.size()), t[i]);
+    }
+  }
   return w;
 }
 
@@ -199,10 +230,16 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
                         const torch::Tensor& mask_bias) {
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
-  const torch::Tensor q = fused_rotary(torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}), rope.cos, rope.sin)
-                              .transpose(1, 2);
-  const torch::Tensor k = fused_rotary(torch::matmul(x, w.k_proj.t()).view({b, t, kv, hd}), rope.cos, rope.sin)
-                              .transpose(1, 2);
+  // Qwen3's q/k norms act on each head before the rotation.
+  auto normed = [&](torch::Tensor heads_of, const torch::Tensor& weight) {
+    return weight.defined() ? rms_norm(heads_of, weight, spec.rms_norm_eps) : heads_of;
+  };
+  const torch::Tensor q =
+      fused_rotary(normed(torch::matmul(x, w.q_proj.t()).view({b, t, heads, hd}), w.q_norm), rope.cos, rope.sin)
+          .transpose(1, 2);
+  const torch::Tensor k =
+      fused_rotary(normed(torch::matmul(x, w.k_proj.t()).view({b, t, kv, hd}), w.k_norm), rope.cos, rope.sin)
+          .transpose(1, 2);
   const torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
   // Grouped-query attention: each key/value head serves heads / kv query heads, unrepeated.
   const torch::Tensor out = flash_attention(q, k, v, mask_bias);

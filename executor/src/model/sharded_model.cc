@@ -278,14 +278,10 @@ std::vector<torch::Tensor> ShardedModel::checkpoint(BlockFn fn, const std::vecto
 
 LayerWeights ShardedModel::dense_weights(const Gathered& dense) const {
   LayerWeights w;
-  const auto& p = dense.params;  // input norm, q, k, v, o, post-attention norm, router
-  w.input_norm = p[0];
-  w.q_proj = p[1];
-  w.k_proj = p[2];
-  w.v_proj = p[3];
-  w.o_proj = p[4];
-  w.post_attention_norm = p[5];
-  w.router = p[6];
+  const FlatUnit& u = units_[dense.unit];
+  const std::string prefix = "model.layers." + std::to_string(u.block - 1) + ".";
+  for (size_t j = 0; j < u.params.size(); ++j)
+    w.bind(std::string_view(infos_[static_cast<size_t>(u.params[j])].name).substr(prefix.size()), dense.params[j]);
   return w;
 }
 

@@ -26,7 +26,7 @@ constexpr std::array<std::string_view, kCount> kNames = {
 };
 static_assert(kCount <= kMaxTargetRules);
 
-// What moeplan's executor trains (executor/): Mixtral-style models, equal pipeline stages, the
+// What moeplan's executor trains (executor/): Mixtral- and Qwen3-MoE-style models, equal pipeline stages, the
 // Megatron splits it implements. The planner and simulator know more layouts than it runs.
 void check(const RunConfig& c, RuleSink& sink) {
   const ModelSpec& m = c.model;
@@ -41,7 +41,7 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kTrainsMoe, "model.mlp", [&] {
       return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
     });
-  // Mixtral's blocks: no shared experts, no q/k norms, no attention biases, experts in every block.
+  // Mixtral's and Qwen3-MoE's blocks: no shared experts, no attention biases, experts in every block.
   if (m.shared_experts())
     sink(kTrainsMoe, "model.shared_expert_intermediate_size", [&] {
       return "= " + rule_number(m.shared_expert_intermediate_size) +
@@ -53,9 +53,6 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string(
           "= true with dispatcher \"allgather\": the executor pads experts' input in the all-to-all exchange only");
     });
-  if (m.qk_norm)
-    sink(kTrainsMoe, "model.qk_norm",
-         [&] { return std::string("= true: the executor trains Mixtral-style attention, without q/k norms"); });
   if (m.qkv_bias)
     sink(kTrainsMoe, "model.qkv_bias",
          [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });

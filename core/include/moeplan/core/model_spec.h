@@ -217,9 +217,10 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin);
 // Reads either format from a file: a "model_type" field marks a Hugging Face config.
 ModelSpec read_model_file(const std::string& path);
 Json to_json(const ModelSpec& model);
-// A Hugging Face MixtralConfig (config.json) of the model, which model_from_hf_config reads
-// back as the same model (its name as "_name_or_path"); `torch_dtype` as transformers writes
-// it ("float32", "bfloat16").
+// A Hugging Face config.json of the model, which model_from_hf_config reads back as the same
+// model (its name as "_name_or_path"): a Qwen3MoeConfig when the model has q/k norms, else a
+// MixtralConfig; `torch_dtype` as transformers writes it ("float32", "bfloat16"). Throws
+// InputError naming a field neither can say.
 Json to_hf_config(const ModelSpec& model, const std::string& torch_dtype);
 
 // Reads the fields of a model profile from r (used inside plan.json too).

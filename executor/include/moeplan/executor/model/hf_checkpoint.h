@@ -1,9 +1,10 @@
 #pragma once
 // Hugging Face checkpoints: a moeplan checkpoint written as the folder transformers loads as
-// MixtralForCausalLM (config.json, safetensors shards named model-0000k-of-0000n.safetensors
-// with "format": "pt" metadata, and model.safetensors.index.json mapping every tensor to its
-// shard). Parameter names and shapes are Hugging Face's already (mixtral.h), so a parameter is
-// its checkpoint slices put back together, in the dtype it was trained in.
+// MixtralForCausalLM or Qwen3MoeForCausalLM (to_hf_config: config.json, safetensors shards
+// named model-0000k-of-0000n.safetensors with "format": "pt" metadata, and
+// model.safetensors.index.json mapping every tensor to its shard). Parameter shapes are Hugging
+// Face's already and names Mixtral's (mixtral.h, renamed for Qwen3-MoE by hf_parameter_name),
+// so a parameter is its checkpoint slices put back together, in the dtype it was trained in.
 
 #include <cstdint>
 #include <set>
@@ -14,6 +15,11 @@
 #include "moeplan/executor/io/checkpoint.h"
 
 namespace moeplan::executor {
+
+// A parameter's name in the model's Hugging Face folder: moeplan names its parameters as
+// MixtralForCausalLM does (and the q/k norms as Qwen3MoeForCausalLM); Qwen3-MoE calls the
+// sparse block "mlp" and an expert's w1, w3 and w2 gate_proj, up_proj and down_proj.
+std::string hf_parameter_name(const ModelSpec& model, const std::string& name);
 
 struct HfExport {
   std::string checkpoint;          // the step folder exported
@@ -30,10 +36,10 @@ struct HfExport {
 HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& out_dir,
                               int64_t max_shard_bytes = int64_t{5} << 30);
 
-// The start of a run from a Hugging Face Mixtral folder (`run --init-from DIR`): config.json must
-// describe `model` (every shape field equal), and each parameter in `wanted` (all when null) is
-// read from the shard the index (or the single model.safetensors) names, and only those
-// tensors. Each must have the parameter's shape and a floating dtype (F32, BF16, F16, and the
+// The start of a run from a Hugging Face Mixtral or Qwen3-MoE folder (`run --init-from DIR`):
+// config.json must describe `model` (every shape field equal), and each parameter in `wanted`
+// (moeplan's names; all when null) is read from the shard the index (or the single
+// model.safetensors) names, and only those tensors. Each must have the parameter's shape and a floating dtype (F32, BF16, F16, and the
 // one config.json's torch_dtype names); it is converted to `dtype`. The state holds
 // "param/<name>" and zero AdamW moments "exp_avg/<name>", "exp_avg_sq/<name>" in `dtype`, for
 // the trainers' load_state at step 0. Throws InputError naming the file, tensor or field.

@@ -1,7 +1,10 @@
 #pragma once
 // Mixtral exactly as Hugging Face's MixtralForCausalLM defines it: RMSNorm, RoPE, grouped-query
 // attention with an optional sliding window, and the sparse MoE block (bias-free router, fp32
-// softmax, top-k, renormalised weights, SwiGLU experts), with an untied lm head.
+// softmax, top-k, renormalised weights, SwiGLU experts), with an untied lm head. With
+// spec.qk_norm, Qwen3-MoE's attention (Qwen3MoeForCausalLM): an RMSNorm over each head's query
+// and key (head_dim weights q_norm and k_norm, shared by the heads) before the rotary embedding;
+// its sparse block is Mixtral's with the top-k weights renormalised (norm_topk_prob).
 //
 // The model is a list of named parameters (Hugging Face names) plus a forward function over
 // them. Experts are separate parameters so that a rank can hold any subset of them, and every
@@ -13,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moeplan/core/model_spec.h"
@@ -79,10 +83,16 @@ class ParameterSet {
   std::vector<torch::Tensor> tensors_;
 };
 
-// Tensors of one decoder layer, viewed by role.
+// Tensors of one decoder layer, viewed by role. q_norm and k_norm are undefined without
+// spec.qk_norm.
 struct LayerWeights {
-  torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_attention_norm, router;
+  torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_attention_norm, router;
   std::vector<torch::Tensor> w1, w2, w3;  // per expert
+
+  // Binds `t` to the role its name says: the name after "model.layers.<l>.", for example
+  // "self_attn.q_proj.weight" or "block_sparse_moe.experts.3.w1.weight" (expert 3 of those
+  // this layer holds counts from `first_expert`). Throws std::logic_error on a name of no role.
+  void bind(std::string_view role, const torch::Tensor& t, int64_t first_expert = 0);
 };
 
 struct MixtralWeights {
@@ -90,7 +100,7 @@ struct MixtralWeights {
   std::vector<LayerWeights> layers;
   torch::Tensor norm, lm_head;
 
-  // Binds tensors (same order as mixtral_parameters) to their roles.
+  // Binds tensors (one per mixtral_parameters(spec), in its order) to their roles by name.
   static MixtralWeights bind(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors);
 };
 
