@@ -662,8 +662,16 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   accepted["norm_topk_prob"] = false;
   accepted["rope_scaling"] = Json::object({{"type", "yarn"}, {"factor", 4.0}});
   EXPECT_EQ(model_from_hf_config(accepted, "config.json"), model_from_hf_config(qwen3, "config.json"));
-  // A Mixtral config.json cannot hold a Qwen model.
-  EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen3-30b-a3b.json")), "bfloat16"), InputError);
+  // A Qwen3-MoE profile is written as a Qwen3MoeConfig and read back as itself; a Qwen2-MoE one
+  // (a gated shared expert, q/k/v biases) has no config class moeplan writes.
+  const ModelSpec profile = read_model_file(profile_path("models/qwen3-30b-a3b.json"));
+  const Json written = to_hf_config(profile, "bfloat16");
+  EXPECT_EQ(written["architectures"], Json::array({"Qwen3MoeForCausalLM"}));
+  ModelSpec back = model_from_hf_config(written, "config.json");
+  EXPECT_EQ(back.name, profile.name);
+  back.source = profile.source;
+  EXPECT_EQ(back, profile);
+  EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen2-57b-a14b.json")), "bfloat16"), InputError);
 }
 
 // DeepSeek-V2 and V3 configs: latent attention, group-limited routing, sigmoid scores and

@@ -83,6 +83,10 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
       w2.emplace_back(t[at++]);
       w3.emplace_back(t[at++]);
     }
+    // Shared experts (and their sigmoid gate), after the routed ones.
+    std::vector<Mat> shared;
+    if (s.shared_experts())
+      for (int n = 0; n < (s.shared_expert_gate ? 4 : 3); ++n) shared.emplace_back(t[at++]);
     // Attention, token by token.
     std::vector<Vec> q(T), k(T), v(T);
     for (int64_t i = 0; i < T; ++i) {
@@ -142,6 +146,14 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
         for (size_t c = 0; c < a.size(); ++c) act[c] = silu(a[c]) * b[c];
         const Vec y = w2[e].times(act);
         for (int64_t c = 0; c < H; ++c) x[i][c] += p[e] / chosen * y[c];
+      }
+      if (!shared.empty()) {
+        const Vec a = shared[0].times(h), b = shared[2].times(h);
+        Vec act(a.size());
+        for (size_t c = 0; c < a.size(); ++c) act[c] = silu(a[c]) * b[c];
+        const Vec y = shared[1].times(act);
+        const double gate = shared.size() > 3 ? 1 / (1 + std::exp(-shared[3].times(h)[0])) : 1.0;
+        for (int64_t c = 0; c < H; ++c) x[i][c] += gate * y[c];
       }
     }
     ref.expert_load.push_back(load);
@@ -261,6 +273,16 @@ TEST(Mixtral, QkNormMatchesReference) {
   s.qk_norm = true;
   s.experts_per_token = 3;  // fine-grained: more of fewer-wide experts per token
   expect_matches_reference(s, 14);
+}
+
+// Shared experts beside the routed ones, every token through them: ungated (DeepSeek) and
+// gated by a sigmoid (Qwen2-MoE).
+TEST(Mixtral, SharedExpertsMatchReference) {
+  ModelSpec s = small_spec();
+  s.shared_expert_intermediate_size = 40;
+  expect_matches_reference(s, 15);
+  s.shared_expert_gate = true;
+  expect_matches_reference(s, 16);
 }
 
 TEST(Mixtral, MultiQueryAttentionMatchesReference) {

@@ -120,6 +120,33 @@ class Parallel : public ::testing::TestWithParam<Layout> {
     return dir_->write("plan-" + std::string(plan["model"]["name"].get<std::string>()) + "-" + l.name + ".json", plan);
   }
 
+  // `model` (a model file) trained by one rank and by each layout of 4 ranks, 10 steps: the same
+  // losses and routing.
+  static void expect_one_ranks_losses(const std::string& model, const std::string& name,
+                                      const std::vector<Layout>& layouts) {
+    const std::string one_rank = dir_->file(name + "-plan-1.json");
+    const Command made = make_plan(model, one_rank, 64, 256, "fp32", 1);
+    ASSERT_EQ(made.exit_code, 0) << show(made);
+    constexpr int64_t kSteps = 10;
+    auto train = [&](const std::string& plan, const std::string& out) {
+      const Command r = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + out +
+                                    " --steps " + std::to_string(kSteps) + " --timeout 60");
+      EXPECT_EQ(r.exit_code, 0) << show(r);
+      return read_metrics(out);
+    };
+    const std::vector<Json> reference = train(one_rank, dir_->file(name + "-reference"));
+    ASSERT_EQ(reference.size(), static_cast<size_t>(kSteps));
+    for (const Layout& l : layouts) {
+      const std::vector<Json> m = train(plan_for(l, one_rank), dir_->file(name + "-run-" + l.name));
+      ASSERT_EQ(m.size(), static_cast<size_t>(kSteps)) << l.name;
+      for (size_t i = 0; i < m.size(); ++i) {
+        const double a = reference[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
+        EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a)) << l.name << " step " << i + 1 << ": one rank " << a << ", " << b;
+        EXPECT_EQ(m[i]["tokens_per_expert"], reference[i]["tokens_per_expert"]) << l.name << " step " << i + 1;
+      }
+    }
+  }
+
   static TempDir* dir_;
   static std::string model_, reference_plan_;
   static std::vector<Json> reference_;
@@ -260,29 +287,22 @@ INSTANTIATE_TEST_SUITE_P(
 // norms whole for its heads) and over pipeline stages, each trains the one rank's losses and
 // routing.
 TEST_F(Parallel, Qwen3BlocksTrainTheOneRanksLosses) {
-  const std::string model = write_small_model(*dir_, 512, "qwen3-tiny");
-  const std::string one_rank = dir_->file("qwen3-plan-1.json");
-  const Command made = make_plan(model, one_rank, 64, 256, "fp32", 1);
-  ASSERT_EQ(made.exit_code, 0) << show(made);
-  constexpr int64_t kQwenSteps = 10;
-  auto train = [&](const std::string& plan, const std::string& out) {
-    const Command r = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + out + " --steps " +
-                                  std::to_string(kQwenSteps) + " --timeout 60");
-    EXPECT_EQ(r.exit_code, 0) << show(r);
-    return read_metrics(out);
-  };
-  const std::vector<Json> reference = train(one_rank, dir_->file("qwen3-reference"));
-  ASSERT_EQ(reference.size(), static_cast<size_t>(kQwenSteps));
-  for (const Layout& l : {Layout{"E2S2R1_full", 2, 2, "full", false}, Layout{"E2S1T2", 2, 1, "none", false, "alltoall", 2},
-                          Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2}}) {
-    const std::vector<Json> m = train(plan_for(l, one_rank), dir_->file("qwen3-run-" + l.name));
-    ASSERT_EQ(m.size(), static_cast<size_t>(kQwenSteps)) << l.name;
-    for (size_t i = 0; i < m.size(); ++i) {
-      const double a = reference[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
-      EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a)) << l.name << " step " << i + 1 << ": one rank " << a << ", " << b;
-      EXPECT_EQ(m[i]["tokens_per_expert"], reference[i]["tokens_per_expert"]) << l.name << " step " << i + 1;
-    }
-  }
+  expect_one_ranks_losses(write_small_model(*dir_, 512, "qwen3-tiny"), "qwen3",
+                          {Layout{"E2S2R1_full", 2, 2, "full", false}, Layout{"E2S1T2", 2, 1, "none", false, "alltoall", 2},
+                           Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2}});
+}
+
+// Gated shared experts beside mixtral-tiny's routed ones: held whole on every expert rank,
+// split over the tensor-parallel ranks (their width by rows and columns, the gate whole and its
+// gradient summed), recomputed with the MoE sub-block.
+TEST_F(Parallel, SharedExpertsTrainTheOneRanksLosses) {
+  Json model = read_json_file(write_small_model(*dir_, 512));
+  model["name"] = "mixtral-tiny-shared";
+  model["shared_expert_intermediate_size"] = 128;
+  model["shared_expert_gate"] = true;
+  expect_one_ranks_losses(dir_->write("shared.json", model), "shared",
+                          {Layout{"E2S2R1_selective", 2, 2, "selective", false},
+                           Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2}});
 }
 
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the

@@ -262,15 +262,6 @@ const FrameworkRuleCase kCases[] = {
      "torchtitan_models", "model.shared_expert_intermediate_size",
      "= 5632: torchtitan's shared experts are whole experts of the routed width (intermediate_size = 14336)",
      "5632"},
-    {"ExecutorModeSharedExperts",
-     [](Scenario& s) {
-       s.target = test::framework_rules("moeplan");
-       s.model.shared_expert_intermediate_size = 5632;
-     },
-     "executor_trains_moe", "model.shared_expert_intermediate_size",
-     "= 5632: the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)", "5632"},
-    // The base's E2 S8 with T2 folded into the expert group: E2 is the two tensor ranks, and
-    // the mesh's E dimension is 1 (S8 x 1 x T2 = 16).
     {"ExecutorFoldsNoTensorRanks",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
@@ -403,13 +394,6 @@ const FrameworkRuleCase kCases[] = {
        s.model.router_groups = 2;
      },
      "torchtitan_models", "model.router_groups", "= 2: torchtitan routes within groups in its deepseek_v3 only", "= 2"},
-    {"ExecutorModeQkNorm",
-     [](Scenario& s) {
-       s.target = test::framework_rules("moeplan");
-       s.model.qk_norm = true;
-     },
-     "executor_trains_moe", "model.qk_norm", "= true: the executor trains Mixtral-style attention, without q/k norms",
-     "true"},
     {"ExecutorModeGeluModel",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

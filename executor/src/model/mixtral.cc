@@ -50,6 +50,14 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
       matrix(expert + "w2.weight", {h, ffn}, block, e);
       matrix(expert + "w3.weight", {ffn, h}, block, e);
     }
+    if (spec.shared_experts()) {
+      const int64_t width = spec.shared_expert_intermediate_size;
+      const std::string shared = prefix + "block_sparse_moe.shared_experts.";
+      matrix(shared + "w1.weight", {width, h}, block);
+      matrix(shared + "w2.weight", {h, width}, block);
+      matrix(shared + "w3.weight", {width, h}, block);
+      if (spec.shared_expert_gate) matrix(prefix + "block_sparse_moe.shared_expert_gate.weight", {1, h}, block);
+    }
   }
   norm("model.norm.weight", layers + 1, h);
   matrix("lm_head.weight", {spec.vocab_size, h}, layers + 1);
@@ -180,7 +188,11 @@ void LayerWeights::bind(std::string_view role, const torch::Tensor& t, int64_t f
       {"self_attn.q_norm.weight", &LayerWeights::q_norm},
       {"self_attn.k_norm.weight", &LayerWeights::k_norm},
       {"post_attention_layernorm.weight", &LayerWeights::post_attention_norm},
-      {"block_sparse_moe.gate.weight", &LayerWeights::router}};
+      {"block_sparse_moe.gate.weight", &LayerWeights::router},
+      {"block_sparse_moe.shared_experts.w1.weight", &LayerWeights::shared_w1},
+      {"block_sparse_moe.shared_experts.w2.weight", &LayerWeights::shared_w2},
+      {"block_sparse_moe.shared_experts.w3.weight", &LayerWeights::shared_w3},
+      {"block_sparse_moe.shared_expert_gate.weight", &LayerWeights::shared_gate}};
   for (const auto& [name, member] : roles)
     if (role == name) {
       this->*member = t;
@@ -258,6 +270,11 @@ torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::Scala
 torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
                          const torch::Tensor& w3) {
   return torch::matmul(torch::silu(torch::matmul(in, w1.t())) * torch::matmul(in, w3.t()), w2.t());
+}
+
+torch::Tensor shared_experts(const LayerWeights& w, const torch::Tensor& x) {
+  const torch::Tensor out = expert_ffn(x, w.shared_w1, w.shared_w2, w.shared_w3);
+  return w.shared_gate.defined() ? out * torch::sigmoid(torch::matmul(x, w.shared_gate.t())) : out;
 }
 
 int64_t expert_row_multiple(const torch::Tensor& rows) {
@@ -373,8 +390,11 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
         out.top_k.push_back(chosen.top_k);
         return chosen;
       };
-    x = x + sparse_moe(spec, layer, rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps), moe, router_logits,
-                       out.tokens_per_expert[l], out.dropped_slots[l], replay_layer);
+    const torch::Tensor normed = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps);
+    torch::Tensor y = sparse_moe(spec, layer, normed, moe, router_logits, out.tokens_per_expert[l],
+                                 out.dropped_slots[l], replay_layer);
+    if (layer.shared_w1.defined()) y = y + shared_experts(layer, normed);
+    x = x + y;
     out.router_logits.push_back(router_logits);
     note_nonfinite(out, l, x);
   }

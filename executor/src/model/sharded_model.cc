@@ -276,6 +276,17 @@ std::vector<torch::Tensor> ShardedModel::checkpoint(BlockFn fn, const std::vecto
 // ---------------------------------------------------------------------------------------------
 // The forward pass.
 
+namespace {
+
+// The routed experts' output plus the shared experts' on the same normed input, where the model
+// has them. Under tensor parallelism each T rank's shared experts are its part of their width,
+// so their output is a partial sum like the routed experts', reduce-scattered with it.
+torch::Tensor with_shared(const torch::Tensor& routed, const LayerWeights& w, const torch::Tensor& normed) {
+  return w.shared_w1.defined() ? routed + shared_experts(w, normed) : routed;
+}
+
+}  // namespace
+
 LayerWeights ShardedModel::dense_weights(const Gathered& dense) const {
   LayerWeights w;
   const FlatUnit& u = units_[dense.unit];
@@ -350,9 +361,9 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
                                       rope_, mask_));
       torch::Tensor router_logits;
+      const torch::Tensor normed = gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps));
       const torch::Tensor moe_out =
-          moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)), w.router, experts, true,
-              router_logits, shuffle_seed);
+          with_shared(moe(l, normed, w.router, experts, true, router_logits, shuffle_seed), w, normed);
       out.router_logits.push_back(router_logits);
       counts.copy_(tokens_per_expert_);
       dropped.fill_(dropped_slots_);
@@ -368,19 +379,31 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
                                       rope_, mask_));
+      // The shared experts' weights are inputs too, after the router's: their gradients come back.
       BlockFn fn = [this, l, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in,
                                                                          bool recompute) {
         const Gathered experts = gather(expert_unit);
         torch::Tensor router_logits;
-        const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps)), in[2],
-                                          experts, !recompute, router_logits, shuffle_seed);
+        LayerWeights shared;
+        if (in.size() > 3) {
+          shared.shared_w1 = in[3];
+          shared.shared_w2 = in[4];
+          shared.shared_w3 = in[5];
+          if (in.size() > 6) shared.shared_gate = in[6];
+        }
+        const torch::Tensor normed = gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps));
+        const torch::Tensor moe_out =
+            with_shared(moe(l, normed, in[2], experts, !recompute, router_logits, shuffle_seed), shared, normed);
         if (!recompute) {
           counts.copy_(tokens_per_expert_);
           dropped.fill_(dropped_slots_);
         }
         return std::vector<torch::Tensor>{in[0] + scatter_sequence(moe_out), router_logits};
       };
-      const std::vector<torch::Tensor> outs = checkpoint(fn, {h, w.post_attention_norm, w.router}, l);
+      std::vector<torch::Tensor> inputs{h, w.post_attention_norm, w.router};
+      for (const torch::Tensor& t : {w.shared_w1, w.shared_w2, w.shared_w3, w.shared_gate})
+        if (t.defined()) inputs.push_back(t);
+      const std::vector<torch::Tensor> outs = checkpoint(fn, inputs, l);
       out.router_logits.push_back(outs[1]);
       release(dense);
       return regather_in_backward(outs[0], {dense});
@@ -396,8 +419,9 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
                                             gather_sequence(rms_norm(in[0], w.input_norm, spec.rms_norm_eps)), rope_,
                                             mask_));
         torch::Tensor router_logits;
-        const torch::Tensor moe_out = moe(l, gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps)),
-                                          w.router, experts, !recompute, router_logits, shuffle_seed);
+        const torch::Tensor normed = gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps));
+        const torch::Tensor moe_out =
+            with_shared(moe(l, normed, w.router, experts, !recompute, router_logits, shuffle_seed), w, normed);
         if (!recompute) {
           counts.copy_(tokens_per_expert_);
           dropped.fill_(dropped_slots_);

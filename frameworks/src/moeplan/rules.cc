@@ -41,12 +41,8 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kTrainsMoe, "model.mlp", [&] {
       return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
     });
-  // Mixtral's and Qwen3-MoE's blocks: no shared experts, no attention biases, experts in every block.
-  if (m.shared_experts())
-    sink(kTrainsMoe, "model.shared_expert_intermediate_size", [&] {
-      return "= " + rule_number(m.shared_expert_intermediate_size) +
-             ": the executor trains Mixtral-style blocks, without shared experts (planned and simulated only)";
-    });
+  // Mixtral's and Qwen3-MoE's blocks, with shared experts beside the routed ones: no attention
+  // biases, experts in every block.
   // The executor drops at capacity with either dispatcher; it pads in the all-to-all only.
   if (c.moe.capacity_factor > 0 && c.moe.pad_to_capacity && c.moe.dispatcher == Dispatcher::kAllGather)
     sink(kTrainsMoe, "moe.pad_to_capacity", [&] {

@@ -4,7 +4,10 @@
 // softmax, top-k, renormalised weights, SwiGLU experts), with an untied lm head. With
 // spec.qk_norm, Qwen3-MoE's attention (Qwen3MoeForCausalLM): an RMSNorm over each head's query
 // and key (head_dim weights q_norm and k_norm, shared by the heads) before the rotary embedding;
-// its sparse block is Mixtral's with the top-k weights renormalised (norm_topk_prob).
+// its sparse block is Mixtral's with the top-k weights renormalised (norm_topk_prob). With
+// spec.shared_experts(), a SwiGLU feed-forward layer every token passes beside the routed
+// experts (block_sparse_moe.shared_experts.w1/w2/w3, optionally gated by a sigmoid of
+// block_sparse_moe.shared_expert_gate, as Qwen2-MoE gates its shared expert).
 //
 // The model is a list of named parameters (Hugging Face names) plus a forward function over
 // them. Experts are separate parameters so that a rank can hold any subset of them, and every
@@ -84,10 +87,12 @@ class ParameterSet {
 };
 
 // Tensors of one decoder layer, viewed by role. q_norm and k_norm are undefined without
-// spec.qk_norm.
+// spec.qk_norm, the shared experts' without spec.shared_experts() (their gate without
+// spec.shared_expert_gate).
 struct LayerWeights {
   torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_attention_norm, router;
   std::vector<torch::Tensor> w1, w2, w3;  // per expert
+  torch::Tensor shared_w1, shared_w2, shared_w3, shared_gate;
 
   // Binds `t` to the role its name says: the name after "model.layers.<l>.", for example
   // "self_attn.q_proj.weight" or "block_sparse_moe.experts.3.w1.weight" (expert 3 of those
@@ -162,6 +167,10 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
 // One SwiGLU expert on rows [n, hidden]: w2(silu(w1 x) * w3 x).
 torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
                          const torch::Tensor& w3);
+// The shared experts of a block (Qwen2-MoE, DeepSeek) on its normed input x [..., hidden], every
+// token: one SwiGLU feed-forward layer of all of them together, times sigmoid(gate x) where the
+// model gates it (Qwen2-MoE).
+torch::Tensor shared_experts(const LayerWeights& w, const torch::Tensor& x);
 // Experts on rows [n, hidden] grouped by expert (rows_per_expert of each, in order), each
 // expert's weights given by `weights`: their outputs in the rows' order. Each group runs as one
 // matrix multiply per weight, its rows padded to expert_row_multiple() where the CPU's 16-bit
