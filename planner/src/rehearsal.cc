@@ -39,6 +39,9 @@ ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t voc
   ModelSpec m = model;
   m.hidden_size = divides("hidden_size", model.hidden_size, w);
   m.intermediate_size = divides("intermediate_size", model.intermediate_size, w);
+  m.shared_expert_intermediate_size =
+      divides("shared_expert_intermediate_size", model.shared_expert_intermediate_size, w);
+  m.dense_intermediate_size = divides("dense_intermediate_size", model.dense_intermediate_size, w);
   m.head_dim = divides("head_dim", model.head_dim, dim_by);
   m.num_attention_heads = model.num_attention_heads / heads_by;
   m.num_key_value_heads = model.num_key_value_heads / heads_by;
@@ -47,7 +50,7 @@ ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t voc
   m.vocab_size = vocab_size;
   m.max_position_embeddings = std::max(model.max_position_embeddings, seq_len);
   m.name = model.name + "-rehearsal";
-  m.source = model.name + " with hidden, intermediate and head sizes / " + str(w) + ", " + str(shrink.layers) +
+  m.source = model.name + " with hidden, feed-forward and head sizes / " + str(w) + ", " + str(shrink.layers) +
              " of " + str(model.num_layers) + " layers and the local data's " + str(vocab_size) +
              "-piece vocabulary (moeplan run --rehearse)";
   return m;

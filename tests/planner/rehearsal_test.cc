@@ -45,6 +45,14 @@ TEST(Rehearsal, MixtralShrinksByWidthAndKeepsExpertsAndTopK) {
   EXPECT_EQ(m.experts_per_token, full.experts_per_token);
   EXPECT_EQ(m.rope_theta, full.rope_theta);
   EXPECT_TRUE(validate_model(m).empty());
+  // Shared experts and Qwen3's q/k norms: the shared width shrinks with the experts'.
+  ModelSpec shared = full;
+  shared.shared_expert_intermediate_size = 28672;
+  shared.qk_norm = true;
+  const ModelSpec small = shrink_model(shared, {32, 2}, 512, 64);
+  EXPECT_EQ(small.shared_expert_intermediate_size, 896);
+  EXPECT_TRUE(small.qk_norm);
+  EXPECT_TRUE(validate_model(small).empty());
   // Width 1 changes only layers and vocabulary.
   const ModelSpec same = shrink_model(full, {1, 32}, full.vocab_size, 2048);
   EXPECT_EQ(same.hidden_size, full.hidden_size);
