@@ -94,6 +94,10 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
   }
   d.throw_if_any(out.checkpoint);
 
+  // The config first: a model no config class can say is refused before any file is written.
+  const torch::ScalarType dtype = tensors.empty() ? torch::kFloat : tensors.front().second.scalar_type();
+  const Json config = to_hf_config(spec, torch_dtype_name(dtype));
+
   // Shards of whole tensors in the model's order.
   std::vector<NamedTensors> shards(1);
   int64_t in_shard = 0;
@@ -124,8 +128,7 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
   index["weight_map"] = weight_map;
   write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
   out.files.push_back("model.safetensors.index.json");
-  const torch::ScalarType dtype = shards.front().empty() ? torch::kFloat : shards.front().front().second.scalar_type();
-  write_file_atomic((fs::path(out_dir) / "config.json").string(), to_hf_config(spec, torch_dtype_name(dtype)).dump(2) + "\n");
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
   out.files.push_back("config.json");
   return out;
 }

@@ -26,8 +26,9 @@ constexpr std::array<std::string_view, kCount> kNames = {
 };
 static_assert(kCount <= kMaxTargetRules);
 
-// What moeplan's executor trains (executor/): Mixtral- and Qwen3-MoE-style models, equal pipeline stages, the
-// Megatron splits it implements. The planner and simulator know more layouts than it runs.
+// What moeplan's executor trains (executor/): Mixtral- and Qwen3-MoE-style models with or
+// without shared experts, equal pipeline stages, the Megatron splits it implements. The planner
+// and simulator know more layouts than it runs.
 void check(const RunConfig& c, RuleSink& sink) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
@@ -41,14 +42,14 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kTrainsMoe, "model.mlp", [&] {
       return "= \"" + std::string(name_of(kMlpNames, m.mlp)) + "\": the executor trains SwiGLU feed-forward layers only";
     });
-  // Mixtral's and Qwen3-MoE's blocks, with shared experts beside the routed ones: no attention
-  // biases, experts in every block.
   // The executor drops at capacity with either dispatcher; it pads in the all-to-all only.
   if (c.moe.capacity_factor > 0 && c.moe.pad_to_capacity && c.moe.dispatcher == Dispatcher::kAllGather)
     sink(kTrainsMoe, "moe.pad_to_capacity", [&] {
       return std::string(
           "= true with dispatcher \"allgather\": the executor pads experts' input in the all-to-all exchange only");
     });
+  // Mixtral's and Qwen3-MoE's blocks: no attention biases, no latent attention, experts in every
+  // block.
   if (m.qkv_bias)
     sink(kTrainsMoe, "model.qkv_bias",
          [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });

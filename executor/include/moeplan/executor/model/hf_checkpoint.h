@@ -39,8 +39,9 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
 // The start of a run from a Hugging Face Mixtral or Qwen3-MoE folder (`run --init-from DIR`):
 // config.json must describe `model` (every shape field equal), and each parameter in `wanted`
 // (moeplan's names; all when null) is read from the shard the index (or the single
-// model.safetensors) names, and only those tensors. Each must have the parameter's shape and a floating dtype (F32, BF16, F16, and the
-// one config.json's torch_dtype names); it is converted to `dtype`. The state holds
+// model.safetensors) names, and only those tensors. Each must have the parameter's shape and a
+// floating dtype (F32, BF16, F16, and the one config.json's torch_dtype names); it is converted
+// to `dtype`. The state holds
 // "param/<name>" and zero AdamW moments "exp_avg/<name>", "exp_avg_sq/<name>" in `dtype`, for
 // the trainers' load_state at step 0. Throws InputError naming the file, tensor or field.
 SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, torch::ScalarType dtype,
