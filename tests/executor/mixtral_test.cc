@@ -76,16 +76,21 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
       const Vec one(all.begin() + head * hd, all.begin() + (head + 1) * hd);
       return s.qk_norm ? rms_norm(one, norm, s.rms_norm_eps) : one;
     };
-    const Mat ln2(t[at++]), gate(t[at++]);
+    const Mat ln2(t[at++]);
+    // A dense block: one SwiGLU feed-forward layer, no router.
+    const bool moe = s.moe_layer(l);
+    std::vector<Mat> dense;
+    for (int n = 0; !moe && n < 3; ++n) dense.emplace_back(t[at++]);
+    const Mat gate(moe ? t[at++] : torch::zeros({1, 1}));
     std::vector<Mat> w1, w2, w3;
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; moe && e < E; ++e) {
       w1.emplace_back(t[at++]);
       w2.emplace_back(t[at++]);
       w3.emplace_back(t[at++]);
     }
     // Shared experts (and their sigmoid gate), after the routed ones.
     std::vector<Mat> shared;
-    if (s.shared_experts())
+    if (moe && s.shared_experts())
       for (int n = 0; n < (s.shared_expert_gate ? 4 : 3); ++n) shared.emplace_back(t[at++]);
     // Attention, token by token.
     std::vector<Vec> q(T), k(T), v(T);
@@ -123,6 +128,18 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
     }
     for (int64_t i = 0; i < T; ++i)
       for (int64_t c = 0; c < H; ++c) x[i][c] += attn_out[i][c];
+    if (!moe) {
+      const Mat &d1 = dense[0], &d2 = dense[1], &d3 = dense[2];
+      for (int64_t i = 0; i < T; ++i) {
+        const Vec h = rms_norm(x[i], ln2, s.rms_norm_eps);
+        const Vec a = d1.times(h), b = d3.times(h);
+        Vec act(a.size());
+        for (size_t c = 0; c < a.size(); ++c) act[c] = silu(a[c]) * b[c];
+        const Vec y = d2.times(act);
+        for (int64_t c = 0; c < H; ++c) x[i][c] += y[c];
+      }
+      continue;
+    }
     // Sparse MoE, token by token, expert by expert.
     std::vector<int64_t> load(static_cast<size_t>(E), 0);
     for (int64_t i = 0; i < T; ++i) {
@@ -199,7 +216,8 @@ void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
   const torch::Tensor ids = torch::randint(s.vocab_size, {B, T}, torch::kLong);
   const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
   ASSERT_EQ(out.logits.sizes(), (std::vector<int64_t>{B, T, s.vocab_size}));
-  std::vector<std::vector<int64_t>> load(s.num_layers, std::vector<int64_t>(s.num_experts, 0));
+  // Token counts of the blocks with experts (a dense block has none).
+  std::vector<std::vector<int64_t>> load(s.moe_layers(), std::vector<int64_t>(s.num_experts, 0));
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int64_t> seq(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + T);
     const Reference ref = reference_forward(s, p.tensors(), seq);
@@ -207,10 +225,11 @@ void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
       for (int64_t v = 0; v < s.vocab_size; ++v)
         ASSERT_NEAR(out.logits[b][i][v].item<double>(), ref.logits[i][v], 1e-5)
             << "sequence " << b << " token " << i << " vocab " << v;
-    for (int64_t l = 0; l < s.num_layers; ++l)
+    ASSERT_EQ(ref.expert_load.size(), load.size());
+    for (size_t l = 0; l < load.size(); ++l)
       for (int64_t e = 0; e < s.num_experts; ++e) load[l][e] += ref.expert_load[l][e];
   }
-  for (int64_t l = 0; l < s.num_layers; ++l)
+  for (int64_t l = 0; l < s.moe_layers(); ++l)
     for (int64_t e = 0; e < s.num_experts; ++e)
       EXPECT_EQ(out.tokens_per_expert[l][e].item<int64_t>(), load[l][e]) << "layer " << l << " expert " << e;
 }
@@ -283,6 +302,24 @@ TEST(Mixtral, SharedExpertsMatchReference) {
   expect_matches_reference(s, 15);
   s.shared_expert_gate = true;
   expect_matches_reference(s, 16);
+}
+
+// Dense blocks among the MoE blocks: DeepSeek's first block (with shared experts in the others),
+// and Qwen2-MoE's every other block (blocks 1 and 3 with experts).
+TEST(Mixtral, DenseBlocksMatchReference) {
+  ModelSpec s = small_spec();
+  s.num_layers = 3;
+  s.first_dense_layers = 1;
+  s.dense_intermediate_size = 36;
+  s.shared_expert_intermediate_size = 24;
+  expect_matches_reference(s, 17);
+  s = small_spec();
+  s.num_layers = 4;
+  s.moe_layer_step = 2;
+  s.moe_layer_offset = 1;
+  s.dense_intermediate_size = 36;
+  ASSERT_EQ(s.moe_layers(), 2);
+  expect_matches_reference(s, 18);
 }
 
 TEST(Mixtral, MultiQueryAttentionMatchesReference) {

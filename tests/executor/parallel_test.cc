@@ -305,6 +305,22 @@ TEST_F(Parallel, SharedExpertsTrainTheOneRanksLosses) {
                            Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2}});
 }
 
+// DeepSeekMoE's blocks on mixtral-tiny's sizes: a dense first block, shared experts beside the
+// routed ones in the other three. The dense block's feed-forward layer is split over tensor
+// ranks like a shared expert and lies on the first pipeline stage; its empty experts unit is
+// held by no rank.
+TEST_F(Parallel, DenseBlocksTrainTheOneRanksLosses) {
+  Json model = read_json_file(write_small_model(*dir_, 512));
+  model["name"] = "mixtral-tiny-dense-first";
+  model["first_dense_layers"] = 1;
+  model["dense_intermediate_size"] = 512;
+  model["shared_expert_intermediate_size"] = 128;
+  expect_one_ranks_losses(dir_->write("dense-first.json", model), "dense",
+                          {Layout{"E2S2R1_full", 2, 2, "full", false},
+                           Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
+                           Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+}
+
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
 // exchange, as Megatron-Core does. A rank of these layouts routes one sequence per micro-batch,
 // as the one rank does, so the same slots are dropped and the layouts train the one rank's

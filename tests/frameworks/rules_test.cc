@@ -274,14 +274,6 @@ const FrameworkRuleCase kCases[] = {
      "= 1 with tensor_parallel_degree = 2: the executor splits every expert over the tensor-parallel ranks "
      "(planned and simulated only; megatron and torchtitan fold them into the expert group)",
      "= 1"},
-    {"ExecutorModeDenseBlocks",
-     [](Scenario& s) {
-       s.target = test::framework_rules("moeplan");
-       s.model.first_dense_layers = 1;
-       s.model.dense_intermediate_size = 14336;
-     },
-     "executor_trains_moe", "model.first_dense_layers",
-     "= 1 with moe_layer_step = 1: the executor trains experts in every block, without dense blocks among them", "= 1"},
     {"SmpDenseBlocks",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");

@@ -43,6 +43,13 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
       norm(prefix + "self_attn.k_norm.weight", block, hd);
     }
     norm(prefix + "post_attention_layernorm.weight", block, h);
+    if (!spec.moe_layer(l)) {  // a dense block
+      const int64_t width = spec.dense_intermediate_size;
+      matrix(prefix + "mlp.w1.weight", {width, h}, block);
+      matrix(prefix + "mlp.w2.weight", {h, width}, block);
+      matrix(prefix + "mlp.w3.weight", {width, h}, block);
+      continue;
+    }
     matrix(prefix + "block_sparse_moe.gate.weight", {spec.num_experts, h}, block);
     for (int64_t e = 0; e < spec.num_experts; ++e) {
       const std::string expert = prefix + "block_sparse_moe.experts." + std::to_string(e) + ".";
@@ -192,7 +199,10 @@ void LayerWeights::bind(std::string_view role, const torch::Tensor& t, int64_t f
       {"block_sparse_moe.shared_experts.w1.weight", &LayerWeights::shared_w1},
       {"block_sparse_moe.shared_experts.w2.weight", &LayerWeights::shared_w2},
       {"block_sparse_moe.shared_experts.w3.weight", &LayerWeights::shared_w3},
-      {"block_sparse_moe.shared_expert_gate.weight", &LayerWeights::shared_gate}};
+      {"block_sparse_moe.shared_expert_gate.weight", &LayerWeights::shared_gate},
+      {"mlp.w1.weight", &LayerWeights::dense_w1},
+      {"mlp.w2.weight", &LayerWeights::dense_w2},
+      {"mlp.w3.weight", &LayerWeights::dense_w3}};
   for (const auto& [name, member] : roles)
     if (role == name) {
       this->*member = t;
@@ -374,9 +384,10 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   const Rope rope = rope_tables(spec, t, dtype, input_ids.device());
   const torch::Tensor mask = attention_mask_bias(spec, t, dtype, input_ids.device());
   ForwardResult out;
+  const int64_t moe_layers = spec.moe_layers();
   out.tokens_per_expert =
-      torch::zeros({spec.num_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
-  out.dropped_slots = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
+      torch::zeros({moe_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
+  out.dropped_slots = torch::zeros({moe_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
   out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
   torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
   for (int64_t l = 0; l < spec.num_layers; ++l) {
@@ -391,8 +402,14 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
         return chosen;
       };
     const torch::Tensor normed = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps);
-    torch::Tensor y = sparse_moe(spec, layer, normed, moe, router_logits, out.tokens_per_expert[l],
-                                 out.dropped_slots[l], replay_layer);
+    if (!layer.has_experts()) {
+      x = x + expert_ffn(normed, layer.dense_w1, layer.dense_w2, layer.dense_w3);
+      note_nonfinite(out, l, x);
+      continue;
+    }
+    const int64_t m = spec.moe_layers_in(0, l);
+    torch::Tensor y = sparse_moe(spec, layer, normed, moe, router_logits, out.tokens_per_expert[m],
+                                 out.dropped_slots[m], replay_layer);
     if (layer.shared_w1.defined()) y = y + shared_experts(layer, normed);
     x = x + y;
     out.router_logits.push_back(router_logits);

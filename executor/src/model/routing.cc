@@ -184,6 +184,7 @@ SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, cons
 
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
                                   const std::vector<torch::Tensor>& top_k) {
+  if (router_logits.empty()) return torch::zeros({}, torch::kFloat);  // blocks without experts only
   const torch::Tensor logits = torch::cat(router_logits, 0);
   const int64_t experts = logits.size(1);
   const torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
@@ -195,6 +196,7 @@ torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logit
 }
 
 torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits) {
+  if (router_logits.empty()) return torch::zeros({}, torch::kFloat);
   const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
   return torch::logsumexp(logits, -1).square().mean();
 }

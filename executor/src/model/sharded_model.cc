@@ -71,8 +71,9 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
   torch::NoGradGuard no_grad;
   for (const FlatUnit& u : units_) {
     // The stage of a unit: virtual stage v (of P x V) is chunk v / P of pipeline rank v % P.
+    // A dense block's experts unit is empty: held by no rank, like another stage's units.
     const int64_t layer = std::clamp<int64_t>(u.block - 1, 0, plan.model.num_layers - 1);
-    held_.push_back(layer / layers_per_chunk_ % pp_ == pp_rank_);
+    held_.push_back(u.numel > 0 && layer / layers_per_chunk_ % pp_ == pp_rank_);
     if (!held_.back()) {
       shards_.push_back(torch::zeros({0}, torch::TensorOptions().dtype(master_type_)).requires_grad_(true));
       decay_masks_.push_back(torch::zeros({0}, torch::kBool));
@@ -311,8 +312,8 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
   ForwardResult out;
-  out.tokens_per_expert = torch::zeros({spec.num_layers, spec.num_experts}, torch::kLong);
-  out.dropped_slots = torch::zeros({spec.num_layers}, torch::kLong);
+  out.tokens_per_expert = torch::zeros({spec.moe_layers(), spec.num_experts}, torch::kLong);
+  out.dropped_slots = torch::zeros({spec.moe_layers()}, torch::kLong);
   out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::kLong);
   torch::Tensor x;
   // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
@@ -350,9 +351,11 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
 torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed) {
   const ModelSpec& spec = plan_.model;
   const size_t dense_unit = static_cast<size_t>(1 + 2 * l), expert_unit = dense_unit + 1;
-  torch::Tensor counts = out.tokens_per_expert[l], dropped = out.dropped_slots[l];
   // This block's units were started by the one before; the next block's move while it computes.
   prefetch_block(l + 1);
+  if (!spec.moe_layer(l)) return dense_block(l, x);
+  const int64_t m = spec.moe_layers_in(0, l);
+  torch::Tensor counts = out.tokens_per_expert[m], dropped = out.dropped_slots[m];
   switch (plan_.parallel.activation_checkpointing) {
     case Checkpointing::kNone: {
       const Gathered dense = gather(dense_unit), experts = gather(expert_unit);
@@ -438,6 +441,49 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
   }
   assert(false && "attention_core or latent_up checkpointing reached the executor");
   return x;
+}
+
+// A dense block (no router, no experts): attention, then one feed-forward layer split over the
+// tensor-parallel ranks like a shared expert (w1 and w3 by rows, w2 by columns), recomputed as
+// the plan says (selective: the feed-forward sub-block; full: the whole block).
+torch::Tensor ShardedModel::dense_block(int64_t l, const torch::Tensor& x) {
+  const size_t dense_unit = static_cast<size_t>(1 + 2 * l);
+  const Checkpointing recompute = plan_.parallel.activation_checkpointing;
+  auto attention_part = [this](const torch::Tensor& in, const LayerWeights& w) {
+    const ModelSpec& spec = plan_.model;
+    return in + scatter_sequence(
+                    attention(local_spec_, w, gather_sequence(rms_norm(in, w.input_norm, spec.rms_norm_eps)), rope_, mask_));
+  };
+  // in: the block's input (full) or the attention's output (selective), then the
+  // post-attention norm and the three matrices.
+  auto feed_forward = [this](const torch::Tensor& h, const torch::Tensor& norm, const torch::Tensor& w1,
+                             const torch::Tensor& w2, const torch::Tensor& w3) {
+    const torch::Tensor normed = gather_sequence(rms_norm(h, norm, plan_.model.rms_norm_eps));
+    return h + scatter_sequence(expert_ffn(normed, w1, w2, w3));
+  };
+  if (recompute == Checkpointing::kFull) {
+    BlockFn fn = [this, dense_unit, attention_part, feed_forward](const std::vector<torch::Tensor>& in, bool) {
+      const Gathered dense = gather(dense_unit);
+      const LayerWeights w = dense_weights(dense);
+      return std::vector<torch::Tensor>{
+          feed_forward(attention_part(in[0], w), w.post_attention_norm, w.dense_w1, w.dense_w2, w.dense_w3)};
+    };
+    return checkpoint(fn, {x}, l)[0];
+  }
+  const Gathered dense = gather(dense_unit);
+  const LayerWeights w = dense_weights(dense);
+  const torch::Tensor h = attention_part(x, w);
+  torch::Tensor y;
+  if (recompute == Checkpointing::kSelective) {
+    BlockFn fn = [feed_forward](const std::vector<torch::Tensor>& in, bool) {
+      return std::vector<torch::Tensor>{feed_forward(in[0], in[1], in[2], in[3], in[4])};
+    };
+    y = checkpoint(fn, {h, w.post_attention_norm, w.dense_w1, w.dense_w2, w.dense_w3}, l)[0];
+  } else {
+    y = feed_forward(h, w.post_attention_norm, w.dense_w1, w.dense_w2, w.dense_w3);
+  }
+  release(dense);
+  return regather_in_backward(y, {dense});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -96,14 +96,14 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
-  // Token-expert slots by [expert group][micro-batch][layer][expert], each rank adding its
+  // Token-expert slots by [expert group][micro-batch][block with experts][expert], each rank adding its
   // tokens' routing to its own group's micro-batch; summed over the world after the step.
   const int64_t groups = mesh_.layout().world_size() / (mesh_.pipeline.size() * mesh_.expert.size() * mesh_.tensor.size());
-  torch::Tensor counts = torch::zeros({groups, ga, spec.num_layers, spec.num_experts}, torch::kLong);
+  torch::Tensor counts = torch::zeros({groups, ga, spec.moe_layers(), spec.num_experts}, torch::kLong);
   torch::Tensor mine = counts[mesh_.coords().r * mesh_.shard.size() + mesh_.coords().s];
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
   nonfinite_layers_ = torch::zeros({spec.num_layers}, torch::kLong);
-  dropped_slots_ = torch::zeros({spec.num_layers}, torch::kLong);
+  dropped_slots_ = torch::zeros({spec.moe_layers()}, torch::kLong);
   if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, mine, sums);
   for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];

@@ -147,7 +147,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   const MixtralWeights weights = MixtralWeights::bind(spec, compute);
   int64_t micro_batch = 0;
   std::vector<torch::Tensor> per_micro_batch;  // tokens_per_expert of each, read once at the end
-  torch::Tensor dropped = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(device_));
+  torch::Tensor dropped = torch::zeros({spec.moe_layers()}, torch::dtype(torch::kLong).device(device_));
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();

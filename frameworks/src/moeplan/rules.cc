@@ -27,7 +27,7 @@ constexpr std::array<std::string_view, kCount> kNames = {
 static_assert(kCount <= kMaxTargetRules);
 
 // What moeplan's executor trains (executor/): Mixtral- and Qwen3-MoE-style models with or
-// without shared experts, equal pipeline stages, the Megatron splits it implements. The planner
+// without shared experts and dense blocks, equal pipeline stages, the Megatron splits it implements. The planner
 // and simulator know more layouts than it runs.
 void check(const RunConfig& c, RuleSink& sink) {
   const ModelSpec& m = c.model;
@@ -48,8 +48,8 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string(
           "= true with dispatcher \"allgather\": the executor pads experts' input in the all-to-all exchange only");
     });
-  // Mixtral's and Qwen3-MoE's blocks: no attention biases, no latent attention, experts in every
-  // block.
+  // Mixtral's and Qwen3-MoE's blocks (dense blocks among them): no attention biases, no latent
+  // attention.
   if (m.qkv_bias)
     sink(kTrainsMoe, "model.qkv_bias",
          [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });
@@ -70,11 +70,6 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (m.mtp_layers > 0)
     sink(kTrainsMoe, "model.mtp_layers", [&] {
       return "= " + rule_number(m.mtp_layers) + ": the executor trains next-token prediction only";
-    });
-  if (m.has_dense_layers())
-    sink(kTrainsMoe, "model.first_dense_layers", [&] {
-      return "= " + rule_number(m.first_dense_layers) + " with moe_layer_step = " + rule_number(m.moe_layer_step) +
-             ": the executor trains experts in every block, without dense blocks among them";
     });
   // Pipeline stages: the router's losses are reported across stages but not trained through
   // them, and offloaded block inputs are kept per block, not per micro-batch in flight.

@@ -7,7 +7,10 @@
 // its sparse block is Mixtral's with the top-k weights renormalised (norm_topk_prob). With
 // spec.shared_experts(), a SwiGLU feed-forward layer every token passes beside the routed
 // experts (block_sparse_moe.shared_experts.w1/w2/w3, optionally gated by a sigmoid of
-// block_sparse_moe.shared_expert_gate, as Qwen2-MoE gates its shared expert).
+// block_sparse_moe.shared_expert_gate, as Qwen2-MoE gates its shared expert). Blocks the model
+// makes dense (spec.moe_layer(l) false: DeepSeek's first_k_dense_replace, Qwen2-MoE's
+// decoder_sparse_step) have one SwiGLU feed-forward layer of dense_intermediate_size instead of
+// the sparse block (mlp.w1/w2/w3), and no router.
 //
 // The model is a list of named parameters (Hugging Face names) plus a forward function over
 // them. Experts are separate parameters so that a rank can hold any subset of them, and every
@@ -93,6 +96,9 @@ struct LayerWeights {
   torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_attention_norm, router;
   std::vector<torch::Tensor> w1, w2, w3;  // per expert
   torch::Tensor shared_w1, shared_w2, shared_w3, shared_gate;
+  // A dense block's feed-forward layer (no router, no experts): mlp.w1/w2/w3.
+  torch::Tensor dense_w1, dense_w2, dense_w3;
+  bool has_experts() const { return router.defined(); }
 
   // Binds `t` to the role its name says: the name after "model.layers.<l>.", for example
   // "self_attn.q_proj.weight" or "block_sparse_moe.experts.3.w1.weight" (expert 3 of those
@@ -111,9 +117,10 @@ struct MixtralWeights {
 
 struct ForwardResult {
   torch::Tensor logits;                      // [B, T, vocab], fp32 as in Hugging Face
-  std::vector<torch::Tensor> router_logits;  // per layer [B*T, num_experts], compute dtype
-  torch::Tensor tokens_per_expert;           // [layers, num_experts] int64: token-expert slots
-  torch::Tensor dropped_slots;               // [layers] int64: of those, the ones dropped at capacity
+  std::vector<torch::Tensor> router_logits;  // per block with experts [B*T, num_experts], compute dtype
+  // Per block with experts (the model's moe_layers(), in order; dense blocks have none):
+  torch::Tensor tokens_per_expert;           // [moe layers, num_experts] int64: token-expert slots
+  torch::Tensor dropped_slots;               // [moe layers] int64: of those, the ones dropped at capacity
   torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
   // Per layer, when the routing was replayed (RouteOverride): the top-k slots the load-balancing
   // loss counts.

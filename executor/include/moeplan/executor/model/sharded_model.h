@@ -135,6 +135,7 @@ class ShardedModel {
   torch::Tensor regather_in_backward(const torch::Tensor& y, const std::vector<Gathered>& units);
   std::vector<torch::Tensor> checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs, int64_t layer);
   torch::Tensor block(int64_t layer, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed);
+  torch::Tensor dense_block(int64_t layer, const torch::Tensor& x);
   torch::Tensor moe(int64_t layer, const torch::Tensor& x, const torch::Tensor& router, const Gathered& experts,
                     bool count, torch::Tensor& router_logits, uint64_t shuffle_seed);
   torch::Tensor dispatch_all_to_all(const torch::Tensor& tokens, const SlotList& slots, const Gathered& local);
