@@ -292,29 +292,19 @@ TEST_F(Parallel, Qwen3BlocksTrainTheOneRanksLosses) {
                            Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2}});
 }
 
-// Gated shared experts beside mixtral-tiny's routed ones: held whole on every expert rank,
-// split over the tensor-parallel ranks (their width by rows and columns, the gate whole and its
-// gradient summed), recomputed with the MoE sub-block.
-TEST_F(Parallel, SharedExpertsTrainTheOneRanksLosses) {
-  Json model = read_json_file(write_small_model(*dir_, 512));
-  model["name"] = "mixtral-tiny-shared";
-  model["shared_expert_intermediate_size"] = 128;
-  model["shared_expert_gate"] = true;
-  expect_one_ranks_losses(dir_->write("shared.json", model), "shared",
-                          {Layout{"E2S2R1_selective", 2, 2, "selective", false},
-                           Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2}});
-}
-
-// DeepSeekMoE's blocks on mixtral-tiny's sizes: a dense first block, shared experts beside the
-// routed ones in the other three. The dense block's feed-forward layer is split over tensor
-// ranks like a shared expert and lies on the first pipeline stage; its empty experts unit is
-// held by no rank.
-TEST_F(Parallel, DenseBlocksTrainTheOneRanksLosses) {
+// DeepSeekMoE's blocks on mixtral-tiny's sizes: a dense first block, then shared experts (gated,
+// as Qwen2-MoE's) beside the routed ones in the other three. The shared experts are held whole
+// on every expert rank, split over the tensor-parallel ranks (their width by rows and columns,
+// the gate whole and its gradient summed) and recomputed with the MoE sub-block; the dense
+// block's feed-forward layer is split like them and lies on the first pipeline stage, its empty
+// experts unit held by no rank.
+TEST_F(Parallel, DenseBlocksAndSharedExpertsTrainTheOneRanksLosses) {
   Json model = read_json_file(write_small_model(*dir_, 512));
   model["name"] = "mixtral-tiny-dense-first";
   model["first_dense_layers"] = 1;
   model["dense_intermediate_size"] = 512;
   model["shared_expert_intermediate_size"] = 128;
+  model["shared_expert_gate"] = true;
   expect_one_ranks_losses(dir_->write("dense-first.json", model), "dense",
                           {Layout{"E2S2R1_full", 2, 2, "full", false},
                            Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
