@@ -202,6 +202,19 @@ void expect_transformers_agrees(const std::string& hf, const std::string& model_
   EXPECT_LE(diff, 1e-4 * std::max(1.0, largest)) << show(r);
 }
 
+// A plan for `model` on `gpus` local CPU ranks, E and S as given (T = P = 1), 64-token
+// sequences, one a micro-batch, learning rate `lr`; written to `path`.
+std::string tiny_plan(const std::string& model, const std::string& path, int64_t gpus, int64_t e, int64_t s,
+                      const std::string& lr) {
+  const Command made = run_moeplan("search --gpus " + std::to_string(gpus) + " --instance local-cpu --model " + model +
+                                   " --seq-len 64 --global-batch-tokens 256 --precision fp32 --max-micro-batch 1"
+                                   " --expert-parallel-degree " + std::to_string(e) + " --hybrid-shard-degree " +
+                                   std::to_string(s) + " --tensor-parallel-degree 1 --pipeline-parallel-degree 1"
+                                   " --learning-rate " + lr + " --min-learning-rate 0 --out " + path);
+  EXPECT_EQ(made.exit_code, 0) << show(made);
+  return path;
+}
+
 class HfExport : public testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -336,14 +349,7 @@ class HfImport : public HfExport {
   static std::string hf() { return dir_->file("hf2"); }
   // A plan of `gpus` ranks with E and S as given, learning rate `lr`, for the tiny model.
   static std::string plan(const test::TempDir& tmp, int64_t gpus, int64_t e, int64_t s, const std::string& lr) {
-    const std::string path = tmp.file("plan-" + std::to_string(gpus) + ".json");
-    const Command made = run_moeplan("search --gpus " + std::to_string(gpus) + " --instance local-cpu --model " + model_ +
-                                     " --seq-len 64 --global-batch-tokens 256 --precision fp32 --max-micro-batch 1"
-                                     " --expert-parallel-degree " + std::to_string(e) + " --hybrid-shard-degree " +
-                                     std::to_string(s) + " --tensor-parallel-degree 1 --pipeline-parallel-degree 1"
-                                     " --learning-rate " + lr + " --min-learning-rate 0 --out " + path);
-    EXPECT_EQ(made.exit_code, 0) << show(made);
-    return path;
+    return tiny_plan(model_, tmp.file("plan-" + std::to_string(gpus) + ".json"), gpus, e, s, lr);
   }
   inline static std::string model_;
   inline static Command made_;
@@ -518,14 +524,7 @@ class HfQwen3 : public HfExport {
   }
   static std::string hf() { return dir_->file("qwen3-hf"); }
   static std::string plan(const test::TempDir& tmp, int64_t gpus, int64_t e, const std::string& lr) {
-    const std::string path = tmp.file("qwen3-plan-" + std::to_string(gpus) + "-" + lr + ".json");
-    const Command made = run_moeplan("search --gpus " + std::to_string(gpus) + " --instance local-cpu --model " + model_ +
-                                     " --seq-len 64 --global-batch-tokens 256 --precision fp32 --max-micro-batch 1"
-                                     " --expert-parallel-degree " + std::to_string(e) +
-                                     " --hybrid-shard-degree 1 --tensor-parallel-degree 1 --pipeline-parallel-degree 1"
-                                     " --learning-rate " + lr + " --min-learning-rate 0 --out " + path);
-    EXPECT_EQ(made.exit_code, 0) << show(made);
-    return path;
+    return tiny_plan(model_, tmp.file("qwen3-plan-" + std::to_string(gpus) + "-" + lr + ".json"), gpus, e, 1, lr);
   }
   inline static std::string model_;
   inline static Command made_;
