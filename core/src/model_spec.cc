@@ -187,6 +187,8 @@ ModelSpec read_model(ObjectReader& r) {
   m.router_scoring = r.choice<RouterScoring>("router_scoring", kRouterScoringNames, RouterScoring::kSoftmax);
   m.router_groups = r.integer("router_groups", 1, kMaxExperts, 1);
   m.router_group_topk = r.integer("router_group_topk", 1, kMaxExperts, 1);
+  m.routed_scaling_factor = r.number("routed_scaling_factor", 1e-6, 1e6, 1.0);
+  m.router_bias_update_rate = r.number("router_bias_update_rate", 0.0, 1.0, 0.001);
   m.kv_lora_rank = r.integer("kv_lora_rank", 0, kMaxDim, 0);
   m.q_lora_rank = r.integer("q_lora_rank", 0, kMaxDim, 0);
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 0, kMaxDim, 0);
@@ -332,11 +334,11 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
   m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
   m.router_aux_loss_coef = r.number("aux_loss_alpha", 0.0, 1e3, 0.001);
-  // The balance loss over each sequence or the batch, the routed outputs' scale, the
-  // inference-time expert split: the same cost either way.
+  // The balance loss over each sequence or the batch, the inference-time expert split: the
+  // same cost either way.
   r.ignore("seq_aux");
   r.ignore("pretraining_tp");
-  r.ignore("routed_scaling_factor");
+  m.routed_scaling_factor = r.number("routed_scaling_factor", 1e-6, 1e6, v3 ? 2.5 : 1.0);
   r.ignore("ep_size");
   if (r.boolean("attention_bias", false))
     d.error("attention_bias", "= true: biases on DeepSeek's attention projections are not modelled");
@@ -611,6 +613,8 @@ Json to_json(const ModelSpec& m) {
   if (m.router_scoring != RouterScoring::kSoftmax) j["router_scoring"] = std::string(name_of(kRouterScoringNames, m.router_scoring));
   if (m.router_groups > 1) j["router_groups"] = m.router_groups;
   if (m.router_group_topk > 1) j["router_group_topk"] = m.router_group_topk;
+  if (m.routed_scaling_factor != 1.0) j["routed_scaling_factor"] = m.routed_scaling_factor;
+  if (m.router_scoring == RouterScoring::kSigmoid) j["router_bias_update_rate"] = m.router_bias_update_rate;
   for (const auto& [field, value] : {std::pair<const char*, int64_t>{"kv_lora_rank", m.kv_lora_rank},
                                      {"q_lora_rank", m.q_lora_rank},
                                      {"qk_rope_head_dim", m.qk_rope_head_dim},

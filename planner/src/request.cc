@@ -41,6 +41,12 @@ void decide_training(const SearchRequest& r, const ModelSpec& model, const Clust
   o.training.precision = r.precision.value_or(defaults.precision);
   o.training.fp32_gradients = r.fp32_gradients.value_or(defaults.fp32_gradients);
   o.moe.load_balancing = r.load_balancing.value_or(defaults.load_balancing);
+  // Sinkhorn and balanced routing rebalance a softmax router's probabilities; a sigmoid router
+  // balances by its bias, beside the auxiliary loss (DeepSeek-V3's, with the model's small
+  // coefficient), unless the request says otherwise.
+  const bool softmax_only = o.moe.load_balancing == LoadBalancing::kSinkhorn || o.moe.load_balancing == LoadBalancing::kBalanced;
+  if (!r.load_balancing && model.router_scoring == RouterScoring::kSigmoid && softmax_only)
+    o.moe.load_balancing = LoadBalancing::kAuxLoss;
   if (!o.moe.tokens_per_expert.empty()) {
     const RunConfig probe{model, cluster, ParallelConfig{}, o.moe, o.training};
     for (const Violation& v : validate(probe))

@@ -52,6 +52,17 @@ Vec rope(const Vec& x, int64_t p, double theta) {
   return y;
 }
 
+// DeepSeek's rotary layout: pairs (x0, x1), (x2, x3), ... put in halves, x0 x2 ... x1 x3 ...
+Vec deinterleave(const Vec& x) {
+  const size_t half = x.size() / 2;
+  Vec y(x.size());
+  for (size_t i = 0; i < half; ++i) {
+    y[i] = x[2 * i];
+    y[half + i] = x[2 * i + 1];
+  }
+  return y;
+}
+
 double silu(double a) { return a / (1 + std::exp(-a)); }
 
 struct Reference {
@@ -69,7 +80,17 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
   for (int64_t i = 0; i < T; ++i) x[i] = Vec(embed.v.begin() + ids[i] * H, embed.v.begin() + (ids[i] + 1) * H);
   Reference ref;
   for (int64_t l = 0; l < s.num_layers; ++l) {
-    const Mat ln1(t[at++]), wq(t[at++]), wk(t[at++]), wv(t[at++]), wo(t[at++]);
+    const Mat ln1(t[at++]);
+    // Latent attention (DeepSeek): the query latent's projections and norm (or q_proj), the
+    // key-value latent's with the shared rotary key, then o_proj; else q, k, v and o.
+    const bool mla = s.mla(), q_latent = mla && s.q_lora_rank > 0;
+    const torch::Tensor none = torch::zeros({1, 1});
+    const Mat wqa(q_latent ? t[at++] : none), qan(q_latent ? t[at++] : none);
+    const Mat wq(t[at++]);  // q_b_proj under a query latent
+    const Mat wk(t[at++]);  // kv_a_proj_with_mqa under latent attention
+    const Mat kvan(mla ? t[at++] : none);
+    const Mat wv(t[at++]);  // kv_b_proj under latent attention
+    const Mat wo(t[at++]);
     // Qwen3: an RMSNorm of head_dim over each head's query and key, before the rotation.
     const Mat qn(s.qk_norm ? t[at++] : torch::ones({hd})), kn(s.qk_norm ? t[at++] : torch::ones({hd}));
     auto head_of = [&](const Vec& all, int64_t head, const Mat& norm) {
@@ -92,25 +113,47 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
     std::vector<Mat> shared;
     if (moe && s.shared_experts())
       for (int n = 0; n < (s.shared_expert_gate ? 4 : 3); ++n) shared.emplace_back(t[at++]);
-    // Attention, token by token.
+    // Attention, token by token: each head's rotated query and key and its value.
     std::vector<Vec> q(T), k(T), v(T);
     for (int64_t i = 0; i < T; ++i) {
       const Vec h = rms_norm(x[i], ln1, s.rms_norm_eps);
-      q[i] = wq.times(h);
-      k[i] = wk.times(h);
-      v[i] = wv.times(h);
+      q[i] = q_latent ? wq.times(rms_norm(wqa.times(h), qan, s.rms_norm_eps)) : wq.times(h);
+      k[i] = wk.times(h);  // under latent attention: the latent, then the shared rotary key
+      if (mla) {
+        const Vec latent(k[i].begin(), k[i].begin() + s.kv_lora_rank);
+        v[i] = wv.times(rms_norm(latent, kvan, s.rms_norm_eps));  // each head's key part and value
+      } else {
+        v[i] = wv.times(h);
+      }
     }
+    const int64_t rope_dim = s.qk_rope_head_dim, nope = hd - rope_dim, vd = s.value_head_dim();
+    auto span = [](const Vec& all, int64_t begin, int64_t n) { return Vec(all.begin() + begin, all.begin() + begin + n); };
+    auto joined = [](Vec a, const Vec& b) {
+      a.insert(a.end(), b.begin(), b.end());
+      return a;
+    };
+    auto query = [&](int64_t i, int64_t hh) {
+      if (!mla) return rope(head_of(q[i], hh, qn), i, s.rope_theta);
+      return joined(span(q[i], hh * hd, nope), rope(deinterleave(span(q[i], hh * hd + nope, rope_dim)), i, s.rope_theta));
+    };
+    auto key = [&](int64_t j, int64_t hh) {
+      if (!mla) return rope(head_of(k[j], hh / (heads / kv), kn), j, s.rope_theta);
+      return joined(span(v[j], hh * (nope + vd), nope),
+                    rope(deinterleave(span(k[j], s.kv_lora_rank, rope_dim)), j, s.rope_theta));
+    };
+    auto value = [&](int64_t j, int64_t hh) {
+      return mla ? span(v[j], hh * (nope + vd) + nope, vd) : span(v[j], hh / (heads / kv) * hd, hd);
+    };
     std::vector<Vec> attn_out(T);
     for (int64_t i = 0; i < T; ++i) {
       Vec concat;
       for (int64_t hh = 0; hh < heads; ++hh) {
-        const int64_t g = hh / (heads / kv);  // the key/value head this query head shares
-        const Vec qi = rope(head_of(q[i], hh, qn), i, s.rope_theta);
+        const Vec qi = query(i, hh);
         std::vector<double> scores;
         std::vector<int64_t> keys;
         for (int64_t j = 0; j <= i; ++j) {
           if (s.sliding_window && i - j >= *s.sliding_window) continue;
-          const Vec kj = rope(head_of(k[j], g, kn), j, s.rope_theta);
+          const Vec kj = key(j, hh);
           double dot = 0;
           for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kj[c];
           scores.push_back(dot / std::sqrt(static_cast<double>(hd)));
@@ -119,9 +162,11 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
         const double m = *std::max_element(scores.begin(), scores.end());
         double z = 0;
         for (double& sc : scores) z += (sc = std::exp(sc - m));
-        Vec out(static_cast<size_t>(hd), 0.0);
-        for (size_t n = 0; n < keys.size(); ++n)
-          for (int64_t c = 0; c < hd; ++c) out[c] += scores[n] / z * v[keys[n]][g * hd + c];
+        Vec out(static_cast<size_t>(vd), 0.0);
+        for (size_t n = 0; n < keys.size(); ++n) {
+          const Vec vj = value(keys[n], hh);
+          for (int64_t c = 0; c < vd; ++c) out[c] += scores[n] / z * vj[c];
+        }
         concat.insert(concat.end(), out.begin(), out.end());
       }
       attn_out[i] = wo.times(concat);
@@ -146,13 +191,28 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
       const Vec h = rms_norm(x[i], ln2, s.rms_norm_eps);
       const Vec logits = gate.times(h);
       const double m = *std::max_element(logits.begin(), logits.end());
-      Vec p(E);
+      Vec p(E);  // softmax probabilities, or sigmoid scores
       double z = 0;
       for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(logits[e] - m));
       for (double& pe : p) pe /= z;
+      Vec rank = p;  // what the choice ranks by
+      if (s.router_scoring == RouterScoring::kSigmoid) {
+        for (int64_t e = 0; e < E; ++e) rank[e] = p[e] = 1 / (1 + std::exp(-logits[e]));
+        // Group-limited: the groups by the sum of their two best; the others out.
+        const int64_t per = E / s.router_groups;
+        std::vector<std::pair<double, int64_t>> groups;
+        for (int64_t g = 0; g < s.router_groups; ++g) {
+          Vec members(rank.begin() + g * per, rank.begin() + (g + 1) * per);
+          std::sort(members.rbegin(), members.rend());
+          groups.push_back({members[0] + (per > 1 ? members[1] : 0.0), g});
+        }
+        std::sort(groups.rbegin(), groups.rend());
+        for (int64_t n = s.router_group_topk; n < s.router_groups; ++n)
+          for (int64_t e = groups[n].second * per; e < (groups[n].second + 1) * per; ++e) rank[e] = 0;
+      }
       std::vector<int64_t> order(E);
       std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rank[a] > rank[b]; });
       double chosen = 0;
       for (int64_t j = 0; j < s.experts_per_token; ++j) chosen += p[order[j]];
       for (int64_t j = 0; j < s.experts_per_token; ++j) {
@@ -162,7 +222,7 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
         Vec act(a.size());
         for (size_t c = 0; c < a.size(); ++c) act[c] = silu(a[c]) * b[c];
         const Vec y = w2[e].times(act);
-        for (int64_t c = 0; c < H; ++c) x[i][c] += p[e] / chosen * y[c];
+        for (int64_t c = 0; c < H; ++c) x[i][c] += p[e] / chosen * s.routed_scaling_factor * y[c];
       }
       if (!shared.empty()) {
         const Vec a = shared[0].times(h), b = shared[2].times(h);
@@ -320,6 +380,35 @@ TEST(Mixtral, DenseBlocksMatchReference) {
   s.dense_intermediate_size = 36;
   ASSERT_EQ(s.moe_layers(), 2);
   expect_matches_reference(s, 18);
+}
+
+// DeepSeek-V3's router: sigmoid scores, top-2 from the best 2 of 4 groups of 2 experts, the
+// weights scaled (the balancing bias starts at zero; routing_test.cc checks it moved).
+TEST(Mixtral, SigmoidRouterInGroupsMatchesReference) {
+  ModelSpec s = small_spec();
+  s.num_experts = 8;
+  s.router_scoring = RouterScoring::kSigmoid;
+  s.router_groups = 4;
+  s.router_group_topk = 2;
+  s.routed_scaling_factor = 2.5;
+  expect_matches_reference(s, 23);
+}
+
+// Latent attention with a query latent (DeepSeek-V3) and without one (DeepSeek-V2-Lite): heads
+// of 8 (6 without rotation, 2 rotated, DeepSeek's interleaved pairs), values of 4, latents of 6
+// and 12.
+TEST(Mixtral, LatentAttentionMatchesReference) {
+  ModelSpec s = small_spec();
+  s.num_key_value_heads = s.num_attention_heads;
+  s.head_dim = 8;
+  s.qk_rope_head_dim = 2;
+  s.v_head_dim = 4;
+  s.kv_lora_rank = 12;
+  s.q_lora_rank = 6;
+  expect_matches_reference(s, 29);
+  s.q_lora_rank = 0;
+  s.qk_rope_head_dim = 4;
+  expect_matches_reference(s, 31);
 }
 
 TEST(Mixtral, MultiQueryAttentionMatchesReference) {

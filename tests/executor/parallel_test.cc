@@ -311,6 +311,42 @@ TEST_F(Parallel, DenseBlocksAndSharedExpertsTrainTheOneRanksLosses) {
                            Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
 }
 
+// DeepSeek-V3's blocks on mixtral-tiny's sizes: latent attention (a query latent of 48, a
+// key-value latent of 64, heads of 24 + 8 rotary, values of 16), the first block dense, an
+// ungated shared expert beside the routed ones, and the sigmoid router: top-2 from the best 2 of
+// 4 groups of 2 experts, the weights scaled by 2.5, the balancing bias moved after every step by
+// the slots counted over the world (at 0.01 a step, so that it changes choices within the run;
+// no auxiliary loss, which pipeline stages do not train). Each layout trains the one rank's
+// losses and routing step by step, which holds only while every rank moves the same bias.
+std::string deepseek_blocks_model(const TempDir& dir) {
+  Json model = read_json_file(write_small_model(dir, 512));
+  model["name"] = "mixtral-tiny-deepseek-blocks";
+  model["num_key_value_heads"] = 4;
+  model["head_dim"] = 32;
+  model["qk_rope_head_dim"] = 8;
+  model["v_head_dim"] = 16;
+  model["kv_lora_rank"] = 64;
+  model["q_lora_rank"] = 48;
+  model["first_dense_layers"] = 1;
+  model["dense_intermediate_size"] = 512;
+  model["shared_expert_intermediate_size"] = 128;
+  model["router_scoring"] = "sigmoid";
+  model["router_groups"] = 4;
+  model["router_group_topk"] = 2;
+  model["routed_scaling_factor"] = 2.5;
+  model["router_bias_update_rate"] = 0.01;
+  model["router_aux_loss_coef"] = 0.0;
+  return dir.write("deepseek-blocks.json", model);
+}
+
+TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLosses) {
+  expect_one_ranks_losses(deepseek_blocks_model(*dir_), "deepseek",
+                          {Layout{"E2S2R1_full", 2, 2, "full", false},
+                           Layout{"E4S1R1_selective", 4, 1, "selective", false, "allgather"},
+                           Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
+                           Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+}
+
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
 // exchange, as Megatron-Core does. A rank of these layouts routes one sequence per micro-batch,
 // as the one rank does, so the same slots are dropped and the layouts train the one rank's
@@ -407,6 +443,23 @@ TEST_F(Parallel, PipelineCheckpointMovesBetweenLayouts) {
       dir_->file("data"),
       {{"one-rank", reference_plan_}, {"E2P2", plan_for({"reshard-E2P2", 2, 1, "none", false, "alltoall", 1, 2})}},
       reference_);
+}
+
+// DeepSeek's blocks move between layouts, the router's balancing biases with them: a checkpoint
+// of (E2 S1 T2) resumes under one rank and under (T2 P2) on the one rank's curve, which a bias
+// started again from zero would leave.
+TEST_F(Parallel, DeepSeekCheckpointMovesBetweenLayouts) {
+  const std::string one_rank = dir_->file("deepseek-ckpt-plan-1.json");
+  const Command made = make_plan(deepseek_blocks_model(*dir_), one_rank, 64, 256, "fp32", 1);
+  ASSERT_EQ(made.exit_code, 0) << show(made);
+  const std::string reference = dir_->file("deepseek-ckpt-reference");
+  const Command r = run_moeplan("run " + one_rank + " --data " + dir_->file("data") + " --out " + reference + " --steps 12");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  expect_checkpoint_moves(
+      plan_for({"deepseek-E2S1T2", 2, 1, "none", false, "alltoall", 2}, one_rank), dir_->file("deepseek-E2T2"),
+      dir_->file("data"),
+      {{"one-rank", one_rank}, {"T2P2", plan_for({"deepseek-T2P2", 1, 1, "none", false, "alltoall", 2, 2}, one_rank)}},
+      read_metrics(reference));
 }
 
 // With the aux-loss balancing and a z-loss in the objective, every T rank computes the router's

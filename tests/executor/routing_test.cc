@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <vector>
 
 #include "moeplan/executor/model/routing.h"
 
@@ -160,6 +163,108 @@ TEST(Capacity, PositionPolicyKeepsTheFirstSlots) {
 TEST(Capacity, DroplessAndRoomyFactorsKeepEverySlot) {
   EXPECT_TRUE(kept_slots(six_tokens_on_expert_zero(), 2, 0, TokenDropPolicy::kProbs).all().item<bool>());
   EXPECT_TRUE(kept_slots(six_tokens_on_expert_zero(), 2, 2.0, TokenDropPolicy::kProbs).all().item<bool>());
+}
+
+// DeepSeek-V3's router by hand, one token at a time in plain arithmetic (transformers'
+// DeepseekV3MoE.route_tokens_to_experts): sigmoid scores, plus the bias for the choice; each
+// group scored by its two best; the best groups kept, the others' choice scores 0; the top-k of
+// what is left, weighted by their scores without the bias, renormalised and scaled.
+struct HandRouted {
+  std::vector<int64_t> experts;  // in falling order of choice score
+  std::vector<double> weights;
+};
+HandRouted route_by_hand(const std::vector<double>& logits, const std::vector<double>& bias, int64_t k, int64_t groups,
+                         int64_t group_topk, double scaling) {
+  const size_t n = logits.size(), per = n / static_cast<size_t>(groups);
+  std::vector<double> score(n), choice(n);
+  for (size_t e = 0; e < n; ++e) {
+    score[e] = 1.0 / (1.0 + std::exp(-logits[e]));
+    choice[e] = score[e] + bias[e];
+  }
+  std::vector<std::pair<double, size_t>> group_score;
+  for (size_t g = 0; g < static_cast<size_t>(groups); ++g) {
+    std::vector<double> members(choice.begin() + static_cast<std::ptrdiff_t>(g * per),
+                                choice.begin() + static_cast<std::ptrdiff_t>((g + 1) * per));
+    std::sort(members.rbegin(), members.rend());
+    group_score.push_back({members[0] + (per > 1 ? members[1] : 0.0), g});
+  }
+  std::sort(group_score.rbegin(), group_score.rend());
+  std::vector<bool> kept(static_cast<size_t>(groups), false);
+  for (int64_t i = 0; i < group_topk; ++i) kept[group_score[static_cast<size_t>(i)].second] = true;
+  std::vector<std::pair<double, size_t>> ranked;
+  for (size_t e = 0; e < n; ++e) ranked.push_back({kept[e / per] ? choice[e] : 0.0, e});
+  std::sort(ranked.rbegin(), ranked.rend());
+  HandRouted r;
+  double sum = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    r.experts.push_back(static_cast<int64_t>(ranked[static_cast<size_t>(i)].second));
+    sum += score[ranked[static_cast<size_t>(i)].second];
+  }
+  for (const int64_t e : r.experts) r.weights.push_back(score[static_cast<size_t>(e)] / sum * scaling);
+  return r;
+}
+
+TEST(Routing, SigmoidRouterChoosesWithinTheBestGroupsByScorePlusBias) {
+  torch::manual_seed(11);
+  const int64_t tokens = 64, experts = 16, k = 4, groups = 4, group_topk = 2;
+  const torch::Tensor logits = torch::randn({tokens, experts}) * 2;
+  const torch::Tensor bias = torch::randn({experts}) * 0.3;
+  const RouterShape router{k, RouterScoring::kSigmoid, groups, group_topk, 2.5};
+  const Routing r = route(logits, router, LoadBalancing::kAuxLoss, bias);
+  ASSERT_EQ(r.experts.sizes(), (std::vector<int64_t>{tokens, k}));
+  const std::vector<double> b(bias.data_ptr<float>(), bias.data_ptr<float>() + experts);
+  int64_t outside_the_plain_top_k = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const torch::Tensor row = logits[t].contiguous();
+    const HandRouted hand = route_by_hand(std::vector<double>(row.data_ptr<float>(), row.data_ptr<float>() + experts),
+                                          b, k, groups, group_topk, 2.5);
+    // The same set of experts, each with its weight (topk may order equal scores either way).
+    std::map<int64_t, double> mine, theirs;
+    for (int64_t j = 0; j < k; ++j) {
+      mine[r.experts[t][j].item<int64_t>()] = r.weights[t][j].item<double>();
+      theirs[hand.experts[static_cast<size_t>(j)]] = hand.weights[static_cast<size_t>(j)];
+    }
+    ASSERT_EQ(mine.size(), theirs.size()) << "token " << t;
+    for (const auto& [e, w] : theirs) {
+      ASSERT_EQ(mine.count(e), 1u) << "token " << t << " expert " << e;
+      EXPECT_NEAR(mine[e], w, 1e-5) << "token " << t << " expert " << e;
+    }
+    const torch::Tensor plain = std::get<1>(torch::sigmoid(logits[t]).topk(k));
+    for (int64_t j = 0; j < k; ++j) outside_the_plain_top_k += (plain == r.experts[t][j]).any().item<bool>() ? 0 : 1;
+  }
+  // The bias and the groups did change choices: the test would not see them otherwise.
+  EXPECT_GT(outside_the_plain_top_k, 0);
+  // The weights sum to the scaling; the choice carries no gradient, the weights do.
+  EXPECT_TRUE(torch::allclose(r.weights.sum(-1), torch::full({tokens}, 2.5), 1e-5, 1e-5));
+  const torch::Tensor leaf = logits.clone().requires_grad_(true);
+  route(leaf, router, LoadBalancing::kAuxLoss, bias).weights.sum().backward();
+  EXPECT_TRUE(leaf.grad().defined());
+  // A replay of the same choice weighs it the same.
+  EXPECT_TRUE(torch::allclose(route_to(logits, r.experts, router).weights, r.weights, 1e-6, 1e-6));
+}
+
+// The auxiliary-loss-free update: up by the rate below the layer's mean, down above it, still at
+// the mean; each layer by its own counts.
+TEST(Routing, ExpertBiasMovesTowardsTheExpertsBelowTheMean) {
+  torch::Tensor bias = torch::zeros({2, 4});
+  const torch::Tensor counts = torch::tensor({{1, 3, 2, 2}, {8, 0, 0, 0}}, torch::kLong);
+  update_expert_bias(bias, counts, 0.01);
+  const torch::Tensor expected = torch::tensor({{0.01, -0.01, 0.0, 0.0}, {-0.01, 0.01, 0.01, 0.01}}, torch::kFloat);
+  EXPECT_TRUE(torch::allclose(bias, expected, 0, 1e-7)) << bias;
+  update_expert_bias(bias, counts, 0.01);
+  EXPECT_TRUE(torch::allclose(bias, expected * 2, 0, 1e-7)) << bias;
+}
+
+// Under sigmoid scoring the load-balancing loss averages each token's scores normalised to sum 1.
+TEST(RouterLoss, SigmoidScoresNormalisedPerToken) {
+  const torch::Tensor logits = torch::tensor({0.0, 0.0, std::log(3.0), 0.0}, torch::kFloat).view({2, 2});
+  // Token 1: scores (.5, .5) -> (.5, .5); token 2: (.75, .5) -> (.6, .4). P = (.55, .45).
+  const torch::Tensor p = balancing_probs(logits, RouterScoring::kSigmoid);
+  EXPECT_NEAR(p[1][0].item<double>(), 0.6, 1e-6);
+  // Top-1: token 1 ties to expert 0, token 2 expert 0: f = (1, 0); aux = 2 * (1 * .55) = 1.1.
+  EXPECT_NEAR(load_balancing_loss({logits}, 1, {}, RouterScoring::kSigmoid).item<double>(), 1.1, 1e-6);
+  const auto [aux, z] = router_losses_of_sums(router_loss_sums({logits}, 1, 2, RouterScoring::kSigmoid), 1, 2);
+  EXPECT_NEAR(aux, 1.1, 1e-6);
 }
 
 // On a skewed router every expert ends within its capacity, the slots kept are exactly those the

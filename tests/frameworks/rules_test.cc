@@ -298,16 +298,18 @@ const FrameworkRuleCase kCases[] = {
      "= 3 with moe_layer_step = 1: torchtitan's deepseek_v3 puts dense blocks first only, and its llama4 and qwen3 as "
      "moeplan writes them have experts in every block",
      "= 3"},
-    {"ExecutorModeLatentAttention",
+    {"ExecutorModeLatentValuesWiderThanHeads",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
        s.model.num_key_value_heads = 32;
        s.model.kv_lora_rank = 512;
        s.model.qk_rope_head_dim = 64;
-       s.model.v_head_dim = 128;
+       s.model.v_head_dim = 192;
      },
-     "executor_trains_moe", "model.kv_lora_rank",
-     "= 512: the executor trains Mixtral-style attention, without latent attention", "512"},
+     "executor_trains_moe", "model.v_head_dim",
+     "= 192 over head_dim = 128: the executor's latent attention pads values to the query and key width, not the other "
+     "way",
+     "192"},
     {"ExecutorModeMultiTokenPrediction",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
@@ -370,13 +372,24 @@ const FrameworkRuleCase kCases[] = {
      },
      "megatron_models", "model.output_bias",
      "= false with expert_bias = true: Megatron-LM puts biases on every linear layer or on none", "expert_bias"},
-    {"ExecutorModeSigmoidRouter",
+    {"ExecutorModeSigmoidRouterWithSinkhorn",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
        s.model.router_scoring = RouterScoring::kSigmoid;
+       s.moe.load_balancing = LoadBalancing::kSinkhorn;
      },
-     "executor_trains_moe", "model.router_scoring",
-     "= \"sigmoid\": the executor's router takes the top-k of a softmax over every expert", "sigmoid"},
+     "executor_trains_moe", "moe.load_balancing",
+     "= \"sinkhorn\" with sigmoid scoring: the executor balances a sigmoid router by its bias, with aux_loss or none",
+     "sigmoid"},
+    {"ExecutorModeGroupsUnderSoftmax",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.router_groups = 2;
+     },
+     "executor_trains_moe", "model.router_groups",
+     "= 2 with softmax scoring: the executor limits the choice to groups under sigmoid scoring only (DeepSeek-V3's); "
+     "its softmax router takes the top-k over every expert",
+     "= 2"},
     {"TorchtitanGroupsWithoutLatentAttention",
      [](Scenario& s) {
        s.target = test::framework_rules("torchtitan");

@@ -34,10 +34,26 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
     const std::string prefix = "model.layers." + std::to_string(l) + ".";
     const int64_t block = l + 1;
     norm(prefix + "input_layernorm.weight", block, h);
-    matrix(prefix + "self_attn.q_proj.weight", {heads * hd, h}, block);
-    matrix(prefix + "self_attn.k_proj.weight", {kv * hd, h}, block);
-    matrix(prefix + "self_attn.v_proj.weight", {kv * hd, h}, block);
-    matrix(prefix + "self_attn.o_proj.weight", {h, heads * hd}, block);
+    if (spec.mla()) {
+      // DeepSeek-V2/V3's latent attention, as transformers names it.
+      const int64_t rope = spec.qk_rope_head_dim, nope = hd - rope, vd = spec.v_head_dim;
+      if (spec.q_lora_rank > 0) {
+        matrix(prefix + "self_attn.q_a_proj.weight", {spec.q_lora_rank, h}, block);
+        norm(prefix + "self_attn.q_a_layernorm.weight", block, spec.q_lora_rank);
+        matrix(prefix + "self_attn.q_b_proj.weight", {heads * hd, spec.q_lora_rank}, block);
+      } else {
+        matrix(prefix + "self_attn.q_proj.weight", {heads * hd, h}, block);
+      }
+      matrix(prefix + "self_attn.kv_a_proj_with_mqa.weight", {spec.kv_lora_rank + rope, h}, block);
+      norm(prefix + "self_attn.kv_a_layernorm.weight", block, spec.kv_lora_rank);
+      matrix(prefix + "self_attn.kv_b_proj.weight", {heads * (nope + vd), spec.kv_lora_rank}, block);
+      matrix(prefix + "self_attn.o_proj.weight", {h, heads * vd}, block);
+    } else {
+      matrix(prefix + "self_attn.q_proj.weight", {heads * hd, h}, block);
+      matrix(prefix + "self_attn.k_proj.weight", {kv * hd, h}, block);
+      matrix(prefix + "self_attn.v_proj.weight", {kv * hd, h}, block);
+      matrix(prefix + "self_attn.o_proj.weight", {h, heads * hd}, block);
+    }
     if (spec.qk_norm) {
       norm(prefix + "self_attn.q_norm.weight", block, hd);
       norm(prefix + "self_attn.k_norm.weight", block, hd);
@@ -87,9 +103,11 @@ TensorSplit tensor_split(const ParamInfo& info) {
   auto ends_with = [&](std::string_view suffix) {
     return info.name.size() >= suffix.size() && info.name.compare(info.name.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
+  // Latent attention's up projections split by heads like q_proj; its down projections
+  // (q_a_proj, kv_a_proj_with_mqa) and their norms stay whole (Megatron-Core duplicates them).
   if (ends_with("q_proj.weight") || ends_with("k_proj.weight") || ends_with("v_proj.weight") ||
-      ends_with("w1.weight") || ends_with("w3.weight") || ends_with("embed_tokens.weight") ||
-      info.name == "lm_head.weight")
+      ends_with("q_b_proj.weight") || ends_with("kv_b_proj.weight") || ends_with("w1.weight") ||
+      ends_with("w3.weight") || ends_with("embed_tokens.weight") || info.name == "lm_head.weight")
     return TensorSplit::kRows;
   if (ends_with("o_proj.weight") || ends_with("w2.weight")) return TensorSplit::kColumns;
   return TensorSplit::kWhole;
@@ -194,6 +212,12 @@ void LayerWeights::bind(std::string_view role, const torch::Tensor& t, int64_t f
       {"self_attn.o_proj.weight", &LayerWeights::o_proj},
       {"self_attn.q_norm.weight", &LayerWeights::q_norm},
       {"self_attn.k_norm.weight", &LayerWeights::k_norm},
+      {"self_attn.q_a_proj.weight", &LayerWeights::q_a_proj},
+      {"self_attn.q_a_layernorm.weight", &LayerWeights::q_a_norm},
+      {"self_attn.q_b_proj.weight", &LayerWeights::q_b_proj},
+      {"self_attn.kv_a_proj_with_mqa.weight", &LayerWeights::kv_a_proj},
+      {"self_attn.kv_a_layernorm.weight", &LayerWeights::kv_a_norm},
+      {"self_attn.kv_b_proj.weight", &LayerWeights::kv_b_proj},
       {"post_attention_layernorm.weight", &LayerWeights::post_attention_norm},
       {"block_sparse_moe.gate.weight", &LayerWeights::router},
       {"block_sparse_moe.shared_experts.w1.weight", &LayerWeights::shared_w1},
@@ -211,7 +235,8 @@ void LayerWeights::bind(std::string_view role, const torch::Tensor& t, int64_t f
   throw std::logic_error("no role for layer parameter " + std::string(role));
 }
 
-MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<torch::Tensor>& t) {
+MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<torch::Tensor>& t,
+                                    const torch::Tensor& expert_bias) {
   const std::vector<ParamInfo> infos = mixtral_parameters(spec);
   assert(t.size() == infos.size() && "one tensor per parameter");
   MixtralWeights w;
@@ -229,6 +254,9 @@ MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<tor
       w.layers[static_cast<size_t>(info.block - 1)].bind(std::string_view(info.name).substr(prefix.size()), t[i]);
     }
   }
+  if (expert_bias.defined())
+    for (int64_t l = 0; l < spec.num_layers; ++l)
+      if (spec.moe_layer(l)) w.layers[static_cast<size_t>(l)].expert_bias = expert_bias[spec.moe_layers_in(0, l)];
   return w;
 }
 
@@ -239,7 +267,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype, const torch::Device& device) {
-  const int64_t d = spec.head_dim;
+  const int64_t d = spec.mla() ? spec.qk_rope_head_dim : spec.head_dim;
   const torch::Tensor exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
   const torch::Tensor inv_freq = 1.0 / torch::pow(spec.rope_theta, exponents);
   const torch::Tensor positions = torch::arange(seq_len, torch::kLong).to(torch::kFloat);
@@ -248,8 +276,52 @@ Rope rope_tables(const ModelSpec& spec, int64_t seq_len, torch::ScalarType dtype
   return {emb.cos().to(device, dtype), emb.sin().to(device, dtype)};
 }
 
+namespace {
+
+// DeepSeek's rotary layout (transformers' apply_rotary_pos_emb_interleave): a head's rotary
+// part holds its pairs interleaved, (x0, x1), (x2, x3), ...; they are first put in halves, x0 x2
+// ... then x1 x3 ..., and rotated as every other model's. [B, T, heads, d].
+torch::Tensor deinterleaved(const torch::Tensor& x) {
+  const int64_t d = x.size(-1);
+  return x.unflatten(-1, {d / 2, 2}).transpose(-1, -2).reshape(x.sizes());
+}
+
+// Multi-head latent attention (DeepSeek-V2/V3, as transformers' DeepseekV3Attention): queries
+// from a normed latent of q_lora_rank (or straight from x), keys' and values' per-head parts up
+// from one normed latent of kv_lora_rank per token, beside one rotary key of qk_rope_head_dim
+// that every head shares. A query and key head is its non-rotary part then its rotary part
+// (head_dim wide, scaled by 1/sqrt(head_dim)); a value head is v_head_dim wide, padded with zeros
+// to head_dim for the flash kernel (which takes one width) and cut back after it.
+torch::Tensor latent_attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                               const torch::Tensor& mask_bias) {
+  const int64_t b = x.size(0), t = x.size(1), heads = spec.num_attention_heads, hd = spec.head_dim;
+  const int64_t rope_dim = spec.qk_rope_head_dim, nope = hd - rope_dim, vd = spec.v_head_dim;
+  const torch::Tensor q = (w.q_a_proj.defined()
+                               ? torch::matmul(rms_norm(torch::matmul(x, w.q_a_proj.t()), w.q_a_norm, spec.rms_norm_eps),
+                                               w.q_b_proj.t())
+                               : torch::matmul(x, w.q_proj.t()))
+                              .view({b, t, heads, hd});
+  const torch::Tensor latent = torch::matmul(x, w.kv_a_proj.t());  // [B, T, kv_lora_rank + rope]
+  const torch::Tensor kv =
+      torch::matmul(rms_norm(latent.narrow(-1, 0, spec.kv_lora_rank), w.kv_a_norm, spec.rms_norm_eps), w.kv_b_proj.t())
+          .view({b, t, heads, nope + vd});
+  const torch::Tensor q_rot = fused_rotary(deinterleaved(q.narrow(-1, nope, rope_dim)), rope.cos, rope.sin);
+  const torch::Tensor k_rot = fused_rotary(
+      deinterleaved(latent.narrow(-1, spec.kv_lora_rank, rope_dim).unsqueeze(2)), rope.cos, rope.sin);
+  const torch::Tensor query = torch::cat({q.narrow(-1, 0, nope), q_rot}, -1).transpose(1, 2);
+  const torch::Tensor key = torch::cat({kv.narrow(-1, 0, nope), k_rot.expand({b, t, heads, rope_dim})}, -1).transpose(1, 2);
+  torch::Tensor value = kv.narrow(-1, nope, vd);
+  if (vd < hd) value = torch::constant_pad_nd(value, {0, hd - vd});
+  torch::Tensor out = flash_attention(query, key, value.transpose(1, 2), mask_bias);  // [B, heads, T, hd]
+  if (vd < hd) out = out.narrow(-1, 0, vd);
+  return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * vd}), w.o_proj.t());
+}
+
+}  // namespace
+
 torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
                         const torch::Tensor& mask_bias) {
+  if (spec.mla()) return latent_attention(spec, w, x, rope, mask_bias);
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
   // Qwen3's q/k norms act on each head before the rotation.
@@ -339,8 +411,9 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor tokens = x.reshape({-1, h});
   router_logits = torch::matmul(tokens, w.router.t());
   const ChosenExperts chosen = replay ? replay(router_logits.detach()) : ChosenExperts{};
-  const Routing r = replay ? route_to(router_logits, chosen.experts)
-                           : route(router_logits, spec.experts_per_token, moe.load_balancing);
+  const RouterShape router = RouterShape::of(spec);
+  const Routing r = replay ? route_to(router_logits, chosen.experts, router)
+                           : route(router_logits, router, moe.load_balancing, w.expert_bias);
   counts.copy_(torch::bincount(r.experts.flatten(), {}, spec.num_experts));  // what the router asked for
   const SlotList slots = slot_list(r, spec.num_experts, moe, chosen.kept);
   dropped.fill_(slots.dropped);
@@ -441,7 +514,7 @@ LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const Forwar
 LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm) {
   LossTerms loss;
   loss.lm = std::move(lm);
-  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k);
+  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k, spec.router_scoring);
   loss.z = router_z_loss(out.router_logits);
   loss.total = loss.lm;
   if (moe.load_balancing == LoadBalancing::kAuxLoss && moe.aux_loss_coef != 0)

@@ -95,7 +95,50 @@ torch::Tensor balanced_assignment(const torch::Tensor& scores_in, int64_t k) {
   return chosen.to(scores_in.device());
 }
 
+RouterShape RouterShape::of(const ModelSpec& m) {
+  return {m.experts_per_token, m.router_scoring, m.router_groups, m.router_group_topk, m.routed_scaling_factor};
+}
+
+namespace {
+
+// DeepSeek-V3's choice: top-k of sigmoid scores plus the bias, within the best groups.
+Routing route_by_sigmoid(const torch::Tensor& router_logits, const RouterShape& router, const torch::Tensor& bias) {
+  const torch::Tensor scores = torch::sigmoid(router_logits.to(torch::kFloat));
+  Routing r;
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor choice = bias.defined() ? scores.detach() + bias : scores.detach();
+    if (router.groups > 1) {
+      const int64_t tokens = choice.size(0), per_group = choice.size(1) / router.groups;
+      const torch::Tensor group_scores =
+          std::get<0>(choice.view({tokens, router.groups, per_group}).topk(std::min<int64_t>(2, per_group), -1)).sum(-1);
+      const torch::Tensor best_groups = std::get<1>(group_scores.topk(router.group_topk, -1));
+      const torch::Tensor kept = torch::zeros_like(group_scores, torch::kBool).scatter_(1, best_groups, true);
+      choice = choice.masked_fill(kept.unsqueeze(-1).expand({tokens, router.groups, per_group}).reshape({tokens, -1})
+                                      .logical_not(),
+                                  0.0);
+    }
+    r.experts = std::get<1>(choice.topk(router.k, -1));
+  }
+  r.weights = torch::gather(scores, 1, r.experts);
+  r.weights = r.weights / (r.weights.sum(-1, /*keepdim=*/true) + 1e-20);
+  return r;
+}
+
+}  // namespace
+
 Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing method) {
+  return route(router_logits, RouterShape{k}, method);
+}
+
+Routing route(const torch::Tensor& router_logits, const RouterShape& router, LoadBalancing method,
+              const torch::Tensor& bias) {
+  if (router.scoring == RouterScoring::kSigmoid) {
+    Routing r = route_by_sigmoid(router_logits, router, bias);
+    if (router.scaling != 1.0) r.weights = r.weights * router.scaling;
+    return r;
+  }
+  const int64_t k = router.k;
   const torch::Tensor probs = torch::softmax(router_logits, /*dim=*/1, torch::kFloat);
   Routing r;
   switch (method) {
@@ -119,16 +162,32 @@ Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing metho
   }
   if (!r.weights.defined()) r.weights = torch::gather(probs, 1, r.experts);
   r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
+  if (router.scaling != 1.0) r.weights = r.weights * router.scaling;
   return r;
 }
 
-Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts) {
-  const torch::Tensor probs = torch::softmax(router_logits, /*dim=*/1, torch::kFloat);
+Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts, const RouterShape& router) {
+  const bool sigmoid = router.scoring == RouterScoring::kSigmoid;
+  const torch::Tensor probs = sigmoid ? torch::sigmoid(router_logits.to(torch::kFloat))
+                                      : torch::softmax(router_logits, /*dim=*/1, torch::kFloat);
   Routing r;
   r.experts = experts;
   r.weights = torch::gather(probs, 1, experts);
-  r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
+  r.weights = r.weights / (sigmoid ? r.weights.sum(-1, /*keepdim=*/true) + 1e-20 : r.weights.sum(-1, /*keepdim=*/true));
+  if (router.scaling != 1.0) r.weights = r.weights * router.scaling;
   return r;
+}
+
+torch::Tensor balancing_probs(const torch::Tensor& router_logits, RouterScoring scoring) {
+  if (scoring == RouterScoring::kSoftmax) return torch::softmax(router_logits, -1, torch::kFloat);
+  const torch::Tensor scores = torch::sigmoid(router_logits.to(torch::kFloat));
+  return scores / (scores.sum(-1, /*keepdim=*/true) + 1e-20);
+}
+
+void update_expert_bias(torch::Tensor& bias, const torch::Tensor& counts, double rate) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor load = counts.to(bias.device(), torch::kDouble);
+  bias.add_(torch::sign(load.mean(-1, /*keepdim=*/true) - load).to(torch::kFloat), rate);
 }
 
 int64_t expert_capacity(int64_t tokens, int64_t k, int64_t experts, double capacity_factor) {
@@ -183,11 +242,11 @@ SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, cons
 }
 
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
-                                  const std::vector<torch::Tensor>& top_k) {
+                                  const std::vector<torch::Tensor>& top_k, RouterScoring scoring) {
   if (router_logits.empty()) return torch::zeros({}, torch::kFloat);  // blocks without experts only
   const torch::Tensor logits = torch::cat(router_logits, 0);
   const int64_t experts = logits.size(1);
-  const torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
+  const torch::Tensor probs = balancing_probs(logits, scoring);
   const torch::Tensor selected = top_k.empty() ? std::get<1>(torch::topk(probs, k, -1)) : torch::cat(top_k, 0);
   const torch::Tensor mask = torch::one_hot(selected, experts).to(torch::kFloat);  // [N, k, E]
   const torch::Tensor tokens_per_expert = mask.mean(0);                            // [k, E]
@@ -201,12 +260,13 @@ torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits) {
   return torch::logsumexp(logits, -1).square().mean();
 }
 
-torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts) {
+torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts,
+                               RouterScoring scoring) {
   torch::NoGradGuard no_grad;
   torch::Tensor sums = torch::zeros({k * experts + experts + 2}, torch::kDouble);
   if (router_logits.empty()) return sums;
   const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
-  const torch::Tensor probs = torch::softmax(logits, -1);
+  const torch::Tensor probs = balancing_probs(logits, scoring);
   const torch::Tensor selected = std::get<1>(torch::topk(probs, k, -1));
   sums.narrow(0, 0, k * experts).copy_(torch::one_hot(selected, experts).sum(0).flatten());
   sums.narrow(0, k * experts, experts).copy_(probs.sum(0));

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "moeplan/executor/model/autograd_ops.h"
+#include "moeplan/executor/model/expert_bias.h"
 #include "moeplan/executor/model/routing.h"
 
 namespace moeplan::executor {
@@ -50,6 +51,7 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
       compute_type_(compute_type(plan.training.precision)), local_spec_(plan.model),
       tp_(plan.parallel.tensor_parallel_degree), tp_rank_(mesh.coords().t) {
   const ParallelConfig& p = plan.parallel;
+  expert_bias_ = initial_expert_bias(plan.model);
   experts_per_rank_ = plan.model.num_experts / p.expert_parallel_degree;
   first_expert_ = mesh.coords().e * experts_per_rank_;
   local_spec_.num_attention_heads /= tp_;
@@ -592,7 +594,8 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
                  .index_select(0, s.arrival_inv);
   }
   router_logits = torch::matmul(tokens, router.t());
-  const Routing r = route(router_logits, spec.experts_per_token, moe.load_balancing);
+  const Routing r = route(router_logits, RouterShape::of(spec), moe.load_balancing,
+                          expert_bias_.defined() ? expert_bias_[spec.moe_layers_in(0, layer)] : torch::Tensor());
   // Each rank drops at its own tokens' capacity, before the exchange (Megatron-Core's).
   SlotList slots = slot_list(r, spec.num_experts, moe);
   if (count) {

@@ -1,5 +1,7 @@
 #include "moeplan/executor/training/parallel_trainer.h"
 
+#include "moeplan/executor/model/expert_bias.h"
+
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
@@ -184,6 +186,9 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   if (recorder_) recorder_->write(step_);
 
   record_routing(r, counts);
+  // Every rank has every layer's slots over the world now, so the biases move alike everywhere.
+  if (model_.expert_bias().defined() && !r.skipped)
+    update_expert_bias(model_.expert_bias(), counts.sum({0, 1}), spec.router_bias_update_rate);
   const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
   r.aux_loss = sums[1].item<double>() / n;
@@ -307,7 +312,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + a.micro_batch);
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
-      router += router_loss_sums(out.router_logits, k, experts);
+      router += router_loss_sums(out.router_logits, k, experts, spec.router_scoring);
       if (counts_data) {
         counts[a.micro_batch] += out.tokens_per_expert;
         dropped_slots_ += out.dropped_slots;
@@ -436,17 +441,28 @@ NamedTensors ShardedTrainer::state() const {
     tensors.emplace_back("exp_avg/" + suffix, slice(optimizer_->exp_avg()[h.unit]));
     tensors.emplace_back("exp_avg_sq/" + suffix, slice(optimizer_->exp_avg_sq()[h.unit]));
   });
+  if (mesh_.rank() == 0) add_expert_bias(tensors, plan_.model, model.expert_bias());  // equal on every rank
   return tensors;
 }
 
 std::set<std::string> ShardedTrainer::held_parameters() const {
-  // As load_state reads: every unit this rank keeps a shard of.
+  // As load_state reads: every unit this rank keeps a shard of, and the balancing biases (every
+  // rank keeps all of them).
   std::set<std::string> names;
   for_each_held_slice(const_cast<ShardedModel&>(model_), [&](const HeldSlice& h) { names.insert(h.info->name); });
+  if (const_cast<ShardedModel&>(model_).expert_bias().defined())
+    for (const std::string& name : expert_bias_names(plan_.model)) names.insert(name);
   return names;
 }
 
 void ShardedTrainer::load_state(const SlicedState& state, int64_t step, int64_t optimizer_step, Diagnostics& d) {
+  load_held_slices(state, d);
+  read_expert_bias(state, plan_.model, model_.expert_bias(), /*required=*/true, d);
+  step_ = step;
+  optimizer_->set_step_count(optimizer_step);
+}
+
+void ShardedTrainer::load_held_slices(const SlicedState& state, Diagnostics& d) {
   torch::NoGradGuard no_grad;
   for_each_held_slice(model_, [&](const HeldSlice& h) {
     const std::pair<const char*, torch::Tensor> targets[] = {{"param/", model_.shards()[h.unit]},
@@ -465,8 +481,6 @@ void ShardedTrainer::load_state(const SlicedState& state, int64_t step, int64_t 
       into.narrow(0, h.at, h.last - h.first).copy_(values);
     }
   });
-  step_ = step;
-  optimizer_->set_step_count(optimizer_step);
 }
 
 void ShardedTrainer::load_hugging_face(const std::string& dir) {
@@ -474,8 +488,11 @@ void ShardedTrainer::load_hugging_face(const std::string& dir) {
   const torch::ScalarType dtype = plan_.training.precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
   const SlicedState sliced = read_hf_parameters(dir, plan_.model, dtype, &held);
   Diagnostics d;
-  load_state(sliced, 0, 0, d);
+  load_held_slices(sliced, d);
+  read_expert_bias(sliced, plan_.model, model_.expert_bias(), /*required=*/false, d);  // a folder may have none
   d.throw_if_any(dir);
+  step_ = 0;
+  optimizer_->set_step_count(0);
 }
 
 }  // namespace moeplan::executor

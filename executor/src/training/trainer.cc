@@ -16,6 +16,7 @@
 #include "moeplan/core/rules.h"
 #include "moeplan/executor/io/checkpoint.h"
 #include "moeplan/executor/io/tokens.h"
+#include "moeplan/executor/model/expert_bias.h"
 #include "moeplan/executor/model/hf_checkpoint.h"
 #include "moeplan/executor/model/mixtral.h"
 #include "moeplan/executor/ranks/device.h"
@@ -55,7 +56,8 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
 ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device)
     : plan_(plan), device_(device), master_type_(precisions(plan.training.precision).master),
       compute_type_(precisions(plan.training.precision).compute),
-      params_(ParameterSet::on_meta(mixtral_parameters(plan.model))) {
+      params_(ParameterSet::on_meta(mixtral_parameters(plan.model))),
+      expert_bias_(initial_expert_bias(plan.model, device)) {
   params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
   params_.check_materialized();
   params_.move_to(device_);
@@ -76,6 +78,7 @@ NamedTensors ModelTrainer::state() const {
     tensors.emplace_back("exp_avg/" + infos[i].name, optimizer_->exp_avg()[i].cpu());
   for (size_t i = 0; i < infos.size(); ++i)
     tensors.emplace_back("exp_avg_sq/" + infos[i].name, optimizer_->exp_avg_sq()[i].cpu());
+  add_expert_bias(tensors, plan_.model, expert_bias_);
   tensors.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
   return tensors;
 }
@@ -144,7 +147,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   } else {
     compute = params_.tensors();
   }
-  const MixtralWeights weights = MixtralWeights::bind(spec, compute);
+  const MixtralWeights weights = MixtralWeights::bind(spec, compute, expert_bias_);
   int64_t micro_batch = 0;
   std::vector<torch::Tensor> per_micro_batch;  // tokens_per_expert of each, read once at the end
   torch::Tensor dropped = torch::zeros({spec.moe_layers()}, torch::dtype(torch::kLong).device(device_));
@@ -201,9 +204,10 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   r.aux_loss = mean_losses[1].item<double>();
   r.z_loss = mean_losses[2].item<double>();
   r.total_loss = mean_losses[3].item<double>();
-  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   // One rank is one expert group; the step's counts are its micro-batches' together.
   const torch::Tensor all = torch::stack(per_micro_batch).cpu();
+  if (expert_bias_.defined() && !r.skipped) update_expert_bias(expert_bias_, all.sum(0), spec.router_bias_update_rate);
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   r.tokens_per_expert = slot_table(all.sum(0));
   std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
   for (int64_t m = 0; m < all.size(0); ++m) group.push_back(slot_table(all[m]));
@@ -233,6 +237,7 @@ class OneRankTrainer final : public StepTrainer {
     const std::string rng = "rng/cpu";
     if (sliced.contains(rng))
       tensors.emplace_back(rng, sliced.whole(rng, {at::detail::getDefaultCPUGenerator().get_state().numel()}, d));
+    read_expert_bias(sliced, plan_.model, model_.expert_bias(), /*required=*/true, d);
     if (!d.empty()) return;
     model_.load_state(tensors, step, optimizer_step, d);
   }
@@ -240,7 +245,9 @@ class OneRankTrainer final : public StepTrainer {
   void load_hugging_face(const std::string& dir) override {
     const torch::ScalarType dtype = model_.parameters().tensors().front().scalar_type();
     Diagnostics d;
-    const NamedTensors tensors = whole_parameters(read_hf_parameters(dir, plan_.model, dtype), d);
+    const SlicedState sliced = read_hf_parameters(dir, plan_.model, dtype);
+    const NamedTensors tensors = whole_parameters(sliced, d);
+    read_expert_bias(sliced, plan_.model, model_.expert_bias(), /*required=*/false, d);
     d.throw_if_any(dir);
     model_.load_state(tensors, 0, 0, d);
     d.throw_if_any(dir);

@@ -26,9 +26,10 @@ constexpr std::array<std::string_view, kCount> kNames = {
 };
 static_assert(kCount <= kMaxTargetRules);
 
-// What moeplan's executor trains (executor/): Mixtral- and Qwen3-MoE-style models with or
-// without shared experts and dense blocks, equal pipeline stages, the Megatron splits it implements. The planner
-// and simulator know more layouts than it runs.
+// What moeplan's executor trains (executor/): Mixtral-, Qwen3-MoE- and DeepSeek-style models
+// with or without shared experts, dense blocks and latent attention, softmax or DeepSeek-V3's
+// sigmoid routers, equal pipeline stages, the Megatron splits it implements. The planner and simulator know more
+// layouts than it runs.
 void check(const RunConfig& c, RuleSink& sink) {
   const ModelSpec& m = c.model;
   const ParallelConfig& p = c.parallel;
@@ -48,19 +49,30 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string(
           "= true with dispatcher \"allgather\": the executor pads experts' input in the all-to-all exchange only");
     });
-  // Mixtral's and Qwen3-MoE's blocks (dense blocks among them): no attention biases, no latent
-  // attention.
+  // Mixtral's, Qwen3-MoE's and DeepSeek's blocks (dense blocks among them): no attention biases;
+  // latent attention's values no wider than its query and key heads (the flash kernel takes one
+  // width, the values padded to it).
   if (m.qkv_bias)
     sink(kTrainsMoe, "model.qkv_bias",
-         [&] { return std::string("= true: the executor trains Mixtral-style attention, without biases"); });
-  if (m.mla())
-    sink(kTrainsMoe, "model.kv_lora_rank", [&] {
-      return "= " + rule_number(m.kv_lora_rank) + ": the executor trains Mixtral-style attention, without latent attention";
+         [&] { return std::string("= true: the executor trains attention without biases"); });
+  if (m.mla() && m.v_head_dim > m.head_dim)
+    sink(kTrainsMoe, "model.v_head_dim", [&] {
+      return "= " + rule_number(m.v_head_dim) + " over head_dim = " + rule_number(m.head_dim) +
+             ": the executor's latent attention pads values to the query and key width, not the other way";
     });
-  if (m.router_scoring != RouterScoring::kSoftmax || m.router_groups > 1)
-    sink(kTrainsMoe, m.router_groups > 1 ? "model.router_groups" : "model.router_scoring", [&] {
-      return std::string("= ") + (m.router_groups > 1 ? rule_number(m.router_groups) : "\"sigmoid\"") +
-             ": the executor's router takes the top-k of a softmax over every expert";
+  // The router: softmax over every expert, or DeepSeek-V3's sigmoid with its balancing bias and
+  // group-limited choice.
+  if (m.router_scoring == RouterScoring::kSoftmax && m.router_groups > 1)
+    sink(kTrainsMoe, "model.router_groups", [&] {
+      return "= " + rule_number(m.router_groups) +
+             " with softmax scoring: the executor limits the choice to groups under sigmoid scoring only "
+             "(DeepSeek-V3's); its softmax router takes the top-k over every expert";
+    });
+  if (m.router_scoring == RouterScoring::kSigmoid &&
+      (c.moe.load_balancing == LoadBalancing::kSinkhorn || c.moe.load_balancing == LoadBalancing::kBalanced))
+    sink(kTrainsMoe, "moe.load_balancing", [&] {
+      return "= \"" + std::string(name_of(kLoadBalancingNames, c.moe.load_balancing)) +
+             "\" with sigmoid scoring: the executor balances a sigmoid router by its bias, with aux_loss or none";
     });
   if (const char* field = gpt_oss_variant_field(m))
     sink(kTrainsMoe, field, [&] {

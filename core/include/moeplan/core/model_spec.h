@@ -89,6 +89,13 @@ struct ModelSpec {
   RouterScoring router_scoring = RouterScoring::kSoftmax;
   int64_t router_groups = 1;
   int64_t router_group_topk = 1;
+  // The chosen experts' weights, renormalised to sum 1 per token, times this (DeepSeek-V3's
+  // routed_scaling_factor: 2.5).
+  double routed_scaling_factor = 1.0;
+  // Under sigmoid scoring, how far each expert's bias moves after a step, towards the experts
+  // that got fewer than the mean of the step's slots (the bias update speed gamma of DeepSeek-V3:
+  // 0.001, arXiv:2412.19437 section 4.2; Megatron-Core's --moe-router-bias-update-rate).
+  double router_bias_update_rate = 0.001;
   int64_t kv_lora_rank = 0;
   int64_t q_lora_rank = 0;
   int64_t qk_rope_head_dim = 0;

@@ -10,7 +10,11 @@
 // block_sparse_moe.shared_expert_gate, as Qwen2-MoE gates its shared expert). Blocks the model
 // makes dense (spec.moe_layer(l) false: DeepSeek's first_k_dense_replace, Qwen2-MoE's
 // decoder_sparse_step) have one SwiGLU feed-forward layer of dense_intermediate_size instead of
-// the sparse block (mlp.w1/w2/w3), and no router.
+// the sparse block (mlp.w1/w2/w3), and no router. With spec.mla(), DeepSeek's multi-head latent
+// attention (DeepseekV3Attention's parameters and interleaved rotary pairs) in place of q, k, v.
+// The router scores and chooses as the model's
+// router_scoring, router_groups and routed_scaling_factor say (routing.h: route), DeepSeek-V3's
+// sigmoid router with its balancing bias among them.
 //
 // The model is a list of named parameters (Hugging Face names) plus a forward function over
 // them. Experts are separate parameters so that a rank can hold any subset of them, and every
@@ -94,10 +98,17 @@ class ParameterSet {
 // spec.shared_expert_gate).
 struct LayerWeights {
   torch::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_attention_norm, router;
+  // Latent attention's (spec.mla(); q_proj then only without a query latent): the query
+  // latent's down projection, norm and up projection, the key-value latent's (with the shared
+  // rotary key) and its norm and up projection.
+  torch::Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
   std::vector<torch::Tensor> w1, w2, w3;  // per expert
   torch::Tensor shared_w1, shared_w2, shared_w3, shared_gate;
   // A dense block's feed-forward layer (no router, no experts): mlp.w1/w2/w3.
   torch::Tensor dense_w1, dense_w2, dense_w3;
+  // Under sigmoid scoring, the balancing bias of each expert [experts] fp32: a buffer the
+  // trainer moves after each step (update_expert_bias), not a parameter; undefined otherwise.
+  torch::Tensor expert_bias;
   bool has_experts() const { return router.defined(); }
 
   // Binds `t` to the role its name says: the name after "model.layers.<l>.", for example
@@ -111,8 +122,10 @@ struct MixtralWeights {
   std::vector<LayerWeights> layers;
   torch::Tensor norm, lm_head;
 
-  // Binds tensors (one per mixtral_parameters(spec), in its order) to their roles by name.
-  static MixtralWeights bind(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors);
+  // Binds tensors (one per mixtral_parameters(spec), in its order) to their roles by name, and
+  // each block with experts to its row of `expert_bias` [moe layers, experts] where defined.
+  static MixtralWeights bind(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors,
+                             const torch::Tensor& expert_bias = {});
 };
 
 struct ForwardResult {

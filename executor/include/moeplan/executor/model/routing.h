@@ -8,13 +8,24 @@
 #include <utility>
 #include <vector>
 
+#include "moeplan/core/model_spec.h"
 #include "moeplan/core/parallel_config.h"
 
 namespace moeplan::executor {
 
 struct Routing {
-  torch::Tensor weights;  // [tokens, k] fp32, renormalised to sum 1 per token (Mixtral)
+  torch::Tensor weights;  // [tokens, k] fp32, renormalised to sum 1 per token (Mixtral), times the scaling
   torch::Tensor experts;  // [tokens, k] int64
+};
+
+// The router as the model defines it: top-k, its scores, group-limited choice and the scale of
+// the chosen weights (model_spec.h).
+struct RouterShape {
+  int64_t k = 2;
+  RouterScoring scoring = RouterScoring::kSoftmax;
+  int64_t groups = 1, group_topk = 1;
+  double scaling = 1.0;
+  static RouterShape of(const ModelSpec& m);
 };
 
 // Chooses k experts per token from router logits [tokens, experts]:
@@ -25,6 +36,28 @@ struct Routing {
 // The weights are always the softmax probabilities of the chosen experts, renormalised; the
 // choice itself carries no gradient.
 Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing method);
+// The same for any router. Under sigmoid scoring (DeepSeek-V3, as transformers'
+// DeepseekV3MoE routes): each expert's score is sigmoid(logit); the choice ranks score + bias
+// (`bias` [experts] fp32, the auxiliary-loss-free balancing bias; none when undefined), first
+// keeping the best group_topk of `groups` equal groups of experts by the sum of each group's two
+// best (the others' choice scores set to 0), then the top-k; the weights are the chosen
+// experts' scores without the bias, renormalised. Softmax scoring with groups is not routed
+// here (DeepSeek-V2's group-limited greedy; the rules refuse it). Sigmoid scoring routes by its
+// scores whatever `method` says (sinkhorn and balanced routing are softmax's; the rules refuse
+// them with it). Every weight is then multiplied by `scaling`.
+Routing route(const torch::Tensor& router_logits, const RouterShape& router, LoadBalancing method,
+              const torch::Tensor& bias = {});
+
+// The experts' probabilities the load-balancing loss averages, fp32 [tokens, experts]: the
+// softmax of the logits, or under sigmoid scoring each expert's sigmoid divided by the token's
+// sum of them (Megatron-Core's scores for the auxiliary loss with a sigmoid router).
+torch::Tensor balancing_probs(const torch::Tensor& router_logits, RouterScoring scoring);
+
+// Auxiliary-loss-free balancing (DeepSeek-V3; Wang et al. 2024, arXiv:2408.15664): after each
+// step, each expert's bias in `bias` [layers, experts] fp32 moves by `rate` up when it got fewer
+// than the mean of its layer's slots in `counts` [layers, experts] (the step's, over every rank
+// and micro-batch) and down when it got more: bias += rate x sign(mean - count).
+void update_expert_bias(torch::Tensor& bias, const torch::Tensor& counts, double rate);
 
 // A layer's routing decided elsewhere (a rehearsal's reference replays its layout's, see
 // routing_record.h): given the layer and this run's router logits, the experts [tokens, k] each
@@ -40,7 +73,7 @@ using RouteOverride = std::function<ChosenExperts(int64_t layer, const torch::Te
 // The routing to `experts` [tokens, k] chosen elsewhere, weighted as route() weights its own
 // choice: the softmax probabilities of those experts, renormalised (the same values, bit for
 // bit, when the choice is route()'s).
-Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts);
+Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts, const RouterShape& router = {});
 
 // Token dropping (Megatron-Core's --moe-expert-capacity-factor). An expert's capacity is
 // get_capacity(tokens x k, experts, factor) = ceil(tokens x k / experts x factor), counted over
@@ -76,8 +109,10 @@ torch::Tensor balanced_assignment(const torch::Tensor& scores, int64_t k);
 // num_experts * sum_e f_e * P_e, f_e the share of top-k slots, P_e the mean probability.
 // `top_k`, when given (one [tokens, k] per layer), are the slots counted in place of the
 // logits' own top-k (a replayed routing's).
+// Under sigmoid scoring P_e and the top-k are those of balancing_probs().
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
-                                  const std::vector<torch::Tensor>& top_k = {});
+                                  const std::vector<torch::Tensor>& top_k = {},
+                                  RouterScoring scoring = RouterScoring::kSoftmax);
 
 // ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, all layers together.
 torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits);
@@ -85,7 +120,8 @@ torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits);
 // Both losses are means over every layer's rows, so a pipeline stage can sum its layers' part
 // and pass it on: [k x E top-k one-hot counts, E probabilities, sum of logsumexp^2, rows], fp64,
 // without gradient. Sums of several stages add.
-torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts);
+torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts,
+                               RouterScoring scoring = RouterScoring::kSoftmax);
 // The load-balancing loss and the z-loss of such sums: those of all the layers summed.
 std::pair<double, double> router_losses_of_sums(const torch::Tensor& sums, int64_t k, int64_t experts);
 

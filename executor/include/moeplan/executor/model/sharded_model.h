@@ -105,6 +105,10 @@ class ShardedModel {
   // vocabulary; every T rank gets the same loss).
   LossTerms loss(const ForwardResult& out, const torch::Tensor& input_ids);
 
+  // A sigmoid router's balancing biases [moe layers, experts], whole and equal on every rank
+  // (expert_bias.h); undefined under softmax scoring.
+  torch::Tensor& expert_bias() { return expert_bias_; }
+
   // The most token-expert rows this rank's experts computed in one layer of one micro-batch
   // since the last call (the load its activations are sized by), and a new count.
   int64_t take_busiest_expert_rows() { return std::exchange(busiest_expert_rows_, 0); }
@@ -167,6 +171,7 @@ class ShardedModel {
   torch::Tensor mask_;
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
+  torch::Tensor expert_bias_;
   torch::Tensor tokens_per_expert_;  // of the forward in progress
   int64_t dropped_slots_ = 0;        // of those, dropped at capacity
   int64_t busiest_expert_rows_ = 0;

@@ -60,6 +60,9 @@ class ShardedTrainer final : public StepTrainer {
   // Sums `counts` [expert group][micro-batch][layer][expert] over the world into the record,
   // with each rank's time inside the expert exchanges.
   void record_routing(StepRecord& r, torch::Tensor& counts);
+  // Copies this rank's slices of the parameters and AdamW moments from a checkpoint of any
+  // layout (or a Hugging Face folder's parameters); reports what is missing into d.
+  void load_held_slices(const SlicedState& state, Diagnostics& d);
 
   const Plan& plan_;
   DeviceMesh& mesh_;

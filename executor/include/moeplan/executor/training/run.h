@@ -75,7 +75,7 @@ class StepTrainer {
   // The most rows one of this rank's experts computed in a layer of a micro-batch since the
   // last call (0 where the trainer does not count them).
   virtual int64_t take_busiest_expert_rows() { return 0; }
-  // The parameters of which this rank keeps a part: what it reads of a checkpoint to resume
+  // The parameters (and buffers) of which this rank keeps a part: what it reads of a checkpoint to resume
   // (every rank of a layout holding every shard at once outgrew the memory of a 64-rank
   // rehearsal). Empty: all of them.
   virtual std::set<std::string> held_parameters() const { return {}; }

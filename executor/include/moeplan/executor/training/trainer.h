@@ -33,11 +33,15 @@ class ModelTrainer {
   StepRecord step(const std::vector<torch::Tensor>& micro_batches);
 
   int64_t step_count() const { return step_; }
-  // Parameters, AdamW moments and the CPU generator, by global name ("param/<name>", ...).
+  // Parameters, AdamW moments, the balancing biases and the CPU generator, by global name
+  // ("param/<name>", ..., "buffer/<name>").
   NamedTensors state() const;
   // Restores what state() returned; every missing or mismatched tensor is reported into d.
   void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
   const ParameterSet& parameters() const { return params_; }
+  // A sigmoid router's balancing biases [moe layers, experts] (expert_bias.h; undefined under
+  // softmax scoring), moved after each step that is applied.
+  torch::Tensor& expert_bias() { return expert_bias_; }
   const PhaseClock& clock() const { return clock_; }
   // A rehearsal's reference: every layer sends its tokens where the layout's did
   // (routing_record.h).
@@ -48,6 +52,7 @@ class ModelTrainer {
   torch::Device device_;
   torch::ScalarType master_type_, compute_type_;
   ParameterSet params_;
+  torch::Tensor expert_bias_;
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
   PhaseClock clock_;
