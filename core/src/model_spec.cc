@@ -194,6 +194,7 @@ ModelSpec read_model(ObjectReader& r) {
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 0, kMaxDim, 0);
   m.v_head_dim = r.integer("v_head_dim", 0, kMaxDim, 0);
   m.mtp_layers = r.integer("mtp_layers", 0, kMaxLayers, 0);
+  m.mtp_loss_weight = r.number("mtp_loss_weight", 0.0, 1e3, 0.1);
   m.full_attention_step = r.integer("full_attention_step", 0, kMaxLayers, 0);
   m.attention_sinks = r.boolean("attention_sinks", false);
   m.output_bias = r.boolean("output_bias", false);
@@ -370,6 +371,10 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   m.qk_rope_head_dim = r.integer("qk_rope_head_dim", 1, kMaxDim, 64);
   m.head_dim = r.integer("qk_nope_head_dim", 1, kMaxDim, 128) + m.qk_rope_head_dim;
   m.v_head_dim = r.integer("v_head_dim", 1, kMaxDim, 128);
+  // DeepSeek's checkpoints hold each head's rotary pairs interleaved (transformers'
+  // rope_interleave, true by default), as moeplan's executor trains them.
+  if (!r.boolean("rope_interleave", true))
+    d.error("rope_interleave", "= false: moeplan trains DeepSeek's interleaved rotary pairs only");
   m.mtp_layers = r.integer("num_nextn_predict_layers", 0, kMaxLayers, v3 ? 1 : 0);
 }
 
@@ -548,29 +553,76 @@ void put_positions_and_norms(const ModelSpec& m, Json& j) {
 
 }  // namespace
 
+namespace {
+
+// DeepseekV3Config's own fields (transformers; DeepSeek-V3's released config.json): latent
+// attention, fine-grained routed experts beside shared ones of their width, dense first blocks,
+// sigmoid scores in groups, and the multi-token prediction modules.
+void put_deepseek_v3(const ModelSpec& m, Json& j) {
+  j["moe_intermediate_size"] = m.intermediate_size;
+  // The dense blocks' width (unused without them, written as the experts' because the config
+  // class wants one).
+  j["intermediate_size"] = m.has_dense_layers() ? m.dense_intermediate_size : m.intermediate_size;
+  j["n_shared_experts"] = m.shared_expert_intermediate_size / m.intermediate_size;
+  j["first_k_dense_replace"] = m.first_dense_layers;
+  j["moe_layer_freq"] = 1;
+  j["n_group"] = m.router_groups;
+  j["topk_group"] = m.router_group_topk;
+  j["topk_method"] = "noaux_tc";
+  j["scoring_func"] = "sigmoid";
+  j["norm_topk_prob"] = true;
+  j["routed_scaling_factor"] = m.routed_scaling_factor;
+  j["aux_loss_alpha"] = m.router_aux_loss_coef;
+  j["kv_lora_rank"] = m.kv_lora_rank;
+  j["q_lora_rank"] = m.q_lora_rank > 0 ? Json(m.q_lora_rank) : Json(nullptr);
+  j["qk_rope_head_dim"] = m.qk_rope_head_dim;
+  j["qk_nope_head_dim"] = m.head_dim - m.qk_rope_head_dim;
+  j["v_head_dim"] = m.v_head_dim;
+  j["rope_interleave"] = true;
+  j["num_nextn_predict_layers"] = m.mtp_layers;
+  j["attention_bias"] = false;
+}
+
+}  // namespace
+
 Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
-  const bool qwen3 = m.qk_norm;
-  const std::string architecture = qwen3 ? "Qwen3-MoE" : "Mixtral";
-  // Neither config class has these (Qwen3-MoE's q/k norms are its own).
-  for (const auto& [field, has] : {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
-                                   {"qkv_bias", m.qkv_bias},
-                                   {"first_dense_layers", m.has_dense_layers()},
-                                   {"kv_lora_rank", m.mla()},
-                                   {"router_scoring", m.router_scoring != RouterScoring::kSoftmax},
-                                   {"router_groups", m.router_groups > 1},
-                                   {"mtp_layers", m.mtp_layers > 0},
+  const bool qwen3 = m.qk_norm, deepseek = !qwen3 && m.mla();
+  const std::string architecture = qwen3 ? "Qwen3-MoE" : deepseek ? "DeepSeek-V3" : "Mixtral";
+  // None of the three config classes has these (Qwen3-MoE's q/k norms are its own).
+  for (const auto& [field, has] : {std::pair<const char*, bool>{"qkv_bias", m.qkv_bias},
                                    {"full_attention_step", m.full_attention_step > 0},
                                    {"attention_sinks", m.attention_sinks},
                                    {"output_bias", m.output_bias},
                                    {"expert_bias", m.expert_bias},
-                                   {"glu_limit", m.glu_limit > 0},
-                                   {"sliding_window", qwen3 && m.sliding_window.has_value()}})
+                                   {"glu_limit", m.glu_limit > 0}})
     if (has) throw InputError(m.name, {{field, "a " + architecture + " config.json cannot say this"}});
+  // Mixtral's and Qwen3-MoE's classes have none of DeepSeek's parts.
+  if (!deepseek)
+    for (const auto& [field, has] :
+         {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
+          {"first_dense_layers", m.has_dense_layers()},
+          {"kv_lora_rank", m.mla()},
+          {"router_scoring", m.router_scoring != RouterScoring::kSoftmax},
+          {"router_groups", m.router_groups > 1},
+          {"routed_scaling_factor", m.routed_scaling_factor != 1.0},
+          {"mtp_layers", m.mtp_layers > 0},
+          {"sliding_window", qwen3 && m.sliding_window.has_value()}})
+      if (has) throw InputError(m.name, {{field, "a " + architecture + " config.json cannot say this"}});
+  // DeepSeek-V3's class scores by sigmoid, has shared experts of the routed width, ungated, and
+  // its dense blocks first.
+  if (deepseek)
+    for (const auto& [field, has] :
+         {std::pair<const char*, bool>{"router_scoring", m.router_scoring != RouterScoring::kSigmoid},
+          {"shared_expert_intermediate_size", m.shared_expert_intermediate_size % m.intermediate_size != 0},
+          {"shared_expert_gate", m.shared_expert_gate},
+          {"moe_layer_step", m.moe_layer_step != 1 || m.moe_layer_offset != 0},
+          {"sliding_window", m.sliding_window.has_value()}})
+      if (has) throw InputError(m.name, {{field, "a " + architecture + " config.json cannot say this"}});
   Json j;
   j["_name_or_path"] = m.name;
-  j["architectures"] = {qwen3 ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM"};
-  j["model_type"] = qwen3 ? "qwen3_moe" : "mixtral";
-  put_sizes(m, qwen3 ? HfType::kQwen3Moe : HfType::kMixtral, j);
+  j["architectures"] = {qwen3 ? "Qwen3MoeForCausalLM" : deepseek ? "DeepseekV3ForCausalLM" : "MixtralForCausalLM"};
+  j["model_type"] = qwen3 ? "qwen3_moe" : deepseek ? "deepseek_v3" : "mixtral";
+  put_sizes(m, qwen3 ? HfType::kQwen3Moe : deepseek ? HfType::kDeepseekV3 : HfType::kMixtral, j);
   put_positions_and_norms(m, j);
   if (qwen3) {
     // Every block sparse (decoder_sparse_step 1, no mlp_only_layers): the dense width is
@@ -584,6 +636,13 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
     j["use_sliding_window"] = false;
     j["max_window_layers"] = m.num_layers;
     j["attention_bias"] = false;
+  }
+  if (deepseek) {
+    put_deepseek_v3(m, j);
+    // DeepseekV3Config has neither; the names it reads are put_deepseek_v3's.
+    j.erase("sliding_window");
+    j.erase("router_aux_loss_coef");
+    j.erase("head_dim");
   }
   j["hidden_act"] = "silu";
   j["attention_dropout"] = 0.0;
@@ -621,6 +680,7 @@ Json to_json(const ModelSpec& m) {
                                      {"v_head_dim", m.v_head_dim}})
     if (value > 0) j[field] = value;
   if (m.mtp_layers > 0) j["mtp_layers"] = m.mtp_layers;
+  if (m.mtp_layers > 0) j["mtp_loss_weight"] = m.mtp_loss_weight;
   if (m.full_attention_step > 0) j["full_attention_step"] = m.full_attention_step;
   if (m.attention_sinks) j["attention_sinks"] = true;
   if (m.output_bias) j["output_bias"] = true;

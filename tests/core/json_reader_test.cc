@@ -674,6 +674,36 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen2-57b-a14b.json")), "bfloat16"), InputError);
 }
 
+// DeepSeek-V3's blocks are written as a DeepseekV3Config (the shipped V3, Kimi K2, Moonlight and
+// deepseek-v3-tiny profiles) and read back as the same model; DeepSeek-V2-Lite's softmax router,
+// a gated shared expert or a shared width that is no multiple of the routed one has no such
+// config.
+TEST(HfConfig, DeepSeekV3ProfilesWriteConfigsThatReadBack) {
+  for (const char* name : {"deepseek-v3", "kimi-k2", "moonlight-16b-a3b", "deepseek-v3-tiny"}) {
+    SCOPED_TRACE(name);
+    const ModelSpec m = read_model_file(profile_path(std::string("models/") + name + ".json"));
+    const Json config = to_hf_config(m, "bfloat16");
+    EXPECT_EQ(config["architectures"], Json::array({"DeepseekV3ForCausalLM"}));
+    EXPECT_EQ(config["qk_nope_head_dim"].get<int64_t>() + config["qk_rope_head_dim"].get<int64_t>(), m.head_dim);
+    ModelSpec back = model_from_hf_config(Json::parse(config.dump()), "config.json");
+    EXPECT_EQ(back.name, m.name);
+    back.source = m.source;
+    back.mtp_loss_weight = m.mtp_loss_weight;  // a training setting no config.json holds
+    EXPECT_EQ(back, m);
+  }
+  ModelSpec m = read_model_file(profile_path("models/deepseek-v3.json"));
+  EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/deepseek-v2-lite.json")), "bfloat16"), InputError);
+  m.shared_expert_gate = true;
+  EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
+  m.shared_expert_gate = false;
+  m.shared_expert_intermediate_size = 3000;
+  EXPECT_THROW(to_hf_config(m, "bfloat16"), InputError);
+  // Rotary pairs in halves are not what DeepSeek's checkpoints hold.
+  Json config = to_hf_config(read_model_file(profile_path("models/deepseek-v3.json")), "bfloat16");
+  config["rope_interleave"] = false;
+  EXPECT_THROW(model_from_hf_config(config, "config.json"), InputError);
+}
+
 // DeepSeek-V2 and V3 configs: latent attention, group-limited routing, sigmoid scores and
 // multi-token prediction (V3). Each reads as its shipped profile: V3 has the report's 671B
 // parameters (37B active) and its multi-token prediction module 11.6B more (one MoE block of

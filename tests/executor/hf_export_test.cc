@@ -21,6 +21,7 @@
 #include "moeplan/executor/io/checkpoint.h"
 #include "moeplan/executor/io/tensor_file.h"
 #include "moeplan/executor/io/tokens.h"
+#include "moeplan/executor/model/expert_bias.h"
 #include "moeplan/executor/model/hf_checkpoint.h"
 #include "moeplan/executor/model/mixtral.h"
 #include "moeplan/executor/training/parallel_trainer.h"
@@ -146,8 +147,8 @@ got = expected.reshape(logits.shape)
 print("max_abs_diff %.3e max_abs_logit %.3e" % ((logits - got).abs().max().item(), logits.abs().max().item()))
 )PY";
 
-// The folder loaded by transformers itself (AutoModelForCausalLM: MixtralForCausalLM or
-// Qwen3MoeForCausalLM by config.json), in fp32 with eager attention; prints the class and the
+// The folder loaded by transformers itself (AutoModelForCausalLM: MixtralForCausalLM,
+// Qwen3MoeForCausalLM or DeepseekV3ForCausalLM by config.json), in fp32 with eager attention; prints the class and the
 // largest difference from moeplan's logits for the same tokens.
 constexpr char kTransformersLogits[] = R"PY(
 import sys
@@ -179,11 +180,13 @@ void expect_transformers_agrees(const std::string& hf, const std::string& model_
   const SlicedState state = read_hf_parameters(hf, model, torch::kFloat);
   std::vector<torch::Tensor> tensors;
   for (const ParamInfo& info : mixtral_parameters(model)) tensors.push_back(state.whole("param/" + info.name, info.shape, d));
+  torch::Tensor bias = initial_expert_bias(model);  // a sigmoid router's, from the folder
+  read_expert_bias(state, model, bias, /*required=*/true, d);
   ASSERT_TRUE(d.empty());
   const torch::Tensor ids = TokenDataset::open(data).blocks({3, 11});
   torch::NoGradGuard no_grad;
   const torch::Tensor logits =
-      mixtral_forward(model, MixtralWeights::bind(model, tensors), ids, LoadBalancing::kAuxLoss).logits.contiguous();
+      mixtral_forward(model, MixtralWeights::bind(model, tensors, bias), ids, LoadBalancing::kAuxLoss).logits.contiguous();
   auto write = [&](const std::string& name, const torch::Tensor& t) {
     const std::string path = tmp.file(name);
     std::ofstream(path, std::ios::binary).write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
@@ -592,6 +595,106 @@ TEST_F(HfQwen3, AFolderWithoutRenormalisedWeightsIsRefused) {
                                 tmp.file("run") + " --steps 1 --threads 1 --init-from " + copy);
   EXPECT_EQ(r.exit_code, 2) << show(r);
   EXPECT_TRUE(contains(r.err, "config.json: norm_topk_prob: is false or absent")) << r.err;
+}
+
+// DeepSeek-V3 (deepseek-v3-tiny: latent attention, a dense first block, a shared expert, the
+// sigmoid router in groups with its balancing bias, a multi-token prediction block): trained on 2
+// ranks with experts over both, exported as a DeepseekV3ForCausalLM folder.
+class HfDeepSeekV3 : public HfExport {
+ protected:
+  static void SetUpTestSuite() {
+    HfExport::SetUpTestSuite();
+    if (dir_ == nullptr) return;
+    model_ = test::write_small_model(*dir_, 512, "deepseek-v3-tiny");
+    made_ = run_moeplan("run " + tiny_plan(model_, dir_->file("deepseek-plan.json"), 2, 2, 1, "0.001") + " --data " +
+                        dir_->file("data") + " --out " + dir_->file("deepseek-run") +
+                        " --steps 2 --checkpoint-every 2 --threads 1");
+    if (made_.exit_code != 0) return;
+    made_ = run_moeplan("export " + dir_->file("deepseek-run") + " --hf " + hf() + " --max-shard-bytes 3000000");
+  }
+  void SetUp() override {
+    HfExport::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_EQ(made_.exit_code, 0) << show(made_);
+  }
+  static std::string hf() { return dir_->file("deepseek-hf"); }
+  inline static std::string model_;
+  inline static Command made_;
+};
+
+TEST_F(HfDeepSeekV3, ExportedFolderIsDeepseekV3WithItsNames) {
+  const Json config = read_json_file(hf() + "/config.json");
+  EXPECT_EQ(config["architectures"], Json::array({"DeepseekV3ForCausalLM"}));
+  EXPECT_EQ(config["model_type"], "deepseek_v3");
+  EXPECT_EQ(config["moe_intermediate_size"], 64);
+  EXPECT_EQ(config["intermediate_size"], 512);
+  EXPECT_EQ(config["n_shared_experts"], 1);
+  EXPECT_EQ(config["qk_nope_head_dim"], 32);
+  EXPECT_EQ(config["qk_rope_head_dim"], 16);
+  EXPECT_EQ(config["num_nextn_predict_layers"], 1);
+  EXPECT_EQ(config["routed_scaling_factor"], 2.5);
+  // Read back as the same model.
+  const ModelSpec back = model_from_hf_config(config, "config.json");
+  const ModelSpec ours = read_model_file(model_);
+  EXPECT_EQ(back.head_dim, ours.head_dim);
+  EXPECT_EQ(back.q_lora_rank, ours.q_lora_rank);
+  EXPECT_EQ(back.router_groups, ours.router_groups);
+  EXPECT_EQ(back.shared_expert_intermediate_size, ours.shared_expert_intermediate_size);
+  EXPECT_EQ(back.moe_layers(), ours.moe_layers());
+  EXPECT_EQ(back.mtp_layers, ours.mtp_layers);
+  const Json index = read_json_file(hf() + "/model.safetensors.index.json");
+  for (const char* name :
+       {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.0.self_attn.q_a_layernorm.weight", "model.layers.0.self_attn.q_b_proj.weight",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.kv_a_layernorm.weight",
+        "model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.shared_experts.down_proj.weight",
+        "model.layers.3.mlp.experts.31.up_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.hnorm.weight",
+        "model.layers.4.eh_proj.weight", "model.layers.4.shared_head.norm.weight",
+        "model.layers.4.mlp.experts.0.gate_proj.weight"})
+    EXPECT_TRUE(index["weight_map"].contains(name)) << name;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    EXPECT_EQ(name.find("block_sparse_moe"), std::string::npos) << name;
+    EXPECT_EQ(name.find(".w1."), std::string::npos) << name;
+  }
+  // The biases moved in the two steps, and are kept in fp32.
+  const std::string bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+  const std::set<std::string> only{bias};
+  const TensorFile file = read_tensor_file(hf() + "/" + index["weight_map"][bias].get<std::string>(), &only);
+  ASSERT_EQ(file.tensors.size(), 1u);
+  EXPECT_EQ(file.tensors[0].second.scalar_type(), torch::kFloat);
+  EXPECT_GT(file.tensors[0].second.abs().max().item<double>(), 0.0);
+}
+
+// Import, train 2 steps with nothing moving (learning rate 0, the biases' rate 0), export: the
+// same bytes, the biases among them, on one rank and on two; both start from the same loss.
+TEST_F(HfDeepSeekV3, RoundTripIsByteIdenticalOnEitherLayout) {
+  const test::TempDir tmp;
+  Json still = read_json_file(model_);
+  still["router_bias_update_rate"] = 0.0;
+  const std::string model = tmp.write("deepseek-still.json", still);
+  std::vector<double> losses;
+  for (int64_t gpus : {1, 2}) {
+    const std::string run = tmp.file("run-" + std::to_string(gpus));
+    const std::string plan = tiny_plan(model, tmp.file("plan-" + std::to_string(gpus) + ".json"), gpus, gpus, 1, "0");
+    const Command trained = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + run +
+                                        " --steps 2 --checkpoint-every 2 --threads 1 --init-from " + hf());
+    ASSERT_EQ(trained.exit_code, 0) << show(trained);
+    losses.push_back(test::read_metrics(run)[0]["loss"].get<double>());
+    const std::string back = tmp.file("hf-back-" + std::to_string(gpus));
+    ASSERT_EQ(run_moeplan("export " + run + " --hf " + back + " --max-shard-bytes 3000000").exit_code, 0);
+    size_t files = 0;
+    for (const auto& entry : fs::directory_iterator(hf())) {
+      EXPECT_EQ(bytes_of(entry.path()), bytes_of(fs::path(back) / entry.path().filename())) << entry.path();
+      ++files;
+    }
+    EXPECT_GE(files, 3u);
+  }
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+}
+
+TEST_F(HfDeepSeekV3, TransformersLoadsTheFolderAsDeepseekV3) {
+  expect_transformers_agrees(hf(), model_, dir_->file("data"), "DeepseekV3ForCausalLM");
 }
 
 }  // namespace

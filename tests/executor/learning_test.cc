@@ -53,5 +53,14 @@ TEST(Learning, Qwen3LossFallsBelowTheUnigramEntropyOnTwoRanks) {
   EXPECT_LT(last, entropy - 0.5);
 }
 
+// The same for DeepSeek-V3's blocks (deepseek-v3-tiny: latent attention, a dense first block, a
+// shared expert, the sigmoid router in groups with its balancing bias, multi-token prediction)
+// on two ranks with the experts split over them.
+TEST(Learning, DeepSeekV3LossFallsBelowTheUnigramEntropyOnTwoRanks) {
+  if (fortune_files({"fortunes"}).empty()) GTEST_SKIP() << "needs Debian's fortunes package (" << kFortunesDir << ")";
+  const auto [entropy, last] = train_on_fortunes("deepseek-v3-tiny", 2, "--expert-parallel-degree 2");
+  EXPECT_LT(last, entropy - 0.5);
+}
+
 }  // namespace
 }  // namespace moeplan::test

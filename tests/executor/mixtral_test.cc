@@ -67,6 +67,7 @@ double silu(double a) { return a / (1 + std::exp(-a)); }
 
 struct Reference {
   std::vector<Vec> logits;                        // [T][vocab]
+  std::vector<std::vector<Vec>> mtp_logits;       // [depth][T][vocab]
   std::vector<std::vector<int64_t>> expert_load;  // [layer][expert]
 };
 
@@ -79,7 +80,8 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
   std::vector<Vec> x(static_cast<size_t>(T));
   for (int64_t i = 0; i < T; ++i) x[i] = Vec(embed.v.begin() + ids[i] * H, embed.v.begin() + (ids[i] + 1) * H);
   Reference ref;
-  for (int64_t l = 0; l < s.num_layers; ++l) {
+  // One block over every token of x, its parameters read from t in order.
+  auto run_layer = [&](int64_t l) {
     const Mat ln1(t[at++]);
     // Latent attention (DeepSeek): the query latent's projections and norm (or q_proj), the
     // key-value latent's with the shared rotary key, then o_proj; else q, k, v and o.
@@ -183,7 +185,7 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
         const Vec y = d2.times(act);
         for (int64_t c = 0; c < H; ++c) x[i][c] += y[c];
       }
-      continue;
+      return;
     }
     // Sparse MoE, token by token, expert by expert.
     std::vector<int64_t> load(static_cast<size_t>(E), 0);
@@ -234,9 +236,28 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
       }
     }
     ref.expert_load.push_back(load);
-  }
-  const Mat norm(t[at++]), head(t[at++]);
+  };
+  for (int64_t l = 0; l < s.num_layers; ++l) run_layer(l);
+  // The final norm and head are the last two parameters.
+  const Mat norm(t[t.size() - 2]), head(t[t.size() - 1]);
   for (int64_t i = 0; i < T; ++i) ref.logits.push_back(head.times(rms_norm(x[i], norm, s.rms_norm_eps)));
+  // Multi-token prediction, depth k: each position joins the normed embedding of the token k
+  // ahead (token 0 past the end) with its normed output of depth k - 1, through eh_proj; one more
+  // block; its own norm, then the shared head.
+  for (int64_t k = 1; k <= s.mtp_layers; ++k) {
+    const Mat enorm(t[at++]), hnorm(t[at++]), eh(t[at++]);
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t ahead = i + k < T ? ids[i + k] : 0;
+      Vec joined = rms_norm(Vec(embed.v.begin() + ahead * H, embed.v.begin() + (ahead + 1) * H), enorm, s.rms_norm_eps);
+      const Vec h = rms_norm(x[i], hnorm, s.rms_norm_eps);
+      joined.insert(joined.end(), h.begin(), h.end());
+      x[i] = eh.times(joined);
+    }
+    run_layer(s.num_layers + k - 1);
+    const Mat own_norm(t[at++]);
+    std::vector<Vec>& logits = ref.mtp_logits.emplace_back();
+    for (int64_t i = 0; i < T; ++i) logits.push_back(head.times(rms_norm(x[i], own_norm, s.rms_norm_eps)));
+  }
   return ref;
 }
 
@@ -276,8 +297,9 @@ void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
   const torch::Tensor ids = torch::randint(s.vocab_size, {B, T}, torch::kLong);
   const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
   ASSERT_EQ(out.logits.sizes(), (std::vector<int64_t>{B, T, s.vocab_size}));
-  // Token counts of the blocks with experts (a dense block has none).
-  std::vector<std::vector<int64_t>> load(s.moe_layers(), std::vector<int64_t>(s.num_experts, 0));
+  // Token counts of the blocks with experts (a dense block has none; the multi-token prediction
+  // blocks' last).
+  std::vector<std::vector<int64_t>> load(s.moe_blocks(), std::vector<int64_t>(s.num_experts, 0));
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int64_t> seq(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + T);
     const Reference ref = reference_forward(s, p.tensors(), seq);
@@ -285,11 +307,17 @@ void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
       for (int64_t v = 0; v < s.vocab_size; ++v)
         ASSERT_NEAR(out.logits[b][i][v].item<double>(), ref.logits[i][v], 1e-5)
             << "sequence " << b << " token " << i << " vocab " << v;
+    ASSERT_EQ(out.mtp_logits.size(), ref.mtp_logits.size());
+    for (size_t k = 0; k < ref.mtp_logits.size(); ++k)
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t v = 0; v < s.vocab_size; ++v)
+          ASSERT_NEAR(out.mtp_logits[k][b][i][v].item<double>(), ref.mtp_logits[k][i][v], 1e-5)
+              << "depth " << k + 1 << " sequence " << b << " token " << i << " vocab " << v;
     ASSERT_EQ(ref.expert_load.size(), load.size());
     for (size_t l = 0; l < load.size(); ++l)
       for (int64_t e = 0; e < s.num_experts; ++e) load[l][e] += ref.expert_load[l][e];
   }
-  for (int64_t l = 0; l < s.moe_layers(); ++l)
+  for (int64_t l = 0; l < s.moe_blocks(); ++l)
     for (int64_t e = 0; e < s.num_experts; ++e)
       EXPECT_EQ(out.tokens_per_expert[l][e].item<int64_t>(), load[l][e]) << "layer " << l << " expert " << e;
 }
@@ -411,6 +439,68 @@ TEST(Mixtral, LatentAttentionMatchesReference) {
   expect_matches_reference(s, 31);
 }
 
+// Multi-token prediction two deep: each depth's logits, the second built on the first's output.
+TEST(Mixtral, MultiTokenPredictionMatchesReference) {
+  ModelSpec s = small_spec();
+  s.mtp_layers = 2;
+  expect_matches_reference(s, 37);
+}
+
+// DeepSeek-V3's blocks together: latent attention, a dense first block, a shared expert, the
+// sigmoid router in groups and a multi-token prediction block after the decoder.
+TEST(Mixtral, DeepSeekV3BlocksMatchReference) {
+  ModelSpec s = small_spec();
+  s.num_layers = 3;
+  s.num_experts = 8;
+  s.num_key_value_heads = s.num_attention_heads;
+  s.qk_rope_head_dim = 2;
+  s.v_head_dim = 4;
+  s.kv_lora_rank = 12;
+  s.q_lora_rank = 6;
+  s.first_dense_layers = 1;
+  s.dense_intermediate_size = 32;
+  s.shared_expert_intermediate_size = 24;
+  s.router_scoring = RouterScoring::kSigmoid;
+  s.router_groups = 4;
+  s.router_group_topk = 2;
+  s.routed_scaling_factor = 2.5;
+  s.mtp_layers = 1;
+  expect_matches_reference(s, 41);
+}
+
+// The modules' loss: each depth's cross entropy against the token k + 1 ahead (none for the last
+// k + 1 positions), their mean weighted into the total beside the next-token loss.
+TEST(Mixtral, MultiTokenPredictionLossPredictsFurtherAhead) {
+  ModelSpec s = small_spec();
+  s.mtp_layers = 2;
+  s.mtp_loss_weight = 0.3;
+  const ParameterSet p = random_model(s, 43);
+  torch::manual_seed(5);
+  const int64_t T = 7;
+  const torch::Tensor ids = torch::randint(s.vocab_size, {2, T}, torch::kLong);
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kNone;
+  const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, moe);
+  const LossTerms loss = mixtral_loss(s, moe, out, ids);
+  double depths = 0;
+  for (int64_t k = 1; k <= 2; ++k) {
+    double sum = 0;
+    int64_t n = 0;
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t i = 0; i + k + 1 < T; ++i) {
+        const torch::Tensor row = out.mtp_logits[static_cast<size_t>(k - 1)][b][i].to(torch::kDouble);
+        sum += torch::logsumexp(row, 0).item<double>() - row[ids[b][i + k + 1].item<int64_t>()].item<double>();
+        ++n;
+      }
+    depths += sum / static_cast<double>(n);
+  }
+  ASSERT_TRUE(loss.mtp.defined());
+  EXPECT_NEAR(loss.mtp.item<double>(), depths / 2, 1e-5);
+  EXPECT_NEAR(loss.total.item<double>(), loss.lm.item<double>() + 0.3 * depths / 2, 1e-5);
+  EXPECT_TRUE(torch::equal(mtp_input_ids(ids, 2).narrow(1, 0, T - 2), ids.narrow(1, 2, T - 2)));
+  EXPECT_EQ(mtp_input_ids(ids, 2).narrow(1, T - 2, 2).abs().sum().item<int64_t>(), 0);
+}
+
 TEST(Mixtral, MultiQueryAttentionMatchesReference) {
   ModelSpec s = small_spec();
   s.num_key_value_heads = 1;
@@ -448,6 +538,13 @@ TEST(Mixtral, ParameterCountMatchesModelSpec) {
   EXPECT_EQ(p.numel(), count_parameters(s).total());
   const ModelSpec big = test::model("mixtral-8x7b");
   EXPECT_EQ(ParameterSet::on_meta(mixtral_parameters(big)).numel(), int64_t{46'702'792'704});
+  // The planner's count of DeepSeek-V3 and Qwen3's models is the executor's: latent attention,
+  // dense blocks, shared experts and the multi-token prediction module (682.6B for DeepSeek-V3,
+  // its report's 671B plus the module's block and projection).
+  for (const char* name : {"deepseek-v3", "kimi-k2", "moonlight-16b-a3b", "qwen3-30b-a3b", "deepseek-moe-16b"}) {
+    const ModelSpec m = test::model(name);
+    EXPECT_EQ(ParameterSet::on_meta(mixtral_parameters(m)).numel(), count_parameters(m).total()) << name;
+  }
 }
 
 TEST(Mixtral, DelayedInitLeavesNothingOnMeta) {

@@ -308,16 +308,18 @@ TEST_F(Parallel, DenseBlocksAndSharedExpertsTrainTheOneRanksLosses) {
   expect_one_ranks_losses(dir_->write("dense-first.json", model), "dense",
                           {Layout{"E2S2R1_full", 2, 2, "full", false},
                            Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
-                           Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+                           Layout{"E1S1T2R2", 1, 1, "none", false, "alltoall", 2}});
 }
 
 // DeepSeek-V3's blocks on mixtral-tiny's sizes: latent attention (a query latent of 48, a
 // key-value latent of 64, heads of 24 + 8 rotary, values of 16), the first block dense, an
-// ungated shared expert beside the routed ones, and the sigmoid router: top-2 from the best 2 of
-// 4 groups of 2 experts, the weights scaled by 2.5, the balancing bias moved after every step by
-// the slots counted over the world (at 0.01 a step, so that it changes choices within the run;
-// no auxiliary loss, which pipeline stages do not train). Each layout trains the one rank's
-// losses and routing step by step, which holds only while every rank moves the same bias.
+// ungated shared expert beside the routed ones, the sigmoid router (top-2 from the best 2 of 4
+// groups of 2 experts, the weights scaled by 2.5, the balancing bias moved after every step by
+// the slots counted over the world, at 0.01 a step so that it changes choices within the run)
+// and a multi-token prediction block after the decoder, its loss weighted 0.3. Each layout
+// trains the one rank's losses and routing step by step, which holds only while every rank
+// moves the same bias; the multi-token prediction block lies on the last stage with the
+// embedding, so these layouts have one stage.
 std::string deepseek_blocks_model(const TempDir& dir) {
   Json model = read_json_file(write_small_model(dir, 512));
   model["name"] = "mixtral-tiny-deepseek-blocks";
@@ -335,7 +337,8 @@ std::string deepseek_blocks_model(const TempDir& dir) {
   model["router_group_topk"] = 2;
   model["routed_scaling_factor"] = 2.5;
   model["router_bias_update_rate"] = 0.01;
-  model["router_aux_loss_coef"] = 0.0;
+  model["mtp_layers"] = 1;
+  model["mtp_loss_weight"] = 0.3;
   return dir.write("deepseek-blocks.json", model);
 }
 
@@ -344,7 +347,7 @@ TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLosses) {
                           {Layout{"E2S2R1_full", 2, 2, "full", false},
                            Layout{"E4S1R1_selective", 4, 1, "selective", false, "allgather"},
                            Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
-                           Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+                           Layout{"E1S1T2R2", 1, 1, "none", false, "alltoall", 2}});
 }
 
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
@@ -446,7 +449,7 @@ TEST_F(Parallel, PipelineCheckpointMovesBetweenLayouts) {
 }
 
 // DeepSeek's blocks move between layouts, the router's balancing biases with them: a checkpoint
-// of (E2 S1 T2) resumes under one rank and under (T2 P2) on the one rank's curve, which a bias
+// of (E2 S1 T2) resumes under one rank and under (E4 S1) on the one rank's curve, which a bias
 // started again from zero would leave.
 TEST_F(Parallel, DeepSeekCheckpointMovesBetweenLayouts) {
   const std::string one_rank = dir_->file("deepseek-ckpt-plan-1.json");
@@ -458,7 +461,7 @@ TEST_F(Parallel, DeepSeekCheckpointMovesBetweenLayouts) {
   expect_checkpoint_moves(
       plan_for({"deepseek-E2S1T2", 2, 1, "none", false, "alltoall", 2}, one_rank), dir_->file("deepseek-E2T2"),
       dir_->file("data"),
-      {{"one-rank", one_rank}, {"T2P2", plan_for({"deepseek-T2P2", 1, 1, "none", false, "alltoall", 2, 2}, one_rank)}},
+      {{"one-rank", one_rank}, {"E4S1", plan_for({"deepseek-E4S1", 4, 1, "none", false}, one_rank)}},
       read_metrics(reference));
 }
 

@@ -310,12 +310,17 @@ const FrameworkRuleCase kCases[] = {
      "= 192 over head_dim = 128: the executor's latent attention pads values to the query and key width, not the other "
      "way",
      "192"},
-    {"ExecutorModeMultiTokenPrediction",
+    {"ExecutorModeMultiTokenPredictionAcrossStages",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
        s.model.mtp_layers = 1;
+       s.parallel.pipeline_parallel_degree = 2;
+       s.parallel.hybrid_shard_degree = 4;
+       s.parallel.gradient_accumulation_steps = 256;
      },
-     "executor_trains_moe", "model.mtp_layers", "= 1: the executor trains next-token prediction only", "= 1"},
+     "executor_pipeline_limits", "model.mtp_layers",
+     "= 1 with pipeline_parallel_degree = 2: the executor trains multi-token prediction without pipeline stages only",
+     "= 1"},
     {"SmpMultiTokenPrediction",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");

@@ -8,12 +8,12 @@ constexpr const char* kBuffer = "buffer/";
 
 torch::Tensor initial_expert_bias(const ModelSpec& spec, const torch::Device& device) {
   if (spec.router_scoring != RouterScoring::kSigmoid) return {};
-  return torch::zeros({spec.moe_layers(), spec.num_experts}, torch::dtype(torch::kFloat).device(device));
+  return torch::zeros({spec.moe_blocks(), spec.num_experts}, torch::dtype(torch::kFloat).device(device));
 }
 
 std::vector<std::string> expert_bias_names(const ModelSpec& spec) {
   std::vector<std::string> names;
-  for (int64_t l = 0; l < spec.num_layers; ++l)
+  for (int64_t l = 0; l < spec.blocks(); ++l)
     if (spec.moe_layer(l))
       names.push_back("model.layers." + std::to_string(l) + ".block_sparse_moe.gate.e_score_correction_bias");
   return names;

@@ -8,6 +8,7 @@
 #include "moeplan/core/json_reader.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/io/checkpoint.h"
+#include "moeplan/executor/model/expert_bias.h"
 #include "moeplan/executor/model/mixtral.h"
 
 namespace moeplan::executor {
@@ -48,11 +49,11 @@ std::string shard_name(size_t k, size_t n) {
 }  // namespace
 
 std::string hf_parameter_name(const ModelSpec& model, const std::string& name) {
-  if (!model.qk_norm) return name;
+  if (!model.qk_norm && !model.mla()) return name;  // Mixtral's own
   static constexpr std::string_view kSparse = "block_sparse_moe.";
   const size_t at = name.find(kSparse);
-  if (at == std::string::npos) return name;
-  std::string out = name.substr(0, at) + "mlp." + name.substr(at + kSparse.size());
+  std::string out = at == std::string::npos ? name : name.substr(0, at) + "mlp." + name.substr(at + kSparse.size());
+  if (out.find(".mlp.") == std::string::npos) return out;  // attention, norms, the head
   for (const auto& [ours, theirs] : {std::pair<std::string_view, std::string_view>{".w1.weight", ".gate_proj.weight"},
                                      {".w3.weight", ".up_proj.weight"},
                                      {".w2.weight", ".down_proj.weight"}})
@@ -83,7 +84,8 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
     TensorFile shard = read_checkpoint_shard(ck, f.name);
     NamedTensors params;
     for (auto& [name, tensor] : shard.tensors)
-      if (name.rfind("param/", 0) == 0) params.emplace_back(std::move(name), std::move(tensor));
+      if (name.rfind("param/", 0) == 0 || name.rfind("buffer/", 0) == 0)
+        params.emplace_back(std::move(name), std::move(tensor));
     state.add(params);
   }
   Diagnostics d;
@@ -92,6 +94,12 @@ HfExport export_hf_checkpoint(const std::string& checkpoint, const std::string& 
     torch::Tensor t = state.whole("param/" + info.name, info.shape, d);
     if (t.defined()) tensors.emplace_back(hf_parameter_name(spec, info.name), t.contiguous());
   }
+  // A sigmoid router's balancing biases, fp32 as DeepSeek-V3's checkpoint keeps them.
+  if (spec.router_scoring == RouterScoring::kSigmoid)
+    for (const std::string& name : expert_bias_names(spec)) {
+      torch::Tensor t = state.whole("buffer/" + name, {spec.num_experts}, d);
+      if (t.defined()) tensors.emplace_back(hf_parameter_name(spec, name), t.contiguous());
+    }
   d.throw_if_any(out.checkpoint);
 
   // The config first: a model no config class can say is refused before any file is written.
@@ -160,14 +168,30 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
   same("qk_norm", theirs.qk_norm, model.qk_norm);
   same("qkv_bias", theirs.qkv_bias, model.qkv_bias);
   same("moe_layers", theirs.moe_layers(), model.moe_layers());
-  // Qwen's configs renormalise the chosen experts' weights only when they say so; moeplan's
-  // router always does (as Mixtral's, and Qwen3-30B-A3B's configuration).
+  // DeepSeek's latent attention, router and multi-token prediction.
+  same("kv_lora_rank", theirs.kv_lora_rank, model.kv_lora_rank);
+  same("q_lora_rank", theirs.q_lora_rank, model.q_lora_rank);
+  same("qk_rope_head_dim", theirs.qk_rope_head_dim, model.qk_rope_head_dim);
+  same("v_head_dim", theirs.v_head_dim, model.v_head_dim);
+  same("n_group", theirs.router_groups, model.router_groups);
+  same("topk_group", theirs.router_group_topk, model.router_group_topk);
+  same("num_nextn_predict_layers", theirs.mtp_layers, model.mtp_layers);
+  if (theirs.router_scoring != model.router_scoring)
+    d.error("scoring_func", "differs from the plan's model's router_scoring");
+  if (theirs.routed_scaling_factor != model.routed_scaling_factor)
+    d.error("routed_scaling_factor", "= " + std::to_string(theirs.routed_scaling_factor) + ", the plan's model has " +
+                                         std::to_string(model.routed_scaling_factor));
+  // Qwen's and DeepSeek-V2's configs renormalise the chosen experts' weights only when they say
+  // so (DeepSeek-V3's unless they say otherwise); moeplan's router always does (as Mixtral's, and
+  // Qwen3-30B-A3B's and DeepSeek-V3's configurations).
   const std::string model_type = config.value("model_type", "");
   const Json* renormalise = config.contains("norm_topk_prob") ? &config["norm_topk_prob"] : nullptr;
-  if ((model_type == "qwen3_moe" || model_type == "qwen2_moe") &&
-      !(renormalise != nullptr && renormalise->is_boolean() && renormalise->get<bool>()))
+  const bool said_true = renormalise != nullptr && renormalise->is_boolean() && renormalise->get<bool>();
+  const bool default_true = model_type == "deepseek_v3" || model_type == "kimi_k2";
+  if ((model_type == "qwen3_moe" || model_type == "qwen2_moe" || model_type == "deepseek_v2" || default_true) &&
+      !said_true && !(default_true && renormalise == nullptr))
     d.error("norm_topk_prob", "is false or absent: moeplan's executor renormalises the chosen experts' weights "
-                              "(set true, as Qwen3-30B-A3B and Qwen3-235B-A22B do)");
+                              "(set true, as Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 do)");
   d.throw_if_any(config_path);
   // The dtype config.json declares, which every tensor must have.
   std::string declared;
@@ -189,12 +213,25 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
     }
   } else if (fs::exists(fs::path(dir) / "model.safetensors", ec)) {
     for (const ParamInfo& info : params) file_of[hf_parameter_name(model, info.name)] = "model.safetensors";
+    for (const std::string& name : expert_bias_names(model))  // read where the file has them
+      file_of[hf_parameter_name(model, name)] = "model.safetensors";
   } else {
     throw InputError(dir, {{"", "neither model.safetensors.index.json nor model.safetensors"}});
   }
 
   std::map<std::string, std::set<std::string>> needed;  // file -> tensors, by their names there
   std::map<std::string, const ParamInfo*> info_of;       // by the name there
+  // A sigmoid router's balancing biases, where the folder has them (DeepSeek-V3's has; a
+  // run starts them at zero otherwise).
+  std::map<std::string, std::string> bias_of;  // by the name there -> moeplan's
+  if (model.router_scoring == RouterScoring::kSigmoid)
+    for (const std::string& name : expert_bias_names(model)) {
+      const std::string theirs = hf_parameter_name(model, name);
+      if (const auto it = file_of.find(theirs); it != file_of.end()) {
+        needed[it->second].insert(theirs);
+        bias_of[theirs] = name;
+      }
+    }
   for (const ParamInfo& info : params) {
     if (wanted != nullptr && wanted->count(info.name) == 0) continue;
     const std::string theirs = hf_parameter_name(model, info.name);
@@ -214,6 +251,16 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
     TensorFile t = read_tensor_file(path, &names);
     NamedTensors tensors;
     for (auto& [name, tensor] : t.tensors) {
+      if (const auto bias = bias_of.find(name); bias != bias_of.end()) {
+        if (tensor.sizes().vec() != std::vector<int64_t>{model.num_experts})
+          d.error(name + ".shape", "is " + c10::str(tensor.sizes()) + ", the model needs [" +
+                                       std::to_string(model.num_experts) + "]");
+        else if (!tensor.is_floating_point())
+          d.error(name + ".dtype", safetensors_dtype(tensor.scalar_type()) + " is not a floating-point type");
+        else
+          tensors.emplace_back("buffer/" + bias->second, tensor.to(torch::kFloat));
+        continue;
+      }
       const ParamInfo& info = *info_of.at(name);
       const torch::ScalarType type = tensor.scalar_type();
       if (type != torch::kFloat && type != torch::kBFloat16 && type != torch::kHalf) {

@@ -30,9 +30,15 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
     p.push_back({std::move(name), {width}, block, -1, InitKind::kOnes, 0, false});
   };
   matrix("model.embed_tokens.weight", {spec.vocab_size, h}, 0);
-  for (int64_t l = 0; l < layers; ++l) {
+  // The decoder's blocks, then the multi-token prediction modules' (DeepSeek-V3's layer 61).
+  for (int64_t l = 0; l < spec.blocks(); ++l) {
     const std::string prefix = "model.layers." + std::to_string(l) + ".";
     const int64_t block = l + 1;
+    if (l >= layers) {
+      norm(prefix + "enorm.weight", block, h);
+      norm(prefix + "hnorm.weight", block, h);
+      matrix(prefix + "eh_proj.weight", {h, 2 * h}, block);
+    }
     norm(prefix + "input_layernorm.weight", block, h);
     if (spec.mla()) {
       // DeepSeek-V2/V3's latent attention, as transformers names it.
@@ -81,9 +87,10 @@ std::vector<ParamInfo> mixtral_parameters(const ModelSpec& spec) {
       matrix(shared + "w3.weight", {width, h}, block);
       if (spec.shared_expert_gate) matrix(prefix + "block_sparse_moe.shared_expert_gate.weight", {1, h}, block);
     }
+    if (l >= layers) norm(prefix + "shared_head.norm.weight", block, h);
   }
-  norm("model.norm.weight", layers + 1, h);
-  matrix("lm_head.weight", {spec.vocab_size, h}, layers + 1);
+  norm("model.norm.weight", spec.blocks() + 1, h);
+  matrix("lm_head.weight", {spec.vocab_size, h}, spec.blocks() + 1);
   return p;
 }
 
@@ -224,6 +231,10 @@ void LayerWeights::bind(std::string_view role, const torch::Tensor& t, int64_t f
       {"block_sparse_moe.shared_experts.w2.weight", &LayerWeights::shared_w2},
       {"block_sparse_moe.shared_experts.w3.weight", &LayerWeights::shared_w3},
       {"block_sparse_moe.shared_expert_gate.weight", &LayerWeights::shared_gate},
+      {"enorm.weight", &LayerWeights::mtp_enorm},
+      {"hnorm.weight", &LayerWeights::mtp_hnorm},
+      {"eh_proj.weight", &LayerWeights::mtp_eh_proj},
+      {"shared_head.norm.weight", &LayerWeights::mtp_head_norm},
       {"mlp.w1.weight", &LayerWeights::dense_w1},
       {"mlp.w2.weight", &LayerWeights::dense_w2},
       {"mlp.w3.weight", &LayerWeights::dense_w3}};
@@ -240,7 +251,7 @@ MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<tor
   const std::vector<ParamInfo> infos = mixtral_parameters(spec);
   assert(t.size() == infos.size() && "one tensor per parameter");
   MixtralWeights w;
-  w.layers.resize(static_cast<size_t>(spec.num_layers));
+  w.layers.resize(static_cast<size_t>(spec.blocks()));
   for (size_t i = 0; i < infos.size(); ++i) {
     const ParamInfo& info = infos[i];
     if (info.name == "model.embed_tokens.weight") {
@@ -255,8 +266,8 @@ MixtralWeights MixtralWeights::bind(const ModelSpec& spec, const std::vector<tor
     }
   }
   if (expert_bias.defined())
-    for (int64_t l = 0; l < spec.num_layers; ++l)
-      if (spec.moe_layer(l)) w.layers[static_cast<size_t>(l)].expert_bias = expert_bias[spec.moe_layers_in(0, l)];
+    for (int64_t l = 0; l < spec.blocks(); ++l)
+      if (spec.moe_layer(l)) w.layers[static_cast<size_t>(l)].expert_bias = expert_bias[spec.moe_row(l)];
   return w;
 }
 
@@ -457,13 +468,11 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   const Rope rope = rope_tables(spec, t, dtype, input_ids.device());
   const torch::Tensor mask = attention_mask_bias(spec, t, dtype, input_ids.device());
   ForwardResult out;
-  const int64_t moe_layers = spec.moe_layers();
-  out.tokens_per_expert =
-      torch::zeros({moe_layers, spec.num_experts}, torch::dtype(torch::kLong).device(input_ids.device()));
-  out.dropped_slots = torch::zeros({moe_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
-  out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(input_ids.device()));
-  torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
-  for (int64_t l = 0; l < spec.num_layers; ++l) {
+  const torch::TensorOptions counts = torch::dtype(torch::kLong).device(input_ids.device());
+  out.tokens_per_expert = torch::zeros({spec.moe_blocks(), spec.num_experts}, counts);
+  out.dropped_slots = torch::zeros({spec.moe_blocks()}, counts);
+  out.nonfinite_layers = torch::zeros({spec.blocks()}, counts);
+  auto run_block = [&](int64_t l, torch::Tensor x) {
     const LayerWeights& layer = w.layers[static_cast<size_t>(l)];
     x = x + attention(spec, layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), rope, mask);
     torch::Tensor router_logits;
@@ -478,19 +487,50 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
     if (!layer.has_experts()) {
       x = x + expert_ffn(normed, layer.dense_w1, layer.dense_w2, layer.dense_w3);
       note_nonfinite(out, l, x);
-      continue;
+      return x;
     }
-    const int64_t m = spec.moe_layers_in(0, l);
+    const int64_t m = spec.moe_row(l);
     torch::Tensor y = sparse_moe(spec, layer, normed, moe, router_logits, out.tokens_per_expert[m],
                                  out.dropped_slots[m], replay_layer);
     if (layer.shared_w1.defined()) y = y + shared_experts(layer, normed);
     x = x + y;
     out.router_logits.push_back(router_logits);
     note_nonfinite(out, l, x);
+    return x;
+  };
+  torch::Tensor x = torch::embedding(w.embed_tokens, input_ids);
+  for (int64_t l = 0; l < spec.num_layers; ++l) x = run_block(l, x);
+  out.logits = torch::matmul(rms_norm(x, w.norm, spec.rms_norm_eps), w.lm_head.t()).to(torch::kFloat);
+  // Multi-token prediction: depth k joins the normed output of depth k - 1 (the decoder's
+  // before its final norm) with the normed embedding of the token k ahead, runs its block, and
+  // predicts the token k + 1 ahead through its own norm and the shared head.
+  for (int64_t k = 1; k <= spec.mtp_layers; ++k) {
+    const int64_t l = spec.num_layers + k - 1;
+    const LayerWeights& layer = w.layers[static_cast<size_t>(l)];
+    const torch::Tensor ahead = torch::embedding(w.embed_tokens, mtp_input_ids(input_ids, k));
+    x = torch::matmul(torch::cat({rms_norm(ahead, layer.mtp_enorm, spec.rms_norm_eps),
+                                  rms_norm(x, layer.mtp_hnorm, spec.rms_norm_eps)},
+                                 -1),
+                      layer.mtp_eh_proj.t());
+    x = run_block(l, x);
+    out.mtp_logits.push_back(
+        torch::matmul(rms_norm(x, layer.mtp_head_norm, spec.rms_norm_eps), w.lm_head.t()).to(torch::kFloat));
   }
-  x = rms_norm(x, w.norm, spec.rms_norm_eps);
-  out.logits = torch::matmul(x, w.lm_head.t()).to(torch::kFloat);
   return out;
+}
+
+torch::Tensor mtp_input_ids(const torch::Tensor& input_ids, int64_t k) {
+  torch::Tensor ids = torch::zeros_like(input_ids);
+  const int64_t t = input_ids.size(1);
+  if (k < t) ids.narrow(1, 0, t - k).copy_(input_ids.narrow(1, k, t - k));
+  return ids;
+}
+
+torch::Tensor mtp_labels(const torch::Tensor& input_ids, int64_t k) {
+  torch::Tensor labels = torch::full_like(input_ids, kIgnoreLabel);
+  const int64_t t = input_ids.size(1);
+  if (k + 1 < t) labels.narrow(1, 0, t - k - 1).copy_(input_ids.narrow(1, k + 1, t - k - 1));
+  return labels;
 }
 
 torch::Tensor next_token_labels(const torch::Tensor& input_ids) {
@@ -501,22 +541,31 @@ torch::Tensor next_token_labels(const torch::Tensor& input_ids) {
 
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
                        const torch::Tensor& input_ids) {
-  const int64_t vocab = out.logits.size(-1);
   // Each position predicts the next token; the last position has none and is ignored. The
   // logits are read in place (a slice of them would be copied by the reshape).
-  const torch::Tensor labels = next_token_labels(input_ids);
-  return mixtral_loss_from_lm(spec, moe, out,
-                      torch::nn::functional::cross_entropy(
-                          out.logits.reshape({-1, vocab}), labels.reshape({-1}),
-                          torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel)));
+  auto cross_entropy = [](const torch::Tensor& logits, const torch::Tensor& labels) {
+    return torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel));
+  };
+  std::vector<torch::Tensor> mtp;
+  for (size_t k = 0; k < out.mtp_logits.size(); ++k)
+    mtp.push_back(cross_entropy(out.mtp_logits[k], mtp_labels(input_ids, static_cast<int64_t>(k) + 1)));
+  return mixtral_loss_from_lm(spec, moe, out, cross_entropy(out.logits, next_token_labels(input_ids)), mtp);
 }
 
-LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm) {
+LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm,
+                               const std::vector<torch::Tensor>& mtp) {
   LossTerms loss;
   loss.lm = std::move(lm);
+  loss.prediction = loss.lm;
+  if (!mtp.empty()) {
+    loss.mtp = torch::stack(mtp).mean();
+    loss.prediction = loss.lm + spec.mtp_loss_weight * loss.mtp;
+  }
   loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k, spec.router_scoring);
   loss.z = router_z_loss(out.router_logits);
-  loss.total = loss.lm;
+  loss.total = loss.prediction;
   if (moe.load_balancing == LoadBalancing::kAuxLoss && moe.aux_loss_coef != 0)
     loss.total = loss.total + moe.aux_loss_coef * loss.aux;
   if (moe.z_loss_coef != 0) loss.total = loss.total + moe.z_loss_coef * loss.z;

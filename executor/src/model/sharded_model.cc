@@ -5,6 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <cstring>
+#include <optional>
 
 #include "moeplan/executor/model/autograd_ops.h"
 #include "moeplan/executor/model/expert_bias.h"
@@ -36,13 +37,13 @@ std::vector<FlatUnit> flat_units(const ModelSpec& spec, const std::vector<ParamI
     units.push_back(std::move(u));
   };
   add("embed", 0, false, [](const ParamInfo&) { return true; });
-  for (int64_t l = 0; l < spec.num_layers; ++l) {
+  for (int64_t l = 0; l < spec.blocks(); ++l) {
     const std::string prefix = "layers." + std::to_string(l);
     add(prefix + ".dense", l + 1, false, [](const ParamInfo& p) { return p.expert < 0; });
     add(prefix + ".experts", l + 1, true,
         [&](const ParamInfo& p) { return p.expert >= first && p.expert < first + per_rank; });
   }
-  add("head", spec.num_layers + 1, false, [](const ParamInfo&) { return true; });
+  add("head", spec.blocks() + 1, false, [](const ParamInfo&) { return true; });
   return units;
 }
 
@@ -172,7 +173,7 @@ void ShardedModel::prefetch(size_t index) {
 
 void ShardedModel::prefetch_block(int64_t layer) {
   if (layer < 0) return;  // the embedding needs no weights in backward
-  if (layer >= plan_.model.num_layers) {
+  if (layer >= plan_.model.blocks()) {
     prefetch(units_.size() - 1);  // the final norm and lm head
     return;
   }
@@ -220,7 +221,10 @@ torch::Tensor ShardedModel::regather_in_backward(const torch::Tensor& y, const s
       storage->set_nbytes(bytes);
     }
     // The block before this one runs backward next: its units move while this one computes.
-    prefetch_block(units_[again.front().unit].block - 2);
+    // Before the head's (and the multi-token prediction blocks'), the decoder's last block: which
+    // of the head's two uses runs backward first is autograd's choice, and a gather started for a
+    // block whose backward has run would be left to the next step.
+    prefetch_block(std::min(units_[again.front().unit].block - 2, plan_.model.num_layers - 1));
     return std::vector<torch::Tensor>{grads[0]};
   });
   return out[0];
@@ -314,9 +318,9 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
   ForwardResult out;
-  out.tokens_per_expert = torch::zeros({spec.moe_layers(), spec.num_experts}, torch::kLong);
-  out.dropped_slots = torch::zeros({spec.moe_layers()}, torch::kLong);
-  out.nonfinite_layers = torch::zeros({spec.num_layers}, torch::kLong);
+  out.tokens_per_expert = torch::zeros({spec.moe_blocks(), spec.num_experts}, torch::kLong);
+  out.dropped_slots = torch::zeros({spec.moe_blocks()}, torch::kLong);
+  out.nonfinite_layers = torch::zeros({spec.blocks()}, torch::kLong);
   torch::Tensor x;
   // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
   // schedule, are finished before new ones start.
@@ -340,13 +344,41 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
     out.hidden = x;
     return out;
   }
-  const Gathered head = gather(units_.size() - 1);
-  x = gather_sequence(rms_norm(x, head.params[0], spec.rms_norm_eps));
-  torch::Tensor logits = torch::matmul(x, head.params[1].t()).to(torch::kFloat);
-  release(head);
-  out.logits = regather_in_backward(logits, {head});
+  // The head's logits of the blocks' output (through the final norm, or a multi-token prediction
+  // block's own), [B, T, this rank's part of the vocabulary].
+  auto logits_of = [&](const torch::Tensor& h, std::optional<size_t> norm_unit) {
+    const Gathered head = gather(units_.size() - 1);
+    std::vector<Gathered> used{head};
+    torch::Tensor norm = head.params[0];
+    if (norm_unit) {
+      used.push_back(gather(*norm_unit));
+      norm = dense_weights(used.back()).mtp_head_norm;
+    }
+    const torch::Tensor logits =
+        torch::matmul(gather_sequence(rms_norm(h, norm, spec.rms_norm_eps)), head.params[1].t()).to(torch::kFloat);
+    for (const Gathered& g : used) release(g);
+    return regather_in_backward(logits, used);
+  };
+  out.logits = logits_of(x, std::nullopt);
+  // Multi-token prediction, on the last stage, which holds the embedding then (one stage only).
+  for (int64_t k = 1; k <= spec.mtp_layers; ++k) {
+    const int64_t l = spec.num_layers + k - 1;
+    const size_t dense_unit = static_cast<size_t>(1 + 2 * l);
+    const Gathered table = gather(0);
+    const torch::Tensor ahead = this->embed(table.params[0], mtp_input_ids(input_ids, k));
+    release(table);  // the lookup's backward needs only the ids
+    const Gathered dense = gather(dense_unit);
+    const LayerWeights w = dense_weights(dense);
+    torch::Tensor joined = torch::matmul(
+        torch::cat({rms_norm(ahead, w.mtp_enorm, spec.rms_norm_eps), rms_norm(x, w.mtp_hnorm, spec.rms_norm_eps)}, -1),
+        w.mtp_eh_proj.t());
+    release(dense);
+    x = block(l, regather_in_backward(joined, {dense}), out, shuffle_seed);
+    note_nonfinite(out, l, x);
+    out.mtp_logits.push_back(logits_of(x, dense_unit));
+  }
   if (offload_)  // the last blocks are the first ones backward needs
-    for (int64_t k = 1; k <= horizon_; ++k) offload_->prefetch(spec.num_layers - k);
+    for (int64_t k = 1; k <= horizon_; ++k) offload_->prefetch(spec.blocks() - k);
   return out;
 }
 
@@ -356,7 +388,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
   // This block's units were started by the one before; the next block's move while it computes.
   prefetch_block(l + 1);
   if (!spec.moe_layer(l)) return dense_block(l, x);
-  const int64_t m = spec.moe_layers_in(0, l);
+  const int64_t m = spec.moe_row(l);
   torch::Tensor counts = out.tokens_per_expert[m], dropped = out.dropped_slots[m];
   switch (plan_.parallel.activation_checkpointing) {
     case Checkpointing::kNone: {
@@ -519,20 +551,26 @@ LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& inpu
   // the maximum, the sum of exponentials and the label's logit are each combined over the T
   // ranks, so every rank gets the loss of the whole vocabulary, and each logit its gradient on
   // the one rank that holds it.
-  const int64_t part = out.logits.size(-1);
-  const torch::Tensor logits = out.logits.reshape({-1, part});
-  const torch::Tensor labels = next_token_labels(input_ids).reshape({-1});
-  torch::Tensor max = std::get<0>(logits.detach().max(-1));
-  max = std::get<0>(mesh_.tensor.all_gather(max.unsqueeze(0)).max(0));
-  const torch::Tensor shifted = logits - max.unsqueeze(-1);
-  const torch::Tensor sum_exp = all_reduce_autograd(mesh_.tensor, shifted.exp().sum(-1));
-  const torch::Tensor local = labels - tp_rank_ * part;
-  const torch::Tensor mine = (local >= 0) & (local < part);
-  const torch::Tensor picked = shifted.gather(1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine;
-  const torch::Tensor label_logit = all_reduce_autograd(mesh_.tensor, picked);
-  const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
-  const torch::Tensor lm = ((sum_exp.log() - label_logit) * counted).sum() / counted.sum();
-  return mixtral_loss_from_lm(plan_.model, plan_.moe, out, lm);
+  auto cross_entropy = [this](const torch::Tensor& split_logits, const torch::Tensor& label_ids) {
+    const int64_t part = split_logits.size(-1);
+    const torch::Tensor logits = split_logits.reshape({-1, part});
+    const torch::Tensor labels = label_ids.reshape({-1});
+    torch::Tensor max = std::get<0>(logits.detach().max(-1));
+    max = std::get<0>(mesh_.tensor.all_gather(max.unsqueeze(0)).max(0));
+    const torch::Tensor shifted = logits - max.unsqueeze(-1);
+    const torch::Tensor sum_exp = all_reduce_autograd(mesh_.tensor, shifted.exp().sum(-1));
+    const torch::Tensor local = labels - tp_rank_ * part;
+    const torch::Tensor mine = (local >= 0) & (local < part);
+    const torch::Tensor picked = shifted.gather(1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine;
+    const torch::Tensor label_logit = all_reduce_autograd(mesh_.tensor, picked);
+    const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
+    return ((sum_exp.log() - label_logit) * counted).sum() / counted.sum();
+  };
+  std::vector<torch::Tensor> mtp;
+  for (size_t k = 0; k < out.mtp_logits.size(); ++k)
+    mtp.push_back(cross_entropy(out.mtp_logits[k], mtp_labels(input_ids, static_cast<int64_t>(k) + 1)));
+  return mixtral_loss_from_lm(plan_.model, plan_.moe, out, cross_entropy(out.logits, next_token_labels(input_ids)),
+                              mtp);
 }
 
 namespace {
@@ -595,7 +633,7 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
   }
   router_logits = torch::matmul(tokens, router.t());
   const Routing r = route(router_logits, RouterShape::of(spec), moe.load_balancing,
-                          expert_bias_.defined() ? expert_bias_[spec.moe_layers_in(0, layer)] : torch::Tensor());
+                          expert_bias_.defined() ? expert_bias_[spec.moe_row(layer)] : torch::Tensor());
   // Each rank drops at its own tokens' capacity, before the exchange (Megatron-Core's).
   SlotList slots = slot_list(r, spec.num_experts, moe);
   if (count) {

@@ -142,6 +142,10 @@ void check_rehearsal(const Plan& plan, const RehearsalOptions& o) {
                                             std::to_string(plan.model.moe_layer_step) +
                                             ": a rehearsal's checks are bounded for experts in every block; train the "
                                             "plan with `moeplan run`");
+  if (plan.model.mtp_layers > 0)
+    d.error("model.mtp_layers", "= " + std::to_string(plan.model.mtp_layers) +
+                                    ": a rehearsal's checks are bounded for next-token prediction; train the plan "
+                                    "with `moeplan run`");
   // The reference replays and checks a softmax router's choice.
   if (plan.model.router_scoring != RouterScoring::kSoftmax)
     d.error("model.router_scoring", "= \"sigmoid\": a rehearsal replays and checks a softmax router's choice; train "

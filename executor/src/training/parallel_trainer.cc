@@ -101,11 +101,11 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   // Token-expert slots by [expert group][micro-batch][block with experts][expert], each rank adding its
   // tokens' routing to its own group's micro-batch; summed over the world after the step.
   const int64_t groups = mesh_.layout().world_size() / (mesh_.pipeline.size() * mesh_.expert.size() * mesh_.tensor.size());
-  torch::Tensor counts = torch::zeros({groups, ga, spec.moe_layers(), spec.num_experts}, torch::kLong);
+  torch::Tensor counts = torch::zeros({groups, ga, spec.moe_blocks(), spec.num_experts}, torch::kLong);
   torch::Tensor mine = counts[mesh_.coords().r * mesh_.shard.size() + mesh_.coords().s];
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
-  nonfinite_layers_ = torch::zeros({spec.num_layers}, torch::kLong);
-  dropped_slots_ = torch::zeros({spec.moe_layers()}, torch::kLong);
+  nonfinite_layers_ = torch::zeros({spec.blocks()}, torch::kLong);
+  dropped_slots_ = torch::zeros({spec.moe_blocks()}, torch::kLong);
   if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, mine, sums);
   for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
@@ -117,8 +117,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     const auto f1 = Clock::now();
     // Every T rank computes the router's losses from the same logits, and the router's gradient
     // is summed over them: each takes 1/T of those terms, so they count once.
-    const torch::Tensor router_terms = terms.total - terms.lm;
-    ((terms.lm + router_terms / tp) / static_cast<double>(ga)).backward();
+    const torch::Tensor router_terms = terms.total - terms.prediction;
+    ((terms.prediction + router_terms / tp) / static_cast<double>(ga)).backward();
     const auto f2 = Clock::now();
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
@@ -173,7 +173,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     optimizer_->step(grads, r.learning_rate);
   } else {
     r.skipped = true;
-    torch::Tensor blocks = nonfinite_blocks(spec.num_layers);
+    torch::Tensor blocks = nonfinite_blocks(spec.blocks());
     note_nonfinite_outputs(blocks, nonfinite_layers_);
     for (size_t u = 0; u < grads.size(); ++u)
       if (model_.owns(model_.units()[u]))

@@ -137,7 +137,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   // The losses stay on the device until the step ends and are read once, rather than copied to
   // the host one micro-batch at a time.
   std::vector<torch::Tensor> sums;
-  torch::Tensor nonfinite_layers = torch::zeros({spec.num_layers}, torch::dtype(torch::kLong).device(device_));
+  torch::Tensor nonfinite_layers = torch::zeros({spec.blocks()}, torch::dtype(torch::kLong).device(device_));
   // In mixed precision, bf16 copies of the fp32 master weights, made once for the step's
   // micro-batches; after each backward their gradients are added to fp32 accumulators.
   std::vector<torch::Tensor> compute;
@@ -150,7 +150,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   const MixtralWeights weights = MixtralWeights::bind(spec, compute, expert_bias_);
   int64_t micro_batch = 0;
   std::vector<torch::Tensor> per_micro_batch;  // tokens_per_expert of each, read once at the end
-  torch::Tensor dropped = torch::zeros({spec.moe_layers()}, torch::dtype(torch::kLong).device(device_));
+  torch::Tensor dropped = torch::zeros({spec.moe_blocks()}, torch::dtype(torch::kLong).device(device_));
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
     const auto f0 = Clock::now();
@@ -190,7 +190,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     optimizer_->step(grads, r.learning_rate);
   } else {
     r.skipped = true;
-    torch::Tensor blocks = nonfinite_blocks(spec.num_layers);
+    torch::Tensor blocks = nonfinite_blocks(spec.blocks());
     note_nonfinite_outputs(blocks, nonfinite_layers);
     for (size_t i = 0; i < grads.size(); ++i)
       note_nonfinite_tensors(blocks, params_.infos()[i].block, params_.tensors()[i], grads[i]);

@@ -107,6 +107,10 @@ struct ModelSpec {
   // the last block's kind (an MoE block), a final norm, and the shared lm head with a loss of
   // its own. They run on the last pipeline stage, which then holds the embedding as well.
   int64_t mtp_layers = 0;
+  // The weight of the modules' losses, their mean over the depths added to the next-token loss
+  // (Megatron-Core's --mtp-loss-scaling-factor, 0.1 by default; DeepSeek-V3 trained with 0.3,
+  // then 0.1).
+  double mtp_loss_weight = 0.1;
   // Attention within a window on some blocks only (Gemma, GPT-OSS): with sliding_window set,
   // every full_attention_step-th block (blocks K-1, 2K-1, ...: Megatron-Core's
   // --window-attn-skip-freq) attends over the whole sequence, the others within the window;
@@ -142,6 +146,9 @@ struct ModelSpec {
     return first_dense_layers == 0 && moe_layer_step == 1 ? num_layers : moe_layers_in(0, num_layers);
   }
   bool has_dense_layers() const { return moe_layers() < num_layers; }
+  // Block l's row among the blocks with experts: the decoder's in order, then the multi-token
+  // prediction blocks'.
+  int64_t moe_row(int64_t l) const { return l < num_layers ? moe_layers_in(0, l) : moe_layers() + (l - num_layers); }
   // The keys a query sees on average over the blocks, at sequence length seq_len (causal: half
   // the sequence; within a window shorter than the sequence, the window; one block in
   // full_attention_step the whole sequence).

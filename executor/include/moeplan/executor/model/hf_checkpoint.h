@@ -1,6 +1,7 @@
 #pragma once
 // Hugging Face checkpoints: a moeplan checkpoint written as the folder transformers loads as
-// MixtralForCausalLM or Qwen3MoeForCausalLM (to_hf_config: config.json, safetensors shards
+// MixtralForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM (to_hf_config: config.json,
+// safetensors shards
 // named model-0000k-of-0000n.safetensors with "format": "pt" metadata, and
 // model.safetensors.index.json mapping every tensor to its shard). Parameter shapes are Hugging
 // Face's already and names Mixtral's (mixtral.h, renamed for Qwen3-MoE by hf_parameter_name),
@@ -17,8 +18,11 @@
 namespace moeplan::executor {
 
 // A parameter's name in the model's Hugging Face folder: moeplan names its parameters as
-// MixtralForCausalLM does (and the q/k norms as Qwen3MoeForCausalLM); Qwen3-MoE calls the
-// sparse block "mlp" and an expert's w1, w3 and w2 gate_proj, up_proj and down_proj.
+// MixtralForCausalLM does (and the q/k norms as Qwen3MoeForCausalLM, latent attention and the
+// multi-token prediction blocks as DeepseekV3ForCausalLM); Qwen3-MoE and DeepSeek-V3 call the
+// sparse block "mlp" and the w1, w3 and w2 of an expert, a shared expert or a dense block
+// gate_proj, up_proj and down_proj. A sigmoid router's balancing biases are
+// "mlp.gate.e_score_correction_bias" there, written in fp32 and read where the folder has them.
 std::string hf_parameter_name(const ModelSpec& model, const std::string& name);
 
 struct HfExport {

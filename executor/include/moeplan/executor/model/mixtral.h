@@ -12,6 +12,8 @@
 // decoder_sparse_step) have one SwiGLU feed-forward layer of dense_intermediate_size instead of
 // the sparse block (mlp.w1/w2/w3), and no router. With spec.mla(), DeepSeek's multi-head latent
 // attention (DeepseekV3Attention's parameters and interleaved rotary pairs) in place of q, k, v.
+// With spec.mtp_layers, DeepSeek-V3's multi-token prediction blocks after the decoder
+// (model.layers.<L + k - 1>.*, their own loss weighted into the total).
 // The router scores and chooses as the model's
 // router_scoring, router_groups and routed_scaling_factor say (routing.h: route), DeepSeek-V3's
 // sigmoid router with its balancing bias among them.
@@ -40,7 +42,7 @@ enum class InitKind : uint8_t { kNormal, kOnes };
 struct ParamInfo {
   std::string name;            // Hugging Face name, e.g. "model.layers.0.block_sparse_moe.experts.3.w1.weight"
   std::vector<int64_t> shape;  // as in Hugging Face (Linear weights are [out, in])
-  int64_t block = 0;           // 0: embedding; 1..L: decoder layer L-1; L+1: final norm and lm head
+  int64_t block = 0;           // 0: embedding; 1..B: block B-1 (decoder, then multi-token prediction); B+1: final norm and lm head
   int64_t expert = -1;         // expert index, -1 for dense parameters
   InitKind init = InitKind::kNormal;
   double init_std = 0;
@@ -106,6 +108,11 @@ struct LayerWeights {
   torch::Tensor shared_w1, shared_w2, shared_w3, shared_gate;
   // A dense block's feed-forward layer (no router, no experts): mlp.w1/w2/w3.
   torch::Tensor dense_w1, dense_w2, dense_w3;
+  // A multi-token prediction block's own (DeepSeek-V3's names): the norms of the embedding and of
+  // the previous depth's output, their joint projection (2 x hidden -> hidden, the embedding's
+  // half first, as DeepSeek's checkpoints and Megatron-Core join them) and the norm before the
+  // shared head.
+  torch::Tensor mtp_enorm, mtp_hnorm, mtp_eh_proj, mtp_head_norm;
   // Under sigmoid scoring, the balancing bias of each expert [experts] fp32: a buffer the
   // trainer moves after each step (update_expert_bias), not a parameter; undefined otherwise.
   torch::Tensor expert_bias;
@@ -130,15 +137,16 @@ struct MixtralWeights {
 
 struct ForwardResult {
   torch::Tensor logits;                      // [B, T, vocab], fp32 as in Hugging Face
+  std::vector<torch::Tensor> mtp_logits;     // per multi-token prediction depth k: [B, T, vocab], fp32
   std::vector<torch::Tensor> router_logits;  // per block with experts [B*T, num_experts], compute dtype
-  // Per block with experts (the model's moe_layers(), in order; dense blocks have none):
+  // Per block with experts (the model's moe_blocks(), by moe_row(); dense blocks have none):
   torch::Tensor tokens_per_expert;           // [moe layers, num_experts] int64: token-expert slots
   torch::Tensor dropped_slots;               // [moe layers] int64: of those, the ones dropped at capacity
   torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
   // Per layer, when the routing was replayed (RouteOverride): the top-k slots the load-balancing
   // loss counts.
   std::vector<torch::Tensor> top_k;
-  // [layers] int64, 1 where a decoder layer's output held a NaN or an Inf (its part on this
+  // [blocks] int64, 1 where a block's output held a NaN or an Inf (its part on this
   // rank): where a non-finite loss began. Kept on the device, read only when a step went wrong.
   torch::Tensor nonfinite_layers;
 };
@@ -161,8 +169,10 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& weigh
                               const RouteOverride& replay = {});
 
 struct LossTerms {
-  torch::Tensor total;  // lm + aux_coef * aux (aux_loss balancing only) + z_coef * z
-  torch::Tensor lm;     // next-token cross entropy, nats per predicted token
+  torch::Tensor total;       // prediction + aux_coef * aux (aux_loss balancing only) + z_coef * z
+  torch::Tensor lm;          // next-token cross entropy, nats per predicted token
+  torch::Tensor mtp;         // the multi-token prediction depths' mean cross entropy (undefined without)
+  torch::Tensor prediction;  // lm + mtp_loss_weight * mtp: the vocabulary's terms
   torch::Tensor aux;    // Hugging Face load_balancing_loss_func (computed for every method)
   torch::Tensor z;      // router z-loss
 };
@@ -205,10 +215,17 @@ int64_t expert_row_multiple(const torch::Tensor& rows);
 // Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,
                        const torch::Tensor& input_ids);
-// The same with the lm term computed elsewhere (a vocabulary-parallel cross entropy).
-LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm);
+// The same with the lm term and each depth's multi-token prediction term computed elsewhere (a
+// vocabulary-parallel cross entropy).
+LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm,
+                               const std::vector<torch::Tensor>& mtp = {});
 // Next-token labels of input_ids [B, T]: input_ids[:, 1:], and kIgnoreLabel at the last position.
 inline constexpr int64_t kIgnoreLabel = -100;
 torch::Tensor next_token_labels(const torch::Tensor& input_ids);
+// Multi-token prediction depth k (Megatron-Core rolls the sequence so): the input ids moved k
+// to the left, zeros (token 0) in the last k places; and the labels of its positions, the token
+// k + 1 ahead, kIgnoreLabel where there is none.
+torch::Tensor mtp_input_ids(const torch::Tensor& input_ids, int64_t k);
+torch::Tensor mtp_labels(const torch::Tensor& input_ids, int64_t k);
 
 }  // namespace moeplan::executor
