@@ -292,28 +292,11 @@ TEST_F(Parallel, Qwen3BlocksTrainTheOneRanksLosses) {
                            Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2}});
 }
 
-// DeepSeekMoE's blocks on mixtral-tiny's sizes: a dense first block, then shared experts (gated,
-// as Qwen2-MoE's) beside the routed ones in the other three. The shared experts are held whole
-// on every expert rank, split over the tensor-parallel ranks (their width by rows and columns,
-// the gate whole and its gradient summed) and recomputed with the MoE sub-block; the dense
-// block's feed-forward layer is split like them and lies on the first pipeline stage, its empty
-// experts unit held by no rank.
-TEST_F(Parallel, DenseBlocksAndSharedExpertsTrainTheOneRanksLosses) {
-  Json model = read_json_file(write_small_model(*dir_, 512));
-  model["name"] = "mixtral-tiny-dense-first";
-  model["first_dense_layers"] = 1;
-  model["dense_intermediate_size"] = 512;
-  model["shared_expert_intermediate_size"] = 128;
-  model["shared_expert_gate"] = true;
-  expect_one_ranks_losses(dir_->write("dense-first.json", model), "dense",
-                          {Layout{"E2S2R1_full", 2, 2, "full", false},
-                           Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
-                           Layout{"E1S1T2R2", 1, 1, "none", false, "alltoall", 2}});
-}
-
 // DeepSeek-V3's blocks on mixtral-tiny's sizes: latent attention (a query latent of 48, a
-// key-value latent of 64, heads of 24 + 8 rotary, values of 16), the first block dense, an
-// ungated shared expert beside the routed ones, the sigmoid router (top-2 from the best 2 of 4
+// key-value latent of 64, heads of 24 + 8 rotary, values of 16), the first block dense (its
+// feed-forward layer split over T like a shared expert, its empty experts unit held by no
+// rank), a shared expert beside the routed ones (gated as Qwen2-MoE gates it, so that the gate's
+// split is trained too: whole on every T rank, its gradient summed), the sigmoid router (top-2 from the best 2 of 4
 // groups of 2 experts, the weights scaled by 2.5, the balancing bias moved after every step by
 // the slots counted over the world, at 0.01 a step so that it changes choices within the run)
 // and a multi-token prediction block after the decoder, its loss weighted 0.3. Each layout
@@ -332,6 +315,7 @@ std::string deepseek_blocks_model(const TempDir& dir) {
   model["first_dense_layers"] = 1;
   model["dense_intermediate_size"] = 512;
   model["shared_expert_intermediate_size"] = 128;
+  model["shared_expert_gate"] = true;
   model["router_scoring"] = "sigmoid";
   model["router_groups"] = 4;
   model["router_group_topk"] = 2;
