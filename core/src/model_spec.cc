@@ -638,11 +638,12 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
     j["attention_bias"] = false;
   }
   if (deepseek) {
+    // After put_sizes, whose head_dim (written as qk_nope_head_dim) and expert width this
+    // overwrites with DeepseekV3Config's own meaning.
     put_deepseek_v3(m, j);
-    // DeepseekV3Config has neither; the names it reads are put_deepseek_v3's.
+    // DeepseekV3Config has neither; its balance loss coefficient is aux_loss_alpha.
     j.erase("sliding_window");
     j.erase("router_aux_loss_coef");
-    j.erase("head_dim");
   }
   j["hidden_act"] = "silu";
   j["attention_dropout"] = 0.0;

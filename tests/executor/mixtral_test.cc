@@ -72,7 +72,10 @@ struct Reference {
 };
 
 // One sequence, top-k routing by softmax probability (aux_loss / none).
-Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ids) {
+// Under sigmoid scoring `bias` [moe blocks, experts], when defined, is added to the scores the
+// choice ranks (not to the weights).
+Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& ids,
+                            const torch::Tensor& bias = {}) {
   const int64_t T = static_cast<int64_t>(ids.size()), H = s.hidden_size, hd = s.head_dim;
   const int64_t heads = s.num_attention_heads, kv = s.num_key_value_heads, E = s.num_experts;
   size_t at = 0;
@@ -199,7 +202,10 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
       for (double& pe : p) pe /= z;
       Vec rank = p;  // what the choice ranks by
       if (s.router_scoring == RouterScoring::kSigmoid) {
-        for (int64_t e = 0; e < E; ++e) rank[e] = p[e] = 1 / (1 + std::exp(-logits[e]));
+        for (int64_t e = 0; e < E; ++e) {
+          p[e] = 1 / (1 + std::exp(-logits[e]));
+          rank[e] = p[e] + (bias.defined() ? bias[s.moe_row(l)][e].item<double>() : 0.0);
+        }
         // Group-limited: the groups by the sum of their two best; the others out.
         const int64_t per = E / s.router_groups;
         std::vector<std::pair<double, int64_t>> groups;
@@ -290,19 +296,20 @@ ParameterSet random_model(const ModelSpec& s, uint64_t seed, torch::ScalarType d
   return p;
 }
 
-void expect_matches_reference(const ModelSpec& s, uint64_t seed) {
+void expect_matches_reference(const ModelSpec& s, uint64_t seed, const torch::Tensor& bias = {}) {
   torch::manual_seed(7);
   const ParameterSet p = random_model(s, seed);
   const int64_t B = 2, T = 9;
   const torch::Tensor ids = torch::randint(s.vocab_size, {B, T}, torch::kLong);
-  const ForwardResult out = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, LoadBalancing::kAuxLoss);
+  const ForwardResult out =
+      mixtral_forward(s, MixtralWeights::bind(s, p.tensors(), bias), ids, LoadBalancing::kAuxLoss);
   ASSERT_EQ(out.logits.sizes(), (std::vector<int64_t>{B, T, s.vocab_size}));
   // Token counts of the blocks with experts (a dense block has none; the multi-token prediction
   // blocks' last).
   std::vector<std::vector<int64_t>> load(s.moe_blocks(), std::vector<int64_t>(s.num_experts, 0));
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int64_t> seq(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + T);
-    const Reference ref = reference_forward(s, p.tensors(), seq);
+    const Reference ref = reference_forward(s, p.tensors(), seq, bias);
     for (int64_t i = 0; i < T; ++i)
       for (int64_t v = 0; v < s.vocab_size; ++v)
         ASSERT_NEAR(out.logits[b][i][v].item<double>(), ref.logits[i][v], 1e-5)
@@ -466,6 +473,10 @@ TEST(Mixtral, DeepSeekV3BlocksMatchReference) {
   s.routed_scaling_factor = 2.5;
   s.mtp_layers = 1;
   expect_matches_reference(s, 41);
+  // With balancing biases, each block with experts its own row (the module's last), large
+  // enough to change choices.
+  torch::manual_seed(43);
+  expect_matches_reference(s, 41, torch::randn({s.moe_blocks(), s.num_experts}) * 0.3);
 }
 
 // The modules' loss: each depth's cross entropy against the token k + 1 ahead (none for the last

@@ -432,6 +432,19 @@ TEST_F(Parallel, PipelineCheckpointMovesBetweenLayouts) {
       reference_);
 }
 
+// The same blocks without the multi-token prediction module (which keeps to one stage) and
+// without a balance loss (which pipeline stages do not train) over two stages of two tensor
+// ranks: the dense first block and its empty experts unit on the first stage, the biases of every
+// stage's blocks moved alike.
+TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLossesOverStages) {
+  Json model = read_json_file(deepseek_blocks_model(*dir_));
+  model["name"] = "mixtral-tiny-deepseek-blocks-staged";
+  model["mtp_layers"] = 0;
+  model["router_aux_loss_coef"] = 0.0;
+  expect_one_ranks_losses(dir_->write("deepseek-staged.json", model), "deepseek-staged",
+                          {Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+}
+
 // DeepSeek's blocks move between layouts, the router's balancing biases with them: a checkpoint
 // of (E2 S1 T2) resumes under one rank and under (E4 S1) on the one rank's curve, which a bias
 // started again from zero would leave.

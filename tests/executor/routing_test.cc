@@ -257,14 +257,17 @@ TEST(Routing, ExpertBiasMovesTowardsTheExpertsBelowTheMean) {
 
 // Under sigmoid scoring the load-balancing loss averages each token's scores normalised to sum 1.
 TEST(RouterLoss, SigmoidScoresNormalisedPerToken) {
-  const torch::Tensor logits = torch::tensor({0.0, 0.0, std::log(3.0), 0.0}, torch::kFloat).view({2, 2});
-  // Token 1: scores (.5, .5) -> (.5, .5); token 2: (.75, .5) -> (.6, .4). P = (.55, .45).
+  const double l3 = std::log(3.0);
+  const torch::Tensor logits = torch::tensor({l3, 0.0, l3, -l3}, torch::kFloat).view({2, 2});
+  // Token 1: scores (.75, .5) -> (.6, .4); token 2: (.75, .25) -> (.75, .25). P = (.675, .325)
+  // (a softmax's would be (.825, .175)).
   const torch::Tensor p = balancing_probs(logits, RouterScoring::kSigmoid);
-  EXPECT_NEAR(p[1][0].item<double>(), 0.6, 1e-6);
-  // Top-1: token 1 ties to expert 0, token 2 expert 0: f = (1, 0); aux = 2 * (1 * .55) = 1.1.
-  EXPECT_NEAR(load_balancing_loss({logits}, 1, {}, RouterScoring::kSigmoid).item<double>(), 1.1, 1e-6);
+  EXPECT_NEAR(p[0][0].item<double>(), 0.6, 1e-6);
+  EXPECT_NEAR(p[1][1].item<double>(), 0.25, 1e-6);
+  // Top-1: expert 0 for both, f = (1, 0); aux = 2 * (1 * .675) = 1.35.
+  EXPECT_NEAR(load_balancing_loss({logits}, 1, {}, RouterScoring::kSigmoid).item<double>(), 1.35, 1e-6);
   const auto [aux, z] = router_losses_of_sums(router_loss_sums({logits}, 1, 2, RouterScoring::kSigmoid), 1, 2);
-  EXPECT_NEAR(aux, 1.1, 1e-6);
+  EXPECT_NEAR(aux, 1.35, 1e-6);
 }
 
 // On a skewed router every expert ends within its capacity, the slots kept are exactly those the

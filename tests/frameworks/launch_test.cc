@@ -246,6 +246,15 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   // A multi-token prediction module: Megatron-Core's --mtp-num-layers.
   const auto with_mtp = args_of("deepseek-v2-lite", 1);
   EXPECT_EQ(with_mtp.at("--mtp-num-layers"), "1");
+  EXPECT_EQ(with_mtp.at("--mtp-loss-scaling-factor"), "0.1");
+  EXPECT_EQ(lite.count("--moe-router-topk-scaling-factor"), 0u);  // 1 for V2-Lite
+  // DeepSeek-V3's router (Moonlight's sizes: 27 blocks, one stage): sigmoid scores, the
+  // balancing bias and its rate, the weights' scale.
+  const auto moonlight = args_of("moonlight-16b-a3b");
+  EXPECT_EQ(moonlight.at("--moe-router-score-function"), "sigmoid");
+  EXPECT_EQ(moonlight.count("--moe-router-enable-expert-bias"), 1u);
+  EXPECT_EQ(moonlight.at("--moe-router-bias-update-rate"), "0.001");
+  EXPECT_EQ(moonlight.at("--moe-router-topk-scaling-factor"), "2.446");
   // GPT-OSS: windows on every block but each second, sinks, biases everywhere, the clamped gate.
   const auto oss = args_of("gpt-oss-20b");
   EXPECT_EQ(oss.at("--window-size"), "128,0");

@@ -37,7 +37,8 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
   RoutingCheck out;
   out.balanced_s = sim::simulate_step(config, all).estimate.step_time_s;
   sim::RoutingDelay delay(config, sim::layout_shapes(plan.cluster, plan.parallel));
-  const auto layers = static_cast<size_t>(plan.model.moe_layers());
+  // The decoder's blocks with experts, then the multi-token prediction blocks' (a run's rows).
+  const auto layers = static_cast<size_t>(plan.model.moe_blocks());
   std::vector<double> errors, balanced_errors;
   const bool dropping = plan.moe.capacity_factor > 0;
   double predicted_dropped = 0, measured_dropped = 0, all_slots = 0;
@@ -49,7 +50,7 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
     if (s.tokens_per_expert.size() != layers || layers == 0 ||
         s.tokens_per_expert.front().size() != static_cast<size_t>(plan.model.num_experts))
       throw InputError(origin, {{at, "counts " + std::to_string(s.tokens_per_expert.size()) +
-                                         " layers of experts; the plan's model has " + std::to_string(layers) + " MoE layers of " +
+                                         " blocks of experts; the plan's model has " + std::to_string(layers) + " MoE blocks of " +
                                          std::to_string(plan.model.num_experts)}});
     if (!(s.seconds > 0)) throw InputError(origin, {{at, "step_s = 0: a measured step takes time"}});
     PredictedStep p;

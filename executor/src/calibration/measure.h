@@ -200,6 +200,9 @@ struct Workload {
   // A weight of `shape` on the device, drawn with a standard deviation of 0.02, that takes a
   // gradient.
   torch::Tensor weight(std::vector<int64_t> shape) const;
+  // Attention's projections for `local`'s heads (the model's, or one tensor-parallel rank's
+  // part of them): q, k, v and o, or latent attention's, as the executor holds them.
+  void set_attention_weights(LayerWeights& into, const ModelSpec& local) const;
 };
 
 // -- Each measurement's figures, seconds unless the name says otherwise.

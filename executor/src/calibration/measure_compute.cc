@@ -170,10 +170,7 @@ std::vector<SplitFigures> measure_splits(Workload& x, OverheadProbe& overhead) {
     local.num_attention_heads /= split;
     local.num_key_value_heads /= split;
     LayerWeights w = x.w;
-    w.q_proj = x.weight({local.num_attention_heads * m.head_dim, h});
-    w.k_proj = x.weight({local.num_key_value_heads * m.head_dim, h});
-    w.v_proj = x.weight({local.num_key_value_heads * m.head_dim, h});
-    w.o_proj = x.weight({h, local.num_attention_heads * m.head_dim});
+    x.set_attention_weights(w, local);
     const int64_t vocab = m.vocab_size / split, width = m.intermediate_size / split;
     const torch::Tensor embed = x.weight({vocab, h}), lm_head = x.weight({vocab, h});
     SplitFigures figures;

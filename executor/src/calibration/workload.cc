@@ -122,10 +122,7 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
   }
   w.input_norm = torch::ones({h}).to(device, type).requires_grad_(true);
   w.post_attention_norm = torch::ones({h}).to(device, type).requires_grad_(true);
-  w.q_proj = weight({m.num_attention_heads * m.head_dim, h});
-  w.k_proj = weight({m.num_key_value_heads * m.head_dim, h});
-  w.v_proj = weight({m.num_key_value_heads * m.head_dim, h});
-  w.o_proj = weight({h, m.num_attention_heads * m.head_dim});
+  set_attention_weights(w, m);
   if (m.qk_norm) {
     w.q_norm = torch::ones({m.head_dim}).to(device, type).requires_grad_(true);
     w.k_norm = torch::ones({m.head_dim}).to(device, type).requires_grad_(true);
@@ -152,6 +149,31 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
       {[this] { (void)attention(m, w, rms_norm(stretch_x, w.input_norm, m.rms_norm_eps), rope, mask); }, 40 / few},
       {[this] { (void)micro_batch_loss(stretch_ids); }, 24 / few},
       {[this] { micro_batch_loss(stretch_ids).backward(); }, 16 / few}};
+}
+
+void Workload::set_attention_weights(LayerWeights& into, const ModelSpec& local) const {
+  const int64_t heads = local.num_attention_heads;
+  if (!local.mla()) {
+    into.q_proj = weight({heads * local.head_dim, h});
+    into.k_proj = weight({local.num_key_value_heads * local.head_dim, h});
+    into.v_proj = weight({local.num_key_value_heads * local.head_dim, h});
+    into.o_proj = weight({h, heads * local.head_dim});
+    return;
+  }
+  // DeepSeek's latent attention (mixtral.h): the down projections and latent norms whole, the
+  // up projections and o_proj by heads.
+  const int64_t nope = local.head_dim - local.qk_rope_head_dim;
+  if (local.q_lora_rank > 0) {
+    into.q_a_proj = weight({local.q_lora_rank, h});
+    into.q_a_norm = torch::ones({local.q_lora_rank}).to(device, type).requires_grad_(true);
+    into.q_b_proj = weight({heads * local.head_dim, local.q_lora_rank});
+  } else {
+    into.q_proj = weight({heads * local.head_dim, h});
+  }
+  into.kv_a_proj = weight({local.kv_lora_rank + local.qk_rope_head_dim, h});
+  into.kv_a_norm = torch::ones({local.kv_lora_rank}).to(device, type).requires_grad_(true);
+  into.kv_b_proj = weight({heads * (nope + local.v_head_dim), local.kv_lora_rank});
+  into.o_proj = weight({h, heads * local.v_head_dim});
 }
 
 torch::Tensor Workload::micro_batch_loss(const torch::Tensor& ids) {

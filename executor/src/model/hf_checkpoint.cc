@@ -176,6 +176,18 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
   same("n_group", theirs.router_groups, model.router_groups);
   same("topk_group", theirs.router_group_topk, model.router_group_topk);
   same("num_nextn_predict_layers", theirs.mtp_layers, model.mtp_layers);
+  // The rotary embedding and the norms as the executor computes them: no rope scaling (YaRN's
+  // frequencies and attention scale, which DeepSeek-V3's released config has, are not trained
+  // here), the same base and epsilon.
+  if (config.contains("rope_scaling") && !config["rope_scaling"].is_null())
+    d.error("rope_scaling", "is set: the executor trains the rotary embedding without scaling (remove it to train "
+                            "at the model's own lengths)");
+  if (theirs.rope_theta != model.rope_theta)
+    d.error("rope_theta", "= " + std::to_string(theirs.rope_theta) + ", the plan's model has " +
+                              std::to_string(model.rope_theta));
+  if (theirs.rms_norm_eps != model.rms_norm_eps)
+    d.error("rms_norm_eps", "= " + std::to_string(theirs.rms_norm_eps) + ", the plan's model has " +
+                                std::to_string(model.rms_norm_eps));
   if (theirs.router_scoring != model.router_scoring)
     d.error("scoring_func", "differs from the plan's model's router_scoring");
   if (theirs.routed_scaling_factor != model.routed_scaling_factor)

@@ -142,6 +142,11 @@ void check_rehearsal(const Plan& plan, const RehearsalOptions& o) {
                                             std::to_string(plan.model.moe_layer_step) +
                                             ": a rehearsal's checks are bounded for experts in every block; train the "
                                             "plan with `moeplan run`");
+  // Its shrunk model and rounding bounds are of grouped-query attention.
+  if (plan.model.mla())
+    d.error("model.kv_lora_rank", "= " + std::to_string(plan.model.kv_lora_rank) +
+                                      ": a rehearsal shrinks and bounds grouped-query attention, not latent attention; "
+                                      "train the plan with `moeplan run`");
   if (plan.model.mtp_layers > 0)
     d.error("model.mtp_layers", "= " + std::to_string(plan.model.mtp_layers) +
                                     ": a rehearsal's checks are bounded for next-token prediction; train the plan "

@@ -114,6 +114,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
     const LossTerms terms = model_.loss(out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
+    out.mtp_logits.clear();
     const auto f1 = Clock::now();
     // Every T rank computes the router's losses from the same logits, and the router's gradient
     // is summed over them: each takes 1/T of those terms, so they count once.

@@ -158,6 +158,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
         mixtral_forward(spec, weights, ids, plan_.moe, replay_ ? replay_->micro_batch(micro_batch++) : RouteOverride{});
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
+    out.mtp_logits.clear();
     wait_for(device_);  // the spans are of the device's work
     const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();

@@ -58,7 +58,10 @@ void model_args(const Plan& plan, Args& a) {
   if (m.qkv_bias) a.push_back({"--add-qkv-bias", ""});
   if (m.qk_norm) a.push_back({"--qk-layernorm", ""});  // of the --normalization kind
   if (!m.tie_word_embeddings) a.push_back({"--untie-embeddings-and-output-weights", ""});
-  if (m.mtp_layers > 0) a.push_back({"--mtp-num-layers", std::to_string(m.mtp_layers)});
+  if (m.mtp_layers > 0) {
+    a.push_back({"--mtp-num-layers", std::to_string(m.mtp_layers)});
+    a.push_back({"--mtp-loss-scaling-factor", number(m.mtp_loss_weight)});
+  }
   a.push_back({"--attention-dropout", number(m.dropout)});
   a.push_back({"--hidden-dropout", number(m.dropout)});
   a.push_back({"--init-method-std", number(m.initializer_range)});
@@ -97,7 +100,10 @@ void layout_args(const Plan& plan, Args& a) {
     if (plan.model.router_scoring == RouterScoring::kSigmoid) {
       a.push_back({"--moe-router-score-function", "sigmoid"});
       a.push_back({"--moe-router-enable-expert-bias", ""});
+      a.push_back({"--moe-router-bias-update-rate", number(plan.model.router_bias_update_rate)});
     }
+    if (plan.model.routed_scaling_factor != 1.0)
+      a.push_back({"--moe-router-topk-scaling-factor", number(plan.model.routed_scaling_factor)});
     if (plan.model.router_groups > 1) {
       a.push_back({"--moe-router-num-groups", std::to_string(plan.model.router_groups)});
       a.push_back({"--moe-router-group-topk", std::to_string(plan.model.router_group_topk)});

@@ -79,6 +79,12 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string("is set: the executor trains Mixtral-style blocks (GPT-OSS's windowed and full attention, "
                          "sinks, biases and clamped gate are planned and simulated only)");
     });
+  // Depth k predicts the token k + 1 ahead: a sequence must hold one such pair at the deepest.
+  if (m.mtp_layers > 0 && t.seq_len <= m.mtp_layers + 1)
+    sink(kTrainsMoe, "training.seq_len", [&] {
+      return "= " + rule_number(t.seq_len) + " with mtp_layers = " + rule_number(m.mtp_layers) +
+             ": the deepest multi-token prediction module would have no token to predict";
+    });
   // Multi-token prediction runs on the last stage, which would then need the embedding's copy
   // and its gradient shared with the first.
   if (m.mtp_layers > 0 && p.pipeline_parallel_degree > 1)

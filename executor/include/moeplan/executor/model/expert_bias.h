@@ -16,7 +16,7 @@
 
 namespace moeplan::executor {
 
-// Zeros [moe layers, experts] fp32 under sigmoid scoring; undefined otherwise (no buffer).
+// Zeros [moe blocks, experts] fp32 under sigmoid scoring; undefined otherwise (no buffer).
 torch::Tensor initial_expert_bias(const ModelSpec& spec, const torch::Device& device = torch::kCPU);
 
 // Each row's name, by moe layer: "model.layers.<l>.block_sparse_moe.gate.e_score_correction_bias"

@@ -130,7 +130,7 @@ struct MixtralWeights {
   torch::Tensor norm, lm_head;
 
   // Binds tensors (one per mixtral_parameters(spec), in its order) to their roles by name, and
-  // each block with experts to its row of `expert_bias` [moe layers, experts] where defined.
+  // each block with experts to its row of `expert_bias` [moe blocks, experts] where defined.
   static MixtralWeights bind(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors,
                              const torch::Tensor& expert_bias = {});
 };
@@ -140,8 +140,8 @@ struct ForwardResult {
   std::vector<torch::Tensor> mtp_logits;     // per multi-token prediction depth k: [B, T, vocab], fp32
   std::vector<torch::Tensor> router_logits;  // per block with experts [B*T, num_experts], compute dtype
   // Per block with experts (the model's moe_blocks(), by moe_row(); dense blocks have none):
-  torch::Tensor tokens_per_expert;           // [moe layers, num_experts] int64: token-expert slots
-  torch::Tensor dropped_slots;               // [moe layers] int64: of those, the ones dropped at capacity
+  torch::Tensor tokens_per_expert;           // [moe blocks, num_experts] int64: token-expert slots
+  torch::Tensor dropped_slots;               // [moe blocks] int64: of those, the ones dropped at capacity
   torch::Tensor hidden;                      // a pipeline stage's output, when it is not the last
   // Per layer, when the routing was replayed (RouteOverride): the top-k slots the load-balancing
   // loss counts.

@@ -71,8 +71,8 @@ struct ChosenExperts {
 using RouteOverride = std::function<ChosenExperts(int64_t layer, const torch::Tensor& router_logits)>;
 
 // The routing to `experts` [tokens, k] chosen elsewhere, weighted as route() weights its own
-// choice: the softmax probabilities of those experts, renormalised (the same values, bit for
-// bit, when the choice is route()'s).
+// choice: the softmax probabilities (or sigmoid scores) of those experts, renormalised and
+// scaled as `router` says (the same values, bit for bit, when the choice is route()'s).
 Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& experts, const RouterShape& router = {});
 
 // Token dropping (Megatron-Core's --moe-expert-capacity-factor). An expert's capacity is

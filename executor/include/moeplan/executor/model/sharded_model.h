@@ -105,7 +105,7 @@ class ShardedModel {
   // vocabulary; every T rank gets the same loss).
   LossTerms loss(const ForwardResult& out, const torch::Tensor& input_ids);
 
-  // A sigmoid router's balancing biases [moe layers, experts], whole and equal on every rank
+  // A sigmoid router's balancing biases [moe blocks, experts], whole and equal on every rank
   // (expert_bias.h); undefined under softmax scoring.
   torch::Tensor& expert_bias() { return expert_bias_; }
 

@@ -39,7 +39,7 @@ class ModelTrainer {
   // Restores what state() returned; every missing or mismatched tensor is reported into d.
   void load_state(const NamedTensors& tensors, int64_t step, int64_t optimizer_step, Diagnostics& d);
   const ParameterSet& parameters() const { return params_; }
-  // A sigmoid router's balancing biases [moe layers, experts] (expert_bias.h; undefined under
+  // A sigmoid router's balancing biases [moe blocks, experts] (expert_bias.h; undefined under
   // softmax scoring), moved after each step that is applied.
   torch::Tensor& expert_bias() { return expert_bias_; }
   const PhaseClock& clock() const { return clock_; }
