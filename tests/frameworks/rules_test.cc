@@ -321,6 +321,16 @@ const FrameworkRuleCase kCases[] = {
      "executor_pipeline_limits", "model.mtp_layers",
      "= 1 with pipeline_parallel_degree = 2: the executor trains multi-token prediction without pipeline stages only",
      "= 1"},
+    {"ExecutorModeMultiTokenPredictionPastTheSequence",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.model.mtp_layers = 1;
+       s.training.seq_len = 2;
+       s.training.global_batch_tokens =  // every rank reads (T = P = 1)
+           s.parallel.world_size * s.parallel.micro_batch_size * s.parallel.gradient_accumulation_steps * 2;
+     },
+     "executor_trains_moe", "training.seq_len",
+     "= 2 with mtp_layers = 1: the deepest multi-token prediction module would have no token to predict", "= 2"},
     {"SmpMultiTokenPrediction",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");
