@@ -218,6 +218,31 @@ std::string tiny_plan(const std::string& model, const std::string& path, int64_t
   return path;
 }
 
+// Import the folder `hf` under a plan of `model` on one rank and on two (experts split), train 2
+// steps at learning rate 0, export: every file the same bytes as `hf`, and the same first loss on
+// both layouts.
+void expect_round_trip_on_either_layout(const std::string& hf, const std::string& model, const std::string& data,
+                                        const test::TempDir& tmp) {
+  std::vector<double> losses;
+  for (int64_t gpus : {1, 2}) {
+    const std::string run = tmp.file("run-" + std::to_string(gpus));
+    const std::string plan = tiny_plan(model, tmp.file("plan-" + std::to_string(gpus) + ".json"), gpus, gpus, 1, "0");
+    const Command trained = run_moeplan("run " + plan + " --data " + data + " --out " + run +
+                                        " --steps 2 --checkpoint-every 2 --threads 1 --init-from " + hf);
+    ASSERT_EQ(trained.exit_code, 0) << show(trained);
+    losses.push_back(test::read_metrics(run)[0]["loss"].get<double>());
+    const std::string back = tmp.file("hf-back-" + std::to_string(gpus));
+    ASSERT_EQ(run_moeplan("export " + run + " --hf " + back + " --max-shard-bytes 3000000").exit_code, 0);
+    size_t files = 0;
+    for (const auto& entry : fs::directory_iterator(hf)) {
+      EXPECT_EQ(bytes_of(entry.path()), bytes_of(fs::path(back) / entry.path().filename())) << entry.path();
+      ++files;
+    }
+    EXPECT_GE(files, 3u);
+  }
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+}
+
 class HfExport : public testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -559,23 +584,7 @@ TEST_F(HfQwen3, ExportedFolderIsQwen3MoeWithItsNames) {
 // rank and on two (experts split) gives the same first loss.
 TEST_F(HfQwen3, RoundTripIsByteIdenticalOnEitherLayout) {
   const test::TempDir tmp;
-  std::vector<double> losses;
-  for (int64_t gpus : {1, 2}) {
-    const std::string run = tmp.file("run-" + std::to_string(gpus));
-    const Command trained = run_moeplan("run " + plan(tmp, gpus, gpus, "0") + " --data " + dir_->file("data") +
-                                        " --out " + run + " --steps 2 --checkpoint-every 2 --threads 1 --init-from " + hf());
-    ASSERT_EQ(trained.exit_code, 0) << show(trained);
-    losses.push_back(test::read_metrics(run)[0]["loss"].get<double>());
-    const std::string back = tmp.file("hf-back-" + std::to_string(gpus));
-    ASSERT_EQ(run_moeplan("export " + run + " --hf " + back + " --max-shard-bytes 3000000").exit_code, 0);
-    size_t files = 0;
-    for (const auto& entry : fs::directory_iterator(hf())) {
-      EXPECT_EQ(bytes_of(entry.path()), bytes_of(fs::path(back) / entry.path().filename())) << entry.path();
-      ++files;
-    }
-    EXPECT_GE(files, 3u);
-  }
-  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+  expect_round_trip_on_either_layout(hf(), model_, dir_->file("data"), tmp);
 }
 
 TEST_F(HfQwen3, TransformersLoadsTheFolderAsQwen3Moe) {
@@ -673,24 +682,7 @@ TEST_F(HfDeepSeekV3, RoundTripIsByteIdenticalOnEitherLayout) {
   Json still = read_json_file(model_);
   still["router_bias_update_rate"] = 0.0;
   const std::string model = tmp.write("deepseek-still.json", still);
-  std::vector<double> losses;
-  for (int64_t gpus : {1, 2}) {
-    const std::string run = tmp.file("run-" + std::to_string(gpus));
-    const std::string plan = tiny_plan(model, tmp.file("plan-" + std::to_string(gpus) + ".json"), gpus, gpus, 1, "0");
-    const Command trained = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + run +
-                                        " --steps 2 --checkpoint-every 2 --threads 1 --init-from " + hf());
-    ASSERT_EQ(trained.exit_code, 0) << show(trained);
-    losses.push_back(test::read_metrics(run)[0]["loss"].get<double>());
-    const std::string back = tmp.file("hf-back-" + std::to_string(gpus));
-    ASSERT_EQ(run_moeplan("export " + run + " --hf " + back + " --max-shard-bytes 3000000").exit_code, 0);
-    size_t files = 0;
-    for (const auto& entry : fs::directory_iterator(hf())) {
-      EXPECT_EQ(bytes_of(entry.path()), bytes_of(fs::path(back) / entry.path().filename())) << entry.path();
-      ++files;
-    }
-    EXPECT_GE(files, 3u);
-  }
-  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+  expect_round_trip_on_either_layout(hf(), model, dir_->file("data"), tmp);
 }
 
 TEST_F(HfDeepSeekV3, TransformersLoadsTheFolderAsDeepseekV3) {
