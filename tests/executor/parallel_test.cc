@@ -29,6 +29,8 @@ struct Layout {
   std::string dispatcher = "alltoall";
   int64_t t = 1;  // tensor-parallel degree, with sequence parallelism
   int64_t p = 1, v = 1;  // pipeline stages, and chunks of each
+  int64_t c = 1;         // context-parallel degree (E, when over 1, counts the C ranks)
+  std::string exchange = "p2p";
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -106,11 +108,13 @@ class Parallel : public ::testing::TestWithParam<Layout> {
     p["sequence_parallel"] = l.t > 1;
     p["pipeline_parallel_degree"] = l.p;
     p["virtual_pipeline_degree"] = l.v;
-    p["replica_degree"] = 4 / (l.e * l.s * l.t * l.p);
+    p["context_parallel_degree"] = l.c;
+    p["context_exchange"] = l.exchange;
+    p["replica_degree"] = 4 / (l.e * l.s * l.t * l.p * (l.e > 1 ? 1 : l.c));
     p["micro_batch_size"] = 1;
-    // The T ranks of a tensor-parallel group and the P stages of a pipeline read the same
-    // micro-batches: 4 / (T P) readers.
-    p["gradient_accumulation_steps"] = l.t * l.p;
+    // The T ranks of a tensor-parallel group, the C ranks of a context group and the P stages of
+    // a pipeline read the same micro-batches: 4 / (T C P) readers.
+    p["gradient_accumulation_steps"] = l.t * l.p * l.c;
     p["activation_checkpointing"] = l.checkpointing;
     p["activation_offloading"] = l.offload;
     plan["moe"]["dispatcher"] = l.dispatcher;
@@ -170,13 +174,16 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
     // Routing decisions are discrete: the same tokens reach the same experts.
     EXPECT_EQ(m[i]["tokens_per_expert"], reference_[i]["tokens_per_expert"]) << "step " << i + 1;
     EXPECT_EQ(m[i]["tokens"], reference_[i]["tokens"]);
-    // Each expert group's micro-batches: R S groups of T P micro-batches, each the routing of
-    // the group's E readers' sequences (the one rank's micro-batches, E at a time).
+    // Each expert group's micro-batches: R S groups of T C P micro-batches, each the routing of
+    // the group's readers' sequences (the one rank's micro-batches, E / C at a time where the
+    // expert group spans the C ranks of each).
     const StepRecord one = step_record_from_json(reference_[i], "reference"), here = step_record_from_json(m[i], l.name);
-    ASSERT_EQ(here.exchange_slots.size(), static_cast<size_t>(4 / (l.e * l.t * l.p))) << "step " << i + 1;
+    const int64_t readers_per_group = l.e > 1 ? l.e / l.c : 1;
+    ASSERT_EQ(here.exchange_slots.size(), static_cast<size_t>(4 / (readers_per_group * l.c * l.t * l.p)))
+        << "step " << i + 1;
     std::vector<SlotTable> seen;
     for (const auto& group : here.exchange_slots) {
-      ASSERT_EQ(group.size(), static_cast<size_t>(l.t * l.p)) << "step " << i + 1;
+      ASSERT_EQ(group.size(), static_cast<size_t>(l.t * l.p * l.c)) << "step " << i + 1;
       seen.insert(seen.end(), group.begin(), group.end());
     }
     // Every rank's time inside its expert group's exchanges, where there is a group to exchange in.
@@ -184,8 +191,9 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
     for (double seconds : here.exchange_seconds) EXPECT_GT(seconds, 0.0) << "step " << i + 1;
     ASSERT_EQ(one.exchange_slots.size(), 1u);
     std::vector<bool> used(one.exchange_slots[0].size(), false);
-    EXPECT_TRUE(sums_of_reference(seen, 0, one.exchange_slots[0], used, static_cast<size_t>(l.e)))
-        << "step " << i + 1 << ": the groups' micro-batches are not the one rank's, " << l.e << " at a time";
+    EXPECT_TRUE(sums_of_reference(seen, 0, one.exchange_slots[0], used, static_cast<size_t>(readers_per_group)))
+        << "step " << i + 1 << ": the groups' micro-batches are not the one rank's, " << readers_per_group
+        << " at a time";
   }
   // The run leaves its measured trace (every rank's phases) and report, and prints the comparison.
   const Trace trace = trace_from_json(read_json_file(out + "/trace.json"), "trace.json");
@@ -279,7 +287,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E2S1P2", 2, 1, "none", false, "alltoall", 1, 2},
                       Layout{"E1S2P2V2_full", 1, 2, "full", false, "alltoall", 1, 2, 2},
                       Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2},
-                      Layout{"E1S1T2P2V2", 1, 1, "none", false, "alltoall", 2, 2, 2}),
+                      Layout{"E1S1T2P2V2", 1, 1, "none", false, "alltoall", 2, 2, 2},
+                      // Context parallelism: each sequence in two ranks' halves (E counts the C ranks).
+                      Layout{"E1S1R2C2", 1, 1, "none", false, "alltoall", 1, 1, 1, 2},
+                      Layout{"E2S2C2_full_allgather", 2, 2, "full", false, "alltoall", 1, 1, 1, 2, "all_gather"},
+                      Layout{"E2S1T2C2_selective", 2, 1, "selective", false, "alltoall", 2, 1, 1, 2},
+                      Layout{"E1S1C2P2", 1, 1, "none", false, "alltoall", 1, 2, 1, 2}),
     layout_name);
 
 // Qwen3-MoE's blocks (qwen3-tiny: q/k norms, 32 fine-grained experts, top-8, query heads twice

@@ -304,7 +304,7 @@ torch::Tensor deinterleaved(const torch::Tensor& x) {
 // (head_dim wide, scaled by 1/sqrt(head_dim)); a value head is v_head_dim wide, padded with zeros
 // to head_dim for the flash kernel (which takes one width) and cut back after it.
 torch::Tensor latent_attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
-                               const torch::Tensor& mask_bias) {
+                               const AttentionCore& core) {
   const int64_t b = x.size(0), t = x.size(1), heads = spec.num_attention_heads, hd = spec.head_dim;
   const int64_t rope_dim = spec.qk_rope_head_dim, nope = hd - rope_dim, vd = spec.v_head_dim;
   const torch::Tensor q = (w.q_a_proj.defined()
@@ -323,7 +323,7 @@ torch::Tensor latent_attention(const ModelSpec& spec, const LayerWeights& w, con
   const torch::Tensor key = torch::cat({kv.narrow(-1, 0, nope), k_rot.expand({b, t, heads, rope_dim})}, -1).transpose(1, 2);
   torch::Tensor value = kv.narrow(-1, nope, vd);
   if (vd < hd) value = torch::constant_pad_nd(value, {0, hd - vd});
-  torch::Tensor out = flash_attention(query, key, value.transpose(1, 2), mask_bias);  // [B, heads, T, hd]
+  torch::Tensor out = core(query, key, value.transpose(1, 2));  // [B, heads, T, hd]
   if (vd < hd) out = out.narrow(-1, 0, vd);
   return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * vd}), w.o_proj.t());
 }
@@ -332,7 +332,14 @@ torch::Tensor latent_attention(const ModelSpec& spec, const LayerWeights& w, con
 
 torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
                         const torch::Tensor& mask_bias) {
-  if (spec.mla()) return latent_attention(spec, w, x, rope, mask_bias);
+  return attention(spec, w, x, rope, [&mask_bias](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    return flash_attention(q, k, v, mask_bias);
+  });
+}
+
+torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                        const AttentionCore& core) {
+  if (spec.mla()) return latent_attention(spec, w, x, rope, core);
   const int64_t b = x.size(0), t = x.size(1);
   const int64_t heads = spec.num_attention_heads, kv = spec.num_key_value_heads, hd = spec.head_dim;
   // Qwen3's q/k norms act on each head before the rotation.
@@ -347,7 +354,7 @@ torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torc
           .transpose(1, 2);
   const torch::Tensor v = torch::matmul(x, w.v_proj.t()).view({b, t, kv, hd}).transpose(1, 2);
   // Grouped-query attention: each key/value head serves heads / kv query heads, unrepeated.
-  const torch::Tensor out = flash_attention(q, k, v, mask_bias);
+  const torch::Tensor out = core(q, k, v);
   return torch::matmul(out.transpose(1, 2).reshape({b, t, heads * hd}), w.o_proj.t());
 }
 
@@ -555,7 +562,7 @@ LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const Forwar
 }
 
 LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm,
-                               const std::vector<torch::Tensor>& mtp) {
+                               const std::vector<torch::Tensor>& mtp, const RankSum& over) {
   LossTerms loss;
   loss.lm = std::move(lm);
   loss.prediction = loss.lm;
@@ -563,8 +570,8 @@ LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, cons
     loss.mtp = torch::stack(mtp).mean();
     loss.prediction = loss.lm + spec.mtp_loss_weight * loss.mtp;
   }
-  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k, spec.router_scoring);
-  loss.z = router_z_loss(out.router_logits);
+  loss.aux = load_balancing_loss(out.router_logits, spec.experts_per_token, out.top_k, spec.router_scoring, over);
+  loss.z = router_z_loss(out.router_logits, over);
   loss.total = loss.prediction;
   if (moe.load_balancing == LoadBalancing::kAuxLoss && moe.aux_loss_coef != 0)
     loss.total = loss.total + moe.aux_loss_coef * loss.aux;

@@ -7,10 +7,13 @@
 
 namespace moeplan::executor {
 
-torch::Tensor sinkhorn(const torch::Tensor& logits, double tol, int max_iterations) {
+torch::Tensor sinkhorn(const torch::Tensor& logits, double tol, int max_iterations, const RankSum& over) {
   // exp(logits) as in Megatron, with each row's maximum taken out first: a row scale is absorbed
   // by the row factors d0, so the balanced matrix is the same, and peaked logits cannot overflow.
   const torch::Tensor cost = torch::exp(logits - std::get<0>(logits.max(1, /*keepdim=*/true)));
+  // Each column's sum runs over every rank's tokens, and each row is scaled to 1 / (all the rows).
+  auto total = [&over](const torch::Tensor& t) { return over ? over(t) : t; };
+  const double rows = total(torch::full({1}, static_cast<double>(cost.size(0)), torch::kDouble)).item<double>();
   torch::Tensor d0 = torch::ones({cost.size(0)}, cost.options());
   torch::Tensor d1 = torch::ones({cost.size(1)}, cost.options());
   constexpr double kEps = 1e-8;
@@ -19,8 +22,8 @@ torch::Tensor sinkhorn(const torch::Tensor& logits, double tol, int max_iteratio
   // (the iterations between run queued), so a converged matrix may get up to three more.
   const int check_every = logits.device().is_cpu() ? 1 : 4;
   for (int i = 0; i < max_iterations; ++i) {
-    d0 = (1.0 / static_cast<double>(d0.size(0))) / (torch::sum(d1 * cost, 1) + kEps);
-    d1 = (1.0 / static_cast<double>(d1.size(0))) / (torch::sum(d0.unsqueeze(1) * cost, 0) + kEps);
+    d0 = (1.0 / rows) / (torch::sum(d1 * cost, 1) + kEps);
+    d1 = (1.0 / static_cast<double>(d1.size(0))) / (total(torch::sum(d0.unsqueeze(1) * cost, 0)) + kEps);
     // Megatron stops on the mean absolute change of d1; d1's scale follows the logits', so the
     // change is measured relative to d1 here, which stops at the same balance for any scale.
     if ((i + 1) % check_every == 0 &&
@@ -132,7 +135,7 @@ Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing metho
 }
 
 Routing route(const torch::Tensor& router_logits, const RouterShape& router, LoadBalancing method,
-              const torch::Tensor& bias) {
+              const torch::Tensor& bias, const RankSum& over) {
   if (router.scoring == RouterScoring::kSigmoid) {
     Routing r = route_by_sigmoid(router_logits, router, bias);
     if (router.scaling != 1.0) r.weights = r.weights * router.scaling;
@@ -151,7 +154,7 @@ Routing route(const torch::Tensor& router_logits, const RouterShape& router, Loa
     }
     case LoadBalancing::kSinkhorn: {
       torch::NoGradGuard no_grad;
-      r.experts = std::get<1>(torch::topk(sinkhorn(router_logits.detach().to(torch::kFloat)), k, 1));
+      r.experts = std::get<1>(torch::topk(sinkhorn(router_logits.detach().to(torch::kFloat), 1e-4, 1000, over), k, 1));
       break;
     }
     case LoadBalancing::kBalanced: {
@@ -242,22 +245,32 @@ SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, cons
 }
 
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
-                                  const std::vector<torch::Tensor>& top_k, RouterScoring scoring) {
+                                  const std::vector<torch::Tensor>& top_k, RouterScoring scoring, const RankSum& over) {
   if (router_logits.empty()) return torch::zeros({}, torch::kFloat);  // blocks without experts only
   const torch::Tensor logits = torch::cat(router_logits, 0);
   const int64_t experts = logits.size(1);
   const torch::Tensor probs = balancing_probs(logits, scoring);
   const torch::Tensor selected = top_k.empty() ? std::get<1>(torch::topk(probs, k, -1)) : torch::cat(top_k, 0);
   const torch::Tensor mask = torch::one_hot(selected, experts).to(torch::kFloat);  // [N, k, E]
-  const torch::Tensor tokens_per_expert = mask.mean(0);                            // [k, E]
-  const torch::Tensor prob_per_expert = probs.mean(0);                             // [E]
+  torch::Tensor tokens_per_expert, prob_per_expert;  // [k, E], [E]
+  if (over) {
+    const torch::Tensor rows = over(torch::full({1}, static_cast<double>(logits.size(0)), torch::kFloat));
+    tokens_per_expert = over(mask.sum(0)) / rows;
+    prob_per_expert = over(probs.sum(0)) / rows;
+  } else {
+    tokens_per_expert = mask.mean(0);
+    prob_per_expert = probs.mean(0);
+  }
   return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(experts);
 }
 
-torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits) {
+torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits, const RankSum& over) {
   if (router_logits.empty()) return torch::zeros({}, torch::kFloat);
   const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
-  return torch::logsumexp(logits, -1).square().mean();
+  const torch::Tensor squares = torch::logsumexp(logits, -1).square();
+  if (!over) return squares.mean();
+  const torch::Tensor rows = over(torch::full({1}, static_cast<double>(logits.size(0)), torch::kFloat));
+  return (over(squares.sum().reshape({1})) / rows).squeeze(0);
 }
 
 torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, int64_t k, int64_t experts,

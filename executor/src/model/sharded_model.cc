@@ -9,6 +9,7 @@
 
 #include "moeplan/executor/model/autograd_ops.h"
 #include "moeplan/executor/model/expert_bias.h"
+#include "moeplan/executor/model/kernels.h"
 #include "moeplan/executor/model/routing.h"
 
 namespace moeplan::executor {
@@ -54,7 +55,9 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
   const ParallelConfig& p = plan.parallel;
   expert_bias_ = initial_expert_bias(plan.model);
   experts_per_rank_ = plan.model.num_experts / p.expert_parallel_degree;
-  first_expert_ = mesh.coords().e * experts_per_rank_;
+  const int64_t expert_index = mesh.layout().expert_index(mesh.rank());
+  first_expert_ = expert_index * experts_per_rank_;
+  cp_ = p.context_parallel_degree;
   local_spec_.num_attention_heads /= tp_;
   local_spec_.num_key_value_heads /= tp_;
   pp_ = p.pipeline_parallel_degree;
@@ -66,7 +69,7 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     infos_.push_back(tensor_part_info(info, tp_));
     splits_.push_back(tensor_split(info));
   }
-  units_ = flat_units(plan.model, infos_, p.expert_parallel_degree, mesh.coords().e, p.hybrid_shard_degree);
+  units_ = flat_units(plan.model, infos_, p.expert_parallel_degree, expert_index, p.hybrid_shard_degree);
 
   // Shapes only until here: the whole model exists on the meta device, no memory is used.
   const ParameterSet meta = ParameterSet::on_meta(infos_);
@@ -125,7 +128,9 @@ Communicator& ShardedModel::replica_group(const FlatUnit& unit) {
 bool ShardedModel::owns(const FlatUnit& unit) const {
   const MeshCoords& c = mesh_.coords();
   if (!held_[static_cast<size_t>(&unit - units_.data())]) return false;
-  return unit.experts ? c.r == 0 : c.r == 0 && c.e == 0;
+  // Experts are replicated over R (and C where E = 1), the dense units over R, E and C.
+  if (unit.experts) return c.r == 0 && (plan_.parallel.expert_parallel_degree > 1 || c.c == 0);
+  return c.r == 0 && c.e == 0 && c.c == 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,9 +316,22 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
                                           uint64_t shuffle_seed) {
   const ModelSpec& spec = plan_.model;
   const int64_t t = input_ids.size(1);
-  if (!rope_.cos.defined() || rope_.cos.size(0) != t) {
+  if (seq_len_ != t) {
+    seq_len_ = t;
     rope_ = rope_tables(spec, t, compute_type_);
-    mask_ = attention_mask_bias(spec, t, compute_type_);
+    if (cp_ > 1) {
+      context_ = std::make_unique<ContextAttention>(mesh_.context, plan_.parallel.context_exchange, t,
+                                                    spec.sliding_window);
+      rope_ = {rope_.cos.index_select(0, context_->positions()), rope_.sin.index_select(0, context_->positions())};
+      core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+        return context_->attend(q, k, v);
+      };
+    } else {
+      mask_ = attention_mask_bias(spec, t, compute_type_);
+      core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+        return flash_attention(q, k, v, mask_);
+      };
+    }
   }
   const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
@@ -330,7 +348,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
     prefetch(0);
     prefetch_block(first);  // moves while the embedding is looked up
     const Gathered embed = gather(0);
-    x = this->embed(embed.params[0], input_ids);  // its backward needs only the ids
+    x = this->embed(embed.params[0], local_tokens(input_ids));  // its backward needs only the ids
     release(embed);
   } else {
     prefetch_block(first);
@@ -365,7 +383,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
     const int64_t l = spec.num_layers + k - 1;
     const size_t dense_unit = static_cast<size_t>(1 + 2 * l);
     const Gathered table = gather(0);
-    const torch::Tensor ahead = this->embed(table.params[0], mtp_input_ids(input_ids, k));
+    const torch::Tensor ahead = this->embed(table.params[0], local_tokens(mtp_input_ids(input_ids, k)));
     release(table);  // the lookup's backward needs only the ids
     const Gathered dense = gather(dense_unit);
     const LayerWeights w = dense_weights(dense);
@@ -396,7 +414,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const LayerWeights w = dense_weights(dense);
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
-                                      rope_, mask_));
+                                      rope_, core_));
       torch::Tensor router_logits;
       const torch::Tensor normed = gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps));
       const torch::Tensor moe_out =
@@ -415,7 +433,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const LayerWeights w = dense_weights(dense);
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
-                                      rope_, mask_));
+                                      rope_, core_));
       // The shared experts' weights are inputs too, after the router's: their gradients come back.
       BlockFn fn = [this, l, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in,
                                                                          bool recompute) {
@@ -454,7 +472,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
         const torch::Tensor h = in[0] + scatter_sequence(attention(
                                             local_spec_, w,
                                             gather_sequence(rms_norm(in[0], w.input_norm, spec.rms_norm_eps)), rope_,
-                                            mask_));
+                                            core_));
         torch::Tensor router_logits;
         const torch::Tensor normed = gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps));
         const torch::Tensor moe_out =
@@ -486,7 +504,7 @@ torch::Tensor ShardedModel::dense_block(int64_t l, const torch::Tensor& x) {
   auto attention_part = [this](const torch::Tensor& in, const LayerWeights& w) {
     const ModelSpec& spec = plan_.model;
     return in + scatter_sequence(
-                    attention(local_spec_, w, gather_sequence(rms_norm(in, w.input_norm, spec.rms_norm_eps)), rope_, mask_));
+                    attention(local_spec_, w, gather_sequence(rms_norm(in, w.input_norm, spec.rms_norm_eps)), rope_, core_));
   };
   // in: the block's input (full) or the attention's output (selective), then the
   // post-attention norm and the three matrices.
@@ -545,16 +563,36 @@ torch::Tensor ShardedModel::embed(const torch::Tensor& table, const torch::Tenso
   return scatter_sequence(torch::embedding(table, local.clamp(0, rows - 1)) * inside);
 }
 
+RankSum ShardedModel::routing_sum() {
+  if (cp_ == 1) return {};
+  return [this](const torch::Tensor& t) { return all_reduce_autograd(mesh_.context, t); };
+}
+
+torch::Tensor ShardedModel::sequence_mean(const torch::Tensor& sum, const torch::Tensor& counted) {
+  if (cp_ == 1) return sum / counted;
+  torch::Tensor total = counted.detach().reshape({1}).clone();
+  mesh_.context.all_reduce_sum(total);
+  return (all_reduce_autograd(mesh_.context, sum.reshape({1})) / total).squeeze(0);
+}
+
 LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& input_ids) {
-  if (tp_ == 1) return mixtral_loss(plan_.model, plan_.moe, out, input_ids);
-  // Cross entropy over logits split by vocabulary (Megatron-LM's vocab-parallel cross entropy):
-  // the maximum, the sum of exponentials and the label's logit are each combined over the T
-  // ranks, so every rank gets the loss of the whole vocabulary, and each logit its gradient on
-  // the one rank that holds it.
+  if (tp_ == 1 && cp_ == 1) return mixtral_loss(plan_.model, plan_.moe, out, input_ids);
+  // Cross entropy over this rank's tokens, made the micro-batch's mean (sequence_mean). With
+  // T > 1 the logits are split by vocabulary (Megatron-LM's vocab-parallel cross entropy): the
+  // maximum, the sum of exponentials and the label's logit are each combined over the T ranks,
+  // so every rank gets the loss of the whole vocabulary, and each logit its gradient on the one
+  // rank that holds it.
   auto cross_entropy = [this](const torch::Tensor& split_logits, const torch::Tensor& label_ids) {
     const int64_t part = split_logits.size(-1);
     const torch::Tensor logits = split_logits.reshape({-1, part});
     const torch::Tensor labels = label_ids.reshape({-1});
+    const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
+    if (tp_ == 1) {
+      const torch::Tensor sum = torch::nn::functional::cross_entropy(
+          logits, labels,
+          torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel).reduction(torch::kSum));
+      return sequence_mean(sum, counted.sum());
+    }
     torch::Tensor max = std::get<0>(logits.detach().max(-1));
     max = std::get<0>(mesh_.tensor.all_gather(max.unsqueeze(0)).max(0));
     const torch::Tensor shifted = logits - max.unsqueeze(-1);
@@ -563,14 +601,15 @@ LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& inpu
     const torch::Tensor mine = (local >= 0) & (local < part);
     const torch::Tensor picked = shifted.gather(1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine;
     const torch::Tensor label_logit = all_reduce_autograd(mesh_.tensor, picked);
-    const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
-    return ((sum_exp.log() - label_logit) * counted).sum() / counted.sum();
+    return sequence_mean(((sum_exp.log() - label_logit) * counted).sum(), counted.sum());
   };
   std::vector<torch::Tensor> mtp;
   for (size_t k = 0; k < out.mtp_logits.size(); ++k)
-    mtp.push_back(cross_entropy(out.mtp_logits[k], mtp_labels(input_ids, static_cast<int64_t>(k) + 1)));
-  return mixtral_loss_from_lm(plan_.model, plan_.moe, out, cross_entropy(out.logits, next_token_labels(input_ids)),
-                              mtp);
+    mtp.push_back(
+        cross_entropy(out.mtp_logits[k], local_tokens(mtp_labels(input_ids, static_cast<int64_t>(k) + 1))));
+  return mixtral_loss_from_lm(plan_.model, plan_.moe, out,
+                              cross_entropy(out.logits, local_tokens(next_token_labels(input_ids))), mtp,
+                              routing_sum());
 }
 
 namespace {
@@ -633,7 +672,7 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
   }
   router_logits = torch::matmul(tokens, router.t());
   const Routing r = route(router_logits, RouterShape::of(spec), moe.load_balancing,
-                          expert_bias_.defined() ? expert_bias_[spec.moe_row(layer)] : torch::Tensor());
+                          expert_bias_.defined() ? expert_bias_[spec.moe_row(layer)] : torch::Tensor(), routing_sum());
   // Each rank drops at its own tokens' capacity, before the exchange (Megatron-Core's).
   SlotList slots = slot_list(r, spec.num_experts, moe);
   if (count) {

@@ -45,6 +45,22 @@ int64_t MeshLayout::reader(int64_t rank) const {
   return index;
 }
 
+std::vector<MeshDim> MeshLayout::expert_dims() const {
+  if (parallel_.expert_spans_context()) return {MeshDim::kExpert, MeshDim::kContext};
+  return {MeshDim::kExpert};
+}
+
+std::vector<MeshDim> MeshLayout::expert_replica_dims() const {
+  if (parallel_.expert_parallel_degree == 1 && parallel_.context_parallel_degree > 1)
+    return {MeshDim::kReplica, MeshDim::kContext};
+  return {MeshDim::kReplica};
+}
+
+int64_t MeshLayout::expert_index(int64_t rank) const {
+  const std::vector<int64_t> ranks = group(rank, expert_dims());
+  return std::find(ranks.begin(), ranks.end(), rank) - ranks.begin();
+}
+
 std::vector<int64_t> MeshLayout::group(int64_t rank, const std::vector<MeshDim>& varying) const {
   const MeshCoords mine = coords(rank);
   std::vector<int64_t> ranks;
@@ -90,11 +106,13 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
   world = make_group("world", layout_.group(rank, {kAllMeshDims.begin(), kAllMeshDims.end()}), rank, store, timeout,
                      address);
   shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address);
-  expert = make_group("expert", layout_.group(rank, {D::kExpert}), rank, store, timeout, address);
+  expert = make_group("expert", layout_.group(rank, layout_.expert_dims()), rank, store, timeout, address);
   dense_replicas =
       make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert, D::kContext}), rank, store, timeout,
                  address);
-  expert_replicas = make_group("expert-replica", layout_.group(rank, {D::kReplica}), rank, store, timeout, address);
+  expert_replicas =
+      make_group("expert-replica", layout_.group(rank, layout_.expert_replica_dims()), rank, store, timeout, address);
+  context = make_group("context", layout_.group(rank, {D::kContext}), rank, store, timeout, address);
   tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address);
   pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address);
 }
@@ -102,7 +120,7 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
 DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}
 
 void DeviceMesh::set_activity(const std::shared_ptr<CollectiveActivity>& activity) {
-  for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &tensor, &pipeline})
+  for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &context, &tensor, &pipeline})
     c->set_activity(activity);
 }
 

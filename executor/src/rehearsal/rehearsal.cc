@@ -94,9 +94,10 @@ std::string describe_groups(const ParallelConfig& p, int64_t gpus_per_node) {
     std::vector<MeshDim> varying;
   };
   const Kind kinds[] = {{"shard", {MeshDim::kShard}},
-                        {"expert", {MeshDim::kExpert}},
+                        {"expert", layout.expert_dims()},
                         {"dense replica", {MeshDim::kReplica, MeshDim::kExpert, MeshDim::kContext}},
-                        {"expert replica", {MeshDim::kReplica}},
+                        {"expert replica", layout.expert_replica_dims()},
+                        {"context", {MeshDim::kContext}},
                         {"tensor", {MeshDim::kTensor}},
                         {"pipeline", {MeshDim::kPipeline}}};
   std::string out;

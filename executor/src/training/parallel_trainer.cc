@@ -90,17 +90,20 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   clock_.start_step();
   const ModelSpec& spec = plan_.model;
   const int64_t ga = static_cast<int64_t>(micro_batches.size());
-  // The data readers: the ranks of a tensor-parallel group train on the same micro-batches,
-  // and the first of them counts them.
+  // The data readers: the ranks of a tensor-parallel group and of a context group train on the
+  // same micro-batches. The first tensor-parallel rank counts its tokens' routing (the context
+  // ranks' tokens are their own), and the first of both reports the losses (every rank of them
+  // has the micro-batch's).
   const double readers = static_cast<double>(plan_.parallel.data_parallel_degree());
   const bool counts_data = mesh_.coords().t == 0;
+  const bool reports = counts_data && mesh_.coords().c == 0;
   const double tp = static_cast<double>(mesh_.tensor.size());
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
   // Token-expert slots by [expert group][micro-batch][block with experts][expert], each rank adding its
   // tokens' routing to its own group's micro-batch; summed over the world after the step.
-  const int64_t groups = mesh_.layout().world_size() / (mesh_.pipeline.size() * mesh_.expert.size() * mesh_.tensor.size());
+  const int64_t groups = plan_.parallel.replica_degree() * plan_.parallel.hybrid_shard_degree;
   torch::Tensor counts = torch::zeros({groups, ga, spec.moe_blocks(), spec.num_experts}, torch::kLong);
   torch::Tensor mine = counts[mesh_.coords().r * mesh_.shard.size() + mesh_.coords().s];
   torch::Tensor sums = torch::zeros({5}, torch::kDouble);  // lm, aux, z, total, tokens
@@ -127,6 +130,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     if (!counts_data) continue;
     mine[m] += out.tokens_per_expert;
     dropped_slots_ += out.dropped_slots;
+    if (!reports) continue;
     sums[0] += terms.lm.item<double>();
     sums[1] += terms.aux.item<double>();
     sums[2] += terms.z.item<double>();
@@ -246,7 +250,8 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
   const bool counts_data = mesh_.coords().t == 0;
   const int64_t k = spec.experts_per_token, experts = spec.num_experts, sum_size = k * experts + experts + 2;
   const torch::Tensor& first = micro_batches.front();
-  const std::vector<int64_t> hidden_shape{first.size(0), first.size(1) / mesh_.tensor.size(), spec.hidden_size};
+  const std::vector<int64_t> hidden_shape{first.size(0), first.size(1) / (mesh_.tensor.size() * mesh_.context.size()),
+                                          spec.hidden_size};
   const torch::ScalarType hidden_type = compute_type(plan_.training.precision);
   enum Kind : int64_t { kActivation, kRouterSums, kGradient };
   // A transfer's tag names its micro-batch, the virtual stage it goes to and what it carries.
@@ -326,7 +331,9 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       } else {
         const LossTerms terms = model_.loss(out, ids);
         f.output = terms.lm / static_cast<double>(ga);
-        if (counts_data) {
+        // The router's sums of the micro-batch's other parts (context parallelism).
+        if (mesh_.context.size() > 1) mesh_.context.all_reduce_sum(router);
+        if (counts_data && mesh_.coords().c == 0) {
           const auto [aux, z] = router_losses_of_sums(router, k, experts);
           sums[0] += terms.lm.item<double>();
           sums[1] += aux;

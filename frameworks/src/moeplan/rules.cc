@@ -142,11 +142,13 @@ void check(const RunConfig& c, RuleSink& sink) {
     sink(kLayouts, "parallel.dense_shard_spans_experts", [&] {
       return std::string("= true: the executor shards the dense parameters over hybrid_shard_degree only");
     });
-  if (p.context_parallel_degree > 1)
-    sink(kLayouts, "parallel.context_parallel_degree", [&] {
-      return "= " + rule_number(p.context_parallel_degree) +
-             ": the executor keeps each sequence whole on a rank (planned and simulated only; megatron and torchtitan "
-             "split it)";
+  // Context parallelism: balanced assignment is solved over one rank's tokens; sinkhorn, the
+  // losses and the top-k routers see the whole sequence across the context ranks.
+  if (p.context_parallel_degree > 1 && c.moe.load_balancing == LoadBalancing::kBalanced)
+    sink(kLayouts, "moe.load_balancing", [&] {
+      return "= \"balanced\" with context_parallel_degree = " + rule_number(p.context_parallel_degree) +
+             ": the executor solves the balanced assignment over a whole sequence on one rank only (use sinkhorn, "
+             "aux_loss or none)";
     });
   if (p.first_stage_layers > 0 || p.last_stage_layers > 0)
     sink(kLayouts, p.first_stage_layers > 0 ? "parallel.first_stage_layers" : "parallel.last_stage_layers",

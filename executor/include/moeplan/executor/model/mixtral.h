@@ -194,6 +194,11 @@ torch::Tensor attention_mask_bias(const ModelSpec& spec, int64_t t, torch::Scala
 // causal, or under mask_bias where that is defined.
 torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
                         const torch::Tensor& mask_bias);
+// The same with another core: core(q [B, heads, T, d], k, v [B, kv heads, T, d]) -> [B, heads, T, d]
+// in place of the causal flash attention (context parallelism's, context_attention.h).
+using AttentionCore = std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)>;
+torch::Tensor attention(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const Rope& rope,
+                        const AttentionCore& core);
 // One SwiGLU expert on rows [n, hidden]: w2(silu(w1 x) * w3 x).
 torch::Tensor expert_ffn(const torch::Tensor& in, const torch::Tensor& w1, const torch::Tensor& w2,
                          const torch::Tensor& w3);
@@ -217,8 +222,9 @@ LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const Forwar
                        const torch::Tensor& input_ids);
 // The same with the lm term and each depth's multi-token prediction term computed elsewhere (a
 // vocabulary-parallel cross entropy).
+// With `over`, the router's losses are those of the tokens of every rank it sums over (routing.h).
 LossTerms mixtral_loss_from_lm(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out, torch::Tensor lm,
-                               const std::vector<torch::Tensor>& mtp = {});
+                               const std::vector<torch::Tensor>& mtp = {}, const RankSum& over = {});
 // Next-token labels of input_ids [B, T]: input_ids[:, 1:], and kIgnoreLabel at the last position.
 inline constexpr int64_t kIgnoreLabel = -100;
 torch::Tensor next_token_labels(const torch::Tensor& input_ids);

@@ -13,6 +13,11 @@
 
 namespace moeplan::executor {
 
+// The sum of a tensor over the ranks that route parts of one micro-batch (the context-parallel
+// ranks of a sequence), differentiable with the gradient passed through as it is (every rank
+// goes on to compute the same loss of the sum: all_reduce_autograd). Empty: this rank alone.
+using RankSum = std::function<torch::Tensor(const torch::Tensor&)>;
+
 struct Routing {
   torch::Tensor weights;  // [tokens, k] fp32, renormalised to sum 1 per token (Mixtral), times the scaling
   torch::Tensor experts;  // [tokens, k] int64
@@ -45,8 +50,10 @@ Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing metho
 // here (DeepSeek-V2's group-limited greedy; the rules refuse it). Sigmoid scoring routes by its
 // scores whatever `method` says (sinkhorn and balanced routing are softmax's; the rules refuse
 // them with it). Every weight is then multiplied by `scaling`.
+// With `over` (RankSum below) the tokens are this rank's part of those the ranks route together,
+// and sinkhorn balances all of them as one rank would (its column sums summed over the ranks).
 Routing route(const torch::Tensor& router_logits, const RouterShape& router, LoadBalancing method,
-              const torch::Tensor& bias = {});
+              const torch::Tensor& bias = {}, const RankSum& over = {});
 
 // The experts' probabilities the load-balancing loss averages, fp32 [tokens, experts]: the
 // softmax of the logits, or under sigmoid scoring each expert's sigmoid divided by the token's
@@ -100,7 +107,8 @@ SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, cons
 
 // Megatron's sinkhorn(): exp(logits), then alternate row and column normalisation until the
 // column scalings move by less than tol of their mean (at most max_iterations rounds).
-torch::Tensor sinkhorn(const torch::Tensor& logits, double tol = 1e-4, int max_iterations = 1000);
+torch::Tensor sinkhorn(const torch::Tensor& logits, double tol = 1e-4, int max_iterations = 1000,
+                       const RankSum& over = {});
 
 // Expert of each (token, slot): [tokens, k], every expert taking at most capacity slots.
 torch::Tensor balanced_assignment(const torch::Tensor& scores, int64_t k);
@@ -110,12 +118,15 @@ torch::Tensor balanced_assignment(const torch::Tensor& scores, int64_t k);
 // `top_k`, when given (one [tokens, k] per layer), are the slots counted in place of the
 // logits' own top-k (a replayed routing's).
 // Under sigmoid scoring P_e and the top-k are those of balancing_probs().
+// With `over`, the counts, probabilities and rows are summed over the ranks first: every rank gets
+// the loss of all their tokens, and its tokens' part of the gradient.
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
                                   const std::vector<torch::Tensor>& top_k = {},
-                                  RouterScoring scoring = RouterScoring::kSoftmax);
+                                  RouterScoring scoring = RouterScoring::kSoftmax, const RankSum& over = {});
 
-// ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, all layers together.
-torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits);
+// ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, all layers together (with
+// `over`, over the ranks' tokens as above).
+torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits, const RankSum& over = {});
 
 // Both losses are means over every layer's rows, so a pipeline stage can sum its layers' part
 // and pass it on: [k x E top-k one-hot counts, E probabilities, sum of logsumexp^2, rows], fp64,

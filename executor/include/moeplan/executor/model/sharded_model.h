@@ -22,17 +22,27 @@
 // expert group moves the tokens to their experts, whose w1 and w3 are split by rows and w2 by
 // columns, and the partial outputs are reduce-scattered. The embedding and lm head are split
 // over the vocabulary (the loss is a vocabulary-parallel cross entropy).
+//
+// Context parallelism (C > 1): every rank of a context group is given the whole micro-batch and
+// keeps its two chunks of each sequence (context_attention.h); rotary positions are those of its
+// tokens, attention exchanges keys and values over the group, all else is token by token. The
+// losses are those of the whole micro-batch on every rank of the group: the cross entropy's
+// sums and the router's counts, probabilities and rows are summed over it (with the gradient of
+// this rank's tokens), and sinkhorn balances the whole micro-batch. With E > 1 the expert group
+// spans the context ranks (mesh.h).
 
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "moeplan/core/plan.h"
+#include "moeplan/executor/model/context_attention.h"
 #include "moeplan/executor/model/mixtral.h"
 #include "moeplan/executor/model/offload.h"
 #include "moeplan/executor/model/rehearsal_fault.h"
@@ -153,6 +163,13 @@ class ShardedModel {
   torch::Tensor gather_sequence(const torch::Tensor& x);
   torch::Tensor scatter_sequence(const torch::Tensor& partial);
   torch::Tensor embed(const torch::Tensor& table, const torch::Tensor& input_ids);
+  // This rank's tokens of a whole [B, T] micro-batch (ids or labels): all of them without
+  // context parallelism.
+  torch::Tensor local_tokens(const torch::Tensor& whole) const { return context_ ? context_->local(whole) : whole; }
+  // The sum over the ranks that route parts of one micro-batch (routing.h), empty when alone.
+  RankSum routing_sum();
+  // A cross entropy's sum over this rank's counted tokens made the mean over the micro-batch's.
+  torch::Tensor sequence_mean(const torch::Tensor& sum, const torch::Tensor& counted);
 
   const Plan& plan_;
   DeviceMesh& mesh_;
@@ -169,6 +186,9 @@ class ShardedModel {
   int64_t experts_per_rank_ = 0, first_expert_ = 0;
   Rope rope_;
   torch::Tensor mask_;
+  int64_t cp_ = 1, seq_len_ = 0;
+  std::unique_ptr<ContextAttention> context_;  // with C > 1, for the sequence length in use
+  AttentionCore core_;                         // causal flash attention, or the context group's
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
   torch::Tensor expert_bias_;

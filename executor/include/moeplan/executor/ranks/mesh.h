@@ -2,16 +2,22 @@
 // The device mesh [P, R, S, E, T] of a plan (docs/architecture.md section 6): which coordinates a rank has,
 // which ranks form each group, and the process groups themselves.
 //
-// Groups, for a rank at (p, r, s, e, t); each keeps the coordinates not written as *:
-//   shard group           ranks (p, r, *, e, t): model states are sharded over it (all-gather,
+// Groups, for a rank at (p, r, s, e, c, t); each keeps the coordinates not written as *:
+//   shard group           ranks (p, r, *, e, c, t): model states are sharded over it (all-gather,
 //                         reduce-scatter);
-//   expert group          ranks (p, r, s, *, t): tokens travel inside it (all-to-all, all-gather);
-//   dense replica group   ranks (p, *, s, *, t): dense gradients are summed over it after the
+//   expert group          ranks (p, r, s, *, c, t), and with C > 1 and E > 1 (p, r, s, *, *, t):
+//                         tokens travel inside it (all-to-all, all-gather); it spans the
+//                         context-parallel ranks as Megatron-Core's does, so a rank's experts
+//                         are those of its index in the group;
+//   dense replica group   ranks (p, *, s, *, *, t): dense gradients are summed over it after the
 //                         reduce-scatter;
-//   expert replica group  ranks (p, *, s, e, t): expert gradients are summed over it;
-//   tensor group          ranks (p, r, s, e, *): each block's matrices are split over it, and the
-//                         sequence between them (Megatron's tensor and sequence parallelism);
-//   pipeline group        ranks (*, r, s, e, t): the stages of one pipeline;
+//   expert replica group  ranks (p, *, s, e, c, t), and with C > 1 and E = 1 (p, *, s, e, *, t):
+//                         expert gradients are summed over it;
+//   context group         ranks (p, r, s, e, *, t): the parts of one sequence (context
+//                         parallelism), which pass each other keys and values;
+//   tensor group          ranks (p, r, s, e, c, *): each block's matrices are split over it, and
+//                         the sequence between them (Megatron's tensor and sequence parallelism);
+//   pipeline group        ranks (*, r, s, e, c, t): the stages of one pipeline;
 //   world                 every rank: loss, gradient norm, counts.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -29,7 +35,7 @@
 namespace moeplan::executor {
 
 struct MeshCoords {
-  int64_t r = 0, s = 0, e = 0, t = 0, p = 0, c = 0;  // c: context (the executor runs C = 1)
+  int64_t r = 0, s = 0, e = 0, t = 0, p = 0, c = 0;
   int64_t of(MeshDim d) const;
   int64_t& of(MeshDim d);
   bool operator==(const MeshCoords&) const = default;
@@ -48,6 +54,11 @@ class MeshLayout {
   // Which of the W / (T P) data readers a rank is: the ranks of one tensor-parallel group and of
   // one pipeline read the same micro-batches. Without T and P it is the rank itself.
   int64_t reader(int64_t rank) const;
+  // The dimensions an expert group, and an expert replica group, vary over.
+  std::vector<MeshDim> expert_dims() const;
+  std::vector<MeshDim> expert_replica_dims() const;
+  // A rank's index in its expert group: it holds experts [index n, (index + 1) n), n = experts / E.
+  int64_t expert_index(int64_t rank) const;
 
  private:
   ParallelConfig parallel_;
@@ -66,7 +77,7 @@ class DeviceMesh {
   int64_t rank() const { return rank_; }
   const MeshCoords& coords() const { return coords_; }
 
-  Communicator world, shard, expert, dense_replicas, expert_replicas, tensor, pipeline;
+  Communicator world, shard, expert, dense_replicas, expert_replicas, context, tensor, pipeline;
   // Every group of the mesh reports into `activity`.
   void set_activity(const std::shared_ptr<CollectiveActivity>& activity);
 

@@ -1,0 +1,58 @@
+#pragma once
+// Causal attention of one rank's part of each sequence under context parallelism
+// (docs/architecture.md section 6, C): the sequence is cut into 2C chunks and rank c holds chunks
+// c and 2C - 1 - c (the first and the last, and so on inwards), so that every rank has the same
+// causal work; everything outside attention is token by token on those seq_len / C tokens.
+// Attention needs every earlier chunk's keys and values, which the ranks of the context group
+// pass each other as the plan's context_exchange says:
+//   p2p         around a ring (Megatron-Core's default --cp-comm-type): C steps, each
+//               attending to the key-value block in hand while the next one travels; the
+//               blocks' partial results are merged by their log-sum-exp. In backward the
+//               key-value gradients travel the ring the other way, each step's with it.
+//   all_gather  the key-value blocks gathered whole first, one attention over them, their
+//               gradients reduce-scattered after.
+// Every block is attended with its mask of positions (causal, and a sliding window where the
+// model has one), so a block whose keys all lie ahead of a query row adds nothing to it;
+// Megatron-Core skips those halves of a block, this computes them masked.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "moeplan/core/parallel_config.h"
+#include "moeplan/executor/ranks/collectives.h"
+
+namespace moeplan::executor {
+
+// The positions in the sequence of rank `rank`'s tokens, in the order it holds them:
+// chunk rank, then chunk 2 ranks - 1 - rank, each seq_len / (2 ranks) long.
+torch::Tensor context_positions(int64_t seq_len, int64_t ranks, int64_t rank);
+
+class ContextAttention {
+ public:
+  // group: the context group (this rank's index in it is its chunk pair).
+  ContextAttention(Communicator& group, ContextExchange exchange, int64_t seq_len, std::optional<int64_t> window);
+
+  // This rank's tokens, [B, seq_len / C] of a whole [B, seq_len] (ids or labels).
+  torch::Tensor local(const torch::Tensor& whole) const;
+  const torch::Tensor& positions() const { return positions_[static_cast<size_t>(group_.rank())]; }
+
+  // q [B, heads, seq_len / C, d] of this rank's tokens, k and v [B, key-value heads, seq_len / C, d]
+  // (grouped-query heads unrepeated); the output is shaped like q, in q's type.
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+
+ private:
+  torch::Tensor ring(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  torch::Tensor gathered(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  // true where query i of this rank may not see key j of rank `from`.
+  torch::Tensor hidden(int64_t from) const;
+
+  Communicator& group_;
+  ContextExchange exchange_;
+  std::optional<int64_t> window_;
+  std::vector<torch::Tensor> positions_;  // of every rank of the group
+};
+
+}  // namespace moeplan::executor
