@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "moeplan/executor/calibration/calibrate.h"
+#include "moeplan/executor/model/context_attention.h"
 #include "moeplan/executor/ranks/collectives.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "test_support.h"
@@ -364,6 +365,59 @@ TEST(Collectives, ADeadPeerIsAnErrorNamingTheOperationNotAHang) {
       5s);
   EXPECT_EQ(codes[0], 2) << "rank 0 must end with a CollectiveError";
   EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+}
+
+}  // namespace
+}  // namespace moeplan::executor
+
+namespace moeplan::executor {
+namespace {
+
+// Context-parallel attention on 3 ranks, each holding chunks r and 5 - r of a 48-token sequence:
+// for both exchanges, with grouped-query heads and with and without a sliding window, each rank's
+// output and its tokens' gradients of q, k and v are those of one rank attending to the whole
+// sequence (the keys' gradients gathered back to the rank that holds them).
+TEST(ContextAttention, EveryRanksPartIsTheWholeSequencesAttention) {
+  expect_all_ok(run_ranks(3, [](int rank, Communicator& comm) {
+    constexpr int64_t kSeq = 48;
+    torch::manual_seed(7);
+    const torch::Tensor q = torch::randn({2, 4, kSeq, 8}), k = torch::randn({2, 2, kSeq, 8}),
+                        v = torch::randn({2, 2, kSeq, 8}), up = torch::randn({2, 4, kSeq, 8});
+    for (const std::optional<int64_t> window : {std::optional<int64_t>(), std::optional<int64_t>(11)}) {
+      // The whole sequence on this rank alone, in fp32 arithmetic of its own.
+      const torch::Tensor wq = q.clone().requires_grad_(true), wk = k.clone().requires_grad_(true),
+                          wv = v.clone().requires_grad_(true);
+      const torch::Tensor i = torch::arange(kSeq).unsqueeze(1), j = torch::arange(kSeq).unsqueeze(0);
+      torch::Tensor hidden = j > i;
+      if (window) hidden = hidden | (i - j >= *window);
+      const torch::Tensor scores = torch::matmul(wq, wk.repeat_interleave(2, 1).transpose(-1, -2)) / std::sqrt(8.0);
+      const torch::Tensor whole =
+          torch::matmul(torch::softmax(scores.masked_fill(hidden, -INFINITY), -1), wv.repeat_interleave(2, 1));
+      (whole * up).sum().backward();
+      for (const ContextExchange exchange : {ContextExchange::kRing, ContextExchange::kAllGather}) {
+        ContextAttention attention(comm, exchange, kSeq, window);
+        const torch::Tensor at = attention.positions();
+        auto mine = [&at](const torch::Tensor& t) { return t.index_select(2, at).detach().clone(); };
+        const torch::Tensor lq = mine(q).requires_grad_(true), lk = mine(k).requires_grad_(true),
+                            lv = mine(v).requires_grad_(true);
+        const torch::Tensor out = attention.attend(lq, lk, lv);
+        (out * mine(up)).sum().backward();
+        const std::string what = std::string(exchange == ContextExchange::kRing ? "p2p" : "all_gather") +
+                                 (window ? " with a window" : "") + ": ";
+        auto expect_close = [&](const torch::Tensor& got, const torch::Tensor& want, const std::string& name) {
+          if (!torch::allclose(got, want, 1e-5, 1e-5))
+            throw Mismatch(what + name + " differs by " + std::to_string((got - want).abs().max().item<double>()));
+        };
+        expect_close(out, mine(whole), "output");
+        expect_close(lq.grad(), mine(wq.grad()), "q's gradient");
+        expect_close(lk.grad(), mine(wk.grad()), "k's gradient");
+        expect_close(lv.grad(), mine(wv.grad()), "v's gradient");
+      }
+    }
+    // Every rank holds two chunks, and together they hold each position once.
+    torch::Tensor all = comm.all_gather(context_positions(kSeq, 3, rank));
+    check_equal(std::get<0>(torch::sort(all)), torch::arange(kSeq), "positions");
+  }));
 }
 
 }  // namespace

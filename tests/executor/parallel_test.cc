@@ -344,7 +344,9 @@ TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLosses) {
                           {Layout{"E2S2R1_full", 2, 2, "full", false},
                            Layout{"E4S1R1_selective", 4, 1, "selective", false, "allgather"},
                            Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
-                           Layout{"E1S1T2R2", 1, 1, "none", false, "alltoall", 2}});
+                           Layout{"E1S1T2R2", 1, 1, "none", false, "alltoall", 2},
+                           Layout{"E2S1R2C2", 2, 1, "none", false, "alltoall", 1, 1, 1, 2},
+                           Layout{"E1S1T2C2_full_allgather", 1, 1, "full", false, "alltoall", 2, 1, 1, 2, "all_gather"}});
 }
 
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
@@ -435,6 +437,17 @@ TEST_F(Parallel, TensorParallelCheckpointMovesBetweenLayouts) {
       reference_);
 }
 
+// A checkpoint of (E2 T2 C2), whose expert group is the two context ranks of each sequence,
+// resumes under one rank and under (E1 R2 C2), where every rank holds every expert.
+TEST_F(Parallel, ContextParallelCheckpointMovesBetweenLayouts) {
+  expect_checkpoint_moves(
+      plan_for({"reshard-E2T2C2", 2, 1, "none", false, "alltoall", 2, 1, 1, 2}), dir_->file("reshard-E2T2C2"),
+      dir_->file("data"),
+      {{"one-rank", reference_plan_},
+       {"E1R2C2", plan_for({"reshard-E1R2C2", 1, 1, "none", false, "alltoall", 1, 1, 1, 2})}},
+      reference_);
+}
+
 // A checkpoint of (T2 P2 V2), each stage saving its own blocks, resumes under one rank and under
 // (E2 P2).
 TEST_F(Parallel, PipelineCheckpointMovesBetweenLayouts) {
@@ -459,7 +472,8 @@ TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLossesOverStages) {
 }
 
 // DeepSeek's blocks move between layouts, the router's balancing biases with them: a checkpoint
-// of (E2 S1 T2) resumes under one rank and under (E4 S1) on the one rank's curve, which a bias
+// of (E2 S1 T2) resumes under one rank, under (E4 S1) and under (E2 R2 C2, the expert group the
+// context ranks) on the one rank's curve, which a bias
 // started again from zero would leave.
 TEST_F(Parallel, DeepSeekCheckpointMovesBetweenLayouts) {
   const std::string one_rank = dir_->file("deepseek-ckpt-plan-1.json");
@@ -471,7 +485,9 @@ TEST_F(Parallel, DeepSeekCheckpointMovesBetweenLayouts) {
   expect_checkpoint_moves(
       plan_for({"deepseek-E2S1T2", 2, 1, "none", false, "alltoall", 2}, one_rank), dir_->file("deepseek-E2T2"),
       dir_->file("data"),
-      {{"one-rank", one_rank}, {"E4S1", plan_for({"deepseek-E4S1", 4, 1, "none", false}, one_rank)}},
+      {{"one-rank", one_rank},
+       {"E4S1", plan_for({"deepseek-E4S1", 4, 1, "none", false}, one_rank)},
+       {"E2R2C2", plan_for({"deepseek-E2R2C2", 2, 1, "none", false, "alltoall", 1, 1, 1, 2}, one_rank)}},
       read_metrics(reference));
 }
 
