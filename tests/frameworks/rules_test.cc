@@ -224,6 +224,17 @@ const FrameworkRuleCase kCases[] = {
      },
      "smp_layouts", "parallel.dense_shard_spans_experts",
      "= true: SMP shards the dense parameters over hybrid_shard_degree only", "true"},
+    {"ExecutorBalancedAssignmentOverContextRanks",
+     [](Scenario& s) {
+       s.target = test::framework_rules("moeplan");
+       s.parallel.context_parallel_degree = 2;
+       s.parallel.gradient_accumulation_steps = 256;
+       s.moe.load_balancing = LoadBalancing::kBalanced;
+     },
+     "executor_layouts", "moe.load_balancing",
+     "= \"balanced\" with context_parallel_degree = 2: the executor solves the balanced assignment over a whole "
+     "sequence on one rank only (use sinkhorn, aux_loss or none)",
+     "balanced"},
     {"ExecutorDenseShardOverExpertRanks",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");

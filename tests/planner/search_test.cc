@@ -165,7 +165,7 @@ SearchOptions every_layout_on_two_p5_nodes(Target target) {
 
 // Context parallelism is a choice of the search where the framework splits sequences and each
 // rank keeps at least min_context_tokens of one: for 8192-token sequences Megatron-LM's plans on
-// 16 H100 include C = 2 and C = 4 (not 8: 1024 tokens a rank), moeplan's executor's none. The
+// 16 H100 include C = 2 and C = 4 (not 8: 1024 tokens a rank), and so do moeplan's executor's. The
 // sequences read per step follow C: W / (C T P) readers take the global batch.
 TEST(Search, SplitsSequencesOverContextRanksWhereTheFrameworkDoes) {
   auto context_degrees = [](Target target) {
@@ -183,7 +183,7 @@ TEST(Search, SplitsSequencesOverContextRanksWhereTheFrameworkDoes) {
     return seen;
   };
   EXPECT_EQ(context_degrees(test::framework_rules("megatron")), (std::set<int64_t>{1, 2, 4}));
-  EXPECT_EQ(context_degrees(test::framework_rules("moeplan")), (std::set<int64_t>{1}));
+  EXPECT_EQ(context_degrees(test::framework_rules("moeplan")), (std::set<int64_t>{1, 2, 4}));
 }
 
 // Where the dense shard spans the expert and context ranks is the framework's choice: torchtitan's
