@@ -31,6 +31,10 @@ struct Layout {
   int64_t p = 1, v = 1;  // pipeline stages, and chunks of each
   int64_t c = 1;         // context-parallel degree (E, when over 1, counts the C ranks)
   std::string exchange = "p2p";
+  int64_t etp = 0;       // 1: the T ranks folded into the expert group (E counts them too)
+  // The ranks an expert group has beyond the mesh's E dimension, and the readers it spans.
+  int64_t fold() const { return (etp == 1 && t > 1 ? t : 1) * (e > 1 ? c : 1); }
+  int64_t expert_readers() const { return e / fold(); }
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -110,7 +114,8 @@ class Parallel : public ::testing::TestWithParam<Layout> {
     p["virtual_pipeline_degree"] = l.v;
     p["context_parallel_degree"] = l.c;
     p["context_exchange"] = l.exchange;
-    p["replica_degree"] = 4 / (l.e * l.s * l.t * l.p * (l.e > 1 ? 1 : l.c));
+    p["expert_tensor_parallel_degree"] = l.etp;
+    p["replica_degree"] = 4 / (l.expert_readers() * l.s * l.c * l.t * l.p);
     p["micro_batch_size"] = 1;
     // The T ranks of a tensor-parallel group, the C ranks of a context group and the P stages of
     // a pipeline read the same micro-batches: 4 / (T C P) readers.
@@ -178,7 +183,7 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
     // the group's readers' sequences (the one rank's micro-batches, E / C at a time where the
     // expert group spans the C ranks of each).
     const StepRecord one = step_record_from_json(reference_[i], "reference"), here = step_record_from_json(m[i], l.name);
-    const int64_t readers_per_group = l.e > 1 ? l.e / l.c : 1;
+    const int64_t readers_per_group = l.expert_readers();
     ASSERT_EQ(here.exchange_slots.size(), static_cast<size_t>(4 / (readers_per_group * l.c * l.t * l.p)))
         << "step " << i + 1;
     std::vector<SlotTable> seen;
@@ -292,7 +297,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E1S1R2C2", 1, 1, "none", false, "alltoall", 1, 1, 1, 2},
                       Layout{"E2S2C2_full_allgather", 2, 2, "full", false, "alltoall", 1, 1, 1, 2, "all_gather"},
                       Layout{"E2S1T2C2_selective", 2, 1, "selective", false, "alltoall", 2, 1, 1, 2},
-                      Layout{"E1S1C2P2", 1, 1, "none", false, "alltoall", 1, 2, 1, 2}),
+                      Layout{"E1S1C2P2", 1, 1, "none", false, "alltoall", 1, 2, 1, 2},
+                      // Parallel folding: the T ranks join the expert group, each expert whole on its rank.
+                      Layout{"E2S1T2R2_folded", 2, 1, "none", false, "alltoall", 2, 1, 1, 1, "p2p", 1},
+                      Layout{"E4S1T2_folded_selective", 4, 1, "selective", false, "alltoall", 2, 1, 1, 1, "p2p", 1},
+                      Layout{"E4S1T2C2_folded_full", 4, 1, "full", false, "alltoall", 2, 1, 1, 2, "p2p", 1},
+                      Layout{"E2S1T2P2_folded", 2, 1, "none", false, "alltoall", 2, 2, 1, 1, "p2p", 1}),
     layout_name);
 
 // Qwen3-MoE's blocks (qwen3-tiny: q/k norms, 32 fine-grained experts, top-8, query heads twice
@@ -346,7 +356,8 @@ TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLosses) {
                            Layout{"E2S1T2_selective", 2, 1, "selective", false, "alltoall", 2},
                            Layout{"E1S1T2R2", 1, 1, "none", false, "alltoall", 2},
                            Layout{"E2S1R2C2", 2, 1, "none", false, "alltoall", 1, 1, 1, 2},
-                           Layout{"E1S1T2C2_full_allgather", 1, 1, "full", false, "alltoall", 2, 1, 1, 2, "all_gather"}});
+                           Layout{"E1S1T2C2_full_allgather", 1, 1, "full", false, "alltoall", 2, 1, 1, 2, "all_gather"},
+                           Layout{"E2S1T2_folded_selective", 2, 1, "selective", false, "alltoall", 2, 1, 1, 1, "p2p", 1}});
 }
 
 // Token dropping at capacity factor 1: each rank drops at its own tokens' capacity before the
@@ -445,6 +456,16 @@ TEST_F(Parallel, ContextParallelCheckpointMovesBetweenLayouts) {
       dir_->file("data"),
       {{"one-rank", reference_plan_},
        {"E1R2C2", plan_for({"reshard-E1R2C2", 1, 1, "none", false, "alltoall", 1, 1, 1, 2})}},
+      reference_);
+}
+
+// A checkpoint of (E2 T2, folded: each expert whole on one of the expert group's four ranks)
+// resumes under one rank and under (E2 S1 T2) unfolded, whose experts are split over T.
+TEST_F(Parallel, FoldedCheckpointMovesBetweenLayouts) {
+  expect_checkpoint_moves(
+      plan_for({"reshard-E2T2-folded", 2, 1, "none", false, "alltoall", 2, 1, 1, 1, "p2p", 1}),
+      dir_->file("reshard-E2T2-folded"), dir_->file("data"),
+      {{"one-rank", reference_plan_}, {"E2S1T2", plan_for({"reshard-E2S1T2-unfolded", 2, 1, "none", false, "alltoall", 2})}},
       reference_);
 }
 

@@ -65,9 +65,12 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
   chunks_ = p.virtual_pipeline_degree;
   layers_per_chunk_ = plan.model.num_layers / (pp_ * chunks_);
   const std::vector<ParamInfo> whole = mixtral_parameters(plan.model);
+  folded_ = p.expert_tensor_fold() > 1;
   for (const ParamInfo& info : whole) {
-    infos_.push_back(tensor_part_info(info, tp_));
-    splits_.push_back(tensor_split(info));
+    // Folded (ETP = 1), each routed expert is whole on its rank of the larger expert group.
+    const bool whole_expert = folded_ && info.expert >= 0;
+    infos_.push_back(tensor_part_info(info, whole_expert ? 1 : tp_));
+    splits_.push_back(whole_expert ? TensorSplit::kWhole : tensor_split(info));
   }
   units_ = flat_units(plan.model, infos_, p.expert_parallel_degree, expert_index, p.hybrid_shard_degree);
 
@@ -102,7 +105,7 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
       const torch::Tensor part = tensor_part(values, splits_[param], tp_rank_, tp_).contiguous().flatten();
       shard.narrow(0, a - begin, b - a).copy_(part.narrow(0, a - u.offsets[j], b - a));
       if (info.weight_decay) decay.narrow(0, a - begin, b - a).fill_(true);
-      if (splits_[param] == TensorSplit::kWhole) whole_mask.narrow(0, a - begin, b - a).fill_(true);
+      if (alike_on_tensor_ranks(u.params[j])) whole_mask.narrow(0, a - begin, b - a).fill_(true);
     }
     shards_.push_back(shard.requires_grad_(true));
     decay_masks_.push_back(decay);
@@ -416,13 +419,11 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
                                       rope_, core_));
       torch::Tensor router_logits;
-      const torch::Tensor normed = gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps));
-      const torch::Tensor moe_out =
-          with_shared(moe(l, normed, w.router, experts, true, router_logits, shuffle_seed), w, normed);
+      const torch::Tensor y =
+          moe_sublayer(l, h, w.post_attention_norm, w.router, w, experts, true, router_logits, shuffle_seed);
       out.router_logits.push_back(router_logits);
       counts.copy_(tokens_per_expert_);
       dropped.fill_(dropped_slots_);
-      const torch::Tensor y = h + scatter_sequence(moe_out);
       release(dense);
       release(experts);
       return regather_in_backward(y, {dense, experts});
@@ -446,14 +447,13 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
           shared.shared_w3 = in[5];
           if (in.size() > 6) shared.shared_gate = in[6];
         }
-        const torch::Tensor normed = gather_sequence(rms_norm(in[0], in[1], plan_.model.rms_norm_eps));
-        const torch::Tensor moe_out =
-            with_shared(moe(l, normed, in[2], experts, !recompute, router_logits, shuffle_seed), shared, normed);
+        const torch::Tensor y =
+            moe_sublayer(l, in[0], in[1], in[2], shared, experts, !recompute, router_logits, shuffle_seed);
         if (!recompute) {
           counts.copy_(tokens_per_expert_);
           dropped.fill_(dropped_slots_);
         }
-        return std::vector<torch::Tensor>{in[0] + scatter_sequence(moe_out), router_logits};
+        return std::vector<torch::Tensor>{y, router_logits};
       };
       std::vector<torch::Tensor> inputs{h, w.post_attention_norm, w.router};
       for (const torch::Tensor& t : {w.shared_w1, w.shared_w2, w.shared_w3, w.shared_gate})
@@ -474,14 +474,13 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
                                             gather_sequence(rms_norm(in[0], w.input_norm, spec.rms_norm_eps)), rope_,
                                             core_));
         torch::Tensor router_logits;
-        const torch::Tensor normed = gather_sequence(rms_norm(h, w.post_attention_norm, spec.rms_norm_eps));
-        const torch::Tensor moe_out =
-            with_shared(moe(l, normed, w.router, experts, !recompute, router_logits, shuffle_seed), w, normed);
+        const torch::Tensor y =
+            moe_sublayer(l, h, w.post_attention_norm, w.router, w, experts, !recompute, router_logits, shuffle_seed);
         if (!recompute) {
           counts.copy_(tokens_per_expert_);
           dropped.fill_(dropped_slots_);
         }
-        return std::vector<torch::Tensor>{h + scatter_sequence(moe_out), router_logits};
+        return std::vector<torch::Tensor>{y, router_logits};
       };
       const std::vector<torch::Tensor> outs = checkpoint(fn, {x}, l);
       out.router_logits.push_back(outs[1]);
@@ -493,6 +492,27 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
   }
   assert(false && "attention_core or latent_up checkpointing reached the executor");
   return x;
+}
+
+// The MoE sub-block with its residual: h plus the routed (and shared) experts' output of h normed.
+// Unfolded, every T rank routes the whole gathered sequence and the experts' partial sums are
+// reduce-scattered with the shared experts'. Folded (ETP = 1, Megatron-Core's parallel folding),
+// each rank routes its own part of the sequence to whole experts over the larger expert group,
+// and only the shared experts (split over T like a dense block's layer) go through the
+// gather and the reduce-scatter.
+torch::Tensor ShardedModel::moe_sublayer(int64_t l, const torch::Tensor& h, const torch::Tensor& norm,
+                                         const torch::Tensor& router, const LayerWeights& shared,
+                                         const Gathered& experts, bool count, torch::Tensor& router_logits,
+                                         uint64_t shuffle_seed) {
+  const torch::Tensor normed = rms_norm(h, norm, plan_.model.rms_norm_eps);
+  if (!folded_) {
+    const torch::Tensor whole = gather_sequence(normed);
+    return h + scatter_sequence(
+                   with_shared(moe(l, whole, router, experts, count, router_logits, shuffle_seed), shared, whole));
+  }
+  const torch::Tensor y = h + moe(l, normed, router, experts, count, router_logits, shuffle_seed);
+  if (!shared.shared_w1.defined()) return y;
+  return y + scatter_sequence(shared_experts(shared, gather_sequence(normed)));
 }
 
 // A dense block (no router, no experts): attention, then one feed-forward layer split over the
@@ -564,8 +584,8 @@ torch::Tensor ShardedModel::embed(const torch::Tensor& table, const torch::Tenso
 }
 
 RankSum ShardedModel::routing_sum() {
-  if (cp_ == 1) return {};
-  return [this](const torch::Tensor& t) { return all_reduce_autograd(mesh_.context, t); };
+  if (mesh_.routing.size() == 1) return {};
+  return [this](const torch::Tensor& t) { return all_reduce_autograd(mesh_.routing, t); };
 }
 
 torch::Tensor ShardedModel::sequence_mean(const torch::Tensor& sum, const torch::Tensor& counted) {

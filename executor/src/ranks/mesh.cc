@@ -46,14 +46,21 @@ int64_t MeshLayout::reader(int64_t rank) const {
 }
 
 std::vector<MeshDim> MeshLayout::expert_dims() const {
-  if (parallel_.expert_spans_context()) return {MeshDim::kExpert, MeshDim::kContext};
-  return {MeshDim::kExpert};
+  std::vector<MeshDim> dims{MeshDim::kExpert};
+  if (parallel_.expert_spans_context()) dims.push_back(MeshDim::kContext);
+  if (parallel_.expert_tensor_fold() > 1) dims.push_back(MeshDim::kTensor);
+  return dims;
 }
 
 std::vector<MeshDim> MeshLayout::expert_replica_dims() const {
   if (parallel_.expert_parallel_degree == 1 && parallel_.context_parallel_degree > 1)
     return {MeshDim::kReplica, MeshDim::kContext};
   return {MeshDim::kReplica};
+}
+
+std::vector<MeshDim> MeshLayout::routing_dims() const {
+  if (parallel_.expert_tensor_fold() > 1) return {MeshDim::kContext, MeshDim::kTensor};
+  return {MeshDim::kContext};
 }
 
 int64_t MeshLayout::expert_index(int64_t rank) const {
@@ -113,6 +120,10 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
   expert_replicas =
       make_group("expert-replica", layout_.group(rank, layout_.expert_replica_dims()), rank, store, timeout, address);
   context = make_group("context", layout_.group(rank, {D::kContext}), rank, store, timeout, address);
+  // Without folding the routing group is the context group (the same process group).
+  routing = parallel.expert_tensor_fold() > 1
+                ? make_group("routing", layout_.group(rank, layout_.routing_dims()), rank, store, timeout, address)
+                : context;
   tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address);
   pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address);
 }
@@ -120,7 +131,7 @@ DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::
 DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}
 
 void DeviceMesh::set_activity(const std::shared_ptr<CollectiveActivity>& activity) {
-  for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &context, &tensor, &pipeline})
+  for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &context, &routing, &tensor, &pipeline})
     c->set_activity(activity);
 }
 

@@ -95,9 +95,11 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   // ranks' tokens are their own), and the first of both reports the losses (every rank of them
   // has the micro-batch's).
   const double readers = static_cast<double>(plan_.parallel.data_parallel_degree());
-  const bool counts_data = mesh_.coords().t == 0;
-  const bool reports = counts_data && mesh_.coords().c == 0;
-  const double tp = static_cast<double>(mesh_.tensor.size());
+  // Folded tensor ranks route their own tokens: each counts them.
+  const bool counts_data = mesh_.coords().t == 0 || model_.folded();
+  const bool reports = mesh_.coords().t == 0 && mesh_.coords().c == 0;
+  // The ranks that compute the router's losses from the same tokens (unfolded T ranks).
+  const double tp = model_.folded() ? 1.0 : static_cast<double>(mesh_.tensor.size());
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
@@ -119,8 +121,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     out.mtp_logits.clear();
     const auto f1 = Clock::now();
-    // Every T rank computes the router's losses from the same logits, and the router's gradient
-    // is summed over them: each takes 1/T of those terms, so they count once.
+    // Every unfolded T rank computes the router's losses from the same logits, and the router's
+    // gradient is summed over them: each takes 1/T of those terms, so they count once.
     const torch::Tensor router_terms = terms.total - terms.prediction;
     ((terms.prediction + router_terms / tp) / static_cast<double>(ga)).backward();
     const auto f2 = Clock::now();
@@ -163,7 +165,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   for (size_t u = 0; u < grads.size(); ++u) {
     if (!model_.owns(model_.units()[u])) continue;
     torch::Tensor g = grads[u].to(torch::kFloat);
-    if (model_.whole_mask(u).defined() && !counts_data) g = g.masked_fill(model_.whole_mask(u), 0);
+    if (model_.whole_mask(u).defined() && mesh_.coords().t != 0) g = g.masked_fill(model_.whole_mask(u), 0);
     square += g.square().sum();
   }
   mesh_.world.all_reduce_sum(square);
@@ -247,7 +249,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
   const int64_t ranks = pipe.size(), me = pipe.rank(), chunks = plan_.parallel.virtual_pipeline_degree;
   const int64_t stages = ranks * chunks, ga = static_cast<int64_t>(micro_batches.size());
   const int64_t prev = (me + ranks - 1) % ranks, next = (me + 1) % ranks;
-  const bool counts_data = mesh_.coords().t == 0;
+  const bool counts_data = mesh_.coords().t == 0 || model_.folded();
   const int64_t k = spec.experts_per_token, experts = spec.num_experts, sum_size = k * experts + experts + 2;
   const torch::Tensor& first = micro_batches.front();
   const std::vector<int64_t> hidden_shape{first.size(0), first.size(1) / (mesh_.tensor.size() * mesh_.context.size()),
@@ -331,9 +333,9 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       } else {
         const LossTerms terms = model_.loss(out, ids);
         f.output = terms.lm / static_cast<double>(ga);
-        // The router's sums of the micro-batch's other parts (context parallelism).
-        if (mesh_.context.size() > 1) mesh_.context.all_reduce_sum(router);
-        if (counts_data && mesh_.coords().c == 0) {
+        // The router's sums of the micro-batch's other parts (context ranks, folded tensor ranks).
+        if (mesh_.routing.size() > 1) mesh_.routing.all_reduce_sum(router);
+        if (mesh_.coords().t == 0 && mesh_.coords().c == 0) {
           const auto [aux, z] = router_losses_of_sums(router, k, experts);
           sums[0] += terms.lm.item<double>();
           sums[1] += aux;
@@ -436,7 +438,7 @@ NamedTensors ShardedTrainer::state() const {
   for_each_held_slice(model, [&](const HeldSlice& h) {
     if (!model.owns(model.units()[h.unit])) return;  // one replica saves
     const TensorSplit split = model.split_of(h.param);
-    if (split == TensorSplit::kWhole && t != 0) return;  // the first T rank saves what all hold
+    if (model.alike_on_tensor_ranks(h.param) && t != 0) return;  // the first T rank saves what all hold
     const std::string suffix = slice_name(h, split, t, mesh_.tensor.size());
     const int64_t n = h.last - h.first;
     // The planted fault: rank 0 writes its slices one element off.

@@ -15,13 +15,11 @@ const Framework moeplan_framework{
     .defaults = {.precision = Precision::kBf16, .fp32_gradients = true, .load_balancing = LoadBalancing::kSinkhorn},
     // What its rule executor_layouts refuses is not tried at all: the executor recomputes whole
     // blocks or MoE sub-blocks, runs equal stages, shards optimizer states over
-    // hybrid_shard_degree only, splits experts over the tensor-parallel ranks and keeps the dense
-    // parameters whole on the expert ranks.
+    // hybrid_shard_degree only and keeps the dense parameters whole on the expert ranks.
     .capabilities = {.attention_core_recomputation = false,
                      .latent_up_recomputation = false,
                      .uneven_pipeline_stages = false,
                      .distributed_optimizer = false,
-                     .expert_tensor_folding = false,
                      .dense_shard_span = FrameworkCapabilities::DenseShardSpan::kNever},
     // `moeplan run` trains a plan itself, and writes its own metrics: nothing to export or read.
     .export_launch = nullptr,

@@ -176,12 +176,6 @@ void check(const RunConfig& c, RuleSink& sink) {
         return "= false with tensor_parallel_degree = " + rule_number(tp) +
                ": the executor runs tensor parallelism with sequence parallelism";
       });
-    if (p.expert_tensor_degree() != tp)
-      sink(kTensorSplits, "parallel.expert_tensor_parallel_degree", [&] {
-        return "= " + rule_number(p.expert_tensor_degree()) + " with tensor_parallel_degree = " + rule_number(tp) +
-               ": the executor splits every expert over the tensor-parallel ranks (planned and simulated only; "
-               "megatron and torchtitan fold them into the expert group)";
-      });
   }
 }
 

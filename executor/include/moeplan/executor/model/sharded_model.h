@@ -21,7 +21,9 @@
 // alike (so routing, load-balancing losses and counts are exactly those of one rank), its
 // expert group moves the tokens to their experts, whose w1 and w3 are split by rows and w2 by
 // columns, and the partial outputs are reduce-scattered. The embedding and lm head are split
-// over the vocabulary (the loss is a vocabulary-parallel cross entropy).
+// over the vocabulary (the loss is a vocabulary-parallel cross entropy). With the tensor ranks
+// folded into the expert group (ETP = 1, parallel folding) the routed experts are whole instead,
+// and each T rank routes its own part of the sequence (moe_sublayer).
 //
 // Context parallelism (C > 1): every rank of a context group is given the whole micro-batch and
 // keeps its two chunks of each sequence (context_attention.h); rotary positions are those of its
@@ -87,6 +89,12 @@ class ShardedModel {
   int64_t shard_begin(const FlatUnit& unit) const { return mesh_.coords().s * unit.shard_numel; }
   // How parameter i is split over the tensor-parallel group (infos() holds this rank's part).
   TensorSplit split_of(int64_t param) const { return splits_[static_cast<size_t>(param)]; }
+  // Whether every T rank holds parameter i whole and alike (norms, router; a folded expert is
+  // whole but on one rank of its expert group only).
+  bool alike_on_tensor_ranks(int64_t param) const {
+    return splits_[static_cast<size_t>(param)] == TensorSplit::kWhole &&
+           !(folded_ && infos_[static_cast<size_t>(param)].expert >= 0);
+  }
   // With T > 1: true where an element of unit u's shard belongs to a parameter every T rank
   // holds whole (norms, router); undefined when T = 1 or the unit has none.
   const torch::Tensor& whole_mask(size_t unit) const { return whole_masks_[unit]; }
@@ -119,6 +127,10 @@ class ShardedModel {
   // (expert_bias.h); undefined under softmax scoring.
   torch::Tensor& expert_bias() { return expert_bias_; }
 
+  // Whether the routed experts are whole, the tensor-parallel ranks folded into the expert group
+  // (ETP = 1 under T > 1): each T rank then routes its own part of the sequence.
+  bool folded() const { return folded_; }
+
   // The most token-expert rows this rank's experts computed in one layer of one micro-batch
   // since the last call (the load its activations are sized by), and a new count.
   int64_t take_busiest_expert_rows() { return std::exchange(busiest_expert_rows_, 0); }
@@ -150,6 +162,9 @@ class ShardedModel {
   std::vector<torch::Tensor> checkpoint(BlockFn fn, const std::vector<torch::Tensor>& inputs, int64_t layer);
   torch::Tensor block(int64_t layer, const torch::Tensor& x, ForwardResult& out, uint64_t shuffle_seed);
   torch::Tensor dense_block(int64_t layer, const torch::Tensor& x);
+  torch::Tensor moe_sublayer(int64_t layer, const torch::Tensor& h, const torch::Tensor& norm,
+                             const torch::Tensor& router, const LayerWeights& shared, const Gathered& experts,
+                             bool count, torch::Tensor& router_logits, uint64_t shuffle_seed);
   torch::Tensor moe(int64_t layer, const torch::Tensor& x, const torch::Tensor& router, const Gathered& experts,
                     bool count, torch::Tensor& router_logits, uint64_t shuffle_seed);
   torch::Tensor dispatch_all_to_all(const torch::Tensor& tokens, const SlotList& slots, const Gathered& local);
@@ -178,6 +193,7 @@ class ShardedModel {
   std::vector<TensorSplit> splits_;
   ModelSpec local_spec_;  // the attention heads of this tensor-parallel rank
   int64_t tp_ = 1, tp_rank_ = 0;
+  bool folded_ = false;  // the routed experts whole, the T ranks folded into the expert group
   int64_t pp_ = 1, pp_rank_ = 0, chunks_ = 1, layers_per_chunk_ = 1;
   std::vector<bool> held_;  // per unit: on this pipeline stage
   std::vector<torch::Tensor> whole_masks_;

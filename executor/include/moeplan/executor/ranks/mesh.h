@@ -5,16 +5,22 @@
 // Groups, for a rank at (p, r, s, e, c, t); each keeps the coordinates not written as *:
 //   shard group           ranks (p, r, *, e, c, t): model states are sharded over it (all-gather,
 //                         reduce-scatter);
-//   expert group          ranks (p, r, s, *, c, t), and with C > 1 and E > 1 (p, r, s, *, *, t):
-//                         tokens travel inside it (all-to-all, all-gather); it spans the
-//                         context-parallel ranks as Megatron-Core's does, so a rank's experts
-//                         are those of its index in the group;
+//   expert group          ranks (p, r, s, *, c, t); with C > 1 and E > 1 (p, r, s, *, *, t),
+//                         and with the tensor ranks folded into it (ETP = 1 under T > 1,
+//                         parallel folding) their t varies too: tokens travel inside it
+//                         (all-to-all, all-gather); it spans the context-parallel and folded
+//                         tensor ranks as Megatron-Core's does, so a rank's experts are those of
+//                         its index in the group;
 //   dense replica group   ranks (p, *, s, *, *, t): dense gradients are summed over it after the
 //                         reduce-scatter;
 //   expert replica group  ranks (p, *, s, e, c, t), and with C > 1 and E = 1 (p, *, s, e, *, t):
 //                         expert gradients are summed over it;
 //   context group         ranks (p, r, s, e, *, t): the parts of one sequence (context
 //                         parallelism), which pass each other keys and values;
+//   routing group         ranks (p, r, s, e, *, t), or (p, r, s, e, *, *) where T is folded: the
+//                         ranks that route different parts of one micro-batch (unfolded tensor
+//                         ranks route the same gathered tokens), over which the router's
+//                         losses and sinkhorn's balance are summed;
 //   tensor group          ranks (p, r, s, e, c, *): each block's matrices are split over it, and
 //                         the sequence between them (Megatron's tensor and sequence parallelism);
 //   pipeline group        ranks (*, r, s, e, c, t): the stages of one pipeline;
@@ -57,6 +63,7 @@ class MeshLayout {
   // The dimensions an expert group, and an expert replica group, vary over.
   std::vector<MeshDim> expert_dims() const;
   std::vector<MeshDim> expert_replica_dims() const;
+  std::vector<MeshDim> routing_dims() const;
   // A rank's index in its expert group: it holds experts [index n, (index + 1) n), n = experts / E.
   int64_t expert_index(int64_t rank) const;
 
@@ -77,7 +84,7 @@ class DeviceMesh {
   int64_t rank() const { return rank_; }
   const MeshCoords& coords() const { return coords_; }
 
-  Communicator world, shard, expert, dense_replicas, expert_replicas, context, tensor, pipeline;
+  Communicator world, shard, expert, dense_replicas, expert_replicas, context, routing, tensor, pipeline;
   // Every group of the mesh reports into `activity`.
   void set_activity(const std::shared_ptr<CollectiveActivity>& activity);
 
