@@ -45,8 +45,16 @@ ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t voc
   m.head_dim = divides("head_dim", model.head_dim, dim_by);
   m.num_attention_heads = model.num_attention_heads / heads_by;
   m.num_key_value_heads = model.num_key_value_heads / heads_by;
+  // Latent attention: its latents shrink with the hidden size, a head's rotary and value parts
+  // with head_dim.
+  m.kv_lora_rank = divides("kv_lora_rank", model.kv_lora_rank, w);
+  m.q_lora_rank = divides("q_lora_rank", model.q_lora_rank, w);
+  m.qk_rope_head_dim = divides("qk_rope_head_dim", model.qk_rope_head_dim, dim_by);
+  m.v_head_dim = divides("v_head_dim", model.v_head_dim, dim_by);
   d.throw_if_any("rehearsal");
   m.num_layers = shrink.layers;
+  // Dense blocks first: at most half of the blocks kept, so that experts remain to rehearse.
+  m.first_dense_layers = std::min(model.first_dense_layers, shrink.layers / 2);
   m.vocab_size = vocab_size;
   m.max_position_embeddings = std::max(model.max_position_embeddings, seq_len);
   m.name = model.name + "-rehearsal";

@@ -50,70 +50,91 @@ torch::Tensor ContextAttention::gathered(const torch::Tensor& q, const torch::Te
 
 namespace {
 
-// One key-value block's attention for every query row, in fp32: the output and the log-sum-exp
-// of the row's scores. A masked score is a large finite negative, so that a row that sees none
-// of the block gets a log-sum-exp far below every other block's and no weight in the merge.
-std::pair<torch::Tensor, torch::Tensor> block_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                                        const torch::Tensor& v, const torch::Tensor& masked) {
-  const int64_t repeat = q.size(1) / k.size(1);
-  const torch::Tensor keys = (repeat > 1 ? k.repeat_interleave(repeat, 1) : k).to(torch::kFloat);
-  const torch::Tensor values = (repeat > 1 ? v.repeat_interleave(repeat, 1) : v).to(torch::kFloat);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const torch::Tensor scores =
-      (torch::matmul(q.to(torch::kFloat), keys.transpose(-1, -2)) * scale).masked_fill(masked.to(q.device()), -1e30);
-  const torch::Tensor lse = torch::logsumexp(scores, -1);
-  return {torch::matmul(torch::exp(scores - lse.unsqueeze(-1)), values), lse};
-}
-
 constexpr int64_t kForwardTag = 0, kBackwardTag = 1;
-
-// `received` (what the previous rank of the ring sent while this one sent `sent` on) made the
-// differentiable image of `sent`: its gradient goes back to the previous rank, and `sent`'s
-// comes from the next one.
-torch::Tensor passed_on(Communicator& ring, const torch::Tensor& sent, const torch::Tensor& received) {
-  TensorList out{received};
-  const int64_t prev = (ring.rank() + ring.size() - 1) % ring.size(), next = (ring.rank() + 1) % ring.size();
-  attach_backward({sent}, out, "RingPassBackward",
-                  [&ring, prev, next, shape = received.sizes().vec(), type = received.scalar_type()](TensorList&& g) {
-                    const torch::Tensor grad =
-                        g[0].defined() ? g[0].contiguous() : torch::zeros(shape, torch::TensorOptions().dtype(type));
-                    Communicator::PendingTransfer back = ring.start_send(grad, prev, kBackwardTag);
-                    Communicator::PendingTransfer mine = ring.start_recv(shape, type, next, kBackwardTag);
-                    torch::Tensor result = ring.finish_transfer(mine);
-                    ring.finish_transfer(back);
-                    return TensorList{result};
-                  });
-  return out[0];
-}
+// A masked score: large and negative but finite, so that a query row that sees none of a block
+// gets a log-sum-exp far below the other blocks' and no weight in the merge (a row of -inf would
+// make the block's output NaN).
+constexpr double kHidden = -1e30;
 
 }  // namespace
 
+// Each step attends to the block in hand with the flash kernel, which gives the block's output
+// and log-sum-exp; the outputs are merged by their log-sum-exps. Backward, the flash backward of
+// each block with the merged output and log-sum-exp gives the block's part of every gradient
+// (the merged softmax is the blocks' joined), and the key-value gradients go back around the
+// ring, each rank adding its part for the block's owner as the buffer passes (as Megatron-Core's
+// ring attention does). What backward keeps: q, the C key-value blocks, the merged output and
+// log-sum-exp; no score matrix.
 torch::Tensor ContextAttention::ring(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ranks = group_.size(), me = group_.rank();
   const int64_t prev = (me + ranks - 1) % ranks, next = (me + 1) % ranks;
-  torch::Tensor block = torch::stack({k, v});  // the key-value block in hand, [2, B, heads, T / C, d]
-  std::vector<torch::Tensor> outs, lses;
+  const torch::Tensor qd = q.detach();
+  std::vector<torch::Tensor> keys{k.detach().contiguous()}, values{v.detach().contiguous()}, masks;
+  torch::Tensor out, lse;  // merged so far, fp32
   for (int64_t step = 0; step < ranks; ++step) {
     // The next block travels while this one is attended to.
     const bool more = step + 1 < ranks;
     Communicator::PendingTransfer send, recv;
-    const torch::Tensor sending = block.detach().contiguous();
+    const torch::Tensor block = torch::stack({keys.back(), values.back()});
     if (more) {
-      send = group_.start_send(sending, next, kForwardTag);
-      recv = group_.start_recv(sending.sizes(), sending.scalar_type(), prev, kForwardTag);
+      send = group_.start_send(block, next, kForwardTag);
+      recv = group_.start_recv(block.sizes(), block.scalar_type(), prev, kForwardTag);
     }
-    auto [out, lse] = block_attention(q, block[0], block[1], hidden((me - step + ranks) % ranks));
-    outs.push_back(out);
-    lses.push_back(lse);
+    masks.push_back(torch::zeros({q.size(2), k.size(2)}, q.scalar_type())
+                        .masked_fill(hidden((me - step + ranks) % ranks), kHidden)
+                        .to(q.device()));
+    torch::Tensor o, l;
+    std::tie(o, l) = at::_scaled_dot_product_flash_attention_for_cpu(qd, keys.back(), values.back(), 0.0, false,
+                                                                      masks.back());
+    if (step == 0) {
+      out = o.to(torch::kFloat);
+      lse = l;
+    } else {
+      const torch::Tensor merged = torch::logaddexp(lse, l);
+      out = out * torch::exp(lse - merged).unsqueeze(-1) + o.to(torch::kFloat) * torch::exp(l - merged).unsqueeze(-1);
+      lse = merged;
+    }
     if (more) {
       const torch::Tensor received = group_.finish_transfer(recv);
       group_.finish_transfer(send);
-      block = passed_on(group_, block, received);
+      keys.push_back(received[0]);
+      values.push_back(received[1]);
     }
   }
-  const torch::Tensor lse = torch::stack(lses);                       // [C, B, heads, T / C]
-  const torch::Tensor weights = torch::exp(lse - torch::logsumexp(lse, 0, /*keepdim=*/true)).unsqueeze(-1);
-  return (weights * torch::stack(outs)).sum(0).to(q.scalar_type());
+  TensorList outputs{out.to(q.scalar_type())};
+  attach_backward(
+      {q, k, v}, outputs, "RingAttentionBackward",
+      [this, qd, keys, values, masks, out, lse, ranks, prev, next](TensorList&& grads) {
+        const auto fp32 = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
+        const torch::Tensor d_out = grads[0].defined() ? fp32(grads[0]) : torch::zeros_like(out);
+        torch::Tensor dq = torch::zeros_like(out), own_k, own_v;
+        std::vector<torch::Tensor> dk, dv;  // per step: the gradient of the block held then
+        for (int64_t step = 0; step < ranks; ++step) {
+          auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+              d_out, fp32(qd), fp32(keys[static_cast<size_t>(step)]), fp32(values[static_cast<size_t>(step)]), out,
+              lse, 0.0, false, fp32(masks[static_cast<size_t>(step)]));
+          dq += gq;
+          dk.push_back(gk);
+          dv.push_back(gv);
+        }
+        // The buffer for the block of rank c - 1 starts here with step 1's part, and each rank it
+        // passes adds the part its step held that block at; after C - 1 hops it reaches its owner.
+        torch::Tensor buffer = torch::stack({dk[1], dv[1]});
+        torch::Tensor mine;
+        for (int64_t hop = 1; hop < ranks; ++hop) {
+          Communicator::PendingTransfer send = group_.start_send(buffer, next, kBackwardTag);
+          Communicator::PendingTransfer recv = group_.start_recv(buffer.sizes(), buffer.scalar_type(), prev, kBackwardTag);
+          const torch::Tensor received = group_.finish_transfer(recv);
+          group_.finish_transfer(send);
+          if (hop + 1 < ranks)
+            buffer = received + torch::stack({dk[static_cast<size_t>(hop + 1)], dv[static_cast<size_t>(hop + 1)]});
+          else
+            mine = received;
+        }
+        const torch::ScalarType type = qd.scalar_type();
+        return TensorList{dq.to(type), (dk[0] + mine[0]).to(type), (dv[0] + mine[1]).to(type)};
+      });
+  return outputs[0];
 }
 
 }  // namespace moeplan::executor

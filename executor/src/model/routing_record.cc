@@ -36,7 +36,7 @@ int64_t slots_unlike(const torch::Tensor& a, const torch::Tensor& b, int64_t exp
 }  // namespace
 
 void RoutingRecorder::add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits,
-                          const torch::Tensor& experts, const torch::Tensor& kept) {
+                          const torch::Tensor& experts, const torch::Tensor& kept, const torch::Tensor& rows) {
   torch::NoGradGuard no_grad;
   Entry e;
   e.micro_batch = micro_batch;
@@ -52,6 +52,10 @@ void RoutingRecorder::add(int64_t micro_batch, int64_t layer, const torch::Tenso
   if (kept.defined()) {
     const torch::Tensor k = kept.to(torch::kCPU, torch::kByte).contiguous();
     e.kept.assign(k.data_ptr<uint8_t>(), k.data_ptr<uint8_t>() + k.numel());
+  }
+  if (rows.defined()) {
+    const torch::Tensor r = rows.to(torch::kCPU, torch::kLong).contiguous();
+    e.rows.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
   }
   entries_.push_back(std::move(e));
 }
@@ -69,6 +73,8 @@ void RoutingRecorder::write(int64_t step) {
     if (!e.kept.empty())
       tensors.emplace_back(key(e.micro_batch, e.layer, "kept"),
                            torch::from_blob(e.kept.data(), {e.tokens, e.k}, torch::kByte));
+    if (!e.rows.empty())
+      tensors.emplace_back(key(e.micro_batch, e.layer, "rows"), torch::from_blob(e.rows.data(), {e.tokens}, torch::kLong));
   }
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05lld.safetensors", static_cast<long long>(rank_));
@@ -97,32 +103,69 @@ void RoutingReplay::start_step(int64_t step) {
   for (const auto& entry : fs::directory_iterator(dir))
     if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
   std::sort(files.begin(), files.end());
-  for (const std::string& file : files)
+  // Each rank's part of a (micro-batch, layer), put together in the order of their rows.
+  std::map<std::pair<int64_t, int64_t>, std::vector<Recorded>> parts;
+  for (const std::string& file : files) {
+    std::map<std::pair<int64_t, int64_t>, Recorded> mine;
     for (auto& [name, tensor] : read_tensor_file(file).tensors) {
       // "m<micro-batch>/l<layer>/<what>"
       long long micro = -1, layer = -1;
       char what[16] = {};
       if (std::sscanf(name.c_str(), "m%lld/l%lld/%15s", &micro, &layer, what) != 3)
-        throw InputError(file,
-                         {{name, "is not a routing record's tensor (m<micro-batch>/l<layer>/logits, experts or kept)"}});
-      Recorded& slot = record_[{micro, layer}];
+        throw InputError(file, {{name, "is not a routing record's tensor (m<micro-batch>/l<layer>/logits, experts, "
+                                       "kept or rows)"}});
+      Recorded& slot = mine[{micro, layer}];
       const std::string kind = what;
-      (kind == "logits" ? slot.logits : kind == "experts" ? slot.experts : slot.kept) = tensor;
+      (kind == "logits" ? slot.logits : kind == "experts" ? slot.experts : kind == "rows" ? slot.rows : slot.kept) =
+          tensor;
     }
+    for (auto& [at, part] : mine) parts[at].push_back(std::move(part));
+  }
+  for (auto& [at, list] : parts) {
+    if (list.size() == 1 || !list[0].rows.defined()) {
+      record_[at] = list.back();
+      continue;
+    }
+    std::vector<torch::Tensor> logits, experts, kept, rows;
+    for (const Recorded& r : list) {
+      if (!r.rows.defined() || !r.logits.defined() || !r.experts.defined()) throw InputError(dir, {{"m" + std::to_string(at.first) + "/l" + std::to_string(at.second), "a part of the micro-batch's routing lacks its rows, logits or experts"}});
+      logits.push_back(r.logits);
+      experts.push_back(r.experts);
+      rows.push_back(r.rows);
+      if (r.kept.defined()) kept.push_back(r.kept);
+    }
+    const torch::Tensor order = torch::argsort(torch::cat(rows));
+    Recorded whole;
+    whole.logits = torch::cat(logits).index_select(0, order);
+    whole.experts = torch::cat(experts).index_select(0, order);
+    if (kept.size() == list.size()) whole.kept = torch::cat(kept).index_select(0, order);
+    record_[at] = whole;
+  }
   current_ = ReplayedStep{};
   current_.step = step;
-  current_.logit_difference.assign(static_cast<size_t>(spec_.num_layers), 0.0);
-  current_.logit_difference_micro_batch.assign(static_cast<size_t>(spec_.num_layers), -1);
+  current_.logit_difference.assign(static_cast<size_t>(spec_.blocks()), 0.0);
+  current_.logit_difference_micro_batch.assign(static_cast<size_t>(spec_.blocks()), -1);
 }
 
 RouteOverride RoutingReplay::micro_batch(int64_t micro_batch) {
   return [this, micro_batch](int64_t layer, const torch::Tensor& logits) { return replay(micro_batch, layer, logits); };
 }
 
+Routing RoutingReplay::own_route(int64_t layer, const torch::Tensor& logits) const {
+  const torch::Tensor bias =
+      bias_.defined() && spec_.moe_layer(layer) ? bias_[spec_.moe_row(layer)].to(logits.device()) : torch::Tensor();
+  return route(logits, RouterShape::of(spec_), method_, bias);
+}
+
 ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const torch::Tensor& logits) {
   torch::NoGradGuard no_grad;
   const int64_t k = spec_.experts_per_token, experts = spec_.num_experts;
-  const torch::Tensor own = route(logits, k, method_).experts;
+  // The load-balancing loss counts the k largest of the balancing probabilities (softmax, or the
+  // normalised sigmoid scores), whatever chose the experts.
+  auto counted = [&](const torch::Tensor& of) {
+    return std::get<1>(torch::topk(balancing_probs(of, spec_.router_scoring), k, -1));
+  };
+  const torch::Tensor own = own_route(layer, logits).experts;
   current_.slots += own.numel();
   const auto it = record_.find({micro_batch, layer});
   if (it == record_.end() || !it->second.logits.defined() || !it->second.experts.defined() ||
@@ -130,13 +173,13 @@ ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const to
       it->second.experts.size(1) != k ||
       (it->second.kept.defined() && it->second.kept.sizes() != it->second.experts.sizes())) {
     ++current_.unrecorded;
-    return {own, std::get<1>(torch::topk(torch::softmax(logits, -1, torch::kFloat), k, -1)), {}};
+    return {own, counted(logits), {}};
   }
   const torch::Tensor recorded_logits = it->second.logits.to(logits.scalar_type());
   const torch::Tensor chosen = it->second.experts.to(torch::kLong);
   const torch::Tensor kept = it->second.kept.defined() ? (it->second.kept != 0).to(logits.device()) : torch::Tensor();
   // The layout routes as the plan says: its choice is route() of its own logits, exactly.
-  current_.unlike_route += slots_unlike(chosen, route(recorded_logits, k, method_).experts, experts);
+  current_.unlike_route += slots_unlike(chosen, own_route(layer, recorded_logits).experts, experts);
   current_.near_ties += slots_unlike(chosen, own, experts);
   const double difference = (logits.to(torch::kDouble) - recorded_logits.to(torch::kDouble)).norm().item<double>() /
                             std::sqrt(static_cast<double>(logits.size(0)));
@@ -145,9 +188,8 @@ ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const to
     worst = difference;
     current_.logit_difference_micro_batch[static_cast<size_t>(layer)] = micro_batch;
   }
-  // The load-balancing loss counts the k largest probabilities of the layout's logits, as the
-  // layout's own loss did.
-  return {chosen, std::get<1>(torch::topk(torch::softmax(recorded_logits, -1, torch::kFloat), k, -1)), kept};
+  // The load-balancing loss counts the layout's logits' top-k, as the layout's own loss did.
+  return {chosen, counted(recorded_logits), kept};
 }
 
 void RoutingReplay::finish_step() {

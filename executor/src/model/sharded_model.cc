@@ -335,6 +335,17 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
         return flash_attention(q, k, v, mask_);
       };
     }
+    // The positions this rank routes: its context part, and of that its sequence-parallel
+    // slice where the tensor ranks are folded (unfolded ones route the gathered whole).
+    routed_positions_ = torch::Tensor();
+    if (cp_ > 1 || folded_) {
+      torch::Tensor positions = context_ ? context_->positions() : torch::arange(t, torch::kLong);
+      if (folded_) {
+        const int64_t n = positions.size(0) / tp_;
+        positions = positions.narrow(0, tp_rank_ * n, n);
+      }
+      routed_positions_ = positions;
+    }
   }
   const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
@@ -699,7 +710,14 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
     tokens_per_expert_ = torch::bincount(r.experts.flatten(), {}, spec.num_experts);
     dropped_slots_ = slots.dropped;
   }
-  if (count && recorder_ && tp_rank_ == 0) recorder_->add(micro_batch_, layer, router_logits, r.experts, slots.kept);
+  if (count && recorder_ && (tp_rank_ == 0 || folded_)) {
+    // Part of the micro-batch: the rows of its [B x T] tokens that this rank routed.
+    const torch::Tensor rows =
+        routed_positions_.defined()
+            ? ((torch::arange(x.size(0), torch::kLong) * seq_len_).unsqueeze(1) + routed_positions_.unsqueeze(0)).flatten()
+            : torch::Tensor();
+    recorder_->add(micro_batch_, layer, router_logits, r.experts, slots.kept, rows);
+  }
   torch::Tensor sent_to = r.experts;
   if (fault_ == RehearsalFault::kExpertOnWrongRank && experts_per_rank_ < spec.num_experts) {
     // The planted fault: expert 0 and the second expert rank's first expert trade places.

@@ -137,25 +137,6 @@ void check_rehearsal(const Plan& plan, const RehearsalOptions& o) {
     d.error("--out", o.out_dir + " is not empty; a rehearsal writes a folder of its own");
   if (plan.parallel.world_size < 2)
     d.error("parallel.world_size", "= 1: a one-rank plan has no layout to rehearse; train it with `moeplan run`");
-  // The rounding bounds of the checks count a router in every block.
-  if (plan.model.has_dense_layers())
-    d.error("model.first_dense_layers", "= " + std::to_string(plan.model.first_dense_layers) + " with moe_layer_step = " +
-                                            std::to_string(plan.model.moe_layer_step) +
-                                            ": a rehearsal's checks are bounded for experts in every block; train the "
-                                            "plan with `moeplan run`");
-  // Its shrunk model and rounding bounds are of grouped-query attention.
-  if (plan.model.mla())
-    d.error("model.kv_lora_rank", "= " + std::to_string(plan.model.kv_lora_rank) +
-                                      ": a rehearsal shrinks and bounds grouped-query attention, not latent attention; "
-                                      "train the plan with `moeplan run`");
-  if (plan.model.mtp_layers > 0)
-    d.error("model.mtp_layers", "= " + std::to_string(plan.model.mtp_layers) +
-                                    ": a rehearsal's checks are bounded for next-token prediction; train the plan "
-                                    "with `moeplan run`");
-  // The reference replays and checks a softmax router's choice.
-  if (plan.model.router_scoring != RouterScoring::kSoftmax)
-    d.error("model.router_scoring", "= \"sigmoid\": a rehearsal replays and checks a softmax router's choice; train "
-                                    "the plan with `moeplan run`");
   // One rank cannot reproduce routing over tokens shuffled across the expert group.
   if (plan.moe.global_token_shuffle)
     d.error("moe.global_token_shuffle", "= true: the one-rank reference routes other token sets, so the losses "

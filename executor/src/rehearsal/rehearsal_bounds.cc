@@ -52,39 +52,119 @@ double worst_ratio(const torch::Tensor& value, const torch::Tensor& expected, co
 
 }  // namespace
 
-RoundingBudget rounding_budget(const ModelSpec& m, int64_t seq_len, int64_t tokens_per_step, int64_t parameters) {
-  const double h = static_cast<double>(m.hidden_size), ffn = static_cast<double>(m.intermediate_size);
-  const double q = static_cast<double>(m.num_attention_heads * m.head_dim);
-  const double kv = static_cast<double>(m.num_key_value_heads * m.head_dim);
-  const double hd = static_cast<double>(m.head_dim), t = static_cast<double>(seq_len);
+namespace {
+
+// The budgets of one block: its forward pass up to its router's logits (a dense block: up to its
+// feed-forward layer), the rest of its forward pass, and its backward pass. A matrix product
+// [out, in] reduces over `in` forward and over `out` backward (its weight's gradient reduces
+// over the tokens, counted once for the step).
+struct BlockBudget {
+  double to_router = 0, after_router = 0, backward = 0;
+};
+
+BlockBudget block_budget(const ModelSpec& m, int64_t seq_len, bool experts) {
+  const double h = static_cast<double>(m.hidden_size), hd = static_cast<double>(m.head_dim);
+  const double heads = static_cast<double>(m.num_attention_heads), t = static_cast<double>(seq_len);
   const double e = static_cast<double>(m.num_experts), k = static_cast<double>(m.experts_per_token);
-  const double v = static_cast<double>(m.vocab_size);
-  // Reductions of one block's forward pass, each n / 2 (a key attends to at most T positions):
-  // RMSNorm's mean of squares (H), q, k and v (H each), scores (head_dim), softmax and the
-  // weighted values (T each), o (heads x head_dim), the residual sum (2), RMSNorm (H), and the
-  // router (H).
-  const double to_router = (h + 3 * h + hd + 2 * t + q + 2 + h + h) / 2;
-  // Then the routing weights (softmax over E, renormalised over k), w1 and w3 (H each), w2 (the
-  // intermediate size), the sum over the k experts, and the residual sum (2).
-  const double after_router = (e + k + 2 * h + ffn + k + 2) / 2;
-  // Backward, the transposed products reduce over the other side: w2 (H), w1 and w3 (the
-  // intermediate size each), the routing weights' gradient (H) and softmax (E), the router (E),
-  // RMSNorm (H), o (H), the attention's scores (head_dim), softmax and the three products over
-  // positions (T each), q, k and v (heads x head_dim, twice the key-value width), RMSNorm (H),
-  // and the two residual sums (2 each).
-  const double block_backward = (h + 2 * ffn + h + e + e + h + h + hd + 4 * t + q + 2 * kv + h + 4) / 2;
+  double forward = 0, backward = 0;
+  auto matrix = [&](double in, double out) {
+    forward += in;
+    backward += out;
+  };
+  auto norm = [&](double width) {  // an RMSNorm's mean of squares, forward and backward
+    forward += width;
+    backward += width;
+  };
+  // Attention: the input norm, the projections, scores (head_dim) and the softmax and weighted
+  // values over at most T positions forward (their backward: scores, softmax and three products
+  // over positions), the output projection, the residual sum (2 each way).
+  norm(h);
+  if (m.mla()) {
+    const double rope = static_cast<double>(m.qk_rope_head_dim), nope = hd - rope;
+    const double vd = static_cast<double>(m.v_head_dim), kv_lora = static_cast<double>(m.kv_lora_rank);
+    if (m.q_lora_rank > 0) {
+      const double q_lora = static_cast<double>(m.q_lora_rank);
+      matrix(h, q_lora);
+      norm(q_lora);
+      matrix(q_lora, heads * hd);
+    } else {
+      matrix(h, heads * hd);
+    }
+    matrix(h, kv_lora + rope);
+    norm(kv_lora);
+    matrix(kv_lora, heads * (nope + vd));
+    matrix(heads * vd, h);
+  } else {
+    const double kv = static_cast<double>(m.num_key_value_heads) * hd;
+    matrix(h, heads * hd);
+    matrix(h, kv);
+    matrix(h, kv);
+    matrix(heads * hd, h);
+    if (m.qk_norm) {
+      norm(hd);
+      norm(hd);
+    }
+  }
+  forward += hd + 2 * t + 2;
+  backward += hd + 4 * t + 2;
+  norm(h);  // the post-attention norm
+  BlockBudget b;
+  if (!experts) {
+    // A dense block's feed-forward layer and its residual sum.
+    const double ffn = static_cast<double>(m.dense_intermediate_size > 0 ? m.dense_intermediate_size : m.intermediate_size);
+    matrix(h, ffn);
+    matrix(h, ffn);
+    matrix(ffn, h);
+    b.to_router = (forward + 2) / 2;
+    b.backward = (backward + 2) / 2;
+    return b;
+  }
+  matrix(h, e);  // the router
+  b.to_router = forward / 2;
+  // Then the routing weights (softmax or sigmoid scores over E, renormalised over k; backward:
+  // their gradient over H and the scores' over E), each chosen expert's w1, w3 and w2, the sum over
+  // the k experts, the shared experts beside them, and the residual sum (2).
+  const double ffn = static_cast<double>(m.intermediate_size);
+  double after = e + k + 2 * h + ffn + k + 2;
+  backward += h + e + 2 * ffn + h;
+  if (m.shared_experts()) {
+    const double shared = static_cast<double>(m.shared_expert_intermediate_size);
+    after += 2 * h + shared + 1;
+    backward += 2 * shared + h;
+  }
+  b.after_router = after / 2;
+  b.backward = (backward + 2) / 2;
+  return b;
+}
+
+}  // namespace
+
+RoundingBudget rounding_budget(const ModelSpec& m, int64_t seq_len, int64_t tokens_per_step, int64_t parameters) {
+  const double h = static_cast<double>(m.hidden_size), v = static_cast<double>(m.vocab_size);
   RoundingBudget b;
-  for (int64_t l = 0; l < m.num_layers; ++l) b.router.push_back(static_cast<double>(l) * (to_router + after_router) + to_router);
-  const double layers = static_cast<double>(m.num_layers);
-  // The lm head: the final RMSNorm (H), the logits (H), and the log-sum-exp over the vocabulary.
-  b.logits = layers * (to_router + after_router) + (h + h + v) / 2;
+  // Along the decoder, then each multi-token prediction block (which joins the output of the
+  // block before with an embedding: two RMSNorms and a projection of 2 H), the budgets of the
+  // blocks before a router add.
+  double before = 0, backward = 0;
+  for (int64_t l = 0; l < m.blocks(); ++l) {
+    const bool joins = l >= m.num_layers;
+    if (joins) before += (h + h + 2 * h) / 2;
+    const BlockBudget block = block_budget(m, seq_len, m.moe_layer(l));
+    b.router.push_back(m.moe_layer(l) ? before + block.to_router : 0.0);
+    before += block.to_router + block.after_router;
+    backward += block.backward + (joins ? (h + h + 4 * h) / 2 : 0.0);
+  }
+  // The lm head (and each prediction block's): the final RMSNorm (H), the logits (H), and the
+  // log-sum-exp over the vocabulary; of the heads, the deepest's.
+  b.logits = before + (h + h + v) / 2;
   // Back from the loss: the logits' gradient through the lm head (the vocabulary), the final
   // RMSNorm (H), then every block.
-  b.backward = (v + h) / 2 + layers * block_backward;
+  b.backward = (v + h) / 2 + backward;
   const double n = static_cast<double>(tokens_per_step);
+  const double routed = static_cast<double>(m.moe_blocks());
   b.tokens = n / 2;
   b.loss_mean = n / 2;
-  b.router_rows = n * layers / 2;  // the load-balancing and z-losses average every layer's rows
+  b.router_rows = n * routed / 2;  // the load-balancing and z-losses average every routed block's rows
   b.parameters = static_cast<double>(parameters) / 2;
   return b;
 }
@@ -100,15 +180,24 @@ LogitMagnitudes logit_magnitudes(const ModelSpec& m, const std::function<torch::
   torch::NoGradGuard no_grad;
   const double root_h = std::sqrt(static_cast<double>(m.hidden_size));
   LogitMagnitudes out;
-  for (int64_t l = 0; l < m.num_layers; ++l) {
+  for (int64_t l = 0; l < m.blocks(); ++l) {
+    if (!m.moe_layer(l)) {  // a dense block: no router
+      out.router_per_token.push_back(0);
+      out.router_element.push_back(0);
+      continue;
+    }
     const std::string prefix = "model.layers." + std::to_string(l) + ".";
     const double normed = parameter(prefix + "post_attention_layernorm.weight").abs().max().item<double>() * root_h;
     const torch::Tensor router = parameter(prefix + "block_sparse_moe.gate.weight").to(torch::kDouble);
     out.router_per_token.push_back(normed * router.norm().item<double>());
     out.router_element.push_back(normed * router.norm(2, 1).max().item<double>());
   }
-  const double normed = parameter("model.norm.weight").abs().max().item<double>() * root_h;
-  out.lm_head_element = normed * parameter("lm_head.weight").to(torch::kDouble).norm(2, 1).max().item<double>();
+  // The lm head's logits through the final norm, or a prediction block's own.
+  double norm = parameter("model.norm.weight").abs().max().item<double>();
+  for (int64_t l = m.num_layers; l < m.blocks(); ++l)
+    norm = std::max(norm,
+                    parameter("model.layers." + std::to_string(l) + ".shared_head.norm.weight").abs().max().item<double>());
+  out.lm_head_element = norm * root_h * parameter("lm_head.weight").to(torch::kDouble).norm(2, 1).max().item<double>();
   return out;
 }
 

@@ -39,12 +39,6 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
   if (o.planted_fault != RehearsalFault::kNone && o.record_routing.empty())
     d.error("--planted-fault", "is a rehearsal's test hook: only a layout that records its routing for a rehearsal "
                                "(--record-routing) plants a fault");
-  // A rehearsal's routing record and replay follow a softmax router through the decoder's blocks.
-  const bool recorded = !o.record_routing.empty() || !o.replay_routing.empty();
-  if (recorded && (plan.model.router_scoring != RouterScoring::kSoftmax || plan.model.mtp_layers > 0))
-    d.error(o.record_routing.empty() ? "--replay-routing" : "--record-routing",
-            "follows a softmax router through the decoder's blocks: not this model's (sigmoid scoring or multi-token "
-            "prediction)");
   if (o.grace_seconds < 1) d.error("--grace-seconds", "must be at least 1");
   if (o.max_nonfinite_steps < 1) d.error("--max-nonfinite-steps", "must be at least 1");
   if (o.stop_after_seconds < 0) d.error("--stop-after", "must not be negative");

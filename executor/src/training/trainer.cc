@@ -129,7 +129,10 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   StepRecord r;
   r.step = ++step_;
   r.learning_rate = learning_rate(plan_.training, step_);
-  if (replay_) replay_->start_step(step_);
+  if (replay_) {
+    replay_->start_step(step_);
+    replay_->set_expert_bias(expert_bias_);  // the biases of the step's start, as the layout's
+  }
   const bool mixed = compute_type_ != master_type_;
   std::vector<torch::Tensor> master_grads;
   if (mixed)

@@ -21,8 +21,10 @@ struct Shrink {
 
 // The model shrunk: hidden and intermediate sizes / width; of the width, the largest factor d
 // with d * d <= width that divides the head counts divides them, head_dim takes the rest (so
-// Mixtral's 32 heads of 128 at width 32 become 8 heads of 16, 2 key-value heads). Experts, top-k,
-// norms, RoPE and the router stay. Throws InputError naming --shrink-width or --shrink-layers
+// Mixtral's 32 heads of 128 at width 32 become 8 heads of 16, 2 key-value heads). Latent
+// attention's latents shrink by the width, its rotary and value head parts with head_dim; dense
+// first blocks are kept to at most half of the blocks. Experts, top-k, norms, RoPE, the router
+// and multi-token prediction stay. Throws InputError naming --shrink-width or --shrink-layers
 // when a size does not divide.
 ModelSpec shrink_model(const ModelSpec& model, const Shrink& shrink, int64_t vocab_size, int64_t seq_len);
 

@@ -6,9 +6,11 @@
 // Attention needs every earlier chunk's keys and values, which the ranks of the context group
 // pass each other as the plan's context_exchange says:
 //   p2p         around a ring (Megatron-Core's default --cp-comm-type): C steps, each
-//               attending to the key-value block in hand while the next one travels; the
-//               blocks' partial results are merged by their log-sum-exp. In backward the
-//               key-value gradients travel the ring the other way, each step's with it.
+//               attending to the key-value block in hand (the flash kernel, which also gives
+//               the block's log-sum-exp) while the next one travels; the blocks' outputs are
+//               merged by their log-sum-exps. In backward each block's gradients come from the
+//               flash backward with the merged output, and the key-value gradients go around
+//               the ring to the block's owner, each rank adding its part on the way.
 //   all_gather  the key-value blocks gathered whole first, one attention over them, their
 //               gradients reduce-scattered after.
 // Every block is attended with its mask of positions (causal, and a sliding window where the

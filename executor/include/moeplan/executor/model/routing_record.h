@@ -7,7 +7,10 @@
 // would have chosen otherwise.
 //
 // Micro-batches are numbered as the one-rank reference reads them: reader r's micro-batch m of
-// a step is r x G + m, G the micro-batches a reader trains a step (run.h).
+// a step is r x G + m, G the micro-batches a reader trains a step (run.h). Where a rank routes
+// part of a micro-batch (context-parallel ranks, folded tensor ranks), it records which rows of
+// the micro-batch's [B x T] tokens it routed, and the replay puts the parts together in the
+// reference's order.
 
 #include <torch/torch.h>
 
@@ -28,13 +31,15 @@ namespace moeplan::executor {
 class RoutingRecorder {
  public:
   RoutingRecorder(std::string dir, int64_t rank) : dir_(std::move(dir)), rank_(rank) {}
-  // One layer of one micro-batch: logits [tokens, experts], experts [tokens, k], and which of
-  // those slots the capacity kept (bool [tokens, k]; undefined when dropless).
+  // One layer of one micro-batch: logits [tokens, experts], experts [tokens, k], which of those
+  // slots the capacity kept (bool [tokens, k]; undefined when dropless), and the rows of the
+  // micro-batch's tokens they are (int64 [tokens]; undefined: all of them, in order).
   void add(int64_t micro_batch, int64_t layer, const torch::Tensor& logits, const torch::Tensor& experts,
-           const torch::Tensor& kept = {});
+           const torch::Tensor& kept = {}, const torch::Tensor& rows = {});
   // Writes the step's record, <dir>/step-<8 digits>/rank-<5 digits>.safetensors (logits F32,
-  // experts U8 and, when tokens were dropped, kept U8, named "m<micro-batch>/l<layer>/logits",
-  // ".../experts" and ".../kept"), and starts the next.
+  // experts U8 and, when tokens were dropped, kept U8, and for part of a micro-batch its rows
+  // I64, named "m<micro-batch>/l<layer>/logits", ".../experts", ".../kept" and ".../rows"), and
+  // starts the next.
   void write(int64_t step);
 
  private:
@@ -45,6 +50,7 @@ class RoutingRecorder {
     std::vector<float> logits;
     std::vector<uint8_t> chosen;
     std::vector<uint8_t> kept;  // empty when dropless
+    std::vector<int64_t> rows;  // empty: the whole micro-batch
   };
   std::string dir_;
   int64_t rank_ = 0;
@@ -72,6 +78,9 @@ class RoutingReplay {
   // The record in `dir`; the findings go to `findings_path` (routing-replay.json) after each step.
   RoutingReplay(std::string dir, std::string findings_path, const ModelSpec& spec, LoadBalancing method)
       : dir_(std::move(dir)), findings_path_(std::move(findings_path)), spec_(spec), method_(method) {}
+  // Under sigmoid scoring the layout chose by score plus the balancing bias of the step's start
+  // (every block with experts' row of [moe blocks, experts]; expert_bias.h).
+  void set_expert_bias(const torch::Tensor& bias) { bias_ = bias; }
   // Reads the record of `step`; InputError naming the folder when it has none.
   void start_step(int64_t step);
   // The choices of micro-batch `micro_batch`, layer by layer.
@@ -81,12 +90,15 @@ class RoutingReplay {
 
  private:
   ChosenExperts replay(int64_t micro_batch, int64_t layer, const torch::Tensor& logits);
+  Routing own_route(int64_t layer, const torch::Tensor& logits) const;
 
   std::string dir_, findings_path_;
   ModelSpec spec_;
   LoadBalancing method_;
+  torch::Tensor bias_;
   struct Recorded {
     torch::Tensor logits, experts, kept;  // kept: undefined when dropless
+    torch::Tensor rows;                   // a part's rows of the micro-batch (undefined: all)
   };
   std::map<std::pair<int64_t, int64_t>, Recorded> record_;
   ReplayedStep current_;

@@ -205,6 +205,7 @@ class ShardedModel {
   int64_t cp_ = 1, seq_len_ = 0;
   std::unique_ptr<ContextAttention> context_;  // with C > 1, for the sequence length in use
   AttentionCore core_;                         // causal flash attention, or the context group's
+  torch::Tensor routed_positions_;             // where this rank routes part of each sequence
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
   torch::Tensor expert_bias_;
