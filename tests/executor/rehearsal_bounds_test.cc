@@ -73,7 +73,8 @@ void expect_adamw_steps_within_rounding(bool masks) {
   const int64_t n = 4096;
   torch::Tensor p = torch::randn({n}) * 0.02;
   const AdamWSettings settings{0.9, 0.95, 1e-8, 0.1};
-  AdamW adam = masks ? AdamW::with_decay_masks({p}, {torch::rand({n}) < 0.5}, settings) : AdamW({p}, {true}, settings);
+  AdamW adam =
+      masks ? AdamW::with_decay_runs({p}, {runs_of(torch::rand({n}) < 0.5)}, settings) : AdamW({p}, {true}, settings);
   for (int64_t step = 1; step <= 2; ++step) {
     const torch::Tensor p_prev = p.clone(), m_prev = adam.exp_avg()[0].clone(), v_prev = adam.exp_avg_sq()[0].clone();
     // Gradients of every size, some exactly zero.

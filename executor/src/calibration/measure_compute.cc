@@ -194,16 +194,17 @@ std::vector<SplitFigures> measure_splits(Workload& x, OverheadProbe& overhead) {
 std::vector<double> measure_optimizer(Workload& x, OverheadProbe& overhead) {
   std::vector<double> seconds;
   for (int64_t d : x.divisors) {
-    std::vector<torch::Tensor> shards, grads, masks;
+    std::vector<torch::Tensor> shards, grads;
+    std::vector<ElementRuns> runs;
     for (int64_t numel : x.units) {
       const int64_t k = (numel + d - 1) / d;
       // Drawn where they are used: a GPU draws a large model's shards in milliseconds.
       const auto where = torch::TensorOptions().device(x.device);
       shards.push_back(torch::randn({k}, where).to(x.master));
       grads.push_back((torch::randn({k}, where) * 1e-3).to(x.type));
-      masks.push_back(torch::ones({k}, torch::dtype(torch::kBool).device(x.device)));
+      runs.push_back({{0, k}});
     }
-    AdamW adam = AdamW::with_decay_masks(shards, masks, AdamWSettings{});
+    AdamW adam = AdamW::with_decay_runs(shards, runs, AdamWSettings{});
     seconds.push_back(time_median(x.device, x.reps, [&] {
       clip_grad_norm(grads, 1.0);
       adam.step(grads, 1e-4);

@@ -85,14 +85,13 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     held_.push_back(u.numel > 0 && layer / layers_per_chunk_ % pp_ == pp_rank_);
     if (!held_.back()) {
       shards_.push_back(torch::zeros({0}, torch::TensorOptions().dtype(master_type_)).requires_grad_(true));
-      decay_masks_.push_back(torch::zeros({0}, torch::kBool));
-      whole_masks_.emplace_back();
+      decay_runs_.emplace_back();
+      whole_runs_.emplace_back();
       continue;
     }
     const int64_t begin = shard_begin(u), end = begin + u.shard_numel;
     torch::Tensor shard = torch::zeros({u.shard_numel}, torch::TensorOptions().dtype(master_type_));
-    torch::Tensor decay = torch::zeros({u.shard_numel}, torch::kBool);
-    torch::Tensor whole_mask = torch::zeros({u.shard_numel}, torch::kBool);
+    ElementRuns decay, whole_runs;
     for (size_t j = 0; j < u.params.size(); ++j) {
       const auto param = static_cast<size_t>(u.params[j]);
       const ParamInfo& info = infos_[param];
@@ -104,12 +103,12 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
       initialize_parameter(values, whole[param], seed);
       const torch::Tensor part = tensor_part(values, splits_[param], tp_rank_, tp_).contiguous().flatten();
       shard.narrow(0, a - begin, b - a).copy_(part.narrow(0, a - u.offsets[j], b - a));
-      if (info.weight_decay) decay.narrow(0, a - begin, b - a).fill_(true);
-      if (alike_on_tensor_ranks(u.params[j])) whole_mask.narrow(0, a - begin, b - a).fill_(true);
+      if (info.weight_decay) add_run(decay, a - begin, b - a);
+      if (tp_ > 1 && alike_on_tensor_ranks(u.params[j])) add_run(whole_runs, a - begin, b - a);
     }
     shards_.push_back(shard.requires_grad_(true));
-    decay_masks_.push_back(decay);
-    whole_masks_.push_back(tp_ > 1 && whole_mask.any().item<bool>() ? whole_mask : torch::Tensor());
+    decay_runs_.push_back(std::move(decay));
+    whole_runs_.push_back(std::move(whole_runs));
   }
   for (const torch::Tensor& s : shards_)
     if (s.is_meta()) throw std::logic_error("a parameter shard is still on the meta device");
@@ -117,11 +116,25 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
 }
 
 void ShardedModel::sum_whole_parameter_grads(size_t unit, torch::Tensor& grad) {
-  const torch::Tensor& mask = whole_masks_[unit];
-  if (!mask.defined()) return;
-  torch::Tensor part = grad.masked_select(mask);
-  mesh_.tensor.all_reduce_sum(part);
-  grad.masked_scatter_(mask, part);
+  const ElementRuns& runs = whole_runs_[unit];
+  if (runs.empty()) return;
+  std::vector<torch::Tensor> parts;
+  for (const ElementRun& r : runs) parts.push_back(grad.narrow(0, r.begin, r.length));
+  torch::Tensor joined = torch::cat(parts);
+  mesh_.tensor.all_reduce_sum(joined);
+  int64_t at = 0;
+  for (const ElementRun& r : runs) {
+    grad.narrow(0, r.begin, r.length).copy_(joined.narrow(0, at, r.length));
+    at += r.length;
+  }
+}
+
+torch::Tensor ShardedModel::counted_once(size_t unit, const torch::Tensor& g) const {
+  const ElementRuns& runs = whole_runs_[unit];
+  if (runs.empty() || tp_rank_ == 0) return g;  // the first T rank counts what all hold
+  torch::Tensor out = g.clone();
+  for (const ElementRun& r : runs) out.narrow(0, r.begin, r.length).zero_();
+  return out;
 }
 
 Communicator& ShardedModel::replica_group(const FlatUnit& unit) {
@@ -606,33 +619,58 @@ torch::Tensor ShardedModel::sequence_mean(const torch::Tensor& sum, const torch:
   return (all_reduce_autograd(mesh_.context, sum.reshape({1})) / total).squeeze(0);
 }
 
+namespace {
+
+// Megatron-LM's vocabulary-parallel cross entropy as one autograd node: the sum over the counted
+// tokens of log-sum-exp minus the label's logit, for logits [tokens, part] of which this rank
+// holds vocabulary rows [rank x part, (rank + 1) x part). The maximum, the sum of exponentials
+// and the label's logit are each combined over the tensor group (a group of one: this rank's
+// whole vocabulary), so every rank gets the loss of the whole vocabulary. Forward keeps one
+// [tokens, part] fp32 tensor, the softmax (the exponentials normalised in place); backward is
+// (softmax - one-hot of the label where this rank holds it) times the token's gradient, with no
+// collective.
+torch::Tensor vocab_parallel_cross_entropy(Communicator& group, const torch::Tensor& split_logits,
+                                           const torch::Tensor& label_ids, const torch::Tensor& counted) {
+  const int64_t part = split_logits.size(-1);
+  const torch::Tensor logits = split_logits.reshape({-1, part});
+  const torch::Tensor labels = label_ids.reshape({-1});
+  torch::Tensor softmax, local, mine, sum;
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor max = std::get<0>(logits.max(-1));
+    if (group.size() > 1) max = std::get<0>(group.all_gather(max.unsqueeze(0)).max(0));
+    softmax = (logits - max.unsqueeze(-1)).exp_();
+    torch::Tensor sum_exp = softmax.sum(-1);
+    if (group.size() > 1) group.all_reduce_sum(sum_exp);
+    local = labels - group.rank() * part;
+    mine = (local >= 0) & (local < part);
+    local = local.clamp(0, part - 1);
+    torch::Tensor label_logit = (logits.gather(1, local.unsqueeze(-1)).squeeze(-1) - max) * mine;
+    if (group.size() > 1) group.all_reduce_sum(label_logit);
+    sum = ((sum_exp.log() - label_logit) * counted).sum();
+    softmax.div_(sum_exp.unsqueeze(-1));
+  }
+  TensorList out{sum};
+  attach_backward({split_logits}, out, "VocabParallelCrossEntropyBackward",
+                  [softmax, local, mine, counted, shape = split_logits.sizes().vec(),
+                   type = split_logits.scalar_type()](TensorList&& g) {
+                    const torch::Tensor scale = g[0].defined() ? g[0] * counted : counted * 0;
+                    torch::Tensor grad = softmax * scale.unsqueeze(-1);
+                    grad.scatter_add_(1, local.unsqueeze(-1), (-scale * mine).unsqueeze(-1));
+                    return TensorList{grad.to(type).view(shape)};
+                  });
+  return out[0];
+}
+
+}  // namespace
+
 LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& input_ids) {
   if (tp_ == 1 && cp_ == 1) return mixtral_loss(plan_.model, plan_.moe, out, input_ids);
-  // Cross entropy over this rank's tokens, made the micro-batch's mean (sequence_mean). With
-  // T > 1 the logits are split by vocabulary (Megatron-LM's vocab-parallel cross entropy): the
-  // maximum, the sum of exponentials and the label's logit are each combined over the T ranks,
-  // so every rank gets the loss of the whole vocabulary, and each logit its gradient on the one
-  // rank that holds it.
+  // Cross entropy over this rank's tokens (with T > 1 over this rank's part of the vocabulary,
+  // the embedding's and the head's split), made the micro-batch's mean (sequence_mean).
   auto cross_entropy = [this](const torch::Tensor& split_logits, const torch::Tensor& label_ids) {
-    const int64_t part = split_logits.size(-1);
-    const torch::Tensor logits = split_logits.reshape({-1, part});
-    const torch::Tensor labels = label_ids.reshape({-1});
-    const torch::Tensor counted = (labels != kIgnoreLabel).to(torch::kFloat);
-    if (tp_ == 1) {
-      const torch::Tensor sum = torch::nn::functional::cross_entropy(
-          logits, labels,
-          torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel).reduction(torch::kSum));
-      return sequence_mean(sum, counted.sum());
-    }
-    torch::Tensor max = std::get<0>(logits.detach().max(-1));
-    max = std::get<0>(mesh_.tensor.all_gather(max.unsqueeze(0)).max(0));
-    const torch::Tensor shifted = logits - max.unsqueeze(-1);
-    const torch::Tensor sum_exp = all_reduce_autograd(mesh_.tensor, shifted.exp().sum(-1));
-    const torch::Tensor local = labels - tp_rank_ * part;
-    const torch::Tensor mine = (local >= 0) & (local < part);
-    const torch::Tensor picked = shifted.gather(1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine;
-    const torch::Tensor label_logit = all_reduce_autograd(mesh_.tensor, picked);
-    return sequence_mean(((sum_exp.log() - label_logit) * counted).sum(), counted.sum());
+    const torch::Tensor counted = (label_ids.reshape({-1}) != kIgnoreLabel).to(torch::kFloat);
+    return sequence_mean(vocab_parallel_cross_entropy(mesh_.tensor, split_logits, label_ids, counted), counted.sum());
   };
   std::vector<torch::Tensor> mtp;
   for (size_t k = 0; k < out.mtp_logits.size(); ++k)
@@ -751,7 +789,7 @@ torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, con
   const torch::Tensor order = std::get<1>(torch::sort(slots.expert, c10::optional<bool>(true), 0));
   const torch::Tensor token_of = slots.token.index_select(0, order);
   const torch::Tensor load = torch::bincount(slots.expert, {}, num_experts);  // slots per expert, from this rank
-  const torch::Tensor sorted = tokens.index_select(0, token_of);               // grouped by expert
+  torch::Tensor sorted = tokens.index_select(0, token_of);  // grouped by expert
   const torch::Tensor slot_weights = slots.weight.to(tokens.scalar_type()).index_select(0, order).unsqueeze(-1);
   Communicator& group = mesh_.expert;
   const int64_t ranks = group.size(), n = experts_per_rank_, first = first_expert_;
@@ -770,7 +808,10 @@ torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, con
         recv[static_cast<size_t>(r)] += a[r * num_experts + first + j];
         per_expert[static_cast<size_t>(j)] += a[r * num_experts + first + j];
       }
-    const torch::Tensor received = all_to_all_autograd(group, sorted, send, recv);  // by source, then expert
+    // Each copy of the slots is let go of as soon as the next is made (what backward needs,
+    // autograd keeps): a rank holds about two copies at a time, as the memory model counts.
+    torch::Tensor received = all_to_all_autograd(group, sorted, send, recv);  // by source, then expert
+    sorted = torch::Tensor();
     // Regroup by expert, then source, so that each local expert reads one slice.
     std::vector<int64_t> index;
     index.reserve(static_cast<size_t>(received.size(0)));
@@ -784,8 +825,12 @@ torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, con
       }
     }
     const torch::Tensor by_expert = torch::tensor(index, torch::kLong);
-    const torch::Tensor computed = local_experts(received.index_select(0, by_expert), per_expert, local);
-    const torch::Tensor back = computed.index_select(0, torch::argsort(by_expert));
+    torch::Tensor rows = received.index_select(0, by_expert);
+    received = torch::Tensor();
+    torch::Tensor computed = local_experts(rows, per_expert, local);
+    rows = torch::Tensor();
+    torch::Tensor back = computed.index_select(0, torch::argsort(by_expert));
+    computed = torch::Tensor();
     y = all_to_all_autograd(group, back, recv, send);  // this rank's slots, in the order they left
   }
   return torch::zeros_like(tokens).index_add(0, token_of, y * slot_weights);

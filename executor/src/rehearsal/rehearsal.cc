@@ -434,12 +434,15 @@ RehearsalCheck check_memory(const Rehearsing& c, Json& record, const PredictTens
   // The busiest rank's live tensors inside a step against the memory model for the same
   // shrunk layout, with the expert load this run measured: the most rows one rank's experts
   // computed in a layer of a micro-batch, over the mean (a random router is uneven, and the
-  // busiest expert rank holds the most activations).
+  // busiest expert rank holds the most activations). The mean is k times the tokens a rank
+  // routes: a micro-batch's, of which a context rank routes 1 / C and a folded tensor rank
+  // 1 / T of that.
   const RunReport report = read_run_report(out + "/layout/report.json");
   const int64_t measured = report.peak_step_tensor_bytes();
   const int64_t rows = report.busiest_expert_rows();
-  const double load = static_cast<double>(rows) /
-                      static_cast<double>(m.experts_per_token * p.micro_batch_size * small.training.seq_len);
+  const int64_t routed_tokens = p.micro_batch_size * small.training.seq_len /
+                                (p.context_parallel_degree * p.expert_tensor_fold());
+  const double load = static_cast<double>(rows) / static_cast<double>(m.experts_per_token * routed_tokens);
   const int64_t predicted = predict(load);
   const double ratio = static_cast<double>(measured) / static_cast<double>(std::max<int64_t>(1, predicted));
   // On the cluster: the plan's tensor bytes scaled by this ratio, its framework and

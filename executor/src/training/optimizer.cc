@@ -17,12 +17,13 @@ AdamW::AdamW(std::vector<torch::Tensor> params, std::vector<bool> decay, AdamWSe
   }
 }
 
-AdamW AdamW::with_decay_masks(std::vector<torch::Tensor> params, std::vector<torch::Tensor> masks,
-                              AdamWSettings settings) {
-  assert(masks.size() == params.size() && "one decay mask per parameter");
+AdamW AdamW::with_decay_runs(std::vector<torch::Tensor> params, std::vector<ElementRuns> runs,
+                             AdamWSettings settings) {
+  assert(runs.size() == params.size() && "one list of decay runs per parameter");
   const size_t n = params.size();
   AdamW adam(std::move(params), std::vector<bool>(n, false), settings);
-  adam.masks_ = std::move(masks);
+  adam.runs_ = std::move(runs);
+  adam.by_runs_ = true;
   return adam;
 }
 
@@ -40,8 +41,11 @@ void AdamW::step(const std::vector<torch::Tensor>& grads, double lr) {
   std::map<std::pair<bool, c10::ScalarType>, Group> groups;
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::Tensor& p = params_[i];
-    if (!masks_.empty() && settings_.weight_decay != 0)
-      p.mul_(torch::where(masks_[i], 1 - lr * settings_.weight_decay, 1.0));
+    if (by_runs_ && settings_.weight_decay != 0) {
+      // The factor as the fused kernel rounds it: fp32.
+      const float factor = static_cast<float>(1 - lr * settings_.weight_decay);
+      for (const ElementRun& run : runs_[i]) p.narrow(0, run.begin, run.length).mul_(factor);
+    }
     Group& g = groups[{decay_[i], p.scalar_type()}];
     g.params.push_back(p);
     g.grads.push_back(grads[i].scalar_type() == p.scalar_type() ? grads[i] : grads[i].to(p.scalar_type()));

@@ -47,8 +47,8 @@ uint64_t shuffle_seed(int64_t seed, int64_t step, int64_t micro) {
 
 ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationStore* offload)
     : plan_(plan), mesh_(mesh), model_(plan, mesh) {
-  optimizer_ = std::make_unique<AdamW>(AdamW::with_decay_masks(
-      model_.shards(), model_.decay_masks(),
+  optimizer_ = std::make_unique<AdamW>(AdamW::with_decay_runs(
+      model_.shards(), model_.decay_runs(),
       AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay}));
   if (offload) {
     model_.set_offload(offload, plan.parallel.activation_loading_horizon);
@@ -164,9 +164,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   torch::Tensor square = torch::zeros({1}, torch::kFloat);
   for (size_t u = 0; u < grads.size(); ++u) {
     if (!model_.owns(model_.units()[u])) continue;
-    torch::Tensor g = grads[u].to(torch::kFloat);
-    if (model_.whole_mask(u).defined() && mesh_.coords().t != 0) g = g.masked_fill(model_.whole_mask(u), 0);
-    square += g.square().sum();
+    square += model_.counted_once(u, grads[u]).to(torch::kFloat).square().sum();
   }
   mesh_.world.all_reduce_sum(square);
   r.grad_norm = std::sqrt(square.item<double>());

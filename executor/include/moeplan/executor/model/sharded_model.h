@@ -45,6 +45,7 @@
 
 #include "moeplan/core/plan.h"
 #include "moeplan/executor/model/context_attention.h"
+#include "moeplan/executor/model/element_runs.h"
 #include "moeplan/executor/model/mixtral.h"
 #include "moeplan/executor/model/offload.h"
 #include "moeplan/executor/model/rehearsal_fault.h"
@@ -78,8 +79,8 @@ class ShardedModel {
   const std::vector<FlatUnit>& units() const { return units_; }
   // Master shards, one per unit, leaves that receive the reduce-scattered gradients.
   std::vector<torch::Tensor>& shards() { return shards_; }
-  // true where an element of a shard takes weight decay (matrices, not norms or padding).
-  const std::vector<torch::Tensor>& decay_masks() const { return decay_masks_; }
+  // The elements of each shard that take weight decay (matrices, not norms or padding).
+  const std::vector<ElementRuns>& decay_runs() const { return decay_runs_; }
   // The group a unit's shard gradients are summed over after the reduce-scatter.
   Communicator& replica_group(const FlatUnit& unit);
   // Whether this rank counts the unit in a global sum (the gradient norm) or writes it to a
@@ -95,9 +96,12 @@ class ShardedModel {
     return splits_[static_cast<size_t>(param)] == TensorSplit::kWhole &&
            !(folded_ && infos_[static_cast<size_t>(param)].expert >= 0);
   }
-  // With T > 1: true where an element of unit u's shard belongs to a parameter every T rank
-  // holds whole (norms, router); undefined when T = 1 or the unit has none.
-  const torch::Tensor& whole_mask(size_t unit) const { return whole_masks_[unit]; }
+  // With T > 1: the elements of unit u's shard that belong to parameters every T rank holds
+  // whole and alike (norms, router); none when T = 1.
+  const ElementRuns& whole_runs(size_t unit) const { return whole_runs_[unit]; }
+  // g (unit u's gradient) without those elements where another T rank counts them: what this
+  // rank adds to a sum over every parameter once (g itself where it counts them all).
+  torch::Tensor counted_once(size_t unit, const torch::Tensor& g) const;
   // Sums over the tensor-parallel group the gradient of the parameters that every T rank holds
   // whole: each rank's is that of its part of the sequence.
   void sum_whole_parameter_grads(size_t unit, torch::Tensor& grad);
@@ -196,9 +200,10 @@ class ShardedModel {
   bool folded_ = false;  // the routed experts whole, the T ranks folded into the expert group
   int64_t pp_ = 1, pp_rank_ = 0, chunks_ = 1, layers_per_chunk_ = 1;
   std::vector<bool> held_;  // per unit: on this pipeline stage
-  std::vector<torch::Tensor> whole_masks_;
+  std::vector<ElementRuns> whole_runs_;
   std::vector<FlatUnit> units_;
-  std::vector<torch::Tensor> shards_, decay_masks_;
+  std::vector<torch::Tensor> shards_;
+  std::vector<ElementRuns> decay_runs_;
   int64_t experts_per_rank_ = 0, first_expert_ = 0;
   Rope rope_;
   torch::Tensor mask_;

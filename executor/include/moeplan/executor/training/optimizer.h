@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "moeplan/executor/model/element_runs.h"
+
 #include "moeplan/core/parallel_config.h"
 
 namespace moeplan::executor {
@@ -23,10 +25,10 @@ struct AdamWSettings {
 class AdamW {
  public:
   AdamW(std::vector<torch::Tensor> params, std::vector<bool> decay, AdamWSettings settings);
-  // Per-element decay: masks[i] (bool, shaped like params[i]) is true where weight decay applies
-  // (flat parameters mix matrices and norms).
-  static AdamW with_decay_masks(std::vector<torch::Tensor> params, std::vector<torch::Tensor> masks,
-                                AdamWSettings settings);
+  // Per-element decay: runs[i] are the elements of params[i] (one-dimensional) that take weight
+  // decay (flat parameters mix matrices and norms).
+  static AdamW with_decay_runs(std::vector<torch::Tensor> params, std::vector<ElementRuns> runs,
+                               AdamWSettings settings);
   void step(const std::vector<torch::Tensor>& grads, double lr);
 
   int64_t step_count() const { return step_count_; }
@@ -37,7 +39,8 @@ class AdamW {
  private:
   std::vector<torch::Tensor> params_;
   std::vector<bool> decay_;
-  std::vector<torch::Tensor> masks_;
+  std::vector<ElementRuns> runs_;
+  bool by_runs_ = false;
   AdamWSettings settings_;
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_;
   int64_t step_count_ = 0;
