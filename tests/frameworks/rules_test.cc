@@ -273,18 +273,19 @@ const FrameworkRuleCase kCases[] = {
      "torchtitan_models", "model.shared_expert_intermediate_size",
      "= 5632: torchtitan's shared experts are whole experts of the routed width (intermediate_size = 14336)",
      "5632"},
-    {"ExecutorFoldsNoTensorRanks",
+    {"ExecutorSplitsTheVocabularyEvenly",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
        s.parallel.tensor_parallel_degree = 2;
        s.parallel.sequence_parallel = true;
-       s.parallel.expert_tensor_parallel_degree = 1;
+       s.parallel.hybrid_shard_degree = 4;
        s.parallel.gradient_accumulation_steps = 256;
+       s.model.vocab_size = 32001;
      },
-     "executor_tensor_splits", "parallel.expert_tensor_parallel_degree",
-     "= 1 with tensor_parallel_degree = 2: the executor splits every expert over the tensor-parallel ranks "
-     "(planned and simulated only; megatron and torchtitan fold them into the expert group)",
-     "= 1"},
+     "executor_tensor_splits", "model.vocab_size",
+     "= 32001 is not divisible by tensor_parallel_degree = 2 (the executor splits the embedding and lm head over "
+     "the vocabulary)",
+     "32001"},
     {"SmpDenseBlocks",
      [](Scenario& s) {
        s.target = test::framework_rules("smp");

@@ -101,7 +101,7 @@ TEST(Search, CurrentMoeModelsPlanOnA100) { current_moe_models_plan("p4d.24xlarge
 
 // Parallel folding is a choice of the search where the framework runs it: with T = 2, Megatron-LM's
 // plans include experts whole on each rank with the tensor ranks in the expert group (E beyond
-// the data-parallel ranks); moeplan's executor's never do. Qwen3-235B-A22B's published layout on
+// the data-parallel ranks), and so do moeplan's executor's. Qwen3-235B-A22B's published layout on
 // 256 H100 (T2 P8 E32 ETP1, 16 data-parallel ranks) plans within the device.
 TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
   auto folded_plans = [](Target target) {
@@ -123,7 +123,7 @@ TEST(Search, FoldsTheTensorRanksIntoTheExpertGroupWhereTheFrameworkDoes) {
     return folded;
   };
   EXPECT_GT(folded_plans(test::framework_rules("megatron")), 0);
-  EXPECT_EQ(folded_plans(test::framework_rules("moeplan")), 0);
+  EXPECT_GT(folded_plans(test::framework_rules("moeplan")), 0);
 
   SearchOptions options = test::search_options(256, 4096);
   options.estimator = Estimator::kAnalytic;

@@ -139,6 +139,7 @@ void RoutingReplay::start_step(int64_t step) {
     whole.logits = torch::cat(logits).index_select(0, order);
     whole.experts = torch::cat(experts).index_select(0, order);
     if (kept.size() == list.size()) whole.kept = torch::cat(kept).index_select(0, order);
+    whole.parts = static_cast<int64_t>(list.size());
     record_[at] = whole;
   }
   current_ = ReplayedStep{};
@@ -178,8 +179,19 @@ ChosenExperts RoutingReplay::replay(int64_t micro_batch, int64_t layer, const to
   const torch::Tensor recorded_logits = it->second.logits.to(logits.scalar_type());
   const torch::Tensor chosen = it->second.experts.to(torch::kLong);
   const torch::Tensor kept = it->second.kept.defined() ? (it->second.kept != 0).to(logits.device()) : torch::Tensor();
-  // The layout routes as the plan says: its choice is route() of its own logits, exactly.
-  current_.unlike_route += slots_unlike(chosen, own_route(layer, recorded_logits).experts, experts);
+  // The layout routes as the plan says: its choice is route() of its own logits, exactly. Sinkhorn
+  // over several ranks' parts sums its column scalings over them, in another order than one rank
+  // does, and stops at 1e-4 of their change: where two experts' balanced scores lie within 1e-3
+  // of each other that rounding may decide, and such a slot is a near tie, not a wrong route.
+  const torch::Tensor expected = own_route(layer, recorded_logits).experts;
+  torch::Tensor unlike = torch::one_hot(expected, experts).sum(1).gather(1, chosen) == 0;  // [tokens, k]
+  if (method_ == LoadBalancing::kSinkhorn && it->second.parts > 1 && unlike.any().item<bool>()) {
+    const torch::Tensor balanced = sinkhorn(recorded_logits.to(torch::kFloat));
+    const torch::Tensor kth = std::get<0>(torch::topk(balanced, k, -1)).select(1, k - 1).unsqueeze(1);
+    const torch::Tensor close = balanced.gather(1, chosen) >= kth * (1 - 1e-3);
+    unlike = unlike & close.logical_not();
+  }
+  current_.unlike_route += unlike.sum().item<int64_t>();
   current_.near_ties += slots_unlike(chosen, own, experts);
   const double difference = (logits.to(torch::kDouble) - recorded_logits.to(torch::kDouble)).norm().item<double>() /
                             std::sqrt(static_cast<double>(logits.size(0)));

@@ -99,6 +99,7 @@ class RoutingReplay {
   struct Recorded {
     torch::Tensor logits, experts, kept;  // kept: undefined when dropless
     torch::Tensor rows;                   // a part's rows of the micro-batch (undefined: all)
+    int64_t parts = 1;                    // the ranks' parts it was put together from
   };
   std::map<std::pair<int64_t, int64_t>, Recorded> record_;
   ReplayedStep current_;
