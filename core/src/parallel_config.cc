@@ -114,7 +114,9 @@ static void read_parallel_fields(ObjectReader& r, ParallelConfig& p) {
     const int64_t written = r.integer("replica_degree", 1, kMaxDegree);
     const int64_t rest = p.expert_data_degree() * p.hybrid_shard_degree * p.tensor_parallel_degree *
                          p.pipeline_parallel_degree * p.context_parallel_degree;
-    if (degrees_read && rest > 0 && p.world_size % rest == 0 && written != p.world_size / rest)
+    // (Nor where the folded ranks do not divide E: rule expert_tensor_folds says that.)
+    if (degrees_read && rest > 0 && p.expert_parallel_degree % p.expert_fold() == 0 && p.world_size % rest == 0 &&
+        written != p.world_size / rest)
       d.error(r.path_of("replica_degree"),
               std::to_string(written) + " does not equal world_size / (expert_parallel_degree" +
                   (p.expert_fold() > 1 ? " / " + std::to_string(p.expert_fold()) + " folded ranks" : std::string()) +

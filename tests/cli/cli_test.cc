@@ -580,7 +580,6 @@ TEST_F(Cli, CheckOnAPlanWithExpertDegreeThreeNamesTheField) {
   ASSERT_FALSE(text.empty());
   Json json = parse_json_text(text, "plan.json");
   json["parallel"]["expert_parallel_degree"] = 3;
-  json["parallel"]["expert_tensor_parallel_degree"] = 0;  // the experts split over T, none folded
   Workdir dir;
   dir.write("plan.json", json.dump(2));
   const Outcome run = dir.moeplan("check plan.json");
