@@ -295,12 +295,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"E1S1T2P2V2", 1, 1, "none", false, "alltoall", 2, 2, 2},
                       // Context parallelism: each sequence in two ranks' halves (E counts the C ranks).
                       Layout{"E1S1R2C2", 1, 1, "none", false, "alltoall", 1, 1, 1, 2},
-                      Layout{"E2S2C2_full_allgather", 2, 2, "full", false, "alltoall", 1, 1, 1, 2, "all_gather"},
                       Layout{"E2S1T2C2_selective", 2, 1, "selective", false, "alltoall", 2, 1, 1, 2},
                       Layout{"E1S1C2P2", 1, 1, "none", false, "alltoall", 1, 2, 1, 2},
                       // Parallel folding: the T ranks join the expert group, each expert whole on its rank.
-                      Layout{"E2S1T2R2_folded", 2, 1, "none", false, "alltoall", 2, 1, 1, 1, "p2p", 1},
-                      Layout{"E4S1T2_folded_selective", 4, 1, "selective", false, "alltoall", 2, 1, 1, 1, "p2p", 1},
                       Layout{"E4S1T2C2_folded_full", 4, 1, "full", false, "alltoall", 2, 1, 1, 2, "p2p", 1},
                       Layout{"E2S1T2P2_folded", 2, 1, "none", false, "alltoall", 2, 2, 1, 1, "p2p", 1}),
     layout_name);
