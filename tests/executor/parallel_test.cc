@@ -219,6 +219,13 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
           << "rank " << rank << ": no tensor-parallel collective";
     }
   }
+  // Context ranks pass key-value blocks around their ring.
+  if (l.c > 1 && l.exchange == "p2p") {
+    for (int64_t rank = 0; rank < 4; ++rank)
+      EXPECT_TRUE(std::any_of(trace.events.begin(), trace.events.end(),
+                              [&](const TraceEvent& e) { return e.rank == rank && e.name == "context.send" && e.bytes > 0; }))
+          << "rank " << rank << ": no context.send";
+  }
   // Pipeline stages pass activations and gradients to each other.
   if (l.p > 1) {
     for (int64_t rank = 0; rank < 4; ++rank) {

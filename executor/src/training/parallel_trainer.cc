@@ -73,6 +73,8 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   // The tensor-parallel collectives sit on the compute chain between a block's parts; the
   // measured trace shows them beside the expert group's.
   observe(mesh.tensor, "tensor", TraceStream::kExpertComm);
+  // So do the context ranks' key-value blocks, which travel beside attention.
+  observe(mesh.context, "context", TraceStream::kExpertComm);
   // Activations and gradients between pipeline stages, from the start of a transfer to its end.
   observe(mesh.pipeline, "pipeline", TraceStream::kCopy);
 }
