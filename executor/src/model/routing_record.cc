@@ -128,7 +128,9 @@ void RoutingReplay::start_step(int64_t step) {
     }
     std::vector<torch::Tensor> logits, experts, kept, rows;
     for (const Recorded& r : list) {
-      if (!r.rows.defined() || !r.logits.defined() || !r.experts.defined()) throw InputError(dir, {{"m" + std::to_string(at.first) + "/l" + std::to_string(at.second), "a part of the micro-batch's routing lacks its rows, logits or experts"}});
+      if (!r.rows.defined() || !r.logits.defined() || !r.experts.defined())
+        throw InputError(dir, {{"m" + std::to_string(at.first) + "/l" + std::to_string(at.second),
+                                "a part of the micro-batch's routing lacks its rows, logits or experts"}});
       logits.push_back(r.logits);
       experts.push_back(r.experts);
       rows.push_back(r.rows);
