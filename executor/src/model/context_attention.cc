@@ -15,19 +15,20 @@ torch::Tensor context_positions(int64_t seq_len, int64_t ranks, int64_t rank) {
 
 ContextAttention::ContextAttention(Communicator& group, ContextExchange exchange, int64_t seq_len,
                                    std::optional<int64_t> window)
-    : group_(group), exchange_(exchange), window_(window) {
+    : group_(group), exchange_(exchange) {
   for (int64_t r = 0; r < group.size(); ++r) positions_.push_back(context_positions(seq_len, group.size(), r));
+  // What each rank's keys hide from this rank's queries, made once for the sequence length.
+  const torch::Tensor q = positions().unsqueeze(1);
+  for (int64_t r = 0; r < group.size(); ++r) {
+    const torch::Tensor k = positions_[static_cast<size_t>(r)].unsqueeze(0);
+    torch::Tensor masked = k > q;
+    if (window) masked = masked | (q - k >= *window);
+    hidden_.push_back(masked);
+  }
 }
 
 torch::Tensor ContextAttention::local(const torch::Tensor& whole) const {
   return whole.index_select(1, positions().to(whole.device()));
-}
-
-torch::Tensor ContextAttention::hidden(int64_t from) const {
-  const torch::Tensor q = positions().unsqueeze(1), k = positions_[static_cast<size_t>(from)].unsqueeze(0);
-  torch::Tensor masked = k > q;
-  if (window_) masked = masked | (q - k >= *window_);
-  return masked;
 }
 
 torch::Tensor ContextAttention::attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
@@ -40,10 +41,8 @@ torch::Tensor ContextAttention::gathered(const torch::Tensor& q, const torch::Te
   auto gather = [this](const torch::Tensor& t) {
     return all_gather_autograd(group_, t.permute({2, 0, 1, 3}).contiguous()).permute({1, 2, 0, 3});
   };
-  std::vector<torch::Tensor> masks;
-  for (int64_t r = 0; r < group_.size(); ++r) masks.push_back(hidden(r));
   const torch::Tensor bias = torch::zeros({q.size(2), k.size(2) * group_.size()}, q.scalar_type())
-                                 .masked_fill(torch::cat(masks, 1), -std::numeric_limits<float>::infinity())
+                                 .masked_fill(torch::cat(hidden_, 1), -std::numeric_limits<float>::infinity())
                                  .to(q.device());
   return flash_attention(q, gather(k), gather(v), bias);
 }
@@ -81,7 +80,7 @@ torch::Tensor ContextAttention::ring(const torch::Tensor& q, const torch::Tensor
       recv = group_.start_recv(block.sizes(), block.scalar_type(), prev, kForwardTag);
     }
     masks.push_back(torch::zeros({q.size(2), k.size(2)}, q.scalar_type())
-                        .masked_fill(hidden((me - step + ranks) % ranks), kHidden)
+                        .masked_fill(hidden_[static_cast<size_t>((me - step + ranks) % ranks)], kHidden)
                         .to(q.device()));
     torch::Tensor o, l;
     std::tie(o, l) = at::_scaled_dot_product_flash_attention_for_cpu(qd, keys.back(), values.back(), 0.0, false,

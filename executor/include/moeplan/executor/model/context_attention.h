@@ -48,13 +48,11 @@ class ContextAttention {
  private:
   torch::Tensor ring(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
   torch::Tensor gathered(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
-  // true where query i of this rank may not see key j of rank `from`.
-  torch::Tensor hidden(int64_t from) const;
-
   Communicator& group_;
   ContextExchange exchange_;
-  std::optional<int64_t> window_;
   std::vector<torch::Tensor> positions_;  // of every rank of the group
+  // Per rank of the group: true where query i of this rank may not see that rank's key j.
+  std::vector<torch::Tensor> hidden_;
 };
 
 }  // namespace moeplan::executor
