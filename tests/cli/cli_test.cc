@@ -731,6 +731,11 @@ TEST(ValidationMatrix, EveryFamilyOfLayoutsWhereTheModelAllowsIt) {
   EXPECT_EQ(validation::validation_matrix(2, tiny, 255, true).back().p, 2);
   EXPECT_EQ(validation::validation_matrix(2, tiny, 255, true).size(), 5u);
   for (const MatrixConfig& c : validation::validation_matrix(8, tiny, 256, false)) EXPECT_EQ(c.t * c.p, 1) << c.name;
+  // A model with multi-token prediction trains without pipeline stages: tensor splits only.
+  const std::vector<MatrixConfig> mtp = validation::validation_matrix(2, test::model("deepseek-v3-tiny"), 256, false);
+  ASSERT_FALSE(mtp.empty());
+  EXPECT_EQ(mtp.back().t, 2);
+  for (const MatrixConfig& c : mtp) EXPECT_EQ(c.p, 1) << c.name;
   // The search is pinned to the configuration's degrees.
   const std::vector<std::string> argv =
       validation::pinned_search("moeplan", {2, "mixtral-tiny"}, full[9], "local.json", "plan.json");

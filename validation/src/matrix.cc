@@ -90,14 +90,15 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   if (ranks < 2) return out;
   // Every rank in one tensor split (sequence parallel, as the executor runs it) where the
   // heads, key-value heads, expert width, vocabulary and sequence divide, and in one pipeline
-  // where the blocks divide into its stages.
+  // where the blocks divide into its stages (and the model has no multi-token prediction, which
+  // the executor trains without pipeline stages: rule executor_pipeline_limits).
   const bool splits = model.num_attention_heads % ranks == 0 && model.num_key_value_heads % ranks == 0 &&
                       model.intermediate_size % ranks == 0 && model.vocab_size % ranks == 0 && seq_len % ranks == 0;
   const std::vector<Variant> tensor_variants{{kNone, false, 4}, {kFull, false, 2}};
   const std::vector<Variant> pipeline_variants{{kNone, false, 2}, {kSelective, false, 4}};
   for (size_t i = 0; i < (quick ? 1u : 2u); ++i) {
     for (const bool tensor : {true, false}) {
-      if (tensor ? !splits : model.num_layers % ranks != 0) continue;
+      if (tensor ? !splits : model.num_layers % ranks != 0 || model.mtp_layers > 0) continue;
       out.push_back(tensor ? config(1, 1, ranks, 1, tensor_variants[i]) : config(1, 1, 1, ranks, pipeline_variants[i]));
     }
   }
