@@ -8,6 +8,23 @@
 
 namespace moeplan {
 
+OpTimesBlocks OpTimesBlocks::of(const ModelSpec& m) {
+  OpTimesBlocks b;
+  b.q_lora_rank = m.q_lora_rank;
+  b.kv_lora_rank = m.kv_lora_rank;
+  b.qk_rope_head_dim = m.qk_rope_head_dim;
+  b.v_head_dim = m.v_head_dim;
+  b.shared_expert_intermediate_size = m.shared_expert_intermediate_size;
+  b.dense_intermediate_size = m.dense_intermediate_size;
+  b.first_dense_layers = m.first_dense_layers;
+  b.moe_layer_step = m.moe_layer_step;
+  b.moe_layer_offset = m.moe_layer_offset;
+  b.mtp_layers = m.mtp_layers;
+  b.qk_norm = m.qk_norm;
+  b.shared_expert_gate = m.shared_expert_gate;
+  return b;
+}
+
 namespace {
 constexpr int64_t kMaxGpusPerNode = 1024;
 constexpr int64_t kMaxNodes = int64_t{1} << 20;
@@ -178,6 +195,10 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
     t.vocab_size = s->integer("vocab_size", 1, int64_t{1} << 24);
     t.seq_len = s->integer("seq_len", 1, int64_t{1} << 24);
     if (s->child("num_layers", true) != nullptr) t.num_layers = s->integer("num_layers", 1, 1 << 16);
+    for (const OpTimesBlockField& f : kOpTimesBlockFields)
+      t.blocks.*f.field = s->integer(f.name, f.least, f.most, f.fallback);
+    t.blocks.qk_norm = s->boolean("qk_norm", false);
+    t.blocks.shared_expert_gate = s->boolean("shared_expert_gate", false);
     t.precision = s->string("precision");
     if (t.precision != "bf16" && t.precision != "mixed" && t.precision != "fp32")
       o.diagnostics().error(s->path_of("precision"), "expected \"bf16\", \"mixed\" or \"fp32\", got \"" + t.precision + "\"");
@@ -524,6 +545,10 @@ Json op_times_json(const ClusterSpec& c) {
                      {"seq_len", t.seq_len},
                      {"precision", t.precision}};
   if (t.num_layers > 0) times["shapes"]["num_layers"] = t.num_layers;
+  for (const OpTimesBlockField& f : kOpTimesBlockFields)
+    if (t.blocks.*f.field != f.fallback) times["shapes"][std::string(f.name)] = t.blocks.*f.field;
+  if (t.blocks.qk_norm) times["shapes"]["qk_norm"] = true;
+  if (t.blocks.shared_expert_gate) times["shapes"]["shared_expert_gate"] = true;
   for (std::string_view name : kOpTimeCurves)
     if (const CurvePoints& curve = op_time_curve(t, name); !curve.empty()) times[std::string(name)] = curve_json(curve);
   for (const TensorSplitTimes& split : t.tensor_splits) {

@@ -13,10 +13,11 @@ namespace moeplan::sim {
 bool op_times_apply(const RunConfig& c) {
   const OpTimes& t = c.cluster.op_times;
   const ModelSpec& m = c.model;
-  // The executor measures Mixtral's blocks: no shared experts, q/k norms, biases, dense blocks,
-  // latent attention, multi-token prediction or GPT-OSS's variants.
-  return !t.empty() && !m.shared_experts() && !m.qk_norm && !m.qkv_bias && m.dense_intermediate_size == 0 && !m.mla() &&
-         m.mtp_layers == 0 && gpt_oss_variant_field(m) == nullptr && c.parallel.expert_tensor_fold() == 1 &&
+  // The executor measures the blocks it trains (Mixtral's, Qwen3-MoE's, DeepSeek's), at the
+  // measured model's attention, shared experts, dense blocks and multi-token prediction: no
+  // biases or GPT-OSS's variants.
+  return !t.empty() && t.blocks == OpTimesBlocks::of(m) && !m.qkv_bias && gpt_oss_variant_field(m) == nullptr &&
+         c.parallel.expert_tensor_fold() == 1 &&
          c.parallel.context_parallel_degree == 1 &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
@@ -29,18 +30,32 @@ bool op_times_apply(const RunConfig& c) {
 
 namespace {
 
+// One expert's measured time, forward or backward, under the plan's tensor split.
+const CurvePoints& expert_curve(const OpTimes& t, const TensorSplitTimes* split, bool backward) {
+  return backward ? (split ? split->expert_backward : t.expert_backward)
+                  : (split ? split->expert_forward : t.expert_forward);
+}
+
+// A SwiGLU layer of `width` on every token of a micro-batch (shared experts, a dense block's
+// layer): the measured expert on the rows that hold as many multiply-adds at its width (split
+// over T as the routed experts are).
+double swiglu_seconds(const CurvePoints& expert, const ModelSpec& m, double tokens, int64_t width) {
+  if (width <= 0) return 0;
+  return curve_at(expert, tokens * static_cast<double>(width) / static_cast<double>(m.intermediate_size));
+}
+
 // Router (and dispatch bookkeeping) plus each local expert on its share of the rank's slots,
-// from measured times. Under a tensor split every rank routes the whole micro-batch and runs
-// its part of each expert's width (TensorSplitTimes).
+// and the shared experts on every token, from measured times. Under a tensor split every rank
+// routes the whole micro-batch and runs its part of each expert's width (TensorSplitTimes).
 double measured_moe_seconds(const RunConfig& c, double load, bool backward) {
   const OpTimes& t = c.cluster.op_times;
+  const ModelSpec& m = c.model;
   const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
-  const double local = static_cast<double>(c.model.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
-  const double rows = static_cast<double>(c.model.experts_per_token) * tokens * load / local;
-  const TensorSplitTimes* split = t.split(c.parallel.tensor_parallel_degree);
-  const CurvePoints& expert = backward ? (split ? split->expert_backward : t.expert_backward)
-                                       : (split ? split->expert_forward : t.expert_forward);
-  return curve_at(backward ? t.router_backward : t.router_forward, tokens) + local * curve_at(expert, rows);
+  const double local = static_cast<double>(m.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
+  const double rows = static_cast<double>(m.experts_per_token) * tokens * load / local;
+  const CurvePoints& expert = expert_curve(t, t.split(c.parallel.tensor_parallel_degree), backward);
+  return curve_at(backward ? t.router_backward : t.router_forward, tokens) + local * curve_at(expert, rows) +
+         swiglu_seconds(expert, m, tokens, m.shared_expert_intermediate_size);
 }
 
 }  // namespace
@@ -86,6 +101,68 @@ void add_dense_blocks(const RunConfig& c, KernelCosts& o) {
   for (const KernelList* l : {&k.attention_forward, &k.attention_backward, &k.moe_forward, &k.moe_backward}) {
     const std::array<double, 3> by_class = l->seconds_by_class();
     for (size_t i = 0; i < 3; ++i) o.dense_block_by_class[i] += by_class[i];
+  }
+}
+
+// Measured operation times (a calibrated profile) in place of the kernel model's, and what
+// the executor's whole micro-batch took beyond them.
+void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
+  const ModelSpec& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  const OpTimes& t = c.cluster.op_times;
+  const TensorSplitTimes* split = t.split(p.tensor_parallel_degree);
+  o.measured = true;
+  o.attention_forward_s = curve_at(split ? split->attention_forward : t.attention_forward, tokens);
+  o.attention_backward_s = curve_at(split ? split->attention_backward : t.attention_backward, tokens);
+  // The head once, and again for each multi-token prediction module's loss.
+  const double heads = static_cast<double>(1 + m.mtp_layers);
+  o.head_s = heads * curve_at(split ? split->head : t.head, tokens);
+  o.head_forward_s = o.head_s / 3.0;
+  o.block_by_class = {o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s, 0, 0};
+  o.head_by_class = {o.head_s, 0, 0};
+  if (m.has_dense_layers()) {
+    o.dense_forward_s = swiglu_seconds(expert_curve(t, split, false), m, tokens, m.dense_intermediate_size);
+    o.dense_backward_s = swiglu_seconds(expert_curve(t, split, true), m, tokens, m.dense_intermediate_size);
+    o.dense_flops = 2.0 * tokens * static_cast<double>(m.mlp_matrices() * m.hidden_size * m.dense_intermediate_size) /
+                    static_cast<double>(std::max<int64_t>(1, p.tensor_parallel_degree));
+    o.dense_block_by_class = {o.attention_forward_s + o.attention_backward_s + o.dense_forward_s + o.dense_backward_s, 0, 0};
+  }
+  // What the executor's whole micro-batch took beyond its operations, spread over the blocks
+  // of the model it ran (not this stage's): it runs with their attention, and again where a
+  // block is recomputed. At a split whose whole micro-batch was measured (sequence parallel), against the split
+  // operations (the router whole), and its collectives priced as they ran there; otherwise
+  // the unsplit micro-batch (one rank, experts on it, balanced routing) against the unsplit
+  // operations, what it took beyond them charged to a split block unchanged.
+  const bool split_whole = split != nullptr && p.sequence_parallel && !split->micro_batch_forward.empty();
+  const CurvePoints& whole_forward = split_whole ? split->micro_batch_forward : t.micro_batch_forward;
+  const CurvePoints& whole_backward = split_whole ? split->micro_batch_backward : t.micro_batch_backward;
+  if (whole_forward.empty() || whole_backward.empty() || t.num_layers <= 0) return;
+  ModelSpec measured = m;  // the model of the whole micro-batches: these blocks, its depth
+  measured.num_layers = t.num_layers;
+  const double blocks = static_cast<double>(measured.blocks());
+  const double moe_blocks = static_cast<double>(measured.moe_blocks());
+  const double experts = static_cast<double>(m.num_experts);
+  const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;
+  const TensorSplitTimes* ops = split_whole ? split : nullptr;
+  const double head = heads * curve_at(ops ? ops->head : t.head, tokens);
+  auto operations = [&](bool backward) {
+    const CurvePoints& expert = expert_curve(t, ops, backward);
+    const double attention = curve_at(
+        backward ? (ops ? ops->attention_backward : t.attention_backward) : (ops ? ops->attention_forward : t.attention_forward),
+        tokens);
+    const double moe = curve_at(backward ? t.router_backward : t.router_forward, tokens) +
+                       experts * curve_at(expert, rows) + swiglu_seconds(expert, m, tokens, m.shared_expert_intermediate_size);
+    return blocks * attention + moe_blocks * moe +
+           (blocks - moe_blocks) * swiglu_seconds(expert, m, tokens, m.dense_intermediate_size) +
+           head * (backward ? 2.0 / 3.0 : 1.0 / 3.0);
+  };
+  o.framework_forward_s = std::max(0.0, curve_at(whole_forward, tokens) - operations(false)) / blocks;
+  o.framework_backward_s = std::max(0.0, curve_at(whole_backward, tokens) - operations(true)) / blocks;
+  o.attention_forward_s += o.framework_forward_s;
+  o.attention_backward_s += o.framework_backward_s;
+  if (split_whole) {
+    o.tensor_region_forward_s = curve_at(split->collectives_forward, tokens) / (2.0 * blocks);
+    o.tensor_region_backward_s = curve_at(split->collectives_backward, tokens) / (2.0 * blocks);
   }
 }
 
@@ -224,49 +301,7 @@ KernelCosts kernel_costs(const RunConfig& c) {
                   2.0 * mean_slots * static_cast<double>(m.mlp_matrices()) * h * ffn / tp;
     o.head_flops = 2.0 * tokens * vocab * h;
   }
-  if (op_times_apply(c)) {
-    const OpTimes& t = c.cluster.op_times;
-    const TensorSplitTimes* split = t.split(p.tensor_parallel_degree);
-    o.measured = true;
-    o.attention_forward_s = curve_at(split ? split->attention_forward : t.attention_forward, tokens);
-    o.attention_backward_s = curve_at(split ? split->attention_backward : t.attention_backward, tokens);
-    o.head_s = curve_at(split ? split->head : t.head, tokens);
-    o.head_forward_s = o.head_s / 3.0;
-    o.block_by_class = {o.attention_forward_s + o.attention_backward_s + o.moe_forward_busiest_s + o.moe_backward_busiest_s, 0, 0};
-    o.head_by_class = {o.head_s, 0, 0};
-    // What the executor's whole micro-batch took beyond its operations, spread over the blocks
-    // of the model it ran (not this stage's): it runs with their attention, and again where a
-    // block is recomputed. At a split whose whole micro-batch was measured (sequence parallel), against the split
-    // operations (the router whole), and its collectives priced as they ran there; otherwise
-    // the unsplit micro-batch (one rank, experts on it, balanced routing) against the unsplit
-    // operations, what it took beyond them charged to a split block unchanged.
-    const bool split_whole = split != nullptr && p.sequence_parallel && !split->micro_batch_forward.empty();
-    const CurvePoints& whole_forward = split_whole ? split->micro_batch_forward : t.micro_batch_forward;
-    const CurvePoints& whole_backward = split_whole ? split->micro_batch_backward : t.micro_batch_backward;
-    if (!whole_forward.empty() && !whole_backward.empty() && t.num_layers > 0) {
-      const double layers = static_cast<double>(t.num_layers);
-      const double experts = static_cast<double>(m.num_experts);
-      const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;
-      const TensorSplitTimes* ops = split_whole ? split : nullptr;
-      const double head = curve_at(ops ? ops->head : t.head, tokens);
-      const double forward =
-          layers * (curve_at(ops ? ops->attention_forward : t.attention_forward, tokens) +
-                    curve_at(t.router_forward, tokens) + experts * curve_at(ops ? ops->expert_forward : t.expert_forward, rows)) +
-          head / 3.0;
-      const double backward =
-          layers * (curve_at(ops ? ops->attention_backward : t.attention_backward, tokens) +
-                    curve_at(t.router_backward, tokens) + experts * curve_at(ops ? ops->expert_backward : t.expert_backward, rows)) +
-          head * 2.0 / 3.0;
-      o.framework_forward_s = std::max(0.0, curve_at(whole_forward, tokens) - forward) / layers;
-      o.framework_backward_s = std::max(0.0, curve_at(whole_backward, tokens) - backward) / layers;
-      o.attention_forward_s += o.framework_forward_s;
-      o.attention_backward_s += o.framework_backward_s;
-      if (split_whole) {
-        o.tensor_region_forward_s = curve_at(split->collectives_forward, tokens) / (2.0 * layers);
-        o.tensor_region_backward_s = curve_at(split->collectives_backward, tokens) / (2.0 * layers);
-      }
-    }
-  }
+  if (op_times_apply(c)) add_measured_times(c, tokens, o);
 
   return o;
 }

@@ -301,7 +301,7 @@ Json calibrated_json() {
       {"shapes",
        {{"hidden_size", 128}, {"intermediate_size", 256}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
         {"head_dim", 32}, {"num_experts", 8}, {"experts_per_token", 2}, {"vocab_size", 4096}, {"seq_len", 256},
-        {"precision", "fp32"}, {"num_layers", 4}}},
+        {"precision", "fp32"}, {"num_layers", 4}, {"qk_norm", true}}},
       {"attention_forward", {{256, 0.0015}, {512, 0.0035}}},
       {"attention_backward", {{256, 0.004}, {512, 0.006}}},
       {"router_forward", {{256, 0.0003}}},
@@ -339,6 +339,7 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.op_times.expert_backward.size(), 2u);
   EXPECT_EQ(c.op_times.micro_batch_backward.size(), 2u);
   EXPECT_EQ(c.op_times.num_layers, 4);
+  EXPECT_TRUE(c.op_times.blocks.qk_norm);
   ASSERT_EQ(c.op_times.tensor_splits.size(), 1u);
   ASSERT_NE(c.op_times.split(2), nullptr);
   EXPECT_EQ(c.op_times.split(2)->head, (CurvePoints{{256, 0.021}, {512, 0.036}}));
@@ -367,6 +368,8 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
        "expected \"bf16\", \"mixed\" or \"fp32\", got \"fp8\""},
       {"/framework/op_times/optimiser", Json::array(), "framework.op_times.optimiser", "unknown field"},
       {"/framework/op_times/shapes/num_layers", 0, "framework.op_times.shapes.num_layers", "must be in [1, 65536], got 0"},
+      {"/framework/op_times/shapes/qk_norm", 1, "framework.op_times.shapes.qk_norm", "expected true or false, got number 1"},
+      {"/framework/op_times/shapes/mtp_layers", -1, "framework.op_times.shapes.mtp_layers", "must be in [0, 65536], got -1"},
       {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 1,
        "framework.op_times.tensor_splits[0].tensor_parallel_degree", "must be in [2, 4096], got 1"},
       {"/framework/op_times/tensor_splits/0/tensor_parallel_degree", 4,

@@ -629,6 +629,16 @@ TEST(CalibratedProfile, MeasuredOpTimesReplaceTheFlopModel) {
   other.training.precision = Precision::kBf16;
   EXPECT_FALSE(op_times_apply(other.config()));
   EXPECT_FALSE(op_costs(other.config()).measured);
+  // Attention with q/k norms (Qwen3-MoE's) is another operation: times measured with them apply
+  // to such a model only, and times measured without them not to it.
+  other = c;
+  other.model.qk_norm = true;
+  EXPECT_FALSE(op_times_apply(other.config()));
+  other.cluster.op_times.blocks.qk_norm = true;
+  EXPECT_TRUE(op_times_apply(other.config()));
+  EXPECT_DOUBLE_EQ(op_costs(other.config()).attention_forward_s, 0.004);
+  other.model.qk_norm = false;
+  EXPECT_FALSE(op_times_apply(other.config()));
 }
 
 // The operations of calibrated_cpu measured at T = 2: attention and the head at about half
@@ -735,6 +745,42 @@ TEST(CalibratedProfile, WholeMicroBatchAddsWhatTheOperationsLeaveOut) {
   // A profile without the whole micro-batch adds nothing.
   c.cluster.op_times.micro_batch_forward.clear();
   EXPECT_DOUBLE_EQ(op_costs(c.config()).attention_forward_s, 0.004);
+}
+
+TEST(CalibratedProfile, SharedExpertsDenseBlocksAndPredictionModulesFromTheMeasuredExpert) {
+  // DeepSeek's blocks: a shared expert of the routed width, a first dense block twice as wide,
+  // one multi-token prediction module (a block and a head more).
+  Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
+  c.model.shared_expert_intermediate_size = 256;
+  c.model.first_dense_layers = 1;
+  c.model.dense_intermediate_size = 512;
+  c.model.mtp_layers = 1;
+  EXPECT_FALSE(op_times_apply(c.config())) << "times measured on Mixtral's blocks";
+  c.cluster.op_times.blocks = OpTimesBlocks::of(c.model);
+  ASSERT_TRUE(op_times_apply(c.config()));
+  // The expert's curve: 0.0001 s at 16 rows to 0.0256 at 4,096 (backward twice). The shared
+  // expert on the 512 tokens, the dense layer on 2 x 512 rows of the routed width.
+  const double shared = 0.0001 + (512 - 16) * 0.0255 / 4080;
+  EXPECT_NEAR(moe_forward_seconds(c.config(), 1.0), 0.001 + 8 * 0.0008 + shared, 1e-12);
+  OpCosts o = op_costs(c.config());
+  const double dense = 0.0001 + (1024 - 16) * 0.0255 / 4080;
+  EXPECT_NEAR(o.dense_forward_s, dense, 1e-12);
+  EXPECT_NEAR(o.dense_backward_s, 0.0002 + (1024 - 16) * 0.0510 / 4080, 1e-12);
+  EXPECT_NEAR(o.head_s, 2 * 0.08, 1e-12);
+  // The whole micro-batch ran 5 blocks (4 with experts, the prediction module's among them),
+  // one dense, and two heads: what it took beyond them is spread over the 5.
+  const double forward = 5 * 0.004 + 4 * (0.001 + 8 * 0.0008 + shared) + dense + 0.16 / 3;
+  c.cluster.op_times.micro_batch_forward = {{512, forward + 5 * 0.002}};
+  c.cluster.op_times.micro_batch_backward = {{512, 1.0}};
+  o = op_costs(c.config());
+  EXPECT_NEAR(o.framework_forward_s, 0.002, 1e-12);
+  // The shared expert is whole on every expert rank: E = 2 halves the routed experts only.
+  Scenario e2 = c;
+  e2.parallel.expert_parallel_degree = 2;
+  Scenario e2_routed = e2;
+  e2_routed.model.shared_expert_intermediate_size = 0;
+  e2_routed.cluster.op_times.blocks = OpTimesBlocks::of(e2_routed.model);
+  EXPECT_NEAR(moe_forward_seconds(e2.config(), 1.0) - moe_forward_seconds(e2_routed.config(), 1.0), shared, 1e-12);
 }
 
 TEST(CalibratedProfile, APipelineStageAddsWhatTheWholeModelLeftOutPerBlock) {

@@ -229,6 +229,7 @@ void read_shapes(const Workload& x, OpTimes& times) {
   times.vocab_size = x.m.vocab_size;
   times.seq_len = x.t;
   times.num_layers = x.m.num_layers;
+  times.blocks = OpTimesBlocks::of(x.m);
   times.precision = std::string(name_of(kPrecisionNames, x.o.precision));
 }
 

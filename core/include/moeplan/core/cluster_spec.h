@@ -12,6 +12,7 @@
 
 #include "moeplan/core/fit.h"
 #include "moeplan/core/json_reader.h"
+#include "moeplan/core/model_spec.h"
 
 namespace moeplan {
 
@@ -106,11 +107,44 @@ inline constexpr std::array<std::string_view, 9> kTensorSplitCurves{
 // The first five are required; the rest come together or not at all.
 inline constexpr size_t kRequiredTensorSplitCurves = 5;
 
+// The blocks around the measured operations, as the model measured had them: its attention's
+// kind (q/k norms, latent attention's widths), shared experts, dense blocks and multi-token
+// prediction. Measured times apply to a model with the same blocks; its whole micro-batches
+// ran them all.
+struct OpTimesBlocks {
+  int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0, v_head_dim = 0, shared_expert_intermediate_size = 0,
+          dense_intermediate_size = 0, first_dense_layers = 0, moe_layer_step = 1, moe_layer_offset = 0,
+          mtp_layers = 0;
+  bool qk_norm = false, shared_expert_gate = false;
+
+  static OpTimesBlocks of(const ModelSpec& m);
+  bool operator==(const OpTimesBlocks&) const = default;
+};
+// Its integers as profile fields (optional, at their defaults when absent).
+struct OpTimesBlockField {
+  std::string_view name;
+  int64_t OpTimesBlocks::*field;
+  int64_t least, most, fallback;
+};
+inline constexpr std::array<OpTimesBlockField, 10> kOpTimesBlockFields{{
+    {"q_lora_rank", &OpTimesBlocks::q_lora_rank, 0, int64_t{1} << 20, 0},
+    {"kv_lora_rank", &OpTimesBlocks::kv_lora_rank, 0, int64_t{1} << 20, 0},
+    {"qk_rope_head_dim", &OpTimesBlocks::qk_rope_head_dim, 0, 1 << 16, 0},
+    {"v_head_dim", &OpTimesBlocks::v_head_dim, 0, 1 << 16, 0},
+    {"shared_expert_intermediate_size", &OpTimesBlocks::shared_expert_intermediate_size, 0, int64_t{1} << 22, 0},
+    {"dense_intermediate_size", &OpTimesBlocks::dense_intermediate_size, 0, int64_t{1} << 22, 0},
+    {"first_dense_layers", &OpTimesBlocks::first_dense_layers, 0, 1 << 16, 0},
+    {"moe_layer_step", &OpTimesBlocks::moe_layer_step, 1, 1 << 16, 1},
+    {"moe_layer_offset", &OpTimesBlocks::moe_layer_offset, 0, 1 << 16, 0},
+    {"mtp_layers", &OpTimesBlocks::mtp_layers, 0, 1 << 16, 0},
+}};
+
 struct OpTimes {
   // The shapes measured.
   int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0,
           num_experts = 0, experts_per_token = 0, vocab_size = 0, seq_len = 0;
   std::string precision;  // "bf16", "mixed" or "fp32"
+  OpTimesBlocks blocks;
   // Blocks of the model whose whole micro-batches were measured (micro_batch_*); 0 without them.
   int64_t num_layers = 0;
   // Seconds against tokens of a micro-batch (attention, router, head: norm, lm head, loss and
