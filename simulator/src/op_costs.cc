@@ -17,7 +17,6 @@ bool op_times_apply(const RunConfig& c) {
   // measured model's attention, shared experts, dense blocks and multi-token prediction: no
   // biases or GPT-OSS's variants.
   return !t.empty() && t.blocks == OpTimesBlocks::of(m) && !m.qkv_bias && gpt_oss_variant_field(m) == nullptr &&
-         c.parallel.expert_tensor_fold() == 1 &&
          c.parallel.context_parallel_degree == 1 &&
          t.hidden_size == m.hidden_size &&
          t.intermediate_size == m.intermediate_size &&
@@ -46,16 +45,21 @@ double swiglu_seconds(const CurvePoints& expert, const ModelSpec& m, double toke
 
 // Router (and dispatch bookkeeping) plus each local expert on its share of the rank's slots,
 // and the shared experts on every token, from measured times. Under a tensor split every rank
-// routes the whole micro-batch and runs its part of each expert's width (TensorSplitTimes).
+// routes the whole micro-batch and runs its part of each expert's width (TensorSplitTimes);
+// folded (ETP = 1) each routes its own 1/T of the tokens to whole experts, and only the shared
+// experts stay split over T.
 double measured_moe_seconds(const RunConfig& c, double load, bool backward) {
   const OpTimes& t = c.cluster.op_times;
   const ModelSpec& m = c.model;
-  const double tokens = static_cast<double>(c.parallel.micro_batch_size) * static_cast<double>(c.training.seq_len);
-  const double local = static_cast<double>(m.num_experts) / static_cast<double>(c.parallel.expert_parallel_degree);
-  const double rows = static_cast<double>(m.experts_per_token) * tokens * load / local;
-  const CurvePoints& expert = expert_curve(t, t.split(c.parallel.tensor_parallel_degree), backward);
-  return curve_at(backward ? t.router_backward : t.router_forward, tokens) + local * curve_at(expert, rows) +
-         swiglu_seconds(expert, m, tokens, m.shared_expert_intermediate_size);
+  const ParallelConfig& p = c.parallel;
+  const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(c.training.seq_len);
+  const double routed = tokens / static_cast<double>(p.expert_tensor_fold());
+  const double local = static_cast<double>(m.num_experts) / static_cast<double>(p.expert_parallel_degree);
+  const double rows = static_cast<double>(m.experts_per_token) * routed * load / local;
+  const CurvePoints& expert = expert_curve(t, t.split(p.expert_tensor_degree()), backward);
+  const CurvePoints& shared = expert_curve(t, t.split(p.tensor_parallel_degree), backward);
+  return curve_at(backward ? t.router_backward : t.router_forward, routed) + local * curve_at(expert, rows) +
+         swiglu_seconds(shared, m, tokens, m.shared_expert_intermediate_size);
 }
 
 }  // namespace

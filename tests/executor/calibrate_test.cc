@@ -9,6 +9,8 @@
 #include <string>
 
 #include "moeplan/core/cluster_spec.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/simulator/op_costs.h"
 #include "run_fixture.h"
 
 namespace moeplan::test {
@@ -143,6 +145,36 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   for (const char* phase :
        {"forward", "backward", "optimizer", "step (median)", "step (undisturbed)", "measured expert load"})
     EXPECT_NE(sim.out.find(phase), std::string::npos) << phase << "\n" << sim.out;
+}
+
+// A DeepSeek-shaped model (latent attention, a shared expert, a dense first block, a prediction
+// module): calibration measures its operations and whole micro-batches at its blocks, and the
+// plans of it are priced from them, not from FLOPs (docs/validation.md, "Qwen3- and
+// DeepSeek-shaped models").
+TEST(Calibrate, DeepSeekBlocksAreMeasuredForItsPlans) {
+  const TempDir dir;
+  const std::string profile = dir.file("deepseek.json");
+  const Command cal =
+      run_moeplan("calibrate --ranks 2 --quick --passes 1 --model deepseek-v3-tiny --seq-len 64 --out " + profile);
+  ASSERT_EQ(cal.exit_code, 0) << show(cal);
+  const ClusterSpec c = read_cluster_file(profile);
+  const ModelSpec m = read_model_file(profile_path("models/deepseek-v3-tiny.json"));
+  EXPECT_EQ(c.op_times.blocks, OpTimesBlocks::of(m));
+  EXPECT_GT(c.op_times.blocks.kv_lora_rank, 0);
+  EXPECT_GT(c.op_times.blocks.shared_expert_intermediate_size, 0);
+  EXPECT_EQ(c.op_times.blocks.mtp_layers, 1);
+  EXPECT_FALSE(c.op_times.micro_batch_forward.empty());
+  const std::string plan_path = dir.file("plan.json");
+  const Command search = run_moeplan("search --gpus 2 --instance " + profile +
+                                     " --model deepseek-v3-tiny --seq-len 64 --global-batch-tokens 1024 "
+                                     "--precision fp32 --target moeplan --out " + plan_path);
+  ASSERT_EQ(search.exit_code, 0) << show(search);
+  const Plan plan = read_plan_file(plan_path);
+  EXPECT_TRUE(sim::op_times_apply({plan.model, plan.cluster, plan.parallel, plan.moe, plan.training}));
+  // Another model's plan on the same profile is not priced from them.
+  ModelSpec without_mtp = plan.model;
+  without_mtp.mtp_layers = 0;
+  EXPECT_FALSE(sim::op_times_apply({without_mtp, plan.cluster, plan.parallel, plan.moe, plan.training}));
 }
 
 TEST(Calibrate, BadInputIsNamed) {

@@ -669,6 +669,15 @@ TEST(CalibratedProfile, TensorSplitsUseTheTimesMeasuredAtThatSplit) {
   // The whole micro-batch's router (not split), and each of the 8 experts at its part of the
   // width on 2 x 512 / 8 = 128 rows.
   EXPECT_NEAR(moe_forward_seconds(c.config(), 1.0), 0.001 + 8 * 0.00048, 1e-12);
+  // Folded (ETP = 1, the expert group of 2 over the two tensor ranks): each rank routes its own
+  // 256 tokens to its 4 whole experts, 2 x 256 / 4 = 128 rows each, at the unsplit times; the
+  // attention and head are split as before.
+  Scenario folded = c;
+  folded.parallel.expert_parallel_degree = 2;
+  folded.parallel.expert_tensor_parallel_degree = 1;
+  ASSERT_TRUE(op_times_apply(folded.config()));
+  EXPECT_NEAR(moe_forward_seconds(folded.config(), 1.0), 0.0005 + 4 * 0.0008, 1e-12);
+  EXPECT_DOUBLE_EQ(op_costs(folded.config()).attention_forward_s, 0.0024);
   c.parallel.tensor_parallel_degree = 4;
   EXPECT_FALSE(op_times_apply(c.config())) << "measured at T = 2 only";
 }
