@@ -154,6 +154,13 @@ TEST_F(Cli, SearchSaysWhenAPlansTensorSplitWasNotMeasured) {
   const Outcome measured = dir.moeplan(search + "split.json --out b.json");
   ASSERT_EQ(measured.exit_code, 0) << show(measured);
   EXPECT_EQ(measured.out.find("no operation times measured"), std::string::npos) << show(measured);
+  EXPECT_EQ(measured.out.find("context ranks"), std::string::npos) << show(measured);
+  // Context ranks split each sequence, which the operations were not measured on.
+  const Outcome context = dir.moeplan(
+      "search --gpus 2 --model mixtral-tiny --seq-len 256 --global-batch-tokens 8192 --precision fp32 "
+      "--max-micro-batch 8 --context-parallel-degree 2 --instance split.json --out c.json");
+  ASSERT_EQ(context.exit_code, 0) << show(context);
+  EXPECT_NE(context.out.find("plans with context ranks (C > 1)"), std::string::npos) << show(context);
 }
 
 // The one-GPU run recorded in docs/validation/h100: its calibrated profile plans the same layout
