@@ -98,6 +98,12 @@ const TensorSplitTimes* OpTimes::split(int64_t t) const {
   return nullptr;
 }
 
+const ExpertSplitTimes* OpTimes::expert_split(int64_t e) const {
+  for (const ExpertSplitTimes& s : expert_splits)
+    if (s.expert_parallel_degree == e) return &s;
+  return nullptr;
+}
+
 namespace {
 
 // A plain string "source" inside an object whose numbers are not wrapped one by one.
@@ -182,6 +188,39 @@ void read_curve(Diagnostics& d, const Json& points, const std::string& path, con
 constexpr CurveField kOpTimeField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
                                   [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
 
+// op_times.expert_splits: [{"expert_parallel_degree": E, the four curves}, ...].
+void read_expert_splits(ObjectReader& o, OpTimes& t) {
+  const Json* splits = o.child("expert_splits", true);
+  if (splits == nullptr) return;
+  const std::string path = o.path_of("expert_splits");
+  if (!splits->is_array() || splits->size() > 16) {
+    o.diagnostics().error(path, "expected a list of at most 16 splits");
+    return;
+  }
+  for (size_t i = 0; i < splits->size(); ++i) {
+    ObjectReader r((*splits)[i], path + "[" + std::to_string(i) + "]", o.diagnostics());
+    if (!r.ok()) continue;
+    ExpertSplitTimes split;
+    split.expert_parallel_degree = r.integer("expert_parallel_degree", 2, 1 << 16);
+    for (size_t c = 0; c < kExpertSplitCurves.size(); ++c)
+      if (const Json* points = r.child(kExpertSplitCurves[c]))
+        read_curve(o.diagnostics(), *points, r.path_of(kExpertSplitCurves[c]), kOpTimeField,
+                   split.*kExpertSplitCurveFields[c]);
+    r.finish();
+    const int64_t e = split.expert_parallel_degree;
+    if (t.num_experts > 0 && e > 0 && t.num_experts % e != 0)
+      o.diagnostics().error(r.path_of("expert_parallel_degree"), "= " + std::to_string(e) +
+                                                                     " does not divide shapes.num_experts = " +
+                                                                     std::to_string(t.num_experts));
+    if (t.num_layers == 0)
+      o.diagnostics().error(o.path_of("shapes") + ".num_layers",
+                            "is required with expert_splits: the blocks of the model they ran");
+    if (t.expert_split(e) != nullptr)
+      o.diagnostics().error(r.path_of("expert_parallel_degree"), "= " + std::to_string(e) + " is listed twice");
+    t.expert_splits.push_back(std::move(split));
+  }
+}
+
 void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
   read_plain_source(o, own_path);
   if (auto s = o.object("shapes")) {
@@ -256,6 +295,7 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
       }
     }
   }
+  read_expert_splits(o, t);
   o.finish();
 }
 
@@ -558,6 +598,13 @@ Json op_times_json(const ClusterSpec& c) {
       if (const CurvePoints& curve = split_curve(split, name); !curve.empty())
         entry[std::string(name)] = curve_json(curve);
     times["tensor_splits"].push_back(entry);
+  }
+  for (const ExpertSplitTimes& split : t.expert_splits) {
+    Json entry;
+    entry["expert_parallel_degree"] = split.expert_parallel_degree;
+    for (size_t c = 0; c < kExpertSplitCurves.size(); ++c)
+      entry[std::string(kExpertSplitCurves[c])] = curve_json(split.*kExpertSplitCurveFields[c]);
+    times["expert_splits"].push_back(entry);
   }
   return times;
 }

@@ -136,17 +136,26 @@ void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
   // block is recomputed. At a split whose whole micro-batch was measured (sequence parallel), against the split
   // operations (the router whole), and its collectives priced as they ran there; otherwise
   // the unsplit micro-batch (one rank, experts on it, balanced routing) against the unsplit
-  // operations, what it took beyond them charged to a split block unchanged.
+  // operations, what it took beyond them charged to a split block unchanged. With the experts
+  // over E ranks (T = 1), the micro-batch measured so (its dispatch and combine, the time inside
+  // the exchanges left out) against the operations of E's local experts on their rows.
   const bool split_whole = split != nullptr && p.sequence_parallel && !split->micro_batch_forward.empty();
-  const CurvePoints& whole_forward = split_whole ? split->micro_batch_forward : t.micro_batch_forward;
-  const CurvePoints& whole_backward = split_whole ? split->micro_batch_backward : t.micro_batch_backward;
+  const ExpertSplitTimes* experts_whole =
+      p.tensor_parallel_degree <= 1 && p.expert_parallel_degree > 1 ? t.expert_split(p.expert_parallel_degree) : nullptr;
+  const CurvePoints& whole_forward = split_whole     ? split->micro_batch_forward
+                                     : experts_whole ? experts_whole->micro_batch_forward
+                                                     : t.micro_batch_forward;
+  const CurvePoints& whole_backward = split_whole     ? split->micro_batch_backward
+                                      : experts_whole ? experts_whole->micro_batch_backward
+                                                      : t.micro_batch_backward;
   if (whole_forward.empty() || whole_backward.empty() || t.num_layers <= 0) return;
   ModelSpec measured = m;  // the model of the whole micro-batches: these blocks, its depth
   measured.num_layers = t.num_layers;
   const double blocks = static_cast<double>(measured.blocks());
   const double moe_blocks = static_cast<double>(measured.moe_blocks());
-  const double experts = static_cast<double>(m.num_experts);
-  const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;
+  const double experts = static_cast<double>(m.num_experts) /
+                         static_cast<double>(experts_whole ? experts_whole->expert_parallel_degree : 1);
+  const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;  // balanced
   const TensorSplitTimes* ops = split_whole ? split : nullptr;
   const double head = heads * curve_at(ops ? ops->head : t.head, tokens);
   auto operations = [&](bool backward) {

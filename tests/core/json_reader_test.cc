@@ -322,7 +322,13 @@ Json calibrated_json() {
          {"micro_batch_forward", {{256, 0.02}, {512, 0.04}}},
          {"micro_batch_backward", {{256, 0.05}, {512, 0.08}}},
          {"collectives_forward", {{256, 0.01}, {512, 0.02}}},
-         {"collectives_backward", {{256, 0.012}, {512, 0.022}}}}}}};
+         {"collectives_backward", {{256, 0.012}, {512, 0.022}}}}}},
+      {"expert_splits",
+       {{{"expert_parallel_degree", 2},
+         {"micro_batch_forward", {{256, 0.03}, {512, 0.06}}},
+         {"micro_batch_backward", {{256, 0.08}, {512, 0.12}}},
+         {"exchange_forward", {{256, 0.004}, {512, 0.006}}},
+         {"exchange_backward", {{256, 0.005}, {512, 0.007}}}}}}};
   return json;
 }
 
@@ -345,6 +351,9 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.op_times.split(2)->head, (CurvePoints{{256, 0.021}, {512, 0.036}}));
   EXPECT_EQ(c.op_times.split(2)->collectives_backward, (CurvePoints{{256, 0.012}, {512, 0.022}}));
   EXPECT_EQ(c.op_times.split(4), nullptr);
+  ASSERT_NE(c.op_times.expert_split(2), nullptr);
+  EXPECT_EQ(c.op_times.expert_split(2)->exchange_backward, (CurvePoints{{256, 0.005}, {512, 0.007}}));
+  EXPECT_EQ(c.op_times.expert_split(4), nullptr);
   EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
   EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
   EXPECT_EQ(c.after_compute.all_gather, (CurvePoints{{0.0001, 1e-4}, {0.001, 1e-3}}));
@@ -378,6 +387,12 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
        "seconds must be in [0, 1e6], got -1"},
       {"/framework/op_times/tensor_splits/0/router_forward", Json::array(),
        "framework.op_times.tensor_splits[0].router_forward", "unknown field"},
+      {"/framework/op_times/expert_splits/0/expert_parallel_degree", 3,
+       "framework.op_times.expert_splits[0].expert_parallel_degree", "= 3 does not divide shapes.num_experts = 8"},
+      {"/framework/op_times/expert_splits/0/exchange_forward", Json::array({Json::array({256, -1})}),
+       "framework.op_times.expert_splits[0].exchange_forward[0]", "seconds must be in [0, 1e6], got -1"},
+      {"/framework/op_times/expert_splits/1", calibrated_json()["framework"]["op_times"]["expert_splits"][0],
+       "framework.op_times.expert_splits[1].expert_parallel_degree", "= 2 is listed twice"},
       {"/framework/op_times/tensor_splits/1", calibrated_json()["framework"]["op_times"]["tensor_splits"][0],
        "framework.op_times.tensor_splits[1].tensor_parallel_degree", "= 2 is listed twice"},
       {"/intra_node/collectives/all_gather/points/0", Json::array({-5, 1}), "intra_node.collectives.all_gather.points[0]",
@@ -409,10 +424,11 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
   json["framework"]["op_times"]["shapes"].erase("num_layers");
   std::string path = dir.write("cal.json", json);
   auto problems = problems_of([&] { read_cluster_file(path); }, path);
-  ASSERT_EQ(problems.size(), 2u) << describe(problems);
+  ASSERT_EQ(problems.size(), 3u) << describe(problems);
   EXPECT_EQ(problems[0].path, "framework.op_times.shapes.num_layers");
   EXPECT_EQ(problems[0].message, "is required with micro_batch_forward: the blocks of the model those micro-batches ran");
   EXPECT_EQ(problems[1].message, "is required with a split's micro_batch_forward: the blocks of the model it ran");
+  EXPECT_EQ(problems[2].message, "is required with expert_splits: the blocks of the model they ran");
   // A split's whole micro-batch is its compute and its collectives: the four come together.
   json = calibrated_json();
   json["framework"]["op_times"]["tensor_splits"][0].erase("collectives_backward");
@@ -422,6 +438,13 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
   EXPECT_EQ(problems[0].path, "framework.op_times.tensor_splits[0].micro_batch_forward");
   EXPECT_EQ(problems[0].message,
             "micro_batch_forward, micro_batch_backward, collectives_forward and collectives_backward come together");
+  // An expert split's four curves are each required.
+  json = calibrated_json();
+  json["framework"]["op_times"]["expert_splits"][0].erase("exchange_backward");
+  path = dir.write("cal.json", json);
+  problems = problems_of([&] { read_cluster_file(path); }, path);
+  ASSERT_EQ(problems.size(), 1u) << describe(problems);
+  EXPECT_EQ(problems[0].path, "framework.op_times.expert_splits[0].exchange_backward");
 }
 
 struct ProfileEdit {

@@ -71,6 +71,15 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     ASSERT_FALSE(curve.empty()) << name;
     for (const auto& [x, seconds] : curve) EXPECT_GT(seconds, 0) << name << " at " << x;
   }
+  // And the experts over both: the whole micro-batch with its exchanges timed apart.
+  ASSERT_EQ(c.op_times.expert_splits.size(), 1u);
+  ASSERT_NE(c.op_times.expert_split(2), nullptr);
+  for (size_t i = 0; i < kExpertSplitCurves.size(); ++i) {
+    const CurvePoints& curve = c.op_times.expert_split(2)->*kExpertSplitCurveFields[i];
+    ASSERT_EQ(curve.size(), c.op_times.micro_batch_forward.size()) << kExpertSplitCurves[i];
+    for (const auto& [x, seconds] : curve) EXPECT_GE(seconds, 0) << kExpertSplitCurves[i] << " at " << x;
+  }
+  EXPECT_GT(c.op_times.expert_split(2)->micro_batch_backward.back().second, 0);
   for (const CollectiveFit* f : {&c.all_gather_fit, &c.all_to_all_fit, &c.all_reduce_fit, &c.reduce_scatter_fit}) {
     EXPECT_GT(f->bandwidth_bytes_per_s, 1e6);
     EXPECT_LT(f->latency_s, 0.1);

@@ -792,6 +792,33 @@ TEST(CalibratedProfile, SharedExpertsDenseBlocksAndPredictionModulesFromTheMeasu
   EXPECT_NEAR(moe_forward_seconds(e2.config(), 1.0) - moe_forward_seconds(e2_routed.config(), 1.0), shared, 1e-12);
 }
 
+// The whole micro-batch measured with the experts over E = 2 ranks: an E = 2 plan takes what it
+// added beyond the operations of 4 local experts on twice the rows; other E keep the one-rank's.
+TEST(CalibratedProfile, AnExpertSplitsWholeMicroBatchPricesItsBlocks) {
+  Scenario c = calibrated_cpu(2, 1, Checkpointing::kNone, 2);
+  const double layers = static_cast<double>(c.model.num_layers);
+  // The one rank's: 8 experts on 128 rows; at E = 2, 4 experts on 256 rows each.
+  const double forward = layers * (0.004 + 0.001 + 8 * 0.0008) + 0.08 / 3;
+  const double backward = layers * (0.010 + 0.001 + 8 * 0.0016) + 0.08 * 2 / 3;
+  c.cluster.op_times.micro_batch_forward = {{512, forward + layers * 0.002}};
+  c.cluster.op_times.micro_batch_backward = {{512, backward + layers * 0.003}};
+  const double row256 = 0.0001 + (256 - 16) * 0.0255 / 4080;
+  ExpertSplitTimes split;
+  split.expert_parallel_degree = 2;
+  split.micro_batch_forward = {{512, layers * (0.004 + 0.001 + 4 * row256 + 0.005) + 0.08 / 3}};
+  split.micro_batch_backward = {{512, layers * (0.010 + 0.001 + 4 * 2 * row256 + 0.007) + 0.08 * 2 / 3}};
+  split.exchange_forward = split.exchange_backward = {{512, 0.001}};
+  const OpCosts before = op_costs(c.config());
+  EXPECT_NEAR(before.framework_forward_s, 0.002, 1e-12);
+  c.cluster.op_times.expert_splits = {split};
+  const OpCosts o = op_costs(c.config());
+  EXPECT_NEAR(o.framework_forward_s, 0.005, 1e-12);
+  EXPECT_NEAR(o.framework_backward_s, 0.007, 1e-12);
+  Scenario e1 = calibrated_cpu(1, 2, Checkpointing::kNone, 2);
+  e1.cluster.op_times = c.cluster.op_times;
+  EXPECT_NEAR(op_costs(e1.config()).framework_forward_s, 0.002, 1e-12);
+}
+
 TEST(CalibratedProfile, APipelineStageAddsWhatTheWholeModelLeftOutPerBlock) {
   // The whole micro-batch ran every block of the model; a stage of P = 2 runs half of them,
   // and each of its blocks gets the same share of what the operations left out.

@@ -77,7 +77,7 @@ PassFigures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhea
     torch::AutoGradMode with_grad(true);
     x.world.barrier();
     f.micro_batches = measure_micro_batches(x);
-    if (!x.split_models.empty()) progress.say("whole micro-batches under tensor splits" + of);
+    if (!x.split_models.empty()) progress.say("whole micro-batches under tensor and expert splits" + of);
     f.split_micro_batches = measure_split_micro_batches(x);
     // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
     // beyond its tensors before that.
@@ -276,7 +276,22 @@ void read_split_times(const Workload& x, const PassFigures& kept, OpTimes& times
     times.tensor_splits.push_back(std::move(split));
   }
   for (size_t s = 0; s < x.split_models.size(); ++s) {
-    const int64_t degree = x.split_models[s]->plan.parallel.tensor_parallel_degree;
+    const ParallelConfig& parallel = x.split_models[s]->plan.parallel;
+    if (parallel.expert_parallel_degree > 1) {  // the experts split, not the tensors
+      ExpertSplitTimes split;
+      split.expert_parallel_degree = parallel.expert_parallel_degree;
+      for (size_t i = 0; i < x.mbs.size(); ++i) {
+        const double tokens = static_cast<double>(x.mbs[i] * x.t);
+        const SplitMicroBatchFigures& m = kept.split_micro_batches[s][i];
+        split.micro_batch_forward.emplace_back(tokens, m.compute.forward);
+        split.micro_batch_backward.emplace_back(tokens, m.compute.backward);
+        split.exchange_forward.emplace_back(tokens, std::max(0.0, m.whole.forward - m.compute.forward));
+        split.exchange_backward.emplace_back(tokens, std::max(0.0, m.whole.backward - m.compute.backward));
+      }
+      times.expert_splits.push_back(std::move(split));
+      continue;
+    }
+    const int64_t degree = parallel.tensor_parallel_degree;
     TensorSplitTimes& split = *std::find_if(times.tensor_splits.begin(), times.tensor_splits.end(),
                                             [&](const auto& t) { return t.tensor_parallel_degree == degree; });
     for (size_t i = 0; i < x.mbs.size(); ++i) {

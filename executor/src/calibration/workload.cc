@@ -182,20 +182,35 @@ torch::Tensor Workload::micro_batch_loss(const torch::Tensor& ids) {
 }
 
 void Workload::form_split_models() {
-  for (int64_t split : splits) {
-    if (n % split != 0) continue;
+  // The model on a mesh of the ranks, the time inside `group`'s collectives counted apart.
+  auto form = [&](const ParallelConfig& parallel, Communicator DeviceMesh::*group) {
     auto s = std::make_unique<SplitModel>();
     s->plan = alone_plan(o);
-    s->plan.parallel.world_size = n;
-    s->plan.parallel.tensor_parallel_degree = split;
-    s->plan.parallel.sequence_parallel = true;
+    s->plan.parallel = parallel;
     s->mesh = mesh_of(s->plan.parallel);
     s->model = std::make_unique<ShardedModel>(s->plan, *s->mesh);
-    s->mesh->tensor.set_observer(
-        [inside = &s->inside_s](const char*, int64_t, Clock::time_point start, Clock::time_point end) {
+    ((*s->mesh).*group)
+        .set_observer([inside = &s->inside_s](const char*, int64_t, Clock::time_point start, Clock::time_point end) {
           *inside += std::chrono::duration<double>(end - start).count();
         });
     split_models.push_back(std::move(s));
+  };
+  for (int64_t split : splits) {
+    if (n % split != 0) continue;
+    ParallelConfig p = alone_plan(o).parallel;
+    p.world_size = n;
+    p.tensor_parallel_degree = split;
+    p.sequence_parallel = true;
+    form(p, &DeviceMesh::tensor);
+  }
+  // The routed experts over E ranks (the rest replicas), as an expert-parallel layout runs
+  // them: its dispatch and combine and what they take beyond the exchanges.
+  for (int64_t e = 2; e <= n && !m.dense(); e *= 2) {
+    if (n % e != 0 || m.num_experts % e != 0) continue;
+    ParallelConfig p = alone_plan(o).parallel;
+    p.world_size = n;
+    p.expert_parallel_degree = e;
+    form(p, &DeviceMesh::expert);
   }
 }
 

@@ -107,6 +107,20 @@ inline constexpr std::array<std::string_view, 9> kTensorSplitCurves{
 // The first five are required; the rest come together or not at all.
 inline constexpr size_t kRequiredTensorSplitCurves = 5;
 
+// The executor's whole micro-batch on a mesh whose routed experts are split over E ranks (T = 1,
+// the same tokens on every rank), against the tokens of a micro-batch: its compute (the time
+// inside the expert group's exchanges left out) and that time, forward and backward.
+struct ExpertSplitTimes {
+  int64_t expert_parallel_degree = 0;
+  CurvePoints micro_batch_forward, micro_batch_backward, exchange_forward, exchange_backward;
+  bool operator==(const ExpertSplitTimes&) const = default;
+};
+inline constexpr std::array<CurvePoints ExpertSplitTimes::*, 4> kExpertSplitCurveFields{
+    &ExpertSplitTimes::micro_batch_forward, &ExpertSplitTimes::micro_batch_backward,
+    &ExpertSplitTimes::exchange_forward, &ExpertSplitTimes::exchange_backward};
+inline constexpr std::array<std::string_view, 4> kExpertSplitCurves{"micro_batch_forward", "micro_batch_backward",
+                                                                    "exchange_forward", "exchange_backward"};
+
 // The blocks around the measured operations, as the model measured had them: its attention's
 // kind (q/k norms, latent attention's widths), shared experts, dense blocks and multi-token
 // prediction. Measured times apply to a model with the same blocks; its whole micro-batches
@@ -159,10 +173,14 @@ struct OpTimes {
   CurvePoints micro_batch_forward, micro_batch_backward;
   // The same operations split over T ranks, one entry per T measured. Optional.
   std::vector<TensorSplitTimes> tensor_splits;
+  // The whole micro-batch with the experts split over E ranks, one entry per E. Optional.
+  std::vector<ExpertSplitTimes> expert_splits;
 
   bool empty() const { return attention_forward.empty(); }
   // The times measured at a split of t ranks; nullptr when none were.
   const TensorSplitTimes* split(int64_t t) const;
+  // The whole micro-batch measured with the experts over e ranks; nullptr when it was not.
+  const ExpertSplitTimes* expert_split(int64_t e) const;
   bool operator==(const OpTimes&) const = default;
 };
 inline constexpr std::array<std::string_view, 10> kOpTimeCurves{
