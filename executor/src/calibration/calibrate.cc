@@ -277,31 +277,29 @@ void read_split_times(const Workload& x, const PassFigures& kept, OpTimes& times
   }
   for (size_t s = 0; s < x.split_models.size(); ++s) {
     const ParallelConfig& parallel = x.split_models[s]->plan.parallel;
-    if (parallel.expert_parallel_degree > 1) {  // the experts split, not the tensors
-      ExpertSplitTimes split;
-      split.expert_parallel_degree = parallel.expert_parallel_degree;
+    // Per micro-batch size: the compute, and the time inside the split's group beyond it.
+    auto read_whole = [&](CurvePoints& forward, CurvePoints& backward, CurvePoints& inside_forward,
+                          CurvePoints& inside_backward) {
       for (size_t i = 0; i < x.mbs.size(); ++i) {
         const double tokens = static_cast<double>(x.mbs[i] * x.t);
         const SplitMicroBatchFigures& m = kept.split_micro_batches[s][i];
-        split.micro_batch_forward.emplace_back(tokens, m.compute.forward);
-        split.micro_batch_backward.emplace_back(tokens, m.compute.backward);
-        split.exchange_forward.emplace_back(tokens, std::max(0.0, m.whole.forward - m.compute.forward));
-        split.exchange_backward.emplace_back(tokens, std::max(0.0, m.whole.backward - m.compute.backward));
+        forward.emplace_back(tokens, m.compute.forward);
+        backward.emplace_back(tokens, m.compute.backward);
+        inside_forward.emplace_back(tokens, std::max(0.0, m.whole.forward - m.compute.forward));
+        inside_backward.emplace_back(tokens, std::max(0.0, m.whole.backward - m.compute.backward));
       }
-      times.expert_splits.push_back(std::move(split));
+    };
+    if (parallel.expert_parallel_degree > 1) {  // the experts split, not the tensors
+      ExpertSplitTimes& split = times.expert_splits.emplace_back();
+      split.expert_parallel_degree = parallel.expert_parallel_degree;
+      read_whole(split.micro_batch_forward, split.micro_batch_backward, split.exchange_forward, split.exchange_backward);
       continue;
     }
     const int64_t degree = parallel.tensor_parallel_degree;
     TensorSplitTimes& split = *std::find_if(times.tensor_splits.begin(), times.tensor_splits.end(),
                                             [&](const auto& t) { return t.tensor_parallel_degree == degree; });
-    for (size_t i = 0; i < x.mbs.size(); ++i) {
-      const double tokens = static_cast<double>(x.mbs[i] * x.t);
-      const SplitMicroBatchFigures& m = kept.split_micro_batches[s][i];
-      split.micro_batch_forward.emplace_back(tokens, m.compute.forward);
-      split.micro_batch_backward.emplace_back(tokens, m.compute.backward);
-      split.collectives_forward.emplace_back(tokens, std::max(0.0, m.whole.forward - m.compute.forward));
-      split.collectives_backward.emplace_back(tokens, std::max(0.0, m.whole.backward - m.compute.backward));
-    }
+    read_whole(split.micro_batch_forward, split.micro_batch_backward, split.collectives_forward,
+               split.collectives_backward);
   }
 }
 
