@@ -149,10 +149,9 @@ void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
                                       : experts_whole ? experts_whole->micro_batch_backward
                                                       : t.micro_batch_backward;
   if (whole_forward.empty() || whole_backward.empty() || t.num_layers <= 0) return;
-  ModelSpec measured = m;  // the model of the whole micro-batches: these blocks, its depth
-  measured.num_layers = t.num_layers;
-  const double blocks = static_cast<double>(measured.blocks());
-  const double moe_blocks = static_cast<double>(measured.moe_blocks());
+  // The blocks of the model the whole micro-batches ran: these blocks at its depth.
+  const double blocks = static_cast<double>(t.num_layers + m.mtp_layers);
+  const double moe_blocks = static_cast<double>(m.moe_layers_in(0, t.num_layers) + m.mtp_layers);
   const double experts = static_cast<double>(m.num_experts) /
                          static_cast<double>(experts_whole ? experts_whole->expert_parallel_degree : 1);
   const double rows = static_cast<double>(m.experts_per_token) * tokens / experts;  // balanced
