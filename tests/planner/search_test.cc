@@ -66,39 +66,6 @@ TEST(Search, PinnedChoicesAreKeptAndTheRestSearched) {
   EXPECT_GT(none.stats.rejected_by_rule[static_cast<size_t>(Rule::kExpertDegreeDividesExperts)], 0);
 }
 
-// The MoE models of the shipped profiles plan on H100 (p5) and on A100 40 GB (p4d, twice the
-// GPUs), and the plan's memory, estimated again from its layout, is what the search kept and
-// fits the device. `scale`: the GPUs on `instance` for each model's H100 count.
-void current_moe_models_plan(const char* instance, int64_t scale) {
-  for (const auto& [name, gpus] : {std::pair<const char*, int64_t>{"deepseek-v3", 256},
-                                   {"kimi-k2", 512},
-                                   {"qwen3-235b-a22b", 64},
-                                   {"qwen3-30b-a3b", 8},
-                                   {"gpt-oss-120b", 16},
-                                   {"gpt-oss-20b", 8},
-                                   {"moonlight-16b-a3b", 8}}) {
-    const int64_t n = scale * gpus;
-    {
-      SCOPED_TRACE(std::string(name) + " on " + std::to_string(n) + " x " + instance);
-      SearchOptions options = test::search_options(n);
-      options.estimator = Estimator::kAnalytic;
-      options.keep = 1;
-      const ClusterSpec cluster = test::hardware(instance, n);
-      const ModelSpec& model = test::model(name);
-      const SearchResult r = search(model, cluster, options);
-      ASSERT_FALSE(r.ranked.empty());
-      const Candidate& best = r.ranked.front();
-      const MemoryEstimate again = estimate_memory({model, cluster, best.parallel, options.moe, options.training});
-      EXPECT_EQ(again.device_total, best.memory.device_total);
-      EXPECT_LE(again.device_total, cluster.usable_memory_bytes());
-    }
-  }
-}
-
-// Apart, so that the two halves run side by side in the test tiers.
-TEST(Search, CurrentMoeModelsPlanOnH100) { current_moe_models_plan("p5.48xlarge", 1); }
-TEST(Search, CurrentMoeModelsPlanOnA100) { current_moe_models_plan("p4d.24xlarge", 2); }
-
 // Parallel folding is a choice of the search where the framework runs it: with T = 2, Megatron-LM's
 // plans include experts whole on each rank with the tensor ranks in the expert group (E beyond
 // the data-parallel ranks), and so do moeplan's executor's. Qwen3-235B-A22B's published layout on
