@@ -49,7 +49,7 @@ function(moeplan_add_test)
   add_executable(${target} ${ARG_SOURCES})
   target_link_libraries(${target} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
   target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
-  target_compile_options(${target} PRIVATE ${MOEPLAN_WARNING_FLAGS} -Wno-conversion)
+  target_compile_options(${target} PRIVATE ${MOEPLAN_WARNING_FLAGS} -Wno-conversion ${MOEPLAN_TEST_COMPILE_FLAGS})
   target_compile_definitions(${target} PRIVATE
     MOEPLAN_PROFILE_DIR="${MOEPLAN_PROFILE_DIR}"
     MOEPLAN_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data"
@@ -86,10 +86,16 @@ endfunction()
 # sources named after SKIP (files that do not include LibTorch gain nothing from it). GCC takes
 # a precompiled header only where the predefined macros match, and -pedantic takes one away
 # (__cpp_runtime_arrays): the target is compiled without it, as the executor is (the lean build
-# still compiles the skipped files with it).
+# still compiles the skipped files with it). An optimisation level predefines __OPTIMIZE__: the
+# target keeps the executor's, without MOEPLAN_TEST_COMPILE_FLAGS.
 function(moeplan_reuse_torch_pch target)
   cmake_parse_arguments(ARG "" "" "SKIP" ${ARGN})
   target_precompile_headers(${target} REUSE_FROM moeplan_executor)
+  get_target_property(options ${target} COMPILE_OPTIONS)
+  if(options AND MOEPLAN_TEST_COMPILE_FLAGS)
+    list(REMOVE_ITEM options ${MOEPLAN_TEST_COMPILE_FLAGS})
+    set_target_properties(${target} PROPERTIES COMPILE_OPTIONS "${options}")
+  endif()
   target_compile_options(${target} PRIVATE -Wno-pedantic)
   if(ARG_SKIP)
     set_source_files_properties(${ARG_SKIP} TARGET_DIRECTORY ${target} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
