@@ -81,6 +81,20 @@ function(moeplan_add_test)
     DISCOVERY_TIMEOUT 60)
 endfunction()
 
+# moeplan_tests_at_build_level(<source>...)
+# Where MOEPLAN_TEST_COMPILE_FLAGS lowers the test programs' optimisation (the sanitizer
+# presets), these test files keep the build type's level: their tests spend their time in code
+# the file instantiates itself (nlohmann's JSON, a fuzz loop), which runs three times slower at
+# -O0 under ASan. Sources are named relative to the calling directory.
+function(moeplan_tests_at_build_level)
+  if(NOT MOEPLAN_TEST_COMPILE_FLAGS)
+    return()
+  endif()
+  string(TOUPPER "${CMAKE_BUILD_TYPE}" type)
+  separate_arguments(level UNIX_COMMAND "${CMAKE_CXX_FLAGS_${type}}")
+  set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS "${level}")
+endfunction()
+
 # moeplan_reuse_torch_pch(<target> [SKIP <source>...])
 # Compiles <target>'s files with the executor's precompiled LibTorch headers, except the
 # sources named after SKIP (files that do not include LibTorch gain nothing from it). GCC takes
