@@ -84,8 +84,8 @@ endfunction()
 # moeplan_tests_at_build_level(<source>...)
 # Where MOEPLAN_TEST_COMPILE_FLAGS lowers the test programs' optimisation (the sanitizer
 # presets), these test files keep the build type's level: their tests spend their time in code
-# the file instantiates itself (nlohmann's JSON, a fuzz loop), which runs three times slower at
-# -O0 under ASan. Sources are named relative to the calling directory.
+# the file instantiates itself (nlohmann's JSON, a fuzz loop, reference tensors), which runs up
+# to three times slower at -O0 under ASan. Sources are named relative to the calling directory.
 function(moeplan_tests_at_build_level)
   if(NOT MOEPLAN_TEST_COMPILE_FLAGS)
     return()
