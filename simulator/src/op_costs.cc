@@ -176,6 +176,14 @@ void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
     o.tensor_region_forward_s = curve_at(split->collectives_forward, tokens) / (2.0 * blocks);
     o.tensor_region_backward_s = curve_at(split->collectives_backward, tokens) / (2.0 * blocks);
   }
+  // The executor's exchange: per MoE block three sync points forward (counts, dispatch,
+  // combine) and two backward, each paying an equal share of what the whole micro-batch spent
+  // inside them (a step waits at each for the rank that comes last).
+  if (experts_whole && c.moe.dispatcher == Dispatcher::kAllToAll && !c.moe.overlap_exchange &&
+      !experts_whole->exchange_forward.empty() && !experts_whole->exchange_backward.empty() && moe_blocks > 0) {
+    o.expert_exchange_forward_s = curve_at(experts_whole->exchange_forward, tokens) / (3.0 * moe_blocks);
+    o.expert_exchange_backward_s = curve_at(experts_whole->exchange_backward, tokens) / (2.0 * moe_blocks);
+  }
 }
 
 }  // namespace

@@ -352,6 +352,20 @@ class Builder {
       c.nic_bytes_per_node *= share_of_group;
       return c;
     };
+    // As measured inside the whole micro-batch with the experts over E ranks, where the profile
+    // has it (OpCosts::expert_exchange_forward_s): each sync point its share, the waits for the
+    // other ranks included, no after-compute extra on top.
+    const bool backward = kind == OpKind::kDispatchBackward || kind == OpKind::kCombineBackward;
+    if (const double measured = backward ? o_.expert_exchange_backward_s : o_.expert_exchange_forward_s; measured > 0) {
+      if (kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute)
+        collective_round(after, MeshDim::kExpert, OpKind::kDispatchCounts, TraceStream::kExpertComm, layer, mb,
+                         CollectiveCost{0, measured, 0}, static_cast<double>(p_.expert_parallel_degree * c_.model.num_experts) * 8,
+                         false, true);
+      collective_round(after, MeshDim::kExpert, kind, TraceStream::kExpertComm, layer, mb, CollectiveCost{0, measured, 0},
+                       o_.dispatch_send_bytes, false, true);
+      for (size_t r = 0; r < state.size(); ++r) state[r].last = after[r];
+      return;
+    }
     // (DeepEP's kernels count the tokens for each rank inside the dispatch.)
     if (c_.moe.dispatcher == Dispatcher::kAllToAll && (kind == OpKind::kDispatch || kind == OpKind::kDispatchRecompute)) {
       const double counts = static_cast<double>(p_.expert_parallel_degree * c_.model.num_experts) * 8;  // int64

@@ -819,6 +819,53 @@ TEST(CalibratedProfile, AnExpertSplitsWholeMicroBatchPricesItsBlocks) {
   EXPECT_NEAR(op_costs(e1.config()).framework_forward_s, 0.002, 1e-12);
 }
 
+// What the expert group's collectives took inside that micro-batch (the waits for the rank that
+// came last included) prices each sync point of the exchange: three per MoE block forward (the
+// counts, the dispatch, the combine), two backward, and the forward's again where a block is
+// recomputed, with no after-compute extra on top.
+TEST(CalibratedProfile, AnExpertSplitsExchangesCostWhatTheyTookInsideItsMicroBatch) {
+  Scenario c = calibrated_cpu(2, 1, Checkpointing::kNone, 2);
+  const double layers = static_cast<double>(c.model.num_layers);
+  ExpertSplitTimes split;
+  split.expert_parallel_degree = 2;
+  split.micro_batch_forward = split.micro_batch_backward = {{512, 1.0}};
+  split.exchange_forward = {{512, layers * 3 * 0.004}};
+  split.exchange_backward = {{512, layers * 2 * 0.006}};
+  c.cluster.after_compute = {{{1e-3, 1e-4}, {1.0, 0.1}}, {{1e-3, 1e-4}, {1.0, 0.1}}, {{1e-3, 1e-4}, {1.0, 0.1}}};
+  const double before = simulate_step(c.config(), {}).estimate.step_time_s;
+  c.cluster.op_times.expert_splits = {split};
+  const OpCosts o = op_costs(c.config());
+  EXPECT_NEAR(o.expert_exchange_forward_s, 0.004, 1e-12);
+  EXPECT_NEAR(o.expert_exchange_backward_s, 0.006, 1e-12);
+  for (const Checkpointing ckpt : {Checkpointing::kNone, Checkpointing::kFull}) {
+    c.parallel.activation_checkpointing = ckpt;
+    const StepSimulation sim = simulate_step(c.config(), {false, true});
+    double forward = 0, backward = 0, waited = 0;
+    for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+      const Op& op = sim.graph.ops()[i];
+      if (op.rank != 0 || op.collective < 0) continue;
+      const double seconds = to_seconds(sim.times.end[i] - sim.times.start[i]);
+      switch (op.kind) {
+        case OpKind::kDispatchCounts: case OpKind::kDispatch: case OpKind::kCombine:
+        case OpKind::kDispatchRecompute: case OpKind::kCombineRecompute: forward += seconds; break;
+        case OpKind::kDispatchBackward: case OpKind::kCombineBackward: backward += seconds; break;
+        default: continue;
+      }
+      waited += to_seconds(sim.times.collective_wait[static_cast<size_t>(op.collective)]);
+    }
+    const double micro_batches = static_cast<double>(c.parallel.gradient_accumulation_steps);
+    const double recomputed = ckpt == Checkpointing::kFull ? 2.0 : 1.0;
+    EXPECT_NEAR(forward, recomputed * micro_batches * layers * 3 * 0.004, 1e-6) << name_of(kCheckpointingNames, ckpt);
+    EXPECT_NEAR(backward, micro_batches * layers * 2 * 0.006, 1e-6) << name_of(kCheckpointingNames, ckpt);
+    EXPECT_EQ(waited, 0);
+  }
+  c.parallel.activation_checkpointing = Checkpointing::kNone;
+  EXPECT_GT(simulate_step(c.config(), {}).estimate.step_time_s, before);
+  // The all-gather dispatcher's exchange is not what was measured: the cost model prices it.
+  c.moe.dispatcher = Dispatcher::kAllGather;
+  EXPECT_EQ(op_costs(c.config()).expert_exchange_forward_s, 0);
+}
+
 TEST(CalibratedProfile, APipelineStageAddsWhatTheWholeModelLeftOutPerBlock) {
   // The whole micro-batch ran every block of the model; a stage of P = 2 runs half of them,
   // and each of its blocks gets the same share of what the operations left out.

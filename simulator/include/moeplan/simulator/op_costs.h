@@ -38,6 +38,12 @@ struct KernelCosts {
   // the embedding, the head and the loss spread over the regions with the blocks'; 0 where not
   // measured (the cost model then prices each region: CostModel::tensor_region_cost).
   double tensor_region_forward_s = 0, tensor_region_backward_s = 0;
+  // Per sync point of the token exchange (forward: the counts' all-gather, the dispatch and the
+  // combine of each MoE block; backward: the two exchanges): what the expert group's
+  // collectives took inside the measured whole micro-batch with the experts over E ranks
+  // (T = 1), the waits for the other ranks included; 0 where not measured (the cost model then
+  // prices each exchange).
+  double expert_exchange_forward_s = 0, expert_exchange_backward_s = 0;
   double attention_flops = 0;
   double moe_flops = 0;  // at the mean load
   double head_flops = 0;
