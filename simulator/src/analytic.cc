@@ -92,6 +92,15 @@ void add_expert_exchange(const Stage& s, StageTimes& t) {
   const CostModel& cost = s.cost;
   const double layers = s.moe_layers();  // dense blocks exchange nothing
   if (p.expert_parallel_degree <= 1) return;
+  // As measured inside the expert split's whole micro-batch (OpCosts::expert_exchange_forward_s):
+  // three sync points forward, two backward, the forward's again where the block is recomputed,
+  // as the step simulator charges them.
+  if (o.expert_exchange_forward_s > 0) {
+    const double forward = (recomputes_moe(p.activation_checkpointing) ? 2.0 : 1.0) * 3.0 * o.expert_exchange_forward_s;
+    t.expert_comm = layers * (forward + 2.0 * o.expert_exchange_backward_s);
+    t.expert_chain_min = t.expert_comm;
+    return;
+  }
   const double per_exchange =
       cost.seconds(token_exchange_cost(cost, c, o.dispatch_send_bytes, s.shapes.exchange), s.shapes.exchange);
   const double exchanges = 4.0 + (recomputes_moe(p.activation_checkpointing) ? 2.0 : 0.0);

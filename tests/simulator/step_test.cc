@@ -859,6 +859,14 @@ TEST(CalibratedProfile, AnExpertSplitsExchangesCostWhatTheyTookInsideItsMicroBat
     EXPECT_NEAR(backward, micro_batches * layers * 2 * 0.006, 1e-6) << name_of(kCheckpointingNames, ckpt);
     EXPECT_EQ(waited, 0);
   }
+  // The analytic estimate prices them alike, and its bound stays below the simulation.
+  for (const Checkpointing ckpt : {Checkpointing::kNone, Checkpointing::kFull, Checkpointing::kSelective}) {
+    c.parallel.activation_checkpointing = ckpt;
+    const StepEstimate analytic = estimate_step(c.config(), layout_shapes(c.cluster, c.parallel));
+    const double simulated = simulate_step(c.config(), {}).estimate.step_time_s;
+    EXPECT_LE(analytic.lower_bound_s, simulated * (1 + 1e-6)) << name_of(kCheckpointingNames, ckpt);
+    EXPECT_NEAR(analytic.step_time_s, simulated, 0.1 * simulated) << name_of(kCheckpointingNames, ckpt);
+  }
   c.parallel.activation_checkpointing = Checkpointing::kNone;
   EXPECT_GT(simulate_step(c.config(), {}).estimate.step_time_s, before);
   // The all-gather dispatcher's exchange is not what was measured: the cost model prices it.
