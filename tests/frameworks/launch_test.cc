@@ -12,6 +12,7 @@
 #include "moeplan/core/plan.h"
 #include "moeplan/planner/search.h"
 #include "framework_rules.h"
+#include "refusal.h"
 #include "test_support.h"
 
 namespace moeplan {
@@ -46,18 +47,7 @@ const launch::LaunchFile& file(const std::vector<launch::LaunchFile>& files, con
   throw std::runtime_error("no file " + name);
 }
 
-// The lines of an InputError, joined; empty when `f` throws none.
-template <class F>
-std::string refusal(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    std::string all;
-    for (const std::string& line : e.lines()) all += line + "\n";
-    return all;
-  }
-  return "";
-}
+using test::refusal;
 
 // "--flag value" lines as a map ("" for a switch).
 std::map<std::string, std::string> megatron_args(const std::string& text) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "framework_rules.h"
+#include "refusal.h"
 #include "moeplan/core/errors.h"
 #include "moeplan/core/plan.h"
 #include "moeplan/frameworks/launch.h"
@@ -14,18 +15,7 @@
 namespace moeplan {
 namespace {
 
-// The lines of an InputError, joined; empty when `f` throws none.
-template <class F>
-std::string refusal(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    std::string all;
-    for (const std::string& line : e.lines()) all += line + "\n";
-    return all;
-  }
-  return "";
-}
+using test::refusal;
 
 // What `moeplan search --target X` writes, X's exporter takes: the search and the exporter
 // apply the same rules.

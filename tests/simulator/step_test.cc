@@ -610,6 +610,18 @@ Scenario calibrated_cpu(int64_t e, int64_t s, Checkpointing ckpt, int64_t micro_
   return c;
 }
 
+// Under each checkpointing, the analytic estimate is within 10% of the simulated step and its
+// bound stays below it.
+void expect_analytic_near_the_simulation(Scenario c) {
+  for (const Checkpointing ckpt : {Checkpointing::kNone, Checkpointing::kFull, Checkpointing::kSelective}) {
+    c.parallel.activation_checkpointing = ckpt;
+    const StepEstimate analytic = estimate_step(c.config(), layout_shapes(c.cluster, c.parallel));
+    const double simulated = simulate_step(c.config(), {}).estimate.step_time_s;
+    EXPECT_LE(analytic.lower_bound_s, simulated * (1 + 1e-6)) << name_of(kCheckpointingNames, ckpt);
+    EXPECT_NEAR(analytic.step_time_s, simulated, 0.1 * simulated) << name_of(kCheckpointingNames, ckpt);
+  }
+}
+
 TEST(CalibratedProfile, MeasuredOpTimesReplaceTheFlopModel) {
   const Scenario c = calibrated_cpu(1, 1, Checkpointing::kNone, 2);
   ASSERT_TRUE(op_times_apply(c.config()));
@@ -719,14 +731,7 @@ TEST(CalibratedProfile, ASplitsWholeMicroBatchPricesItsBlocksAndItsRegions) {
   EXPECT_EQ(waited, 0);
   // The analytic estimate prices the regions alike, and its bound stays below the simulation,
   // with recomputed regions too.
-  for (const Checkpointing ckpt : {Checkpointing::kNone, Checkpointing::kFull, Checkpointing::kSelective}) {
-    c.parallel.activation_checkpointing = ckpt;
-    const StepEstimate analytic = estimate_step(c.config(), layout_shapes(c.cluster, c.parallel));
-    const double simulated = simulate_step(c.config(), {}).estimate.step_time_s;
-    EXPECT_LE(analytic.lower_bound_s, simulated * (1 + 1e-6)) << name_of(kCheckpointingNames, ckpt);
-    EXPECT_NEAR(analytic.step_time_s, simulated, 0.1 * simulated) << name_of(kCheckpointingNames, ckpt);
-  }
-  c.parallel.activation_checkpointing = Checkpointing::kNone;
+  expect_analytic_near_the_simulation(c);
   // Without sequence parallelism (all-reduces, not what was measured) the cost model prices them.
   c.parallel.sequence_parallel = false;
   EXPECT_EQ(op_costs(c.config()).tensor_region_forward_s, 0);
@@ -860,14 +865,7 @@ TEST(CalibratedProfile, AnExpertSplitsExchangesCostWhatTheyTookInsideItsMicroBat
     EXPECT_EQ(waited, 0);
   }
   // The analytic estimate prices them alike, and its bound stays below the simulation.
-  for (const Checkpointing ckpt : {Checkpointing::kNone, Checkpointing::kFull, Checkpointing::kSelective}) {
-    c.parallel.activation_checkpointing = ckpt;
-    const StepEstimate analytic = estimate_step(c.config(), layout_shapes(c.cluster, c.parallel));
-    const double simulated = simulate_step(c.config(), {}).estimate.step_time_s;
-    EXPECT_LE(analytic.lower_bound_s, simulated * (1 + 1e-6)) << name_of(kCheckpointingNames, ckpt);
-    EXPECT_NEAR(analytic.step_time_s, simulated, 0.1 * simulated) << name_of(kCheckpointingNames, ckpt);
-  }
-  c.parallel.activation_checkpointing = Checkpointing::kNone;
+  expect_analytic_near_the_simulation(c);
   EXPECT_GT(simulate_step(c.config(), {}).estimate.step_time_s, before);
   // The all-gather dispatcher's exchange is not what was measured: the cost model prices it.
   c.moe.dispatcher = Dispatcher::kAllGather;
