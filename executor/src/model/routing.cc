@@ -244,6 +244,17 @@ SlotList slot_list(const Routing& r, int64_t experts, const MoeConfig& moe, cons
   return s;
 }
 
+namespace {
+// How many tokens chose each expert as their j-th choice, [k, E] of `selected` [N, k] (a
+// one-hot [N, k, E] summed over the tokens, without making it: it would be the largest tensor
+// of the loss).
+torch::Tensor choice_counts(const torch::Tensor& selected, int64_t experts) {
+  const torch::Tensor choices = selected.t().contiguous();  // [k, N]
+  return torch::zeros({choices.size(0), experts}, choices.options())
+      .scatter_add_(1, choices, torch::ones_like(choices));
+}
+}  // namespace
+
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logits, int64_t k,
                                   const std::vector<torch::Tensor>& top_k, RouterScoring scoring, const RankSum& over) {
   if (router_logits.empty()) return torch::zeros({}, torch::kFloat);  // blocks without experts only
@@ -251,14 +262,14 @@ torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logit
   const int64_t experts = logits.size(1);
   const torch::Tensor probs = balancing_probs(logits, scoring);
   const torch::Tensor selected = top_k.empty() ? std::get<1>(torch::topk(probs, k, -1)) : torch::cat(top_k, 0);
-  const torch::Tensor mask = torch::one_hot(selected, experts).to(torch::kFloat);  // [N, k, E]
+  const torch::Tensor chosen = choice_counts(selected, experts).to(torch::kFloat);  // [k, E]
   torch::Tensor tokens_per_expert, prob_per_expert;  // [k, E], [E]
   if (over) {
     const torch::Tensor rows = over(torch::full({1}, static_cast<double>(logits.size(0)), torch::kFloat));
-    tokens_per_expert = over(mask.sum(0)) / rows;
+    tokens_per_expert = over(chosen) / rows;
     prob_per_expert = over(probs.sum(0)) / rows;
   } else {
-    tokens_per_expert = mask.mean(0);
+    tokens_per_expert = chosen / static_cast<double>(logits.size(0));
     prob_per_expert = probs.mean(0);
   }
   return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(experts);
@@ -281,7 +292,7 @@ torch::Tensor router_loss_sums(const std::vector<torch::Tensor>& router_logits, 
   const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
   const torch::Tensor probs = balancing_probs(logits, scoring);
   const torch::Tensor selected = std::get<1>(torch::topk(probs, k, -1));
-  sums.narrow(0, 0, k * experts).copy_(torch::one_hot(selected, experts).sum(0).flatten());
+  sums.narrow(0, 0, k * experts).copy_(choice_counts(selected, experts).flatten());
   sums.narrow(0, k * experts, experts).copy_(probs.sum(0));
   sums[k * experts + experts] = torch::logsumexp(logits, -1).square().sum().item<double>();
   sums[k * experts + experts + 1] = static_cast<double>(logits.size(0));

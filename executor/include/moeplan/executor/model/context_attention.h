@@ -8,18 +8,21 @@
 //   p2p         around a ring (Megatron-Core's default --cp-comm-type): C steps, each
 //               attending to the key-value block in hand (the flash kernel, which also gives
 //               the block's log-sum-exp) while the next one travels; the blocks' outputs are
-//               merged by their log-sum-exps. In backward each block's gradients come from the
-//               flash backward with the merged output, and the key-value gradients go around
-//               the ring to the block's owner, each rank adding its part on the way.
-//   all_gather  the key-value blocks gathered whole first, one attention over them, their
-//               gradients reduce-scattered after.
+//               merged by their log-sum-exps. Backward passes the blocks around again, each
+//               with its key-value gradient, which every holder adds its part to (its flash
+//               backward with the merged output) and which ends with the block's owner; a
+//               rank keeps only its own block in between.
+//   all_gather  the key-value blocks gathered whole first, one attention over them; gathered
+//               again for the backward, their gradients reduce-scattered after.
 // Every block is attended with its mask of positions (causal, and a sliding window where the
 // model has one), so a block whose keys all lie ahead of a query row adds nothing to it;
 // Megatron-Core skips those halves of a block, this computes them masked.
 
 #include <torch/torch.h>
 
+#include <array>
 #include <cstdint>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -46,8 +49,21 @@ class ContextAttention {
   torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
  private:
+  // Keys and values of one block, or their gradients, and a pair of them on its way around the
+  // ring: sent to the next rank while the previous rank's comes in.
+  using Pair = std::pair<torch::Tensor, torch::Tensor>;
+  struct Passing {
+    std::array<Communicator::PendingTransfer, 2> sends, recvs;
+  };
+  Passing pass(const Pair& pair, int64_t tag);
+  Pair finish(Passing& passing);
   torch::Tensor ring(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
   torch::Tensor gathered(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  // The rank whose key-value block a ring step holds, and the additive mask of that rank's keys.
+  int64_t owner(int64_t step) const;
+  torch::Tensor mask(int64_t rank, torch::ScalarType type, torch::Device device) const;
+  // The additive mask of every rank's keys, in the order the all-gather puts them.
+  torch::Tensor whole_mask(torch::ScalarType type, torch::Device device) const;
   Communicator& group_;
   ContextExchange exchange_;
   std::vector<torch::Tensor> positions_;  // of every rank of the group
