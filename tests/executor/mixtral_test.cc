@@ -118,6 +118,9 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
     std::vector<Mat> shared;
     if (moe && s.shared_experts())
       for (int n = 0; n < (s.shared_expert_gate ? 4 : 3); ++n) shared.emplace_back(t[at++]);
+    // Within the window, but on every full_attention_step-th block (blocks K-1, 2K-1, ...; the
+    // layer_types of GPT-OSS's config), which attends over the whole sequence.
+    const bool windowed = s.sliding_window && !(s.full_attention_step > 0 && (l + 1) % s.full_attention_step == 0);
     // Attention, token by token: each head's rotated query and key and its value.
     std::vector<Vec> q(T), k(T), v(T);
     for (int64_t i = 0; i < T; ++i) {
@@ -157,7 +160,7 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
         std::vector<double> scores;
         std::vector<int64_t> keys;
         for (int64_t j = 0; j <= i; ++j) {
-          if (s.sliding_window && i - j >= *s.sliding_window) continue;
+          if (windowed && i - j >= *s.sliding_window) continue;
           const Vec kj = key(j, hh);
           double dot = 0;
           for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kj[c];
@@ -379,6 +382,25 @@ TEST(Mixtral, SlidingWindowMatchesReference) {
   ModelSpec s = small_spec();
   s.sliding_window = 3;
   expect_matches_reference(s, 12);
+}
+
+// GPT-OSS's pattern: the window on every other block, the whole sequence on the others.
+TEST(Mixtral, SlidingWindowOnSomeBlocksMatchesReference) {
+  ModelSpec s = small_spec();
+  s.sliding_window = 3;
+  s.full_attention_step = 2;
+  expect_matches_reference(s, 17);
+  // Each kind of block on its own would give other logits: the pattern is what was applied.
+  ModelSpec all_windowed = s, none_windowed = s;
+  all_windowed.full_attention_step = 0;
+  none_windowed.sliding_window.reset();
+  none_windowed.full_attention_step = 0;
+  const ParameterSet p = random_model(s, 17);
+  const MixtralWeights w = MixtralWeights::bind(s, p.tensors());
+  const torch::Tensor ids = torch::randint(s.vocab_size, {1, 12}, torch::kLong);
+  auto logits = [&](const ModelSpec& spec) { return mixtral_forward(spec, w, ids, LoadBalancing::kAuxLoss).logits; };
+  EXPECT_FALSE(torch::allclose(logits(s), logits(all_windowed), 1e-5, 1e-5));
+  EXPECT_FALSE(torch::allclose(logits(s), logits(none_windowed), 1e-5, 1e-5));
 }
 
 // Qwen3-MoE's attention: the norms (made to differ from one by random_model) act per head.

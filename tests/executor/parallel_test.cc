@@ -319,6 +319,20 @@ TEST_F(Parallel, Qwen3BlocksTrainTheOneRanksLosses) {
                            Layout{"E1S1T2P2_selective", 1, 1, "selective", false, "alltoall", 2, 2}});
 }
 
+// GPT-OSS's pattern of attention on mixtral-tiny's blocks: a window of 16 tokens on blocks 0
+// and 2, the whole 64-token sequence on blocks 1 and 3; over context ranks (the window and the
+// causal mask each split around the ring) and over pipeline stages (each stage with blocks of
+// both kinds), each trains the one rank's losses and routing.
+TEST_F(Parallel, WindowOnSomeBlocksTrainsTheOneRanksLosses) {
+  Json model = read_json_file(write_small_model(*dir_, 512));
+  model["name"] = "mixtral-tiny-window-pattern";
+  model["sliding_window"] = 16;
+  model["full_attention_step"] = 2;
+  expect_one_ranks_losses(dir_->write("window-pattern.json", model), "window-pattern",
+                          {Layout{"E1S1R2C2", 1, 1, "none", false, "alltoall", 1, 1, 1, 2},
+                           Layout{"E2S1P2", 2, 1, "none", false, "alltoall", 1, 2}});
+}
+
 // DeepSeek-V3's blocks on mixtral-tiny's sizes: latent attention (a query latent of 48, a
 // key-value latent of 64, heads of 24 + 8 rotary, values of 16), the first block dense (its
 // feed-forward layer split over T like a shared expert, its empty experts unit held by no

@@ -369,8 +369,8 @@ const FrameworkRuleCase kCases[] = {
        s.model.attention_sinks = true;
      },
      "executor_trains_moe", "model.attention_sinks",
-     "is set: the executor trains Mixtral-style blocks (GPT-OSS's windowed and full attention, sinks, biases and "
-     "clamped gate are planned and simulated only)",
+     "is set: the executor trains Mixtral-style blocks (GPT-OSS's attention sinks, biases and clamped gate are "
+     "planned and simulated only)",
      "is set"},
     {"TorchtitanExpertBiases",
      [](Scenario& s) {
@@ -466,6 +466,16 @@ const FrameworkRuleCase kCases[] = {
 };
 
 class FrameworkRule : public testing::TestWithParam<FrameworkRuleCase> {};
+
+// GPT-OSS's pattern of attention, the window on every other block, trains in the executor: the
+// moeplan target takes it (its sinks stay refused, above).
+TEST(FrameworkRules, ExecutorTakesAWindowOnSomeBlocks) {
+  Scenario s = rules_base();
+  s.target = test::framework_rules("moeplan");
+  s.model.sliding_window = 128;
+  s.model.full_attention_step = 2;
+  EXPECT_EQ(violated_rules(s.config()), RuleMask{0}) << describe_violations(validate(s.config()));
+}
 
 TEST_P(FrameworkRule, BreaksExactlyItsRule) {
   const FrameworkRuleCase& c = GetParam();

@@ -481,7 +481,8 @@ ForwardResult mixtral_forward(const ModelSpec& spec, const MixtralWeights& w, co
   out.nonfinite_layers = torch::zeros({spec.blocks()}, counts);
   auto run_block = [&](int64_t l, torch::Tensor x) {
     const LayerWeights& layer = w.layers[static_cast<size_t>(l)];
-    x = x + attention(spec, layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), rope, mask);
+    x = x + attention(spec, layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), rope,
+                      spec.windowed(l) ? mask : torch::Tensor());
     torch::Tensor router_logits;
     std::function<ChosenExperts(const torch::Tensor&)> replay_layer;
     if (replay)

@@ -335,19 +335,32 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   if (seq_len_ != t) {
     seq_len_ = t;
     rope_ = rope_tables(spec, t, compute_type_);
+    // Blocks within the window (or every block, without one) and, where the model has both, the
+    // blocks over the whole sequence.
+    const bool both = spec.sliding_window && spec.full_attention_step > 0;
     if (cp_ > 1) {
       context_ = std::make_unique<ContextAttention>(mesh_.context, plan_.parallel.context_exchange, t,
                                                     spec.sliding_window);
+      context_full_ = both ? std::make_unique<ContextAttention>(mesh_.context, plan_.parallel.context_exchange, t,
+                                                                std::nullopt)
+                           : nullptr;
       rope_ = {rope_.cos.index_select(0, context_->positions()), rope_.sin.index_select(0, context_->positions())};
       core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
         return context_->attend(q, k, v);
+      };
+      full_core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+        return context_full_->attend(q, k, v);
       };
     } else {
       mask_ = attention_mask_bias(spec, t, compute_type_);
       core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
         return flash_attention(q, k, v, mask_);
       };
+      full_core_ = [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+        return flash_attention(q, k, v, torch::Tensor());
+      };
     }
+    if (!both) full_core_ = core_;
     // The positions this rank routes: its context part, and of that its sequence-parallel
     // slice where the tensor ranks are folded (unfolded ones route the gathered whole).
     routed_positions_ = torch::Tensor();
@@ -441,7 +454,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const LayerWeights w = dense_weights(dense);
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
-                                      rope_, core_));
+                                      rope_, core(l)));
       torch::Tensor router_logits;
       const torch::Tensor y =
           moe_sublayer(l, h, w.post_attention_norm, w.router, w, experts, true, router_logits, shuffle_seed);
@@ -458,7 +471,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
       const LayerWeights w = dense_weights(dense);
       const torch::Tensor h = x + scatter_sequence(attention(
                                       local_spec_, w, gather_sequence(rms_norm(x, w.input_norm, spec.rms_norm_eps)),
-                                      rope_, core_));
+                                      rope_, core(l)));
       // The shared experts' weights are inputs too, after the router's: their gradients come back.
       BlockFn fn = [this, l, expert_unit, counts, dropped, shuffle_seed](const std::vector<torch::Tensor>& in,
                                                                          bool recompute) {
@@ -496,7 +509,7 @@ torch::Tensor ShardedModel::block(int64_t l, const torch::Tensor& x, ForwardResu
         const torch::Tensor h = in[0] + scatter_sequence(attention(
                                             local_spec_, w,
                                             gather_sequence(rms_norm(in[0], w.input_norm, spec.rms_norm_eps)), rope_,
-                                            core_));
+                                            core(l)));
         torch::Tensor router_logits;
         const torch::Tensor y =
             moe_sublayer(l, h, w.post_attention_norm, w.router, w, experts, !recompute, router_logits, shuffle_seed);
@@ -545,10 +558,10 @@ torch::Tensor ShardedModel::moe_sublayer(int64_t l, const torch::Tensor& h, cons
 torch::Tensor ShardedModel::dense_block(int64_t l, const torch::Tensor& x) {
   const size_t dense_unit = static_cast<size_t>(1 + 2 * l);
   const Checkpointing recompute = plan_.parallel.activation_checkpointing;
-  auto attention_part = [this](const torch::Tensor& in, const LayerWeights& w) {
+  auto attention_part = [this, l](const torch::Tensor& in, const LayerWeights& w) {
     const ModelSpec& spec = plan_.model;
-    return in + scatter_sequence(
-                    attention(local_spec_, w, gather_sequence(rms_norm(in, w.input_norm, spec.rms_norm_eps)), rope_, core_));
+    return in + scatter_sequence(attention(
+                    local_spec_, w, gather_sequence(rms_norm(in, w.input_norm, spec.rms_norm_eps)), rope_, core(l)));
   };
   // in: the block's input (full) or the attention's output (selective), then the
   // post-attention norm and the three matrices.

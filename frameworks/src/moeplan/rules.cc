@@ -74,10 +74,17 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= \"" + std::string(name_of(kLoadBalancingNames, c.moe.load_balancing)) +
              "\" with sigmoid scoring: the executor balances a sigmoid router by its bias, with aux_loss or none";
     });
-  if (const char* field = gpt_oss_variant_field(m))
-    sink(kTrainsMoe, field, [&] {
-      return std::string("is set: the executor trains Mixtral-style blocks (GPT-OSS's windowed and full attention, "
-                         "sinks, biases and clamped gate are planned and simulated only)");
+  // GPT-OSS's blocks: the window on some blocks and the whole sequence on the others trains;
+  // its attention sinks, biases and clamped gate do not.
+  const char* gpt_oss = m.attention_sinks ? "model.attention_sinks"
+                        : m.output_bias   ? "model.output_bias"
+                        : m.expert_bias   ? "model.expert_bias"
+                        : m.glu_limit > 0 ? "model.glu_limit"
+                                          : nullptr;
+  if (gpt_oss != nullptr)
+    sink(kTrainsMoe, gpt_oss, [&] {
+      return std::string("is set: the executor trains Mixtral-style blocks (GPT-OSS's attention sinks, biases and "
+                         "clamped gate are planned and simulated only)");
     });
   // Depth k predicts the token k + 1 ahead: a sequence must hold one such pair at the deepest.
   if (m.mtp_layers > 0 && t.seq_len <= m.mtp_layers + 1)

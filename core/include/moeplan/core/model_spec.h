@@ -153,6 +153,14 @@ struct ModelSpec {
   // the sequence; within a window shorter than the sequence, the window; one block in
   // full_attention_step the whole sequence).
   double attention_context(int64_t seq_len) const;
+  // Whether block `block` attends within sliding_window: every block where a window is set but
+  // the full-attention ones of full_attention_step (blocks K-1, 2K-1, ...); the multi-token
+  // prediction blocks (block >= num_layers) within it.
+  bool windowed(int64_t block) const {
+    if (!sliding_window) return false;
+    if (full_attention_step <= 0 || block >= num_layers) return true;
+    return (block + 1) % full_attention_step != 0;
+  }
   // Every block that runs: the decoder's and the multi-token prediction ones.
   int64_t blocks() const { return num_layers + mtp_layers; }
   int64_t moe_blocks() const { return moe_layers() + mtp_layers; }

@@ -209,7 +209,10 @@ class ShardedModel {
   torch::Tensor mask_;
   int64_t cp_ = 1, seq_len_ = 0;
   std::unique_ptr<ContextAttention> context_;  // with C > 1, for the sequence length in use
-  AttentionCore core_;                         // causal flash attention, or the context group's
+  std::unique_ptr<ContextAttention> context_full_;  // the same without the window, where some blocks have none
+  AttentionCore core_;       // causal flash attention (within the window, if any), or the context group's
+  AttentionCore full_core_;  // the same over the whole sequence, for the blocks without the window
+  const AttentionCore& core(int64_t block) const { return plan_.model.windowed(block) ? core_ : full_core_; }
   torch::Tensor routed_positions_;             // where this rank routes part of each sequence
   ActivationStore* offload_ = nullptr;
   int64_t horizon_ = 1;
