@@ -497,17 +497,25 @@ TEST_F(Parallel, PipelineCheckpointMovesBetweenLayouts) {
       reference_);
 }
 
-// The same blocks without the multi-token prediction module (which keeps to one stage) and
-// without a balance loss (which pipeline stages do not train) over two stages of two tensor
-// ranks: the dense first block and its empty experts unit on the first stage, the biases of every
-// stage's blocks moved alike.
+// The same blocks without a balance loss (which pipeline stages do not train) over two stages
+// of two tensor ranks: the dense first block and its empty experts unit on the first stage, the
+// biases of every stage's blocks moved alike, the multi-token prediction module on the last
+// stage with its copy of the embedding, whose gradient it sums with the first stage's (a copy
+// left to its own gradient looks the tokens up in other values from the second step on). Its
+// checkpoint, the embedding saved once, resumes under one rank on the one rank's curve.
 TEST_F(Parallel, DeepSeekBlocksTrainTheOneRanksLossesOverStages) {
   Json model = read_json_file(deepseek_blocks_model(*dir_));
   model["name"] = "mixtral-tiny-deepseek-blocks-staged";
-  model["mtp_layers"] = 0;
   model["router_aux_loss_coef"] = 0.0;
-  expect_one_ranks_losses(dir_->write("deepseek-staged.json", model), "deepseek-staged",
-                          {Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+  const std::string staged = dir_->write("deepseek-staged.json", model);
+  expect_one_ranks_losses(staged, "deepseek-staged", {Layout{"E1S1T2P2", 1, 1, "none", false, "alltoall", 2, 2}});
+  const std::string one_rank = dir_->file("deepseek-staged-plan-1.json");
+  const std::string reference = dir_->file("deepseek-staged-reference-12");
+  const Command r = run_moeplan("run " + one_rank + " --data " + dir_->file("data") + " --out " + reference + " --steps 12");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  expect_checkpoint_moves(plan_for({"deepseek-staged-T2P2", 1, 1, "none", false, "alltoall", 2, 2}, one_rank),
+                          dir_->file("deepseek-staged-T2P2"), dir_->file("data"), {{"one-rank", one_rank}},
+                          read_metrics(reference));
 }
 
 // DeepSeek's blocks move between layouts, the router's balancing biases with them: a checkpoint

@@ -322,17 +322,6 @@ const FrameworkRuleCase kCases[] = {
      "= 192 over head_dim = 128: the executor's latent attention pads values to the query and key width, not the other "
      "way",
      "192"},
-    {"ExecutorModeMultiTokenPredictionAcrossStages",
-     [](Scenario& s) {
-       s.target = test::framework_rules("moeplan");
-       s.model.mtp_layers = 1;
-       s.parallel.pipeline_parallel_degree = 2;
-       s.parallel.hybrid_shard_degree = 4;
-       s.parallel.gradient_accumulation_steps = 256;
-     },
-     "executor_pipeline_limits", "model.mtp_layers",
-     "= 1 with pipeline_parallel_degree = 2: the executor trains multi-token prediction without pipeline stages only",
-     "= 1"},
     {"ExecutorModeMultiTokenPredictionPastTheSequence",
      [](Scenario& s) {
        s.target = test::framework_rules("moeplan");
@@ -466,6 +455,18 @@ const FrameworkRuleCase kCases[] = {
 };
 
 class FrameworkRule : public testing::TestWithParam<FrameworkRuleCase> {};
+
+// Multi-token prediction over pipeline stages trains in the executor (the last stage keeps a
+// copy of the embedding).
+TEST(FrameworkRules, ExecutorTakesMultiTokenPredictionOverStages) {
+  Scenario s = rules_base();
+  s.target = test::framework_rules("moeplan");
+  s.model.mtp_layers = 1;
+  s.parallel.pipeline_parallel_degree = 2;
+  s.parallel.hybrid_shard_degree = 4;
+  s.parallel.gradient_accumulation_steps = 256;
+  EXPECT_EQ(violated_rules(s.config()), RuleMask{0}) << describe_violations(validate(s.config()));
+}
 
 // GPT-OSS's pattern of attention, the window on every other block, trains in the executor: the
 // moeplan target takes it (its sinks stay refused, above).

@@ -63,6 +63,7 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
   pp_ = p.pipeline_parallel_degree;
   pp_rank_ = mesh.coords().p;
   chunks_ = p.virtual_pipeline_degree;
+  shared_embedding_ = plan.model.mtp_layers > 0 && pp_ > 1;
   layers_per_chunk_ = plan.model.num_layers / (pp_ * chunks_);
   const std::vector<ParamInfo> whole = mixtral_parameters(plan.model);
   folded_ = p.expert_tensor_fold() > 1;
@@ -82,7 +83,8 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     // The stage of a unit: virtual stage v (of P x V) is chunk v / P of pipeline rank v % P.
     // A dense block's experts unit is empty: held by no rank, like another stage's units.
     const int64_t layer = std::clamp<int64_t>(u.block - 1, 0, plan.model.num_layers - 1);
-    held_.push_back(u.numel > 0 && layer / layers_per_chunk_ % pp_ == pp_rank_);
+    const bool embedding_copy = u.block == 0 && shared_embedding_ && pp_rank_ == pp_ - 1;
+    held_.push_back(u.numel > 0 && (layer / layers_per_chunk_ % pp_ == pp_rank_ || embedding_copy));
     if (!held_.back()) {
       shards_.push_back(torch::zeros({0}, torch::TensorOptions().dtype(master_type_)).requires_grad_(true));
       decay_runs_.emplace_back();
@@ -129,6 +131,16 @@ void ShardedModel::sum_whole_parameter_grads(size_t unit, torch::Tensor& grad) {
   }
 }
 
+void ShardedModel::sum_shared_embedding_grads(torch::Tensor& grad) {
+  if (!shared_embedding_) return;
+  if (held_[0]) {
+    mesh_.pipeline.all_reduce_sum(grad);
+    return;
+  }
+  torch::Tensor zeros = torch::zeros({units_[0].shard_numel}, grad.options());
+  mesh_.pipeline.all_reduce_sum(zeros);
+}
+
 torch::Tensor ShardedModel::counted_once(size_t unit, const torch::Tensor& g) const {
   const ElementRuns& runs = whole_runs_[unit];
   if (runs.empty() || tp_rank_ == 0) return g;  // the first T rank counts what all hold
@@ -143,7 +155,9 @@ Communicator& ShardedModel::replica_group(const FlatUnit& unit) {
 
 bool ShardedModel::owns(const FlatUnit& unit) const {
   const MeshCoords& c = mesh_.coords();
-  if (!held_[static_cast<size_t>(&unit - units_.data())]) return false;
+  const size_t index = static_cast<size_t>(&unit - units_.data());
+  if (!held_[index]) return false;
+  if (index == 0 && pp_rank_ != 0) return false;  // the last stage's copy of the embedding
   // Experts are replicated over R (and C where E = 1), the dense units over R, E and C.
   if (unit.experts) return c.r == 0 && (plan_.parallel.expert_parallel_degree > 1 || c.c == 0);
   return c.r == 0 && c.e == 0 && c.c == 0;
@@ -418,7 +432,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
     return regather_in_backward(logits, used);
   };
   out.logits = logits_of(x, std::nullopt);
-  // Multi-token prediction, on the last stage, which holds the embedding then (one stage only).
+  // Multi-token prediction, on the last stage, which holds the embedding too (shares_embedding).
   for (int64_t k = 1; k <= spec.mtp_layers; ++k) {
     const int64_t l = spec.num_layers + k - 1;
     const size_t dense_unit = static_cast<size_t>(1 + 2 * l);

@@ -162,6 +162,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     if (!unreduced) model_.replica_group(model_.units()[u]).all_reduce_sum(g);
     g.div_(readers);
   }
+  // The embedding's copy on the last stage (multi-token prediction): both copies get the sum.
+  model_.sum_shared_embedding_grads(grads[0]);
   // Global norm: each element counted on exactly one rank (what T ranks hold whole, on the first).
   torch::Tensor square = torch::zeros({1}, torch::kFloat);
   for (size_t u = 0; u < grads.size(); ++u) {
@@ -331,8 +333,10 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
         send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation));
         send(router, next, tag(a.micro_batch, stage + 1, kRouterSums));
       } else {
+        // What backward starts from: the predictions' loss (the next token's and the multi-token
+        // prediction modules'); the router's losses are not trained through the stages.
         const LossTerms terms = model_.loss(out, ids);
-        f.output = terms.lm / static_cast<double>(ga);
+        f.output = terms.prediction / static_cast<double>(ga);
         // The router's sums of the micro-batch's other parts (context ranks, folded tensor ranks).
         if (mesh_.routing.size() > 1) mesh_.routing.all_reduce_sum(router);
         if (mesh_.coords().t == 0 && mesh_.coords().c == 0) {
@@ -340,7 +344,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
           sums[0] += terms.lm.item<double>();
           sums[1] += aux;
           sums[2] += z;
-          sums[3] += terms.lm.item<double>();
+          sums[3] += terms.prediction.item<double>();
           sums[4] += static_cast<double>(ids.numel());
         }
       }

@@ -92,14 +92,6 @@ void check(const RunConfig& c, RuleSink& sink) {
       return "= " + rule_number(t.seq_len) + " with mtp_layers = " + rule_number(m.mtp_layers) +
              ": the deepest multi-token prediction module would have no token to predict";
     });
-  // Multi-token prediction runs on the last stage, which would then need the embedding's copy
-  // and its gradient shared with the first.
-  if (m.mtp_layers > 0 && p.pipeline_parallel_degree > 1)
-    sink(kPipelineLimits, "model.mtp_layers", [&] {
-      return "= " + rule_number(m.mtp_layers) + " with pipeline_parallel_degree = " +
-             rule_number(p.pipeline_parallel_degree) +
-             ": the executor trains multi-token prediction without pipeline stages only";
-    });
   // Pipeline stages: the router's losses are reported across stages but not trained through
   // them, and offloaded block inputs are kept per block, not per micro-batch in flight.
   if (const int64_t pp = p.pipeline_parallel_degree; pp > 1) {

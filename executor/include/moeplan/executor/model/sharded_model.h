@@ -123,6 +123,14 @@ class ShardedModel {
                               uint64_t shuffle_seed);
   // Whether unit u lies on this rank's pipeline stage (the others have empty shards).
   bool holds(size_t unit) const { return held_[unit]; }
+  // With multi-token prediction over pipeline stages, the last stage holds a copy of the
+  // embedding (unit 0) for the modules' lookups, as Megatron-Core's does: both copies start
+  // alike, their gradients are summed over the pipeline group (sum_shared_embedding_grads) and
+  // so move alike; the first stage's is the one counted and saved (owns).
+  bool shares_embedding() const { return shared_embedding_; }
+  // Sums unit 0's gradient over the pipeline group: the first stage's lookups' and the last's
+  // (a middle stage adds zeros). Every rank of the group calls it.
+  void sum_shared_embedding_grads(torch::Tensor& grad);
   // The loss of a forward's result (with T > 1 the logits are this rank's part of the
   // vocabulary; every T rank gets the same loss).
   LossTerms loss(const ForwardResult& out, const torch::Tensor& input_ids);
@@ -200,6 +208,7 @@ class ShardedModel {
   bool folded_ = false;  // the routed experts whole, the T ranks folded into the expert group
   int64_t pp_ = 1, pp_rank_ = 0, chunks_ = 1, layers_per_chunk_ = 1;
   std::vector<bool> held_;  // per unit: on this pipeline stage
+  bool shared_embedding_ = false;  // the last stage holds the embedding too (shares_embedding)
   std::vector<ElementRuns> whole_runs_;
   std::vector<FlatUnit> units_;
   std::vector<torch::Tensor> shards_;
