@@ -118,9 +118,11 @@ Reference reference_forward(const ModelSpec& s, const std::vector<torch::Tensor>
     std::vector<Mat> shared;
     if (moe && s.shared_experts())
       for (int n = 0; n < (s.shared_expert_gate ? 4 : 3); ++n) shared.emplace_back(t[at++]);
-    // Within the window, but on every full_attention_step-th block (blocks K-1, 2K-1, ...; the
-    // layer_types of GPT-OSS's config), which attends over the whole sequence.
-    const bool windowed = s.sliding_window && !(s.full_attention_step > 0 && (l + 1) % s.full_attention_step == 0);
+    // Within the window, but on every full_attention_step-th decoder block (blocks K-1, 2K-1, ...;
+    // the layer_types of GPT-OSS's config), which attends over the whole sequence; the
+    // multi-token prediction blocks after the decoder within it.
+    const bool windowed = s.sliding_window && !(s.full_attention_step > 0 && l < s.num_layers &&
+                                                (l + 1) % s.full_attention_step == 0);
     // Attention, token by token: each head's rotated query and key and its value.
     std::vector<Vec> q(T), k(T), v(T);
     for (int64_t i = 0; i < T; ++i) {

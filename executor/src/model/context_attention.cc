@@ -84,8 +84,9 @@ constexpr double kHidden = -1e30;
 // ring again, each with the key-value gradient its holders have added so far: the flash backward
 // of the block in hand with the merged output and log-sum-exp gives that block's part of every
 // gradient (the merged softmax is the blocks' joined); after C steps each block's gradient is
-// back with its owner. Each of the C - 1 hops moves a block and a gradient: twice the forward's
-// bytes.
+// back with its owner. Each of the C - 1 hops moves a block and its gradient: twice the forward's
+// bytes in fp32 training (the gradients travel in fp32: three times with bf16 blocks). A hop's
+// gradient goes after the step's flash backward and is waited for before the next step.
 torch::Tensor ContextAttention::ring(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ranks = group_.size();
   const torch::Tensor qd = q.detach();
