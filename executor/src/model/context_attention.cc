@@ -1,6 +1,7 @@
 #include "moeplan/executor/model/context_attention.h"
 
 #include <cmath>
+#include <optional>
 
 #include "moeplan/executor/model/autograd_ops.h"
 #include "moeplan/executor/model/kernels.h"
@@ -86,7 +87,7 @@ constexpr double kHidden = -1e30;
 // gradient (the merged softmax is the blocks' joined); after C steps each block's gradient is
 // back with its owner. Each of the C - 1 hops moves a block and its gradient: twice the forward's
 // bytes in fp32 training (the gradients travel in fp32: three times with bf16 blocks). A hop's
-// gradient goes after the step's flash backward and is waited for before the next step.
+// gradient goes after the step's flash backward and travels while the next step computes.
 torch::Tensor ContextAttention::ring(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ranks = group_.size();
   const torch::Tensor qd = q.detach();
@@ -115,7 +116,8 @@ torch::Tensor ContextAttention::ring(const torch::Tensor& q, const torch::Tensor
     const torch::Tensor d_out = grads[0].defined() ? fp32(grads[0]) : torch::zeros_like(out);
     const torch::Tensor q32 = fp32(qd);
     torch::Tensor dq = torch::zeros_like(out);
-    Pair block = own, mine, gradient;
+    Pair block = own, mine;
+    std::optional<Passing> moving;  // the last gradient sent on, and the previous rank's coming in
     for (int64_t step = 0; step < ranks; ++step) {
       // The block goes on before its gradient is known; the gradient follows it.
       Passing passing = step + 1 < ranks ? pass(block, kBackwardTag) : Passing{};
@@ -127,16 +129,21 @@ torch::Tensor ContextAttention::ring(const torch::Tensor& q, const torch::Tensor
         mine = {gk, gv};  // this rank's part for its own block, added when the others' comes back
       } else {
         // The gradient of the block in hand goes to the next rank, which holds that block a step
-        // later (after the last step: its owner); this rank takes the one of its next block
-        // (after the last step: the other ranks' parts for its own).
-        gradient = step == 1 ? Pair{gk, gv} : Pair{gradient.first + gk, gradient.second + gv};
-        Passing moving = pass(gradient, kGradientTag);
-        gradient = finish(moving);
+        // later (after the last step: its owner), while this rank computes its next step; the
+        // one coming in is that of its block in hand (after the last step: the other ranks'
+        // parts for its own).
+        Pair gradient{gk, gv};
+        if (moving) {
+          const Pair before = finish(*moving);
+          gradient = {before.first + gk, before.second + gv};
+        }
+        moving = pass(gradient, kGradientTag);
       }
       if (step + 1 < ranks) block = finish(passing);
     }
+    const Pair others = finish(*moving);
     const torch::ScalarType type = qd.scalar_type();
-    return TensorList{dq.to(type), (mine.first + gradient.first).to(type), (mine.second + gradient.second).to(type)};
+    return TensorList{dq.to(type), (mine.first + others.first).to(type), (mine.second + others.second).to(type)};
   });
   return outputs[0];
 }
