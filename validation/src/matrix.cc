@@ -90,8 +90,9 @@ std::vector<MatrixConfig> validation_matrix(int64_t ranks, const ModelSpec& mode
   if (ranks < 2) return out;
   // Every rank in one tensor split (sequence parallel, as the executor runs it) where the
   // heads, key-value heads, expert width, vocabulary and sequence divide, and in one pipeline
-  // where the blocks divide into its stages (and the model has no multi-token prediction, which
-  // the executor trains without pipeline stages: rule executor_pipeline_limits).
+  // where the blocks divide into its stages (and the model has no multi-token prediction: such
+  // a model, DeepSeek's, is planned here with the balance loss, which the executor does not train
+  // through pipeline stages: rule executor_pipeline_limits).
   const bool splits = model.num_attention_heads % ranks == 0 && model.num_key_value_heads % ranks == 0 &&
                       model.intermediate_size % ranks == 0 && model.vocab_size % ranks == 0 && seq_len % ranks == 0;
   const std::vector<Variant> tensor_variants{{kNone, false, 4}, {kFull, false, 2}};
