@@ -187,6 +187,7 @@ ModelSpec read_model(ObjectReader& r) {
   m.router_scoring = r.choice<RouterScoring>("router_scoring", kRouterScoringNames, RouterScoring::kSoftmax);
   m.router_groups = r.integer("router_groups", 1, kMaxExperts, 1);
   m.router_group_topk = r.integer("router_group_topk", 1, kMaxExperts, 1);
+  m.norm_topk_prob = r.boolean("norm_topk_prob", true);
   m.routed_scaling_factor = r.number("routed_scaling_factor", 1e-6, 1e6, 1.0);
   m.router_bias_update_rate = r.number("router_bias_update_rate", 0.0, 1.0, 0.001);
   m.kv_lora_rank = r.integer("kv_lora_rank", 0, kMaxDim, 0);
@@ -248,7 +249,7 @@ constexpr std::array kHfAccepted = {
     "output_router_logits", "router_jitter_noise", "torch_dtype", "dtype",
     "transformers_version", "use_cache", "return_dict", "output_hidden_states",
     "output_attentions", "torchscript", "use_bfloat16", "tokenizer_class", "rope_scaling",
-    "_attn_implementation", "_commit_hash", "quantization_config", "norm_topk_prob", "auto_map"};
+    "_attn_implementation", "_commit_hash", "quantization_config", "auto_map"};
 
 // The config's own name of the field moeplan calls `ours`, for messages.
 std::string_view hf_field(HfType type, std::string_view ours) {
@@ -285,6 +286,8 @@ void read_qwen_moe(ModelSpec& m, ObjectReader& r, bool qwen3) {
   m.rope_theta = r.number("rope_theta", 1.0, 1e12, 1e4);
   m.rms_norm_eps = r.number("rms_norm_eps", 0.0, 1.0, 1e-6);
   m.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.0, 1e3, 0.001);
+  // Both config classes weight each chosen expert by its own probability unless told otherwise.
+  m.norm_topk_prob = r.boolean("norm_topk_prob", false);
   // Block i has experts when (i + 1) % decoder_sparse_step == 0; the others are dense blocks
   // of intermediate_size.
   m.moe_layer_step = r.integer("decoder_sparse_step", 1, kMaxLayers, 1);
@@ -340,6 +343,7 @@ void read_deepseek(ModelSpec& m, ObjectReader& r, HfType type) {
   r.ignore("seq_aux");
   r.ignore("pretraining_tp");
   m.routed_scaling_factor = r.number("routed_scaling_factor", 1e-6, 1e6, v3 ? 2.5 : 1.0);
+  m.norm_topk_prob = r.boolean("norm_topk_prob", v3);
   r.ignore("ep_size");
   if (r.boolean("attention_bias", false))
     d.error("attention_bias", "= true: biases on DeepSeek's attention projections are not modelled");
@@ -507,6 +511,8 @@ ModelSpec model_from_hf_config(const Json& json, const std::string& origin) {
     const std::string act = r.string("hidden_act", "silu");
     if (act != "silu") d.error("hidden_act", "only \"silu\" (SwiGLU feed-forward) is supported, got \"" + act + "\"");
     for (const char* key : kHfAccepted) r.ignore(key);
+    // Mixtral's and GPT-OSS's routers renormalise the chosen experts' weights, whatever a config says.
+    if (!qwen && !deepseek) r.ignore("norm_topk_prob");
     r.finish();
   }
   if (d.empty()) {
@@ -570,7 +576,7 @@ void put_deepseek_v3(const ModelSpec& m, Json& j) {
   j["topk_group"] = m.router_group_topk;
   j["topk_method"] = "noaux_tc";
   j["scoring_func"] = "sigmoid";
-  j["norm_topk_prob"] = true;
+  j["norm_topk_prob"] = m.norm_topk_prob;
   j["routed_scaling_factor"] = m.routed_scaling_factor;
   j["aux_loss_alpha"] = m.router_aux_loss_coef;
   j["kv_lora_rank"] = m.kv_lora_rank;
@@ -596,7 +602,7 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
                                    {"expert_bias", m.expert_bias},
                                    {"glu_limit", m.glu_limit > 0}})
     if (has) throw InputError(m.name, {{field, "a " + architecture + " config.json cannot say this"}});
-  // Mixtral's and Qwen3-MoE's classes have none of DeepSeek's parts.
+  // Mixtral's and Qwen3-MoE's classes have none of DeepSeek's parts, and Mixtral's always renormalises.
   if (!deepseek)
     for (const auto& [field, has] :
          {std::pair<const char*, bool>{"shared_expert_intermediate_size", m.shared_experts()},
@@ -606,7 +612,8 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
           {"router_groups", m.router_groups > 1},
           {"routed_scaling_factor", m.routed_scaling_factor != 1.0},
           {"mtp_layers", m.mtp_layers > 0},
-          {"sliding_window", qwen3 && m.sliding_window.has_value()}})
+          {"sliding_window", qwen3 && m.sliding_window.has_value()},
+          {"norm_topk_prob", !qwen3 && !m.norm_topk_prob}})
       if (has) throw InputError(m.name, {{field, "a " + architecture + " config.json cannot say this"}});
   // DeepSeek-V3's class scores by sigmoid, has shared experts of the routed width, ungated, and
   // its dense blocks first.
@@ -626,13 +633,11 @@ Json to_hf_config(const ModelSpec& m, const std::string& torch_dtype) {
   put_positions_and_norms(m, j);
   if (qwen3) {
     // Every block sparse (decoder_sparse_step 1, no mlp_only_layers): the dense width is
-    // unused, written as the experts' because the config class wants one. The chosen experts'
-    // weights renormalised, as Qwen3-30B-A3B's and 235B-A22B's configs say and as moeplan
-    // trains.
+    // unused, written as the experts' because the config class wants one.
     j["intermediate_size"] = m.intermediate_size;
     j["decoder_sparse_step"] = 1;
     j["mlp_only_layers"] = Json::array();
-    j["norm_topk_prob"] = true;
+    j["norm_topk_prob"] = m.norm_topk_prob;
     j["use_sliding_window"] = false;
     j["max_window_layers"] = m.num_layers;
     j["attention_bias"] = false;
@@ -673,6 +678,7 @@ Json to_json(const ModelSpec& m) {
   if (m.router_scoring != RouterScoring::kSoftmax) j["router_scoring"] = std::string(name_of(kRouterScoringNames, m.router_scoring));
   if (m.router_groups > 1) j["router_groups"] = m.router_groups;
   if (m.router_group_topk > 1) j["router_group_topk"] = m.router_group_topk;
+  if (!m.norm_topk_prob) j["norm_topk_prob"] = false;
   if (m.routed_scaling_factor != 1.0) j["routed_scaling_factor"] = m.routed_scaling_factor;
   if (m.router_scoring == RouterScoring::kSigmoid) j["router_bias_update_rate"] = m.router_bias_update_rate;
   for (const auto& [field, value] : {std::pair<const char*, int64_t>{"kv_lora_rank", m.kv_lora_rank},

@@ -685,9 +685,16 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   };
   expect_each_model_edit_refused(qwen3, edits, "config.json");
   Json accepted = qwen3;
-  accepted["norm_topk_prob"] = false;
   accepted["rope_scaling"] = Json::object({{"type", "yarn"}, {"factor", 4.0}});
   EXPECT_EQ(model_from_hf_config(accepted, "config.json"), model_from_hf_config(qwen3, "config.json"));
+  // Whether the chosen experts' weights are renormalised: as the config says, else not
+  // (Qwen3MoeConfig's default); written back as it was read.
+  EXPECT_TRUE(model_from_hf_config(qwen3, "config.json").norm_topk_prob);
+  Json unsaid = qwen3;
+  unsaid.erase("norm_topk_prob");
+  const ModelSpec unnormalised = model_from_hf_config(unsaid, "config.json");
+  EXPECT_FALSE(unnormalised.norm_topk_prob);
+  EXPECT_EQ(to_hf_config(unnormalised, "bfloat16")["norm_topk_prob"], false);
   // A Qwen3-MoE profile is written as a Qwen3MoeConfig and read back as itself; a Qwen2-MoE one
   // (a gated shared expert, q/k/v biases) has no config class moeplan writes.
   const ModelSpec profile = read_model_file(profile_path("models/qwen3-30b-a3b.json"));
@@ -698,6 +705,10 @@ TEST(HfConfig, QwenFieldsMoeplanDoesNotModelAreNamed) {
   back.source = profile.source;
   EXPECT_EQ(back, profile);
   EXPECT_THROW(to_hf_config(read_model_file(profile_path("models/qwen2-57b-a14b.json")), "bfloat16"), InputError);
+  // Mixtral's class always renormalises.
+  ModelSpec mixtral = read_model_file(profile_path("models/mixtral-8x7b.json"));
+  mixtral.norm_topk_prob = false;
+  EXPECT_THROW(to_hf_config(mixtral, "bfloat16"), InputError);
 }
 
 // DeepSeek-V3's blocks are written as a DeepseekV3Config (the shipped V3, Kimi K2, Moonlight and

@@ -591,8 +591,8 @@ TEST_F(HfQwen3, TransformersLoadsTheFolderAsQwen3Moe) {
   expect_transformers_agrees(hf(), model_, dir_->file("data"), "Qwen3MoeForCausalLM");
 }
 
-// A Qwen config that does not renormalise the chosen experts' weights is not what the executor
-// trains: refused naming the field.
+// A folder whose router weighs the chosen experts otherwise than the plan's model is refused
+// naming the field (a Qwen config without norm_topk_prob does not renormalise).
 TEST_F(HfQwen3, AFolderWithoutRenormalisedWeightsIsRefused) {
   const test::TempDir tmp;
   const std::string copy = tmp.file("copy");
@@ -603,7 +603,30 @@ TEST_F(HfQwen3, AFolderWithoutRenormalisedWeightsIsRefused) {
   const Command r = run_moeplan("run " + plan(tmp, 1, 1, "0.001") + " --data " + dir_->file("data") + " --out " +
                                 tmp.file("run") + " --steps 1 --threads 1 --init-from " + copy);
   EXPECT_EQ(r.exit_code, 2) << show(r);
-  EXPECT_TRUE(contains(r.err, "config.json: norm_topk_prob: is false or absent")) << r.err;
+  EXPECT_TRUE(contains(r.err, "config.json: norm_topk_prob: = false (or its class's default), the plan's model has true"))
+      << r.err;
+}
+
+// Qwen2-MoE's and DeepSeek-V2's router (norm_topk_prob false: each chosen expert weighted by its
+// own probability) on qwen3-tiny's blocks: trained 2 steps, exported, loaded by transformers with
+// the same logits, and started from by a run of the same model.
+TEST_F(HfQwen3, ExpertsWeightedByTheirOwnProbabilityRoundTrip) {
+  const test::TempDir tmp;
+  Json spec = read_json_file(model_);
+  spec["name"] = "qwen3-tiny-unnormalised";
+  spec["norm_topk_prob"] = false;
+  const std::string model = tmp.write("qwen3-unnormalised.json", spec);
+  const std::string plan = tiny_plan(model, tmp.file("plan.json"), 1, 1, 1, "0.001");
+  const Command trained = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + tmp.file("run") +
+                                      " --steps 2 --checkpoint-every 2 --threads 1");
+  ASSERT_EQ(trained.exit_code, 0) << show(trained);
+  const std::string hf = tmp.file("hf");
+  ASSERT_EQ(run_moeplan("export " + tmp.file("run") + " --hf " + hf).exit_code, 0);
+  EXPECT_EQ(read_json_file(hf + "/config.json")["norm_topk_prob"], false);
+  const Command resumed = run_moeplan("run " + plan + " --data " + dir_->file("data") + " --out " + tmp.file("again") +
+                                      " --steps 1 --threads 1 --init-from " + hf);
+  EXPECT_EQ(resumed.exit_code, 0) << show(resumed);
+  expect_transformers_agrees(hf, model, dir_->file("data"), "Qwen3MoeForCausalLM");
 }
 
 // DeepSeek-V3 (deepseek-v3-tiny: latent attention, a dense first block, a shared expert, the

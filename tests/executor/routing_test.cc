@@ -72,6 +72,32 @@ TEST(Routing, TopKRenormalisesTheChosenProbabilities) {
   EXPECT_NEAR(r.weights[0][1].item<double>(), 2.0 / 7, 1e-6);
 }
 
+// DeepSeekMoE's, DeepSeek-V2's and Qwen2-MoE's routers (norm_topk_prob false): each chosen
+// expert keeps its own probability, times the scaling; a sigmoid router's keep their scores.
+TEST(Routing, WithoutRenormalisingEachExpertKeepsItsOwnProbability) {
+  const torch::Tensor logits = torch::tensor({0.0, std::log(2.0), std::log(5.0)}, torch::kFloat).view({1, 3});
+  RouterShape router{2};
+  router.renormalise = false;
+  router.scaling = 3.0;
+  const Routing r = route(logits, router, LoadBalancing::kAuxLoss);
+  // Probabilities 1/8, 2/8, 5/8: experts 2 and 1, weighted 5/8 and 2/8, times 3.
+  EXPECT_EQ(r.experts[0][0].item<int64_t>(), 2);
+  EXPECT_EQ(r.experts[0][1].item<int64_t>(), 1);
+  EXPECT_NEAR(r.weights[0][0].item<double>(), 3 * 5.0 / 8, 1e-6);
+  EXPECT_NEAR(r.weights[0][1].item<double>(), 3 * 2.0 / 8, 1e-6);
+  EXPECT_TRUE(torch::allclose(route_to(logits, r.experts, router).weights, r.weights, 1e-6, 1e-6));
+  // Sinkhorn's choice, weighted likewise by the softmax probabilities of the chosen.
+  const Routing s = route(logits, router, LoadBalancing::kSinkhorn);
+  const torch::Tensor probs = torch::softmax(logits, 1);
+  EXPECT_TRUE(torch::allclose(s.weights, torch::gather(probs, 1, s.experts) * 3.0, 1e-6, 1e-6));
+  // Sigmoid scores: sigmoid(0) = 1/2, sigmoid(log 2) = 2/3, sigmoid(log 5) = 5/6.
+  router.scoring = RouterScoring::kSigmoid;
+  router.scaling = 1.0;
+  const Routing g = route(logits, router, LoadBalancing::kAuxLoss);
+  EXPECT_NEAR(g.weights[0][0].item<double>(), 5.0 / 6, 1e-6);
+  EXPECT_NEAR(g.weights[0][1].item<double>(), 2.0 / 3, 1e-6);
+}
+
 // Token-expert slots per expert.
 std::vector<int64_t> load_of(const Routing& r, int64_t experts) {
   const torch::Tensor counts = torch::bincount(r.experts.flatten(), {}, experts);

@@ -232,6 +232,8 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(lite.at("--v-head-dim"), "128");
   EXPECT_EQ(lite.count("--num-query-groups"), 0u);
   EXPECT_EQ(lite.count("--moe-router-score-function"), 0u);
+  // Its softmax weights each chosen expert by its own probability (norm_topk_prob false).
+  EXPECT_EQ(lite.count("--moe-router-pre-softmax"), 1u);
   EXPECT_EQ(lite.count("--mtp-num-layers"), 0u);
   // A multi-token prediction module: Megatron-Core's --mtp-num-layers.
   const auto with_mtp = args_of("deepseek-v2-lite", 1);
@@ -245,6 +247,7 @@ TEST(ExportLaunch, MegatronArgumentsCarrySharedExpertsAndAttentionExtras) {
   EXPECT_EQ(moonlight.count("--moe-router-enable-expert-bias"), 1u);
   EXPECT_EQ(moonlight.at("--moe-router-bias-update-rate"), "0.001");
   EXPECT_EQ(moonlight.at("--moe-router-topk-scaling-factor"), "2.446");
+  EXPECT_EQ(moonlight.count("--moe-router-pre-softmax"), 0u);
   // GPT-OSS: windows on every block but each second, sinks, biases everywhere, the clamped gate.
   const auto oss = args_of("gpt-oss-20b");
   EXPECT_EQ(oss.at("--window-size"), "128,0");

@@ -379,6 +379,25 @@ const FrameworkRuleCase kCases[] = {
        s.model.glu_limit = 7;
      },
      "smp_models", "model.glu_limit", "is set: SMP's models are not GPT-OSS", "GPT-OSS"},
+    {"SmpExpertsWeightedByTheirOwnProbability",
+     [](Scenario& s) {
+       s.target = test::framework_rules("smp");
+       s.training.precision = Precision::kMixed;
+       s.training.fp32_gradients = false;
+       s.model.norm_topk_prob = false;
+     },
+     "smp_models", "model.norm_topk_prob",
+     "= false: SMP's MoE model (Mixtral) renormalises the chosen experts' weights", "renormalises"},
+    {"MegatronSigmoidScoresNotRenormalised",
+     [](Scenario& s) {
+       s.target = test::framework_rules("megatron");
+       s.training.precision = Precision::kMixed;
+       s.parallel.hybrid_shard_degree = 1;
+       s.model.router_scoring = RouterScoring::kSigmoid;
+       s.model.norm_topk_prob = false;
+     },
+     "megatron_models", "model.norm_topk_prob",
+     "= false with sigmoid scoring: Megatron-LM renormalises the chosen experts' scores", "sigmoid"},
     {"MegatronBiasesOnSomeLinearLayers",
      [](Scenario& s) {
        s.target = test::framework_rules("megatron");

@@ -193,17 +193,12 @@ SlicedState read_hf_parameters(const std::string& dir, const ModelSpec& model, t
   if (theirs.routed_scaling_factor != model.routed_scaling_factor)
     d.error("routed_scaling_factor", "= " + std::to_string(theirs.routed_scaling_factor) + ", the plan's model has " +
                                          std::to_string(model.routed_scaling_factor));
-  // Qwen's and DeepSeek-V2's configs renormalise the chosen experts' weights only when they say
-  // so (DeepSeek-V3's unless they say otherwise); moeplan's router always does (as Mixtral's, and
-  // Qwen3-30B-A3B's and DeepSeek-V3's configurations).
-  const std::string model_type = config.value("model_type", "");
-  const Json* renormalise = config.contains("norm_topk_prob") ? &config["norm_topk_prob"] : nullptr;
-  const bool said_true = renormalise != nullptr && renormalise->is_boolean() && renormalise->get<bool>();
-  const bool default_true = model_type == "deepseek_v3" || model_type == "kimi_k2";
-  if ((model_type == "qwen3_moe" || model_type == "qwen2_moe" || model_type == "deepseek_v2" || default_true) &&
-      !said_true && !(default_true && renormalise == nullptr))
-    d.error("norm_topk_prob", "is false or absent: moeplan's executor renormalises the chosen experts' weights "
-                              "(set true, as Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 do)");
+  // Whether the chosen experts' weights are renormalised: each config class's default where
+  // the field is absent (Qwen's and DeepSeek-V1/V2's: no; DeepSeek-V3's and Kimi K2's: yes).
+  if (theirs.norm_topk_prob != model.norm_topk_prob)
+    d.error("norm_topk_prob", std::string("= ") + (theirs.norm_topk_prob ? "true" : "false") +
+                                  " (or its class's default), the plan's model has " +
+                                  (model.norm_topk_prob ? "true" : "false"));
   d.throw_if_any(config_path);
   // The dtype config.json declares, which every tensor must have.
   std::string declared;

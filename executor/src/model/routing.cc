@@ -99,7 +99,8 @@ torch::Tensor balanced_assignment(const torch::Tensor& scores_in, int64_t k) {
 }
 
 RouterShape RouterShape::of(const ModelSpec& m) {
-  return {m.experts_per_token, m.router_scoring, m.router_groups, m.router_group_topk, m.routed_scaling_factor};
+  return {m.experts_per_token, m.router_scoring, m.router_groups, m.router_group_topk, m.routed_scaling_factor,
+          m.norm_topk_prob};
 }
 
 namespace {
@@ -124,7 +125,7 @@ Routing route_by_sigmoid(const torch::Tensor& router_logits, const RouterShape& 
     r.experts = std::get<1>(choice.topk(router.k, -1));
   }
   r.weights = torch::gather(scores, 1, r.experts);
-  r.weights = r.weights / (r.weights.sum(-1, /*keepdim=*/true) + 1e-20);
+  if (router.renormalise) r.weights = r.weights / (r.weights.sum(-1, /*keepdim=*/true) + 1e-20);
   return r;
 }
 
@@ -164,7 +165,7 @@ Routing route(const torch::Tensor& router_logits, const RouterShape& router, Loa
     }
   }
   if (!r.weights.defined()) r.weights = torch::gather(probs, 1, r.experts);
-  r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
+  if (router.renormalise) r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
   if (router.scaling != 1.0) r.weights = r.weights * router.scaling;
   return r;
 }
@@ -176,7 +177,8 @@ Routing route_to(const torch::Tensor& router_logits, const torch::Tensor& expert
   Routing r;
   r.experts = experts;
   r.weights = torch::gather(probs, 1, experts);
-  r.weights = r.weights / (sigmoid ? r.weights.sum(-1, /*keepdim=*/true) + 1e-20 : r.weights.sum(-1, /*keepdim=*/true));
+  if (router.renormalise)
+    r.weights = r.weights / (sigmoid ? r.weights.sum(-1, /*keepdim=*/true) + 1e-20 : r.weights.sum(-1, /*keepdim=*/true));
   if (router.scaling != 1.0) r.weights = r.weights * router.scaling;
   return r;
 }

@@ -102,6 +102,10 @@ void layout_args(const Plan& plan, Args& a) {
       a.push_back({"--moe-router-enable-expert-bias", ""});
       a.push_back({"--moe-router-bias-update-rate", number(plan.model.router_bias_update_rate)});
     }
+    // The softmax over every expert before the top-k keeps each chosen expert's own probability
+    // (norm_topk_prob false); after it, over the k chosen, renormalises them.
+    if (plan.model.router_scoring == RouterScoring::kSoftmax && !plan.model.norm_topk_prob)
+      a.push_back({"--moe-router-pre-softmax", ""});
     if (plan.model.routed_scaling_factor != 1.0)
       a.push_back({"--moe-router-topk-scaling-factor", number(plan.model.routed_scaling_factor)});
     if (plan.model.router_groups > 1) {

@@ -97,6 +97,11 @@ void check(const RunConfig& c, RuleSink& sink) {
       return std::string("= false with output_bias and expert_bias: Megatron-LM's biases on every linear layer "
                          "include q, k and v's");
     });
+  // Megatron-Core renormalises a sigmoid router's top-k scores always (topk_routing_with_score_function).
+  if (m.router_scoring == RouterScoring::kSigmoid && !m.norm_topk_prob)
+    sink(kModels, "model.norm_topk_prob", [&] {
+      return std::string("= false with sigmoid scoring: Megatron-LM renormalises the chosen experts' scores");
+    });
   if (c.moe.load_balancing == LoadBalancing::kBalanced)
     sink(kRouting, "moe.load_balancing", [&] {
       return std::string("= \"balanced\": Megatron-LM routes by aux_loss, sinkhorn or none");

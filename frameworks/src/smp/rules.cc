@@ -102,6 +102,9 @@ void check(const RunConfig& c, RuleSink& sink) {
   if (m.router_scoring != RouterScoring::kSoftmax || m.router_groups > 1)
     sink(kModels, m.router_groups > 1 ? "model.router_groups" : "model.router_scoring",
          [&] { return std::string("set: SMP's MoE model (Mixtral) routes by a softmax over every expert"); });
+  if (!m.norm_topk_prob)
+    sink(kModels, "model.norm_topk_prob",
+         [&] { return std::string("= false: SMP's MoE model (Mixtral) renormalises the chosen experts' weights"); });
   if (const char* field = gpt_oss_variant_field(m))
     sink(kModels, field, [&] { return std::string("is set: SMP's models are not GPT-OSS"); });
   if (m.mtp_layers > 0)

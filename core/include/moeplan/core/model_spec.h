@@ -89,8 +89,10 @@ struct ModelSpec {
   RouterScoring router_scoring = RouterScoring::kSoftmax;
   int64_t router_groups = 1;
   int64_t router_group_topk = 1;
-  // The chosen experts' weights, renormalised to sum 1 per token, times this (DeepSeek-V3's
-  // routed_scaling_factor: 2.5).
+  // The chosen experts' weights, renormalised to sum 1 per token where norm_topk_prob says so
+  // (Mixtral, Qwen3-30B-A3B, DeepSeek-V3; not DeepSeekMoE, DeepSeek-V2 or Qwen2-MoE, which weight
+  // each expert by its own score), times this (DeepSeek-V3's routed_scaling_factor: 2.5).
+  bool norm_topk_prob = true;
   double routed_scaling_factor = 1.0;
   // Under sigmoid scoring, how far each expert's bias moves after a step, towards the experts
   // that got fewer than the mean of the step's slots (the bias update speed gamma of DeepSeek-V3:

@@ -30,6 +30,7 @@ struct RouterShape {
   RouterScoring scoring = RouterScoring::kSoftmax;
   int64_t groups = 1, group_topk = 1;
   double scaling = 1.0;
+  bool renormalise = true;  // the model's norm_topk_prob
   static RouterShape of(const ModelSpec& m);
 };
 
@@ -38,8 +39,8 @@ struct RouterShape {
 // - sinkhorn: the k largest entries of the Sinkhorn-balanced score matrix (Megatron's S-BASE);
 // - balanced: a capacity-limited greedy assignment, at most ceil(tokens * k / experts) per
 //   expert (BASE layers' balanced assignment, solved greedily).
-// The weights are always the softmax probabilities of the chosen experts, renormalised; the
-// choice itself carries no gradient.
+// The weights are the softmax probabilities of the chosen experts, renormalised (unless the
+// router says otherwise, below); the choice itself carries no gradient.
 Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing method);
 // The same for any router. Under sigmoid scoring (DeepSeek-V3, as transformers'
 // DeepseekV3MoE routes): each expert's score is sigmoid(logit); the choice ranks score + bias
@@ -49,7 +50,9 @@ Routing route(const torch::Tensor& router_logits, int64_t k, LoadBalancing metho
 // experts' scores without the bias, renormalised. Softmax scoring with groups is not routed
 // here (DeepSeek-V2's group-limited greedy; the rules refuse it). Sigmoid scoring routes by its
 // scores whatever `method` says (sinkhorn and balanced routing are softmax's; the rules refuse
-// them with it). Every weight is then multiplied by `scaling`.
+// them with it). Without `renormalise` (DeepSeekMoE, DeepSeek-V2, Qwen2-MoE: norm_topk_prob
+// false) each chosen expert keeps its own probability or score. Every weight is then multiplied
+// by `scaling`.
 // With `over` (RankSum below) the tokens are this rank's part of those the ranks route together,
 // and sinkhorn balances all of them as one rank would (its column sums summed over the ranks).
 Routing route(const torch::Tensor& router_logits, const RouterShape& router, LoadBalancing method,
