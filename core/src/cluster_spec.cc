@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <type_traits>
 
 #include "moeplan/core/parallel_config.h"
 
@@ -104,6 +105,12 @@ const ExpertSplitTimes* OpTimes::expert_split(int64_t e) const {
   return nullptr;
 }
 
+const ShardSplitTimes* OpTimes::shard_split(int64_t s) const {
+  for (const ShardSplitTimes& split : shard_splits)
+    if (split.hybrid_shard_degree == s) return &split;
+  return nullptr;
+}
+
 namespace {
 
 // A plain string "source" inside an object whose numbers are not wrapped one by one.
@@ -188,11 +195,16 @@ void read_curve(Diagnostics& d, const Json& points, const std::string& path, con
 constexpr CurveField kOpTimeField{"x", "seconds", [](double x) { return x >= 1.0 && x <= 1e18; }, "[1, 1e18]",
                                   [](double y) { return y >= 0.0 && y <= 1e6; }, "[0, 1e6]"};
 
-// op_times.expert_splits: [{"expert_parallel_degree": E, the four curves}, ...].
-void read_expert_splits(ObjectReader& o, OpTimes& t) {
-  const Json* splits = o.child("expert_splits", true);
+// op_times.expert_splits: [{"expert_parallel_degree": E, the four curves}, ...], and
+// op_times.shard_splits: [{"hybrid_shard_degree": S, the two curves}, ...]: each a list of the
+// whole micro-batch measured on one mesh, its degree `degree` listed once.
+template <class Split, size_t N>
+void read_splits(ObjectReader& o, OpTimes& t, const char* list, const char* degree, int64_t Split::*degree_field,
+                 const std::array<std::string_view, N>& names, const std::array<CurvePoints Split::*, N>& fields,
+                 std::vector<Split>& into) {
+  const Json* splits = o.child(list, true);
   if (splits == nullptr) return;
-  const std::string path = o.path_of("expert_splits");
+  const std::string path = o.path_of(list);
   if (!splits->is_array() || splits->size() > 16) {
     o.diagnostics().error(path, "expected a list of at most 16 splits");
     return;
@@ -200,24 +212,23 @@ void read_expert_splits(ObjectReader& o, OpTimes& t) {
   for (size_t i = 0; i < splits->size(); ++i) {
     ObjectReader r((*splits)[i], path + "[" + std::to_string(i) + "]", o.diagnostics());
     if (!r.ok()) continue;
-    ExpertSplitTimes split;
-    split.expert_parallel_degree = r.integer("expert_parallel_degree", 2, 1 << 16);
-    for (size_t c = 0; c < kExpertSplitCurves.size(); ++c)
-      if (const Json* points = r.child(kExpertSplitCurves[c]))
-        read_curve(o.diagnostics(), *points, r.path_of(kExpertSplitCurves[c]), kOpTimeField,
-                   split.*kExpertSplitCurveFields[c]);
+    Split split;
+    split.*degree_field = r.integer(degree, 2, 1 << 16);
+    for (size_t c = 0; c < N; ++c)
+      if (const Json* points = r.child(names[c]))
+        read_curve(o.diagnostics(), *points, r.path_of(names[c]), kOpTimeField, split.*fields[c]);
     r.finish();
-    const int64_t e = split.expert_parallel_degree;
-    if (t.num_experts > 0 && e > 0 && t.num_experts % e != 0)
-      o.diagnostics().error(r.path_of("expert_parallel_degree"), "= " + std::to_string(e) +
-                                                                     " does not divide shapes.num_experts = " +
-                                                                     std::to_string(t.num_experts));
+    const int64_t d = split.*degree_field;
+    if (std::is_same_v<Split, ExpertSplitTimes> && t.num_experts > 0 && d > 0 && t.num_experts % d != 0)
+      o.diagnostics().error(r.path_of(degree), "= " + std::to_string(d) + " does not divide shapes.num_experts = " +
+                                                   std::to_string(t.num_experts));
     if (t.num_layers == 0)
       o.diagnostics().error(o.path_of("shapes") + ".num_layers",
-                            "is required with expert_splits: the blocks of the model they ran");
-    if (t.expert_split(e) != nullptr)
-      o.diagnostics().error(r.path_of("expert_parallel_degree"), "= " + std::to_string(e) + " is listed twice");
-    t.expert_splits.push_back(std::move(split));
+                            std::string("is required with ") + list + ": the blocks of the model they ran");
+    for (const Split& other : into)
+      if (other.*degree_field == d)
+        o.diagnostics().error(r.path_of(degree), "= " + std::to_string(d) + " is listed twice");
+    into.push_back(std::move(split));
   }
 }
 
@@ -295,7 +306,10 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
       }
     }
   }
-  read_expert_splits(o, t);
+  read_splits(o, t, "expert_splits", "expert_parallel_degree", &ExpertSplitTimes::expert_parallel_degree,
+              kExpertSplitCurves, kExpertSplitCurveFields, t.expert_splits);
+  read_splits(o, t, "shard_splits", "hybrid_shard_degree", &ShardSplitTimes::hybrid_shard_degree, kShardSplitCurves,
+              kShardSplitCurveFields, t.shard_splits);
   o.finish();
 }
 
@@ -605,6 +619,13 @@ Json op_times_json(const ClusterSpec& c) {
     for (size_t c = 0; c < kExpertSplitCurves.size(); ++c)
       entry[std::string(kExpertSplitCurves[c])] = curve_json(split.*kExpertSplitCurveFields[c]);
     times["expert_splits"].push_back(entry);
+  }
+  for (const ShardSplitTimes& split : t.shard_splits) {
+    Json entry;
+    entry["hybrid_shard_degree"] = split.hybrid_shard_degree;
+    for (size_t c = 0; c < kShardSplitCurves.size(); ++c)
+      entry[std::string(kShardSplitCurves[c])] = curve_json(split.*kShardSplitCurveFields[c]);
+    times["shard_splits"].push_back(entry);
   }
   return times;
 }

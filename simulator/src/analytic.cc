@@ -203,6 +203,13 @@ void add_sharded_states(const Stage& s, StageTimes& t) {
   const double layers = s.layers();
   const ParallelConfig& p = s.c.parallel;
   if (!p.shards_states()) return;
+  // As measured in the sharded whole micro-batch (OpCosts::shard_measured): each block's
+  // gathers carry what it took beyond one rank's, on the chain, as the step simulator runs them.
+  if (o.shard_measured) {
+    t.shard_comm_exposed = layers * (o.shard_forward_s + o.shard_backward_s);
+    t.gather_stream_min = t.shard_comm_exposed;
+    return;
+  }
   const double per_block_compute = (t.compute + t.recompute - o.head_s) / layers;
   // A block's units: (bytes, the group they are sharded over).
   using Units = std::initializer_list<std::pair<double, const GroupShape*>>;

@@ -142,6 +142,13 @@ void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
   const bool split_whole = split != nullptr && p.sequence_parallel && !split->micro_batch_forward.empty();
   const ExpertSplitTimes* experts_whole =
       p.tensor_parallel_degree <= 1 && p.expert_parallel_degree > 1 ? t.expert_split(p.expert_parallel_degree) : nullptr;
+  // With the states sharded over S ranks (experts, tensors and context whole on each), the
+  // micro-batch measured so: its gathers and reduce-scatters as they ran, beside the compute.
+  const ShardSplitTimes* sharded_whole =
+      p.tensor_parallel_degree <= 1 && p.expert_parallel_degree <= 1 && p.context_parallel_degree <= 1 &&
+              p.dense_shard_degree() == p.hybrid_shard_degree && p.hybrid_shard_degree > 1
+          ? t.shard_split(p.hybrid_shard_degree)
+          : nullptr;
   const CurvePoints& whole_forward = split_whole     ? split->micro_batch_forward
                                      : experts_whole ? experts_whole->micro_batch_forward
                                                      : t.micro_batch_forward;
@@ -168,6 +175,12 @@ void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
            (blocks - moe_blocks) * swiglu_seconds(expert, m, tokens, m.dense_intermediate_size) +
            head * (backward ? 2.0 / 3.0 : 1.0 / 3.0);
   };
+  if (sharded_whole != nullptr) {
+    o.shard_measured = true;
+    o.shard_forward_s = std::max(0.0, curve_at(sharded_whole->micro_batch_forward, tokens) - curve_at(whole_forward, tokens)) / blocks;
+    o.shard_backward_s =
+        std::max(0.0, curve_at(sharded_whole->micro_batch_backward, tokens) - curve_at(whole_backward, tokens)) / blocks;
+  }
   o.framework_forward_s = std::max(0.0, curve_at(whole_forward, tokens) - operations(false)) / blocks;
   o.framework_backward_s = std::max(0.0, curve_at(whole_backward, tokens) - operations(true)) / blocks;
   o.attention_forward_s += o.framework_forward_s;

@@ -319,10 +319,14 @@ class Builder {
   }
 
   // A gather of a unit's `bytes` over its shard group after `after[r]`, which it replaces.
-  void gather(std::vector<OpId>& after, OpKind kind, int layer, int64_t mb, double bytes, bool dense) {
+  // Where the whole micro-batch was measured sharded (OpCosts::shard_measured) the gather
+  // takes `measured`, its share of what that measurement took beyond one rank's.
+  void gather(std::vector<OpId>& after, OpKind kind, int layer, int64_t mb, double bytes, bool dense,
+              double measured = 0) {
     if (!(dense ? dense_sharded() : experts_sharded())) return;
     collective_round_in(shard_groups(dense), after, kind, TraceStream::kShardGather, layer, mb,
-                        cost_.all_gather_cost(bytes, shard_shape(dense)), bytes, false);
+                        o_.shard_measured ? CollectiveCost{0, measured, 0} : cost_.all_gather_cost(bytes, shard_shape(dense)),
+                        bytes, o_.shard_measured);
   }
 
   // A gradient reduce-scatter of a unit (`bytes` in the compute dtype) over its shard group
@@ -333,7 +337,8 @@ class Builder {
     for (size_t r = 0; r < state.size(); ++r) chain[r] = state[r].last;
     if (dense ? dense_sharded() : experts_sharded())
       collective_round_in(shard_groups(dense), chain, OpKind::kReduceScatter, TraceStream::kGradComm, layer, mb,
-                          cost_.reduce_scatter_cost(bytes, shard_shape(dense)), bytes, false);
+                          o_.shard_measured ? CollectiveCost{} : cost_.reduce_scatter_cost(bytes, shard_shape(dense)),
+                          bytes, o_.shard_measured);
     for (size_t r = 0; r < state.size(); ++r) state[r].last_grad = chain[r];
   }
 
@@ -451,12 +456,13 @@ class Builder {
   // Block l's parameters for forward or backward: an MoE block's dense part and its experts,
   // or a dense block whole.
   void gather_block(std::vector<OpId>& gathered, OpKind kind, int l, int16_t mb) {
+    const double measured = kind == OpKind::kGatherForward ? o_.shard_forward_s : o_.shard_backward_s;
     if (!moe_block(l)) {
-      gather(gathered, kind, l, mb, o_.dense_block_unit_bytes, true);
+      gather(gathered, kind, l, mb, o_.dense_block_unit_bytes, true, measured);
       return;
     }
-    gather(gathered, kind, l, mb, o_.dense_unit_bytes, true);
-    gather(gathered, kind, l, mb, o_.expert_unit_bytes, false);
+    gather(gathered, kind, l, mb, o_.dense_unit_bytes, true, measured / 2);
+    gather(gathered, kind, l, mb, o_.expert_unit_bytes, false, measured / 2);
   }
 
   // Forward of one block (attention, then the MoE sub-block with its token exchange), the
@@ -469,8 +475,12 @@ class Builder {
     std::vector<OpId> gathered(n, kNoOp);
     if (sharded) {
       // Two buffers: the block in use and the one prefetched; a gather waits for the block
-      // two back to be freed.
-      for (size_t r = 0; r < n; ++r) gathered[r] = l >= 2 ? state[r].fwd_done[static_cast<size_t>(l - 2)] : kNoOp;
+      // two back to be freed. A measured gather (OpCosts::shard_measured) holds what the
+      // prefetch took from the compute too: it runs on the chain, after the block before.
+      for (size_t r = 0; r < n; ++r)
+        gathered[r] = o_.shard_measured ? state[r].last
+                      : l >= 2          ? state[r].fwd_done[static_cast<size_t>(l - 2)]
+                                        : kNoOp;
       if (l == 0) gather(gathered, OpKind::kGatherForward, -1, mb, o_.embed_unit_bytes, true);
       gather_block(gathered, OpKind::kGatherForward, l, mb);
     }
@@ -504,7 +514,8 @@ class Builder {
     const auto at = static_cast<size_t>(l);
     std::vector<OpId> gathered(n, kNoOp);
     if (sharded) {
-      for (size_t r = 0; r < n; ++r) gathered[r] = l + 2 < layers_ ? state[r].bwd_done[at + 2] : kNoOp;
+      for (size_t r = 0; r < n; ++r)
+        gathered[r] = o_.shard_measured ? state[r].last : l + 2 < layers_ ? state[r].bwd_done[at + 2] : kNoOp;
       gather_block(gathered, OpKind::kGatherBackward, l, mb);
     }
     std::vector<OpId> reloaded(n, kNoOp);

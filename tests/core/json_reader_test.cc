@@ -328,7 +328,11 @@ Json calibrated_json() {
          {"micro_batch_forward", {{256, 0.03}, {512, 0.06}}},
          {"micro_batch_backward", {{256, 0.08}, {512, 0.12}}},
          {"exchange_forward", {{256, 0.004}, {512, 0.006}}},
-         {"exchange_backward", {{256, 0.005}, {512, 0.007}}}}}}};
+         {"exchange_backward", {{256, 0.005}, {512, 0.007}}}}}},
+      {"shard_splits",
+       {{{"hybrid_shard_degree", 2},
+         {"micro_batch_forward", {{256, 0.035}, {512, 0.065}}},
+         {"micro_batch_backward", {{256, 0.09}, {512, 0.13}}}}}}};
   return json;
 }
 
@@ -354,6 +358,9 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   ASSERT_NE(c.op_times.expert_split(2), nullptr);
   EXPECT_EQ(c.op_times.expert_split(2)->exchange_backward, (CurvePoints{{256, 0.005}, {512, 0.007}}));
   EXPECT_EQ(c.op_times.expert_split(4), nullptr);
+  ASSERT_NE(c.op_times.shard_split(2), nullptr);
+  EXPECT_EQ(c.op_times.shard_split(2)->micro_batch_backward, (CurvePoints{{256, 0.09}, {512, 0.13}}));
+  EXPECT_EQ(c.op_times.shard_split(4), nullptr);
   EXPECT_EQ(c.sources.at("framework.op_times"), "measured");
   EXPECT_EQ(c.sources.at("intra_node.collectives"), "measured");
   EXPECT_EQ(c.after_compute.all_gather, (CurvePoints{{0.0001, 1e-4}, {0.001, 1e-3}}));
@@ -393,6 +400,10 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
        "framework.op_times.expert_splits[0].exchange_forward[0]", "seconds must be in [0, 1e6], got -1"},
       {"/framework/op_times/expert_splits/1", calibrated_json()["framework"]["op_times"]["expert_splits"][0],
        "framework.op_times.expert_splits[1].expert_parallel_degree", "= 2 is listed twice"},
+      {"/framework/op_times/shard_splits/0/hybrid_shard_degree", 1,
+       "framework.op_times.shard_splits[0].hybrid_shard_degree", "must be in [2, 65536], got 1"},
+      {"/framework/op_times/shard_splits/1", calibrated_json()["framework"]["op_times"]["shard_splits"][0],
+       "framework.op_times.shard_splits[1].hybrid_shard_degree", "= 2 is listed twice"},
       {"/framework/op_times/tensor_splits/1", calibrated_json()["framework"]["op_times"]["tensor_splits"][0],
        "framework.op_times.tensor_splits[1].tensor_parallel_degree", "= 2 is listed twice"},
       {"/intra_node/collectives/all_gather/points/0", Json::array({-5, 1}), "intra_node.collectives.all_gather.points[0]",
@@ -424,11 +435,12 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
   json["framework"]["op_times"]["shapes"].erase("num_layers");
   std::string path = dir.write("cal.json", json);
   auto problems = problems_of([&] { read_cluster_file(path); }, path);
-  ASSERT_EQ(problems.size(), 3u) << describe(problems);
+  ASSERT_EQ(problems.size(), 4u) << describe(problems);
   EXPECT_EQ(problems[0].path, "framework.op_times.shapes.num_layers");
   EXPECT_EQ(problems[0].message, "is required with micro_batch_forward: the blocks of the model those micro-batches ran");
   EXPECT_EQ(problems[1].message, "is required with a split's micro_batch_forward: the blocks of the model it ran");
   EXPECT_EQ(problems[2].message, "is required with expert_splits: the blocks of the model they ran");
+  EXPECT_EQ(problems[3].message, "is required with shard_splits: the blocks of the model they ran");
   // A split's whole micro-batch is its compute and its collectives: the four come together.
   json = calibrated_json();
   json["framework"]["op_times"]["tensor_splits"][0].erase("collectives_backward");

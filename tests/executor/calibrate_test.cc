@@ -80,6 +80,13 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     for (const auto& [x, seconds] : curve) EXPECT_GE(seconds, 0) << kExpertSplitCurves[i] << " at " << x;
   }
   EXPECT_GT(c.op_times.expert_split(2)->micro_batch_backward.back().second, 0);
+  // And the states sharded over both: the whole micro-batch with every unit gathered.
+  ASSERT_NE(c.op_times.shard_split(2), nullptr);
+  for (size_t i = 0; i < kShardSplitCurves.size(); ++i) {
+    const CurvePoints& curve = c.op_times.shard_split(2)->*kShardSplitCurveFields[i];
+    ASSERT_EQ(curve.size(), c.op_times.micro_batch_forward.size()) << kShardSplitCurves[i];
+    for (const auto& [x, seconds] : curve) EXPECT_GT(seconds, 0) << kShardSplitCurves[i] << " at " << x;
+  }
   for (const CollectiveFit* f : {&c.all_gather_fit, &c.all_to_all_fit, &c.all_reduce_fit, &c.reduce_scatter_fit}) {
     EXPECT_GT(f->bandwidth_bytes_per_s, 1e6);
     EXPECT_LT(f->latency_s, 0.1);

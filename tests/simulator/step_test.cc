@@ -824,6 +824,51 @@ TEST(CalibratedProfile, AnExpertSplitsWholeMicroBatchPricesItsBlocks) {
   EXPECT_NEAR(op_costs(e1.config()).framework_forward_s, 0.002, 1e-12);
 }
 
+// The whole micro-batch measured with the states sharded over S = 2 ranks: an S = 2 plan's
+// gathers carry what it took beyond the one-rank micro-batch, each block's forward and backward
+// gathers their block's share, the reduce-scatters nothing of their own and no after-compute
+// extra; the analytic estimate prices it alike. Other layouts keep the cost model's.
+TEST(CalibratedProfile, AShardSplitsWholeMicroBatchPricesTheGathers) {
+  Scenario c = calibrated_cpu(1, 2, Checkpointing::kNone, 2);
+  ASSERT_TRUE(c.parallel.shards_states());
+  const double layers = static_cast<double>(c.model.num_layers);
+  c.cluster.op_times.micro_batch_forward = {{512, 0.1}};
+  c.cluster.op_times.micro_batch_backward = {{512, 0.2}};
+  c.cluster.after_compute = {{{1e-3, 1e-4}, {1.0, 0.1}}, {{1e-3, 1e-4}, {1.0, 0.1}}, {{1e-3, 1e-4}, {1.0, 0.1}}};
+  const OpCosts before = op_costs(c.config());
+  ShardSplitTimes split;
+  split.hybrid_shard_degree = 2;
+  split.micro_batch_forward = {{512, 0.1 + layers * 0.003}};
+  split.micro_batch_backward = {{512, 0.2 + layers * 0.005}};
+  c.cluster.op_times.shard_splits = {split};
+  const OpCosts o = op_costs(c.config());
+  EXPECT_TRUE(o.shard_measured);
+  EXPECT_NEAR(o.shard_forward_s, 0.003, 1e-12);
+  EXPECT_NEAR(o.shard_backward_s, 0.005, 1e-12);
+  EXPECT_NEAR(o.framework_forward_s, before.framework_forward_s, 1e-12);  // the one rank's, unchanged
+  const StepSimulation sim = simulate_step(c.config(), {false, true});
+  double forward = 0, backward = 0, scattered = 0, waited = 0;
+  for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+    const Op& op = sim.graph.ops()[i];
+    if (op.rank != 0 || op.collective < 0 || op.layer < 0) continue;
+    const double seconds = to_seconds(sim.times.end[i] - sim.times.start[i]);
+    if (op.kind == OpKind::kGatherForward) forward += seconds;
+    else if (op.kind == OpKind::kGatherBackward) backward += seconds;
+    else if (op.kind == OpKind::kReduceScatter) scattered += seconds;
+    else continue;
+    waited += to_seconds(sim.times.collective_wait[static_cast<size_t>(op.collective)]);
+  }
+  const double micro_batches = static_cast<double>(c.parallel.gradient_accumulation_steps);
+  EXPECT_NEAR(forward, micro_batches * layers * 0.003, 1e-6);
+  EXPECT_NEAR(backward, micro_batches * layers * 0.005, 1e-6);
+  EXPECT_NEAR(scattered, 0, 1e-9);
+  EXPECT_EQ(waited, 0);
+  expect_analytic_near_the_simulation(c);
+  // Measured over 4 ranks, it prices no S = 2 plan.
+  c.cluster.op_times.shard_splits[0].hybrid_shard_degree = 4;
+  EXPECT_FALSE(op_costs(c.config()).shard_measured);
+}
+
 // What the expert group's collectives took inside that micro-batch (the waits for the rank that
 // came last included) prices each sync point of the exchange: three per MoE block forward (the
 // counts, the dispatch, the combine), two backward, and the forward's again where a block is

@@ -289,6 +289,17 @@ void read_split_times(const Workload& x, const PassFigures& kept, OpTimes& times
         inside_backward.emplace_back(tokens, std::max(0.0, m.whole.backward - m.compute.backward));
       }
     };
+    if (parallel.hybrid_shard_degree > 1) {  // the states sharded: the whole micro-batch as it ran
+      ShardSplitTimes& split = times.shard_splits.emplace_back();
+      split.hybrid_shard_degree = parallel.hybrid_shard_degree;
+      for (size_t i = 0; i < x.mbs.size(); ++i) {
+        const double tokens = static_cast<double>(x.mbs[i] * x.t);
+        const SplitMicroBatchFigures& m = kept.split_micro_batches[s][i];
+        split.micro_batch_forward.emplace_back(tokens, m.whole.forward);
+        split.micro_batch_backward.emplace_back(tokens, m.whole.backward);
+      }
+      continue;
+    }
     if (parallel.expert_parallel_degree > 1) {  // the experts split, not the tensors
       ExpertSplitTimes& split = times.expert_splits.emplace_back();
       split.expert_parallel_degree = parallel.expert_parallel_degree;

@@ -191,8 +191,9 @@ struct Workload {
   std::vector<std::pair<std::string, std::function<void()>>> after_collectives;
   std::vector<Stretch> stretches;
   ActivationStore store;
-  // Per tensor split that divides the ranks (when meshes can be formed): the whole model on
-  // it, formed by form_split_models (every rank alike).
+  // Per tensor split that divides the ranks, per expert split, and the states sharded over
+  // every rank (when meshes can be formed): the whole model on it, formed by form_split_models
+  // (every rank alike).
   MeshMaker mesh_of;
   std::vector<std::unique_ptr<SplitModel>> split_models;
   void form_split_models();

@@ -212,6 +212,15 @@ void Workload::form_split_models() {
     p.expert_parallel_degree = e;
     form(p, &DeviceMesh::expert);
   }
+  // The states sharded over every rank (S = n), as a sharded layout runs them: every unit
+  // gathered (the next block's while this one computes) and its gradient reduce-scattered, on
+  // the processors the compute runs on.
+  if (n > 1) {
+    ParallelConfig p = alone_plan(o).parallel;
+    p.world_size = n;
+    p.hybrid_shard_degree = n;
+    form(p, &DeviceMesh::shard);
+  }
 }
 
 torch::Tensor Workload::weight(std::vector<int64_t> shape) const {

@@ -121,6 +121,20 @@ inline constexpr std::array<CurvePoints ExpertSplitTimes::*, 4> kExpertSplitCurv
 inline constexpr std::array<std::string_view, 4> kExpertSplitCurves{"micro_batch_forward", "micro_batch_backward",
                                                                     "exchange_forward", "exchange_backward"};
 
+// The executor's whole micro-batch on a mesh whose parameters, gradients and optimizer states
+// are sharded over S ranks (E = T = 1, R = 1, the same tokens on every rank), against the tokens
+// of a micro-batch, forward with the loss and backward: its compute together with every unit's
+// all-gather (prefetched, as a run gathers) and gradient reduce-scatter, and what these take
+// from the compute beside them.
+struct ShardSplitTimes {
+  int64_t hybrid_shard_degree = 0;
+  CurvePoints micro_batch_forward, micro_batch_backward;
+  bool operator==(const ShardSplitTimes&) const = default;
+};
+inline constexpr std::array<CurvePoints ShardSplitTimes::*, 2> kShardSplitCurveFields{
+    &ShardSplitTimes::micro_batch_forward, &ShardSplitTimes::micro_batch_backward};
+inline constexpr std::array<std::string_view, 2> kShardSplitCurves{"micro_batch_forward", "micro_batch_backward"};
+
 // The blocks around the measured operations, as the model measured had them: its attention's
 // kind (q/k norms, latent attention's widths), shared experts, dense blocks and multi-token
 // prediction. Measured times apply to a model with the same blocks; its whole micro-batches
@@ -175,12 +189,16 @@ struct OpTimes {
   std::vector<TensorSplitTimes> tensor_splits;
   // The whole micro-batch with the experts split over E ranks, one entry per E. Optional.
   std::vector<ExpertSplitTimes> expert_splits;
+  // The whole micro-batch with the states sharded over S ranks, one entry per S. Optional.
+  std::vector<ShardSplitTimes> shard_splits;
 
   bool empty() const { return attention_forward.empty(); }
   // The times measured at a split of t ranks; nullptr when none were.
   const TensorSplitTimes* split(int64_t t) const;
   // The whole micro-batch measured with the experts over e ranks; nullptr when it was not.
   const ExpertSplitTimes* expert_split(int64_t e) const;
+  // The whole micro-batch measured with the states sharded over s ranks; nullptr when it was not.
+  const ShardSplitTimes* shard_split(int64_t s) const;
   bool operator==(const OpTimes&) const = default;
 };
 inline constexpr std::array<std::string_view, 10> kOpTimeCurves{

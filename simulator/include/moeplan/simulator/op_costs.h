@@ -44,6 +44,14 @@ struct KernelCosts {
   // (T = 1), the waits for the other ranks included; 0 where not measured (the cost model then
   // prices each exchange).
   double expert_exchange_forward_s = 0, expert_exchange_backward_s = 0;
+  // Per block, forward and backward: what the whole micro-batch measured with the states
+  // sharded over the plan's S ranks (OpTimes::shard_splits) took beyond the one measured on one
+  // rank: every unit's gather (prefetched, as the executor runs them) and gradient
+  // reduce-scatter, and what they took from the compute beside them. Where measured
+  // (shard_measured) a block's gathers carry it and the reduce-scatters are sync points of no
+  // cost of their own.
+  bool shard_measured = false;
+  double shard_forward_s = 0, shard_backward_s = 0;
   double attention_flops = 0;
   double moe_flops = 0;  // at the mean load
   double head_flops = 0;
