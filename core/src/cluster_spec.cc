@@ -584,6 +584,19 @@ Json cost_json(const ClusterSpec& c) {
   return cost;
 }
 
+// The lists read_splits reads: each split's degree and its curves.
+template <class Split, size_t N>
+void put_splits(Json& times, const char* list, const char* degree, int64_t Split::*degree_field,
+                const std::array<std::string_view, N>& names, const std::array<CurvePoints Split::*, N>& fields,
+                const std::vector<Split>& splits) {
+  for (const Split& split : splits) {
+    Json entry;
+    entry[degree] = split.*degree_field;
+    for (size_t c = 0; c < N; ++c) entry[std::string(names[c])] = curve_json(split.*fields[c]);
+    times[list].push_back(entry);
+  }
+}
+
 Json op_times_json(const ClusterSpec& c) {
   const OpTimes& t = c.op_times;
   Json times;
@@ -613,20 +626,10 @@ Json op_times_json(const ClusterSpec& c) {
         entry[std::string(name)] = curve_json(curve);
     times["tensor_splits"].push_back(entry);
   }
-  for (const ExpertSplitTimes& split : t.expert_splits) {
-    Json entry;
-    entry["expert_parallel_degree"] = split.expert_parallel_degree;
-    for (size_t c = 0; c < kExpertSplitCurves.size(); ++c)
-      entry[std::string(kExpertSplitCurves[c])] = curve_json(split.*kExpertSplitCurveFields[c]);
-    times["expert_splits"].push_back(entry);
-  }
-  for (const ShardSplitTimes& split : t.shard_splits) {
-    Json entry;
-    entry["hybrid_shard_degree"] = split.hybrid_shard_degree;
-    for (size_t c = 0; c < kShardSplitCurves.size(); ++c)
-      entry[std::string(kShardSplitCurves[c])] = curve_json(split.*kShardSplitCurveFields[c]);
-    times["shard_splits"].push_back(entry);
-  }
+  put_splits(times, "expert_splits", "expert_parallel_degree", &ExpertSplitTimes::expert_parallel_degree,
+             kExpertSplitCurves, kExpertSplitCurveFields, t.expert_splits);
+  put_splits(times, "shard_splits", "hybrid_shard_degree", &ShardSplitTimes::hybrid_shard_degree, kShardSplitCurves,
+             kShardSplitCurveFields, t.shard_splits);
   return times;
 }
 
