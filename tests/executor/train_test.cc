@@ -125,6 +125,45 @@ TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
     EXPECT_GE(trace.events[i].start_ns, trace.events[i - 1].start_ns + trace.events[i - 1].duration_ns);
 }
 
+// What the loss keeps grows with the vocabulary as the memory model counts it: two fp32 tensors
+// of the logits' size at its peak (the softmax it keeps and, in backward, the logits' gradient;
+// LibTorch's log-softmax with the negative log-likelihood keeps three). The same two-rank
+// layout with two vocabularies, two micro-batches a step (the second's loss meets the first's
+// gradients): the measured peak of live tensors differs by what the plans' predicted tensors
+// differ by (the logits and the embedding and head states), to 10%.
+TEST(Run, TheLossKeepsWhatTheMemoryModelCountsOfTheLogits) {
+  TempDir dir;
+  const auto files = fortune_files({"fortunes", "wisdom", "science", "computers"});
+  if (files.empty()) GTEST_SKIP() << "needs Debian's fortunes package";
+  double measured[2], predicted[2];
+  const int64_t vocabularies[2] = {2048, 8192};
+  for (int i = 0; i < 2; ++i) {
+    const std::string v = std::to_string(vocabularies[i]), data = dir.file("data-" + v);
+    ASSERT_EQ(prepare_data(files, data, vocabularies[i], 128).exit_code, 0);
+    TempDir model_dir;
+    const std::string model = write_small_model(model_dir, vocabularies[i]);
+    const std::string plan = dir.file("plan-" + v + ".json");
+    const Command s = run_moeplan("search --gpus 2 --instance local-cpu --model " + model +
+                                  " --seq-len 128 --global-batch-tokens 2048 --precision fp32 --expert-parallel-degree 1"
+                                  " --hybrid-shard-degree 1 --tensor-parallel-degree 1 --pipeline-parallel-degree 1"
+                                  " --checkpointing none --offload off --micro-batch 4 --target moeplan --out " + plan);
+    ASSERT_EQ(s.exit_code, 0) << show(s);
+    const Command r = run_moeplan("run " + plan + " --data " + data + " --out " + dir.file("out-" + v) +
+                                  " --threads 1 --steps 2");
+    ASSERT_EQ(r.exit_code, 0) << show(r);
+    const Json report = read_json_file(dir.file("out-" + v + "/report.json"));
+    measured[i] = report["measured"]["peak_tensor_bytes_per_rank"][0].get<double>();
+    const Json planned = read_json_file(plan);
+    predicted[i] = 0;
+    for (const auto& [item, bytes] : planned["prediction"]["memory"]["device"].items())
+      if (item != "framework_overhead" && item != "fragmentation") predicted[i] += bytes.get<double>();
+  }
+  const double grown = measured[1] - measured[0], predicted_grown = predicted[1] - predicted[0];
+  EXPECT_NEAR(grown / predicted_grown, 1.0, 0.1)
+      << "measured " << measured[0] << " -> " << measured[1] << " bytes, predicted " << predicted[0] << " -> "
+      << predicted[1];
+}
+
 TEST(Run, RefusesToOverwriteARunWithoutResume) {
   TempDir dir;
   const auto files = fortune_files({"wisdom"});

@@ -79,8 +79,7 @@ PassFigures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhea
     f.micro_batches = measure_micro_batches(x);
     if (!x.split_models.empty()) progress.say("whole micro-batches under tensor and expert splits" + of);
     f.split_micro_batches = measure_split_micro_batches(x);
-    // The heap keeps what the whole model's backward freed; the overhead is what a rank holds
-    // beyond its tensors before that.
+    // A GPU's device memory beyond tensors is sampled up to here.
     overhead.stop();
     if (x.n > 1) {
       progress.say("collectives after compute" + of);
@@ -383,6 +382,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world, const Mesh
   cal.baseline_rss_bytes = current_rss_bytes();
   Workload x(o, world, mesh_of);
   OverheadProbe overhead(o.device);
+  if (!o.device.is_cuda()) progress.say("three training steps of the executor's trainer, for its memory beyond tensors");
+  const int64_t step_overhead = o.device.is_cuda() ? 0 : measure_step_overhead(x);
 
   // Every figure is measured once per pass, in the same order on every rank. A shared machine
   // has spells in which a core runs far slower (another tenant on it); the passes spread the
@@ -393,7 +394,8 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world, const Mesh
     pass_figures.push_back(measure_pass(x, progress, overhead, of));
   }
   for (PassFigures& f : pass_figures)
-    f.memory = {static_cast<double>(overhead.most()), static_cast<double>(cal.baseline_rss_bytes)};
+    f.memory = {static_cast<double>(o.device.is_cuda() ? overhead.most() : step_overhead),
+                static_cast<double>(cal.baseline_rss_bytes)};
 
   const KeptFigures kept = keep(world, pass_figures);
   for (size_t i = 0; i < x.gemms.size(); ++i) {

@@ -132,7 +132,8 @@ ClusterSpec calibrated_cluster(const ClusterSpec& base, const Calibration& c, co
         "(mean over the calls); the lower quartile of " + std::to_string(c.passes) + " passes");
   p.framework_overhead_bytes = c.overhead_bytes;
   std::snprintf(text, sizeof text,
-                "measured: the largest resident set beyond live tensors while the executor's operations ran "
+                "measured: the peak resident set less the peak of live tensors over three optimizer steps of the "
+                "executor's trainer on the data-parallel layout of the ranks, as a run's report measures it "
                 "(%.0f MiB before any tensor work)",
                 static_cast<double>(c.baseline_rss_bytes) / (1 << 20));
   say("framework.overhead_bytes", text);

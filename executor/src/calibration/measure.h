@@ -110,15 +110,13 @@ class Progress {
   Clock::time_point start_;
 };
 
-// The largest resident set beyond live tensors seen at the sample points.
+// On a GPU, the largest device memory beyond the tensors seen at the sample points: the device
+// memory in use (as the driver counts it, every process on the device) beyond what the caching
+// allocator reserved (the CUDA context, the libraries' handles and kernels). On CPU ranks it
+// samples nothing: their overhead is a training step's (measure_step_overhead).
 class OverheadProbe {
  public:
   explicit OverheadProbe(torch::Device device) : device_(device) {}
-  // What the process holds beyond tensors: the resident set less the live tensors and the
-  // mappings kept for reuse (reserved by the tensor allocator, as CUDA's caching allocator
-  // reserves: they count as tensor memory, never above the live peak).
-  // On a GPU: the device memory in use (as the driver counts it, every process on the device)
-  // beyond what the caching allocator reserved (the CUDA context, the libraries' handles and kernels).
   void sample();
   void stop() { stopped_ = true; }
   int64_t most() const { return most_; }
@@ -276,6 +274,11 @@ std::vector<ForwardBackward> measure_experts(const Workload& x, const torch::Ten
 std::vector<SplitFigures> measure_splits(Workload& x, OverheadProbe& overhead);
 std::vector<double> measure_optimizer(Workload& x, OverheadProbe& overhead);
 std::vector<ForwardBackward> measure_micro_batches(Workload& x);
+// On CPU ranks: what a run's rank holds beyond its tensors, as its report measures it (the
+// peak resident set less the peak of live tensors) over three optimizer steps of the executor's
+// trainer on the data-parallel layout of the ranks. Measured first, while the process is as
+// fresh as a run's: what later measurements leave in the heap is not a run's.
+int64_t measure_step_overhead(Workload& x);
 std::vector<std::vector<SplitMicroBatchFigures>> measure_split_micro_batches(Workload& x);
 CopyFigures measure_copies(Workload& x, OverheadProbe& overhead);
 std::vector<CollectiveFigures> measure_collectives(Workload& x, Progress& progress, const std::string& of);

@@ -1,11 +1,15 @@
 // The compute calibration measures: matrix multiplies, the executor's operations one rank alone
 // and under tensor splits, the optimizer, and the executor's whole micro-batch.
+#include <fstream>
 #include <numeric>
 
 #include "measure.h"
 #include "moeplan/core/phases.h"
 #include "moeplan/executor/model/routing.h"
+#include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/training/optimizer.h"
+#include "moeplan/executor/training/parallel_trainer.h"
+#include "moeplan/executor/training/run_measurement.h"
 
 namespace moeplan::executor::calibration {
 
@@ -55,7 +59,8 @@ double time_head(const Workload& x, const torch::Tensor& embed, const torch::Ten
     out.logits = torch::matmul(rms_norm(in + torch::embedding(embed, ids), x.norm, m.rms_norm_eps), lm_head.t())
                      .to(torch::kFloat);
     out.router_logits = router_logits;
-    mixtral_loss(spec, x.moe, out, ids).total.backward();
+    // On CPU ranks the loss of the sharded model that runs train; on a GPU the one-rank trainer's.
+    (x.whole ? x.whole->loss(out, ids) : mixtral_loss(spec, x.moe, out, ids)).total.backward();
   });
 }
 
@@ -227,6 +232,31 @@ std::vector<ForwardBackward> measure_micro_batches(Workload& x) {
     micro_batches.push_back(time_forward_backward(x.device, x.reps, [&] { return x.micro_batch_loss(ids); }));
   }
   return micro_batches;
+}
+
+int64_t measure_step_overhead(Workload& x) {
+  // The data-parallel layout of the calibration's ranks (on one rank, the rank alone), at the
+  // middle of the micro-batch sizes measured, two micro-batches a step.
+  Plan plan = x.whole_plan;
+  plan.parallel.world_size = x.n;
+  plan.parallel.micro_batch_size = x.mbs[x.mbs.size() / 2];
+  plan.parallel.gradient_accumulation_steps = 2;
+  std::unique_ptr<DeviceMesh> mesh = x.n > 1 ? x.mesh_of(plan.parallel) : nullptr;
+  // The peak resident set from here on (Linux: writing 5 to clear_refs resets VmHWM) and the
+  // peak of live tensors.
+  std::ofstream("/proc/self/clear_refs") << "5";
+  reset_peak_tensor_bytes();
+  {
+    torch::AutoGradMode with_grad(true);
+    ShardedTrainer trainer(plan, mesh ? *mesh : x.alone, nullptr);
+    for (int step = 0; step < 3; ++step) {
+      std::vector<torch::Tensor> micro_batches;
+      for (int64_t m = 0; m < plan.parallel.gradient_accumulation_steps; ++m)
+        micro_batches.push_back(torch::randint(x.m.vocab_size, {plan.parallel.micro_batch_size, x.t}, torch::kLong));
+      (void)trainer.step(micro_batches);
+    }
+  }
+  return peak_rss_bytes() - tensor_bytes().peak;
 }
 
 // The executor's whole micro-batch under each tensor split, on its mesh with its collectives

@@ -29,14 +29,9 @@ void Progress::say(const std::string& what) {
 }
 
 void OverheadProbe::sample() {
-  if (stopped_) return;
-  if (device_.is_cuda()) {
-    const DeviceMemory d = device_memory(device_);
-    most_ = std::max(most_, d.used - d.reserved);
-    return;
-  }
-  const TensorBytes t = tensor_bytes();
-  most_ = std::max(most_, current_rss_bytes() - t.live - (t.mapped - t.mapped_live));
+  if (stopped_ || !device_.is_cuda()) return;
+  const DeviceMemory d = device_memory(device_);
+  most_ = std::max(most_, d.used - d.reserved);
 }
 
 namespace {
@@ -178,7 +173,7 @@ void Workload::set_attention_weights(LayerWeights& into, const ModelSpec& local)
 
 torch::Tensor Workload::micro_batch_loss(const torch::Tensor& ids) {
   if (!whole) throw std::logic_error("calibration: the sharded model is measured on CPU ranks only");
-  return mixtral_loss(m, moe, whole->forward(ids, 1), ids).total;
+  return whole->loss(whole->forward(ids, 1), ids).total;
 }
 
 void Workload::form_split_models() {

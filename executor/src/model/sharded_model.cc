@@ -692,9 +692,10 @@ torch::Tensor vocab_parallel_cross_entropy(Communicator& group, const torch::Ten
 }  // namespace
 
 LossTerms ShardedModel::loss(const ForwardResult& out, const torch::Tensor& input_ids) {
-  if (tp_ == 1 && cp_ == 1) return mixtral_loss(plan_.model, plan_.moe, out, input_ids);
   // Cross entropy over this rank's tokens (with T > 1 over this rank's part of the vocabulary,
-  // the embedding's and the head's split), made the micro-batch's mean (sequence_mean).
+  // the embedding's and the head's split), made the micro-batch's mean (sequence_mean). At
+  // T = 1 too: it keeps one fp32 tensor of the logits' size where LibTorch's log-softmax and
+  // negative log-likelihood keep their output and, in backward, hold it beside two gradients.
   auto cross_entropy = [this](const torch::Tensor& split_logits, const torch::Tensor& label_ids) {
     const torch::Tensor counted = (label_ids.reshape({-1}) != kIgnoreLabel).to(torch::kFloat);
     return sequence_mean(vocab_parallel_cross_entropy(mesh_.tensor, split_logits, label_ids, counted), counted.sum());

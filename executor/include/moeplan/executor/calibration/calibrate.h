@@ -68,7 +68,7 @@ struct Calibration {
   std::vector<CollectiveSweep> collectives;
   double copy_bandwidth_bytes_per_s = 0;
   double offload_write_bytes_per_s = 0, offload_read_bytes_per_s = 0;
-  int64_t overhead_bytes = 0;        // resident set beyond live tensors, largest seen
+  int64_t overhead_bytes = 0;        // beyond live tensors: a training step's (CPU), the most seen (GPU)
   int64_t baseline_rss_bytes = 0;    // before any tensor work
   double seconds = 0;                // how long calibration took
   double rank_spread = 1;            // median over compute times of slowest / fastest rank
