@@ -176,6 +176,13 @@ TEST_P(Parallel, MatchesTheOneRankLossCurve) {
   for (size_t i = 0; i < m.size(); ++i) {
     const double a = reference_[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
     EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a)) << "step " << i + 1 << ": one rank " << a << ", " << l.name << " " << b;
+    // The router's load-balancing and z-losses, reported over every layer: summed over the
+    // pipeline's stages, the context and the tensor ranks.
+    for (const char* key : {"aux_loss", "z_loss"}) {
+      const double ra = reference_[i][key].get<double>(), rb = m[i][key].get<double>();
+      EXPECT_LE(std::abs(rb - ra), 1e-4 * std::abs(ra)) << "step " << i + 1 << " " << key << ": one rank " << ra << ", "
+                                                        << l.name << " " << rb;
+    }
     // Routing decisions are discrete: the same tokens reach the same experts.
     EXPECT_EQ(m[i]["tokens_per_expert"], reference_[i]["tokens_per_expert"]) << "step " << i + 1;
     EXPECT_EQ(m[i]["tokens"], reference_[i]["tokens"]);

@@ -239,10 +239,13 @@ void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
 // its receiver, so no rank blocks on a peer that waits on it); their buffers are let go of as
 // soon as a message from the peer proves that the peer has received them (the peer's schedule
 // says which of ours it has taken before it sends each message), so that they do not pile up
-// over the step's micro-batches. Receives wait. With each activation go the router-loss sums of the
-// layers before it (routing.h), so that the last stage reports the load-balancing and z-losses
-// of all the layers; those losses are not in the objective here (the executor refuses such
-// plans).
+// over the step's micro-batches. Receives wait. Each stage adds up the router-loss sums of its
+// layers per micro-batch (routing.h), and after the schedule they are summed over the stages
+// (and the micro-batch's other parts), so that the last stage reports the load-balancing and
+// z-losses of all the layers, as Megatron-LM's tracker reduces them over the pipeline when it
+// logs; those losses are not in the objective here (the executor refuses such plans). Only the
+// activations and their gradients travel between the stages: a second message per micro-batch
+// would wait for the sender again, as busy with its next chunk.
 void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts,
                                   torch::Tensor& sums) {
   using Clock = PhaseClock::Clock;
@@ -257,9 +260,11 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
   const std::vector<int64_t> hidden_shape{first.size(0), first.size(1) / (mesh_.tensor.size() * mesh_.context.size()),
                                           spec.hidden_size};
   const torch::ScalarType hidden_type = compute_type(plan_.training.precision);
-  enum Kind : int64_t { kActivation, kRouterSums, kGradient };
+  enum Kind : int64_t { kActivation, kGradient };
   // A transfer's tag names its micro-batch, the virtual stage it goes to and what it carries.
-  auto tag = [&](int64_t micro, int64_t stage, Kind kind) { return (micro * stages + stage) * 3 + kind; };
+  auto tag = [&](int64_t micro, int64_t stage, Kind kind) { return (micro * stages + stage) * 2 + kind; };
+  // [micro-batch][router-loss sums] of this stage's layers, summed over the stages at the end.
+  torch::Tensor router = torch::zeros({ga, sum_size}, torch::kDouble);
   struct InFlight {
     torch::Tensor input;   // the received activation (a leaf whose gradient goes back)
     torch::Tensor output;  // the chunk's output, or the loss of the last stage
@@ -281,14 +286,8 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
     for (const PipelineAction& b : pipeline_schedule(ranks, q, ga, chunks)) {
       const int64_t sq = b.chunk * ranks + q;
       if (b.forward) {
-        if (sq > 0 && after_me) {
-          peer.takes.push_back(tag(b.micro_batch, sq, kActivation));
-          peer.takes.push_back(tag(b.micro_batch, sq, kRouterSums));
-        }
-        if (sq + 1 < stages && before_me) {
-          peer.taken_before[tag(b.micro_batch, sq + 1, kActivation)] = peer.takes.size();
-          peer.taken_before[tag(b.micro_batch, sq + 1, kRouterSums)] = peer.takes.size();
-        }
+        if (sq > 0 && after_me) peer.takes.push_back(tag(b.micro_batch, sq, kActivation));
+        if (sq + 1 < stages && before_me) peer.taken_before[tag(b.micro_batch, sq + 1, kActivation)] = peer.takes.size();
       } else {
         if (sq + 1 < stages && before_me) peer.takes.push_back(tag(b.micro_batch, sq, kGradient));
         if (sq > 0 && after_me) peer.taken_before[tag(b.micro_batch, sq - 1, kGradient)] = peer.takes.size();
@@ -313,16 +312,13 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(a.micro_batch)];
     if (a.forward) {
       InFlight f;
-      torch::Tensor router = torch::zeros({sum_size}, torch::kDouble);
-      if (stage > 0) {
+      if (stage > 0)
         f.input = receive(hidden_shape, hidden_type, prev, tag(a.micro_batch, stage, kActivation)).requires_grad_(true);
-        router = receive({sum_size}, torch::kDouble, prev, tag(a.micro_batch, stage, kRouterSums));
-      }
       const auto t0 = Clock::now();  // the compute, after the wait for the input
       model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + a.micro_batch);
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
-      router += router_loss_sums(out.router_logits, k, experts, spec.router_scoring);
+      router[a.micro_batch] += router_loss_sums(out.router_logits, k, experts, spec.router_scoring);
       if (counts_data) {
         counts[a.micro_batch] += out.tokens_per_expert;
         dropped_slots_ += out.dropped_slots;
@@ -331,19 +327,13 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       if (stage + 1 < stages) {
         f.output = out.hidden;
         send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation));
-        send(router, next, tag(a.micro_batch, stage + 1, kRouterSums));
       } else {
         // What backward starts from: the predictions' loss (the next token's and the multi-token
         // prediction modules'); the router's losses are not trained through the stages.
         const LossTerms terms = model_.loss(out, ids);
         f.output = terms.prediction / static_cast<double>(ga);
-        // The router's sums of the micro-batch's other parts (context ranks, folded tensor ranks).
-        if (mesh_.routing.size() > 1) mesh_.routing.all_reduce_sum(router);
         if (mesh_.coords().t == 0 && mesh_.coords().c == 0) {
-          const auto [aux, z] = router_losses_of_sums(router, k, experts);
           sums[0] += terms.lm.item<double>();
-          sums[1] += aux;
-          sums[2] += z;
           sums[3] += terms.prediction.item<double>();
           sums[4] += static_cast<double>(ids.numel());
         }
@@ -369,6 +359,16 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
     }
   }
   for (auto& [tag_of, transfer] : sends) pipe.finish_transfer(transfer);
+  // The router's sums of every stage, and of the micro-batch's other parts (context ranks,
+  // folded tensor ranks).
+  pipe.all_reduce_sum(router);
+  if (mesh_.routing.size() > 1) mesh_.routing.all_reduce_sum(router);
+  if (me + 1 == ranks && mesh_.coords().t == 0 && mesh_.coords().c == 0)
+    for (int64_t m = 0; m < ga; ++m) {
+      const auto [aux, z] = router_losses_of_sums(router[m], k, experts);
+      sums[1] += aux;
+      sums[2] += z;
+    }
 }
 
 namespace {
