@@ -380,10 +380,10 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world, const Mesh
   cal.ranks = world.size();
   cal.passes = passes;
   cal.baseline_rss_bytes = current_rss_bytes();
+  if (!o.device.is_cuda()) progress.say("three training steps of the executor's trainer, for its memory beyond tensors");
+  const int64_t step_overhead = o.device.is_cuda() ? 0 : measure_step_overhead(o, world, mesh_of);
   Workload x(o, world, mesh_of);
   OverheadProbe overhead(o.device);
-  if (!o.device.is_cuda()) progress.say("three training steps of the executor's trainer, for its memory beyond tensors");
-  const int64_t step_overhead = o.device.is_cuda() ? 0 : measure_step_overhead(x);
 
   // Every figure is measured once per pass, in the same order on every rank. A shared machine
   // has spells in which a core runs far slower (another tenant on it); the passes spread the

@@ -149,6 +149,11 @@ struct SplitModel {
 // What calibration measures, the same on every rank: the model's GEMM shapes, expert rows and
 // optimizer shards, the collectives' sizes, and the weights and inputs of the executor's
 // operations. Built once, used by every pass.
+// The micro-batch sizes measured: powers of two up to the largest.
+std::vector<int64_t> micro_batches(int64_t max_micro_batch);
+// The calibrated model on one rank alone (E = S = 1), at the calibration's sequence and precision.
+Plan alone_plan(const CalibrateOptions& o);
+
 struct Workload {
   Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& mesh_of);
   Workload(const Workload&) = delete;
@@ -276,9 +281,10 @@ std::vector<double> measure_optimizer(Workload& x, OverheadProbe& overhead);
 std::vector<ForwardBackward> measure_micro_batches(Workload& x);
 // On CPU ranks: what a run's rank holds beyond its tensors, as its report measures it (the
 // peak resident set less the peak of live tensors) over three optimizer steps of the executor's
-// trainer on the data-parallel layout of the ranks. Measured first, while the process is as
-// fresh as a run's: what later measurements leave in the heap is not a run's.
-int64_t measure_step_overhead(Workload& x);
+// trainer on the data-parallel layout of the ranks. Measured first, before the workload is
+// made, while the process is as fresh as a run's: what later measurements leave in the heap is
+// not a run's.
+int64_t measure_step_overhead(const CalibrateOptions& o, Communicator& world, const MeshMaker& mesh_of);
 std::vector<std::vector<SplitMicroBatchFigures>> measure_split_micro_batches(Workload& x);
 CopyFigures measure_copies(Workload& x, OverheadProbe& overhead);
 std::vector<CollectiveFigures> measure_collectives(Workload& x, Progress& progress, const std::string& of);

@@ -234,26 +234,28 @@ std::vector<ForwardBackward> measure_micro_batches(Workload& x) {
   return micro_batches;
 }
 
-int64_t measure_step_overhead(Workload& x) {
+int64_t measure_step_overhead(const CalibrateOptions& o, Communicator& world, const MeshMaker& mesh_of) {
   // The data-parallel layout of the calibration's ranks (on one rank, the rank alone), at the
   // middle of the micro-batch sizes measured, two micro-batches a step.
-  Plan plan = x.whole_plan;
-  plan.parallel.world_size = x.n;
-  plan.parallel.micro_batch_size = x.mbs[x.mbs.size() / 2];
+  Plan plan = alone_plan(o);
+  const std::vector<int64_t> sizes = micro_batches(o.max_micro_batch);
+  plan.parallel.world_size = world.size();
+  plan.parallel.micro_batch_size = sizes[sizes.size() / 2];
   plan.parallel.gradient_accumulation_steps = 2;
-  std::unique_ptr<DeviceMesh> mesh = x.n > 1 ? x.mesh_of(plan.parallel) : nullptr;
+  std::unique_ptr<DeviceMesh> mesh =
+      world.size() > 1 ? mesh_of(plan.parallel) : std::make_unique<DeviceMesh>(plan.parallel);
   // The peak resident set from here on (Linux: writing 5 to clear_refs resets VmHWM) and the
   // peak of live tensors.
   std::ofstream("/proc/self/clear_refs") << "5";
   reset_peak_tensor_bytes();
   {
     torch::AutoGradMode with_grad(true);
-    ShardedTrainer trainer(plan, mesh ? *mesh : x.alone, nullptr);
+    ShardedTrainer trainer(plan, *mesh, nullptr);
     for (int step = 0; step < 3; ++step) {
-      std::vector<torch::Tensor> micro_batches;
+      std::vector<torch::Tensor> batch;
       for (int64_t m = 0; m < plan.parallel.gradient_accumulation_steps; ++m)
-        micro_batches.push_back(torch::randint(x.m.vocab_size, {plan.parallel.micro_batch_size, x.t}, torch::kLong));
-      (void)trainer.step(micro_batches);
+        batch.push_back(torch::randint(o.model.vocab_size, {plan.parallel.micro_batch_size, o.seq_len}, torch::kLong));
+      (void)trainer.step(batch);
     }
   }
   return peak_rss_bytes() - tensor_bytes().peak;

@@ -34,8 +34,6 @@ void OverheadProbe::sample() {
   most_ = std::max(most_, d.used - d.reserved);
 }
 
-namespace {
-
 std::vector<int64_t> micro_batches(int64_t max_micro_batch) {
   std::vector<int64_t> m;
   for (int64_t b = 1; b <= max_micro_batch; b *= 2) m.push_back(b);
@@ -50,8 +48,6 @@ Plan alone_plan(const CalibrateOptions& o) {
   p.moe.load_balancing = o.load_balancing;
   return p;
 }
-
-}  // namespace
 
 Workload::Workload(const CalibrateOptions& options, Communicator& communicator, const MeshMaker& meshes)
     : device(options.device), o(options), world(communicator), m(options.model), type(compute_type(options.precision)),
