@@ -263,8 +263,7 @@ int64_t measure_step_overhead(const CalibrateOptions& o, Communicator& world, co
 
 // The executor's whole micro-batch under each tensor split, on its mesh with its collectives
 // (the same tokens on every rank). Every rank makes the same calls. The meshes are formed at
-// the first call, after the framework overhead was sampled: a run holds one mesh, not one per
-// split.
+// the first call.
 std::vector<std::vector<SplitMicroBatchFigures>> measure_split_micro_batches(Workload& x) {
   if (x.split_models.empty() && x.mesh_of) x.form_split_models();
   std::vector<std::vector<SplitMicroBatchFigures>> per_split;
