@@ -128,6 +128,26 @@ TEST(Collectives, AllReduceSumsOverRanks) {
   }));
 }
 
+// A process group of one runs its backend's collectives (what tests of a backend on one device
+// rely on): every result is the rank's own data, and every call went through the backend (the
+// observer hears of each; a null group's copies are not observed).
+TEST(Collectives, AProcessGroupOfOneRunsItsBackend) {
+  expect_all_ok(run_ranks(1, [](int, Communicator& comm) {
+    int64_t observed = 0;
+    comm.set_observer([&observed](const char*, int64_t, auto, auto) { ++observed; });
+    const torch::Tensor want = rank_rows(0, 3, 5);
+    torch::Tensor t = want.clone();
+    comm.all_reduce_sum(t);
+    check_equal(t, want, "all-reduce");
+    check_equal(comm.all_gather(want), want, "all-gather");
+    check_equal(comm.reduce_scatter_sum(want), want, "reduce-scatter");
+    check_equal(comm.all_to_all(want, {3}, {3}), want, "all-to-all");
+    comm.broadcast(t, 0);
+    check_equal(t, want, "broadcast");
+    if (observed != 5) throw Mismatch(std::to_string(observed) + " collectives observed, 5 called");
+  }));
+}
+
 TEST(Collectives, AllGatherConcatenatesInRankOrder) {
   expect_all_ok(run_ranks(3, [](int rank, Communicator& comm) {
     for (const auto type : {torch::kFloat, torch::kBFloat16, torch::kLong}) {

@@ -3,9 +3,16 @@
 // The GPU tests skip, saying so, where this machine has no CUDA device.
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <thread>
 
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/executor/model/kernels.h"
+#include "moeplan/executor/ranks/collectives.h"
 #include "moeplan/executor/ranks/device.h"
 #include "moeplan/executor/training/trainer.h"
 #include "run_fixture.h"
@@ -55,12 +62,123 @@ TEST(ComputeDevice, GpuCalibrationWithoutAGpuSaysSo) {
   EXPECT_FALSE(std::filesystem::exists(tmp.file("gpu.json")));
 }
 
+// A 2-rank plan of a GPU profile where there is no GPU: the ranks agree on the CPU and gloo
+// through the store, rank 0 says so once, and the run trains and reports where it ran.
+TEST(ComputeDevice, GpuPlanOfTwoRanksWithoutAGpuTrainsOnCpuRanksAndSaysSo) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a CUDA device";
+  const auto files = test::fortune_files({"wisdom"});
+  if (files.empty()) GTEST_SKIP() << "needs Debian's fortunes package";
+  const test::TempDir tmp;
+  ASSERT_EQ(test::prepare_data(files, tmp.file("data"), 512, 64).exit_code, 0);
+  const std::string model = test::write_small_model(tmp, 512), plan = tmp.file("plan.json");
+  const test::Command s = test::run_moeplan(
+      "search --gpus 2 --instance p5.48xlarge --model " + model + " --seq-len 64 --global-batch-tokens 256"
+      " --precision fp32 --micro-batch 1 --expert-parallel-degree 2 --hybrid-shard-degree 1 --tensor-parallel-degree 1"
+      " --pipeline-parallel-degree 1 --checkpointing none --offload off --target moeplan --out " + plan);
+  ASSERT_EQ(s.exit_code, 0) << test::show(s);
+  const test::Command r =
+      test::run_moeplan("run " + plan + " --data " + tmp.file("data") + " --out " + tmp.file("run") + " --steps 2");
+  ASSERT_EQ(r.exit_code, 0) << test::show(r);
+  const std::string said = "the plan is for H100-SXM5-80GB GPUs (p5.48xlarge), but this machine has no CUDA device: "
+                           "2 ranks train on the CPU, joined by gloo\n";
+  const size_t at = r.all().find(said);
+  EXPECT_NE(at, std::string::npos) << r.all();
+  EXPECT_EQ(r.all().find(said, at + 1), std::string::npos) << "said once: " << r.all();
+  const Json report = read_json_file(tmp.file("run/report.json"));
+  EXPECT_EQ(report["measured"]["where"], "CPU ranks (gloo, started by moeplan)");
+}
+
 TEST(ComputeDevice, CpuCallsAreHarmless) {
   wait_for(torch::kCPU);
   reset_device_peaks(torch::kCPU);
   const DeviceMemory m = device_memory(torch::kCPU);
   EXPECT_EQ(m.peak_reserved, 0);
   EXPECT_EQ(m.used, 0);
+}
+
+// Where ranks compute, from what they see: every case of the choice, on any machine.
+TEST(RankPlacement, EachRankTakesItsOwnGpuOrSharesOrStaysOnTheCpu) {
+  // A CPU profile: the CPU, nothing to say.
+  const RankPlace cpu = place_rank(DeviceKind::kCpu, 3, 8, true);
+  EXPECT_EQ(cpu.gpu, -1);
+  EXPECT_EQ(cpu.note, "");
+  // A GPU profile where there is no GPU, or no CUDA in this build: the CPU, saying why.
+  const RankPlace none = place_rank(DeviceKind::kCuda, 0, 0, true);
+  EXPECT_EQ(none.gpu, -1);
+  EXPECT_EQ(none.note, "this machine has no CUDA device");
+  EXPECT_EQ(place_rank(DeviceKind::kCuda, 0, 8, false).note, "this moeplan was built with a LibTorch without CUDA");
+  // One GPU per rank: local rank r on GPU r.
+  for (int64_t r = 0; r < 8; ++r) {
+    const RankPlace own = place_rank(DeviceKind::kCuda, r, 8, true);
+    EXPECT_EQ(own.gpu, r);
+    EXPECT_TRUE(own.own_gpu);
+    EXPECT_EQ(own.note, "");
+  }
+  // More ranks than GPUs: round robin, shared, said.
+  const RankPlace third = place_rank(DeviceKind::kCuda, 3, 2, true);
+  EXPECT_EQ(third.gpu, 1);
+  EXPECT_FALSE(third.own_gpu);
+  EXPECT_EQ(third.note, "local rank 3 shares GPU 1 (2 here)");
+  EXPECT_TRUE(place_rank(DeviceKind::kCuda, 1, 2, true).own_gpu);
+}
+
+TEST(RankPlacement, NcclOnlyWhenEveryRankHasAGpuOfItsOwn) {
+  auto places = [](DeviceKind kind, int64_t ranks, int64_t gpus) {
+    std::vector<RankPlace> all;
+    for (int64_t r = 0; r < ranks; ++r) all.push_back(place_rank(kind, r, gpus, true));
+    return all;
+  };
+  const std::vector<RankPlace> eight = places(DeviceKind::kCuda, 8, 8);
+  EXPECT_EQ(choose_backend(eight, true), GroupBackend::kNccl);
+  EXPECT_EQ(describe_placement(eight, GroupBackend::kNccl), "");
+  // A build without NCCL keeps gloo and says so.
+  EXPECT_EQ(choose_backend(eight, false), GroupBackend::kGloo);
+  EXPECT_EQ(describe_placement(eight, GroupBackend::kGloo),
+            "8 ranks on GPUs of their own, but this moeplan has no NCCL: their groups use gloo, staged through host "
+            "memory");
+  // Four ranks on one GPU (a workstation, a test): gloo over CUDA tensors.
+  const std::vector<RankPlace> shared = places(DeviceKind::kCuda, 4, 1);
+  EXPECT_EQ(choose_backend(shared, true), GroupBackend::kGloo);
+  EXPECT_EQ(describe_placement(shared, GroupBackend::kGloo),
+            "4 ranks share 1 GPU: their groups use gloo over CUDA tensors, staged through host memory (NCCL needs a "
+            "GPU per rank)");
+  // One rank without a GPU of its own is enough for gloo everywhere: one backend for the world.
+  std::vector<RankPlace> mixed = eight;
+  mixed.push_back(place_rank(DeviceKind::kCuda, 8, 8, true));
+  EXPECT_EQ(choose_backend(mixed, true), GroupBackend::kGloo);
+  // CPU ranks: gloo; a CPU profile says nothing, a GPU profile without GPUs says why.
+  EXPECT_EQ(choose_backend(places(DeviceKind::kCpu, 2, 8), true), GroupBackend::kGloo);
+  EXPECT_EQ(describe_placement(places(DeviceKind::kCpu, 2, 8), GroupBackend::kGloo), "");
+  EXPECT_EQ(describe_placement(places(DeviceKind::kCuda, 2, 0), GroupBackend::kGloo),
+            "this machine has no CUDA device: 2 ranks train on the CPU, joined by gloo");
+  EXPECT_EQ(choose_backend({}, true), GroupBackend::kGloo);
+}
+
+// Every rank tells its place through the store and reads the others': all end with the same
+// list, in rank order, whatever order they came in.
+TEST(RankPlacement, EveryRankLearnsEveryPlaceThroughTheStore) {
+  constexpr int64_t kRanks = 4;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::seconds(20));
+  std::vector<std::vector<RankPlace>> seen(kRanks);
+  std::vector<std::thread> ranks;
+  for (int64_t r = kRanks - 1; r >= 0; --r)
+    ranks.emplace_back([&, r] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));
+      seen[static_cast<size_t>(r)] = places_of_world(*store, r, kRanks, place_rank(DeviceKind::kCuda, r, 3, true));
+    });
+  for (std::thread& t : ranks) t.join();
+  for (int64_t r = 0; r < kRanks; ++r) {
+    const std::vector<RankPlace>& all = seen[static_cast<size_t>(r)];
+    ASSERT_EQ(all.size(), static_cast<size_t>(kRanks)) << "rank " << r;
+    for (int64_t q = 0; q < kRanks; ++q) {
+      const RankPlace want = place_rank(DeviceKind::kCuda, q, 3, true);
+      EXPECT_EQ(all[static_cast<size_t>(q)].gpu, want.gpu) << "rank " << r << " about rank " << q;
+      EXPECT_EQ(all[static_cast<size_t>(q)].own_gpu, want.own_gpu) << "rank " << r << " about rank " << q;
+      EXPECT_EQ(all[static_cast<size_t>(q)].note, want.note) << "rank " << r << " about rank " << q;
+    }
+  }
+  EXPECT_EQ(choose_backend(seen[0], true), GroupBackend::kGloo) << "rank 3 shares GPU 0";
 }
 
 Plan tiny_plan(Precision precision) {
@@ -149,6 +267,168 @@ TEST(Gpu, KernelsMatchTheCpu) {
                  std::string("attention ") + c10::toString(type));
   }
 }
+
+// Each collective on a process group of one on the GPU, through NCCL (its communicator on the
+// device) and through gloo (CUDA tensors staged through host memory): every result is the rank's
+// own data, back on the device, and every call went through the backend.
+TEST(Gpu, OneRankGroupsRunEveryCollectiveOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const bool nccl : {true, false}) {
+    if (nccl && !nccl_built()) {
+      ADD_FAILURE() << "this moeplan was built without NCCL";
+      continue;
+    }
+    const std::string which = nccl ? "NCCL" : "gloo";
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    const auto timeout = std::chrono::milliseconds(30000);
+    BackendGroup group = nccl ? make_nccl_group(store, "one/", 0, 1, timeout, cuda)
+                              : make_gloo_group(store, "one/", 0, 1, timeout);
+    Communicator comm(std::move(group), which + " group of one", 0, cuda);
+    EXPECT_EQ(comm.wire(), nccl ? cuda : torch::Device(torch::kCPU)) << which;
+    int64_t observed = 0;
+    comm.set_observer([&observed](const char*, int64_t, auto, auto) { ++observed; });
+    for (const torch::ScalarType type : {torch::kFloat, torch::kBFloat16}) {
+      const torch::Tensor want = torch::arange(15, torch::dtype(torch::kFloat).device(cuda)).view({3, 5}).to(type);
+      auto same = [&](const torch::Tensor& got, const char* op) {
+        EXPECT_TRUE(got.is_cuda()) << which << " " << op;
+        EXPECT_TRUE(torch::equal(got.cpu(), want.cpu())) << which << " " << op;
+      };
+      torch::Tensor t = want.clone();
+      comm.all_reduce_sum(t);
+      same(t, "all-reduce");
+      same(comm.all_gather(want), "all-gather");
+      same(comm.reduce_scatter_sum(want), "reduce-scatter");
+      same(comm.all_to_all(want, {3}, {3}), "all-to-all");
+      comm.broadcast(t, 0);
+      same(t, "broadcast");
+      // A host tensor (counts, sums) on the same group comes back on the host.
+      torch::Tensor counts = torch::ones({4}, torch::kLong);
+      comm.all_reduce_sum(counts);
+      EXPECT_TRUE(counts.device().is_cpu()) << which;
+      EXPECT_TRUE(torch::equal(counts, torch::ones({4}, torch::kLong))) << which;
+    }
+    EXPECT_EQ(observed, 12) << which;
+  }
+}
+
+// Ranks sharing this machine's GPU (gloo over CUDA tensors, one process a rank): layouts of 2 and
+// 4 ranks train the same model to the one GPU rank's losses and routing, resume bit for bit, and
+// keep each rank's peak device tensors within 10% of the memory model's. The text: the folder in
+// MOEPLAN_GPU_TEST_DATA (`moeplan data prepare --vocab-size 512 --block-size 64`), else the fortunes
+// package prepared here.
+struct GpuLayout {
+  std::string name;
+  int64_t ranks, e, s, t, p;
+  std::string checkpointing = "none";
+  bool offload = false;
+};
+void PrintTo(const GpuLayout& l, std::ostream* os) { *os << l.name; }
+
+class GpuRanks : public ::testing::TestWithParam<GpuLayout> {
+ protected:
+  static constexpr int64_t kSteps = 20;
+  static void SetUpTestSuite() {
+    if (cuda_device_count() == 0) return;
+    dir_ = new test::TempDir();
+    if (const char* prepared = std::getenv("MOEPLAN_GPU_TEST_DATA")) {
+      data_ = prepared;
+    } else {
+      const auto files = test::fortune_files({"fortunes", "wisdom", "science", "computers"});
+      if (files.empty()) return;
+      data_ = dir_->file("data");
+      const test::Command r = test::prepare_data(files, data_, 512, 64);
+      ASSERT_EQ(r.exit_code, 0) << test::show(r);
+    }
+    model_ = test::write_small_model(*dir_, 512);
+    reference_ = train(plan({"one", 1, 1, 1, 1, 1}), "reference");
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    if (data_.empty()) GTEST_SKIP() << "needs MOEPLAN_GPU_TEST_DATA or Debian's fortunes package";
+    ASSERT_EQ(reference_.size(), static_cast<size_t>(kSteps));
+  }
+
+  // The layout planned for p5.48xlarge's GPUs with its degrees pinned: one sequence of 64 tokens
+  // a micro-batch, 4 of them a step.
+  static std::string plan(const GpuLayout& l) {
+    const std::string out = dir_->file("plan-" + l.name + ".json");
+    const test::Command s = test::run_moeplan(
+        "search --gpus " + std::to_string(l.ranks) + " --instance p5.48xlarge --model " + model_ +
+        " --seq-len 64 --global-batch-tokens 256 --precision fp32 --micro-batch 1 --target moeplan" +
+        " --expert-parallel-degree " + std::to_string(l.e) + " --hybrid-shard-degree " + std::to_string(l.s) +
+        " --tensor-parallel-degree " + std::to_string(l.t) + " --pipeline-parallel-degree " + std::to_string(l.p) +
+        " --checkpointing " + l.checkpointing + " --offload " + (l.offload ? "on" : "off") + " --out " + out);
+    EXPECT_EQ(s.exit_code, 0) << test::show(s);
+    return out;
+  }
+  static std::vector<Json> train(const std::string& plan, const std::string& name, const std::string& more = "") {
+    const test::Command r = test::run_moeplan("run " + plan + " --data " + data_ + " --out " + dir_->file(name) +
+                                              " --steps " + std::to_string(kSteps) + " --timeout 120" + more);
+    EXPECT_EQ(r.exit_code, 0) << test::show(r);
+    return test::read_metrics(dir_->file(name));
+  }
+
+  static test::TempDir* dir_;
+  static std::string data_, model_;
+  static std::vector<Json> reference_;
+};
+
+test::TempDir* GpuRanks::dir_ = nullptr;
+std::string GpuRanks::data_, GpuRanks::model_;
+std::vector<Json> GpuRanks::reference_;
+
+TEST_P(GpuRanks, TrainLikeOneGpuRankAndResumeBitForBit) {
+  const GpuLayout& l = GetParam();
+  const std::string plan_file = plan(l);
+  const std::vector<Json> m = train(plan_file, "run-" + l.name);
+  ASSERT_EQ(m.size(), static_cast<size_t>(kSteps));
+  for (size_t i = 0; i < m.size(); ++i) {
+    const double a = reference_[i]["loss"].get<double>(), b = m[i]["loss"].get<double>();
+    EXPECT_LE(std::abs(b - a), 1e-4 * std::abs(a))
+        << "step " << i + 1 << ": one rank " << a << ", " << l.name << " " << b;
+    EXPECT_EQ(m[i]["tokens_per_expert"], reference_[i]["tokens_per_expert"]) << "step " << i + 1;
+  }
+  const Json report = read_json_file(dir_->file("run-" + l.name + "/report.json"));
+  EXPECT_NE(report["measured"]["where"].get<std::string>().find("GPU ranks (gloo"), std::string::npos)
+      << report["measured"]["where"];
+  // Each rank's peak device tensors (the caching allocator's peak allocated) against the memory
+  // model's tensors (its device bytes less the framework's fixed overhead and fragmentation).
+  const Json planned = read_json_file(plan_file);
+  double predicted = 0;
+  for (const auto& [item, bytes] : planned["prediction"]["memory"]["device"].items())
+    if (item != "framework_overhead" && item != "fragmentation") predicted += bytes.get<double>();
+  const Json& peaks = report["measured"]["peak_device_allocated_bytes_per_rank"];
+  ASSERT_EQ(peaks.size(), static_cast<size_t>(l.ranks));
+  for (size_t r = 0; r < peaks.size(); ++r)
+    EXPECT_NEAR(peaks[r].get<double>() / predicted, 1.0, 0.1)
+        << "rank " << r << ": " << peaks[r].get<double>() << " bytes allocated at the peak, " << predicted
+        << " predicted";
+  // Stopped after 10 steps with a checkpoint and resumed: steps 11 to 20 as the whole run's, bit for bit.
+  const std::string half = "half-" + l.name;
+  const test::Command first = test::run_moeplan("run " + plan_file + " --data " + data_ + " --out " + dir_->file(half) +
+                                                " --steps 10 --checkpoint-every 10 --timeout 120");
+  ASSERT_EQ(first.exit_code, 0) << test::show(first);
+  const std::vector<Json> resumed = train(plan_file, half, " --resume");
+  ASSERT_EQ(resumed.size(), static_cast<size_t>(kSteps));
+  for (size_t i = 10; i < resumed.size(); ++i)
+    EXPECT_EQ(resumed[i]["loss"].get<double>(), m[i]["loss"].get<double>()) << "step " << i + 1 << " after resuming";
+}
+
+INSTANTIATE_TEST_SUITE_P(SharingOneGpu, GpuRanks,
+                         ::testing::Values(GpuLayout{"E2", 2, 2, 1, 1, 1}, GpuLayout{"S2", 2, 1, 2, 1, 1},
+                                           GpuLayout{"T2", 2, 1, 1, 2, 1}, GpuLayout{"P2", 2, 1, 1, 1, 2},
+                                           GpuLayout{"E2-offload", 2, 2, 1, 1, 1, "full", true},
+                                           GpuLayout{"E2S2", 4, 2, 2, 1, 1}),
+                         [](const ::testing::TestParamInfo<GpuLayout>& info) {
+                           std::string n = info.param.name;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace moeplan::executor

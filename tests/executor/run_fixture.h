@@ -8,6 +8,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 #include <cstdio>
 #include <filesystem>
@@ -52,7 +53,14 @@ inline Command run_command(const std::string& command) {
 
 // Runs `moeplan args` with stdout and stderr captured apart, so a test can tell that error
 // lines went to stderr.
-inline Command run_moeplan(const std::string& args) { return run_command(std::string(MOEPLAN_BINARY) + " " + args); }
+// The moeplan binary the tests run: this build's, or MOEPLAN_TEST_BINARY's (a test program run on
+// another machine beside its own build's binary, bench/gpu/gpu_ranks.sh).
+inline std::string moeplan_binary() {
+  const char* other = std::getenv("MOEPLAN_TEST_BINARY");
+  return other != nullptr && *other != '\0' ? other : MOEPLAN_BINARY;
+}
+
+inline Command run_moeplan(const std::string& args) { return run_command(moeplan_binary() + " " + args); }
 
 // Starts `moeplan args...` in the background, with `env` ("NAME=value") added to the
 // environment and stdout and stderr written to the given files; returns the child's pid.
@@ -63,7 +71,7 @@ inline pid_t spawn_moeplan(const std::vector<std::string>& args, const std::vect
   const pid_t pid = ::fork();
   if (pid == 0) {
     std::vector<std::string> storage = wrapper;
-    storage.push_back(MOEPLAN_BINARY);
+    storage.push_back(moeplan_binary());
     storage.insert(storage.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (std::string& s : storage) argv.push_back(s.data());

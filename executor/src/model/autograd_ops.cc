@@ -51,7 +51,8 @@ torch::Tensor all_to_all_autograd(Communicator& comm, const torch::Tensor& input
                                   const std::vector<int64_t>& recv_rows) {
   TensorList out{comm.all_to_all(input.detach(), send_rows, recv_rows)};
   const std::vector<int64_t> in_shape = input.sizes().vec();
-  attach_backward({input}, out, "AllToAllBackward", [&comm, send_rows, recv_rows, in_shape](TensorList&& g) {
+  const torch::TensorOptions options = input.options().requires_grad(false);
+  attach_backward({input}, out, "AllToAllBackward", [&comm, send_rows, recv_rows, in_shape, options](TensorList&& g) {
     const torch::Tensor grad = g[0].defined() ? g[0] : torch::Tensor();
     if (!grad.defined()) {
       // Peers still expect this rank's rows: send zeros.
@@ -59,7 +60,7 @@ torch::Tensor all_to_all_autograd(Communicator& comm, const torch::Tensor& input
       int64_t rows = 0;
       for (const int64_t r : recv_rows) rows += r;
       shape[0] = rows;
-      return TensorList{comm.all_to_all(torch::zeros(shape), recv_rows, send_rows)};
+      return TensorList{comm.all_to_all(torch::zeros(shape, options), recv_rows, send_rows)};
     }
     return TensorList{comm.all_to_all(grad, recv_rows, send_rows)};
   });
@@ -69,9 +70,9 @@ torch::Tensor all_to_all_autograd(Communicator& comm, const torch::Tensor& input
 torch::Tensor all_gather_autograd(Communicator& comm, const torch::Tensor& input) {
   TensorList out{comm.all_gather(input.detach())};
   const std::vector<int64_t> full_shape = out[0].sizes().vec();
-  const torch::ScalarType type = input.scalar_type();
-  attach_backward({input}, out, "AllGatherBackward", [&comm, full_shape, type](TensorList&& g) {
-    const torch::Tensor grad = g[0].defined() ? g[0] : torch::zeros(full_shape, torch::TensorOptions().dtype(type));
+  const torch::TensorOptions options = input.options().requires_grad(false);
+  attach_backward({input}, out, "AllGatherBackward", [&comm, full_shape, options](TensorList&& g) {
+    const torch::Tensor grad = g[0].defined() ? g[0] : torch::zeros(full_shape, options);
     return TensorList{comm.reduce_scatter_sum(grad)};
   });
   return out[0];
@@ -80,9 +81,9 @@ torch::Tensor all_gather_autograd(Communicator& comm, const torch::Tensor& input
 torch::Tensor reduce_scatter_autograd(Communicator& comm, const torch::Tensor& input) {
   TensorList out{comm.reduce_scatter_sum(input.detach())};
   const std::vector<int64_t> part_shape = out[0].sizes().vec();
-  const torch::ScalarType type = input.scalar_type();
-  attach_backward({input}, out, "ReduceScatterBackward", [&comm, part_shape, type](TensorList&& g) {
-    const torch::Tensor grad = g[0].defined() ? g[0] : torch::zeros(part_shape, torch::TensorOptions().dtype(type));
+  const torch::TensorOptions options = input.options().requires_grad(false);
+  attach_backward({input}, out, "ReduceScatterBackward", [&comm, part_shape, options](TensorList&& g) {
+    const torch::Tensor grad = g[0].defined() ? g[0] : torch::zeros(part_shape, options);
     return TensorList{comm.all_gather(grad)};
   });
   return out[0];

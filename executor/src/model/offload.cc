@@ -31,7 +31,8 @@ ActivationStore::~ActivationStore() {
 
 void ActivationStore::put(int64_t key, const torch::Tensor& t) {
   const auto start = std::chrono::steady_clock::now();
-  const torch::Tensor c = t.detach().contiguous();
+  // A device's tensor is copied to the host first (and waited for), then written.
+  const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
   const auto* data = static_cast<const char*>(c.data_ptr());
   const int64_t n = static_cast<int64_t>(c.nbytes());
   for (int64_t done = 0; done < n;) {
@@ -42,7 +43,7 @@ void ActivationStore::put(int64_t key, const torch::Tensor& t) {
     }
     done += w;
   }
-  entries_[key] = Entry{end_, c.sizes().vec(), c.scalar_type(), {}, {}};
+  entries_[key] = Entry{end_, c.sizes().vec(), c.scalar_type(), t.device(), {}, {}};
   end_ += n;
   bytes_written_ += n;
   if (observer_) observer_("offload", n, start, std::chrono::steady_clock::now());
@@ -75,6 +76,7 @@ torch::Tensor ActivationStore::take(int64_t key) {
   const bool prefetched = it->second.loading.valid();
   const auto start = prefetched ? it->second.loading_since : std::chrono::steady_clock::now();
   torch::Tensor t = prefetched ? it->second.loading.get() : read(it->second);
+  t = t.to(it->second.device);
   bytes_read_ += static_cast<int64_t>(t.nbytes());
   if (observer_) observer_("reload", static_cast<int64_t>(t.nbytes()), start, std::chrono::steady_clock::now());
   entries_.erase(it);

@@ -267,7 +267,8 @@ torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_logit
   const torch::Tensor chosen = choice_counts(selected, experts).to(torch::kFloat);  // [k, E]
   torch::Tensor tokens_per_expert, prob_per_expert;  // [k, E], [E]
   if (over) {
-    const torch::Tensor rows = over(torch::full({1}, static_cast<double>(logits.size(0)), torch::kFloat));
+    const torch::TensorOptions options = torch::dtype(torch::kFloat).device(logits.device());
+    const torch::Tensor rows = over(torch::full({1}, static_cast<double>(logits.size(0)), options));
     tokens_per_expert = over(chosen) / rows;
     prob_per_expert = over(probs.sum(0)) / rows;
   } else {
@@ -282,7 +283,8 @@ torch::Tensor router_z_loss(const std::vector<torch::Tensor>& router_logits, con
   const torch::Tensor logits = torch::cat(router_logits, 0).to(torch::kFloat);
   const torch::Tensor squares = torch::logsumexp(logits, -1).square();
   if (!over) return squares.mean();
-  const torch::Tensor rows = over(torch::full({1}, static_cast<double>(logits.size(0)), torch::kFloat));
+  const torch::Tensor rows =
+      over(torch::full({1}, static_cast<double>(logits.size(0)), torch::dtype(torch::kFloat).device(logits.device())));
   return (over(squares.sum().reshape({1})) / rows).squeeze(0);
 }
 

@@ -19,6 +19,12 @@ torch::ScalarType compute_type(Precision p) { return p == Precision::kFp32 ? tor
 
 namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The values of a small integer tensor (counts of rows), read on the host.
+std::vector<int64_t> host_longs(const torch::Tensor& t) {
+  const torch::Tensor h = t.to(torch::kCPU, torch::kLong).contiguous();
+  return {h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel()};
+}
 }  // namespace
 
 std::vector<FlatUnit> flat_units(const ModelSpec& spec, const std::vector<ParamInfo>& infos, int64_t expert_degree,
@@ -50,10 +56,10 @@ std::vector<FlatUnit> flat_units(const ModelSpec& spec, const std::vector<ParamI
 
 ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     : plan_(plan), mesh_(mesh), master_type_(master_type(plan.training.precision)),
-      compute_type_(compute_type(plan.training.precision)), local_spec_(plan.model),
+      compute_type_(compute_type(plan.training.precision)), device_(mesh.device()), local_spec_(plan.model),
       tp_(plan.parallel.tensor_parallel_degree), tp_rank_(mesh.coords().t) {
   const ParallelConfig& p = plan.parallel;
-  expert_bias_ = initial_expert_bias(plan.model);
+  expert_bias_ = initial_expert_bias(plan.model, device_);
   experts_per_rank_ = plan.model.num_experts / p.expert_parallel_degree;
   const int64_t expert_index = mesh.layout().expert_index(mesh.rank());
   first_expert_ = expert_index * experts_per_rank_;
@@ -86,7 +92,8 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
     const bool embedding_copy = u.block == 0 && shared_embedding_ && pp_rank_ == pp_ - 1;
     held_.push_back(u.numel > 0 && (layer / layers_per_chunk_ % pp_ == pp_rank_ || embedding_copy));
     if (!held_.back()) {
-      shards_.push_back(torch::zeros({0}, torch::TensorOptions().dtype(master_type_)).requires_grad_(true));
+      shards_.push_back(
+          torch::zeros({0}, torch::TensorOptions().dtype(master_type_).device(device_)).requires_grad_(true));
       decay_runs_.emplace_back();
       whole_runs_.emplace_back();
       continue;
@@ -108,7 +115,8 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
       if (info.weight_decay) add_run(decay, a - begin, b - a);
       if (tp_ > 1 && alike_on_tensor_ranks(u.params[j])) add_run(whole_runs, a - begin, b - a);
     }
-    shards_.push_back(shard.requires_grad_(true));
+    // Drawn on the host (one seeded stream, whatever the device), kept on the rank's device.
+    shards_.push_back(shard.to(device_).requires_grad_(true));
     decay_runs_.push_back(std::move(decay));
     whole_runs_.push_back(std::move(whole_runs));
   }
@@ -183,9 +191,10 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
       out.push_back(comm.all_gather(shard.detach().to(compute_type_)));
     }
     const torch::ScalarType master = master_type_;
-    attach_backward({shard}, out, "GatherUnitBackward", [&comm, master, n = out[0].numel(),
-                                                          type = compute_type_](std::vector<torch::Tensor>&& grads) {
-      const torch::Tensor grad = grads[0].defined() ? grads[0] : torch::zeros({n}, torch::TensorOptions().dtype(type));
+    attach_backward({shard}, out, "GatherUnitBackward", [&comm, master, n = out[0].numel(), type = compute_type_,
+                                                          device = device_](std::vector<torch::Tensor>&& grads) {
+      const torch::Tensor grad =
+          grads[0].defined() ? grads[0] : torch::zeros({n}, torch::TensorOptions().dtype(type).device(device));
       return std::vector<torch::Tensor>{comm.reduce_scatter_sum(grad).to(master)};
     });
     g.flat = out[0];
@@ -348,7 +357,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   const int64_t t = input_ids.size(1);
   if (seq_len_ != t) {
     seq_len_ = t;
-    rope_ = rope_tables(spec, t, compute_type_);
+    rope_ = rope_tables(spec, t, compute_type_, device_);
     // Blocks within the window (or every block, without one) and, where the model has both, the
     // blocks over the whole sequence.
     const bool both = spec.sliding_window && spec.full_attention_step > 0;
@@ -358,7 +367,8 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
       context_full_ = both ? std::make_unique<ContextAttention>(mesh_.context, plan_.parallel.context_exchange, t,
                                                                 std::nullopt)
                            : nullptr;
-      rope_ = {rope_.cos.index_select(0, context_->positions()), rope_.sin.index_select(0, context_->positions())};
+      const torch::Tensor positions = context_->positions().to(device_);
+      rope_ = {rope_.cos.index_select(0, positions), rope_.sin.index_select(0, positions)};
       core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
         return context_->attend(q, k, v);
       };
@@ -366,7 +376,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
         return context_full_->attend(q, k, v);
       };
     } else {
-      mask_ = attention_mask_bias(spec, t, compute_type_);
+      mask_ = attention_mask_bias(spec, t, compute_type_, device_);
       core_ = [this](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
         return flash_attention(q, k, v, mask_);
       };
@@ -379,7 +389,7 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
     // slice where the tensor ranks are folded (unfolded ones route the gathered whole).
     routed_positions_ = torch::Tensor();
     if (cp_ > 1 || folded_) {
-      torch::Tensor positions = context_ ? context_->positions() : torch::arange(t, torch::kLong);
+      torch::Tensor positions = (context_ ? context_->positions() : torch::arange(t, torch::kLong)).to(device_);
       if (folded_) {
         const int64_t n = positions.size(0) / tp_;
         positions = positions.narrow(0, tp_rank_ * n, n);
@@ -390,9 +400,10 @@ ForwardResult ShardedModel::forward_chunk(int64_t chunk, const torch::Tensor& in
   const int64_t stage = chunk * pp_ + pp_rank_, stages = pp_ * chunks_;
   const int64_t first = stage * layers_per_chunk_, last = first + layers_per_chunk_;
   ForwardResult out;
-  out.tokens_per_expert = torch::zeros({spec.moe_blocks(), spec.num_experts}, torch::kLong);
-  out.dropped_slots = torch::zeros({spec.moe_blocks()}, torch::kLong);
-  out.nonfinite_layers = torch::zeros({spec.blocks()}, torch::kLong);
+  const torch::TensorOptions counts = torch::dtype(torch::kLong).device(device_);
+  out.tokens_per_expert = torch::zeros({spec.moe_blocks(), spec.num_experts}, counts);
+  out.dropped_slots = torch::zeros({spec.moe_blocks()}, counts);
+  out.nonfinite_layers = torch::zeros({spec.blocks()}, counts);
   torch::Tensor x;
   // Gathers started by a forward that failed half-way, or by a backward of the pipeline's
   // schedule, are finished before new ones start.
@@ -721,7 +732,7 @@ struct TokenShuffle {
   torch::Tensor send_inv;      // leaving index -> original token
 };
 
-TokenShuffle make_shuffle(int64_t ranks, int64_t me, int64_t n, uint64_t seed) {
+TokenShuffle make_shuffle(int64_t ranks, int64_t me, int64_t n, uint64_t seed, const torch::Device& device) {
   const int64_t total = ranks * n;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   const torch::Tensor perm = torch::randperm(total, generator, torch::kLong);  // position -> token
@@ -741,6 +752,8 @@ TokenShuffle make_shuffle(int64_t ranks, int64_t me, int64_t n, uint64_t seed) {
   // Rows arrive grouped by source rank, each group in position order.
   s.arrival = std::get<1>(torch::sort(src * total + my_positions, c10::optional<bool>(true), 0));
   s.arrival_inv = torch::argsort(s.arrival);
+  // Drawn on the host (one seeded stream on every rank), used where the tokens are.
+  for (torch::Tensor* t : {&s.send_order, &s.arrival, &s.arrival_inv, &s.send_inv}) *t = t->to(device);
   return s;
 }
 
@@ -763,7 +776,7 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
   const bool shuffle = moe.global_token_shuffle && group.size() > 1;
   TokenShuffle s;
   if (shuffle) {
-    s = make_shuffle(group.size(), group.rank(), tokens.size(0), mix_seed(shuffle_seed, layer));
+    s = make_shuffle(group.size(), group.rank(), tokens.size(0), mix_seed(shuffle_seed, layer), device_);
     tokens = all_to_all_autograd(group, tokens.index_select(0, s.send_order), s.send_rows, s.recv_rows)
                  .index_select(0, s.arrival_inv);
   }
@@ -780,7 +793,9 @@ torch::Tensor ShardedModel::moe(int64_t layer, const torch::Tensor& x, const tor
     // Part of the micro-batch: the rows of its [B x T] tokens that this rank routed.
     const torch::Tensor rows =
         routed_positions_.defined()
-            ? ((torch::arange(x.size(0), torch::kLong) * seq_len_).unsqueeze(1) + routed_positions_.unsqueeze(0)).flatten()
+            ? ((torch::arange(x.size(0), routed_positions_.options()) * seq_len_).unsqueeze(1) +
+               routed_positions_.unsqueeze(0))
+                  .flatten()
             : torch::Tensor();
     recorder_->add(micro_batch_, layer, router_logits, r.experts, slots.kept, rows);
   }
@@ -823,11 +838,9 @@ torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, con
   const int64_t ranks = group.size(), n = experts_per_rank_, first = first_expert_;
   torch::Tensor y;
   if (ranks == 1) {
-    const std::vector<int64_t> per_expert(load.data_ptr<int64_t>(), load.data_ptr<int64_t>() + num_experts);
-    y = local_experts(sorted, per_expert, local);
+    y = local_experts(sorted, host_longs(load), local);
   } else {
-    const torch::Tensor all_load = group.all_gather(load.unsqueeze(0));  // [ranks, experts]
-    const auto* a = all_load.data_ptr<int64_t>();
+    const std::vector<int64_t> a = host_longs(group.all_gather(load.unsqueeze(0)));  // [ranks, experts]
     std::vector<int64_t> send(static_cast<size_t>(ranks), 0), recv(static_cast<size_t>(ranks), 0),
         per_expert(static_cast<size_t>(n), 0);
     for (int64_t r = 0; r < ranks; ++r)
@@ -852,7 +865,7 @@ torch::Tensor ShardedModel::dispatch_all_to_all(const torch::Tensor& tokens, con
         source_begin += recv[static_cast<size_t>(r)];
       }
     }
-    const torch::Tensor by_expert = torch::tensor(index, torch::kLong);
+    const torch::Tensor by_expert = torch::tensor(index, torch::kLong).to(device_);
     torch::Tensor rows = received.index_select(0, by_expert);
     received = torch::Tensor();
     torch::Tensor computed = local_experts(rows, per_expert, local);
@@ -878,8 +891,7 @@ torch::Tensor ShardedModel::dispatch_all_gather(const torch::Tensor& tokens, con
   const torch::Tensor slot = mine.index_select(0, order);
   const torch::Tensor token_of = torch::div(slot, k, "floor");
   const torch::Tensor counts = torch::bincount(local_expert, {}, experts_per_rank_);
-  const std::vector<int64_t> per_expert(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + experts_per_rank_);
-  const torch::Tensor y = local_experts(all_tokens.index_select(0, token_of), per_expert, local);
+  const torch::Tensor y = local_experts(all_tokens.index_select(0, token_of), host_longs(counts), local);
   const torch::Tensor partial = torch::zeros_like(all_tokens)
                                     .index_add(0, token_of, y * all_weights.flatten().index_select(0, slot).unsqueeze(-1));
   return reduce_scatter_autograd(group, partial);  // this rank's tokens, summed over the experts of the group

@@ -2,6 +2,13 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+// NCCL where LibTorch has it and its own nccl.h is found (executor/CMakeLists.txt).
+#if MOEPLAN_WITH_CUDA && defined(USE_C10D_NCCL) && defined(MOEPLAN_NCCL_HEADER)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#define MOEPLAN_WITH_NCCL 1
+#else
+#define MOEPLAN_WITH_NCCL 0
+#endif
 
 #include <cassert>
 #include <cstdio>
@@ -43,13 +50,19 @@ std::string CollectiveActivity::describe() const {
          ")";
 }
 
-Communicator::Communicator(BackendGroup group, std::string name, int64_t first_rank)
-    : group_(std::move(group)), name_(std::move(name)), first_rank_(first_rank) {
+Communicator::Communicator(BackendGroup group, std::string name, int64_t first_rank, torch::Device device)
+    : group_(std::move(group)), name_(std::move(name)), first_rank_(first_rank), device_(device) {
   if (group_) {
     rank_ = group_->getRank();
     size_ = group_->getSize();
+    // gloo reads host memory, NCCL the device's.
+    wire_ = group_->getBackendName() == "nccl" ? device_ : torch::Device(torch::kCPU);
   }
 }
+
+torch::Tensor Communicator::to_wire(const torch::Tensor& t) const { return t.to(wire_).contiguous(); }
+
+torch::Tensor Communicator::from_wire(const torch::Tensor& t, const torch::Device& home) const { return t.to(home); }
 
 template <class F>
 void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe, const std::string& peer) {
@@ -67,12 +80,12 @@ void Communicator::run(const char* op, int64_t bytes, F&& f, bool observe, const
 }
 
 void Communicator::all_reduce_sum(torch::Tensor& t) {
-  if (size_ == 1) return;
+  if (!group_) return;
   run("all-reduce", static_cast<int64_t>(t.nbytes()), [&] {
     const bool widen = sums_wide(t);
-    std::vector<torch::Tensor> tensors{widen ? t.to(torch::kFloat) : t.contiguous()};
+    std::vector<torch::Tensor> tensors{to_wire(widen ? t.to(torch::kFloat) : t)};
     group_->allreduce(tensors)->wait();
-    if (widen || !t.is_contiguous()) t.copy_(tensors[0]);
+    if (!tensors[0].is_same(t)) t.copy_(tensors[0]);
   });
 }
 
@@ -84,12 +97,13 @@ torch::Tensor Communicator::all_gather(const torch::Tensor& shard) {
 Communicator::PendingGather Communicator::start_all_gather(const torch::Tensor& shard) {
   PendingGather p;
   p.start = std::chrono::steady_clock::now();
-  if (size_ == 1) {
+  if (!group_) {
     p.gathered = shard.clone();
     return p;
   }
   run("all-gather", 0, [&] {
-    p.input = shard.contiguous();
+    p.home = shard.device();
+    p.input = to_wire(shard);
     // Into one result tensor, rank r's part at rows r (all_gather_into_tensor).
     std::vector<int64_t> shape = p.input.sizes().vec();
     shape[0] *= size_;
@@ -107,6 +121,7 @@ torch::Tensor Communicator::finish_all_gather(PendingGather& p) {
     p.work.reset();
   }
   p.input = torch::Tensor();
+  p.gathered = from_wire(p.gathered, p.home);
   return p.gathered;
 }
 
@@ -114,7 +129,7 @@ torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
   if (full.size(0) % size_ != 0)
     throw CollectiveError("reduce-scatter on " + name_ + ": " + std::to_string(full.size(0)) +
                           " rows do not split into " + std::to_string(size_) + " equal chunks");
-  if (size_ == 1) return full.clone();
+  if (!group_) return full.clone();
   torch::Tensor result;
   run("reduce-scatter", static_cast<int64_t>(full.nbytes()), [&] {
     const bool widen = sums_wide(full);
@@ -123,21 +138,21 @@ torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
     if (group_->getBackendName() == "gloo") {
       // gloo's own reduce-scatter takes twice as long as an all-to-all of the equal chunks and a
       // local sum, which move the same bytes as a ring (docs/decisions.md).
-      torch::Tensor sent = full.contiguous();
+      torch::Tensor sent = to_wire(full);
       torch::Tensor received = torch::empty_like(sent);
       std::vector<int64_t> equal;  // empty split lists: equal chunks
       group_->alltoall_base(received, sent, equal, equal)->wait();
       shape.insert(shape.begin(), size_);
       received = received.view(shape);
-      result = (widen ? received.to(torch::kFloat) : received).sum(0).to(full.scalar_type());
+      result = from_wire((widen ? received.to(torch::kFloat) : received).sum(0).to(full.scalar_type()), full.device());
       return;
     }
-    torch::Tensor input = widen ? full.to(torch::kFloat) : full.contiguous();
+    torch::Tensor input = to_wire(widen ? full.to(torch::kFloat) : full);
     torch::Tensor output = torch::empty(shape, input.options());
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     group_->_reduce_scatter_base(output, input, options)->wait();
-    result = widen ? output.to(full.scalar_type()) : output;
+    result = from_wire(widen ? output.to(full.scalar_type()) : output, full.device());
   });
   return result;
 }
@@ -146,33 +161,33 @@ torch::Tensor Communicator::all_to_all(const torch::Tensor& input, const std::ve
                                        const std::vector<int64_t>& recv_rows) {
   assert(static_cast<int64_t>(send_rows.size()) == size_ && static_cast<int64_t>(recv_rows.size()) == size_ &&
          "one split per rank");
-  if (size_ == 1) return input.clone();
+  if (!group_) return input.clone();
   torch::Tensor result;
   run("all-to-all", static_cast<int64_t>(input.nbytes()), [&] {
     std::vector<int64_t> send = send_rows, recv = recv_rows;
-    torch::Tensor in = input.contiguous();
+    torch::Tensor in = to_wire(input);
     std::vector<int64_t> shape = in.sizes().vec();
     shape[0] = std::accumulate(recv.begin(), recv.end(), int64_t{0});
     torch::Tensor out = torch::empty(shape, in.options());
     group_->alltoall_base(out, in, recv, send)->wait();
-    result = out;
+    result = from_wire(out, input.device());
   });
   return result;
 }
 
 void Communicator::broadcast(torch::Tensor& t, int64_t root) {
-  if (size_ == 1) return;
+  if (!group_) return;
   run("broadcast", static_cast<int64_t>(t.nbytes()), [&] {
-    std::vector<torch::Tensor> tensors{t.contiguous()};
+    std::vector<torch::Tensor> tensors{to_wire(t)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
     group_->broadcast(tensors, options)->wait();
-    if (!t.is_contiguous()) t.copy_(tensors[0]);
+    if (!tensors[0].is_same(t)) t.copy_(tensors[0]);
   });
 }
 
 void Communicator::barrier() {
-  if (size_ == 1) return;
+  if (!group_) return;
   run("barrier", 0, [&] { group_->barrier()->wait(); });
 }
 
@@ -203,7 +218,7 @@ Communicator::PendingTransfer Communicator::start_send(const torch::Tensor& t, i
   p.sending = true;
   p.start = std::chrono::steady_clock::now();
   run("send", 0, [&] {
-    p.buffer = t.contiguous();
+    p.buffer = to_wire(t);
     std::vector<torch::Tensor> tensors{p.buffer};
     p.work = group_->send(tensors, static_cast<int>(dst), static_cast<int>(tag));
   }, /*observe=*/false, " to rank " + std::to_string(dst));
@@ -217,7 +232,7 @@ Communicator::PendingTransfer Communicator::start_recv(c10::IntArrayRef shape, t
   p.peer = src;
   p.start = std::chrono::steady_clock::now();
   run("recv", 0, [&] {
-    p.buffer = torch::empty(shape, torch::TensorOptions().dtype(type));
+    p.buffer = torch::empty(shape, torch::TensorOptions().dtype(type).device(wire_));
     std::vector<torch::Tensor> tensors{p.buffer};
     p.work = group_->recv(tensors, static_cast<int>(src), static_cast<int>(tag));
   }, /*observe=*/false, " from rank " + std::to_string(src));
@@ -234,7 +249,7 @@ torch::Tensor Communicator::finish_transfer(PendingTransfer& p) {
     if (observer_) observer_(op, bytes, p.start, std::chrono::steady_clock::now());
     p.work.reset();
   }
-  torch::Tensor received = p.sending ? torch::Tensor() : p.buffer;
+  torch::Tensor received = p.sending ? torch::Tensor() : from_wire(p.buffer, device_);
   p.buffer = torch::Tensor();
   return received;
 }
@@ -245,6 +260,25 @@ BackendGroup make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
   return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+}
+
+bool nccl_built() { return MOEPLAN_WITH_NCCL != 0; }
+
+BackendGroup make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
+                             int size, std::chrono::milliseconds timeout, const torch::Device& device) {
+#if MOEPLAN_WITH_NCCL
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, options);
+  // The communicator is made on this rank's device (eagerly, so that a wrong device fails here
+  // and not at the first collective).
+  group->eagerConnectSingleDevice(device);
+  return group;
+#else
+  (void)store, (void)prefix, (void)rank, (void)size, (void)timeout, (void)device;
+  throw CollectiveError("NCCL group " + prefix + ": this moeplan was built without NCCL");
+#endif
 }
 
 }  // namespace moeplan::executor

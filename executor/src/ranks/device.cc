@@ -2,6 +2,8 @@
 
 #include <torch/cuda.h>
 
+#include <algorithm>
+
 #if MOEPLAN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -22,6 +24,28 @@ std::string gpu_plan_but(const ClusterSpec& cluster) {
   return "the plan is for " + cluster.gpu_name + " GPUs (" + cluster.name + "), but ";
 }
 
+namespace {
+
+// cuda:index made current, named by the driver's model name.
+ComputeDevice cuda_device(int64_t index) {
+  ComputeDevice out;
+#if MOEPLAN_WITH_CUDA
+  out.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  c10::cuda::set_device(out.device.index());
+  // A first tensor on it: its context and the caching allocator exist from here on (the
+  // allocator's figures are read before the model is built).
+  (void)torch::empty({1}, torch::TensorOptions().device(out.device));
+  cudaDeviceProp prop{};
+  const std::string model = cudaGetDeviceProperties(&prop, out.device.index()) == cudaSuccess ? prop.name : "GPU";
+  out.name = model + " (" + out.device.str() + ")";
+#else
+  (void)index;
+#endif
+  return out;
+}
+
+}  // namespace
+
 ComputeDevice choose_device(const ClusterSpec& cluster, int64_t local_rank) {
   ComputeDevice out;
   out.name = "CPU";
@@ -37,18 +61,92 @@ ComputeDevice choose_device(const ClusterSpec& cluster, int64_t local_rank) {
                " here)";
     return out;
   }
-  out.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
-  c10::cuda::set_device(out.device.index());
-  // A first tensor on it: its context and the caching allocator exist from here on (the
-  // allocator's figures are read before the model is built).
-  (void)torch::empty({1}, torch::TensorOptions().device(out.device));
-  cudaDeviceProp prop{};
-  const std::string model = cudaGetDeviceProperties(&prop, out.device.index()) == cudaSuccess ? prop.name : "GPU";
-  out.name = model + " (" + out.device.str() + ")";
+  return cuda_device(local_rank);
 #else
   (void)local_rank;
   out.note = "this moeplan was built with a LibTorch without CUDA";
 #endif
+  return out;
+}
+
+RankPlace place_rank(DeviceKind kind, int64_t local_rank, int64_t gpus, bool cuda_built) {
+  RankPlace p;
+  if (kind != DeviceKind::kCuda) return p;
+  if (!cuda_built) {
+    p.note = "this moeplan was built with a LibTorch without CUDA";
+  } else if (gpus <= 0) {
+    p.note = "this machine has no CUDA device";
+  } else {
+    p.gpu = local_rank % gpus;
+    p.own_gpu = local_rank < gpus;
+    if (!p.own_gpu)
+      p.note = "local rank " + std::to_string(local_rank) + " shares GPU " + std::to_string(p.gpu) + " (" +
+               std::to_string(gpus) + " here)";
+  }
+  return p;
+}
+
+std::vector<RankPlace> places_of_world(c10d::Store& store, int64_t rank, int64_t world_size, const RankPlace& mine) {
+  const std::string said = std::to_string(mine.gpu) + " " + (mine.own_gpu ? "1" : "0") + " " + mine.note;
+  store.set("place/" + std::to_string(rank), std::vector<uint8_t>(said.begin(), said.end()));
+  std::vector<RankPlace> all;
+  for (int64_t r = 0; r < world_size; ++r) {
+    const std::vector<uint8_t> bytes = store.get("place/" + std::to_string(r));  // waits for it
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t first = text.find(' '), second = text.find(' ', first + 1);
+    if (first == std::string::npos || second == std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(r) + " told its place as \"" + text + "\"");
+    RankPlace p;
+    p.gpu = std::stoll(text.substr(0, first));
+    p.own_gpu = text.compare(first + 1, second - first - 1, "1") == 0;
+    p.note = text.substr(second + 1);
+    all.push_back(std::move(p));
+  }
+  return all;
+}
+
+const char* name_of(GroupBackend b) { return b == GroupBackend::kNccl ? "NCCL" : "gloo"; }
+
+GroupBackend choose_backend(const std::vector<RankPlace>& ranks, bool nccl_built) {
+  if (!nccl_built || ranks.empty()) return GroupBackend::kGloo;
+  for (const RankPlace& r : ranks)
+    if (r.gpu < 0 || !r.own_gpu) return GroupBackend::kGloo;
+  return GroupBackend::kNccl;
+}
+
+std::string describe_placement(const std::vector<RankPlace>& ranks, GroupBackend backend) {
+  int64_t on_cpu = 0, sharing = 0;
+  int64_t gpus = 0;
+  for (const RankPlace& r : ranks) {
+    if (r.gpu < 0) ++on_cpu;
+    else if (!r.own_gpu) ++sharing;
+    gpus = std::max(gpus, r.gpu + 1);
+  }
+  const auto count = [](int64_t n, const char* one, const char* many) {
+    return std::to_string(n) + " " + (n == 1 ? one : many);
+  };
+  if (on_cpu > 0) {
+    const RankPlace& first = *std::find_if(ranks.begin(), ranks.end(), [](const RankPlace& r) { return r.gpu < 0; });
+    if (first.note.empty()) return "";  // a CPU profile: CPU ranks are what it asked for
+    return first.note + ": " + count(on_cpu, "rank trains", "ranks train") + " on the CPU, joined by gloo";
+  }
+  if (backend == GroupBackend::kNccl) return "";
+  if (sharing > 0)
+    return count(static_cast<int64_t>(ranks.size()), "rank shares", "ranks share") + " " + count(gpus, "GPU", "GPUs") +
+           ": their groups use gloo over CUDA tensors, staged through host memory (NCCL needs a GPU per rank)";
+  return count(static_cast<int64_t>(ranks.size()), "rank", "ranks") +
+         " on GPUs of their own, but this moeplan has no NCCL: their groups use gloo, staged through host memory";
+}
+
+ComputeDevice rank_device(const RankPlace& place) {
+  if (place.gpu < 0) {
+    ComputeDevice out;
+    out.name = "CPU";
+    out.note = place.note;
+    return out;
+  }
+  ComputeDevice out = cuda_device(place.gpu);
+  out.note = place.note;
   return out;
 }
 

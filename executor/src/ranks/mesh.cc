@@ -92,43 +92,51 @@ std::string join(const std::vector<int64_t>& ranks) {
 // A group's members call this with the same ranks; a group of one needs no process group.
 Communicator make_group(const std::string& kind, const std::vector<int64_t>& ranks, int64_t rank,
                         const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout,
-                        const std::string& address) {
+                        const std::string& address, const MeshDevice& on) {
   const std::string name = kind + " {" + join(ranks) + "}";
   const int64_t first = *std::min_element(ranks.begin(), ranks.end());
-  if (ranks.size() == 1) return Communicator(BackendGroup(), name, first);
-  const auto me = std::find(ranks.begin(), ranks.end(), rank) - ranks.begin();
-  return Communicator(make_gloo_group(store, "group/" + kind + "/" + join(ranks) + "/", static_cast<int>(me),
-                                      static_cast<int>(ranks.size()), timeout, address),
-                      name, first);
+  if (ranks.size() == 1) return Communicator(BackendGroup(), name, first, on.device);
+  const auto me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+  const std::string prefix = "group/" + kind + "/" + join(ranks) + "/";
+  const int size = static_cast<int>(ranks.size());
+  BackendGroup group = on.backend == GroupBackend::kNccl
+                           ? make_nccl_group(store, prefix, me, size, timeout, on.device)
+                           : make_gloo_group(store, prefix, me, size, timeout, address);
+  return Communicator(std::move(group), name, first, on.device);
 }
 
 }  // namespace
 
 DeviceMesh::DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::intrusive_ptr<c10d::Store>& store,
-                       std::chrono::milliseconds timeout, const std::string& address)
-    : layout_(parallel), rank_(rank), coords_(layout_.coords(rank)) {
+                       std::chrono::milliseconds timeout, const std::string& address, MeshDevice on)
+    : layout_(parallel), rank_(rank), coords_(layout_.coords(rank)), device_(on.device) {
   using D = MeshDim;
   // Every rank creates its groups in the same order, so that no rank waits on a group its peer
   // has not reached.
   world = make_group("world", layout_.group(rank, {kAllMeshDims.begin(), kAllMeshDims.end()}), rank, store, timeout,
-                     address);
-  shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address);
-  expert = make_group("expert", layout_.group(rank, layout_.expert_dims()), rank, store, timeout, address);
+                     address, on);
+  shard = make_group("shard", layout_.group(rank, {D::kShard}), rank, store, timeout, address, on);
+  expert = make_group("expert", layout_.group(rank, layout_.expert_dims()), rank, store, timeout, address, on);
   dense_replicas =
       make_group("dense-replica", layout_.group(rank, {D::kReplica, D::kExpert, D::kContext}), rank, store, timeout,
-                 address);
+                 address, on);
   expert_replicas =
-      make_group("expert-replica", layout_.group(rank, layout_.expert_replica_dims()), rank, store, timeout, address);
-  context = make_group("context", layout_.group(rank, {D::kContext}), rank, store, timeout, address);
+      make_group("expert-replica", layout_.group(rank, layout_.expert_replica_dims()), rank, store, timeout, address,
+                 on);
+  context = make_group("context", layout_.group(rank, {D::kContext}), rank, store, timeout, address, on);
   // Without folding the routing group is the context group (the same process group).
   routing = parallel.expert_tensor_fold() > 1
-                ? make_group("routing", layout_.group(rank, layout_.routing_dims()), rank, store, timeout, address)
+                ? make_group("routing", layout_.group(rank, layout_.routing_dims()), rank, store, timeout, address, on)
                 : context;
-  tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address);
-  pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address);
+  tensor = make_group("tensor", layout_.group(rank, {D::kTensor}), rank, store, timeout, address, on);
+  pipeline = make_group("pipeline", layout_.group(rank, {D::kPipeline}), rank, store, timeout, address, on);
 }
 
-DeviceMesh::DeviceMesh(const ParallelConfig& parallel) : layout_(parallel) {}
+DeviceMesh::DeviceMesh(const ParallelConfig& parallel, torch::Device device) : layout_(parallel), device_(device) {
+  for (Communicator* c :
+       {&world, &shard, &expert, &dense_replicas, &expert_replicas, &context, &routing, &tensor, &pipeline})
+    *c = Communicator(BackendGroup(), "this rank", 0, device);
+}
 
 void DeviceMesh::set_activity(const std::shared_ptr<CollectiveActivity>& activity) {
   for (Communicator* c : {&world, &shard, &expert, &dense_replicas, &expert_replicas, &context, &routing, &tensor, &pipeline})

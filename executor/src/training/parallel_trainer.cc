@@ -19,6 +19,7 @@
 #include "moeplan/executor/io/tokens.h"
 #include "moeplan/executor/model/hf_checkpoint.h"
 #include "moeplan/executor/model/routing.h"
+#include "moeplan/executor/ranks/device.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/training/nonfinite.h"
 
@@ -86,10 +87,13 @@ void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault faul
   fault_ = fault;
 }
 
-StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
+StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) {
   using Clock = PhaseClock::Clock;
   const auto start = Clock::now();
   clock_.start_step();
+  // The token ids on the rank's device; the step's counts and sums stay on the host.
+  std::vector<torch::Tensor> micro_batches;
+  for (const torch::Tensor& b : host_batches) micro_batches.push_back(to_device(b, mesh_.device()));
   const ModelSpec& spec = plan_.model;
   const int64_t ga = static_cast<int64_t>(micro_batches.size());
   // The data readers: the ranks of a tensor-parallel group and of a context group train on the
@@ -130,10 +134,10 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
     const auto f2 = Clock::now();
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
-    nonfinite_layers_ += out.nonfinite_layers;
+    nonfinite_layers_ += out.nonfinite_layers.to(torch::kCPU);
     if (!counts_data) continue;
-    mine[m] += out.tokens_per_expert;
-    dropped_slots_ += out.dropped_slots;
+    mine[m] += out.tokens_per_expert.to(torch::kCPU);
+    dropped_slots_ += out.dropped_slots.to(torch::kCPU);
     if (!reports) continue;
     sums[0] += terms.lm.item<double>();
     sums[1] += terms.aux.item<double>();
@@ -165,7 +169,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   // The embedding's copy on the last stage (multi-token prediction): both copies get the sum.
   model_.sum_shared_embedding_grads(grads[0]);
   // Global norm: each element counted on exactly one rank (what T ranks hold whole, on the first).
-  torch::Tensor square = torch::zeros({1}, torch::kFloat);
+  torch::Tensor square = torch::zeros({1}, torch::dtype(torch::kFloat).device(mesh_.device()));
   for (size_t u = 0; u < grads.size(); ++u) {
     if (!model_.owns(model_.units()[u])) continue;
     square += model_.counted_once(u, grads[u]).to(torch::kFloat).square().sum();
@@ -197,13 +201,14 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& micro_batches)
   record_routing(r, counts);
   // Every rank has every layer's slots over the world now, so the biases move alike everywhere.
   if (model_.expert_bias().defined() && !r.skipped)
-    update_expert_bias(model_.expert_bias(), counts.sum({0, 1}), spec.router_bias_update_rate);
+    update_expert_bias(model_.expert_bias(), counts.sum({0, 1}).to(mesh_.device()), spec.router_bias_update_rate);
   const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
   r.aux_loss = sums[1].item<double>() / n;
   r.z_loss = sums[2].item<double>() / n;
   r.total_loss = sums[3].item<double>() / n;
   r.tokens = static_cast<int64_t>(sums[4].item<double>());
+  wait_for(mesh_.device());  // the step's device work done: the host clock times it
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return r;
 }
@@ -320,10 +325,10 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
       router[a.micro_batch] += router_loss_sums(out.router_logits, k, experts, spec.router_scoring);
       if (counts_data) {
-        counts[a.micro_batch] += out.tokens_per_expert;
-        dropped_slots_ += out.dropped_slots;
+        counts[a.micro_batch] += out.tokens_per_expert.to(torch::kCPU);
+        dropped_slots_ += out.dropped_slots.to(torch::kCPU);
       }
-      nonfinite_layers_ += out.nonfinite_layers;
+      nonfinite_layers_ += out.nonfinite_layers.to(torch::kCPU);
       if (stage + 1 < stages) {
         f.output = out.hidden;
         send(out.hidden.detach(), next, tag(a.micro_batch, stage + 1, kActivation));

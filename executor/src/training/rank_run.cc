@@ -130,11 +130,21 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
   const auto activity = std::make_shared<CollectiveActivity>();
   Heartbeat heartbeat(store, env, timeout, activity);
   try {
-    if (plan.cluster.device == DeviceKind::kCuda && env.rank == 0 && o.progress)
-      *o.progress << gpu_plan_but(plan.cluster)
-                  << "runs of more than one rank train on CPU ranks joined by gloo: the sharded executor has "
-                     "no GPU path yet\n";
-    DeviceMesh mesh(plan.parallel, env.rank, store, timeout, env.bind_address);
+    const RankPlace place = place_rank(plan.cluster.device, env.local_rank, cuda_device_count());
+    const std::vector<RankPlace> places = places_of_world(*store, env.rank, env.world_size, place);
+    const GroupBackend backend = choose_backend(places, nccl_built());
+    if (places.front().gpu >= 0 && plan.parallel.context_parallel_degree > 1) {
+      // Every rank sees the same places and plan: all stop here alike.
+      Diagnostics d;
+      d.error("parallel.context_parallel_degree",
+              std::to_string(plan.parallel.context_parallel_degree) +
+                  ": context parallelism trains on CPU ranks only (its attention calls the CPU's flash kernels)");
+      d.throw_if_any("run");
+    }
+    const ComputeDevice device = rank_device(place);
+    if (const std::string said = describe_placement(places, backend); env.rank == 0 && o.progress && !said.empty())
+      *o.progress << (device.is_cuda() ? "" : gpu_plan_but(plan.cluster)) << said << "\n";
+    DeviceMesh mesh(plan.parallel, env.rank, store, timeout, env.bind_address, {device.device, backend});
     mesh.set_activity(activity);
     const std::string resume_from = prepare_run_folder(o);
     mesh.world.barrier();  // every rank has looked at the folder before anyone writes to it
@@ -142,6 +152,7 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     if (plan.parallel.activation_offloading)
       offload = std::make_unique<ActivationStore>(o.out_dir + "/.offload-rank-" + std::to_string(env.rank));
     const int64_t baseline_rss = current_rss_bytes();
+    const int64_t baseline_device = device_memory(device.device).used;
     ShardedTrainer trainer(plan, mesh, offload.get());
     // Only a rehearsal's layout records its routing, and only it plants a fault.
     if (!o.record_routing.empty()) trainer.rehearse(o.record_routing, o.planted_fault);
@@ -150,9 +161,13 @@ RunResult run_rank(const Plan& plan, const RunOptions& o, const RankEnv& env) {
     me.world_size = env.world_size;
     me.reader = mesh.layout().reader(env.rank);
     me.readers = plan.parallel.data_parallel_degree();
+    me.baseline_device_bytes = baseline_device;
     me.barrier = [&mesh] { mesh.world.barrier(); };
     me.sum_over_ranks = [&mesh](torch::Tensor& t) { mesh.world.all_reduce_sum(t); };
-    me.where = "CPU ranks (gloo, started by " + env.launcher + ")";
+    me.device = device.device;
+    me.where = (device.is_cuda() ? "GPU ranks (" + std::string(name_of(backend)) + ", rank 0 on " + device.name
+                                 : std::string("CPU ranks (gloo")) +
+               ", started by " + env.launcher + ")";
     return run_steps(plan, o, data, trainer, me, resume_from, baseline_rss);
   } catch (const CollectiveError& e) {
     const std::string lost = heartbeat.lost(env.world_size);

@@ -47,6 +47,7 @@ class ActivationStore {
     int64_t offset = 0;
     std::vector<int64_t> shape;
     torch::ScalarType dtype = torch::kFloat;
+    torch::Device device = torch::kCPU;  // where the tensor was, and is taken back to
     std::shared_future<torch::Tensor> loading;
     std::chrono::steady_clock::time_point loading_since;
   };

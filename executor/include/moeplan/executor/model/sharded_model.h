@@ -201,6 +201,7 @@ class ShardedModel {
   const Plan& plan_;
   DeviceMesh& mesh_;
   torch::ScalarType master_type_, compute_type_;
+  torch::Device device_;  // the mesh's: where the states and activations are
   std::vector<ParamInfo> infos_;  // this rank's part of each parameter
   std::vector<TensorSplit> splits_;
   ModelSpec local_spec_;  // the attention heads of this tensor-parallel rank

@@ -54,14 +54,22 @@ class CollectiveActivity {
 class Communicator {
  public:
   // name: for messages, e.g. "expert group 1". A null group is a group of this rank alone,
-  // where every collective is a copy (or nothing).
+  // where every collective is a copy (or nothing); a process group of one still runs its
+  // backend's collectives (how one device tests a backend's path).
   // first_rank: the lowest world rank of the group, which names it in traces.
-  Communicator(BackendGroup group, std::string name, int64_t first_rank = 0);
+  // device: where the rank computes, and where received tensors arrive. A gloo group moves
+  // tensors through host memory (its transports read host memory), an NCCL group through the
+  // device's (ordered on the current stream); a tensor given on the other one is copied there
+  // and its result copied back.
+  Communicator(BackendGroup group, std::string name, int64_t first_rank = 0, torch::Device device = torch::kCPU);
   Communicator() = default;
 
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  const torch::Device& device() const { return device_; }
+  // Where tensors travel from: the host for gloo, the device for NCCL (the rank's device alone).
+  const torch::Device& wire() const { return wire_; }
   int64_t first_rank() const { return first_rank_; }
 
   // In place: every rank ends with the sum.
@@ -74,6 +82,7 @@ class Communicator {
   struct PendingGather {
     c10::intrusive_ptr<c10d::Work> work;  // null in a group of one
     torch::Tensor input, gathered;
+    torch::Device home = torch::kCPU;  // the shard's device, where the result goes
     std::chrono::steady_clock::time_point start;
   };
   PendingGather start_all_gather(const torch::Tensor& shard);
@@ -124,10 +133,14 @@ class Communicator {
   template <class F>
   void run(const char* op, int64_t bytes, F&& f, bool observe = true, const std::string& peer = {});
   void check_peer(const char* op, int64_t peer, int64_t tag) const;
+  // What travels: `t` contiguous on the wire's device. And what arrived, moved `home`.
+  torch::Tensor to_wire(const torch::Tensor& t) const;
+  torch::Tensor from_wire(const torch::Tensor& t, const torch::Device& home) const;
 
   BackendGroup group_;
   std::string name_ = "this rank";
   int64_t rank_ = 0, size_ = 1, first_rank_ = 0;
+  torch::Device device_ = torch::kCPU, wire_ = torch::kCPU;
   Observer observer_;
   std::shared_ptr<CollectiveActivity> activity_;
 };
@@ -137,5 +150,11 @@ class Communicator {
 // own address, which its peers connect to.
 BackendGroup make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
                              int size, std::chrono::milliseconds timeout, const std::string& address = "127.0.0.1");
+// The same with NCCL, its communicator on `device` (the rank's own GPU), every collective bounded
+// by `timeout`. Throws CollectiveError where this moeplan was built without NCCL.
+BackendGroup make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank,
+                             int size, std::chrono::milliseconds timeout, const torch::Device& device);
+// Whether this moeplan can make NCCL groups (built against a LibTorch with CUDA and NCCL).
+bool nccl_built();
 
 }  // namespace moeplan::executor

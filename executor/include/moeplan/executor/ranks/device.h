@@ -3,10 +3,12 @@
 // the caching allocator's peaks. The CPU path needs none of it; every function here is safe to
 // call there (it does nothing or reports zeros).
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moeplan/core/cluster_spec.h"
 
@@ -24,6 +26,36 @@ struct ComputeDevice {
 // cuda:local_rank when the profile is a CUDA GPU's and this machine has that many GPUs (the
 // device is made current); otherwise the CPU, with a note saying why when the profile wanted a GPU.
 ComputeDevice choose_device(const ClusterSpec& cluster, int64_t local_rank);
+
+// Where one rank of a many-rank run computes, from what it sees: the profile's kind of device,
+// its local rank (LOCAL_RANK, as torchrun and SLURM set it) and the GPUs of its machine. A rank
+// with a GPU of its own (local rank < GPUs) computes there; ranks beyond the GPUs share them,
+// round robin (a workstation, a test), which NCCL cannot do.
+struct RankPlace {
+  int64_t gpu = -1;  // the CUDA device's index; -1: the CPU
+  bool own_gpu = false;
+  std::string note;  // why a GPU profile's rank is not on a GPU of its own; "" when it is
+};
+RankPlace place_rank(DeviceKind kind, int64_t local_rank, int64_t gpus, bool cuda_built = MOEPLAN_WITH_CUDA != 0);
+
+// The backend of every process group of a run. One for the whole world: a group whose ranks
+// disagree would hang at its first collective.
+enum class GroupBackend : uint8_t { kGloo, kNccl };
+const char* name_of(GroupBackend b);
+// Every rank's place, told to the others through the rendezvous store ("place/<rank>"): every
+// rank of the world calls it, and all get the same list, in rank order.
+std::vector<RankPlace> places_of_world(c10d::Store& store, int64_t rank, int64_t world_size, const RankPlace& mine);
+
+// NCCL when every rank computes on a GPU of its own and this build has NCCL; gloo otherwise (CPU
+// ranks, or ranks that share a GPU: gloo then moves CUDA tensors through host memory).
+GroupBackend choose_backend(const std::vector<RankPlace>& ranks, bool nccl_built);
+// What a run says once at its start about where its ranks compute, e.g. "4 ranks share 1 GPU:
+// their groups use gloo over CUDA tensors, staged through host memory (NCCL needs a GPU per
+// rank)"; "" when there is nothing to say (CPU ranks of a CPU profile, or a GPU per rank on NCCL).
+std::string describe_placement(const std::vector<RankPlace>& ranks, GroupBackend backend);
+
+// choose_device for a rank of a many-rank run: place_rank's device, made current.
+ComputeDevice rank_device(const RankPlace& place);
 
 // "the plan is for H100-SXM5-80GB GPUs (p5.48xlarge), but ": how a run on the CPU of a GPU
 // profile's plan begins to say why.

@@ -37,6 +37,7 @@
 
 #include "moeplan/core/parallel_config.h"
 #include "moeplan/executor/ranks/collectives.h"
+#include "moeplan/executor/ranks/device.h"
 
 namespace moeplan::executor {
 
@@ -72,15 +73,23 @@ class MeshLayout {
   int64_t world_size_ = 1;
 };
 
+// Where a mesh's rank computes, and the backend of all its groups (the same on every rank).
+struct MeshDevice {
+  torch::Device device = torch::kCPU;
+  GroupBackend backend = GroupBackend::kGloo;
+};
+
 class DeviceMesh {
  public:
   // Forms every group this rank belongs to over `store` (every rank of the world calls it).
   DeviceMesh(const ParallelConfig& parallel, int64_t rank, const c10::intrusive_ptr<c10d::Store>& store,
-             std::chrono::milliseconds timeout, const std::string& address = "127.0.0.1");
+             std::chrono::milliseconds timeout, const std::string& address = "127.0.0.1", MeshDevice on = {});
   // One rank alone: every group is this rank.
-  explicit DeviceMesh(const ParallelConfig& parallel);
+  explicit DeviceMesh(const ParallelConfig& parallel, torch::Device device = torch::kCPU);
 
   const MeshLayout& layout() const { return layout_; }
+  // Where this rank computes: the model's states, activations and collectives are there.
+  const torch::Device& device() const { return device_; }
   int64_t rank() const { return rank_; }
   const MeshCoords& coords() const { return coords_; }
 
@@ -92,6 +101,7 @@ class DeviceMesh {
   MeshLayout layout_;
   int64_t rank_ = 0;
   MeshCoords coords_;
+  torch::Device device_ = torch::kCPU;
 };
 
 // Forms a mesh of another layout of the same ranks (every rank calls it alike, in the same
