@@ -11,12 +11,23 @@
 #
 # MOEPLAN: the moeplan binary; GPU_TEST: the test_executor_gpu binary of the same build; DATA:
 # `moeplan data prepare --vocab-size 512 --block-size 64` output (the tests' model has a
-# 512-piece vocabulary); OUT: where the logs, the tests' results and the run go. Environment:
-# STEPS (the 4-rank run's steps, default 20). About 4 minutes on one H100 or H200.
+# 512-piece vocabulary); OUT: where the figures go, six files (a device machine sends back few):
+# gpu.txt, gpu_test.log, gpu_test.json, run-e2s2.log, report-e2s2.json, trace-e2s2.json.
+# Environment: STEPS (the 4-rank run's steps, default 20). Not yet run on a GPU.
+#
+# On a device machine (nothing is fetched there; the binaries and the data are carried):
+#   here:  scripts/build-for-torch 2.11.0 build-gpu      # the version of that machine's torch
+#          build/cli/moeplan data prepare --input /usr/share/games/fortunes/{fortunes,wisdom,science,computers} \
+#            --out gpu-data --vocab-size 512 --block-size 64 --document-separator %
+#   there: (carry build-gpu/cli/moeplan, build-gpu/tests/test_executor_gpu and gpu-data; set LD_LIBRARY_PATH
+#          as scripts/build-for-torch says) bench/gpu/gpu_ranks.sh build-gpu/cli/moeplan \
+#            build-gpu/tests/test_executor_gpu gpu-data "$OUT"
 set -euo pipefail
 moeplan=$1 gpu_test=$2 data=$3 out=$4
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 mkdir -p "$out"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 stamp() { date +%T; }
 export MOEPLAN_PROFILES="$root/profiles" MOEPLAN_TEST_BINARY="$moeplan" MOEPLAN_GPU_TEST_DATA="$data"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -25,7 +36,7 @@ status=0
 "$gpu_test" --gtest_brief=1 --gtest_output="json:$out/gpu_test.json" >"$out/gpu_test.log" 2>&1 || status=$?
 tail -25 "$out/gpu_test.log"
 echo "== a 4-rank plan sharing the GPU: E2 S2, 64-token sequences ($(stamp))"
-model="$out/model.json"
+model="$work/model.json"
 "${PYTHON:-python3}" - "$root/profiles/models/mixtral-tiny.json" "$model" <<'EOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
@@ -34,11 +45,11 @@ json.dump(m, open(sys.argv[2], "w"), indent=1)
 EOF
 "$moeplan" search --gpus 4 --instance p5.48xlarge --model "$model" --seq-len 64 --global-batch-tokens 1024 \
   --precision fp32 --micro-batch 1 --expert-parallel-degree 2 --hybrid-shard-degree 2 --tensor-parallel-degree 1 \
-  --pipeline-parallel-degree 1 --checkpointing none --offload off --target moeplan --out "$out/plan-e2s2.json" \
+  --pipeline-parallel-degree 1 --checkpointing none --offload off --target moeplan --out "$work/plan-e2s2.json" \
   2>&1 | tail -3
-rm -rf "$out/run-e2s2"
-"$moeplan" run "$out/plan-e2s2.json" --data "$data" --out "$out/run-e2s2" --steps "${STEPS:-20}" --timeout 120 \
-  2>&1 | tee "$out/run-e2s2.log" | tail -16
-cp "$out/run-e2s2/report.json" "$out/report-e2s2.json" 2>/dev/null || true
+"$moeplan" run "$work/plan-e2s2.json" --data "$data" --out "$work/run-e2s2" --steps "${STEPS:-20}" --timeout 120 \
+  2>&1 | tee "$out/run-e2s2.log" | tail -16 || status=1
+cp "$work/run-e2s2/report.json" "$out/report-e2s2.json" 2>/dev/null || status=1
+cp "$work/run-e2s2/trace.json" "$out/trace-e2s2.json" 2>/dev/null || status=1
 echo "== done ($(stamp)); GPU tests exit $status"
 exit "$status"

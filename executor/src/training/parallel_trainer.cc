@@ -201,7 +201,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   record_routing(r, counts);
   // Every rank has every layer's slots over the world now, so the biases move alike everywhere.
   if (model_.expert_bias().defined() && !r.skipped)
-    update_expert_bias(model_.expert_bias(), counts.sum({0, 1}).to(mesh_.device()), spec.router_bias_update_rate);
+    update_expert_bias(model_.expert_bias(), counts.sum(at::IntArrayRef{0, 1}).to(mesh_.device()),
+                       spec.router_bias_update_rate);
   const double n = readers * static_cast<double>(ga);
   r.loss = sums[0].item<double>() / n;
   r.aux_loss = sums[1].item<double>() / n;
@@ -219,7 +220,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
 // the group's busiest rank).
 void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
   mesh_.world.all_reduce_sum(counts);
-  r.tokens_per_expert = slot_table(counts.sum({0, 1}));
+  r.tokens_per_expert = slot_table(counts.sum(at::IntArrayRef{0, 1}));
   for (int64_t g = 0; g < counts.size(0); ++g) {
     std::vector<std::vector<std::vector<int64_t>>>& group = r.exchange_slots.emplace_back();
     for (int64_t m = 0; m < counts.size(1); ++m) group.push_back(slot_table(counts[g][m]));
