@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -45,6 +46,9 @@ Json parse_json_text(std::string_view text, const std::string& origin) {
 }
 
 Json read_json_file(const std::string& path) {
+  // An ifstream opens a folder and reads nothing from it: say what it is.
+  if (std::error_code ec; std::filesystem::is_directory(path, ec))
+    throw InputError(path, {{"", "is a folder, not a JSON file"}});
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path, {{"", "cannot open file"}});
   std::ostringstream text;

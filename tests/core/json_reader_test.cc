@@ -92,10 +92,12 @@ TEST(ReadJsonFile, TruncatedFileNamesThePath) {
   EXPECT_EQ(problems[0].message.rfind("not valid JSON (parse error at line ", 0), 0u) << problems[0].message;
 }
 
-TEST(ReadJsonFile, DirectoryIsAnInputError) {
+TEST(ReadJsonFile, DirectoryIsAnInputErrorSayingSo) {
   TempDir dir;
   const std::string path = dir.file("");
-  problems_of([&] { read_json_file(path); }, path);
+  const auto problems = problems_of([&] { read_json_file(path); }, path);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].message, "is a folder, not a JSON file");
 }
 
 // ---------------------------------------------------------------------------------------------
