@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <stdexcept>
 #include <type_traits>
 
@@ -68,9 +69,19 @@ double after_compute_seconds(const CurvePoints& curve, double compute_s) {
 }
 
 CurvePoints& op_time_curve(OpTimes& t, std::string_view name) {
-  CurvePoints* curves[] = {&t.attention_forward,   &t.attention_backward,  &t.router_forward, &t.router_backward,
-                           &t.expert_forward,      &t.expert_backward,     &t.head,           &t.optimizer,
-                           &t.micro_batch_forward, &t.micro_batch_backward};
+  CurvePoints* curves[] = {&t.attention_forward,
+                           &t.attention_backward,
+                           &t.router_forward,
+                           &t.router_backward,
+                           &t.expert_forward,
+                           &t.expert_backward,
+                           &t.head,
+                           &t.optimizer,
+                           &t.micro_batch_forward,
+                           &t.micro_batch_backward,
+                           &t.recomputed_micro_batch_forward,
+                           &t.recomputed_micro_batch_backward};
+  static_assert(std::size(curves) == kOpTimeCurves.size());
   for (size_t i = 0; i < kOpTimeCurves.size(); ++i)
     if (kOpTimeCurves[i] == name) return *curves[i];
   throw std::logic_error("no op-time curve named " + std::string(name));
@@ -254,11 +265,17 @@ void read_op_times(ObjectReader& o, const std::string& own_path, OpTimes& t) {
       o.diagnostics().error(s->path_of("precision"), "expected \"bf16\", \"mixed\" or \"fp32\", got \"" + t.precision + "\"");
     s->finish();
   }
-  for (std::string_view name : kOpTimeCurves) {
-    const Json* points = o.child(name, name.starts_with("micro_batch_"));  // those two are optional
+  for (size_t i = 0; i < kOpTimeCurves.size(); ++i) {
+    const std::string_view name = kOpTimeCurves[i];
+    const Json* points = o.child(name, i >= kRequiredOpTimeCurves);  // the whole micro-batches are optional
     if (points == nullptr) continue;
     read_curve(o.diagnostics(), *points, o.path_of(name), kOpTimeField, op_time_curve(t, name));
   }
+  if ((t.recomputed_micro_batch_forward.empty() != t.recomputed_micro_batch_backward.empty()) ||
+      (!t.recomputed_micro_batch_forward.empty() && t.micro_batch_forward.empty()))
+    o.diagnostics().error(o.path_of("recomputed_micro_batch_forward"),
+                          "comes with recomputed_micro_batch_backward, micro_batch_forward and micro_batch_backward: "
+                          "it is priced against them");
   // The whole micro-batches are per model: without its depth they say nothing per block.
   if (!t.micro_batch_forward.empty() && t.num_layers == 0)
     o.diagnostics().error(o.path_of("shapes") + ".num_layers",

@@ -85,7 +85,8 @@ StageCompute stage_compute(const OpCosts& o, const ParallelConfig& p, StageBlock
   StageCompute out;
   out.forward = layers * o.attention_forward_s + ffn_forward;
   out.backward = layers * o.attention_backward_s + moe * o.moe_backward_busiest_s + dense * o.dense_backward_s;
-  if (p.activation_checkpointing == Checkpointing::kFull) out.recompute = out.forward;
+  if (p.activation_checkpointing == Checkpointing::kFull)
+    out.recompute = std::max(0.0, out.forward + layers * o.recompute_beyond_forward_s);
   if (p.activation_checkpointing == Checkpointing::kSelective) out.recompute = ffn_forward;
   if (p.activation_checkpointing == Checkpointing::kAttentionCore) out.recompute = layers * o.core_forward_s;
   if (p.activation_checkpointing == Checkpointing::kLatentUpProjections) out.recompute = layers * o.latent_up_forward_s;
@@ -185,6 +186,21 @@ void add_measured_times(const RunConfig& c, double tokens, KernelCosts& o) {
   o.framework_backward_s = std::max(0.0, curve_at(whole_backward, tokens) - operations(true)) / blocks;
   o.attention_forward_s += o.framework_forward_s;
   o.attention_backward_s += o.framework_backward_s;
+  // Every block checkpointed whole: its forward runs without autograd and its recompute with it.
+  // From the whole micro-batch measured so against the one without (one rank, unsplit; per block,
+  // charged to a split or sharded block unchanged): the forward's difference, and what the
+  // backward took beyond the other's less the blocks' forward with autograd (the micro-batch's
+  // forward without the head's part) -- the recompute beyond its forward.
+  if (p.activation_checkpointing == Checkpointing::kFull && !t.recomputed_micro_batch_forward.empty() &&
+      !t.micro_batch_forward.empty()) {
+    const double plain_forward = curve_at(t.micro_batch_forward, tokens);
+    const double forward_delta = (curve_at(t.recomputed_micro_batch_forward, tokens) - plain_forward) / blocks;
+    const double recompute = (curve_at(t.recomputed_micro_batch_backward, tokens) -
+                              curve_at(t.micro_batch_backward, tokens)) / blocks;
+    const double blocks_forward = (plain_forward - heads * curve_at(t.head, tokens) / 3.0) / blocks;
+    o.attention_forward_s = std::max(0.0, o.attention_forward_s + forward_delta);
+    o.recompute_beyond_forward_s = recompute - blocks_forward - forward_delta;
+  }
   if (split_whole) {
     o.tensor_region_forward_s = curve_at(split->collectives_forward, tokens) / (2.0 * blocks);
     o.tensor_region_backward_s = curve_at(split->collectives_backward, tokens) / (2.0 * blocks);

@@ -541,7 +541,9 @@ class Builder {
     };
     if (p_.activation_checkpointing == Checkpointing::kFull) {
       for (size_t r = 0; r < n; ++r)
-        chain(state, r, compute(r, OpKind::kAttentionRecompute, l, mb, o_.attention_forward_s, o_.attention_flops));
+        chain(state, r,
+              compute(r, OpKind::kAttentionRecompute, l, mb,
+                      std::max(0.0, o_.attention_forward_s + o_.recompute_beyond_forward_s), o_.attention_flops));
       gate_first();
       context(state, OpKind::kContextForward, l, mb);
       tensor(state, OpKind::kTensorRecompute, l, mb, o_.tensor_bytes);

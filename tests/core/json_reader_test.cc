@@ -314,6 +314,8 @@ Json calibrated_json() {
       {"optimizer", {{549520, 0.0014}, {4396160, 0.069}}},
       {"micro_batch_forward", {{256, 0.027}, {512, 0.054}}},
       {"micro_batch_backward", {{256, 0.072}, {512, 0.108}}},
+      {"recomputed_micro_batch_forward", {{256, 0.026}, {512, 0.052}}},
+      {"recomputed_micro_batch_backward", {{256, 0.095}, {512, 0.15}}},
       {"tensor_splits",
        {{{"tensor_parallel_degree", 2},
          {"attention_forward", {{256, 0.0008}, {512, 0.0018}}},
@@ -350,6 +352,7 @@ TEST(HardwareProfile, CalibratedFieldsRoundTrip) {
   EXPECT_EQ(c.op_times.seq_len, 256);
   EXPECT_EQ(c.op_times.expert_backward.size(), 2u);
   EXPECT_EQ(c.op_times.micro_batch_backward.size(), 2u);
+  EXPECT_EQ(c.op_times.recomputed_micro_batch_backward, (CurvePoints{{256, 0.095}, {512, 0.15}}));
   EXPECT_EQ(c.op_times.num_layers, 4);
   EXPECT_TRUE(c.op_times.blocks.qk_norm);
   ASSERT_EQ(c.op_times.tensor_splits.size(), 1u);
@@ -443,6 +446,19 @@ TEST(HardwareProfile, BadCalibratedFieldsAreNamed) {
   EXPECT_EQ(problems[1].message, "is required with a split's micro_batch_forward: the blocks of the model it ran");
   EXPECT_EQ(problems[2].message, "is required with expert_splits: the blocks of the model they ran");
   EXPECT_EQ(problems[3].message, "is required with shard_splits: the blocks of the model they ran");
+  // The recomputed whole micro-batches are priced against the plain ones: all four or neither.
+  for (const char* dropped : {"recomputed_micro_batch_backward", "micro_batch_forward"}) {
+    json = calibrated_json();
+    json["framework"]["op_times"].erase(dropped);
+    path = dir.write("cal.json", json);
+    problems = problems_of([&] { read_cluster_file(path); }, path);
+    ASSERT_GE(problems.size(), 1u) << dropped << describe(problems);
+    EXPECT_EQ(problems.back().path, "framework.op_times.recomputed_micro_batch_forward") << dropped;
+    EXPECT_EQ(problems.back().message,
+              "comes with recomputed_micro_batch_backward, micro_batch_forward and micro_batch_backward: it is priced "
+              "against them")
+        << dropped;
+  }
   // A split's whole micro-batch is its compute and its collectives: the four come together.
   json = calibrated_json();
   json["framework"]["op_times"]["tensor_splits"][0].erase("collectives_backward");

@@ -869,6 +869,42 @@ TEST(CalibratedProfile, AShardSplitsWholeMicroBatchPricesTheGathers) {
   EXPECT_FALSE(op_costs(c.config()).shard_measured);
 }
 
+// The whole micro-batch measured with every block recomputed: a fully recomputed plan's blocks
+// take the forward's difference in forward (they run without autograd), and recompute what the
+// backward took beyond the other's; the analytic estimate prices it alike. Other checkpointing,
+// and a profile without those two curves, price a recompute as the forward.
+TEST(CalibratedProfile, AFullyRecomputedBlockIsPricedFromItsWholeMicroBatches) {
+  Scenario c = calibrated_cpu(1, 1, Checkpointing::kFull, 2);
+  const double layers = static_cast<double>(c.model.num_layers);
+  OpTimes& t = c.cluster.op_times;
+  t.micro_batch_forward = {{512, 0.1}};
+  t.micro_batch_backward = {{512, 0.2}};
+  const OpCosts before = op_costs(c.config());
+  EXPECT_EQ(before.recompute_beyond_forward_s, 0);
+  // Without autograd the forward takes 1 ms a block less; the backward 0.05 s more in all.
+  t.recomputed_micro_batch_forward = {{512, 0.1 - layers * 0.001}};
+  t.recomputed_micro_batch_backward = {{512, 0.2 + 0.05}};
+  const OpCosts o = op_costs(c.config());
+  EXPECT_NEAR(o.attention_forward_s, before.attention_forward_s - 0.001, 1e-12);
+  const double blocks_forward = (0.1 - 0.08 / 3) / layers;  // the head at 512 tokens: 0.08 s
+  EXPECT_NEAR(o.recompute_beyond_forward_s, 0.05 / layers - blocks_forward + 0.001, 1e-12);
+  // Each micro-batch's recompute, its blocks' attention and experts, is the 0.05 s measured.
+  const StepSimulation sim = simulate_step(c.config(), {false, true});
+  double recomputed = 0;
+  for (size_t i = 0; i < sim.graph.ops().size(); ++i) {
+    const Op& op = sim.graph.ops()[i];
+    if (op.rank == 0 && (op.kind == OpKind::kAttentionRecompute || op.kind == OpKind::kExpertRecompute))
+      recomputed += to_seconds(sim.times.end[i] - sim.times.start[i]);
+  }
+  EXPECT_NEAR(recomputed, static_cast<double>(c.parallel.gradient_accumulation_steps) * 0.05, 1e-6);
+  expect_analytic_near_the_simulation(c);
+  // Selective recomputation keeps its own pricing.
+  c.parallel.activation_checkpointing = Checkpointing::kSelective;
+  const OpCosts selective = op_costs(c.config());
+  EXPECT_EQ(selective.recompute_beyond_forward_s, 0);
+  EXPECT_NEAR(selective.attention_forward_s, before.attention_forward_s, 1e-12);
+}
+
 // What the expert group's collectives took inside that micro-batch (the waits for the rank that
 // came last included) prices each sync point of the exchange: three per MoE block forward (the
 // counts, the dispatch, the combine), two backward, and the forward's again where a block is

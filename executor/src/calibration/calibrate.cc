@@ -77,6 +77,7 @@ PassFigures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhea
     torch::AutoGradMode with_grad(true);
     x.world.barrier();
     f.micro_batches = measure_micro_batches(x);
+    f.recomputed_micro_batches = measure_recomputed_micro_batches(x);
     if (!x.split_models.empty()) progress.say("whole micro-batches under tensor and expert splits" + of);
     f.split_micro_batches = measure_split_micro_batches(x);
     // A GPU's device memory beyond tensors is sampled up to here.
@@ -120,6 +121,7 @@ void for_each_figure(PassFigures& p, const std::function<void(double&)>& f) {
     for (double& v : c.units) f(v);
   }
   for (ForwardBackward& m : p.micro_batches) for_both(m, f);
+  for (ForwardBackward& m : p.recomputed_micro_batches) for_both(m, f);
   for (std::vector<SplitMicroBatchFigures>& split : p.split_micro_batches)
     for (SplitMicroBatchFigures& m : split) {
       for_both(m.compute, f);
@@ -253,6 +255,10 @@ void read_op_times(const Workload& x, const PassFigures& kept, OpTimes& times) {
     const double tokens = static_cast<double>(x.mbs[i] * x.t);
     times.micro_batch_forward.emplace_back(tokens, kept.micro_batches[i].forward);
     times.micro_batch_backward.emplace_back(tokens, kept.micro_batches[i].backward);
+    if (i < kept.recomputed_micro_batches.size()) {
+      times.recomputed_micro_batch_forward.emplace_back(tokens, kept.recomputed_micro_batches[i].forward);
+      times.recomputed_micro_batch_backward.emplace_back(tokens, kept.recomputed_micro_batches[i].backward);
+    }
   }
 }
 

@@ -183,8 +183,11 @@ struct Workload {
   // CPU layout runs; on a GPU the one-rank trainer, whose steps are timed whole.
   std::unique_ptr<ShardedModel> whole;
   std::unique_ptr<ModelTrainer> trainer;
-  // Forward with the loss of the sharded model on token ids (CPU).
-  torch::Tensor micro_batch_loss(const torch::Tensor& ids);
+  // The same sharded model with every block checkpointed whole (full recomputation; CPU).
+  Plan recomputed_plan;
+  std::unique_ptr<ShardedModel> recomputed;
+  // Forward with the loss of the sharded model on token ids (CPU), or of the recomputed one.
+  torch::Tensor micro_batch_loss(const torch::Tensor& ids, bool recompute = false);
   // Collectives after compute: each kind as the executor uses it, small (a one-element
   // all-reduce, the tokens-per-expert all-gather before a dispatch, a dispatch of one
   // sequence), after stretches from a router's forward to a whole micro-batch's forward and
@@ -262,6 +265,7 @@ struct PassFigures {
   CopyFigures copies;
   std::vector<CollectiveFigures> collectives;  // per Workload::kinds; more than one rank
   std::vector<ForwardBackward> micro_batches;  // per micro-batch size
+  std::vector<ForwardBackward> recomputed_micro_batches;  // the same, every block recomputed (CPU)
   // Per Workload::split_models, per micro-batch size.
   std::vector<std::vector<SplitMicroBatchFigures>> split_micro_batches;
   // Per Workload::after_collectives, per Workload::stretches; more than one rank.
@@ -279,6 +283,8 @@ std::vector<ForwardBackward> measure_experts(const Workload& x, const torch::Ten
 std::vector<SplitFigures> measure_splits(Workload& x, OverheadProbe& overhead);
 std::vector<double> measure_optimizer(Workload& x, OverheadProbe& overhead);
 std::vector<ForwardBackward> measure_micro_batches(Workload& x);
+// The same with every block checkpointed whole (CPU ranks; empty on a GPU).
+std::vector<ForwardBackward> measure_recomputed_micro_batches(Workload& x);
 // On CPU ranks: what a run's rank holds beyond its tensors, as its report measures it (the
 // peak resident set less the peak of live tensors) over three optimizer steps of the executor's
 // trainer on the data-parallel layout of the ranks. Measured first, before the workload is

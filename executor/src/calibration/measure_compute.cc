@@ -234,6 +234,16 @@ std::vector<ForwardBackward> measure_micro_batches(Workload& x) {
   return micro_batches;
 }
 
+std::vector<ForwardBackward> measure_recomputed_micro_batches(Workload& x) {
+  std::vector<ForwardBackward> micro_batches;
+  if (!x.recomputed) return micro_batches;
+  for (int64_t b : x.mbs) {
+    const torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
+    micro_batches.push_back(time_forward_backward(x.device, x.reps, [&] { return x.micro_batch_loss(ids, true); }));
+  }
+  return micro_batches;
+}
+
 int64_t measure_step_overhead(const CalibrateOptions& o, Communicator& world, const MeshMaker& mesh_of) {
   // The data-parallel layout of the calibration's ranks (on one rank, the rank alone), at the
   // middle of the micro-batch sizes measured, two micro-batches a step.

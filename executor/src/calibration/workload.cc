@@ -108,6 +108,9 @@ Workload::Workload(const CalibrateOptions& options, Communicator& communicator, 
   moe.load_balancing = o.load_balancing;
   if (device.is_cpu()) {
     whole = std::make_unique<ShardedModel>(whole_plan, alone);
+    recomputed_plan = whole_plan;
+    recomputed_plan.parallel.activation_checkpointing = Checkpointing::kFull;
+    recomputed = std::make_unique<ShardedModel>(recomputed_plan, alone);
   } else {
     trainer = std::make_unique<ModelTrainer>(whole_plan, device);
   }
@@ -167,9 +170,10 @@ void Workload::set_attention_weights(LayerWeights& into, const ModelSpec& local)
   into.o_proj = weight({h, heads * local.v_head_dim});
 }
 
-torch::Tensor Workload::micro_batch_loss(const torch::Tensor& ids) {
-  if (!whole) throw std::logic_error("calibration: the sharded model is measured on CPU ranks only");
-  return whole->loss(whole->forward(ids, 1), ids).total;
+torch::Tensor Workload::micro_batch_loss(const torch::Tensor& ids, bool recompute) {
+  ShardedModel* model = recompute ? recomputed.get() : whole.get();
+  if (!model) throw std::logic_error("calibration: the sharded model is measured on CPU ranks only");
+  return model->loss(model->forward(ids, 1), ids).total;
 }
 
 void Workload::form_split_models() {

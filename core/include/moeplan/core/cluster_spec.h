@@ -185,6 +185,11 @@ struct OpTimes {
   // operations above (tensor allocation, gradient assembly into the flat units, bookkeeping)
   // the simulator adds to every block. Optional.
   CurvePoints micro_batch_forward, micro_batch_backward;
+  // The same whole micro-batch with every block checkpointed whole (full recomputation): its
+  // forward runs the blocks without autograd, its backward runs each again with it first. What
+  // these take against the two above prices a fully recomputed block's forward and recompute.
+  // Optional; with the two above.
+  CurvePoints recomputed_micro_batch_forward, recomputed_micro_batch_backward;
   // The same operations split over T ranks, one entry per T measured. Optional.
   std::vector<TensorSplitTimes> tensor_splits;
   // The whole micro-batch with the experts split over E ranks, one entry per E. Optional.
@@ -201,9 +206,13 @@ struct OpTimes {
   const ShardSplitTimes* shard_split(int64_t s) const;
   bool operator==(const OpTimes&) const = default;
 };
-inline constexpr std::array<std::string_view, 10> kOpTimeCurves{
-    "attention_forward", "attention_backward", "router_forward",      "router_backward",     "expert_forward",
-    "expert_backward",   "head",               "optimizer",           "micro_batch_forward", "micro_batch_backward"};
+inline constexpr std::array<std::string_view, 12> kOpTimeCurves{
+    "attention_forward",   "attention_backward",   "router_forward",
+    "router_backward",     "expert_forward",       "expert_backward",
+    "head",                "optimizer",            "micro_batch_forward",
+    "micro_batch_backward", "recomputed_micro_batch_forward", "recomputed_micro_batch_backward"};
+// The first eight are required; the whole micro-batches optional.
+inline constexpr size_t kRequiredOpTimeCurves = 8;
 
 struct ClusterSpec {
   std::string name;  // instance type, e.g. "p4d.24xlarge"

@@ -33,6 +33,11 @@ struct KernelCosts {
   // Per block: what the executor's measured whole micro-batch took beyond its operations,
   // forward and backward (included in the attention times above); 0 where not measured.
   double framework_forward_s = 0, framework_backward_s = 0;
+  // Per block of a fully recomputed plan (measured whole micro-batches with every block
+  // checkpointed, OpTimes::recomputed_micro_batch_*): what recomputing a block takes beyond its
+  // forward, which ran without autograd (the attention times above are that forward's). 0
+  // elsewhere: a recompute is priced as the forward.
+  double recompute_beyond_forward_s = 0;
   // Per tensor-parallel region (two per block): what the tensor group's collectives took inside
   // the measured whole micro-batch of the plan's split, in forward and in backward, those of
   // the embedding, the head and the loss spread over the regions with the blocks'; 0 where not
