@@ -77,7 +77,7 @@ PassFigures measure_pass(Workload& x, Progress& progress, OverheadProbe& overhea
     torch::AutoGradMode with_grad(true);
     x.world.barrier();
     f.micro_batches = measure_micro_batches(x);
-    f.recomputed_micro_batches = measure_recomputed_micro_batches(x);
+    f.recomputed_micro_batches = measure_micro_batches(x, /*recompute=*/true);
     if (!x.split_models.empty()) progress.say("whole micro-batches under tensor and expert splits" + of);
     f.split_micro_batches = measure_split_micro_batches(x);
     // A GPU's device memory beyond tensors is sampled up to here.

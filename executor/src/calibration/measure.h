@@ -282,9 +282,8 @@ std::vector<ForwardBackward> measure_experts(const Workload& x, const torch::Ten
                                              const torch::Tensor& w3, OverheadProbe& overhead);
 std::vector<SplitFigures> measure_splits(Workload& x, OverheadProbe& overhead);
 std::vector<double> measure_optimizer(Workload& x, OverheadProbe& overhead);
-std::vector<ForwardBackward> measure_micro_batches(Workload& x);
-// The same with every block checkpointed whole (CPU ranks; empty on a GPU).
-std::vector<ForwardBackward> measure_recomputed_micro_batches(Workload& x);
+// recompute: with every block checkpointed whole (CPU ranks; empty on a GPU).
+std::vector<ForwardBackward> measure_micro_batches(Workload& x, bool recompute = false);
 // On CPU ranks: what a run's rank holds beyond its tensors, as its report measures it (the
 // peak resident set less the peak of live tensors) over three optimizer steps of the executor's
 // trainer on the data-parallel layout of the ranks. Measured first, before the workload is

@@ -221,25 +221,17 @@ std::vector<double> measure_optimizer(Workload& x, OverheadProbe& overhead) {
 
 // The executor's whole micro-batch: forward with the loss, then backward, through its own
 // model; what the operations above leave out shows here.
-std::vector<ForwardBackward> measure_micro_batches(Workload& x) {
+std::vector<ForwardBackward> measure_micro_batches(Workload& x, bool recompute) {
   std::vector<ForwardBackward> micro_batches;
+  if (recompute && !x.recomputed) return micro_batches;
   for (int64_t b : x.mbs) {
     const torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
-    if (x.trainer) {
+    if (x.trainer && !recompute) {
       micro_batches.push_back(time_trainer_step(x.reps, *x.trainer, ids));
       continue;
     }
-    micro_batches.push_back(time_forward_backward(x.device, x.reps, [&] { return x.micro_batch_loss(ids); }));
-  }
-  return micro_batches;
-}
-
-std::vector<ForwardBackward> measure_recomputed_micro_batches(Workload& x) {
-  std::vector<ForwardBackward> micro_batches;
-  if (!x.recomputed) return micro_batches;
-  for (int64_t b : x.mbs) {
-    const torch::Tensor ids = torch::randint(x.m.vocab_size, {b, x.t}, torch::kLong);
-    micro_batches.push_back(time_forward_backward(x.device, x.reps, [&] { return x.micro_batch_loss(ids, true); }));
+    micro_batches.push_back(
+        time_forward_backward(x.device, x.reps, [&] { return x.micro_batch_loss(ids, recompute); }));
   }
   return micro_batches;
 }

@@ -47,26 +47,14 @@ ComputeDevice cuda_device(int64_t index) {
 }  // namespace
 
 ComputeDevice choose_device(const ClusterSpec& cluster, int64_t local_rank) {
-  ComputeDevice out;
-  out.name = "CPU";
-  if (cluster.device != DeviceKind::kCuda) return out;
-#if MOEPLAN_WITH_CUDA
-  const int64_t count = cuda_device_count();
-  if (count == 0) {
-    out.note = "this machine has no CUDA device";
-    return out;
+  const int64_t gpus = cuda_device_count();
+  RankPlace place = place_rank(cluster.device, local_rank, gpus);
+  if (place.gpu >= 0 && !place.own_gpu) {  // a GPU of its own or none: no sharing here
+    place.gpu = -1;
+    place.note = "local rank " + std::to_string(local_rank) + " has no GPU of its own (" + std::to_string(gpus) +
+                 " here)";
   }
-  if (local_rank >= count) {
-    out.note = "local rank " + std::to_string(local_rank) + " has no GPU of its own (" + std::to_string(count) +
-               " here)";
-    return out;
-  }
-  return cuda_device(local_rank);
-#else
-  (void)local_rank;
-  out.note = "this moeplan was built with a LibTorch without CUDA";
-#endif
-  return out;
+  return rank_device(place);
 }
 
 RankPlace place_rank(DeviceKind kind, int64_t local_rank, int64_t gpus, bool cuda_built) {
