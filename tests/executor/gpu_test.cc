@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iostream>
 #include <thread>
 
 #include "moeplan/core/cluster_spec.h"
@@ -247,6 +248,70 @@ TEST(Gpu, MixedPrecisionStepAndAllocatorPeaks) {
   EXPECT_GE(m.peak_reserved, m.peak_allocated);
   EXPECT_GT(m.used, m.reserved) << "the CUDA context holds memory beyond the allocator's";
   EXPECT_GT(m.total, m.used);
+}
+
+// Which expert kernel a trainer runs unless told: the grouped one on a GPU in mixed precision
+// with widths the kernel can align, one multiply per expert otherwise.
+TEST(ExpertKernelChoice, GroupedOnAGpuInMixedPrecisionWithAlignedWidths) {
+  const ModelSpec spec = test::model("mixtral-tiny");
+  const torch::Device cpu(torch::kCPU), cuda(torch::kCUDA, 0);
+  const auto kAuto = ExpertKernel::kAuto;
+  const torch::ScalarType fp32 = torch::kFloat, bf16 = torch::kBFloat16;
+  EXPECT_EQ(resolve_expert_kernel(kAuto, spec, cuda, fp32, bf16), ExpertKernel::kGrouped);
+  EXPECT_EQ(resolve_expert_kernel(kAuto, spec, cpu, fp32, bf16), ExpertKernel::kPerExpert);
+  EXPECT_EQ(resolve_expert_kernel(kAuto, spec, cuda, fp32, fp32), ExpertKernel::kPerExpert);
+  EXPECT_EQ(resolve_expert_kernel(kAuto, spec, cuda, bf16, bf16), ExpertKernel::kPerExpert) << "no copies to stack";
+  ModelSpec odd = spec;
+  odd.intermediate_size = 100;  // 200 bytes a row in bf16: no multiple of 16
+  EXPECT_EQ(resolve_expert_kernel(kAuto, odd, cuda, fp32, bf16), ExpertKernel::kPerExpert);
+  EXPECT_EQ(resolve_expert_kernel(ExpertKernel::kGrouped, spec, cpu, fp32, fp32), ExpertKernel::kGrouped);
+}
+
+// Trainers on one device, one with the grouped kernel over stacked experts and one with a
+// multiply per expert, from the same parameters: the same routing, and losses, gradient norms
+// and parameters within the compute type's rounding, over two steps of two micro-batches.
+void expect_expert_kernels_agree(const torch::Device& device, Precision precision, double rtol) {
+  const Plan plan = tiny_plan(precision);
+  ModelTrainer grouped(plan, device, ExpertKernel::kGrouped), each(plan, device, ExpertKernel::kPerExpert);
+  ASSERT_EQ(grouped.expert_kernel(), ExpertKernel::kGrouped);
+  torch::manual_seed(9);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<torch::Tensor> batches;
+    for (int m = 0; m < 2; ++m) batches.push_back(torch::randint(plan.model.vocab_size, {2, 64}, torch::kLong));
+    const StepRecord a = each.step(batches), b = grouped.step(batches);
+    EXPECT_NEAR(a.loss, b.loss, rtol * a.loss) << "step " << step;
+    EXPECT_NEAR(a.grad_norm, b.grad_norm, 10 * rtol * a.grad_norm) << "step " << step;
+    if (precision == Precision::kFp32) EXPECT_EQ(a.tokens_per_expert, b.tokens_per_expert) << "step " << step;
+  }
+  // AdamW moves an element by about the learning rate whatever its gradient's size, so the
+  // elements whose gradient is near zero may move apart by up to twice that a step (a sign the
+  // rounding turns); all but a few elements stay within the rounding.
+  const double adam_step = plan.training.learning_rate;
+  int64_t elements = 0, apart = 0;
+  for (size_t i = 0; i < each.parameters().tensors().size(); ++i) {
+    const torch::Tensor a = each.parameters().tensors()[i].detach().cpu().to(torch::kDouble);
+    const torch::Tensor b = grouped.parameters().tensors()[i].detach().cpu().to(torch::kDouble);
+    const torch::Tensor difference = (a - b).abs();
+    // bf16 weights (Precision::kBf16) are also a unit in the last place apart: 2^-7 of the value.
+    const double ulp = each.parameters().tensors()[i].scalar_type() == torch::kBFloat16 ? 1.0 / 128 : 0;
+    EXPECT_LE((difference - ulp * a.abs()).max().item<double>(), 4 * adam_step * 1.01)
+        << each.parameters().infos()[i].name;
+    elements += a.numel();
+    apart += (difference > 1e-5 + 100 * rtol * a.abs()).sum().item<int64_t>();
+  }
+  std::cout << "  " << apart << " of " << elements << " parameter elements apart beyond the rounding\n";
+  EXPECT_LE(static_cast<double>(apart), 1e-3 * static_cast<double>(elements));
+}
+
+TEST(ExpertKernelChoice, GroupedAndPerExpertTrainersAgreeOnTheCpu) {
+  expect_expert_kernels_agree(torch::kCPU, Precision::kFp32, 1e-5);
+  expect_expert_kernels_agree(torch::kCPU, Precision::kMixed, 1e-2);
+  expect_expert_kernels_agree(torch::kCPU, Precision::kBf16, 1e-2);
+}
+
+TEST(Gpu, GroupedAndPerExpertTrainersAgree) {
+  SKIP_WITHOUT_GPU();
+  expect_expert_kernels_agree(torch::Device(torch::kCUDA, 0), Precision::kMixed, 1e-2);
 }
 
 // The kernels' GPU paths (LibTorch's RMSNorm, the rotary chain, scaled-dot-product attention)

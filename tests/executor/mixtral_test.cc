@@ -691,5 +691,100 @@ TEST(Mixtral, GradientsReachEveryUsedParameter) {
   }
 }
 
+
+// The grouped kernel over stacked weights against one multiply per expert: the same outputs and
+// the same gradients of the rows and of every expert's weights, in fp32 and in bf16, with an
+// expert that gets no rows and groups of sizes that are no multiple of the kernel's alignment.
+TEST(Mixtral, StackedExpertsMatchEachExpertsOwn) {
+  for (const torch::ScalarType type : {torch::kFloat, torch::kBFloat16}) {
+    torch::manual_seed(3);
+    const int64_t experts = 5, hidden = 16, ffn = 24;
+    const std::vector<int64_t> rows_per_expert = {3, 0, 9, 1, 6};
+    std::vector<int64_t> expert_of;
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t i = 0; i < rows_per_expert[static_cast<size_t>(e)]; ++i) expert_of.push_back(e);
+    const torch::Tensor rows = torch::randn({static_cast<int64_t>(expert_of.size()), hidden}).to(type);
+    std::vector<torch::Tensor> w1, w2, w3;
+    for (int64_t e = 0; e < experts; ++e) {
+      w1.push_back((torch::randn({ffn, hidden}) * 0.3).to(type).requires_grad_(true));
+      w2.push_back((torch::randn({hidden, ffn}) * 0.3).to(type).requires_grad_(true));
+      w3.push_back((torch::randn({ffn, hidden}) * 0.3).to(type).requires_grad_(true));
+    }
+    const torch::Tensor upstream = torch::randn({rows.size(0), hidden}).to(type);
+    const torch::Tensor x1 = rows.clone().requires_grad_(true);
+    const torch::Tensor each = grouped_experts(x1, rows_per_expert, [&](int64_t e) {
+      return ExpertWeights{w1[static_cast<size_t>(e)], w2[static_cast<size_t>(e)], w3[static_cast<size_t>(e)]};
+    });
+    (each * upstream).sum().backward();
+
+    const torch::Tensor w13 = torch::cat({torch::stack(w1), torch::stack(w3)}, 1).detach().requires_grad_(true);
+    const torch::Tensor w2s = torch::stack(w2).detach().requires_grad_(true);
+    const torch::Tensor x2 = rows.clone().requires_grad_(true);
+    const torch::Tensor grouped = stacked_experts(x2, torch::tensor(expert_of, torch::kLong), w13, w2s);
+    (grouped * upstream).sum().backward();
+
+    const double tol = type == torch::kFloat ? 1e-5 : 2e-2;
+    auto expect_near = [tol](const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+      const double scale = std::max(1.0, a.to(torch::kDouble).abs().max().item<double>());
+      EXPECT_LE((a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>(), tol * scale) << what;
+    };
+    const std::string name = c10::toString(type);
+    ASSERT_EQ(grouped.sizes(), each.sizes());
+    expect_near(grouped, each, name + " outputs");
+    expect_near(x2.grad(), x1.grad(), name + " row gradients");
+    for (int64_t e = 0; e < experts; ++e) {
+      const auto j = static_cast<size_t>(e);
+      const std::string of = name + " expert " + std::to_string(e);
+      if (rows_per_expert[j] == 0) {
+        EXPECT_EQ(w13.grad()[e].abs().max().item<double>(), 0) << of << ": no rows, no gradient";
+        continue;
+      }
+      expect_near(w13.grad()[e].narrow(0, 0, ffn), w1[j].grad(), of + " w1");
+      expect_near(w13.grad()[e].narrow(0, ffn, ffn), w3[j].grad(), of + " w3");
+      expect_near(w2s.grad()[e], w2[j].grad(), of + " w2");
+    }
+  }
+}
+
+// The whole model with each block's experts stacked (as the trainer stacks them for the grouped
+// kernel): the same logits, and each expert's gradient handed back to its own tensor.
+TEST(Mixtral, StackedWeightsGiveTheSameModelAndGradients) {
+  const ModelSpec s = small_spec();
+  ParameterSet p = random_model(s, 43);
+  for (torch::Tensor& t : p.tensors()) t.requires_grad_(true);
+  const torch::Tensor ids = torch::randint(s.vocab_size, {3, 16}, torch::kLong);
+  MoeConfig moe;
+  moe.load_balancing = LoadBalancing::kAuxLoss;
+  const ForwardResult each = mixtral_forward(s, MixtralWeights::bind(s, p.tensors()), ids, moe);
+  mixtral_loss(s, moe, each, ids).total.backward();
+
+  ExpertStacks stacks(s, p.tensors(), torch::kFloat);
+  MixtralWeights weights = MixtralWeights::bind(s, p.tensors());
+  stacks.bind(weights);
+  ASSERT_TRUE(weights.layers[0].experts_w13.defined());
+  const ForwardResult stacked = mixtral_forward(s, weights, ids, moe);
+  EXPECT_TRUE(torch::allclose(stacked.logits, each.logits, 1e-5, 1e-5));
+  EXPECT_TRUE(torch::equal(stacked.tokens_per_expert, each.tokens_per_expert));
+  mixtral_loss(s, moe, stacked, ids).total.backward();
+  std::vector<torch::Tensor> grads(p.tensors().size());
+  stacks.add_gradients(grads);
+  int compared = 0;
+  for (size_t i = 0; i < p.infos().size(); ++i) {
+    if (!stacks.stacked(i)) {
+      EXPECT_FALSE(grads[i].defined()) << p.infos()[i].name;
+      continue;
+    }
+    ASSERT_TRUE(grads[i].defined()) << p.infos()[i].name;
+    // The first forward ran through each expert's own tensor, the second through the stack's
+    // copy: the stack's gradient, handed back, is the tensor's own (zero for an expert no token
+    // chose, whose own tensor got none).
+    const torch::Tensor own = p.tensors()[i].grad();
+    const torch::Tensor reference = own.defined() ? own : torch::zeros_like(grads[i]);
+    EXPECT_TRUE(torch::allclose(grads[i], reference, 1e-4, 1e-6)) << p.infos()[i].name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 3 * s.num_experts * s.num_layers);
+}
+
 }  // namespace
 }  // namespace moeplan::executor

@@ -4,6 +4,8 @@
 
 #include <cassert>
 #include <cmath>
+#include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string_view>
 
@@ -422,6 +424,140 @@ torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_p
 
 namespace {
 
+// Slots of each of n bins of `index` [S] int64, on its device: bincount's counts without its
+// read of the largest index back to the host (a GPU's bincount waits for it).
+torch::Tensor counts_of(const torch::Tensor& index, int64_t n) {
+  return torch::zeros({n}, index.options()).scatter_add_(0, index, torch::ones_like(index));
+}
+
+// A tensor the grouped kernel takes: its data on a 16-byte boundary (a view into another's
+// storage may not be).
+torch::Tensor aligned16(const torch::Tensor& t) {
+  const torch::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// x [N, k] times each group's w [groups, n, k] transposed, the groups ending at offs [groups]
+// int32: [N, n]. Its own backward, so the CPU's grouped kernel (whose derivative LibTorch
+// does not give for this layout) and a GPU's run the same two grouped products: the input's
+// gradient dy w, and the weights' dy^T x over each group's rows.
+class GroupedMatmul : public torch::autograd::Function<GroupedMatmul> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& offs) {
+    ctx->save_for_backward({x, w, offs});
+    return at::_grouped_mm(aligned16(x), w.transpose(1, 2), offs);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &w = saved[1], &offs = saved[2];
+    const torch::Tensor dy = aligned16(grads[0]);
+    return {at::_grouped_mm(dy, w, offs), at::_grouped_mm(dy.t(), aligned16(x), offs), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor stacked_experts(const torch::Tensor& rows, const torch::Tensor& row_expert, const torch::Tensor& w13,
+                              const torch::Tensor& w2) {
+  const int64_t experts = w13.size(0), ffn = w2.size(2), slots = rows.size(0);
+  const int64_t align = std::max<int64_t>(1, 16 / static_cast<int64_t>(rows.element_size()));
+  const torch::Tensor load = counts_of(row_expert, experts);
+  const torch::Tensor padded = torch::div(load + (align - 1), align, "floor") * align;
+  const torch::Tensor ends = torch::cumsum(padded, 0);
+  const torch::Tensor starts = torch::cumsum(load, 0) - load;
+  // Each row's place in the padded buffer: its group's padded start plus its rank in the group.
+  const torch::Tensor place = (ends - padded).index_select(0, row_expert) +
+                              torch::arange(slots, row_expert.options()) - starts.index_select(0, row_expert);
+  // A size the host knows without reading the loads: every group's padding at its widest. The
+  // last group takes the rest (zero rows), so the groups cover the buffer.
+  const int64_t total = (slots + experts * (align - 1) + align - 1) / align * align;
+  const torch::Tensor offs =
+      ends.index_fill(0, torch::full({1}, experts - 1, row_expert.options()), total).to(torch::kInt);
+  const torch::Tensor x = torch::zeros({total, rows.size(1)}, rows.options()).index_copy(0, place, rows);
+  const std::vector<torch::Tensor> h13 = GroupedMatmul::apply(x, w13, offs).split(ffn, 1);
+  const torch::Tensor y = GroupedMatmul::apply(torch::silu(h13[0]) * h13[1], w2, offs);
+  return y.index_select(0, place);
+}
+
+ExpertKernel resolve_expert_kernel(ExpertKernel asked, const ModelSpec& spec, const torch::Device& device,
+                                   torch::ScalarType master, torch::ScalarType compute) {
+  if (asked != ExpertKernel::kAuto) return asked;
+  const int64_t align = 16 / static_cast<int64_t>(c10::elementSize(compute));
+  const bool aligned = spec.hidden_size % align == 0 && spec.intermediate_size % align == 0;
+  const bool copies = master != compute && c10::elementSize(compute) == 2;
+  return device.is_cuda() && copies && aligned ? ExpertKernel::kGrouped : ExpertKernel::kPerExpert;
+}
+
+ExpertStacks::ExpertStacks(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors, torch::ScalarType type) {
+  const std::vector<ParamInfo> infos = mixtral_parameters(spec);
+  stacked_.assign(infos.size(), false);
+  std::map<int64_t, Stack> by_block;
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const ParamInfo& info = infos[i];
+    if (info.expert < 0) continue;
+    Stack& s = by_block[info.block];
+    s.block = info.block;
+    const std::string_view name(info.name);
+    std::vector<size_t>& of = name.ends_with(".w1.weight") ? s.w1_of : name.ends_with(".w2.weight") ? s.w2_of : s.w3_of;
+    if (static_cast<int64_t>(of.size()) <= info.expert) of.resize(static_cast<size_t>(info.expert + 1));
+    of[static_cast<size_t>(info.expert)] = i;
+    stacked_[i] = true;
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [block, s] : by_block) {
+    const torch::Tensor& w1 = tensors[s.w1_of.front()];
+    const int64_t experts = static_cast<int64_t>(s.w1_of.size()), ffn = w1.size(0), hidden = w1.size(1);
+    const torch::TensorOptions options = w1.options().dtype(type);
+    s.w13 = torch::empty({experts, 2 * ffn, hidden}, options);
+    s.w2 = torch::empty({experts, hidden, ffn}, options);
+    for (int64_t e = 0; e < experts; ++e) {
+      const auto j = static_cast<size_t>(e);
+      s.w13[e].narrow(0, 0, ffn).copy_(tensors[s.w1_of[j]]);
+      s.w13[e].narrow(0, ffn, ffn).copy_(tensors[s.w3_of[j]]);
+      s.w2[e].copy_(tensors[s.w2_of[j]]);
+    }
+    s.w13.requires_grad_(true);
+    s.w2.requires_grad_(true);
+    stacks_.push_back(std::move(s));
+  }
+}
+
+void ExpertStacks::bind(MixtralWeights& weights) const {
+  for (const Stack& s : stacks_) {
+    LayerWeights& layer = weights.layers[static_cast<size_t>(s.block - 1)];
+    layer.experts_w13 = s.w13;
+    layer.experts_w2 = s.w2;
+  }
+}
+
+void ExpertStacks::add_gradients(std::vector<torch::Tensor>& grads) {
+  torch::NoGradGuard no_grad;
+  auto add = [&grads](size_t i, const torch::Tensor& g) {
+    if (grads[i].defined())
+      grads[i].add_(g);  // widened inside the addition where grads[i] is wider
+    else
+      grads[i] = g;  // a view of the stack's gradient, which it keeps
+  };
+  for (Stack& s : stacks_) {
+    torch::Tensor& g13 = s.w13.mutable_grad();
+    torch::Tensor& g2 = s.w2.mutable_grad();
+    if (!g13.defined() || !g2.defined()) continue;
+    const int64_t ffn = g2.size(2);
+    for (size_t e = 0; e < s.w1_of.size(); ++e) {
+      const auto j = static_cast<int64_t>(e);
+      add(s.w1_of[e], g13[j].narrow(0, 0, ffn));
+      add(s.w3_of[e], g13[j].narrow(0, ffn, ffn));
+      add(s.w2_of[e], g2[j]);
+    }
+    g13 = torch::Tensor();
+    g2 = torch::Tensor();
+  }
+}
+
+namespace {
+
 torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const torch::Tensor& x, const MoeConfig& moe,
                          torch::Tensor& router_logits, torch::Tensor counts, torch::Tensor dropped,
                          const std::function<ChosenExperts(const torch::Tensor&)>& replay) {
@@ -432,11 +568,10 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const RouterShape router = RouterShape::of(spec);
   const Routing r = replay ? route_to(router_logits, chosen.experts, router)
                            : route(router_logits, router, moe.load_balancing, w.expert_bias);
-  counts.copy_(torch::bincount(r.experts.flatten(), {}, spec.num_experts));  // what the router asked for
+  counts.copy_(counts_of(r.experts.flatten(), spec.num_experts));  // what the router asked for
   const SlotList slots = slot_list(r, spec.num_experts, moe, chosen.kept);
   dropped.fill_(slots.dropped);
   const torch::Tensor weights = slots.weight.to(x.scalar_type());
-  const torch::Tensor load = torch::bincount(slots.expert, {}, spec.num_experts);
   // Group the token-expert slots by expert once (a stable sort keeps tokens in order), so each
   // expert reads a contiguous slice: one gather and one scatter per layer instead of one each
   // per expert.
@@ -444,12 +579,17 @@ torch::Tensor sparse_moe(const ModelSpec& spec, const LayerWeights& w, const tor
   const torch::Tensor token_of = slots.token.index_select(0, order);
   const torch::Tensor gathered = tokens.index_select(0, token_of);
   const torch::Tensor slot_weights = weights.index_select(0, order).unsqueeze(-1);
-  // The experts' row counts on the host, where the loop over experts needs them: on a GPU the
-  // host waits here, with the sort and gathers above already queued.
-  const torch::Tensor host_load = load.cpu();
-  const torch::Tensor expert_out = grouped_experts(
-      gathered, c10::IntArrayRef(host_load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
-      [&w](int64_t e) { return ExpertWeights{w.w1[e], w.w2[e], w.w3[e]}; });
+  torch::Tensor expert_out;
+  if (w.experts_w13.defined()) {
+    expert_out = stacked_experts(gathered, slots.expert.index_select(0, order), w.experts_w13, w.experts_w2);
+  } else {
+    // The experts' row counts on the host, where the loop over experts needs them: on a GPU the
+    // host waits here, with the sort and gathers above already queued.
+    const torch::Tensor host_load = counts_of(slots.expert, spec.num_experts).cpu();
+    expert_out = grouped_experts(
+        gathered, c10::IntArrayRef(host_load.data_ptr<int64_t>(), static_cast<size_t>(spec.num_experts)),
+        [&w](int64_t e) { return ExpertWeights{w.w1[e], w.w2[e], w.w3[e]}; });
+  }
   const torch::Tensor out = torch::zeros_like(tokens).index_add(0, token_of, expert_out * slot_weights);
   return out.view(x.sizes());
 }

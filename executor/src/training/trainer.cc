@@ -53,9 +53,10 @@ void check_plan(const Plan& plan, const TokenDataset& data, const RunOptions& o)
 
 }  // namespace
 
-ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device)
+ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device, ExpertKernel kernel)
     : plan_(plan), device_(device), master_type_(precisions(plan.training.precision).master),
       compute_type_(precisions(plan.training.precision).compute),
+      expert_kernel_(resolve_expert_kernel(kernel, plan.model, device, master_type_, compute_type_)),
       params_(ParameterSet::on_meta(mixtral_parameters(plan.model))),
       expert_bias_(initial_expert_bias(plan.model, device)) {
   params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
@@ -137,6 +138,11 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   std::vector<torch::Tensor> master_grads;
   if (mixed)
     for (const torch::Tensor& t : params_.tensors()) master_grads.push_back(torch::zeros_like(t));
+  // Stacked for the grouped expert kernel (copies in the compute type, made once for the step's
+  // micro-batches, as the mixed-precision copies are); their gradients go back to each expert's.
+  std::optional<ExpertStacks> stacks;
+  if (expert_kernel_ == ExpertKernel::kGrouped) stacks.emplace(spec, params_.tensors(), compute_type_);
+  std::vector<torch::Tensor> stacked_grads(params_.tensors().size());
   // The losses stay on the device until the step ends and are read once, rather than copied to
   // the host one micro-batch at a time.
   std::vector<torch::Tensor> sums;
@@ -145,12 +151,15 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   // micro-batches; after each backward their gradients are added to fp32 accumulators.
   std::vector<torch::Tensor> compute;
   if (mixed) {
-    for (const torch::Tensor& t : params_.tensors())
-      compute.push_back(t.detach().to(compute_type_).requires_grad_(true));
+    for (size_t i = 0; i < params_.tensors().size(); ++i) {
+      const torch::Tensor& t = params_.tensors()[i];
+      compute.push_back(stacks && stacks->stacked(i) ? t : t.detach().to(compute_type_).requires_grad_(true));
+    }
   } else {
     compute = params_.tensors();
   }
-  const MixtralWeights weights = MixtralWeights::bind(spec, compute, expert_bias_);
+  MixtralWeights weights = MixtralWeights::bind(spec, compute, expert_bias_);
+  if (stacks) stacks->bind(weights);
   int64_t micro_batch = 0;
   std::vector<torch::Tensor> per_micro_batch;  // tokens_per_expert of each, read once at the end
   torch::Tensor dropped = torch::zeros({spec.moe_blocks()}, torch::dtype(torch::kLong).device(device_));
@@ -165,13 +174,18 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     wait_for(device_);  // the spans are of the device's work
     const auto f1 = Clock::now();
     (terms.total / static_cast<double>(ga)).backward();
-    if (mixed)
+    if (mixed) {
       for (size_t i = 0; i < compute.size(); ++i) {
+        if (stacks && stacks->stacked(i)) continue;
         torch::Tensor& grad = compute[i].mutable_grad();
         if (!grad.defined()) continue;
         master_grads[i].add_(grad);  // widened inside the addition, exactly as a copy to fp32 would be
         grad = torch::Tensor();
       }
+      if (stacks) stacks->add_gradients(master_grads);
+    } else if (stacks) {
+      stacks->add_gradients(stacked_grads);
+    }
     wait_for(device_);
     clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
     clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
@@ -187,7 +201,11 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   if (mixed) {
     grads = master_grads;
   } else {
-    for (torch::Tensor& t : params_.tensors()) grads.push_back(t.grad().defined() ? t.grad() : torch::zeros_like(t));
+    for (size_t i = 0; i < params_.tensors().size(); ++i) {
+      const torch::Tensor& t = params_.tensors()[i];
+      const torch::Tensor& g = stacks && stacks->stacked(i) ? stacked_grads[i] : t.grad();
+      grads.push_back(g.defined() ? g : torch::zeros_like(t));
+    }
   }
   r.grad_norm = clip_grad_norm(grads, plan_.training.max_grad_norm);
   if (std::isfinite(r.grad_norm) && std::isfinite(mean_losses[3].item<double>())) {

@@ -105,6 +105,10 @@ struct LayerWeights {
   // rotary key) and its norm and up projection.
   torch::Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
   std::vector<torch::Tensor> w1, w2, w3;  // per expert
+  // The same experts stacked for the grouped kernel where the trainer stacks them (ExpertStacks):
+  // w1 over w3 [experts, 2 x ffn, hidden] and w2 [experts, hidden, ffn]; undefined otherwise,
+  // and then each expert runs its own matrix multiplies.
+  torch::Tensor experts_w13, experts_w2;
   torch::Tensor shared_w1, shared_w2, shared_w3, shared_gate;
   // A dense block's feed-forward layer (no router, no experts): mlp.w1/w2/w3.
   torch::Tensor dense_w1, dense_w2, dense_w3;
@@ -216,6 +220,48 @@ struct ExpertWeights {
 using ExpertWeightsFn = std::function<ExpertWeights(int64_t expert)>;
 torch::Tensor grouped_experts(const torch::Tensor& rows, c10::IntArrayRef rows_per_expert, const ExpertWeightsFn& weights);
 int64_t expert_row_multiple(const torch::Tensor& rows);
+
+// The same experts in three grouped matrix multiplies (at::_grouped_mm; CUTLASS's grouped GEMM
+// for bf16 on an H100) over the stacked weights w13 [experts, 2 x ffn, hidden] (w1 over w3) and
+// w2 [experts, hidden, ffn]: `rows` [S, hidden] grouped by expert, `row_expert` [S] the expert of
+// each row (ascending), on the rows' device. Every group is padded on the device to 16 bytes of
+// rows, as the kernel's weight gradient needs, so nothing is read back to the host.
+torch::Tensor stacked_experts(const torch::Tensor& rows, const torch::Tensor& row_expert, const torch::Tensor& w13,
+                              const torch::Tensor& w2);
+
+// Which expert kernel a trainer runs: one matrix multiply per expert and weight (with the row
+// counts on the host), or the grouped kernel over stacked weights. kAuto: grouped on a GPU in
+// mixed precision (16-bit copies of wider master weights, which the stacks then are, so the
+// memory is the same) when the hidden and expert widths are multiples of 16 bytes (the grouped
+// kernel's alignment); per expert otherwise -- on the CPU, whose grouped kernel runs the same
+// multiplies one group at a time, and where stacking would add a copy of the experts' weights.
+enum class ExpertKernel { kAuto, kPerExpert, kGrouped };
+ExpertKernel resolve_expert_kernel(ExpertKernel asked, const ModelSpec& spec, const torch::Device& device,
+                                   torch::ScalarType master, torch::ScalarType compute);
+
+// The experts' weights of every block with experts, stacked in `type` from the per-expert
+// tensors (one per mixtral_parameters(spec), in its order): a leaf pair per block whose
+// gradients add_gradients() hands back to the per-expert tensors.
+class ExpertStacks {
+ public:
+  ExpertStacks(const ModelSpec& spec, const std::vector<torch::Tensor>& tensors, torch::ScalarType type);
+  // Sets each block's experts_w13 and experts_w2.
+  void bind(MixtralWeights& weights) const;
+  // Adds each stack's gradient into grads (one per parameter, in mixtral_parameters order; an
+  // undefined entry takes the gradient itself) and clears the stack's.
+  void add_gradients(std::vector<torch::Tensor>& grads);
+  // Whether parameter i is stacked (its gradient comes from add_gradients, not its own tensor).
+  bool stacked(size_t i) const { return i < stacked_.size() && stacked_[i]; }
+
+ private:
+  struct Stack {
+    int64_t block;
+    torch::Tensor w13, w2;
+    std::vector<size_t> w1_of, w2_of, w3_of;  // parameter index of each expert's w1, w2, w3
+  };
+  std::vector<Stack> stacks_;
+  std::vector<bool> stacked_;
+};
 
 // Causal LM loss as Hugging Face computes it: logits[:, :-1] against input_ids[:, 1:].
 LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const ForwardResult& out,

@@ -25,8 +25,9 @@ namespace moeplan::executor {
 class ModelTrainer {
  public:
   // On `device`: the parameters are drawn on the CPU (the same values on every device) and
-  // moved there; each step's token ids are copied there.
-  explicit ModelTrainer(const Plan& plan, torch::Device device = torch::kCPU);
+  // moved there; each step's token ids are copied there. `kernel`: the experts' (kAuto: the
+  // grouped kernel on a GPU in 16-bit compute, resolve_expert_kernel).
+  explicit ModelTrainer(const Plan& plan, torch::Device device = torch::kCPU, ExpertKernel kernel = ExpertKernel::kAuto);
 
   // One optimizer step over gradient_accumulation_steps micro-batches of token ids
   // [micro_batch_size, seq_len]: forward, loss, backward (accumulated), clipping, AdamW.
@@ -43,6 +44,7 @@ class ModelTrainer {
   // softmax scoring), moved after each step that is applied.
   torch::Tensor& expert_bias() { return expert_bias_; }
   const PhaseClock& clock() const { return clock_; }
+  ExpertKernel expert_kernel() const { return expert_kernel_; }
   // A rehearsal's reference: every layer sends its tokens where the layout's did
   // (routing_record.h).
   void replay_routing(RoutingReplay* replay) { replay_ = replay; }
@@ -51,6 +53,7 @@ class ModelTrainer {
   const Plan& plan_;
   torch::Device device_;
   torch::ScalarType master_type_, compute_type_;
+  ExpertKernel expert_kernel_;
   ParameterSet params_;
   torch::Tensor expert_bias_;
   std::unique_ptr<AdamW> optimizer_;
