@@ -14,8 +14,11 @@
 
 #include "moeplan/executor/calibration/calibrate.h"
 #include "moeplan/executor/model/context_attention.h"
+#include "moeplan/executor/model/sharded_model.h"
 #include "moeplan/executor/ranks/collectives.h"
+#include "moeplan/executor/ranks/mesh.h"
 #include "moeplan/executor/ranks/runtime.h"
+#include "moeplan/executor/training/parallel_trainer.h"
 #include "test_support.h"
 
 namespace moeplan::executor {
@@ -33,10 +36,10 @@ void check_equal(const torch::Tensor& got, const torch::Tensor& want, const std:
     throw Mismatch(what + ": got " + c10::str(got) + " want " + c10::str(want));
 }
 
-// Runs body(rank, communicator) in `ranks` forked processes. Returns each rank's exit code
-// (0 ok, 1 mismatch, 2 collective error, 3 other, -1 killed or hung).
-std::vector<int> run_ranks(int ranks, const std::function<void(int, Communicator&)>& body,
-                           std::chrono::milliseconds timeout = 20s) {
+// Runs body(rank, store) in `ranks` forked processes meeting through one file store. Returns
+// each rank's exit code (0 ok, 1 mismatch, 2 collective error, 3 other, -1 killed or hung).
+using Store = c10::intrusive_ptr<c10d::Store>;
+std::vector<int> run_ranks_on_store(int ranks, const std::function<void(int, const Store&)>& body) {
   test::TempDir dir;
   const std::string store_path = dir.file("store");
   std::vector<pid_t> pids;
@@ -46,9 +49,8 @@ std::vector<int> run_ranks(int ranks, const std::function<void(int, Communicator
       int code = 0;
       ignore_broken_pipes();
       try {
-        auto store = c10::make_intrusive<c10d::FileStore>(store_path, ranks);
-        Communicator comm(make_gloo_group(store, "world", rank, ranks, timeout), "test group");
-        body(rank, comm);
+        const Store store = c10::make_intrusive<c10d::FileStore>(store_path, ranks);
+        body(rank, store);
       } catch (const Mismatch& e) {
         std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
         code = 1;
@@ -79,6 +81,15 @@ std::vector<int> run_ranks(int ranks, const std::function<void(int, Communicator
     if (WIFEXITED(status)) codes[rank] = WEXITSTATUS(status);
   }
   return codes;
+}
+
+// Runs body(rank, communicator) on a gloo group of `ranks` forked processes.
+std::vector<int> run_ranks(int ranks, const std::function<void(int, Communicator&)>& body,
+                           std::chrono::milliseconds timeout = 20s) {
+  return run_ranks_on_store(ranks, [&](int rank, const Store& store) {
+    Communicator comm(make_gloo_group(store, "world", rank, ranks, timeout), "test group");
+    body(rank, comm);
+  });
 }
 
 void expect_all_ok(const std::vector<int>& codes) {
@@ -187,6 +198,25 @@ TEST(Collectives, ReduceScatterGivesEachRankItsSummedChunk) {
       for (int r = 0; r < 4; ++r) want += rank_rows(r, 8, 3).narrow(0, 2 * rank, 2);
       check_equal(got, want.to(type), "reduce-scatter");
     }
+  }));
+}
+
+// Two reduce-scatters in flight (fp32 and bf16) while the rank does other work, finished later in
+// the order started: each rank its own summed chunk, in the input's type.
+TEST(Collectives, StartedReduceScattersFinishWithTheirOwnSums) {
+  expect_all_ok(run_ranks(3, [](int rank, Communicator& comm) {
+    Communicator::PendingScatter first = comm.start_reduce_scatter_sum(rank_rows(rank, 6, 2, torch::kFloat));
+    Communicator::PendingScatter second = comm.start_reduce_scatter_sum(rank_rows(rank, 3, 4, torch::kBFloat16));
+    torch::Tensor sum = torch::full({5}, static_cast<float>(rank + 1));
+    comm.all_reduce_sum(sum);
+    check_equal(sum, torch::full({5}, 6.0f), "all-reduce between the scatters");
+    torch::Tensor want_first = torch::zeros({2, 2}), want_second = torch::zeros({1, 4});
+    for (int r = 0; r < 3; ++r) {
+      want_first += rank_rows(r, 6, 2).narrow(0, 2 * rank, 2);
+      want_second += rank_rows(r, 3, 4, torch::kBFloat16).to(torch::kFloat).narrow(0, rank, 1);
+    }
+    check_equal(comm.finish_reduce_scatter(first), want_first, "first scatter");
+    check_equal(comm.finish_reduce_scatter(second), want_second.to(torch::kBFloat16), "second scatter");
   }));
 }
 
@@ -438,6 +468,52 @@ TEST(ContextAttention, EveryRanksPartIsTheWholeSequencesAttention) {
     torch::Tensor all = comm.all_gather(context_positions(kSeq, 3, rank));
     check_equal(std::get<0>(torch::sort(all)), torch::arange(kSeq), "positions");
   }));
+}
+
+
+// The gradient reduce-scatters left in flight while backward goes on (as GPU ranks run them) and
+// finished when the backward pass ends give bitwise the losses and weights of scatters finished
+// one by one: hybrid shard over 2 ranks, fp32 and mixed precision, two steps of two micro-batches.
+// That they were in flight shows in the trace: a scatter still running when the next started.
+TEST(ShardedModel, GradientScattersLeftInFlightChangeNothing) {
+  for (const Precision precision : {Precision::kFp32, Precision::kMixed}) {
+    expect_all_ok(run_ranks_on_store(2, [precision](int rank, const Store& store) {
+      Plan plan;
+      plan.model = test::model("mixtral-tiny");
+      plan.training.seq_len = 32;
+      plan.training.precision = precision;
+      plan.training.steps = 10;
+      plan.training.warmup_steps = 0;
+      plan.moe.load_balancing = LoadBalancing::kAuxLoss;
+      plan.parallel.world_size = 2;
+      plan.parallel.hybrid_shard_degree = 2;
+      plan.parallel.gradient_accumulation_steps = 2;
+      DeviceMesh mesh(plan.parallel, rank, store, 20s);
+      ShardedTrainer one_by_one(plan, mesh, nullptr), in_flight(plan, mesh, nullptr);
+      in_flight.model().set_scatters_in_flight(1);
+      torch::manual_seed(11 + rank);
+      for (int step = 0; step < 2; ++step) {
+        std::vector<torch::Tensor> batches;
+        for (int m = 0; m < 2; ++m) batches.push_back(torch::randint(plan.model.vocab_size, {1, 32}, torch::kLong));
+        const StepRecord a = one_by_one.step(batches), b = in_flight.step(batches);
+        if (a.loss != b.loss || a.grad_norm != b.grad_norm)
+          throw Mismatch("step " + std::to_string(step) + ": loss " + std::to_string(a.loss) + " vs " +
+                         std::to_string(b.loss) + ", gradient norm " + std::to_string(a.grad_norm) + " vs " +
+                         std::to_string(b.grad_norm));
+      }
+      for (size_t u = 0; u < one_by_one.model().shards().size(); ++u)
+        check_equal(in_flight.model().shards()[u], one_by_one.model().shards()[u], "shard " + std::to_string(u));
+      // The in-flight trainer's step (its constructor took the mesh's observers): scatters overlap.
+      std::vector<const TraceEvent*> scatters;
+      for (const TraceEvent& e : in_flight.clock().events())
+        if (e.category == "reduce_scatter") scatters.push_back(&e);
+      bool overlapped = false;
+      for (size_t i = 1; i < scatters.size(); ++i)
+        overlapped |= scatters[i]->start_ns < scatters[i - 1]->start_ns + scatters[i - 1]->duration_ns;
+      if (scatters.size() < 2 || !overlapped)
+        throw Mismatch(std::to_string(scatters.size()) + " reduce-scatters in the trace, none still running when the next started");
+    }));
+  }
 }
 
 }  // namespace

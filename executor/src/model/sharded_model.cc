@@ -1,10 +1,9 @@
 #include "moeplan/executor/model/sharded_model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <cassert>
-#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/engine.h>
 
-#include <cstring>
+#include <cassert>
 #include <optional>
 
 #include "moeplan/executor/model/autograd_ops.h"
@@ -59,6 +58,7 @@ ShardedModel::ShardedModel(const Plan& plan, DeviceMesh& mesh)
       compute_type_(compute_type(plan.training.precision)), device_(mesh.device()), local_spec_(plan.model),
       tp_(plan.parallel.tensor_parallel_degree), tp_rank_(mesh.coords().t) {
   const ParallelConfig& p = plan.parallel;
+  scatters_in_flight_ = device_.is_cuda() ? 1 : 0;
   expert_bias_ = initial_expert_bias(plan.model, device_);
   experts_per_rank_ = plan.model.num_experts / p.expert_parallel_degree;
   const int64_t expert_index = mesh.layout().expert_index(mesh.rank());
@@ -190,12 +190,12 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
     } else {
       out.push_back(comm.all_gather(shard.detach().to(compute_type_)));
     }
-    const torch::ScalarType master = master_type_;
-    attach_backward({shard}, out, "GatherUnitBackward", [&comm, master, n = out[0].numel(), type = compute_type_,
-                                                          device = device_](std::vector<torch::Tensor>&& grads) {
+    attach_backward({shard}, out, "GatherUnitBackward", [this, index, n = out[0].numel()](std::vector<torch::Tensor>&& grads) {
       const torch::Tensor grad =
-          grads[0].defined() ? grads[0] : torch::zeros({n}, torch::TensorOptions().dtype(type).device(device));
-      return std::vector<torch::Tensor>{comm.reduce_scatter_sum(grad).to(master)};
+          grads[0].defined() ? grads[0] : torch::zeros({n}, torch::TensorOptions().dtype(compute_type_).device(device_));
+      if (scatters_in_flight_ == 0) return std::vector<torch::Tensor>{mesh_.shard.reduce_scatter_sum(grad).to(master_type_)};
+      start_scatter(index, grad);
+      return std::vector<torch::Tensor>{torch::Tensor()};  // the shard's gradient comes with finish_scatters
     });
     g.flat = out[0];
     g.releasable = true;
@@ -207,6 +207,34 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
   for (size_t j = 0; j < u.params.size(); ++j)
     g.params.push_back(pieces[j].view(infos_[static_cast<size_t>(u.params[j])].shape));
   return g;
+}
+
+void ShardedModel::start_scatter(size_t unit, const torch::Tensor& grad) {
+  scattering_.emplace_back(unit, mesh_.shard.start_reduce_scatter_sum(grad));
+  finish_scatters(static_cast<size_t>(scatters_in_flight_));
+  // The rest when this backward pass ends, before the trainer reads the shards' gradients.
+  if (!scatter_callback_queued_) {
+    scatter_callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      scatter_callback_queued_ = false;
+      finish_scatters(0);
+    });
+  }
+}
+
+void ShardedModel::finish_scatters(size_t keep) {
+  torch::NoGradGuard no_grad;
+  while (scattering_.size() > keep) {
+    auto [unit, pending] = std::move(scattering_.front());
+    scattering_.pop_front();
+    const torch::Tensor part = mesh_.shard.finish_reduce_scatter(pending).to(master_type_);
+    // As autograd accumulates a leaf's gradient: the first taken as it is, the next added.
+    torch::Tensor& grad = shards_[unit].mutable_grad();
+    if (grad.defined())
+      grad.add_(part);
+    else
+      grad = part;
+  }
 }
 
 void ShardedModel::prefetch(size_t index) {
@@ -252,16 +280,14 @@ torch::Tensor ShardedModel::regather_in_backward(const torch::Tensor& y, const s
       }
       // Written below autograd (no version bump): the saved views see the same values as in
       // forward. The gathered memory itself moves into the unit's storage when it is all of it.
-      c10::StorageImpl* storage = g.flat.storage().unsafeGetStorageImpl();
-      c10::StorageImpl* gathered = values.storage().unsafeGetStorageImpl();
+      // (A copy of its own first where it is part of a larger one; on the values' device.)
       const size_t bytes = values.nbytes();
-      if (values.storage_offset() == 0 && gathered->nbytes() == bytes) {
-        storage->set_data_ptr_noswap(gathered->set_data_ptr(at::DataPtr(nullptr, values.device())));
-        gathered->set_nbytes(0);
-      } else {
-        storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
-        std::memcpy(storage->data_ptr().get(), values.data_ptr(), bytes);
-      }
+      const torch::Tensor whole =
+          values.storage_offset() == 0 && values.storage().nbytes() == bytes ? values : values.clone();
+      c10::StorageImpl* storage = g.flat.storage().unsafeGetStorageImpl();
+      c10::StorageImpl* gathered = whole.storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(gathered->set_data_ptr(at::DataPtr(nullptr, whole.device())));
+      gathered->set_nbytes(0);
       storage->set_nbytes(bytes);
     }
     // The block before this one runs backward next: its units move while this one computes.

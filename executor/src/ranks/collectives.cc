@@ -126,34 +126,59 @@ torch::Tensor Communicator::finish_all_gather(PendingGather& p) {
 }
 
 torch::Tensor Communicator::reduce_scatter_sum(const torch::Tensor& full) {
+  PendingScatter pending = start_reduce_scatter_sum(full);
+  return finish_reduce_scatter(pending);
+}
+
+Communicator::PendingScatter Communicator::start_reduce_scatter_sum(const torch::Tensor& full) {
   if (full.size(0) % size_ != 0)
     throw CollectiveError("reduce-scatter on " + name_ + ": " + std::to_string(full.size(0)) +
                           " rows do not split into " + std::to_string(size_) + " equal chunks");
-  if (!group_) return full.clone();
-  torch::Tensor result;
-  run("reduce-scatter", static_cast<int64_t>(full.nbytes()), [&] {
-    const bool widen = sums_wide(full);
+  PendingScatter p;
+  p.start = std::chrono::steady_clock::now();
+  p.type = full.scalar_type();
+  p.home = full.device();
+  p.bytes = static_cast<int64_t>(full.nbytes());
+  if (!group_) {
+    p.result = full.clone();
+    return p;
+  }
+  run("reduce-scatter", 0, [&] {
     std::vector<int64_t> shape = full.sizes().vec();
     shape[0] /= size_;
     if (group_->getBackendName() == "gloo") {
       // gloo's own reduce-scatter takes twice as long as an all-to-all of the equal chunks and a
       // local sum, which move the same bytes as a ring (docs/decisions.md).
-      torch::Tensor sent = to_wire(full);
-      torch::Tensor received = torch::empty_like(sent);
+      p.input = to_wire(full);
+      p.result = torch::empty_like(p.input);
       std::vector<int64_t> equal;  // empty split lists: equal chunks
-      group_->alltoall_base(received, sent, equal, equal)->wait();
+      p.work = group_->alltoall_base(p.result, p.input, equal, equal);
       shape.insert(shape.begin(), size_);
-      received = received.view(shape);
-      result = from_wire((widen ? received.to(torch::kFloat) : received).sum(0).to(full.scalar_type()), full.device());
+      p.result = p.result.view(shape);
+      p.chunks = true;
       return;
     }
-    torch::Tensor input = to_wire(widen ? full.to(torch::kFloat) : full);
-    torch::Tensor output = torch::empty(shape, input.options());
+    p.input = to_wire(sums_wide(full) ? full.to(torch::kFloat) : full);
+    p.result = torch::empty(shape, p.input.options());
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
-    group_->_reduce_scatter_base(output, input, options)->wait();
-    result = from_wire(widen ? output.to(full.scalar_type()) : output, full.device());
-  });
+    p.work = group_->_reduce_scatter_base(p.result, p.input, options);
+  }, /*observe=*/false);
+  return p;
+}
+
+torch::Tensor Communicator::finish_reduce_scatter(PendingScatter& p) {
+  if (!p.work) return std::move(p.result);
+  torch::Tensor result;
+  run("reduce-scatter", p.bytes, [&] {
+    p.work->wait();
+    p.work.reset();
+    const bool widen = p.type == torch::kBFloat16;  // sums_wide
+    torch::Tensor summed = p.chunks ? (widen ? p.result.to(torch::kFloat) : p.result).sum(0) : p.result;
+    result = from_wire(summed.scalar_type() == p.type ? summed : summed.to(p.type), p.home);
+  }, /*observe=*/false);
+  if (observer_) observer_("reduce-scatter", p.bytes, p.start, std::chrono::steady_clock::now());
+  p.input = p.result = torch::Tensor();
   return result;
 }
 

@@ -47,7 +47,7 @@ uint64_t shuffle_seed(int64_t seed, int64_t step, int64_t micro) {
 }  // namespace
 
 ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationStore* offload)
-    : plan_(plan), mesh_(mesh), model_(plan, mesh) {
+    : plan_(plan), mesh_(mesh), model_(plan, mesh), offload_(offload) {
   optimizer_ = std::make_unique<AdamW>(AdamW::with_decay_runs(
       model_.shards(), model_.decay_runs(),
       AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay}));
@@ -211,6 +211,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   r.tokens = static_cast<int64_t>(sums[4].item<double>());
   wait_for(mesh_.device());  // the step's device work done: the host clock times it
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (offload_) offload_->report_copies();  // a GPU rank's copies, timed on its copy stream
   return r;
 }
 

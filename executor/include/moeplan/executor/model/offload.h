@@ -1,8 +1,10 @@
 #pragma once
-// Offloaded activations. On a GPU they would go to host memory; a CPU rank's "device" memory is
-// its host memory, so here they go to a file (in the page cache or on disk, outside the rank's
-// resident set) and the saving is real and measurable. Reads can be started ahead of use, which
-// is how the backward pass prefetches `activation_loading_horizon` blocks ahead.
+// Offloaded activations. A GPU rank's go to pinned host memory, copied on a stream of their own
+// (the copy stream) that waits for the activation to be made, and come back on it where read
+// ahead: the compute stream waits only when it needs the tensor. A CPU rank's "device" memory
+// is its host memory, so its activations go to a file (in the page cache or on disk, outside
+// the rank's resident set) and the saving is real and measurable. Reads can be started ahead of
+// use, which is how the backward pass prefetches `activation_loading_horizon` blocks ahead.
 
 #include <torch/torch.h>
 
@@ -11,6 +13,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -34,15 +37,21 @@ class ActivationStore {
   void clear();
 
   // Called after each write ("offload") and each read back ("reload": from the start of the
-  // read, or of its prefetch, to when the tensor was handed over), for the measured trace.
+  // read, or of its prefetch, to when the tensor was handed over), for the measured trace. A GPU
+  // rank's copies are timed on the copy stream, by events, and reported by report_copies().
   using Observer = std::function<void(const char* op, int64_t bytes, std::chrono::steady_clock::time_point start,
                                       std::chrono::steady_clock::time_point end)>;
   void set_observer(Observer observer) { observer_ = std::move(observer); }
+  // With the device idle (the step's work waited for): the GPU copies since the last call, each
+  // placed on the host clock from its events' times after a reference event recorded at the
+  // last call (when the device was idle too), to the observer; then a new reference.
+  void report_copies();
 
   int64_t bytes_written() const { return bytes_written_; }
   int64_t bytes_read() const { return bytes_read_; }
 
  private:
+  struct DeviceCopies;  // a GPU rank's copy stream and events (offload.cc)
   struct Entry {
     int64_t offset = 0;
     std::vector<int64_t> shape;
@@ -50,8 +59,15 @@ class ActivationStore {
     torch::Device device = torch::kCPU;  // where the tensor was, and is taken back to
     std::shared_future<torch::Tensor> loading;
     std::chrono::steady_clock::time_point loading_since;
+    // A GPU tensor's: its pinned host copy, and the tensor coming back on the copy stream once
+    // prefetched.
+    torch::Tensor host, back;
   };
   torch::Tensor read(const Entry& e) const;
+  DeviceCopies& copies(const torch::Device& device);
+  void put_on_host(int64_t key, const torch::Tensor& t);
+  void prefetch_to_device(Entry& e, int64_t key);
+  torch::Tensor take_from_host(Entry& e, int64_t key);
 
   std::string path_;
   int fd_ = -1;
@@ -59,6 +75,7 @@ class ActivationStore {
   std::map<int64_t, Entry> entries_;
   int64_t bytes_written_ = 0, bytes_read_ = 0;
   Observer observer_;
+  std::unique_ptr<DeviceCopies> copies_;
 };
 
 }  // namespace moeplan::executor

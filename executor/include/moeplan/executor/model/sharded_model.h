@@ -36,6 +36,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -105,6 +106,14 @@ class ShardedModel {
   // Sums over the tensor-parallel group the gradient of the parameters that every T rank holds
   // whole: each rank's is that of its part of the sequence.
   void sum_whole_parameter_grads(size_t unit, torch::Tensor& grad);
+
+  // How many gradient reduce-scatters may be in flight while backward goes on: each unit's is
+  // started when its gradient is made and finished (added to the shard's gradient) once more
+  // than `in_flight` are started, and all of them when the backward pass ends. 0: each finishes
+  // before backward goes on. By default 1 on a GPU (the collective on its own stream beside the
+  // next block's backward, as the simulation has it) and 0 on the CPU, whose ranks' cores the
+  // collective's threads would share.
+  void set_scatters_in_flight(int64_t in_flight) { scatters_in_flight_ = in_flight; }
 
   // Activations saved for backward at checkpoints go to `store` (nullptr: kept in memory).
   void set_offload(ActivationStore* store, int64_t horizon) {
@@ -231,6 +240,12 @@ class ShardedModel {
   int64_t dropped_slots_ = 0;        // of those, dropped at capacity
   int64_t busiest_expert_rows_ = 0;
   std::map<size_t, Communicator::PendingGather> prefetched_;  // by unit
+  // Gradient reduce-scatters started in backward, oldest first, with their units.
+  std::deque<std::pair<size_t, Communicator::PendingScatter>> scattering_;
+  int64_t scatters_in_flight_ = 0;
+  bool scatter_callback_queued_ = false;
+  void start_scatter(size_t unit, const torch::Tensor& grad);
+  void finish_scatters(size_t keep);  // finishes the oldest until `keep` remain
   RoutingRecorder* recorder_ = nullptr;
   int64_t micro_batch_ = 0;
   RehearsalFault fault_ = RehearsalFault::kNone;

@@ -89,6 +89,21 @@ class Communicator {
   torch::Tensor finish_all_gather(PendingGather& pending);
   // full: [size * n, ...]. Returns this rank's chunk [n, ...] summed over the ranks.
   torch::Tensor reduce_scatter_sum(const torch::Tensor& full);
+  // The same reduce-scatter started now and finished by finish_reduce_scatter, so that the
+  // caller computes meanwhile (NCCL on its own stream, gloo on its own threads). Every rank
+  // starts the same reduce-scatters in the same order; a started one must be finished, once.
+  struct PendingScatter {
+    c10::intrusive_ptr<c10d::Work> work;  // null in a group of one
+    torch::Tensor input;                  // what travels, kept until the scatter is finished
+    torch::Tensor result;                 // the output, or gloo's received chunks [size, n, ...]
+    torch::ScalarType type = torch::kFloat;  // the input's, which the result takes
+    torch::Device home = torch::kCPU;
+    bool chunks = false;  // gloo's all-to-all of chunks, summed when finished
+    int64_t bytes = 0;
+    std::chrono::steady_clock::time_point start;
+  };
+  PendingScatter start_reduce_scatter_sum(const torch::Tensor& full);
+  torch::Tensor finish_reduce_scatter(PendingScatter& pending);
   // Rows of input go to ranks in order, send_rows[r] to rank r; recv_rows[r] rows arrive from
   // rank r. Returns the received rows in rank order.
   torch::Tensor all_to_all(const torch::Tensor& input, const std::vector<int64_t>& send_rows,

@@ -67,6 +67,7 @@ class ShardedTrainer final : public StepTrainer {
   const Plan& plan_;
   DeviceMesh& mesh_;
   ShardedModel model_;
+  ActivationStore* offload_ = nullptr;
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
   PhaseClock clock_;
