@@ -6,7 +6,9 @@
 
 #if MOEPLAN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -144,6 +146,62 @@ void wait_for(const torch::Device& device) {
 #else
   (void)device;
 #endif
+}
+
+#if MOEPLAN_WITH_CUDA
+struct DeviceMarks::Events {
+  std::unique_ptr<c10::cuda::CUDAEvent> reference;
+  DeviceMarks::Clock::time_point reference_time;
+  std::vector<std::unique_ptr<c10::cuda::CUDAEvent>> marks;
+  static std::unique_ptr<c10::cuda::CUDAEvent> recorded(const torch::Device& device) {
+    auto e = std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault);  // timed
+    e->record(c10::cuda::getCurrentCUDAStream(device.index()));
+    return e;
+  }
+};
+#else
+struct DeviceMarks::Events {};
+#endif
+
+DeviceMarks::DeviceMarks(const torch::Device& device) : device_(device) { restart(); }
+DeviceMarks::~DeviceMarks() = default;
+DeviceMarks::DeviceMarks(DeviceMarks&&) noexcept = default;
+DeviceMarks& DeviceMarks::operator=(DeviceMarks&&) noexcept = default;
+
+void DeviceMarks::restart() {
+  host_.clear();
+#if MOEPLAN_WITH_CUDA
+  if (device_.is_cuda()) {
+    wait_for(device_);
+    events_ = std::make_unique<Events>();
+    events_->reference = Events::recorded(device_);
+    events_->reference_time = Clock::now();
+  }
+#endif
+}
+
+size_t DeviceMarks::mark() {
+#if MOEPLAN_WITH_CUDA
+  if (events_) {
+    events_->marks.push_back(Events::recorded(device_));
+    return events_->marks.size() - 1;
+  }
+#endif
+  host_.push_back(Clock::now());
+  return host_.size() - 1;
+}
+
+DeviceMarks::Clock::time_point DeviceMarks::time_of(size_t i) {
+#if MOEPLAN_WITH_CUDA
+  if (events_) {
+    c10::cuda::CUDAEvent& e = *events_->marks.at(i);
+    e.synchronize();
+    const double ms = static_cast<double>(events_->reference->elapsed_time(e));
+    return events_->reference_time +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
+  }
+#endif
+  return host_.at(i);
 }
 
 DeviceMemory device_memory(const torch::Device& device) {

@@ -47,7 +47,7 @@ uint64_t shuffle_seed(int64_t seed, int64_t step, int64_t micro) {
 }  // namespace
 
 ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationStore* offload)
-    : plan_(plan), mesh_(mesh), model_(plan, mesh), offload_(offload) {
+    : plan_(plan), mesh_(mesh), model_(plan, mesh), marks_(mesh.device()), offload_(offload) {
   optimizer_ = std::make_unique<AdamW>(AdamW::with_decay_runs(
       model_.shards(), model_.decay_runs(),
       AdamWSettings{plan.training.adam_beta1, plan.training.adam_beta2, 1e-8, plan.training.weight_decay}));
@@ -80,6 +80,19 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   observe(mesh.pipeline, "pipeline", TraceStream::kCopy);
 }
 
+void ShardedTrainer::compute_span(std::string_view phase, size_t begin, size_t end) {
+  if (marks_.deferred())
+    spans_.push_back({phase, begin, end});
+  else
+    clock_.add(std::string(phase), "compute", TraceStream::kCompute, marks_.time_of(begin), marks_.time_of(end));
+}
+
+void ShardedTrainer::add_compute_spans() {
+  for (const Span& s : spans_)
+    clock_.add(std::string(s.phase), "compute", TraceStream::kCompute, marks_.time_of(s.begin), marks_.time_of(s.end));
+  spans_.clear();
+}
+
 void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault fault) {
   recorder_ = std::make_unique<RoutingRecorder>(record_dir, mesh_.rank());
   model_.record_routing(recorder_.get());
@@ -89,6 +102,8 @@ void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault faul
 
 StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) {
   using Clock = PhaseClock::Clock;
+  marks_.restart();
+  spans_.clear();
   const auto start = Clock::now();
   clock_.start_step();
   // The token ids on the rank's device; the step's counts and sums stay on the host.
@@ -120,20 +135,20 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   if (mesh_.pipeline.size() > 1) run_pipeline(micro_batches, mine, sums);
   for (int64_t m = 0; m < ga && mesh_.pipeline.size() == 1; ++m) {
     const torch::Tensor& ids = micro_batches[static_cast<size_t>(m)];
-    const auto f0 = Clock::now();
+    const size_t f0 = marks_.mark();
     model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + m);
     ForwardResult out = model_.forward(ids, shuffle_seed(plan_.training.seed, step_, m));
     const LossTerms terms = model_.loss(out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     out.mtp_logits.clear();
-    const auto f1 = Clock::now();
+    const size_t f1 = marks_.mark();
     // Every unfolded T rank computes the router's losses from the same logits, and the router's
     // gradient is summed over them: each takes 1/T of those terms, so they count once.
     const torch::Tensor router_terms = terms.total - terms.prediction;
     ((terms.prediction + router_terms / tp) / static_cast<double>(ga)).backward();
-    const auto f2 = Clock::now();
-    clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
-    clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, f2);
+    const size_t f2 = marks_.mark();
+    compute_span(phase::kForward, f0, f1);
+    compute_span(phase::kBackward, f1, f2);
     nonfinite_layers_ += out.nonfinite_layers.to(torch::kCPU);
     if (!counts_data) continue;
     mine[m] += out.tokens_per_expert.to(torch::kCPU);
@@ -211,6 +226,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   r.tokens = static_cast<int64_t>(sums[4].item<double>());
   wait_for(mesh_.device());  // the step's device work done: the host clock times it
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  add_compute_spans();
   if (offload_) offload_->report_copies();  // a GPU rank's copies, timed on its copy stream
   return r;
 }
@@ -255,7 +271,6 @@ void ShardedTrainer::record_routing(StepRecord& r, torch::Tensor& counts) {
 // would wait for the sender again, as busy with its next chunk.
 void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batches, torch::Tensor& counts,
                                   torch::Tensor& sums) {
-  using Clock = PhaseClock::Clock;
   const ModelSpec& spec = plan_.model;
   Communicator& pipe = mesh_.pipeline;
   const int64_t ranks = pipe.size(), me = pipe.rank(), chunks = plan_.parallel.virtual_pipeline_degree;
@@ -321,7 +336,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       InFlight f;
       if (stage > 0)
         f.input = receive(hidden_shape, hidden_type, prev, tag(a.micro_batch, stage, kActivation)).requires_grad_(true);
-      const auto t0 = Clock::now();  // the compute, after the wait for the input
+      const size_t t0 = marks_.mark();  // the compute, after the wait for the input
       model_.set_micro_batch(mesh_.layout().reader(mesh_.rank()) * ga + a.micro_batch);
       ForwardResult out =
           model_.forward_chunk(a.chunk, ids, f.input, shuffle_seed(plan_.training.seed, step_, a.micro_batch));
@@ -346,7 +361,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
         }
       }
       live.emplace(std::make_pair(a.micro_batch, a.chunk), std::move(f));
-      clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, t0, Clock::now());
+      compute_span(phase::kForward, t0, marks_.mark());
     } else {
       const auto at = live.find({a.micro_batch, a.chunk});
       if (at == live.end()) throw std::logic_error("a pipeline backward before its forward");
@@ -354,7 +369,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       live.erase(at);
       torch::Tensor grad;
       if (stage + 1 < stages) grad = receive(hidden_shape, hidden_type, next, tag(a.micro_batch, stage, kGradient));
-      const auto t0 = Clock::now();
+      const size_t t0 = marks_.mark();
       if (grad.defined())
         torch::autograd::backward({f.output}, {grad});
       else
@@ -362,7 +377,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       if (stage > 0)
         send(f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input), prev,
              tag(a.micro_batch, stage - 1, kGradient));
-      clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, t0, Clock::now());
+      compute_span(phase::kBackward, t0, marks_.mark());
     }
   }
   for (auto& [tag_of, transfer] : sends) pipe.finish_transfer(transfer);

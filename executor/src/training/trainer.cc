@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <string_view>
+#include <vector>
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/phases.h"
@@ -58,7 +60,7 @@ ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device, ExpertKernel 
       compute_type_(precisions(plan.training.precision).compute),
       expert_kernel_(resolve_expert_kernel(kernel, plan.model, device, master_type_, compute_type_)),
       params_(ParameterSet::on_meta(mixtral_parameters(plan.model))),
-      expert_bias_(initial_expert_bias(plan.model, device)) {
+      expert_bias_(initial_expert_bias(plan.model, device)), marks_(device) {
   params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
   params_.check_materialized();
   params_.move_to(device_);
@@ -123,8 +125,22 @@ void ModelTrainer::load_state(const NamedTensors& tensors, int64_t step, int64_t
 
 StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   using Clock = PhaseClock::Clock;
+  marks_.restart();  // the device idle: the step's phases are timed by marks in its queue
   const auto start = Clock::now();
   clock_.start_step();
+  // Each micro-batch's forward and backward, from marks read once the step's work has run (a
+  // GPU's), or added as they end (the CPU's: the memory curve samples the tensors then).
+  struct Span {
+    size_t begin, end;
+    std::string_view phase;
+  };
+  std::vector<Span> spans;
+  auto add_span = [&](size_t begin, size_t end, std::string_view phase) {
+    if (marks_.deferred())
+      spans.push_back({begin, end, phase});
+    else
+      clock_.add(std::string(phase), "compute", TraceStream::kCompute, marks_.time_of(begin), marks_.time_of(end));
+  };
   const int64_t ga = static_cast<int64_t>(micro_batches.size());
   const ModelSpec& spec = plan_.model;
   StepRecord r;
@@ -165,14 +181,13 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   torch::Tensor dropped = torch::zeros({spec.moe_blocks()}, torch::dtype(torch::kLong).device(device_));
   for (const torch::Tensor& batch : micro_batches) {
     const torch::Tensor ids = to_device(batch, device_);
-    const auto f0 = Clock::now();
+    const size_t f0 = marks_.mark();
     ForwardResult out =
         mixtral_forward(spec, weights, ids, plan_.moe, replay_ ? replay_->micro_batch(micro_batch++) : RouteOverride{});
     const LossTerms terms = mixtral_loss(spec, plan_.moe, out, ids);
     out.logits = torch::Tensor();  // the graph keeps what backward needs; the logits go now
     out.mtp_logits.clear();
-    wait_for(device_);  // the spans are of the device's work
-    const auto f1 = Clock::now();
+    const size_t f1 = marks_.mark();
     (terms.total / static_cast<double>(ga)).backward();
     if (mixed) {
       for (size_t i = 0; i < compute.size(); ++i) {
@@ -186,9 +201,9 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
     } else if (stacks) {
       stacks->add_gradients(stacked_grads);
     }
-    wait_for(device_);
-    clock_.add(std::string(phase::kForward), "compute", TraceStream::kCompute, f0, f1);
-    clock_.add(std::string(phase::kBackward), "compute", TraceStream::kCompute, f1, Clock::now());
+    const size_t f2 = marks_.mark();
+    add_span(f0, f1, phase::kForward);
+    add_span(f1, f2, phase::kBackward);
     per_micro_batch.push_back(out.tokens_per_expert);
     dropped += out.dropped_slots;
     nonfinite_layers += out.nonfinite_layers;
@@ -220,6 +235,9 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   }
   for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
   wait_for(device_);
+  for (const Span& span : spans)
+    clock_.add(std::string(span.phase), "compute", TraceStream::kCompute, marks_.time_of(span.begin),
+               marks_.time_of(span.end));
   clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
   if (replay_) replay_->finish_step();
   r.loss = mean_losses[0].item<double>();

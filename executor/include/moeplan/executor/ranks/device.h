@@ -6,7 +6,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -66,6 +68,34 @@ int64_t cuda_device_count();
 
 // Waits for the work queued on `device` (nothing on the CPU): host clocks then time what ran.
 void wait_for(const torch::Device& device);
+
+// Marks in a device's queue of work, read as host times once the work has run, so that a step
+// is timed without waiting for the device between its phases. On a GPU each mark is an event,
+// placed on the host clock by its time after a reference event recorded when the device was
+// idle; on the CPU, whose work runs as it is issued, the host clock when marked.
+class DeviceMarks {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit DeviceMarks(const torch::Device& device = torch::kCPU);
+  ~DeviceMarks();
+  DeviceMarks(DeviceMarks&&) noexcept;
+  DeviceMarks& operator=(DeviceMarks&&) noexcept;
+  // Waits for the device, forgets the marks and takes a new reference.
+  void restart();
+  // A mark where the device's queue stands now: its index.
+  size_t mark();
+  // When the device reached mark i, on the host clock (waits for it on a GPU).
+  Clock::time_point time_of(size_t i);
+  // Whether marks are read later than made (a GPU's): a caller that samples anything else at
+  // the time of a span's end does so when it adds the span.
+  bool deferred() const { return device_.is_cuda(); }
+
+ private:
+  struct Events;  // a GPU's (device.cc)
+  torch::Device device_;
+  std::vector<Clock::time_point> host_;
+  std::unique_ptr<Events> events_;
+};
 
 // The CUDA caching allocator's figures on one device (zeros on the CPU).
 struct DeviceMemory {

@@ -14,6 +14,7 @@
 #include "moeplan/executor/io/tensor_file.h"
 #include "moeplan/executor/model/mixtral.h"
 #include "moeplan/executor/model/routing_record.h"
+#include "moeplan/executor/ranks/device.h"
 #include "moeplan/executor/training/optimizer.h"
 #include "moeplan/executor/training/run.h"
 #include "moeplan/executor/training/run_measurement.h"
@@ -59,6 +60,7 @@ class ModelTrainer {
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
   PhaseClock clock_;
+  DeviceMarks marks_;
   RoutingReplay* replay_ = nullptr;
 };
 
