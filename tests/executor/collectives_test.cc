@@ -8,6 +8,7 @@
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <thread>
@@ -512,6 +513,18 @@ TEST(ShardedModel, GradientScattersLeftInFlightChangeNothing) {
         overlapped |= scatters[i]->start_ns < scatters[i - 1]->start_ns + scatters[i - 1]->duration_ns;
       if (scatters.size() < 2 || !overlapped)
         throw Mismatch(std::to_string(scatters.size()) + " reduce-scatters in the trace, none still running when the next started");
+      // Each with the part its finish waited for, inside it.
+      size_t waits = 0;
+      for (const TraceEvent& e : in_flight.clock().events())
+        if (e.category == "reduce_scatter_wait") {
+          const bool inside = std::any_of(scatters.begin(), scatters.end(), [&e](const TraceEvent* s) {
+            return e.start_ns >= s->start_ns && e.start_ns + e.duration_ns <= s->start_ns + s->duration_ns;
+          });
+          if (!inside) throw Mismatch("a reduce-scatter's wait outside every reduce-scatter");
+          ++waits;
+        }
+      if (waits != scatters.size())
+        throw Mismatch(std::to_string(waits) + " waits for " + std::to_string(scatters.size()) + " reduce-scatters");
     }));
   }
 }

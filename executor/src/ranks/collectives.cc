@@ -115,9 +115,11 @@ Communicator::PendingGather Communicator::start_all_gather(const torch::Tensor& 
 
 torch::Tensor Communicator::finish_all_gather(PendingGather& p) {
   if (p.work) {
-    const auto start = p.start;
+    const auto start = p.start, waiting = std::chrono::steady_clock::now();
     run("all-gather", static_cast<int64_t>(p.gathered.nbytes()), [&] { p.work->wait(); }, /*observe=*/false);
-    if (observer_) observer_("all-gather", static_cast<int64_t>(p.gathered.nbytes()), start, std::chrono::steady_clock::now());
+    const auto end = std::chrono::steady_clock::now();
+    if (observer_) observer_("all-gather", static_cast<int64_t>(p.gathered.nbytes()), start, end);
+    if (wait_observer_) wait_observer_("all-gather", 0, waiting, end);
     p.work.reset();
   }
   p.input = torch::Tensor();
@@ -170,6 +172,7 @@ Communicator::PendingScatter Communicator::start_reduce_scatter_sum(const torch:
 torch::Tensor Communicator::finish_reduce_scatter(PendingScatter& p) {
   if (!p.work) return std::move(p.result);
   torch::Tensor result;
+  const auto waiting = std::chrono::steady_clock::now();
   run("reduce-scatter", p.bytes, [&] {
     p.work->wait();
     p.work.reset();
@@ -177,7 +180,9 @@ torch::Tensor Communicator::finish_reduce_scatter(PendingScatter& p) {
     torch::Tensor summed = p.chunks ? (widen ? p.result.to(torch::kFloat) : p.result).sum(0) : p.result;
     result = from_wire(summed.scalar_type() == p.type ? summed : summed.to(p.type), p.home);
   }, /*observe=*/false);
-  if (observer_) observer_("reduce-scatter", p.bytes, p.start, std::chrono::steady_clock::now());
+  const auto end = std::chrono::steady_clock::now();
+  if (observer_) observer_("reduce-scatter", p.bytes, p.start, end);
+  if (wait_observer_) wait_observer_("reduce-scatter", 0, waiting, end);
   p.input = p.result = torch::Tensor();
   return result;
 }

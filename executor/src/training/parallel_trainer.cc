@@ -68,6 +68,13 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   };
   observe(mesh.expert, "expert", TraceStream::kExpertComm);
   observe(mesh.shard, "shard", TraceStream::kShardGather);
+  // How much of each shard all-gather and reduce-scatter the rank waited for (the rest ran while
+  // it computed), on the same lane: "shard.all_gather_wait".
+  mesh.shard.set_wait_observer(
+      [this](const char* op, int64_t, PhaseClock::Clock::time_point start, PhaseClock::Clock::time_point end) {
+        const std::string category = category_of(op) + "_wait";
+        clock_.add("shard." + category, category, TraceStream::kShardGather, start, end);
+      });
   observe(mesh.dense_replicas, "dense_replicas", TraceStream::kGradComm);
   observe(mesh.expert_replicas, "expert_replicas", TraceStream::kGradComm);
   observe(mesh.world, "world", TraceStream::kGradComm);

@@ -141,6 +141,9 @@ class Communicator {
   using Observer = std::function<void(const char* op, int64_t bytes, std::chrono::steady_clock::time_point start,
                                       std::chrono::steady_clock::time_point end)>;
   void set_observer(Observer observer) { observer_ = std::move(observer); }
+  // Called as each all-gather and reduce-scatter is finished (started ones included, 0 bytes):
+  // the part of it that the finish waited for, which the rank's work did not hide.
+  void set_wait_observer(Observer observer) { wait_observer_ = std::move(observer); }
   void set_activity(std::shared_ptr<CollectiveActivity> activity) { activity_ = std::move(activity); }
 
  private:
@@ -156,7 +159,7 @@ class Communicator {
   std::string name_ = "this rank";
   int64_t rank_ = 0, size_ = 1, first_rank_ = 0;
   torch::Device device_ = torch::kCPU, wire_ = torch::kCPU;
-  Observer observer_;
+  Observer observer_, wait_observer_;
   std::shared_ptr<CollectiveActivity> activity_;
 };
 
