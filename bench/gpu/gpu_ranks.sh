@@ -11,8 +11,9 @@
 #
 # MOEPLAN: the moeplan binary; GPU_TEST: the test_executor_gpu binary of the same build; DATA:
 # `moeplan data prepare --vocab-size 512 --block-size 64` output (the tests' model has a
-# 512-piece vocabulary); OUT: where the figures go, six files (a device machine sends back few):
-# gpu.txt, gpu_test.log, gpu_test.json, run-e2s2.log, report-e2s2.json, trace-e2s2.json.
+# 512-piece vocabulary); OUT: where the figures go, seven files (a device machine sends back few):
+# gpu.txt, gpu_test.log, gpu_test.json, run-e2s2.log, report-e2s2.json, trace-e2s2.json and
+# overlap-e2s2.txt (bench/gpu/overlap.py: the share of the shard all-gathers hidden behind compute).
 # Environment: STEPS (the 4-rank run's steps, default 20). Not yet run on a GPU.
 #
 # On a device machine (nothing is fetched there; the binaries and the data are carried):
@@ -51,5 +52,7 @@ EOF
   2>&1 | tee "$out/run-e2s2.log" | tail -16 || status=1
 cp "$work/run-e2s2/report.json" "$out/report-e2s2.json" 2>/dev/null || status=1
 cp "$work/run-e2s2/trace.json" "$out/trace-e2s2.json" 2>/dev/null || status=1
+echo "== the shard all-gathers hidden behind compute ($(stamp))"
+"${PYTHON:-python3}" "$root/bench/gpu/overlap.py" "$out/trace-e2s2.json" --min-hidden 0.5 | tee "$out/overlap-e2s2.txt" || status=1
 echo "== done ($(stamp)); GPU tests exit $status"
 exit "$status"
