@@ -464,15 +464,18 @@ torch::Tensor stacked_experts(const torch::Tensor& rows, const torch::Tensor& ro
   const int64_t experts = w13.size(0), ffn = w2.size(2), slots = rows.size(0);
   const int64_t align = std::max<int64_t>(1, 16 / static_cast<int64_t>(rows.element_size()));
   const torch::Tensor load = counts_of(row_expert, experts);
-  const torch::Tensor padded = torch::div(load + (align - 1), align, "floor") * align;
+  // As torchtitan pads them for this kernel: each group to a multiple of 16 bytes of rows, and at
+  // least that many (an expert without tokens gets zero rows, not an empty group).
+  const torch::Tensor padded = (torch::div(load + (align - 1), align, "floor") * align).clamp_min(align);
   const torch::Tensor ends = torch::cumsum(padded, 0);
   const torch::Tensor starts = torch::cumsum(load, 0) - load;
   // Each row's place in the padded buffer: its group's padded start plus its rank in the group.
   const torch::Tensor place = (ends - padded).index_select(0, row_expert) +
                               torch::arange(slots, row_expert.options()) - starts.index_select(0, row_expert);
-  // A size the host knows without reading the loads: every group's padding at its widest. The
-  // last group takes the rest (zero rows), so the groups cover the buffer.
-  const int64_t total = (slots + experts * (align - 1) + align - 1) / align * align;
+  // A size the host knows without reading the loads: every group's padding at its widest (a
+  // group of n rows takes at most n + align). The last group takes the rest (zero rows), so the
+  // groups cover the buffer.
+  const int64_t total = (slots + experts * align + align - 1) / align * align;
   const torch::Tensor offs =
       ends.index_fill(0, torch::full({1}, experts - 1, row_expert.options()), total).to(torch::kInt);
   const torch::Tensor x = torch::zeros({total, rows.size(1)}, rows.options()).index_copy(0, place, rows);
@@ -486,7 +489,8 @@ ExpertKernel resolve_expert_kernel(ExpertKernel asked, const ModelSpec& spec, co
   if (asked != ExpertKernel::kAuto) return asked;
   const int64_t align = 16 / static_cast<int64_t>(c10::elementSize(compute));
   const bool aligned = spec.hidden_size % align == 0 && spec.intermediate_size % align == 0;
-  const bool copies = master != compute && c10::elementSize(compute) == 2;
+  // bf16 (the kernel's fast path on an H100; fp16 would take its loop over the groups).
+  const bool copies = master != compute && compute == torch::kBFloat16;
   return device.is_cuda() && copies && aligned ? ExpertKernel::kGrouped : ExpertKernel::kPerExpert;
 }
 

@@ -242,6 +242,8 @@ torch::Tensor ActivationStore::take_from_host(Entry& e, int64_t key) {
   return t;
 }
 
+void ActivationStore::device_idle(const torch::Device& device) { copies(device).mark_reference(); }
+
 void ActivationStore::report_copies() {
   if (!copies_) return;
   DeviceCopies& c = *copies_;
@@ -269,6 +271,9 @@ torch::Tensor ActivationStore::take_from_host(Entry& e, int64_t) {
   return {};
 }
 void ActivationStore::report_copies() {}
+void ActivationStore::device_idle(const torch::Device& device) {
+  if (device.is_cuda()) (void)copies(device);
+}
 
 #endif
 

@@ -1,7 +1,6 @@
 #include "moeplan/executor/model/sharded_model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/csrc/autograd/engine.h>
 
 #include <cassert>
 #include <optional>
@@ -212,14 +211,6 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
 void ShardedModel::start_scatter(size_t unit, const torch::Tensor& grad) {
   scattering_.emplace_back(unit, mesh_.shard.start_reduce_scatter_sum(grad));
   finish_scatters(static_cast<size_t>(scatters_in_flight_));
-  // The rest when this backward pass ends, before the trainer reads the shards' gradients.
-  if (!scatter_callback_queued_) {
-    scatter_callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] {
-      scatter_callback_queued_ = false;
-      finish_scatters(0);
-    });
-  }
 }
 
 void ShardedModel::finish_scatters(size_t keep) {

@@ -111,6 +111,9 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   using Clock = PhaseClock::Clock;
   marks_.restart();
   spans_.clear();
+  if (offload_ && mesh_.device().is_cuda()) offload_->device_idle(mesh_.device());
+  model_.finish_gradient_scatters();  // none, unless a failed step left some: its gradients go
+  for (torch::Tensor& shard : model_.shards()) shard.mutable_grad() = torch::Tensor();
   const auto start = Clock::now();
   clock_.start_step();
   // The token ids on the rank's device; the step's counts and sums stay on the host.
@@ -171,6 +174,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   // Gradients: reduce-scattered over the shard group during backward; now summed over the
   // tensor-parallel group (the parameters its ranks hold whole) and the replicas, and averaged
   // over every reader's tokens.
+  model_.finish_gradient_scatters();  // the last ones left in flight (GPU ranks)
   const auto o0 = Clock::now();
   std::vector<torch::Tensor> grads;
   torch::NoGradGuard no_grad;

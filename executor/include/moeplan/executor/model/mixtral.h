@@ -224,14 +224,15 @@ int64_t expert_row_multiple(const torch::Tensor& rows);
 // The same experts in three grouped matrix multiplies (at::_grouped_mm; CUTLASS's grouped GEMM
 // for bf16 on an H100) over the stacked weights w13 [experts, 2 x ffn, hidden] (w1 over w3) and
 // w2 [experts, hidden, ffn]: `rows` [S, hidden] grouped by expert, `row_expert` [S] the expert of
-// each row (ascending), on the rows' device. Every group is padded on the device to 16 bytes of
-// rows, as the kernel's weight gradient needs, so nothing is read back to the host.
+// each row (ascending), on the rows' device. Every group is padded on the device to a multiple
+// of 16 bytes of rows, at least one such (torchtitan's alignment for this kernel), so nothing is
+// read back to the host.
 torch::Tensor stacked_experts(const torch::Tensor& rows, const torch::Tensor& row_expert, const torch::Tensor& w13,
                               const torch::Tensor& w2);
 
 // Which expert kernel a trainer runs: one matrix multiply per expert and weight (with the row
 // counts on the host), or the grouped kernel over stacked weights. kAuto: grouped on a GPU in
-// mixed precision (16-bit copies of wider master weights, which the stacks then are, so the
+// mixed precision (bf16 copies of fp32 master weights, which the stacks then are, so the
 // memory is the same) when the hidden and expert widths are multiples of 16 bytes (the grouped
 // kernel's alignment); per expert otherwise -- on the CPU, whose grouped kernel runs the same
 // multiplies one group at a time, and where stacking would add a copy of the experts' weights.

@@ -43,9 +43,11 @@ class ActivationStore {
                                       std::chrono::steady_clock::time_point end)>;
   void set_observer(Observer observer) { observer_ = std::move(observer); }
   // With the device idle (the step's work waited for): the GPU copies since the last call, each
-  // placed on the host clock from its events' times after a reference event recorded at the
-  // last call (when the device was idle too), to the observer; then a new reference.
+  // placed on the host clock from its events' times after a reference event recorded when the
+  // device was last idle, to the observer; then a new reference.
   void report_copies();
+  // The device is idle now (a step starts): the reference the next copies are timed against.
+  void device_idle(const torch::Device& device);
 
   int64_t bytes_written() const { return bytes_written_; }
   int64_t bytes_read() const { return bytes_read_; }

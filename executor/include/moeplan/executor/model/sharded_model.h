@@ -109,11 +109,14 @@ class ShardedModel {
 
   // How many gradient reduce-scatters may be in flight while backward goes on: each unit's is
   // started when its gradient is made and finished (added to the shard's gradient) once more
-  // than `in_flight` are started, and all of them when the backward pass ends. 0: each finishes
-  // before backward goes on. By default 1 on a GPU (the collective on its own stream beside the
-  // next block's backward, as the simulation has it) and 0 on the CPU, whose ranks' cores the
-  // collective's threads would share.
+  // than `in_flight` are started; finish_gradient_scatters() finishes the rest, before the
+  // shards' gradients are read. 0: each finishes before backward goes on. By default 1 on a GPU
+  // (the collective on its own stream beside the next block's backward, as the simulation has
+  // it) and 0 on the CPU, whose ranks' cores the collective's threads would share.
   void set_scatters_in_flight(int64_t in_flight) { scatters_in_flight_ = in_flight; }
+  // Every rank calls it alike (after its micro-batches' backward passes, and at a step's start,
+  // where a failed step may have left some).
+  void finish_gradient_scatters() { finish_scatters(0); }
 
   // Activations saved for backward at checkpoints go to `store` (nullptr: kept in memory).
   void set_offload(ActivationStore* store, int64_t horizon) {
@@ -243,7 +246,6 @@ class ShardedModel {
   // Gradient reduce-scatters started in backward, oldest first, with their units.
   std::deque<std::pair<size_t, Communicator::PendingScatter>> scattering_;
   int64_t scatters_in_flight_ = 0;
-  bool scatter_callback_queued_ = false;
   void start_scatter(size_t unit, const torch::Tensor& grad);
   void finish_scatters(size_t keep);  // finishes the oldest until `keep` remain
   RoutingRecorder* recorder_ = nullptr;
