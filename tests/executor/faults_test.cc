@@ -118,30 +118,6 @@ TEST_F(Faults, ADiskFullDuringASaveRemovesItAndKeepsThePreviousCheckpoint) {
   EXPECT_EQ(read_metrics(out).size(), 3u);
 }
 
-// Sets the first element of every slice of `name` in a checkpoint to NaN and mends the manifest
-// (size and checksum): a checkpoint that is whole but holds a bad weight, as one saved after a
-// NaN crept into the weights would be. Returns how many slices were changed.
-int plant_nan(const std::string& step_dir, const std::string& name) {
-  Json manifest = read_json_file(step_dir + "/manifest.json");
-  int planted = 0;
-  for (Json& f : manifest["files"]) {
-    const std::string path = step_dir + "/" + f["name"].get<std::string>();
-    executor::TensorFile file = executor::read_tensor_file(path);
-    bool changed = false;
-    for (auto& [key, t] : file.tensors)
-      if (key.rfind("param/" + name + "@", 0) == 0) {
-        t.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
-        changed = true;
-        ++planted;
-      }
-    if (!changed) continue;
-    f["crc32"] = executor::write_tensor_file(path, file.tensors, file.metadata);
-    f["bytes"] = static_cast<int64_t>(fs::file_size(path));
-  }
-  write_file_atomic(step_dir + "/manifest.json", manifest.dump(2));
-  return planted;
-}
-
 // A NaN in one weight of layer 1: every step from there on is skipped (no update applied), and
 // the third in a row stops the run, naming layer 1's parameters. The same checkpoint resumed on
 // one rank (the reference trainer) says the same.

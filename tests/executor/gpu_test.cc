@@ -484,6 +484,26 @@ TEST_P(GpuRanks, TrainLikeOneGpuRankAndResumeBitForBit) {
     EXPECT_EQ(resumed[i]["loss"].get<double>(), m[i]["loss"].get<double>()) << "step " << i + 1 << " after resuming";
 }
 
+// A NaN in one weight of layer 1, planted in a checkpoint: GPU ranks skip every step from there
+// on and the third in a row stops the run naming layer 1, as CPU ranks do (Faults in
+// faults_test.cc). On the layout with experts and shards over ranks.
+TEST_P(GpuRanks, ANanWeightSkipsStepsThenStopsNamingTheLayer) {
+  const GpuLayout& l = GetParam();
+  if (l.e < 2 || l.s < 2) GTEST_SKIP() << "run on the layout with experts and shards both over ranks";
+  const std::string plan_file = plan(l), out = dir_->file("nan-" + l.name);
+  test::Command r = test::run_moeplan("run " + plan_file + " --data " + data_ + " --out " + out +
+                                      " --steps 2 --checkpoint-every 2 --timeout 120");
+  ASSERT_EQ(r.exit_code, 0) << test::show(r);
+  ASSERT_GT(test::plant_nan(out + "/checkpoints/step-00000002", "model.layers.1.self_attn.q_proj.weight"), 0);
+  r = test::run_moeplan("run " + plan_file + " --data " + data_ + " --out " + out +
+                        " --steps 10 --resume --max-nonfinite-steps 3 --timeout 120");
+  EXPECT_EQ(r.exit_code, 1) << test::show(r);
+  EXPECT_NE(r.err.find("steps 3..5 had a NaN or an Inf in the loss or the gradients, 3 in a row"), std::string::npos)
+      << test::show(r);
+  EXPECT_NE(r.err.find("first appeared in the parameters of layer 1"), std::string::npos) << test::show(r);
+  EXPECT_EQ(test::read_metrics(out).size(), 5u);
+}
+
 INSTANTIATE_TEST_SUITE_P(SharingOneGpu, GpuRanks,
                          ::testing::Values(GpuLayout{"E2", 2, 2, 1, 1, 1}, GpuLayout{"S2", 2, 1, 2, 1, 1},
                                            GpuLayout{"T2", 2, 1, 1, 2, 1}, GpuLayout{"P2", 2, 1, 1, 1, 2},

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -22,6 +23,8 @@
 
 #include "moeplan/core/errors.h"
 #include "moeplan/core/json_reader.h"
+#include "moeplan/core/plan.h"
+#include "moeplan/executor/io/tensor_file.h"
 #include "moeplan/executor/training/trainer.h"
 #include "test_support.h"
 
@@ -205,6 +208,30 @@ inline std::vector<pid_t> rank_processes(pid_t launcher, int64_t rank) {
 using executor::read_metrics;  // the metrics.jsonl lines of a run, parsed
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// Sets the first element of every slice of `name` in a checkpoint to NaN and mends the manifest
+// (size and checksum): a checkpoint that is whole but holds a bad weight, as one saved after a
+// NaN crept into the weights would be. Returns how many slices were changed.
+inline int plant_nan(const std::string& step_dir, const std::string& name) {
+  Json manifest = read_json_file(step_dir + "/manifest.json");
+  int planted = 0;
+  for (Json& f : manifest["files"]) {
+    const std::string path = step_dir + "/" + f["name"].get<std::string>();
+    executor::TensorFile file = executor::read_tensor_file(path);
+    bool changed = false;
+    for (auto& [key, t] : file.tensors)
+      if (key.rfind("param/" + name + "@", 0) == 0) {
+        t.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+        changed = true;
+        ++planted;
+      }
+    if (!changed) continue;
+    f["crc32"] = executor::write_tensor_file(path, file.tensors, file.metadata);
+    f["bytes"] = static_cast<int64_t>(std::filesystem::file_size(path));
+  }
+  write_file_atomic(step_dir + "/manifest.json", manifest.dump(2));
+  return planted;
+}
 
 // Replaces the file at `path` with `bytes`.
 inline void write_bytes(const std::string& path, const std::string& bytes) {
