@@ -20,6 +20,7 @@
 #include "moeplan/executor/ranks/mesh.h"
 #include "moeplan/executor/ranks/runtime.h"
 #include "moeplan/executor/training/parallel_trainer.h"
+#include "run_fixture.h"
 #include "test_support.h"
 
 namespace moeplan::executor {
@@ -479,16 +480,11 @@ TEST(ContextAttention, EveryRanksPartIsTheWholeSequencesAttention) {
 TEST(ShardedModel, GradientScattersLeftInFlightChangeNothing) {
   for (const Precision precision : {Precision::kFp32, Precision::kMixed}) {
     expect_all_ok(run_ranks_on_store(2, [precision](int rank, const Store& store) {
-      Plan plan;
-      plan.model = test::model("mixtral-tiny");
+      Plan plan = test::tiny_plan(precision);
       plan.training.seq_len = 32;
-      plan.training.precision = precision;
-      plan.training.steps = 10;
-      plan.training.warmup_steps = 0;
-      plan.moe.load_balancing = LoadBalancing::kAuxLoss;
+      plan.parallel.micro_batch_size = 1;
       plan.parallel.world_size = 2;
       plan.parallel.hybrid_shard_degree = 2;
-      plan.parallel.gradient_accumulation_steps = 2;
       DeviceMesh mesh(plan.parallel, rank, store, 20s);
       ShardedTrainer one_by_one(plan, mesh, nullptr), in_flight(plan, mesh, nullptr);
       in_flight.model().set_scatters_in_flight(1);

@@ -182,18 +182,7 @@ TEST(RankPlacement, EveryRankLearnsEveryPlaceThroughTheStore) {
   EXPECT_EQ(choose_backend(seen[0], true), GroupBackend::kGloo) << "rank 3 shares GPU 0";
 }
 
-Plan tiny_plan(Precision precision) {
-  Plan plan;
-  plan.model = test::model("mixtral-tiny");
-  plan.training.seq_len = 64;
-  plan.training.precision = precision;
-  plan.training.steps = 10;
-  plan.training.warmup_steps = 0;
-  plan.parallel.micro_batch_size = 2;
-  plan.parallel.gradient_accumulation_steps = 2;
-  plan.moe.load_balancing = LoadBalancing::kAuxLoss;
-  return plan;
-}
+using test::tiny_plan;
 
 void expect_close(const torch::Tensor& a, const torch::Tensor& b, double rtol, double atol, const std::string& what) {
   const torch::Tensor x = a.detach().cpu().to(torch::kDouble), y = b.detach().cpu().to(torch::kDouble);

@@ -209,6 +209,21 @@ using executor::read_metrics;  // the metrics.jsonl lines of a run, parsed
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// mixtral-tiny for trainers driven in-process: 64-token sequences, micro-batches of 2, two a
+// step, 10 steps without warmup, the auxiliary balancing loss.
+inline Plan tiny_plan(Precision precision) {
+  Plan plan;
+  plan.model = model("mixtral-tiny");
+  plan.training.seq_len = 64;
+  plan.training.precision = precision;
+  plan.training.steps = 10;
+  plan.training.warmup_steps = 0;
+  plan.parallel.micro_batch_size = 2;
+  plan.parallel.gradient_accumulation_steps = 2;
+  plan.moe.load_balancing = LoadBalancing::kAuxLoss;
+  return plan;
+}
+
 // Sets the first element of every slice of `name` in a checkpoint to NaN and mends the manifest
 // (size and checksum): a checkpoint that is whole but holds a bad weight, as one saved after a
 // NaN crept into the weights would be. Returns how many slices were changed.

@@ -87,19 +87,6 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
   observe(mesh.pipeline, "pipeline", TraceStream::kCopy);
 }
 
-void ShardedTrainer::compute_span(std::string_view phase, size_t begin, size_t end) {
-  if (marks_.deferred())
-    spans_.push_back({phase, begin, end});
-  else
-    clock_.add(std::string(phase), "compute", TraceStream::kCompute, marks_.time_of(begin), marks_.time_of(end));
-}
-
-void ShardedTrainer::add_compute_spans() {
-  for (const Span& s : spans_)
-    clock_.add(std::string(s.phase), "compute", TraceStream::kCompute, marks_.time_of(s.begin), marks_.time_of(s.end));
-  spans_.clear();
-}
-
 void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault fault) {
   recorder_ = std::make_unique<RoutingRecorder>(record_dir, mesh_.rank());
   model_.record_routing(recorder_.get());
@@ -110,7 +97,6 @@ void ShardedTrainer::rehearse(const std::string& record_dir, RehearsalFault faul
 StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) {
   using Clock = PhaseClock::Clock;
   marks_.restart();
-  spans_.clear();
   if (offload_ && mesh_.device().is_cuda()) offload_->device_idle(mesh_.device());
   model_.finish_gradient_scatters();  // none, unless a failed step left some: its gradients go
   for (torch::Tensor& shard : model_.shards()) shard.mutable_grad() = torch::Tensor();
@@ -157,8 +143,8 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
     const torch::Tensor router_terms = terms.total - terms.prediction;
     ((terms.prediction + router_terms / tp) / static_cast<double>(ga)).backward();
     const size_t f2 = marks_.mark();
-    compute_span(phase::kForward, f0, f1);
-    compute_span(phase::kBackward, f1, f2);
+    clock_.add_marked(phase::kForward, marks_, f0, f1);
+    clock_.add_marked(phase::kBackward, marks_, f1, f2);
     nonfinite_layers_ += out.nonfinite_layers.to(torch::kCPU);
     if (!counts_data) continue;
     mine[m] += out.tokens_per_expert.to(torch::kCPU);
@@ -237,7 +223,7 @@ StepRecord ShardedTrainer::step(const std::vector<torch::Tensor>& host_batches) 
   r.tokens = static_cast<int64_t>(sums[4].item<double>());
   wait_for(mesh_.device());  // the step's device work done: the host clock times it
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  add_compute_spans();
+  clock_.add_marked_spans(marks_);
   if (offload_) offload_->report_copies();  // a GPU rank's copies, timed on its copy stream
   return r;
 }
@@ -372,7 +358,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
         }
       }
       live.emplace(std::make_pair(a.micro_batch, a.chunk), std::move(f));
-      compute_span(phase::kForward, t0, marks_.mark());
+      clock_.add_marked(phase::kForward, marks_, t0, marks_.mark());
     } else {
       const auto at = live.find({a.micro_batch, a.chunk});
       if (at == live.end()) throw std::logic_error("a pipeline backward before its forward");
@@ -388,7 +374,7 @@ void ShardedTrainer::run_pipeline(const std::vector<torch::Tensor>& micro_batche
       if (stage > 0)
         send(f.input.grad().defined() ? f.input.grad() : torch::zeros_like(f.input), prev,
              tag(a.micro_batch, stage - 1, kGradient));
-      compute_span(phase::kBackward, t0, marks_.mark());
+      clock_.add_marked(phase::kBackward, marks_, t0, marks_.mark());
     }
   }
   for (auto& [tag_of, transfer] : sends) pipe.finish_transfer(transfer);

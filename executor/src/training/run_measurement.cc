@@ -13,6 +13,7 @@ namespace moeplan::executor {
 void PhaseClock::start_step() {
   events_.clear();
   memory_.clear();
+  marked_.clear();
   origin_ = Clock::now();
   sample_memory(origin_);
 }
@@ -25,6 +26,19 @@ void PhaseClock::sample_memory(Clock::time_point at) {
   m.time_ns = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(at - origin_).count());
   m.bytes = static_cast<double>(bytes.live);
   memory_.push_back(m);
+}
+
+void PhaseClock::add_marked(std::string_view phase, DeviceMarks& marks, size_t begin, size_t end) {
+  if (marks.deferred())
+    marked_.push_back({phase, begin, end});
+  else
+    add(std::string(phase), "compute", TraceStream::kCompute, marks.time_of(begin), marks.time_of(end));
+}
+
+void PhaseClock::add_marked_spans(DeviceMarks& marks) {
+  for (const MarkedSpan& s : marked_)
+    add(std::string(s.phase), "compute", TraceStream::kCompute, marks.time_of(s.begin), marks.time_of(s.end));
+  marked_.clear();
 }
 
 void PhaseClock::add(std::string name, std::string category, TraceStream stream, Clock::time_point start,

@@ -128,19 +128,6 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   marks_.restart();  // the device idle: the step's phases are timed by marks in its queue
   const auto start = Clock::now();
   clock_.start_step();
-  // Each micro-batch's forward and backward, from marks read once the step's work has run (a
-  // GPU's), or added as they end (the CPU's: the memory curve samples the tensors then).
-  struct Span {
-    size_t begin, end;
-    std::string_view phase;
-  };
-  std::vector<Span> spans;
-  auto add_span = [&](size_t begin, size_t end, std::string_view phase) {
-    if (marks_.deferred())
-      spans.push_back({begin, end, phase});
-    else
-      clock_.add(std::string(phase), "compute", TraceStream::kCompute, marks_.time_of(begin), marks_.time_of(end));
-  };
   const int64_t ga = static_cast<int64_t>(micro_batches.size());
   const ModelSpec& spec = plan_.model;
   StepRecord r;
@@ -202,8 +189,8 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
       stacks->add_gradients(stacked_grads);
     }
     const size_t f2 = marks_.mark();
-    add_span(f0, f1, phase::kForward);
-    add_span(f1, f2, phase::kBackward);
+    clock_.add_marked(phase::kForward, marks_, f0, f1);
+    clock_.add_marked(phase::kBackward, marks_, f1, f2);
     per_micro_batch.push_back(out.tokens_per_expert);
     dropped += out.dropped_slots;
     nonfinite_layers += out.nonfinite_layers;
@@ -235,9 +222,7 @@ StepRecord ModelTrainer::step(const std::vector<torch::Tensor>& micro_batches) {
   }
   for (torch::Tensor& t : params_.tensors()) t.mutable_grad() = torch::Tensor();
   wait_for(device_);
-  for (const Span& span : spans)
-    clock_.add(std::string(span.phase), "compute", TraceStream::kCompute, marks_.time_of(span.begin),
-               marks_.time_of(span.end));
+  clock_.add_marked_spans(marks_);
   clock_.add(std::string(phase::kOptimizer), "compute", TraceStream::kCompute, o0, Clock::now());
   if (replay_) replay_->finish_step();
   r.loss = mean_losses[0].item<double>();

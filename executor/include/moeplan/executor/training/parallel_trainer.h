@@ -66,20 +66,10 @@ class ShardedTrainer final : public StepTrainer {
   // layout (or a Hugging Face folder's parameters); reports what is missing into d.
   void load_held_slices(const SlicedState& state, Diagnostics& d);
 
-  // A compute span between two of marks_: added now on the CPU, after the step's work has run on
-  // a GPU (add_compute_spans).
-  void compute_span(std::string_view phase, size_t begin, size_t end);
-  void add_compute_spans();
-
   const Plan& plan_;
   DeviceMesh& mesh_;
   ShardedModel model_;
   DeviceMarks marks_;
-  struct Span {
-    std::string_view phase;
-    size_t begin, end;
-  };
-  std::vector<Span> spans_;
   ActivationStore* offload_ = nullptr;
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;

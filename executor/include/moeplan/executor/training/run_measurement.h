@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moeplan/core/json_reader.h"
@@ -13,6 +14,7 @@
 #include "moeplan/core/run_report.h"
 #include "moeplan/core/step_record.h"
 #include "moeplan/core/trace.h"
+#include "moeplan/executor/ranks/device.h"
 
 namespace moeplan::executor {
 
@@ -26,6 +28,11 @@ class PhaseClock {
   // group: a collective's group (core/trace.h), -1 for anything else.
   void add(std::string name, std::string category, TraceStream stream, Clock::time_point start, Clock::time_point end,
            double bytes = 0, int64_t group = -1);
+  // A compute span of `phase` between marks `begin` and `end` of `marks`: added now where the
+  // marks are host times (the CPU's: the memory curve samples the tensors then), else kept until
+  // add_marked_spans() reads them once the step's device work has run.
+  void add_marked(std::string_view phase, DeviceMarks& marks, size_t begin, size_t end);
+  void add_marked_spans(DeviceMarks& marks);
   const std::vector<TraceEvent>& events() const { return events_; }
   const std::vector<MemorySample>& memory() const { return memory_; }
   void set_rank(int64_t rank) { rank_ = rank; }
@@ -33,8 +40,13 @@ class PhaseClock {
  private:
   void sample_memory(Clock::time_point at);
 
+  struct MarkedSpan {
+    std::string_view phase;
+    size_t begin, end;
+  };
   std::vector<TraceEvent> events_;
   std::vector<MemorySample> memory_;
+  std::vector<MarkedSpan> marked_;
   Clock::time_point origin_ = Clock::now();
   int64_t rank_ = 0;
 };
