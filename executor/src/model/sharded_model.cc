@@ -202,6 +202,24 @@ ShardedModel::Gathered ShardedModel::gather(size_t index) {
   std::vector<int64_t> sizes;
   for (const int64_t p : u.params) sizes.push_back(infos_[static_cast<size_t>(p)].numel());
   sizes.push_back(g.flat.numel() - u.numel);  // padding
+  if (!g.releasable) {
+    // The master shard itself: each parameter a leaf over its part of it, whose gradient is
+    // its part of the shard's, added in place as autograd computes it (as Megatron-Core's
+    // main_grad and FSDP2's per-parameter gradients are). Views of the shard with autograd
+    // through them would hold every parameter's gradient of the unit until the last one came,
+    // then a unit-sized gradient beside them: twice the unit's gradients at once.
+    torch::Tensor& grad = shard.mutable_grad();
+    if (!grad.defined()) grad = torch::zeros_like(shard);
+    const std::vector<torch::Tensor> values = shard.detach().split_with_sizes(sizes);
+    const std::vector<torch::Tensor> grads = grad.split_with_sizes(sizes);
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const c10::IntArrayRef shape = infos_[static_cast<size_t>(u.params[j])].shape;
+      torch::Tensor param = values[j].view(shape).requires_grad_(true);
+      param.mutable_grad() = grads[j].view(shape);
+      g.params.push_back(std::move(param));
+    }
+    return g;
+  }
   const std::vector<torch::Tensor> pieces = g.flat.split_with_sizes(sizes);
   for (size_t j = 0; j < u.params.size(); ++j)
     g.params.push_back(pieces[j].view(infos_[static_cast<size_t>(u.params[j])].shape));
