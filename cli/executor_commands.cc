@@ -82,6 +82,7 @@ int run_run(const RunArgs& args) {
     o.planted_fault = executor::rehearsal_fault_named(args.planted_fault, "--planted-fault");
     o.grace_seconds = args.grace_seconds;
     o.max_nonfinite_steps = args.max_nonfinite_steps;
+    o.kernel_trace_step = args.kernel_trace_step;
     if (!args.stop_after.empty()) o.stop_after_seconds = parse_duration_seconds(args.stop_after, "--stop-after");
     o.progress = &std::cout;
     const std::optional<executor::RankEnv> env = executor::rank_env_from_environment();

@@ -28,6 +28,7 @@ struct RunArgs {
   int64_t grace_seconds = 30;  // after SIGTERM or SIGINT, to end the step in flight and save
   std::string stop_after;      // a time limit ("4h", "03:50:00"); "" for none
   int64_t max_nonfinite_steps = 3;
+  int64_t kernel_trace_step = 0;  // 0: none
   std::vector<std::string> argv;  // the whole command line, to start local ranks with
 };
 

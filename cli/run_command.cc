@@ -25,6 +25,11 @@ void add_limit_options(CLI::App& cmd, RunArgs& run, CLI::Option* rehearse) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->excludes(rehearse);
+  cmd.add_option("--kernel-trace", run.kernel_trace_step,
+                 "Record step N's operators and GPU kernels (PyTorch's profiler) into OUT/kernels-rank-R.json, "
+                 "a Chrome trace")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->excludes(rehearse);
   cmd.add_option("--stop-after", run.stop_after,
                  "Time limit (3600, 45m, 4h, 1h30m, HH:MM:SS): stop, saved, before a step would pass it")
       ->excludes(rehearse);

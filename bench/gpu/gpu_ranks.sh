@@ -14,7 +14,8 @@
 # 512-piece vocabulary); OUT: where the figures go, seven files (a device machine sends back few):
 # gpu.txt, gpu_test.log, gpu_test.json, run-e2s2.log, report-e2s2.json, trace-e2s2.json and
 # overlap-e2s2.txt (bench/gpu/overlap.py: the share of the shard all-gathers hidden behind compute).
-# Environment: STEPS (the 4-rank run's steps, default 20). Not yet run on a GPU.
+# Environment: STEPS (the 4-rank run's steps, default 20), GPU_TEST_TIMEOUT (seconds the GPU tests
+# may take, default 300). Not yet run on a GPU.
 #
 # On a device machine (nothing is fetched there; the binaries and the data are carried):
 #   here:  scripts/build-for-torch 2.11.0 build-gpu      # the version of that machine's torch
@@ -34,7 +35,8 @@ export MOEPLAN_PROFILES="$root/profiles" MOEPLAN_TEST_BINARY="$moeplan" MOEPLAN_
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 echo "== GPU tests ($(stamp))"
 status=0
-"$gpu_test" --gtest_brief=1 --gtest_output="json:$out/gpu_test.json" >"$out/gpu_test.log" 2>&1 || status=$?
+timeout "${GPU_TEST_TIMEOUT:-300}" "$gpu_test" --gtest_brief=1 --gtest_output="json:$out/gpu_test.json" \
+  >"$out/gpu_test.log" 2>&1 || status=$?
 tail -25 "$out/gpu_test.log"
 echo "== a 4-rank plan sharing the GPU: E2 S2, 64-token sequences ($(stamp))"
 model="$work/model.json"
@@ -45,7 +47,7 @@ m["name"], m["vocab_size"] = "mixtral-tiny-v512", 512
 json.dump(m, open(sys.argv[2], "w"), indent=1)
 EOF
 "$moeplan" search --gpus 4 --instance p5.48xlarge --model "$model" --seq-len 64 --global-batch-tokens 1024 \
-  --precision fp32 --micro-batch 1 --expert-parallel-degree 2 --hybrid-shard-degree 2 --tensor-parallel-degree 1 \
+  --precision fp32 --micro-batch 1 --kernels eager --attention flash --expert-parallel-degree 2 --hybrid-shard-degree 2 --tensor-parallel-degree 1 \
   --pipeline-parallel-degree 1 --checkpointing none --offload off --target moeplan --out "$work/plan-e2s2.json" \
   2>&1 | tail -3
 "$moeplan" run "$work/plan-e2s2.json" --data "$data" --out "$work/run-e2s2" --steps "${STEPS:-20}" --timeout 120 \

@@ -121,6 +121,7 @@ Json to_json(const RunReport& r) {
     report["measured"]["peak_device_allocated_bytes_per_rank"] = r.peak_device_allocated_bytes_per_rank;
     report["measured"]["peak_device_reserved_bytes_per_rank"] = r.peak_device_reserved_bytes_per_rank;
     report["measured"]["peak_device_bytes_per_rank"] = r.peak_device_bytes_per_rank;
+    report["measured"]["device_workspace_bytes_per_rank"] = r.device_workspace_bytes_per_rank;
     report["measured"]["peak_device_bytes"] = r.peak_device_bytes;
   }
   report["predicted"] = {{"step_time_s", r.predicted_step_time_s},
@@ -168,6 +169,8 @@ RunReport run_report_from_json(const Json& json, const std::string& origin) {
       r.peak_device_allocated_bytes_per_rank = integers(*m, "peak_device_allocated_bytes_per_rank");
       r.peak_device_reserved_bytes_per_rank = integers(*m, "peak_device_reserved_bytes_per_rank");
       r.peak_device_bytes_per_rank = integers(*m, "peak_device_bytes_per_rank");
+      if (m->child("device_workspace_bytes_per_rank", true) != nullptr)  // reports before it had none
+        r.device_workspace_bytes_per_rank = integers(*m, "device_workspace_bytes_per_rank");
       r.peak_device_bytes = m->integer("peak_device_bytes", 0, kMaxCount);
     }
     if (auto phases = m->object("phase_seconds_rank0")) {

@@ -76,13 +76,18 @@ TEST(RunReport, GpuRunsAreHeldToTheirDeviceMemory) {
   r.peak_device_reserved_bytes_per_rank = {900, 950};
   r.peak_device_bytes_per_rank = {1000, 1100};
   r.peak_device_bytes = 1100;
+  r.device_workspace_bytes_per_rank = {64, 64};
   EXPECT_EQ(r.peak_memory_bytes(), 1100);
   EXPECT_NEAR(r.memory_error(), 0.1, 1e-12);
   const Json written = to_json(r);
   const RunReport back = run_report_from_json(written, "report.json");
   EXPECT_EQ(to_json(back), written);
   EXPECT_EQ(back.peak_device_reserved_bytes_per_rank, r.peak_device_reserved_bytes_per_rank);
+  EXPECT_EQ(back.device_workspace_bytes_per_rank, r.device_workspace_bytes_per_rank);
   EXPECT_NEAR(written["relative_error"]["peak_memory"].get<double>(), 0.1, 1e-12);
+  Json older = written;  // a report written before the workspaces were counted
+  older["measured"].erase("device_workspace_bytes_per_rank");
+  EXPECT_TRUE(run_report_from_json(older, "report.json").device_workspace_bytes_per_rank.empty());
 }
 
 TEST(RunReport, StepFiguresLeaveTheWarmUpStepOut) {

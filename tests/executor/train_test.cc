@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 
 #include "moeplan/core/trace.h"
 #include "run_fixture.h"
@@ -70,13 +71,21 @@ TEST_P(Resume, TwentyStepsEqualTenPlusCheckpointPlusTen) {
 INSTANTIATE_TEST_SUITE_P(Precisions, Resume, ::testing::Values("fp32", "mixed"));
 
 // A one-rank run writes its report and measured trace and prints predicted against measured.
+// Real text in dir/data and a one-rank fp32 plan of the small model, two micro-batches of 64
+// tokens a step: the plan's path, or "" without the fortunes.
+std::string small_run_plan(const TempDir& dir) {
+  const auto files = fortune_files({"wisdom"});
+  if (files.empty()) return "";
+  EXPECT_EQ(prepare_data(files, dir.file("data"), 512, 64).exit_code, 0);
+  const std::string model = write_small_model(dir, 512), plan = dir.file("plan.json");
+  EXPECT_EQ(make_plan(model, plan, 64, 256, "fp32", 2).exit_code, 0);
+  return plan;
+}
+
 TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
   TempDir dir;
-  const auto files = fortune_files({"wisdom"});
-  if (files.empty()) GTEST_SKIP() << "needs Debian's fortunes package";
-  ASSERT_EQ(prepare_data(files, dir.file("data"), 512, 64).exit_code, 0);
-  const std::string model = write_small_model(dir, 512), plan = dir.file("plan.json");
-  ASSERT_EQ(make_plan(model, plan, 64, 256, "fp32", 2).exit_code, 0);
+  const std::string plan = small_run_plan(dir);
+  if (plan.empty()) GTEST_SKIP() << "needs Debian's fortunes package";
   const Json planned = read_json_file(plan);
   const Command r = run_moeplan("run " + plan + " --data " + dir.file("data") + " --out " + dir.file("out") +
                                 " --threads 1 --steps 3");
@@ -123,6 +132,30 @@ TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
   EXPECT_EQ(names, (std::vector<std::string>{"forward", "backward", "forward", "backward", "optimizer"}));
   for (size_t i = 1; i < trace.events.size(); ++i)
     EXPECT_GE(trace.events[i].start_ns, trace.events[i - 1].start_ns + trace.events[i - 1].duration_ns);
+}
+
+// --kernel-trace N: PyTorch's profiler records step N alone into a Chrome trace, the forward's
+// matrix multiplies and the backward's, which autograd runs on a thread of its own.
+TEST(Run, KernelTraceRecordsTheStepsOperators) {
+  TempDir dir;
+  const std::string plan = small_run_plan(dir);
+  if (plan.empty()) GTEST_SKIP() << "needs Debian's fortunes package";
+  const Command r = run_moeplan("run " + plan + " --data " + dir.file("data") + " --out " + dir.file("out") +
+                                " --threads 1 --steps 3 --kernel-trace 2");
+  ASSERT_EQ(r.exit_code, 0) << show(r);
+  const Json trace = read_json_file(dir.file("out/kernels-rank-0.json"));
+  std::map<std::string, int64_t> calls;
+  for (const Json& e : trace.at("traceEvents"))
+    if (e.value("ph", "") == "X") ++calls[e.value("name", "")];
+  // Per micro-batch and layer: the router and three matrices per expert that took rows, and
+  // the attention's projections; the head once per micro-batch. Two micro-batches, one step.
+  EXPECT_GE(calls["aten::mm"] + calls["aten::matmul"], 2 * 4) << show(r);
+  EXPECT_GE(calls["autograd::engine::evaluate_function: MmBackward0"], 2 * 4);
+  EXPECT_EQ(calls["aten::embedding"], 2) << "one step's two micro-batches, not the run's";
+  const Command bad = run_moeplan("run " + plan + " --data " + dir.file("data") + " --out " + dir.file("bad") +
+                                  " --kernel-trace 0");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--kernel-trace"), std::string::npos) << show(bad);
 }
 
 // What the loss keeps grows with the vocabulary as the memory model counts it: two fp32 tensors

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -30,6 +31,7 @@ struct ActivationStore::DeviceCopies {
     const char* op;
     int64_t bytes;
     std::unique_ptr<c10::cuda::CUDAEvent> start, end;
+    std::chrono::steady_clock::time_point issued;  // when its start was queued: no sooner on the device
   };
   static std::unique_ptr<c10::cuda::CUDAEvent> timed() {
     return std::make_unique<c10::cuda::CUDAEvent>(cudaEventDefault);
@@ -178,7 +180,8 @@ void ActivationStore::put_on_host(int64_t key, const torch::Tensor& t) {
   made.record(c10::cuda::getCurrentCUDAStream(t.device().index()));
   made.block(c.stream);
   torch::Tensor host = torch::empty(source.sizes(), source.options().device(torch::kCPU).pinned_memory(true));
-  DeviceCopies::Copy copy{"offload", static_cast<int64_t>(source.nbytes()), DeviceCopies::timed(), DeviceCopies::timed()};
+  DeviceCopies::Copy copy{"offload", static_cast<int64_t>(source.nbytes()), DeviceCopies::timed(), DeviceCopies::timed(),
+                          std::chrono::steady_clock::now()};
   {
     const c10::cuda::CUDAStreamGuard on_copy_stream(c.stream);
     copy.start->record(c.stream);
@@ -205,7 +208,8 @@ void ActivationStore::put_on_host(int64_t key, const torch::Tensor& t) {
 void ActivationStore::prefetch_to_device(Entry& e, int64_t key) {
   if (e.back.defined()) return;
   DeviceCopies& c = copies(e.device);
-  DeviceCopies::Copy copy{"reload", static_cast<int64_t>(e.host.nbytes()), DeviceCopies::timed(), DeviceCopies::timed()};
+  DeviceCopies::Copy copy{"reload", static_cast<int64_t>(e.host.nbytes()), DeviceCopies::timed(), DeviceCopies::timed(),
+                          std::chrono::steady_clock::now()};
   // On the copy stream, after the copy to the host (the same stream): memory for it from the
   // copy stream's pool, handed to the compute stream in take.
   const c10::cuda::CUDAStreamGuard on_copy_stream(c.stream);
@@ -231,7 +235,8 @@ torch::Tensor ActivationStore::take_from_host(Entry& e, int64_t key) {
   } else {
     // Not read ahead: copied now on the compute stream, after the copy to the host.
     if (const auto stored = c.stored.find(key); stored != c.stored.end()) stored->second->block(compute);
-    DeviceCopies::Copy copy{"reload", static_cast<int64_t>(e.host.nbytes()), DeviceCopies::timed(), DeviceCopies::timed()};
+    DeviceCopies::Copy copy{"reload", static_cast<int64_t>(e.host.nbytes()), DeviceCopies::timed(), DeviceCopies::timed(),
+                          std::chrono::steady_clock::now()};
     copy.start->record(compute);
     t = e.host.to(e.device, /*non_blocking=*/true);
     copy.end->record(compute);
@@ -248,13 +253,16 @@ void ActivationStore::report_copies() {
   if (!copies_) return;
   DeviceCopies& c = *copies_;
   c.stream.synchronize();
-  const auto at = [&c](const c10::cuda::CUDAEvent& e) {
+  // As DeviceMarks::time_of: the device stamps the reference a little after its host time was
+  // read, so a copy's time is never put before it was queued.
+  const auto at = [&c](const c10::cuda::CUDAEvent& e, std::chrono::steady_clock::time_point issued) {
     const double ms = static_cast<double>(c.reference->elapsed_time(e));
-    return c.reference_time + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                  std::chrono::duration<double, std::milli>(ms));
+    return std::max(issued, c.reference_time + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                   std::chrono::duration<double, std::milli>(ms)));
   };
   if (observer_)
-    for (const DeviceCopies::Copy& copy : c.done) observer_(copy.op, copy.bytes, at(*copy.start), at(*copy.end));
+    for (const DeviceCopies::Copy& copy : c.done)
+      observer_(copy.op, copy.bytes, at(*copy.start, copy.issued), at(*copy.end, copy.issued));
   c.done.clear();
   c.mark_reference();
 }

@@ -1,10 +1,15 @@
 #include "moeplan/executor/ranks/device.h"
 
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <memory>
+#include <set>
+#include <shared_mutex>
 
 #if MOEPLAN_WITH_CUDA
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -182,10 +187,7 @@ void DeviceMarks::restart() {
 
 size_t DeviceMarks::mark() {
 #if MOEPLAN_WITH_CUDA
-  if (events_) {
-    events_->marks.push_back(Events::recorded(device_));
-    return events_->marks.size() - 1;
-  }
+  if (events_) events_->marks.push_back(Events::recorded(device_));
 #endif
   host_.push_back(Clock::now());
   return host_.size() - 1;
@@ -197,11 +199,29 @@ DeviceMarks::Clock::time_point DeviceMarks::time_of(size_t i) {
     c10::cuda::CUDAEvent& e = *events_->marks.at(i);
     e.synchronize();
     const double ms = static_cast<double>(events_->reference->elapsed_time(e));
-    return events_->reference_time +
-           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
+    // The reference's host time is read after its event was queued, and the device stamps an
+    // event when it reaches it, a few microseconds later: a mark reached at once could come out
+    // before it was made. No mark is reached before it is made.
+    return std::max(host_.at(i), events_->reference_time + std::chrono::duration_cast<Clock::duration>(
+                                                               std::chrono::duration<double, std::milli>(ms)));
   }
 #endif
   return host_.at(i);
+}
+
+void start_kernel_trace(const torch::Device& device) {
+  using torch::profiler::impl::ActivityType;
+  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  std::set<ActivityType> activities = {ActivityType::CPU};
+  if (device.is_cuda()) activities.insert(ActivityType::CUDA);
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+}
+
+void save_kernel_trace(const torch::Device& device, const std::string& path) {
+  wait_for(device);  // the step's kernels all ended, so recorded
+  std::unique_ptr<torch::autograd::profiler::ProfilerResult> result = torch::autograd::profiler::disableProfiler();
+  result->save(path);
 }
 
 DeviceMemory device_memory(const torch::Device& device) {
@@ -214,6 +234,12 @@ DeviceMemory device_memory(const torch::Device& device) {
   m.reserved = stats.reserved_bytes[all].current;
   m.peak_allocated = stats.allocated_bytes[all].peak;
   m.peak_reserved = stats.reserved_bytes[all].peak;
+  const auto held = [](at::cuda::WorkspaceMapWithMutex& w, size_t bytes) {
+    std::shared_lock<std::shared_mutex> lock(w.mutex);
+    return static_cast<int64_t>(w.map.size() * bytes);
+  };
+  m.blas_workspaces = held(at::cuda::cublas_handle_stream_to_workspace(), at::cuda::getChosenWorkspaceSize()) +
+                      held(at::cuda::cublaslt_handle_stream_to_workspace(), at::cuda::getCUDABlasLtWorkspaceSize());
   size_t free = 0, total = 0;
   if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
     m.used = static_cast<int64_t>(total - free);
@@ -223,6 +249,18 @@ DeviceMemory device_memory(const torch::Device& device) {
   (void)device;
 #endif
   return m;
+}
+
+int64_t device_allocated_bytes(const torch::Device& device) {
+#if MOEPLAN_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+  }
+#else
+  (void)device;
+#endif
+  return 0;
 }
 
 void reset_device_peaks(const torch::Device& device) {

@@ -59,6 +59,7 @@ ShardedTrainer::ShardedTrainer(const Plan& plan, DeviceMesh& mesh, ActivationSto
     });
   }
   clock_.set_rank(mesh.rank());
+  clock_.set_device(mesh.device());
   auto observe = [this](Communicator& comm, const std::string& group, TraceStream stream) {
     const int64_t first = comm.size() > 1 ? comm.first_rank() : -1;
     comm.set_observer([this, group, stream, first](const char* op, int64_t bytes, PhaseClock::Clock::time_point start,

@@ -360,7 +360,10 @@ RunResult run_steps(const Plan& plan, const RunOptions& o, const TokenDataset& d
     }
     state.samples_consumed += me.readers * ga * mbs;
     peaks.begin_step();
+    const bool traced = o.kernel_trace_step == trainer.step_count() + 1;
+    if (traced) start_kernel_trace(me.device);
     StepRecord r = trainer.step(micro_batches);
+    if (traced) save_kernel_trace(me.device, o.out_dir + "/kernels-rank-" + std::to_string(me.rank) + ".json");
     peaks.end_step();
     if (!r.skipped) ++state.optimizer_step;
     nonfinite_in_a_row = r.skipped ? nonfinite_in_a_row + 1 : 0;
@@ -397,6 +400,7 @@ RunResult run_steps(const Plan& plan, const RunOptions& o, const TokenDataset& d
   m.peak_device_allocated_bytes = device.peak_allocated;
   m.peak_device_reserved_bytes = device.peak_reserved;
   m.baseline_device_bytes = me.baseline_device_bytes;
+  m.device_workspace_bytes = device.blas_workspaces;
   m.events = trainer.clock().events();
   m.memory = trainer.clock().memory();
   if (result.stopped_by.empty()) result.report = report(plan, o, me, m, result.steps);

@@ -19,7 +19,8 @@ void PhaseClock::start_step() {
 }
 
 void PhaseClock::sample_memory(Clock::time_point at) {
-  const TensorBytes bytes = tensor_bytes();
+  TensorBytes bytes = tensor_bytes();
+  if (device_.is_cuda()) bytes.live = bytes.peak = device_allocated_bytes(device_);
   if (bytes.peak == 0) return;  // tensors are not counted in this process
   MemorySample m;
   m.rank = rank_;
@@ -96,6 +97,7 @@ Json to_json(const RankMeasurement& m) {
   j["peak_device_allocated_bytes"] = m.peak_device_allocated_bytes;
   j["peak_device_reserved_bytes"] = m.peak_device_reserved_bytes;
   j["baseline_device_bytes"] = m.baseline_device_bytes;
+  j["device_workspace_bytes"] = m.device_workspace_bytes;
   Trace trace;
   trace.source = "measured";
   trace.ranks = m.rank + 1;
@@ -116,6 +118,7 @@ RankMeasurement rank_measurement_from_json(const Json& j, const std::string& ori
   m.peak_device_allocated_bytes = j.at("peak_device_allocated_bytes").get<int64_t>();
   m.peak_device_reserved_bytes = j.at("peak_device_reserved_bytes").get<int64_t>();
   m.baseline_device_bytes = j.at("baseline_device_bytes").get<int64_t>();
+  m.device_workspace_bytes = j.at("device_workspace_bytes").get<int64_t>();
   Trace trace = trace_from_json(j.at("trace"), origin);
   m.events = std::move(trace.events);
   m.memory = std::move(trace.memory);
@@ -150,6 +153,7 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
       r.peak_device_allocated_bytes_per_rank.push_back(m.peak_device_allocated_bytes);
       r.peak_device_reserved_bytes_per_rank.push_back(m.peak_device_reserved_bytes);
       r.peak_device_bytes_per_rank.push_back(m.baseline_device_bytes + m.peak_device_reserved_bytes);
+      r.device_workspace_bytes_per_rank.push_back(m.device_workspace_bytes);
       r.peak_device_bytes = std::max(r.peak_device_bytes, r.peak_device_bytes_per_rank.back());
     }
   write_file_atomic(out_dir + "/trace.json", moeplan::to_json(trace).dump(1) + "\n");
@@ -209,11 +213,12 @@ std::string format_summary(const RunReport& r) {
     if (r.peak_device_bytes_per_rank[i] != r.peak_device_bytes) continue;
     std::snprintf(line, sizeof line,
                   "  %-23s rank %zu: %s before the model (CUDA context), caching allocator at most %s reserved, "
-                  "%s allocated\n",
+                  "%s allocated (%s of it cuBLAS's workspaces)\n",
                   "", i,
                   mib(static_cast<double>(r.peak_device_bytes - r.peak_device_reserved_bytes_per_rank[i])).c_str(),
                   mib(static_cast<double>(r.peak_device_reserved_bytes_per_rank[i])).c_str(),
-                  mib(static_cast<double>(r.peak_device_allocated_bytes_per_rank[i])).c_str());
+                  mib(static_cast<double>(r.peak_device_allocated_bytes_per_rank[i])).c_str(),
+                  mib(static_cast<double>(r.device_workspace_bytes_per_rank[i])).c_str());
     out += line;
     break;
   }

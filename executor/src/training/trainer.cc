@@ -61,6 +61,7 @@ ModelTrainer::ModelTrainer(const Plan& plan, torch::Device device, ExpertKernel 
       expert_kernel_(resolve_expert_kernel(kernel, plan.model, device, master_type_, compute_type_)),
       params_(ParameterSet::on_meta(mixtral_parameters(plan.model))),
       expert_bias_(initial_expert_bias(plan.model, device)), marks_(device) {
+  clock_.set_device(device_);
   params_.materialize(static_cast<uint64_t>(plan.training.seed), master_type_);
   params_.check_materialized();
   params_.move_to(device_);
@@ -252,6 +253,7 @@ class OneRankTrainer final : public StepTrainer {
 
   StepRecord step(const std::vector<torch::Tensor>& micro_batches) override { return model_.step(micro_batches); }
   void replay_routing(RoutingReplay* replay) { model_.replay_routing(replay); }
+  ExpertKernel expert_kernel() const { return model_.expert_kernel(); }
   int64_t step_count() const override { return model_.step_count(); }
   NamedTensors state() const override { return model_.state(); }
   const PhaseClock& clock() const override { return model_.clock(); }
@@ -312,6 +314,8 @@ RunResult run_training(const Plan& plan, const RunOptions& o) {
   me.baseline_device_bytes = device_memory(device.device).used;
   const int64_t baseline_rss = current_rss_bytes();
   OneRankTrainer trainer(plan, device.device);
+  if (device.is_cuda())
+    me.where += trainer.expert_kernel() == ExpertKernel::kGrouped ? ", experts as grouped GEMMs" : ", experts one by one";
   std::unique_ptr<RoutingReplay> replay;
   if (!o.replay_routing.empty()) {
     replay = std::make_unique<RoutingReplay>(o.replay_routing, o.out_dir + "/routing-replay.json", plan.model,

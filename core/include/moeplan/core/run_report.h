@@ -39,9 +39,10 @@ struct RunReport {
   int64_t peak_rss_bytes = 0;  // the largest rank's
   // Ranks on a GPU: the CUDA caching allocator's peaks of allocated and reserved bytes, and the
   // device memory at its peak as the driver would count it (what was in use on the device before
-  // the model, the context with it, plus the peak reserved); empty on CPU ranks.
+  // the model, the context with it, plus the peak reserved), and of the allocated bytes those
+  // cuBLAS's workspaces held (the framework's, not the model's); empty on CPU ranks.
   std::vector<int64_t> peak_device_allocated_bytes_per_rank, peak_device_reserved_bytes_per_rank,
-      peak_device_bytes_per_rank;
+      peak_device_bytes_per_rank, device_workspace_bytes_per_rank;
   int64_t peak_device_bytes = 0;  // the largest rank's
   // What the memory model's device bytes are measured against: the device's peak on a GPU, the
   // resident set's on CPU ranks.

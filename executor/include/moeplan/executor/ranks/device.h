@@ -102,9 +102,19 @@ struct DeviceMemory {
   int64_t reserved = 0;                           // now
   int64_t peak_allocated = 0, peak_reserved = 0;  // since the last reset_device_peaks
   int64_t used = 0, total = 0;  // the whole device as the driver counts it (every process, the context too)
+  // cuBLAS's workspaces, one per handle and stream that ran a matrix multiply (each thread has its
+  // own handle, so forward and autograd's backward take one each): taken from the caching
+  // allocator and counted in its allocated bytes, but the framework's, not the model's.
+  int64_t blas_workspaces = 0;
 };
 DeviceMemory device_memory(const torch::Device& device);
+int64_t device_allocated_bytes(const torch::Device& device);  // the caching allocator's now (0 on the CPU)
 void reset_device_peaks(const torch::Device& device);
+
+// PyTorch's profiler (Kineto) over what this process runs from start to save: its operators on
+// every thread and, on a GPU, its kernels and copies; saved as a Chrome trace (JSON). One at a time.
+void start_kernel_trace(const torch::Device& device);
+void save_kernel_trace(const torch::Device& device, const std::string& path);
 
 // A copy of `t` on `device`; from pinned host memory without blocking the host where it can.
 torch::Tensor to_device(const torch::Tensor& t, const torch::Device& device);

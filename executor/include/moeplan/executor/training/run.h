@@ -39,6 +39,9 @@ struct RunOptions {
   // Steps in a row whose loss or gradients held a NaN or an Inf: each is skipped (no update),
   // and this many end the run with an error naming where it began.
   int64_t max_nonfinite_steps = 3;
+  // The step whose operators and kernels PyTorch's profiler records into
+  // out_dir/kernels-rank-R.json (a Chrome trace); 0: none.
+  int64_t kernel_trace_step = 0;
   // A rehearsal's runs (rehearsal.h): the layout records its routing into this folder, the
   // one-rank reference replays the record in that folder (routing_record.h); a layout that
   // records may carry a fault planted by the rehearsal's test hook (rehearsal_fault.h).

@@ -36,6 +36,9 @@ class PhaseClock {
   const std::vector<TraceEvent>& events() const { return events_; }
   const std::vector<MemorySample>& memory() const { return memory_; }
   void set_rank(int64_t rank) { rank_ = rank; }
+  // A rank on a GPU: the memory curve samples the device's allocated bytes (the caching
+  // allocator's, cuBLAS's workspaces in them), not the host's tensors.
+  void set_device(const torch::Device& device) { device_ = device; }
 
  private:
   void sample_memory(Clock::time_point at);
@@ -49,6 +52,7 @@ class PhaseClock {
   std::vector<MarkedSpan> marked_;
   Clock::time_point origin_ = Clock::now();
   int64_t rank_ = 0;
+  torch::Device device_ = torch::kCPU;
 };
 
 // Resident set of this process now (VmRSS) and at its peak (VmHWM), in bytes; 0 where /proc is
@@ -67,6 +71,7 @@ struct RankMeasurement {
   // On a GPU (0 on the CPU): the caching allocator's peaks over the steps, and the device memory
   // in use before the model (its CUDA context; the driver counts every process on the device).
   int64_t peak_device_allocated_bytes = 0, peak_device_reserved_bytes = 0, baseline_device_bytes = 0;
+  int64_t device_workspace_bytes = 0;  // cuBLAS's, within the allocated bytes (DeviceMemory::blas_workspaces)
   std::vector<TraceEvent> events;  // of the last step
   std::vector<MemorySample> memory;
 };
