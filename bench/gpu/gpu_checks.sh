@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of the executor on one GPU machine, in one go (about 5 minutes on an H100; the
+# Every GPU check of the executor on one GPU machine, in one go (about 4 minutes on an H200; the
 # parts' own headers say what each runs): ranks sharing the GPU (bench/gpu/gpu_ranks.sh: the GPU
 # tests, a 4-rank hybrid-shard run and how much of its all-gathers compute hid), then one rank at
 # the GPU's speed (bench/gpu/one_gpu.sh: calibrate, plan, train mixtral-1gpu and the eager

@@ -15,7 +15,7 @@
 # gpu.txt, gpu_test.log, gpu_test.json, run-e2s2.log, report-e2s2.json, trace-e2s2.json and
 # overlap-e2s2.txt (bench/gpu/overlap.py: the share of the shard all-gathers hidden behind compute).
 # Environment: STEPS (the 4-rank run's steps, default 20), GPU_TEST_TIMEOUT (seconds the GPU tests
-# may take, default 300). Not yet run on a GPU.
+# may take, default 300). On an H200, 2026-11-30: about 2 minutes (docs/executor.md, "Ranks on GPUs").
 #
 # On a device machine (nothing is fetched there; the binaries and the data are carried):
 #   here:  scripts/build-for-torch 2.11.0 build-gpu      # the version of that machine's torch
@@ -47,9 +47,9 @@ m["name"], m["vocab_size"] = "mixtral-tiny-v512", 512
 json.dump(m, open(sys.argv[2], "w"), indent=1)
 EOF
 "$moeplan" search --gpus 4 --instance p5.48xlarge --model "$model" --seq-len 64 --global-batch-tokens 1024 \
-  --precision fp32 --micro-batch 1 --kernels eager --attention flash --expert-parallel-degree 2 --hybrid-shard-degree 2 --tensor-parallel-degree 1 \
-  --pipeline-parallel-degree 1 --checkpointing none --offload off --target moeplan --out "$work/plan-e2s2.json" \
-  2>&1 | tail -3
+  --precision fp32 --micro-batch 1 --kernels eager --attention flash --expert-parallel-degree 2 \
+  --hybrid-shard-degree 2 --tensor-parallel-degree 1 --pipeline-parallel-degree 1 --checkpointing none --offload off \
+  --target moeplan --out "$work/plan-e2s2.json" 2>&1 | tail -3
 "$moeplan" run "$work/plan-e2s2.json" --data "$data" --out "$work/run-e2s2" --steps "${STEPS:-20}" --timeout 120 \
   2>&1 | tee "$out/run-e2s2.log" | tail -16 || status=1
 cp "$work/run-e2s2/report.json" "$out/report-e2s2.json" 2>/dev/null || status=1
