@@ -3,11 +3,12 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
+
+#include "moeplan/executor/ranks/device.h"
 
 #if MOEPLAN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -253,16 +254,10 @@ void ActivationStore::report_copies() {
   if (!copies_) return;
   DeviceCopies& c = *copies_;
   c.stream.synchronize();
-  // As DeviceMarks::time_of: the device stamps the reference a little after its host time was
-  // read, so a copy's time is never put before it was queued.
-  const auto at = [&c](const c10::cuda::CUDAEvent& e, std::chrono::steady_clock::time_point issued) {
-    const double ms = static_cast<double>(c.reference->elapsed_time(e));
-    return std::max(issued, c.reference_time + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                   std::chrono::duration<double, std::milli>(ms)));
-  };
   if (observer_)
     for (const DeviceCopies::Copy& copy : c.done)
-      observer_(copy.op, copy.bytes, at(*copy.start, copy.issued), at(*copy.end, copy.issued));
+      observer_(copy.op, copy.bytes, host_time_of(*c.reference, c.reference_time, *copy.start, copy.issued),
+                host_time_of(*c.reference, c.reference_time, *copy.end, copy.issued));
   c.done.clear();
   c.mark_reference();
 }

@@ -168,6 +168,18 @@ struct DeviceMarks::Events {
 struct DeviceMarks::Events {};
 #endif
 
+#if MOEPLAN_WITH_CUDA
+std::chrono::steady_clock::time_point host_time_of(const c10::cuda::CUDAEvent& reference,
+                                                   std::chrono::steady_clock::time_point reference_time,
+                                                   c10::cuda::CUDAEvent& event,
+                                                   std::chrono::steady_clock::time_point queued) {
+  event.synchronize();
+  const double ms = static_cast<double>(reference.elapsed_time(event));
+  return std::max(queued, reference_time + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                               std::chrono::duration<double, std::milli>(ms)));
+}
+#endif
+
 DeviceMarks::DeviceMarks(const torch::Device& device) : device_(device) { restart(); }
 DeviceMarks::~DeviceMarks() = default;
 DeviceMarks::DeviceMarks(DeviceMarks&&) noexcept = default;
@@ -196,14 +208,7 @@ size_t DeviceMarks::mark() {
 DeviceMarks::Clock::time_point DeviceMarks::time_of(size_t i) {
 #if MOEPLAN_WITH_CUDA
   if (events_) {
-    c10::cuda::CUDAEvent& e = *events_->marks.at(i);
-    e.synchronize();
-    const double ms = static_cast<double>(events_->reference->elapsed_time(e));
-    // The reference's host time is read after its event was queued, and the device stamps an
-    // event when it reaches it, a few microseconds later: a mark reached at once could come out
-    // before it was made. No mark is reached before it is made.
-    return std::max(host_.at(i), events_->reference_time + std::chrono::duration_cast<Clock::duration>(
-                                                               std::chrono::duration<double, std::milli>(ms)));
+    return host_time_of(*events_->reference, events_->reference_time, *events_->marks.at(i), host_.at(i));
   }
 #endif
   return host_.at(i);

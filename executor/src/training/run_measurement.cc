@@ -19,13 +19,18 @@ void PhaseClock::start_step() {
 }
 
 void PhaseClock::sample_memory(Clock::time_point at) {
-  TensorBytes bytes = tensor_bytes();
-  if (device_.is_cuda()) bytes.live = bytes.peak = device_allocated_bytes(device_);
-  if (bytes.peak == 0) return;  // tensors are not counted in this process
+  int64_t live = 0;
+  if (device_.is_cuda()) {
+    live = device_allocated_bytes(device_);
+  } else {
+    const TensorBytes bytes = tensor_bytes();
+    if (bytes.peak == 0) return;  // tensors are not counted in this process
+    live = bytes.live;
+  }
   MemorySample m;
   m.rank = rank_;
   m.time_ns = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(at - origin_).count());
-  m.bytes = static_cast<double>(bytes.live);
+  m.bytes = static_cast<double>(live);
   memory_.push_back(m);
 }
 

@@ -14,6 +14,12 @@
 
 #include "moeplan/core/cluster_spec.h"
 
+#if MOEPLAN_WITH_CUDA
+namespace c10::cuda {
+struct CUDAEvent;
+}
+#endif
+
 namespace moeplan::executor {
 
 struct ComputeDevice {
@@ -68,6 +74,18 @@ int64_t cuda_device_count();
 
 // Waits for the work queued on `device` (nothing on the CPU): host clocks then time what ran.
 void wait_for(const torch::Device& device);
+
+#if MOEPLAN_WITH_CUDA
+// When the device reached `event`, on the host clock: its time after `reference`, an event
+// recorded on the idle device whose host time `reference_time` was read just after, but never
+// before `queued`, when the event was queued (the device stamps the reference a few
+// microseconds after its host time is read, so an event reached at once could come out earlier).
+// Waits for the event.
+std::chrono::steady_clock::time_point host_time_of(const c10::cuda::CUDAEvent& reference,
+                                                   std::chrono::steady_clock::time_point reference_time,
+                                                   c10::cuda::CUDAEvent& event,
+                                                   std::chrono::steady_clock::time_point queued);
+#endif
 
 // Marks in a device's queue of work, read as host times once the work has run, so that a step
 // is timed without waiting for the device between its phases. On a GPU each mark is an event,
