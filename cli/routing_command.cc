@@ -1,7 +1,9 @@
 // `moeplan routing RUN`: how a run's router spread the tokens (core/routing_summary.h), and the
 // measured routing profile that `--routing FILE` plans with.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "command.h"
@@ -30,17 +32,20 @@ int summarise(const RoutingOptions& o) {
     const std::vector<StepRecord> steps = read_step_records(metrics);
     std::printf("routing of %s: %s", o.run_dir.c_str(),
                 format_routing_summary(summarise_routing(steps, o.from_step, o.expert_degree, metrics)).c_str());
-    if (o.predict) {
+    // Each step predicted from its own loads: printed with --predict; the profile written keeps
+    // how the steps varied beyond that (its step spread).
+    std::optional<validation::RoutingCheck> check;
+    if (o.predict || (!o.out.empty() && std::filesystem::exists(o.run_dir + "/plan.json"))) {
       Plan plan = read_plan_file(o.run_dir + "/plan.json");
       if (!o.profile.empty())
         plan.cluster = planner::size_cluster(load_hardware(o.profile, profile_dir("")), plan.parallel.world_size);
-      std::printf("%s", validation::format_routing_check(
-                            validation::predict_steps_from_routing(plan, steps, o.from_step, metrics))
-                            .c_str());
+      check = validation::predict_steps_from_routing(plan, steps, o.from_step, metrics);
     }
+    if (o.predict) std::printf("%s", validation::format_routing_check(*check).c_str());
     if (!o.out.empty()) {
-      const RoutingProfile profile = measured_routing_profile(
+      RoutingProfile profile = measured_routing_profile(
           steps, o.from_step, "measured by moeplan run " + o.run_dir + " from step " + std::to_string(o.from_step));
+      if (check) profile.step_spread = validation::step_spread(*check);
       write_routing_profile(profile, o.out);
       std::printf("wrote %s: %s\n", o.out.c_str(), describe_routing(profile).c_str());
     }
@@ -67,7 +72,7 @@ Command add_routing_command(CLI::App& app) {
   cmd->add_flag("--predict", o->predict,
                 "Predict each step from its measured expert loads with the run's plan.json, against the measured step");
   cmd->add_option("--profile", o->profile,
-                  "With --predict: price the run's plan on this hardware profile (name or .json) instead of the one "
+                  "With --predict or --out: price the run's plan on this hardware profile (name or .json) instead of the one "
                   "in its plan.json, e.g. one calibrated since");
   return {cmd, [o] { return summarise(*o); }};
 }

@@ -4,10 +4,12 @@
 #include <cassert>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <numbers>
 
 #include "moeplan/core/errors.h"
+#include "moeplan/core/fit.h"
 #include "moeplan/core/plan.h"
 
 namespace moeplan {
@@ -18,6 +20,7 @@ constexpr int64_t kRoutingSchemaVersion = 1;
 constexpr int64_t kRoutingMaxExperts = 65536;
 constexpr int64_t kRoutingMaxLayers = 4096;
 constexpr int64_t kRoutingMaxSlots = int64_t{1} << 50;
+constexpr size_t kRoutingMaxSpread = 1 << 20;
 
 constexpr std::pair<std::string_view, RoutingKind> kRoutingKindNames[] = {
     {"balanced", RoutingKind::kBalanced}, {"skew", RoutingKind::kSkew}, {"measured", RoutingKind::kMeasured}};
@@ -81,6 +84,31 @@ std::vector<std::vector<std::vector<int64_t>>> read_slots(const Json* raw, const
       }
       batches.push_back(std::move(counts));
     }
+  }
+  return out;
+}
+
+// The step spread: 1 to kRoutingMaxSpread ratios, each above 0 and at most 100, in ascending
+// order (as `moeplan routing --out` writes them).
+std::vector<double> read_spread(const Json& raw, const std::string& path, Diagnostics& d) {
+  if (!raw.is_array() || raw.empty() || raw.size() > kRoutingMaxSpread) {
+    d.error(path, "expected a list of 1 to " + std::to_string(kRoutingMaxSpread) +
+                      " ratios (measured step over predicted, over their median), got " + describe_json(raw));
+    return {};
+  }
+  std::vector<double> out;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    const Json& x = raw[i];
+    const std::string at = path + "[" + std::to_string(i) + "]";
+    if (!x.is_number() || !(x.get<double>() > 0) || !(x.get<double>() <= 100)) {
+      d.error(at, "expected a ratio above 0 and at most 100, got " + describe_json(x));
+      return {};
+    }
+    if (!out.empty() && x.get<double>() < out.back()) {
+      d.error(at, "= " + x.dump() + " is below the ratio before it: the spread is sorted, lowest first");
+      return {};
+    }
+    out.push_back(x.get<double>());
   }
   return out;
 }
@@ -200,14 +228,17 @@ RoutingProfile routing_profile_from_spec(const std::string& spec, const std::str
 }
 
 std::string describe_routing(const RoutingProfile& r) {
-  switch (r.kind) {
-    case RoutingKind::kBalanced: return "balanced";
-    case RoutingKind::kSkew: return "skew:" + skew_text(r.skew);
-    case RoutingKind::kMeasured:
-      return "measured (" + std::to_string(r.layers()) + " layers x " + std::to_string(r.micro_batches()) +
-             " micro-batches)";
+  std::string out = "balanced";
+  if (r.kind == RoutingKind::kSkew) out = "skew:" + skew_text(r.skew);
+  if (r.kind == RoutingKind::kMeasured)
+    out = "measured (" + std::to_string(r.layers()) + " layers x " + std::to_string(r.micro_batches()) +
+          " micro-batches)";
+  if (!r.step_spread.empty()) {
+    char spread[64];
+    std::snprintf(spread, sizeof spread, " with steps spread to %.2f x at the p95", quantile(r.step_spread, 0.95));
+    out += spread;
   }
-  return "balanced";
+  return out;
 }
 
 RoutingProfile routing_profile_from_json(const Json& json, const std::string& origin) {
@@ -235,6 +266,8 @@ RoutingProfile routing_profile_from_json(const Json& json, const std::string& or
     const Json* slots = top.child("slots");
     if (d.empty()) r.slots = read_slots(slots, "slots", r.num_experts, d);
   }
+  if (const Json* spread = top.child("step_spread", true); spread != nullptr && d.empty())
+    r.step_spread = read_spread(*spread, "step_spread", d);
   top.finish();
   d.throw_if_any(origin);
   return r;
@@ -255,6 +288,7 @@ Json routing_profile_json(const RoutingProfile& r) {
     j["experts_per_token"] = r.experts_per_token;
     j["slots"] = r.slots;
   }
+  if (!r.step_spread.empty()) j["step_spread"] = r.step_spread;
   return j;
 }
 

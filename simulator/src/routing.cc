@@ -83,6 +83,10 @@ RoutedStep simulate_routing(const RunConfig& config, const LayoutShapes& shapes,
   const double slots = static_cast<double>(delay.expert_degree() * p.micro_batch_size *
                                            p.local_seq_len(config.training.seq_len) * m.experts_per_token);
   RoutingRng rng(seed);
+  // The profile's step spread, drawn from a stream of its own: the routing draws are the same
+  // with it and without.
+  RoutingRng spread_rng(seed ^ 0x5bd1e995ULL);
+  const std::vector<double>& spread = profile.step_spread;
   std::vector<double> loads;
   double dropped = 0;
   for (int64_t d = 0; d < draws; ++d) {
@@ -93,7 +97,11 @@ RoutedStep simulate_routing(const RunConfig& config, const LayoutShapes& shapes,
         loads.push_back(busiest_rank_load(shares, delay.expert_degree(), config.moe));
         dropped += dropped_fraction(shares, config.moe);
       }
-    out.step_s.push_back(base_step_s + delay.delay_s(step));
+    double step_s = base_step_s + delay.delay_s(step);
+    if (!spread.empty())
+      step_s *= spread[std::min(static_cast<size_t>(spread_rng.uniform() * static_cast<double>(spread.size())),
+                                spread.size() - 1)];
+    out.step_s.push_back(step_s);
   }
   out.dropped_fraction = loads.empty() ? 0.0 : dropped / static_cast<double>(loads.size());
   out.median_s = quantile(out.step_s, 0.5);

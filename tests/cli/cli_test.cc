@@ -803,6 +803,7 @@ TEST_F(Cli, RoutingSummarisesARunAndWritesItsProfile) {
   EXPECT_EQ(profile.micro_batches(), 6);
   EXPECT_EQ(profile.experts_per_token, 2);
   EXPECT_EQ(profile.slots[0][1], (std::vector<int64_t>{16, 8, 4, 4}));
+  EXPECT_TRUE(profile.step_spread.empty());  // no plan.json beside it to predict the steps with
 
   const Outcome missing = dir.moeplan("routing nowhere");
   EXPECT_EQ(missing.exit_code, 2) << show(missing);
@@ -888,6 +889,17 @@ TEST_F(Cli, StepsArePredictedFromTheirMeasuredLoads) {
   const Outcome predicted = dir.moeplan("routing run --predict");
   ASSERT_EQ(predicted.exit_code, 0) << show(predicted);
   EXPECT_NE(predicted.out.find("median |error| over 2 steps"), std::string::npos) << predicted.out;
+  // The profile it writes keeps how the steps varied beyond their loads: both measured 1.0 s,
+  // predicted apart, so over the median of the two ratios one lies below 1 and one above.
+  const Outcome profiled = dir.moeplan("routing run --out routing.json");
+  ASSERT_EQ(profiled.exit_code, 0) << show(profiled);
+  const double r0 = 1.0 / check.steps[0].predicted_s, r1 = 1.0 / check.steps[1].predicted_s;
+  const double middle = (r0 + r1) / 2;
+  const RoutingProfile written = read_routing_profile((dir / "routing.json").string());
+  ASSERT_EQ(written.step_spread.size(), 2u);
+  EXPECT_NEAR(written.step_spread[0], r1 / middle, 1e-12);  // the slower prediction, the lower ratio
+  EXPECT_NEAR(written.step_spread[1], r0 / middle, 1e-12);
+  EXPECT_EQ(written.step_spread, validation::step_spread(check));
   std::ofstream(dir / "run" / "metrics.jsonl", std::ios::trunc) << to_json_line(step(1, 1.0, slots / 2)).substr(0, 40);
   EXPECT_EQ(dir.moeplan("routing run --predict").exit_code, 2);
 }

@@ -75,8 +75,12 @@ TEST(RoutingProfile, EveryKindReadsBackAsWritten) {
   skew.kind = RoutingKind::kSkew;
   skew.skew = 3.25;
   skew.source = "by hand";
-  for (const RoutingProfile& r : {RoutingProfile{}, skew, measured()})
+  RoutingProfile spread = measured();
+  spread.step_spread = {0.92, 1.0, 1.0, 1.31};
+  for (const RoutingProfile& r : {RoutingProfile{}, skew, measured(), spread})
     EXPECT_EQ(routing_profile_from_json(routing_profile_json(r), "x"), r);
+  EXPECT_FALSE(routing_profile_json(measured()).contains("step_spread"));  // written only when measured
+  EXPECT_EQ(describe_routing(spread), "measured (2 layers x 3 micro-batches) with steps spread to 1.26 x at the p95");
 }
 
 TEST(RoutingProfile, BadFilesAreRefusedNamingTheField) {
@@ -96,6 +100,14 @@ TEST(RoutingProfile, BadFilesAreRefusedNamingTheField) {
   EXPECT_TRUE(mentions(refused([](Json& j) { j["schema_version"] = 2; }), "schema_version: = 2"));
   EXPECT_TRUE(mentions(refused([](Json& j) { j["skew"] = 2; }), "skew: unknown field"));  // not a measured profile's
   EXPECT_TRUE(mentions(refused([](Json& j) { j.erase("num_experts"); }), "num_experts"));
+  EXPECT_TRUE(mentions(refused([](Json& j) { j["step_spread"] = Json::array(); }), "step_spread: expected a list"));
+  EXPECT_TRUE(mentions(refused([](Json& j) { j["step_spread"] = 1.2; }), "step_spread: expected a list"));
+  EXPECT_TRUE(mentions(refused([](Json& j) { j["step_spread"] = {0.9, 0.0}; }),
+                       "step_spread[1]: expected a ratio above 0"));
+  EXPECT_TRUE(mentions(refused([](Json& j) { j["step_spread"] = {1.0, "1.2"}; }), "step_spread[1]: expected a ratio"));
+  EXPECT_TRUE(mentions(refused([](Json& j) { j["step_spread"] = {1.0, 101}; }), "step_spread[1]: expected a ratio"));
+  EXPECT_TRUE(mentions(refused([](Json& j) { j["step_spread"] = {1.1, 0.9}; }), "step_spread[1]: = 0.9 is below"));
+  EXPECT_TRUE(refused([](Json& j) { j["step_spread"] = {0.9, 1.0, 1.4}; }).empty());
   EXPECT_TRUE(refused([](Json&) {}).empty());
   Json skew = {{"schema_version", 1}, {"kind", "skew"}, {"skew", 0.5}};
   EXPECT_TRUE(mentions(problems([&] { routing_profile_from_json(skew, "x"); }), "skew: "));

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <tuple>
 #include <vector>
 
@@ -176,6 +177,41 @@ TEST(RoutedStep, DrawsSpreadTheStepAndTheLoad) {
   const double alone_base = estimate_step(alone, alone_shapes).step_time_s;
   EXPECT_EQ(simulate_routing(alone, alone_shapes, alone_base, routing_profile_from_spec("skew:2"), 4, 1).median_s,
             alone_base);
+}
+
+// A profile's step spread multiplies each drawn step by one of its ratios, drawn apart from the
+// routing: the routing draws are the same with it and without, each step is its spreadless
+// step times a ratio of the spread, and the drawn p95 holds the spread's tail.
+TEST(RoutedStep, AStepSpreadMultipliesEachDrawAndLeavesTheRoutingAlone) {
+  const test::Scenario c = eight_experts();
+  const RunConfig config = c.config();
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  const double base = estimate_step(config, shapes).step_time_s;
+  const RoutingProfile skew = routing_profile_from_spec("skew:2");
+  const RoutedStep alone = simulate_routing(config, shapes, base, skew, 200, 1);
+  RoutingProfile spread = skew;
+  spread.step_spread = {1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5};
+  const RoutedStep with = simulate_routing(config, shapes, base, spread, 200, 1);
+  ASSERT_EQ(with.step_s.size(), alone.step_s.size());
+  int slow = 0;
+  for (size_t d = 0; d < with.step_s.size(); ++d) {
+    const double ratio = with.step_s[d] / alone.step_s[d];
+    EXPECT_TRUE(std::abs(ratio - 1.0) < 1e-12 || std::abs(ratio - 1.5) < 1e-12) << d << ": " << ratio;
+    slow += ratio > 1.25;
+  }
+  EXPECT_GT(slow, 8);   // about one draw in ten, 20 of 200
+  EXPECT_LT(slow, 40);
+  EXPECT_EQ(with.load_p99, alone.load_p99);
+  EXPECT_GE(with.median_s, alone.median_s);  // ratios of 1 in the middle
+  EXPECT_LT(with.median_s, 1.1 * alone.median_s);
+  EXPECT_GT(with.p95_s, 1.3 * alone.median_s);
+  // Balanced routing with a spread: the steps vary by the spread alone.
+  RoutingProfile even;
+  even.step_spread = {0.9, 1.0, 1.2};
+  const RoutedStep spread_only = simulate_routing(config, shapes, base, even, 64, 1);
+  for (double s : spread_only.step_s)
+    EXPECT_TRUE(std::abs(s / base - 0.9) < 1e-12 || std::abs(s / base - 1.0) < 1e-12 || std::abs(s / base - 1.2) < 1e-12);
+  EXPECT_NEAR(spread_only.p95_s, 1.2 * base, 1e-9 * base);
 }
 
 }  // namespace

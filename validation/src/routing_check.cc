@@ -95,6 +95,18 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
   return out;
 }
 
+std::vector<double> step_spread(const RoutingCheck& c) {
+  std::vector<double> ratios;
+  for (const PredictedStep& s : c.steps)
+    if (s.predicted_s > 0) ratios.push_back(s.measured_s / s.predicted_s);
+  if (ratios.empty()) return ratios;
+  const double middle = median(ratios);
+  // A profile holds ratios up to 100 (a step a hundred times its median is a stall, not spread).
+  for (double& r : ratios) r = std::min(r / middle, 100.0);
+  std::sort(ratios.begin(), ratios.end());
+  return ratios;
+}
+
 std::string format_routing_check(const RoutingCheck& c) {
   std::string out;
   char line[200];

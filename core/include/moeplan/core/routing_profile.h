@@ -35,6 +35,12 @@ struct RoutingProfile {
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
   std::vector<std::vector<std::vector<int64_t>>> slots;  // [layer][micro-batch][expert]
+  // Any kind, optional: how the steps of a run varied beyond what their routing explains --
+  // each measured step over the step predicted from its own expert loads, over the median of
+  // those ratios (so the median is 1), sorted. A run on a shared machine, or a cluster with
+  // stragglers, varies by more than its routing; a draw's step is multiplied by one of these
+  // (seeded), so the drawn p95 holds that too. Empty: steps vary by their routing alone.
+  std::vector<double> step_spread;
 
   int64_t layers() const { return static_cast<int64_t>(slots.size()); }
   int64_t micro_batches() const { return slots.empty() ? 0 : static_cast<int64_t>(slots.front().size()); }

@@ -60,7 +60,8 @@ struct RoutedStep {
   double dropped_fraction = 0;  // of the slots, at the plan's capacity factor (0 when dropless)
 };
 
-// `draws` steps drawn from `profile` (seeded), each `base_step_s` plus its delay.
+// `draws` steps drawn from `profile` (seeded), each `base_step_s` plus its delay, times a ratio
+// drawn from the profile's step spread where it has one.
 RoutedStep simulate_routing(const RunConfig& config, const LayoutShapes& shapes, double base_step_s,
                             const RoutingProfile& profile, int64_t draws, uint64_t seed);
 

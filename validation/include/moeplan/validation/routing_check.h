@@ -38,4 +38,9 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
                                         const std::string& origin);
 std::string format_routing_check(const RoutingCheck& check);
 
+// How the steps varied beyond what their routing explains: each measured step over the step
+// predicted from its own loads, over the median of those ratios (so their median is 1), sorted
+// (a measured routing profile's step_spread).
+std::vector<double> step_spread(const RoutingCheck& check);
+
 }  // namespace moeplan::validation
