@@ -33,13 +33,21 @@ int summarise(const RoutingOptions& o) {
     std::printf("routing of %s: %s", o.run_dir.c_str(),
                 format_routing_summary(summarise_routing(steps, o.from_step, o.expert_degree, metrics)).c_str());
     // Each step predicted from its own loads: printed with --predict; the profile written keeps
-    // how the steps varied beyond that (its step spread).
+    // how the steps varied beyond that (its step spread), or goes without it, saying why, where
+    // the run's plan.json cannot price them.
     std::optional<validation::RoutingCheck> check;
     if (o.predict || (!o.out.empty() && std::filesystem::exists(o.run_dir + "/plan.json"))) {
-      Plan plan = read_plan_file(o.run_dir + "/plan.json");
-      if (!o.profile.empty())
-        plan.cluster = planner::size_cluster(load_hardware(o.profile, profile_dir("")), plan.parallel.world_size);
-      check = validation::predict_steps_from_routing(plan, steps, o.from_step, metrics);
+      try {
+        Plan plan = read_plan_file(o.run_dir + "/plan.json");
+        if (!o.profile.empty())
+          plan.cluster = planner::size_cluster(load_hardware(o.profile, profile_dir("")), plan.parallel.world_size);
+        check = validation::predict_steps_from_routing(plan, steps, o.from_step, metrics);
+      } catch (const InputError& e) {
+        if (o.predict) throw;
+        print_error(e);
+        std::fprintf(stderr, "moeplan: %s is written without a step spread (its steps could not be predicted)\n",
+                     o.out.c_str());
+      }
     }
     if (o.predict) std::printf("%s", validation::format_routing_check(*check).c_str());
     if (!o.out.empty()) {

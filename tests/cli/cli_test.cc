@@ -804,6 +804,14 @@ TEST_F(Cli, RoutingSummarisesARunAndWritesItsProfile) {
   EXPECT_EQ(profile.experts_per_token, 2);
   EXPECT_EQ(profile.slots[0][1], (std::vector<int64_t>{16, 8, 4, 4}));
   EXPECT_TRUE(profile.step_spread.empty());  // no plan.json beside it to predict the steps with
+  // A plan.json that cannot price the steps: the profile is still written, without a spread, and
+  // the output says why; --predict fails on it.
+  std::ofstream(dir / "run" / "plan.json") << "{}";
+  const Outcome unpriced = dir.moeplan("routing run --out unpriced.json");
+  ASSERT_EQ(unpriced.exit_code, 0) << show(unpriced);
+  EXPECT_NE(unpriced.err.find("unpriced.json is written without a step spread"), std::string::npos) << show(unpriced);
+  EXPECT_TRUE(read_routing_profile((dir / "unpriced.json").string()).step_spread.empty());
+  EXPECT_EQ(dir.moeplan("routing run --predict").exit_code, 2);
 
   const Outcome missing = dir.moeplan("routing nowhere");
   EXPECT_EQ(missing.exit_code, 2) << show(missing);
