@@ -176,6 +176,10 @@ uint64_t RoutingRng::next() {
 // 2^52 values, each with its half step: (k + 0.5) / 2^52 is exact in a double and below 1.
 double RoutingRng::uniform() { return (static_cast<double>(next() >> 12) + 0.5) * 0x1.0p-52; }
 
+size_t RoutingRng::index(size_t n) {
+  return std::min(static_cast<size_t>(uniform() * static_cast<double>(n)), n - 1);
+}
+
 double RoutingRng::normal() {
   const double u = uniform(), v = uniform();
   return std::sqrt(-2.0 * std::log(u)) * std::cos(2.0 * std::numbers::pi * v);
@@ -328,8 +332,7 @@ StepRouting draw_step_routing(const RoutingProfile& r, int64_t num_experts, int6
     // measured layer floor(l x measured / moe_layers), early layers from early ones.
     const auto measured_layers = static_cast<size_t>(r.layers());
     for (size_t m = 0; m < out.front().size(); ++m) {
-      const auto pick = std::min(static_cast<size_t>(rng.uniform() * static_cast<double>(r.micro_batches())),
-                                 static_cast<size_t>(r.micro_batches() - 1));
+      const size_t pick = rng.index(static_cast<size_t>(r.micro_batches()));
       for (size_t l = 0; l < out.size(); ++l)
         out[l][m] = slot_shares(r.slots[l * measured_layers / out.size()][pick]);
     }
@@ -341,7 +344,7 @@ StepRouting draw_step_routing(const RoutingProfile& r, int64_t num_experts, int6
     // This step's popularity: the ranked shares dealt to the experts in a random order.
     std::vector<double> p = ranked;
     for (size_t i = n - 1; i > 0; --i)
-      std::swap(p[i], p[static_cast<size_t>(rng.uniform() * static_cast<double>(i + 1))]);
+      std::swap(p[i], p[rng.index(i + 1)]);
     for (auto& shares : layer) shares = whole_slots > 0 ? multinomial_shares(p, whole_slots, rng) : p;
   }
   return out;

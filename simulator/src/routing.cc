@@ -99,8 +99,7 @@ RoutedStep simulate_routing(const RunConfig& config, const LayoutShapes& shapes,
       }
     double step_s = base_step_s + delay.delay_s(step);
     if (!spread.empty())
-      step_s *= spread[std::min(static_cast<size_t>(spread_rng.uniform() * static_cast<double>(spread.size())),
-                                spread.size() - 1)];
+      step_s *= spread[spread_rng.index(spread.size())];
     out.step_s.push_back(step_s);
   }
   out.dropped_fraction = loads.empty() ? 0.0 : dropped / static_cast<double>(loads.size());

@@ -12,6 +12,7 @@
 // standard library, whose distributions differ between implementations (pow, exp, log and cos
 // still come from the C library).
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -79,6 +80,7 @@ class RoutingRng {
   explicit RoutingRng(uint64_t seed) : state_(seed) {}
   uint64_t next();
   double uniform();  // in (0, 1)
+  size_t index(size_t n);  // one of 0 .. n - 1, each as likely (n > 0)
   double normal();   // standard normal (Box-Muller)
 
  private:
