@@ -6,8 +6,11 @@
 #include <vector>
 
 #include "command.h"
+#include "moeplan/core/process.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_command_line(int argc, char** argv) {
   using namespace moeplan::cli;
   CLI::App app{"moeplan: plan, simulate and run Mixture-of-Experts pretraining"};
   app.require_subcommand(1);
@@ -33,3 +36,9 @@ int main(int argc, char** argv) {
     if (command.app->parsed()) return command.run();
   return moeplan::kExitBadInput;
 }
+
+}  // namespace
+
+// Everything the command wrote is closed by the time it returns: the process ends without the
+// static destructors (end_process).
+int main(int argc, char** argv) { moeplan::end_process(run_command_line(argc, argv)); }

@@ -12,6 +12,20 @@
 #include <filesystem>
 #include <iostream>
 
+#if defined(__SANITIZE_ADDRESS__)
+#define MOEPLAN_LEAK_CHECK 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MOEPLAN_LEAK_CHECK 1
+#endif
+#endif
+#ifndef MOEPLAN_LEAK_CHECK
+#define MOEPLAN_LEAK_CHECK 0
+#endif
+#if MOEPLAN_LEAK_CHECK
+#include <sanitizer/lsan_interface.h>
+#endif
+
 extern char** environ;
 
 namespace moeplan {
@@ -105,6 +119,16 @@ bool one_thread_runs() {
   return !error && threads == 1;
 }
 
+void end_process(int code) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+#if MOEPLAN_LEAK_CHECK
+  __lsan_do_leak_check();
+#endif
+  ::_exit(code);
+}
+
 pid_t start_copy(const std::function<int()>& body, const std::vector<int>& blocked_signals) {
   std::cout.flush();
   std::cerr.flush();
@@ -124,7 +148,7 @@ pid_t start_copy(const std::function<int()>& body, const std::vector<int>& block
   } catch (...) {
     std::fprintf(stderr, "moeplan: error: an unknown error\n");
   }
-  std::exit(code);
+  end_process(code);
 }
 
 ChildExit wait_for_child(pid_t pid) {

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <future>
 #include <fstream>
@@ -138,6 +139,24 @@ TEST(Process, ACopyDoesNotWriteAgainWhatStdoutHeld) {
   ::close(saved);
   EXPECT_EQ(ended.code, 0);
   EXPECT_EQ(read_file(log), "held;copy;here");
+  std::filesystem::remove(log);
+}
+
+// Set while the test below runs: where an exit handler of this program writes that it ran.
+std::string exit_handler_log;
+void note_exit_handler() {
+  if (!exit_handler_log.empty()) std::ofstream(exit_handler_log) << "ran in " << ::getpid();
+}
+
+TEST(Process, ACopyRunsNoneOfThisProcesssExitHandlers) {
+  static const int registered = std::atexit(note_exit_handler);
+  ASSERT_EQ(registered, 0);
+  exit_handler_log = temporary_path("process-copy-atexit");
+  const ChildExit ended = wait_for_child(start_copy([] { return 0; }));
+  const std::string log = exit_handler_log;
+  exit_handler_log.clear();
+  EXPECT_EQ(ended.code, 0);
+  EXPECT_FALSE(std::filesystem::exists(log)) << read_file(log);
   std::filesystem::remove(log);
 }
 

@@ -34,9 +34,16 @@ pid_t start_child(const ChildProgram& program);
 // Whether this process runs one thread only (/proc/self/task); false when that cannot be read.
 bool one_thread_runs();
 
+// Ends this process with `code` once what its streams hold is written: without the exit handlers
+// and static destructors, which have nothing left to write by then (LibTorch's alone unregister
+// some thousand operators; in a copy of start_copy they are the copied process's and would run a
+// second time). Under LeakSanitizer its leaks are looked for first, as at a normal exit. For the
+// end of main and of a copy's body, when every object that writes a file has been destroyed.
+[[noreturn]] void end_process(int code);
+
 // Starts a copy of this process (fork without exec): a child that runs `body` and exits with the
-// code it returns, through std::exit as if main had returned it (an exception out of `body` is
-// printed and exits 1; it never returns into the caller's code). The copy shares the program
+// code it returns (an exception out of `body` is printed and exits 1; it never returns into the
+// caller's code). It ends through end_process. The copy shares the program
 // this process has loaded instead of loading it again. Only a process that runs one thread may
 // copy itself (one_thread_runs()): a lock that another thread held would stay held in the copy.
 // What stdout and std::cout hold is written out first, so that the copy does not write it again;
