@@ -39,7 +39,7 @@ function(moeplan_add_library)
   moeplan_unity(${target})
 endfunction()
 
-# moeplan_add_test(NAME <name> SOURCES ... DEPS ... [LABELS fast|slow] [TIMEOUT s] [SERIAL] [ONE_PROCESS])
+# moeplan_add_test(NAME <name> SOURCES ... DEPS ... [LABELS fast|slow|viewer] [TIMEOUT s] [SERIAL] [ONE_PROCESS])
 function(moeplan_add_test)
   # SERIAL: the tests run alone (ctest starts nothing beside them), for tests that time things.
   # ONE_PROCESS: the program is one ctest test, all its tests in one process, for suites whose
@@ -75,6 +75,12 @@ function(moeplan_add_test)
     set_tests_properties(${target} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial}
                                               COST 1000)
     return()
+  endif()
+  # gtest_discover_tests hands a list in PROPERTIES on as separate words: LABELS would keep its
+  # first label and the rest of the properties would be lost.
+  list(LENGTH ARG_LABELS labels)
+  if(labels GREATER 1)
+    message(FATAL_ERROR "moeplan_add_test(NAME ${ARG_NAME}): one label for a program whose tests ctest runs one by one")
   endif()
   gtest_discover_tests(${target}
     PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} RUN_SERIAL ${serial}
