@@ -528,17 +528,33 @@ TEST_F(Cli, SearchChoosesAmongTheCapacityFactorsListed) {
 
 TEST_F(Cli, SearchPricesClusterSizesAndKeepsToTheDeadline) {
   Workdir dir;
-  const Outcome run = dir.moeplan("search --gpus 16:256 --train-tokens 1T --deadline-days 30 --objective cost --out c.json");
+  // 150B tokens: the smallest size is over the 30 days, two larger ones within, the cheaper planned.
+  const Outcome run = dir.moeplan("search --gpus 16:64 --train-tokens 150B --deadline-days 30 --objective cost --out c.json");
   ASSERT_EQ(run.exit_code, 0) << show(run);
   EXPECT_NE(run.out.find("(over the deadline)"), std::string::npos) << run.out;
   const size_t chosen = run.out.find("cheapest cluster within 30.0 days: ");
   ASSERT_NE(chosen, std::string::npos) << run.out;
   const Plan plan = read_plan_file((dir / "c.json").string());
   const planner::TrainingTime t =
-      planner::training_time(plan.cluster, plan.cluster.num_nodes, 1e12, plan.prediction.tokens_per_s,
+      planner::training_time(plan.cluster, plan.cluster.num_nodes, 150e9, plan.prediction.tokens_per_s,
                              0, 600);  // bounds: the checkpoint pause only lowers goodput further
   EXPECT_LE(t.seconds, 30 * 86400.0 * 1.01);
   EXPECT_GT(plan.cluster.instance_price_per_hour, 0);
+  // The planned size is the cheapest row within the deadline.
+  std::istringstream rows(run.out.substr(0, chosen));
+  long long cheapest_gpus = 0, within = 0;
+  double cheapest = 0;
+  for (std::string row; std::getline(rows, row);) {
+    const size_t dollar = row.find('$');
+    if (dollar == std::string::npos || row.find("(over the deadline)") != std::string::npos) continue;
+    const double dollars = std::stod(row.substr(dollar + 1));
+    if (within++ == 0 || dollars < cheapest) {
+      cheapest = dollars;
+      cheapest_gpus = std::stoll(row);
+    }
+  }
+  EXPECT_GE(within, 2) << run.out;
+  EXPECT_EQ(plan.parallel.world_size, cheapest_gpus) << run.out;
   char line[128];
   std::snprintf(line, sizeof line, "%lld x p4d.24xlarge (%lld GPUs)", static_cast<long long>(plan.cluster.num_nodes),
                 static_cast<long long>(plan.parallel.world_size));
