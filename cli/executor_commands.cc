@@ -147,6 +147,14 @@ std::string summary(const executor::Calibration& c, const ClusterSpec& p) {
       out += line;
     }
     out += "\n";
+    if (!c.pass_steal.empty()) {
+      out += "  the hypervisor's steal in each pass (share of the machine):";
+      for (double s : c.pass_steal) {
+        std::snprintf(line, sizeof line, " %.1f%%", 100 * s);
+        out += line;
+      }
+      out += "\n";
+    }
   }
   std::snprintf(line, sizeof line, "  matrix multiply: peak %.1f GFLOP/s per rank (efficiency %.2f to %.2f)\n",
                 c.peak_flops / 1e9, c.efficiency.empty() ? 0.0 : c.efficiency.front().efficiency,

@@ -119,17 +119,23 @@ RoutingSummary summarise_routing(const std::vector<StepRecord>& steps, int64_t f
       if (s->exchange_seconds.size() == ranks) seconds.push_back(s->exchange_seconds[rank]);
     r.exchange_seconds.push_back(median(seconds));
   }
-  std::vector<double> step_seconds;
+  std::vector<double> step_seconds, undisturbed_seconds;
   double dropped = 0, all_slots = 0;
   bool drops = false;
   for (const StepRecord* s : used) {
     step_seconds.push_back(s->seconds);
+    if (undisturbed(*s)) undisturbed_seconds.push_back(s->seconds);
     drops = drops || !s->dropped_slots.empty();
     dropped += static_cast<double>(s->total_dropped());
     all_slots += static_cast<double>(s->total_slots());
   }
   r.step_median_s = median(step_seconds);
   r.step_p95_s = quantile(step_seconds, 0.95);
+  r.undisturbed_steps = static_cast<int64_t>(undisturbed_seconds.size());
+  if (!undisturbed_seconds.empty()) {
+    r.undisturbed_median_s = median(undisturbed_seconds);
+    r.undisturbed_p95_s = quantile(undisturbed_seconds, 0.95);
+  }
   if (drops && all_slots > 0) r.dropped_fraction = dropped / all_slots;
   return r;
 }
@@ -188,6 +194,13 @@ std::string format_routing_summary(const RoutingSummary& r) {
   }
   std::snprintf(line, sizeof line, "step time: median %.3f s, p95 %.3f s\n", r.step_median_s, r.step_p95_s);
   out += line;
+  if (r.undisturbed_steps > 0) {
+    std::snprintf(line, sizeof line,
+                  "step time over the %lld steps the hypervisor left alone (steal under %.0f%%): median %.3f s, p95 %.3f s\n",
+                  static_cast<long long>(r.undisturbed_steps), 100 * kUndisturbedSteal, r.undisturbed_median_s,
+                  r.undisturbed_p95_s);
+    out += line;
+  }
   if (r.dropped_fraction >= 0) {
     std::snprintf(line, sizeof line, "slots dropped at capacity: %.2f%%\n", 100 * r.dropped_fraction);
     out += line;

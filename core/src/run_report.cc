@@ -6,6 +6,7 @@
 #include <map>
 
 #include "moeplan/core/fit.h"
+#include "moeplan/core/step_record.h"
 
 namespace moeplan {
 
@@ -84,6 +85,20 @@ void RunReport::set_step_seconds(std::vector<double> seconds) {
   undisturbed_step_time_s = lower_quartile(warm);
 }
 
+double RunReport::mean_steal() const {
+  const size_t from = step_steal.size() > 1 ? 1 : 0;
+  if (step_steal.size() <= from) return 0;
+  double sum = 0;
+  for (size_t i = from; i < step_steal.size(); ++i) sum += step_steal[i];
+  return sum / static_cast<double>(step_steal.size() - from);
+}
+
+int64_t RunReport::stolen_steps() const {
+  int64_t n = 0;
+  for (size_t i = step_steal.size() > 1 ? 1 : 0; i < step_steal.size(); ++i) n += step_steal[i] >= kUndisturbedSteal;
+  return n;
+}
+
 int64_t RunReport::peak_step_tensor_bytes() const {
   return peak_step_tensor_bytes_per_rank.empty()
              ? 0
@@ -117,6 +132,7 @@ Json to_json(const RunReport& r) {
                         {"peak_rss_bytes", r.peak_rss_bytes},
                         {"phase_seconds_rank0", phases},
                         {"tokens_per_expert", r.tokens_per_expert}};
+  if (!r.step_steal.empty()) report["measured"]["step_steal"] = r.step_steal;
   if (!r.peak_device_bytes_per_rank.empty()) {
     report["measured"]["peak_device_allocated_bytes_per_rank"] = r.peak_device_allocated_bytes_per_rank;
     report["measured"]["peak_device_reserved_bytes_per_rank"] = r.peak_device_reserved_bytes_per_rank;
@@ -156,6 +172,14 @@ RunReport run_report_from_json(const Json& json, const std::string& origin) {
     r.ranks = m->integer("ranks", 1, kMaxCount);
     r.steps = m->integer("steps", 0, kMaxCount);
     r.step_seconds = durations(*m, "step_seconds");
+    if (m->child("step_steal", true) != nullptr) {
+      r.step_steal = list_at<double>(*m, "step_steal", "shares", "a share from 0 to 1", [](const Json& v) {
+        return v.is_number() && v.get<double>() >= 0 && v.get<double>() <= 1;
+      });
+      if (r.step_steal.size() != r.step_seconds.size() && d.empty())
+        d.error(m->path_of("step_steal"), "has " + std::to_string(r.step_steal.size()) + " entries for " +
+                                             std::to_string(r.step_seconds.size()) + " step_seconds");
+    }
     r.step_time_s = m->number("step_time_s", 0, 1e12);
     r.undisturbed_step_time_s = m->number("undisturbed_step_time_s", 0, 1e12);
     r.tokens_per_s = m->number("tokens_per_s", 0, 1e18);

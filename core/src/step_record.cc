@@ -113,6 +113,7 @@ std::string to_json_line(const StepRecord& r) {
     j["skipped"] = true;
     j["nonfinite"] = r.nonfinite;
   }
+  if (r.steal) j["steal"] = *r.steal;
   return j.dump();
 }
 
@@ -164,6 +165,7 @@ StepRecord step_record_from_json(const Json& json, const std::string& origin) {
                                  std::to_string(r.tokens_per_expert.size()));
   r.skipped = top.boolean("skipped", false);
   if (r.skipped) r.nonfinite = top.string("nonfinite");
+  if (top.has("steal")) r.steal = top.number("steal", 0, 1);
   top.finish();
   d.throw_if_any(origin);
   return r;

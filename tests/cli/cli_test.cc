@@ -889,6 +889,41 @@ TEST_F(Cli, StepsArePredictedFromTheirMeasuredLoads) {
   EXPECT_DOUBLE_EQ(check.median_error_balanced, std::abs(check.balanced_s - 1.0));
   EXPECT_EQ(check.predicted_dropped, -1.0);  // dropless
 
+  // Steps that say how much of the machine a hypervisor took: those it left alone (under 1%) are
+  // counted apart; a run that does not say has none.
+  EXPECT_EQ(check.undisturbed_steps, 0);
+  EXPECT_EQ(validation::format_routing_check(check).find("left alone"), std::string::npos);
+  std::vector<StepRecord> stolen = steps;
+  stolen[0].steal = 0.0;
+  stolen[1].steal = 0.2;
+  const validation::RoutingCheck alone = validation::predict_steps_from_routing(plan, stolen, 1, "metrics.jsonl");
+  EXPECT_EQ(alone.undisturbed_steps, 1);
+  EXPECT_DOUBLE_EQ(alone.undisturbed_median_error, std::abs(check.steps[0].predicted_s - 1.0));
+  EXPECT_DOUBLE_EQ(alone.undisturbed_median_error_balanced, std::abs(check.balanced_s - 1.0));
+  EXPECT_DOUBLE_EQ(alone.median_error, check.median_error);  // every step still counts in the whole
+  EXPECT_NE(validation::format_routing_check(alone).find("over the 1 steps the hypervisor left alone"), std::string::npos)
+      << validation::format_routing_check(alone);
+  EXPECT_NE(validation::format_routing_check(alone).find("  20.0%\n"), std::string::npos)
+      << validation::format_routing_check(alone);
+  // A routing profile's step spread: 1 is a step the hypervisor left alone where ten or more
+  // were, so the spread keeps how much slower the others ran, their median's shift with it;
+  // with fewer, 1 is the median step. Ten steps left alone at 1 s, eleven at 20% steal and 1.2 s,
+  // the same loads.
+  std::vector<StepRecord> spread_steps;
+  for (int64_t n = 1; n <= 21; ++n) {
+    spread_steps.push_back(step(n, n <= 10 ? 1.0 : 1.2, slots / 2));
+    spread_steps.back().steal = n <= 10 ? 0.0 : 0.2;
+  }
+  std::vector<double> expected(10, 1.0);
+  expected.insert(expected.end(), 11, 1.2);
+  std::vector<double> spread = validation::step_spread(validation::predict_steps_from_routing(plan, spread_steps, 1, "m"));
+  ASSERT_EQ(spread.size(), expected.size());
+  for (size_t i = 0; i < spread.size(); ++i) EXPECT_NEAR(spread[i], expected[i], 1e-12) << i;
+  spread_steps[0].steal = 0.5;  // nine left alone: the median step, 1.2 s, is 1
+  spread = validation::step_spread(validation::predict_steps_from_routing(plan, spread_steps, 1, "m"));
+  EXPECT_NEAR(spread.front(), 1.0 / 1.2, 1e-12);
+  EXPECT_NEAR(spread.back(), 1.0, 1e-12);
+
   // At capacity factor 1 the hot micro-batches' four experts each hold 3/16 of the slots against
   // a capacity of 1/8: a quarter of their slots go, an eighth of the two steps' (the balanced
   // step drops none). What the run says it dropped is reported beside it; a run that does not

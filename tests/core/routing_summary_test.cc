@@ -57,6 +57,19 @@ TEST(RoutingSummary, BusiestOverMeanPerLayerWorkedByHand) {
   EXPECT_DOUBLE_EQ(r.step_median_s, 5.5);
   EXPECT_DOUBLE_EQ(r.step_p95_s, 9.55);
   EXPECT_EQ(r.dropped_fraction, -1.0);
+  EXPECT_EQ(r.undisturbed_steps, 0);  // the steps do not say what a hypervisor took
+  EXPECT_EQ(format_routing_summary(r).find("left alone"), std::string::npos);
+  // Steps 1 to 4 and 10 left alone (steal under 1%), 5 to 9 not: 1, 2, 3, 4, 10 s.
+  std::vector<StepRecord> stolen = ten_steps();
+  for (StepRecord& s : stolen) s.steal = s.step >= 5 && s.step <= 9 ? 0.05 : 0.002;
+  const RoutingSummary alone = summarise_routing(stolen, 1, 0, "metrics.jsonl");
+  EXPECT_EQ(alone.undisturbed_steps, 5);
+  EXPECT_DOUBLE_EQ(alone.undisturbed_median_s, 3.0);
+  EXPECT_DOUBLE_EQ(alone.undisturbed_p95_s, 4 + 0.8 * 6);  // at 3.8 of 4: 4 + 0.8 x (10 - 4)
+  EXPECT_DOUBLE_EQ(alone.step_median_s, 5.5);              // every step still counts in the whole
+  EXPECT_NE(format_routing_summary(alone).find("step time over the 5 steps the hypervisor left alone (steal under 1%)"),
+            std::string::npos)
+      << format_routing_summary(alone);
   std::vector<StepRecord> dropping = ten_steps();
   for (StepRecord& s : dropping) s.dropped_slots = {4, 0};  // 4 of a step's 64 slots
   EXPECT_DOUBLE_EQ(summarise_routing(dropping, 1, 0, "metrics.jsonl").dropped_fraction, 4.0 / 64.0);

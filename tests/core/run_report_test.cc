@@ -104,6 +104,26 @@ TEST(RunReport, StepFiguresLeaveTheWarmUpStepOut) {
   EXPECT_DOUBLE_EQ(lower_quartile({3, 1, 2, 4, 5}), 2);
 }
 
+// Each step's steal share, where the machine says it: written, read back, and counted over the
+// steps the median counts (the warm-up step left out).
+TEST(RunReport, TheStepsStealIsKeptAndCounted) {
+  RunReport r = two_rank_report();
+  EXPECT_FALSE(to_json(r)["measured"].contains("step_steal"));
+  EXPECT_DOUBLE_EQ(r.mean_steal(), 0);
+  EXPECT_EQ(r.stolen_steps(), 0);
+  r.step_steal = {0.5, 0, 0, 0.02, 0, 0.3, 0.009, 0.01};
+  EXPECT_DOUBLE_EQ(r.mean_steal(), (0.02 + 0.3 + 0.009 + 0.01) / 7);
+  EXPECT_EQ(r.stolen_steps(), 3);  // 0.02, 0.3 and 0.01; not the first step's 0.5
+  const Json written = to_json(r);
+  EXPECT_EQ(run_report_from_json(written, "report.json").step_steal, r.step_steal);
+  Json j = written;
+  j["measured"]["step_steal"][3] = 2;
+  EXPECT_TRUE(names(problems(j), "measured.step_steal[3]"));
+  j = written;
+  j["measured"]["step_steal"].erase(0);  // seven shares for eight steps
+  EXPECT_TRUE(names(problems(j), "measured.step_steal"));
+}
+
 TEST(RunReport, MeasuredSpansTakeTheSimulatorsPhaseNames) {
   const std::vector<std::pair<std::string, double>> phases = two_rank_report().phases();
   const std::vector<std::pair<std::string, double>> expected = {

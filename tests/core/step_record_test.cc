@@ -81,6 +81,23 @@ TEST(StepRecord, BadLinesNameTheField) {
   EXPECT_EQ(first_problem(j), "");  // a line written before per-micro-batch counts, or dropless
 }
 
+TEST(StepRecord, TheHypervisorsStealIsKeptWhereTheMachineSaysIt) {
+  StepRecord r = two_micro_batches();
+  EXPECT_FALSE(undisturbed(r));  // not measured: not known to be left alone
+  EXPECT_EQ(to_json_line(r).find("steal"), std::string::npos);
+  r.steal = 0.004;
+  EXPECT_TRUE(undisturbed(r));
+  EXPECT_EQ(step_record_from_json(parse_json_text(to_json_line(r), "line"), "line"), r);
+  r.steal = 0.25;
+  EXPECT_FALSE(undisturbed(r));
+  EXPECT_EQ(step_record_from_json(parse_json_text(to_json_line(r), "line"), "line").steal, 0.25);
+  Json j = parse_json_text(to_json_line(r), "line");
+  j["steal"] = 1.5;
+  EXPECT_EQ(first_problem(j).substr(0, 7), "steal: ") << first_problem(j);
+  j["steal"] = "some";
+  EXPECT_EQ(first_problem(j).substr(0, 7), "steal: ") << first_problem(j);
+}
+
 TEST(StepRecord, AFileIsReadLineByLine) {
   test::TempDir dir;
   const std::string path =

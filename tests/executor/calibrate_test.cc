@@ -10,6 +10,7 @@
 
 #include "moeplan/core/cluster_spec.h"
 #include "moeplan/core/plan.h"
+#include "moeplan/executor/training/run_measurement.h"
 #include "moeplan/simulator/op_costs.h"
 #include "run_fixture.h"
 
@@ -116,6 +117,14 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
   const double a = slowdown[0].get<double>(), b = slowdown[1].get<double>();
   EXPECT_GE(a, 1.0 - 1e-9);
   EXPECT_GE(b, 1.0 - 1e-9);
+  // Where the machine counts a hypervisor's steal, each pass says how much it took.
+  if (executor::processor_times().has_value()) {
+    ASSERT_EQ(raw.at("pass_steal").size(), 2u);
+    for (const Json& steal : raw.at("pass_steal")) {
+      EXPECT_GE(steal.get<double>(), 0.0);
+      EXPECT_LE(steal.get<double>(), 1.0);
+    }
+  }
 
   EXPECT_EQ(val.exit_code, 0) << show(val);
   const Json v = read_json_file(val_dir + "/validation.json");
@@ -138,6 +147,10 @@ TEST(Calibrate, ProfileFromTwoRanksValidatesAReducedMatrix) {
     EXPECT_GE(row.at("median_round_step_time_s").get<double>(), fastest);
     for (const Json& r : rounds) {
       EXPECT_GE(r.at("slowest_processor").get<double>(), 1.0);
+      // The share of the machine a hypervisor took over the run's steps (0 where none, or where
+      // the machine does not say).
+      EXPECT_GE(r.at("steal").get<double>(), 0.0);
+      EXPECT_LE(r.at("steal").get<double>(), 1.0);
       // Each run's steps predicted from its own routing: at least the plan's balanced step.
       EXPECT_GT(r.at("routed_step_time_s").get<double>(), 0);
     }

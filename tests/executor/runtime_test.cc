@@ -1,6 +1,9 @@
-// The live-tensor counter behind report.json's peak_tensor_bytes_per_rank.
+// The live-tensor counter behind report.json's peak_tensor_bytes_per_rank, and the machine's
+// steal behind each step's.
 
 #include "moeplan/executor/ranks/runtime.h"
+#include "moeplan/executor/training/run_measurement.h"
+#include "test_support.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
@@ -51,6 +54,34 @@ TEST(StepPeaks, LeaveOutWhatHappensBetweenSteps) {
   EXPECT_GE(peaks.steps() - base, kSmall);
   EXPECT_LT(peaks.steps() - base, kBig);
   EXPECT_GE(peaks.whole_run() - base, kBig);
+}
+
+// /proc/stat's first line sums every processor; steal is its eighth number (proc(5)).
+TEST(ProcessorTimes, ReadTheStealOfEveryProcessor) {
+  test::TempDir dir;
+  const std::optional<ProcessorTimes> t = processor_times(
+      dir.write("stat", "cpu  100 5 50 800 10 1 4 30 7 0\ncpu0 50 2 25 400 5 0 2 15 3 0\nintr 12345\n"));
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->total, 100 + 5 + 50 + 800 + 10 + 1 + 4 + 30);  // guest time is inside user already
+  EXPECT_EQ(t->steal, 30);
+  // A kernel too old to count steal, a file that is not /proc/stat, no file: not known.
+  EXPECT_FALSE(processor_times(dir.write("old", "cpu  100 5 50 800 10 1 4\n")).has_value());
+  EXPECT_FALSE(processor_times(dir.write("other", "intr 1 2 3 4 5 6 7 8\n")).has_value());
+  EXPECT_FALSE(processor_times(dir.file("missing")).has_value());
+  if (!processor_times().has_value()) GTEST_SKIP() << "this machine's /proc/stat does not count steal";
+  const ProcessorTimes now = *processor_times();
+  EXPECT_GT(now.total, 0);
+  EXPECT_LE(now.steal, now.total);
+}
+
+TEST(ProcessorTimes, StealShareIsTheStolenPartOfTheTimeBetween) {
+  const ProcessorTimes a{1000, 10}, b{1200, 60};
+  EXPECT_DOUBLE_EQ(*steal_share(a, b), 50.0 / 200);
+  EXPECT_DOUBLE_EQ(*steal_share(a, ProcessorTimes{1200, 10}), 0);
+  EXPECT_FALSE(steal_share(a, a).has_value());  // no time between
+  EXPECT_FALSE(steal_share(b, a).has_value());  // readings out of order
+  EXPECT_FALSE(steal_share(std::nullopt, b).has_value());
+  EXPECT_FALSE(steal_share(a, std::nullopt).has_value());
 }
 
 // Some kernels take raw memory from the CPU allocator (raw_allocate), which requires the data

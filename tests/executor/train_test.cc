@@ -7,6 +7,7 @@
 #include <map>
 
 #include "moeplan/core/trace.h"
+#include "moeplan/executor/training/run_measurement.h"
 #include "run_fixture.h"
 
 namespace moeplan::test {
@@ -104,6 +105,15 @@ TEST(Run, WritesReportAndTraceAndComparesWithThePrediction) {
   ASSERT_EQ(seconds.size(), 3u);
   EXPECT_DOUBLE_EQ(report["measured"]["step_time_s"].get<double>(), (seconds[1] + seconds[2]) / 2);
   EXPECT_DOUBLE_EQ(report["measured"]["undisturbed_step_time_s"].get<double>(), std::min(seconds[1], seconds[2]));
+  // Each step's share of the machine's processor time stolen by a hypervisor, where the machine
+  // counts it (Linux's /proc/stat), beside the step in both files.
+  if (executor::processor_times().has_value()) {
+    std::vector<double> steal;
+    std::ifstream lines(dir.file("out/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) steal.push_back(Json::parse(line).at("steal").get<double>());
+    for (double x : steal) EXPECT_TRUE(x >= 0 && x <= 1) << x;
+    EXPECT_EQ(report["measured"]["step_steal"].get<std::vector<double>>(), steal);
+  }
   EXPECT_EQ(report["measured"]["ranks"], 1);
   EXPECT_EQ(report["predicted"]["step_time_s"], planned["prediction"]["step_time_s"]);
   const double step = report["measured"]["step_time_s"].get<double>();

@@ -39,7 +39,7 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
   sim::RoutingDelay delay(config, sim::layout_shapes(plan.cluster, plan.parallel));
   // The decoder's blocks with experts, then the multi-token prediction blocks' (a run's rows).
   const auto layers = static_cast<size_t>(plan.model.moe_blocks());
-  std::vector<double> errors, balanced_errors;
+  std::vector<double> errors, balanced_errors, undisturbed_errors, undisturbed_balanced_errors;
   const bool dropping = plan.moe.capacity_factor > 0;
   double predicted_dropped = 0, measured_dropped = 0, all_slots = 0;
   for (const StepRecord& s : steps) {
@@ -83,11 +83,21 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
     p.busiest_load = blocks > 0 ? load_sum / blocks : 1.0;
     errors.push_back(std::abs(p.predicted_s / p.measured_s - 1.0));
     balanced_errors.push_back(std::abs(out.balanced_s / p.measured_s - 1.0));
+    p.steal = s.steal;
+    if (undisturbed(s)) {
+      undisturbed_errors.push_back(errors.back());
+      undisturbed_balanced_errors.push_back(balanced_errors.back());
+    }
     out.steps.push_back(p);
   }
   if (out.steps.empty()) throw InputError(origin, {{"", "has no step from step " + std::to_string(from_step) + " on"}});
   out.median_error = median(errors);
   out.median_error_balanced = median(balanced_errors);
+  out.undisturbed_steps = static_cast<int64_t>(undisturbed_errors.size());
+  if (!undisturbed_errors.empty()) {
+    out.undisturbed_median_error = median(undisturbed_errors);
+    out.undisturbed_median_error_balanced = median(undisturbed_balanced_errors);
+  }
   if (dropping && all_slots > 0) {
     out.predicted_dropped = predicted_dropped / all_slots;
     out.measured_dropped = measured_dropped / all_slots;
@@ -96,11 +106,18 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
 }
 
 std::vector<double> step_spread(const RoutingCheck& c) {
-  std::vector<double> ratios;
-  for (const PredictedStep& s : c.steps)
-    if (s.predicted_s > 0) ratios.push_back(s.measured_s / s.predicted_s);
+  std::vector<double> ratios, undisturbed_ratios;
+  for (const PredictedStep& s : c.steps) {
+    if (!(s.predicted_s > 0)) continue;
+    ratios.push_back(s.measured_s / s.predicted_s);
+    if (s.steal && *s.steal < kUndisturbedSteal) undisturbed_ratios.push_back(ratios.back());
+  }
   if (ratios.empty()) return ratios;
-  const double middle = median(ratios);
+  // 1 is a step the hypervisor left alone where enough of them say what that is; else the
+  // median step.
+  const double middle = static_cast<int64_t>(undisturbed_ratios.size()) >= kMinUndisturbedSteps
+                            ? median(undisturbed_ratios)
+                            : median(ratios);
   // A profile holds ratios up to 100 (a step a hundred times its median is a stall, not spread).
   for (double& r : ratios) r = std::min(r / middle, 100.0);
   std::sort(ratios.begin(), ratios.end());
@@ -109,19 +126,29 @@ std::vector<double> step_spread(const RoutingCheck& c) {
 
 std::string format_routing_check(const RoutingCheck& c) {
   std::string out;
-  char line[200];
+  char line[256];
   std::snprintf(line, sizeof line, "step predicted from its measured expert loads (balanced: %.3f s)\n", c.balanced_s);
   out += line;
-  out += "  step   busiest rank   predicted (s)   measured (s)   error\n";
+  out += "  step   busiest rank   predicted (s)   measured (s)   error   steal\n";
   for (const PredictedStep& s : c.steps) {
-    std::snprintf(line, sizeof line, "%6lld %14.3f %15.3f %14.3f %+7.1f%%\n", static_cast<long long>(s.step),
-                  s.busiest_load, s.predicted_s, s.measured_s, 100.0 * (s.predicted_s / s.measured_s - 1.0));
+    char steal[16] = "-";
+    if (s.steal) std::snprintf(steal, sizeof steal, "%.1f%%", 100.0 * *s.steal);
+    std::snprintf(line, sizeof line, "%6lld %14.3f %15.3f %14.3f %+7.1f%% %7s\n", static_cast<long long>(s.step),
+                  s.busiest_load, s.predicted_s, s.measured_s, 100.0 * (s.predicted_s / s.measured_s - 1.0), steal);
     out += line;
   }
   std::snprintf(line, sizeof line,
                 "median |error| over %zu steps: %.1f%% from the measured loads, %.1f%% with balanced routing\n",
                 c.steps.size(), 100.0 * c.median_error, 100.0 * c.median_error_balanced);
   out += line;
+  if (c.undisturbed_steps > 0) {
+    std::snprintf(line, sizeof line,
+                  "median |error| over the %lld steps the hypervisor left alone (steal under %.0f%%): %.1f%% from the "
+                  "measured loads, %.1f%% with balanced routing\n",
+                  static_cast<long long>(c.undisturbed_steps), 100 * kUndisturbedSteal, 100.0 * c.undisturbed_median_error,
+                  100.0 * c.undisturbed_median_error_balanced);
+    out += line;
+  }
   if (c.measured_dropped >= 0) {
     std::snprintf(line, sizeof line, "slots dropped at capacity: %.2f%% predicted from the measured loads, %.2f%% measured\n",
                   100.0 * c.predicted_dropped, 100.0 * c.measured_dropped);

@@ -58,6 +58,7 @@ std::vector<double> processor_probe() {
 struct Round {
   double measured_s = 0, measured_tps = 0, measured_bytes = 0;
   double slowest_processor = 1;  // the probe before the run: slowest processor / fastest seen
+  double steal = 0;  // the machine's share a hypervisor took over the run's steps (RunReport::mean_steal)
   // The median over the same steps of each step predicted from its measured expert loads
   // (routing_check.h): the plan's prediction with the run's own routing in it.
   double routed_s = 0;
@@ -215,23 +216,25 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
                       int64_t rounds) {
   // The table, as Markdown.
   std::string md = "| configuration | plan | predicted step (s) | measured step (s) | error | with its routing (s) | "
-                   "error | each round (s) | slowest processor | predicted tokens/s | measured tokens/s | "
+                   "error | each round (s) | slowest processor | steal | predicted tokens/s | measured tokens/s | "
                    "predicted memory (MiB) | measured peak RSS (MiB) | error |\n"
-                   "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
+                   "|---|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|\n";
   char line[1024];
   for (const Row& r : rows) {
-    std::string each, probe;
+    std::string each, probe, steal;
     for (const Round& x : r.rounds) {
       char v[32];
       std::snprintf(v, sizeof v, "%s%.3f", each.empty() ? "" : " ", x.measured_s);
       each += v;
       std::snprintf(v, sizeof v, "%s%.2f", probe.empty() ? "" : " ", x.slowest_processor);
       probe += v;
+      std::snprintf(v, sizeof v, "%s%.1f%%", steal.empty() ? "" : " ", 100 * x.steal);
+      steal += v;
     }
     std::snprintf(line, sizeof line,
-                  "| %s | %s | %.3f | %.3f | %+.1f%% | %.3f | %+.1f%% | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
+                  "| %s | %s | %.3f | %.3f | %+.1f%% | %.3f | %+.1f%% | %s | %s | %s | %.0f | %.0f | %.0f | %.0f | %+.1f%% |\n",
                   r.config.name.c_str(), r.parallel.c_str(), r.predicted_s, r.measured_s, 100 * r.step_error(),
-                  r.routed_s, 100 * r.routed_error(), each.c_str(), probe.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
+                  r.routed_s, 100 * r.routed_error(), each.c_str(), probe.c_str(), steal.c_str(), r.predicted_tps, r.measured_tps, r.predicted_bytes / (1 << 20),
                   r.measured_bytes / (1 << 20), 100 * r.memory_error());
     md += line;
   }
@@ -280,6 +283,7 @@ void write_validation(const ValidateOptions& options, const std::vector<Row>& ro
                       {"measured_tokens_per_s", x.measured_tps},
                       {"measured_peak_rss_bytes", x.measured_bytes},
                       {"slowest_processor", x.slowest_processor},
+                      {"steal", x.steal},
                       {"routed_step_time_s", x.routed_s}});
     list.push_back({{"name", r.config.name},
                     {"parallel", r.parallel},
@@ -408,13 +412,14 @@ int run_validation(const ValidateOptions& options) {
         r.measured_s = report.step_time_s;
         r.measured_tps = report.tokens_per_s;
         r.measured_bytes = static_cast<double>(report.peak_rss_bytes);
+        r.steal = report.mean_steal();
         r.routed_s = routed_step_s(dir + "/plan.json", out + "/metrics.jsonl");
         row.rounds.push_back(r);
         std::printf("  round %lld [%2zu/%zu] %-30s predicted %7.3f s  measured %7.3f s  %+5.0f%%   memory %+4.0f%%"
-                    "   slowest processor %.2f\n",
+                    "   slowest processor %.2f   steal %4.1f%%\n",
                     static_cast<long long>(round), k + 1, configs.size(), c.name.c_str(), row.predicted_s,
                     r.measured_s, 100 * relative_error(r.measured_s, row.predicted_s),
-                    100 * relative_error(r.measured_bytes, row.predicted_bytes), r.slowest_processor);
+                    100 * relative_error(r.measured_bytes, row.predicted_bytes), r.slowest_processor, 100 * r.steal);
         std::fflush(stdout);
       }
     }

@@ -397,8 +397,11 @@ Calibration calibrate(const CalibrateOptions& o, Communicator& world, const Mesh
   std::vector<PassFigures> pass_figures;
   for (int pass = 1; pass <= passes; ++pass) {
     const std::string of = passes > 1 ? " (pass " + std::to_string(pass) + " of " + std::to_string(passes) + ")" : "";
+    const std::optional<ProcessorTimes> before = processor_times();
     pass_figures.push_back(measure_pass(x, progress, overhead, of));
+    if (const std::optional<double> steal = steal_share(before, processor_times())) cal.pass_steal.push_back(*steal);
   }
+  if (cal.pass_steal.size() != pass_figures.size()) cal.pass_steal.clear();
   for (PassFigures& f : pass_figures)
     f.memory = {static_cast<double>(o.device.is_cuda() ? overhead.most() : step_overhead),
                 static_cast<double>(cal.baseline_rss_bytes)};
@@ -440,6 +443,7 @@ Json to_json(const Calibration& c) {
   j["ranks"] = c.ranks;
   j["passes"] = c.passes;
   j["pass_slowdown"] = c.pass_slowdown;
+  if (!c.pass_steal.empty()) j["pass_steal"] = c.pass_steal;
   j["seconds"] = c.seconds;
   j["rank_spread"] = c.rank_spread;
   Json gemm = Json::array();

@@ -362,7 +362,10 @@ RunResult run_steps(const Plan& plan, const RunOptions& o, const TokenDataset& d
     peaks.begin_step();
     const bool traced = o.kernel_trace_step == trainer.step_count() + 1;
     if (traced) start_kernel_trace(me.device);
+    // The leader reads the machine's steal around the step: the ranks share its processors.
+    const std::optional<ProcessorTimes> before = leader ? processor_times() : std::nullopt;
     StepRecord r = trainer.step(micro_batches);
+    if (leader) r.steal = steal_share(before, processor_times());
     if (traced) save_kernel_trace(me.device, o.out_dir + "/kernels-rank-" + std::to_string(me.rank) + ".json");
     peaks.end_step();
     if (!r.skipped) ++state.optimizer_step;

@@ -91,6 +91,29 @@ std::string percent(double measured, double predicted) {
 int64_t current_rss_bytes() { return status_bytes("VmRSS:"); }
 int64_t peak_rss_bytes() { return status_bytes("VmHWM:"); }
 
+std::optional<ProcessorTimes> processor_times(const std::string& stat_path) {
+  // "cpu  user nice system idle iowait irq softirq steal guest guest_nice": the first line sums
+  // every processor; guest time is already inside user and nice (proc(5)).
+  std::ifstream in(stat_path);
+  std::string label;
+  if (!(in >> label) || label != "cpu") return std::nullopt;
+  ProcessorTimes t;
+  for (int field = 0; field < 8; ++field) {
+    int64_t ticks = 0;
+    if (!(in >> ticks) || ticks < 0) return std::nullopt;
+    t.total += ticks;
+    if (field == 7) t.steal = ticks;
+  }
+  return t;
+}
+
+std::optional<double> steal_share(const std::optional<ProcessorTimes>& before,
+                                  const std::optional<ProcessorTimes>& after) {
+  if (!before || !after || after->total <= before->total || after->steal < before->steal) return std::nullopt;
+  const double share = static_cast<double>(after->steal - before->steal) / static_cast<double>(after->total - before->total);
+  return std::min(share, 1.0);
+}
+
 Json to_json(const RankMeasurement& m) {
   Json j;
   j["rank"] = m.rank;
@@ -166,6 +189,8 @@ RunReport write_run_outputs(const Plan& plan, const std::string& out_dir, const 
   std::vector<double> seconds;
   for (const StepRecord& step : steps) seconds.push_back(step.seconds);
   r.set_step_seconds(std::move(seconds));
+  if (!steps.empty() && std::all_of(steps.begin(), steps.end(), [](const StepRecord& x) { return x.steal.has_value(); }))
+    for (const StepRecord& step : steps) r.step_steal.push_back(*step.steal);
   const double tokens = steps.empty() ? 0 : static_cast<double>(steps.back().tokens);
   r.tokens_per_s = r.step_time_s > 0 ? tokens / r.step_time_s : 0.0;
   if (!steps.empty()) r.tokens_per_expert = steps.back().tokens_per_expert;
@@ -202,6 +227,14 @@ std::string format_summary(const RunReport& r) {
     std::snprintf(line, sizeof line, "  %-23s %12.3f s %12.3f s %8s\n", "step time (undisturbed)",
                   r.predicted_step_time_s, r.undisturbed_step_time_s,
                   percent(r.undisturbed_step_time_s, r.predicted_step_time_s).c_str());
+    out += line;
+  }
+  if (r.stolen_steps() > 0) {
+    // A cloud VM's hypervisor ran other guests on the run's processors: those steps ran slower
+    // for a reason outside the run and the plan.
+    std::snprintf(line, sizeof line, "  %-23s %.1f%% of the processors' time; %lld of %lld steps over %.0f%%\n",
+                  "hypervisor's steal", 100 * r.mean_steal(), static_cast<long long>(r.stolen_steps()),
+                  static_cast<long long>(r.steps > 1 ? r.steps - 1 : r.steps), 100 * kUndisturbedSteal);
     out += line;
   }
   std::snprintf(line, sizeof line, "  %-23s %14.0f %14.0f %8s\n", "tokens/s", r.predicted_tokens_per_s, r.tokens_per_s,

@@ -34,6 +34,10 @@ struct RoutingSummary {
   // predicts for a plan from a routing profile), and the share of slots dropped at capacity
   // (-1 when the run did not drop).
   double step_median_s = 0, step_p95_s = 0;
+  // The same over the steps the hypervisor left alone (core/step_record.h's undisturbed); 0
+  // steps where the run did not record steal.
+  int64_t undisturbed_steps = 0;
+  double undisturbed_median_s = 0, undisturbed_p95_s = 0;
   double dropped_fraction = -1;
 };
 

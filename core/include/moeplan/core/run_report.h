@@ -29,6 +29,9 @@ struct RunReport {
   int64_t ranks = 1;
   int64_t steps = 0;
   std::vector<double> step_seconds;  // the time of every step this run made, in order
+  // Each step's steal share (StepRecord::steal) beside step_seconds; empty where the machine
+  // does not say.
+  std::vector<double> step_steal;
   // Over the steps, the first (warm-up) one left out when there are more: the median, and the
   // lower quartile, the like of a prediction (calibration keeps the lower quartile of its passes:
   // the machine running nothing else beside the job, as a cluster's node does).
@@ -54,6 +57,11 @@ struct RunReport {
 
   // Sets step_seconds, steps and the two figures over them.
   void set_step_seconds(std::vector<double> seconds);
+  // Over the steps the median leaves in (the first left out when there are more): the mean steal
+  // share, and how many steps the hypervisor disturbed (steal at kUndisturbedSteal or more);
+  // both 0 without step_steal.
+  double mean_steal() const;
+  int64_t stolen_steps() const;
   double step_time_error() const { return relative_error(step_time_s, predicted_step_time_s); }
   double undisturbed_step_time_error() const { return relative_error(undisturbed_step_time_s, predicted_step_time_s); }
   double tokens_per_s_error() const { return relative_error(tokens_per_s, predicted_tokens_per_s); }

@@ -3,6 +3,7 @@
 // "Metrics"). The executor writes them; `moeplan routing` and the tests read them back.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,11 @@ struct StepRecord {
   // it began.
   bool skipped = false;
   std::string nonfinite;
+  // The share of the machine's processor time that its hypervisor gave to other guests during
+  // the step (Linux's steal time in /proc/stat, all processors together); none where the
+  // machine does not say. Such time is taken from the ranks, so the step runs slower for a
+  // reason outside the run (docs/validation.md, "A shared machine").
+  std::optional<double> steal;
   bool operator==(const StepRecord&) const = default;
 
   // The step's token-expert slots over every layer (what the router asked for), and of them
@@ -46,6 +52,12 @@ struct StepRecord {
   int64_t total_slots() const;
   int64_t total_dropped() const;
 };
+
+// A step the hypervisor left alone: it took under this share of the machine's processor time
+// during the step. On the 2-vCPU VMs moeplan is validated on, steal is 0 in most 2-second
+// windows and 2 to 40% in spells (docs/validation.md).
+inline constexpr double kUndisturbedSteal = 0.01;
+inline bool undisturbed(const StepRecord& r) { return r.steal && *r.steal < kUndisturbedSteal; }
 
 // One metrics.jsonl line (no newline). A NaN or an Inf loss is written as null.
 std::string to_json_line(const StepRecord& record);

@@ -6,6 +6,7 @@
 // RUN --predict` prints it.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@ struct PredictedStep {
   double measured_s = 0;
   double predicted_s = 0;  // balanced_s plus the wait for the busiest ranks
   double busiest_load = 1;  // the busiest rank's load over the mean, averaged over the step's blocks
+  std::optional<double> steal;  // the machine's share stolen during the step (StepRecord::steal)
 };
 
 struct RoutingCheck {
@@ -26,6 +28,10 @@ struct RoutingCheck {
   std::vector<PredictedStep> steps;
   // Median |error| of the steps' predictions, with and without the measured loads.
   double median_error = 0, median_error_balanced = 0;
+  // The same over the steps the hypervisor left alone (none where the run did not record steal,
+  // or none of its steps was left alone).
+  int64_t undisturbed_steps = 0;
+  double undisturbed_median_error = 0, undisturbed_median_error_balanced = 0;
   // Under a capacity factor, the share of the steps' slots dropped: predicted from each expert
   // group's measured micro-batch loads at the plan's capacity (core/moe_load.h), and what the
   // run dropped (its dropped_slots); both -1 when the plan is dropless.
@@ -39,8 +45,11 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
 std::string format_routing_check(const RoutingCheck& check);
 
 // How the steps varied beyond what their routing explains: each measured step over the step
-// predicted from its own loads, over the median of those ratios (so their median is 1), sorted
-// (a measured routing profile's step_spread).
+// predicted from its own loads, over the median of those ratios, sorted (a measured routing
+// profile's step_spread). Where at least kMinUndisturbedSteps steps were left alone by the
+// hypervisor, over the median of theirs instead: 1 is then an undisturbed step, and the spread
+// carries how much slower the machine's spells made the others, its median shift included.
+inline constexpr int64_t kMinUndisturbedSteps = 10;  // fewer, and their median is a few steps' noise
 std::vector<double> step_spread(const RoutingCheck& check);
 
 }  // namespace moeplan::validation

@@ -61,6 +61,9 @@ struct Calibration {
   int passes = 1;  // every figure measured this many times over the calibration
   // Per pass: the median over the compute times of its time over the one kept.
   std::vector<double> pass_slowdown;
+  // Per pass: the share of the machine's processor time its hypervisor took while the pass ran
+  // (StepRecord::steal); empty where the machine does not count it.
+  std::vector<double> pass_steal;
   std::vector<std::pair<double, double>> gemm;  // (FLOPs of one GEMM, FLOP/s achieved)
   double peak_flops = 0;
   std::vector<EfficiencyPoint> efficiency;

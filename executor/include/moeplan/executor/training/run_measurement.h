@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -59,6 +60,17 @@ class PhaseClock {
 // missing.
 int64_t current_rss_bytes();
 int64_t peak_rss_bytes();
+
+// The machine's processor time so far, every processor together, in clock ticks: all of it and
+// what the hypervisor gave to other guests (steal). None where /proc/stat does not say.
+struct ProcessorTimes {
+  int64_t total = 0, steal = 0;
+};
+std::optional<ProcessorTimes> processor_times(const std::string& stat_path = "/proc/stat");
+// The stolen share of the time between two readings; none where either is missing or no time
+// passed between them.
+std::optional<double> steal_share(const std::optional<ProcessorTimes>& before,
+                                  const std::optional<ProcessorTimes>& after);
 
 // One rank's share of the measurement.
 struct RankMeasurement {
