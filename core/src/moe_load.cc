@@ -49,18 +49,35 @@ double dropped_fraction(const ModelSpec& m, const MoeConfig& moe) {
   return dropped_fraction(shares, moe);
 }
 
-double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe) {
+namespace {
+
+// Calls `each(load)` with every one of `expert_degree` ranks' computed slots over the mean rank's
+// received slots (1 for every rank when no slot was routed).
+template <class Each>
+void for_each_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe, Each each) {
   const auto n = static_cast<int64_t>(shares.size());
   const int64_t e = std::clamp<int64_t>(expert_degree, 1, std::max<int64_t>(1, n));
   const int64_t local = n / e;
-  double most = 0, total = 0;
+  double total = 0;
   for (double s : shares) total += s;
   for (int64_t r = 0; r < e; ++r) {
     double load = 0;
     for (int64_t i = r * local; i < (r + 1) * local; ++i) load += computed_share(shares[static_cast<size_t>(i)], n, moe);
-    most = std::max(most, load);
+    each(total > 0 ? load * static_cast<double>(e) / total : 1.0);
   }
-  return total > 0 ? most * static_cast<double>(e) / total : 1.0;
+}
+
+}  // namespace
+
+double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe) {
+  double most = 0;
+  for_each_rank_load(shares, expert_degree, moe, [&](double load) { most = std::max(most, load); });
+  return most;
+}
+
+void rank_loads(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe, std::vector<double>& out) {
+  out.clear();
+  for_each_rank_load(shares, expert_degree, moe, [&](double load) { out.push_back(load); });
 }
 
 double expert_rank_load(const ModelSpec& m, const MoeConfig& moe, int64_t expert_degree, int64_t rank) {

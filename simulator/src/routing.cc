@@ -38,11 +38,29 @@ RoutingDelay::RoutingDelay(const RunConfig& config, const LayoutShapes& shapes)
   }
   blocks_ = static_cast<double>(std::max<int64_t>(1, *std::max_element(per_stage.begin(), per_stage.end()))) *
             static_cast<double>(std::max<int64_t>(1, p.gradient_accumulation_steps));
-  if (const ClusterSpec& c = config_.cluster; c.host_processors > 0 && c.gpus_per_node > 0) {
-    const auto processors = static_cast<double>(c.host_processors), ranks = static_cast<double>(c.gpus_per_node);
-    const double groups = ranks / static_cast<double>(std::min(expert_degree_, c.gpus_per_node));
-    wait_speedup_ = std::min(1.0, processors / groups) / std::min(1.0, processors / ranks);
+  if (const ClusterSpec& c = config_.cluster; c.host_processors > 0 && c.host_processors < c.gpus_per_node) {
+    const auto group = static_cast<double>(std::min(expert_degree_, c.gpus_per_node));
+    group_processors_ = static_cast<double>(c.host_processors) * group / static_cast<double>(c.gpus_per_node);
   }
+}
+
+double shared_makespan(std::vector<double> work, double processors) {
+  std::sort(work.begin(), work.end());
+  double t = 0, done = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    // The shortest unfinished job ends next; until then every unfinished one moves at this rate.
+    const double rate = std::min(1.0, processors / static_cast<double>(work.size() - i));
+    t += (work[i] - done) / rate;
+    done = work[i];
+  }
+  return t;
+}
+
+double RoutingDelay::priced_load(std::span<const double> shares) {
+  if (!(group_processors_ > 0)) return busiest_rank_load(shares, expert_degree_, config_.moe);
+  rank_loads(shares, expert_degree_, config_.moe, rank_loads_);
+  const double balanced = shared_makespan(std::vector<double>(rank_loads_.size(), 1.0), group_processors_);
+  return shared_makespan(rank_loads_, group_processors_) / balanced;
 }
 
 double RoutingDelay::block_delay_s(double load) {
@@ -53,10 +71,9 @@ double RoutingDelay::block_delay_s(double load) {
   const MoeConfig moe =
       with_busiest_rank_load(config_.model, config_.moe, expert_degree_, static_cast<double>(key) / kLoadSteps);
   const RunConfig at{config_.model, config_.cluster, config_.parallel, moe, config_.training, config_.target};
-  // A busier rank than the plan's own makes the others wait (faster where they free shared
-  // processors); a lighter one (under a capacity factor) is every rank computing less.
-  const double extra = (estimate_step(at, shapes_).step_time_s - base_step_s_) / blocks_;
-  const double delay = extra > 0 ? extra / wait_speedup_ : extra;
+  // A busier rank than the plan's own makes the others wait; a lighter one (under a capacity
+  // factor) is every rank computing less.
+  const double delay = (estimate_step(at, shapes_).step_time_s - base_step_s_) / blocks_;
   by_load_.emplace(key, delay);
   return delay;
 }
@@ -66,7 +83,7 @@ double RoutingDelay::delay_s(const StepRouting& loads) {
   for (size_t block = 0; block < loads.size() && block < moe_block_stage_.size(); ++block)
     for (const std::vector<double>& shares : loads[block])
       by_stage[static_cast<size_t>(moe_block_stage_[block])] +=
-          block_delay_s(busiest_rank_load(shares, expert_degree_, config_.moe));
+          block_delay_s(priced_load(shares));
   return *std::max_element(by_stage.begin(), by_stage.end());
 }
 

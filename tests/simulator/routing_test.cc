@@ -52,24 +52,42 @@ TEST(RoutedStep, UniformLoadsAddWhatTheEstimateAdds) {
   EXPECT_LT(delay.block_delay_s(1.5), delay.block_delay_s(2.0));
 }
 
+// Processor sharing worked by hand: jobs 0.4, 0.5, 1.2 and 1.9 on 2 processors move at half a
+// processor each until 0.4 ends (0.8 s), the three left at 2/3 until 0.5 ends (0.15 s more), the
+// two left at one each until 1.2 ends (0.7 s), and 1.9 alone (0.7 s): 2.35 s, against 2 s for
+// four jobs of 1. With a processor each, the longest job.
+TEST(RoutedStep, SharedProcessorsServeTheUnfinishedRanksEqually) {
+  EXPECT_NEAR(shared_makespan({1.9, 0.4, 1.2, 0.5}, 2), 2.35, 1e-12);
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 1, 1, 1}, 2), 2.0);
+  EXPECT_DOUBLE_EQ(shared_makespan({1.9, 0.4, 1.2, 0.5}, 4), 1.9);
+  EXPECT_DOUBLE_EQ(shared_makespan({1.9, 0.4, 1.2, 0.5}, 1), 4.0);  // one processor: the sum
+  EXPECT_DOUBLE_EQ(shared_makespan({}, 2), 0.0);
+}
+
 // Ranks sharing processors: 8 ranks on 4 processors timed their operations at half a processor
-// each. Experts over all 8 (one group): while 7 wait, the busiest computes on a whole processor,
-// twice as fast, so its delay halves. Over 2 (4 groups): the 4 busiest ranks get a whole
-// processor each, twice as fast again. Over 8 ranks on 8 processors nothing changes, and on 2
-// processors with 4 groups the busiest ranks get half a processor where they had a quarter.
-TEST(RoutedStep, RanksSharingProcessorsRunTheWaitFaster) {
-  for (const auto& [processors, degree, speedup] :
-       std::vector<std::tuple<int64_t, int64_t, double>>{{4, 8, 2.0}, {4, 2, 2.0}, {8, 8, 1.0}, {2, 2, 2.0}}) {
-    test::Scenario c = eight_experts();
-    c.parallel.expert_parallel_degree = degree;
-    const RunConfig own = c.config();
-    const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
-    const double alone = RoutingDelay(own, shapes).block_delay_s(2.0);
-    ASSERT_GT(alone, 0.0) << degree;
-    c.cluster.host_processors = processors;
-    EXPECT_NEAR(RoutingDelay(c.config(), shapes).block_delay_s(2.0), alone / speedup, 1e-12 * alone)
-        << processors << " processors, E" << degree;
-  }
+// each. Experts over all 8 (one group on the 4 processors), the first rank at 2 and seven at
+// 6/7: all eight at half a processor until the seven finish (12/7 s), then the first alone on a
+// whole one (8/7 s more): 20/7 s against 2 s balanced, priced as a busiest rank at 10/7. Over 2
+// ranks (4 groups, a processor each): two ranks on one processor take the sum of their loads,
+// as balanced ones do, so nobody waits. With a processor for every rank, the busiest load.
+TEST(RoutedStep, RanksSharingProcessorsArePricedByTheirMakespan) {
+  test::Scenario c = eight_experts();
+  const LayoutShapes shapes = layout_shapes(c.cluster, c.parallel);
+  const std::vector<double> hot = shares_at(2.0);
+  EXPECT_DOUBLE_EQ(RoutingDelay(c.config(), shapes).priced_load(hot), 2.0);  // GPU ranks
+  c.cluster.host_processors = 8;
+  EXPECT_DOUBLE_EQ(RoutingDelay(c.config(), shapes).priced_load(hot), 2.0);
+  c.cluster.host_processors = 4;
+  RoutingDelay shared(c.config(), shapes);
+  EXPECT_NEAR(shared.priced_load(hot), 10.0 / 7.0, 1e-12);
+  EXPECT_NEAR(shared.delay_s(every_block_at(c.model, 4, 2.0)),
+              static_cast<double>(c.model.moe_layers() * 4) * shared.block_delay_s(10.0 / 7.0), 1e-12);
+  EXPECT_LT(shared.block_delay_s(10.0 / 7.0), shared.block_delay_s(2.0));
+  c.parallel.expert_parallel_degree = 2;
+  RoutingDelay pairs(c.config(), layout_shapes(c.cluster, c.parallel));
+  ASSERT_GT(busiest_rank_load(hot, 2), 1.0);
+  EXPECT_NEAR(pairs.priced_load(hot), 1.0, 1e-12);
+  EXPECT_NEAR(pairs.delay_s(every_block_at(c.model, 4, 2.0)), 0.0, 1e-12);
 }
 
 // One hot micro-batch in one block costs one block's delay; the others cost nothing.

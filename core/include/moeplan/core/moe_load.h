@@ -26,6 +26,9 @@ double dropped_fraction(const ModelSpec& model, const MoeConfig& moe);
 // over the mean rank's received slots, for one micro-batch's shares under moe's capacity.
 // 1 when balanced, and 1 with E = 1.
 double busiest_rank_load(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe = {});
+// Every rank's load as busiest_rank_load counts it (the busiest is the largest), written into
+// `out`, resized to the ranks.
+void rank_loads(std::span<const double> shares, int64_t expert_degree, const MoeConfig& moe, std::vector<double>& out);
 
 // Load of expert-parallel rank `rank` (holding experts [rank n/E, (rank+1) n/E)) over the mean
 // rank load: 1 when balanced; what it computes under a capacity factor. Allocation-free, for the

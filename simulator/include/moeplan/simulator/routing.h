@@ -12,13 +12,18 @@
 // stage (its chunks' blocks under interleaving), the slowest stage setting the step.
 //
 // CPU ranks that share fewer processors than a node has ranks (host.processors) had their
-// operations timed with every rank busy, each getting processors / ranks of one. While the
-// ranks of an expert group wait for its busiest one (blocked in the exchange, off the
-// processors), only one rank per group computes, each getting min(1, processors / groups): the
-// busiest rank's extra work runs that much faster, and its delay is divided by the ratio.
+// operations timed with every rank busy, each getting processors / ranks of one. Between a
+// block's dispatch and its combine, the ranks of an expert group compute their experts' rows
+// and a rank that has finished waits in the exchange, off the processors: the operating system
+// shares the processors among the ranks still computing, each at most one (processor sharing,
+// shared_makespan). So a block with loads L_r is priced as the step estimate prices one whose
+// busiest rank carries the makespan of the L_r over the makespan of balanced loads (both on
+// the group's share of the node's processors): the busiest load itself where every rank has a
+// processor, and less where the lighter ranks' finishing hands their processors to the others.
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <vector>
 
 #include "moeplan/core/routing_profile.h"
@@ -36,6 +41,10 @@ class RoutingDelay {
   double delay_s(const StepRouting& loads);
   // One MoE block of one micro-batch with its busiest rank at `load`, beyond the plan's own.
   double block_delay_s(double load);
+  // The busiest-rank load that prices one micro-batch's block with expert `shares`: the busiest
+  // rank's where every rank has a processor of its own, else the ranks' processor-shared
+  // makespan over the balanced one.
+  double priced_load(std::span<const double> shares);
   double base_load() const { return base_load_; }  // the plan's own busiest-rank load
   int64_t expert_degree() const { return expert_degree_; }
 
@@ -44,10 +53,18 @@ class RoutingDelay {
   LayoutShapes shapes_;
   int64_t expert_degree_ = 1;
   double base_load_ = 1, base_step_s_ = 0, blocks_ = 1;
-  double wait_speedup_ = 1;  // how much faster the busiest rank computes while its group waits
+  // The processors one expert group's ranks share (the node's, split by its groups); 0 where
+  // every rank has one of its own.
+  double group_processors_ = 0;
+  std::vector<double> rank_loads_;  // scratch for priced_load
   std::vector<int64_t> moe_block_stage_;   // the pipeline stage of each MoE block, in block order
   std::map<int64_t, double> by_load_;      // block delay by load in 1/256ths
 };
+
+// How long jobs of `work` seconds each (on one processor) take together when `processors`
+// processors are shared equally among the unfinished ones, none getting more than one: Linux's
+// scheduler running single-threaded ranks. The longest job where there are processors enough.
+double shared_makespan(std::vector<double> work, double processors);
 
 struct RoutedStep {
   double base_step_s = 0;  // the plan's step under its own routing
