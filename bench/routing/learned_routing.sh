@@ -14,10 +14,11 @@
 #   E4-none E4-none-s2   experts over 4 ranks, no load balancing, seeds 1 and 2
 #   E2-aux E2-aux-s2     experts over 2 ranks (2 replicas), auxiliary loss 0.001, seeds 1 and 2
 #   E4-sinkhorn E2-balanced E2-none-cf1.0 E4-none-cf1.25
+# and, named only, E4-none-s3 and E2-aux-s3 (seed 3: runs kept out of a change's making, to check it on).
 # Nothing else should run on the machine meanwhile (docs/validation.md, "A shared machine").
 set -euo pipefail
 if [[ $# -lt 3 ]]; then
-  sed -n 2,17p "$0" >&2
+  sed -n 2,18p "$0" >&2
   exit 2
 fi
 moeplan=$(realpath "$1")
@@ -42,8 +43,10 @@ spec() {
   case $1 in
     E4-none) echo "4 none 0 1" ;;
     E4-none-s2) echo "4 none 0 2" ;;
+    E4-none-s3) echo "4 none 0 3" ;;
     E2-aux) echo "2 aux_loss 0 1" ;;
     E2-aux-s2) echo "2 aux_loss 0 2" ;;
+    E2-aux-s3) echo "2 aux_loss 0 3" ;;
     E4-sinkhorn) echo "4 sinkhorn 0 1" ;;
     E2-balanced) echo "2 balanced 0 1" ;;
     E2-none-cf1.0) echo "2 none 1.0 1" ;;
