@@ -905,24 +905,6 @@ TEST_F(Cli, StepsArePredictedFromTheirMeasuredLoads) {
       << validation::format_routing_check(alone);
   EXPECT_NE(validation::format_routing_check(alone).find("  20.0%\n"), std::string::npos)
       << validation::format_routing_check(alone);
-  // A routing profile's step spread: 1 is a step the hypervisor left alone where ten or more
-  // were, so the spread keeps how much slower the others ran, their median's shift with it;
-  // with fewer, 1 is the median step. Ten steps left alone at 1 s, eleven at 20% steal and 1.2 s,
-  // the same loads.
-  std::vector<StepRecord> spread_steps;
-  for (int64_t n = 1; n <= 21; ++n) {
-    spread_steps.push_back(step(n, n <= 10 ? 1.0 : 1.2, slots / 2));
-    spread_steps.back().steal = n <= 10 ? 0.0 : 0.2;
-  }
-  std::vector<double> expected(10, 1.0);
-  expected.insert(expected.end(), 11, 1.2);
-  std::vector<double> spread = validation::step_spread(validation::predict_steps_from_routing(plan, spread_steps, 1, "m"));
-  ASSERT_EQ(spread.size(), expected.size());
-  for (size_t i = 0; i < spread.size(); ++i) EXPECT_NEAR(spread[i], expected[i], 1e-12) << i;
-  spread_steps[0].steal = 0.5;  // nine left alone: the median step, 1.2 s, is 1
-  spread = validation::step_spread(validation::predict_steps_from_routing(plan, spread_steps, 1, "m"));
-  EXPECT_NEAR(spread.front(), 1.0 / 1.2, 1e-12);
-  EXPECT_NEAR(spread.back(), 1.0, 1e-12);
 
   // At capacity factor 1 the hot micro-batches' four experts each hold 3/16 of the slots against
   // a capacity of 1/8: a quarter of their slots go, an eighth of the two steps' (the balanced

@@ -106,18 +106,11 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
 }
 
 std::vector<double> step_spread(const RoutingCheck& c) {
-  std::vector<double> ratios, undisturbed_ratios;
-  for (const PredictedStep& s : c.steps) {
-    if (!(s.predicted_s > 0)) continue;
-    ratios.push_back(s.measured_s / s.predicted_s);
-    if (s.steal && *s.steal < kUndisturbedSteal) undisturbed_ratios.push_back(ratios.back());
-  }
+  std::vector<double> ratios;
+  for (const PredictedStep& s : c.steps)
+    if (s.predicted_s > 0) ratios.push_back(s.measured_s / s.predicted_s);
   if (ratios.empty()) return ratios;
-  // 1 is a step the hypervisor left alone where enough of them say what that is; else the
-  // median step.
-  const double middle = static_cast<int64_t>(undisturbed_ratios.size()) >= kMinUndisturbedSteps
-                            ? median(undisturbed_ratios)
-                            : median(ratios);
+  const double middle = median(ratios);
   // A profile holds ratios up to 100 (a step a hundred times its median is a stall, not spread).
   for (double& r : ratios) r = std::min(r / middle, 100.0);
   std::sort(ratios.begin(), ratios.end());

@@ -45,11 +45,8 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
 std::string format_routing_check(const RoutingCheck& check);
 
 // How the steps varied beyond what their routing explains: each measured step over the step
-// predicted from its own loads, over the median of those ratios, sorted (a measured routing
-// profile's step_spread). Where at least kMinUndisturbedSteps steps were left alone by the
-// hypervisor, over the median of theirs instead: 1 is then an undisturbed step, and the spread
-// carries how much slower the machine's spells made the others, its median shift included.
-inline constexpr int64_t kMinUndisturbedSteps = 10;  // fewer, and their median is a few steps' noise
+// predicted from its own loads, over the median of those ratios (so their median is 1), sorted
+// (a measured routing profile's step_spread).
 std::vector<double> step_spread(const RoutingCheck& check);
 
 }  // namespace moeplan::validation
