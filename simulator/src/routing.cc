@@ -41,6 +41,7 @@ RoutingDelay::RoutingDelay(const RunConfig& config, const LayoutShapes& shapes)
   if (const ClusterSpec& c = config_.cluster; c.host_processors > 0 && c.host_processors < c.gpus_per_node) {
     const auto group = static_cast<double>(std::min(expert_degree_, c.gpus_per_node));
     group_processors_ = static_cast<double>(c.host_processors) * group / static_cast<double>(c.gpus_per_node);
+    balanced_makespan_ = shared_makespan(std::vector<double>(static_cast<size_t>(expert_degree_), 1.0), group_processors_);
   }
 }
 
@@ -59,8 +60,7 @@ double shared_makespan(std::vector<double> work, double processors) {
 double RoutingDelay::priced_load(std::span<const double> shares) {
   if (!(group_processors_ > 0)) return busiest_rank_load(shares, expert_degree_, config_.moe);
   rank_loads(shares, expert_degree_, config_.moe, rank_loads_);
-  const double balanced = shared_makespan(std::vector<double>(rank_loads_.size(), 1.0), group_processors_);
-  return shared_makespan(rank_loads_, group_processors_) / balanced;
+  return shared_makespan(rank_loads_, group_processors_) / balanced_makespan_;
 }
 
 double RoutingDelay::block_delay_s(double load) {

@@ -2,6 +2,7 @@
 // steal behind each step's.
 
 #include "moeplan/executor/ranks/runtime.h"
+#include "moeplan/executor/training/run.h"
 #include "moeplan/executor/training/run_measurement.h"
 #include "test_support.h"
 
@@ -72,6 +73,17 @@ TEST(ProcessorTimes, ReadTheStealOfEveryProcessor) {
   const ProcessorTimes now = *processor_times();
   EXPECT_GT(now.total, 0);
   EXPECT_LE(now.steal, now.total);
+}
+
+// A run appends a line a step; whoever reads the file meanwhile may find the last line half
+// written, and leaves it for the next read.
+TEST(Metrics, ALineStillBeingWrittenIsLeftOut) {
+  test::TempDir dir;
+  dir.write("metrics.jsonl", "{\"step\":1}\n{\"step\":2,\"loss\":[1,");
+  ASSERT_EQ(read_metrics(dir.path().string()).size(), 1u);
+  dir.write("metrics.jsonl", "{\"step\":1}\n{\"step\":2,\"loss\":[1, 2]}\n");
+  EXPECT_EQ(read_metrics(dir.path().string()).size(), 2u);
+  EXPECT_TRUE(read_metrics(dir.file("missing")).empty());
 }
 
 TEST(ProcessorTimes, StealShareIsTheStolenPartOfTheTimeBetween) {

@@ -48,8 +48,10 @@ std::vector<Json> read_metrics(const std::string& run_dir) {
   std::vector<Json> lines;
   std::ifstream in(run_dir + "/metrics.jsonl");
   std::string line;
-  while (std::getline(in, line))
+  while (std::getline(in, line)) {
+    if (in.eof()) break;  // no newline yet: a line the run is still writing
     if (!line.empty()) lines.push_back(Json::parse(line));
+  }
   return lines;
 }
 

@@ -56,6 +56,7 @@ class RoutingDelay {
   // The processors one expert group's ranks share (the node's, split by its groups); 0 where
   // every rank has one of its own.
   double group_processors_ = 0;
+  double balanced_makespan_ = 1;  // of balanced loads on those processors
   std::vector<double> rank_loads_;  // scratch for priced_load
   std::vector<int64_t> moe_block_stage_;   // the pipeline stage of each MoE block, in block order
   std::map<int64_t, double> by_load_;      // block delay by load in 1/256ths

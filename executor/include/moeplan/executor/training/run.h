@@ -121,7 +121,8 @@ void check_run_inputs(const Plan& plan, const TokenDataset& data, const RunOptio
 
 // Keeps the metrics.jsonl lines of steps up to `last_step` (a resumed run rewrites the rest).
 void truncate_metrics(const std::string& path, int64_t last_step);
-// The metrics.jsonl lines of a run folder, parsed (none when the file is missing).
+// The metrics.jsonl lines of a run folder, parsed (none when the file is missing). A last line
+// without its newline is one a running run is still writing, and is left out.
 std::vector<Json> read_metrics(const std::string& run_dir);
 
 }  // namespace moeplan::executor
