@@ -3,6 +3,7 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace moeplan {
 
@@ -120,6 +121,18 @@ double lower_quartile(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[(v.size() - 1) / 4];
+}
+
+double median_error_floor(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  // |c / x - 1| <= e holds for x in [c / (1 + e), c / (1 - e)], a band whose ends are (1 + e) /
+  // (1 - e) apart; the median error is e when half of the values lie in it. So the floor is set
+  // by the run of half the sorted values with the smallest ratio between its ends.
+  const size_t half = (v.size() + 1) / 2;
+  double ratio = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i + half <= v.size(); ++i) ratio = std::min(ratio, v[i + half - 1] / v[i]);
+  return (ratio - 1) / (ratio + 1);
 }
 
 double kendall_tau(const std::vector<double>& a, const std::vector<double>& b) {

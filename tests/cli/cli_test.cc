@@ -923,6 +923,16 @@ TEST_F(Cli, StepsArePredictedFromTheirMeasuredLoads) {
       << validation::format_routing_check(drops);
   EXPECT_THROW(validation::predict_steps_from_routing(dropping, steps, 1, "metrics.jsonl"), InputError);
 
+  // The measured steps' own spread, whatever was predicted: two steps of 1 s leave none; of 1.0,
+  // 1.2 and 1.5 s, no one time comes nearer than 1/11 to two of them (1.0909 s to the first two).
+  EXPECT_EQ(check.error_floor, 0.0);
+  const validation::RoutingCheck spread = validation::predict_steps_from_routing(
+      plan, {step(1, 1.0, slots / 2), step(2, 1.2, slots / 2), step(3, 1.5, slots / 2)}, 1, "metrics.jsonl");
+  EXPECT_NEAR(spread.error_floor, 1.0 / 11, 1e-12);
+  EXPECT_NE(validation::format_routing_check(spread).find("no one step time comes within 9.1% of half of them"),
+            std::string::npos)
+      << validation::format_routing_check(spread);
+
   // The same through the command, from the run folder's plan.json and metrics.jsonl.
   fs::create_directories(dir / "run");
   fs::copy_file(dir / "plan.json", dir / "run" / "plan.json");

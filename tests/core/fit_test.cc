@@ -1,9 +1,13 @@
-// Least squares, measured curves, medians and Kendall's tau (core/fit.h).
+// Least squares, measured curves, medians, the floor of a constant prediction and Kendall's tau
+// (core/fit.h).
 #include "moeplan/core/fit.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
 
 namespace moeplan {
 namespace {
@@ -56,6 +60,33 @@ TEST(Median, OddAndEven) {
   EXPECT_DOUBLE_EQ(median({3, 1, 2}), 2.0);
   EXPECT_DOUBLE_EQ(median({4, 1, 3, 2}), 2.5);
   EXPECT_DOUBLE_EQ(median({}), 0.0);
+}
+
+TEST(MedianErrorFloor, NoSingleValueComesNearer) {
+  // 1, 2, 3: the pair 2, 3 is the tightest half; 2.4 is within 20% of both.
+  EXPECT_NEAR(median_error_floor({3, 1, 2}), 0.2, 1e-12);
+  EXPECT_EQ(median_error_floor({}), 0);
+  EXPECT_EQ(median_error_floor({5, 5, 5}), 0);
+  // Against a fine scan of single values, on odd and even counts of spread-out times: the floor is
+  // never beaten, and for an odd count some value reaches it.
+  std::mt19937 rng(7);
+  std::lognormal_distribution<double> time(0.0, 0.2);
+  for (int n : {5, 6, 31, 40}) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (double& x : v) x = time(rng);
+    const double floor = median_error_floor(v);
+    double best = std::numeric_limits<double>::infinity();
+    for (int i = 0; i <= 20000; ++i) {
+      const double c = 0.3 + 2.7 * i / 20000.0;
+      std::vector<double> errors;
+      for (double x : v) errors.push_back(std::abs(c / x - 1));
+      best = std::min(best, median(errors));
+    }
+    EXPECT_LE(floor, best + 1e-9) << n;
+    if (n % 2 == 1) {
+      EXPECT_NEAR(floor, best, 1e-3) << n;
+    }
+  }
 }
 
 TEST(KendallTau, KnownRankings) {

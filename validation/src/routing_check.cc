@@ -39,7 +39,8 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
   sim::RoutingDelay delay(config, sim::layout_shapes(plan.cluster, plan.parallel));
   // The decoder's blocks with experts, then the multi-token prediction blocks' (a run's rows).
   const auto layers = static_cast<size_t>(plan.model.moe_blocks());
-  std::vector<double> errors, balanced_errors, undisturbed_errors, undisturbed_balanced_errors;
+  std::vector<double> errors, balanced_errors, undisturbed_errors, undisturbed_balanced_errors, measured,
+      undisturbed_measured;
   const bool dropping = plan.moe.capacity_factor > 0;
   double predicted_dropped = 0, measured_dropped = 0, all_slots = 0;
   for (const StepRecord& s : steps) {
@@ -84,15 +85,19 @@ RoutingCheck predict_steps_from_routing(const Plan& plan, const std::vector<Step
     errors.push_back(std::abs(p.predicted_s / p.measured_s - 1.0));
     balanced_errors.push_back(std::abs(out.balanced_s / p.measured_s - 1.0));
     p.steal = s.steal;
+    measured.push_back(s.seconds);
     if (undisturbed(s)) {
       undisturbed_errors.push_back(errors.back());
       undisturbed_balanced_errors.push_back(balanced_errors.back());
+      undisturbed_measured.push_back(s.seconds);
     }
     out.steps.push_back(p);
   }
   if (out.steps.empty()) throw InputError(origin, {{"", "has no step from step " + std::to_string(from_step) + " on"}});
   out.median_error = median(errors);
   out.median_error_balanced = median(balanced_errors);
+  out.error_floor = median_error_floor(measured);
+  out.undisturbed_error_floor = median_error_floor(undisturbed_measured);
   out.undisturbed_steps = static_cast<int64_t>(undisturbed_errors.size());
   if (!undisturbed_errors.empty()) {
     out.undisturbed_median_error = median(undisturbed_errors);
@@ -134,12 +139,18 @@ std::string format_routing_check(const RoutingCheck& c) {
                 "median |error| over %zu steps: %.1f%% from the measured loads, %.1f%% with balanced routing\n",
                 c.steps.size(), 100.0 * c.median_error, 100.0 * c.median_error_balanced);
   out += line;
+  std::snprintf(line, sizeof line, "  the steps' own spread: no one step time comes within %.1f%% of half of them\n",
+                100.0 * c.error_floor);
+  out += line;
   if (c.undisturbed_steps > 0) {
     std::snprintf(line, sizeof line,
                   "median |error| over the %lld steps the hypervisor left alone (steal under %.0f%%): %.1f%% from the "
                   "measured loads, %.1f%% with balanced routing\n",
                   static_cast<long long>(c.undisturbed_steps), 100 * kUndisturbedSteal, 100.0 * c.undisturbed_median_error,
                   100.0 * c.undisturbed_median_error_balanced);
+    out += line;
+    std::snprintf(line, sizeof line, "  their own spread: no one step time comes within %.1f%% of half of them\n",
+                  100.0 * c.undisturbed_error_floor);
     out += line;
   }
   if (c.measured_dropped >= 0) {

@@ -40,6 +40,12 @@ double quantile(std::vector<double> values, double q);
 // no interpolation), as calibration keeps a figure over its passes; 0 for none.
 double lower_quartile(std::vector<double> values);
 
+// The least median |c / x - 1| that one value c can reach over positive `values`: how near a
+// prediction that is the same for every item can come, whatever it is (0 for none). Exact for an
+// odd count; for an even one, the narrowest relative band around one value that holds half of
+// them, which is no more than it.
+double median_error_floor(std::vector<double> values);
+
 // Kendall's tau-b between two rankings of the same items (ties counted as neither concordant
 // nor discordant); 0 when fewer than two items or either side is constant.
 double kendall_tau(const std::vector<double>& a, const std::vector<double>& b);

@@ -32,6 +32,10 @@ struct RoutingCheck {
   // or none of its steps was left alone).
   int64_t undisturbed_steps = 0;
   double undisturbed_median_error = 0, undisturbed_median_error_balanced = 0;
+  // The measured steps' own spread: the least median |error| any one step time could reach over
+  // them (core/fit.h, median_error_floor), over every step and over those left alone. A
+  // prediction nearer than this must follow something that varies from step to step.
+  double error_floor = 0, undisturbed_error_floor = 0;
   // Under a capacity factor, the share of the steps' slots dropped: predicted from each expert
   // group's measured micro-batch loads at the plan's capacity (core/moe_load.h), and what the
   // run dropped (its dropped_slots); both -1 when the plan is dropless.
