@@ -205,8 +205,8 @@ void add_unmeasured_splits(std::string& out, const SearchResult& result, const R
   }
 }
 
-// A range of cluster sizes: the size the objective picks among those within the deadline,
-// written as the plan.
+// A range of cluster sizes: the size the objective picks among those within the deadline, and
+// the file its plan went to.
 SearchReport report_sizes(const SearchOutcome& found, const ReportOptions& options, const Print& print) {
   SearchReport report;
   std::string out;
@@ -225,14 +225,10 @@ SearchReport report_sizes(const SearchOutcome& found, const ReportOptions& optio
       within.c_str(), static_cast<long long>(chosen.cluster.num_nodes), chosen.cluster.name.c_str(),
       static_cast<long long>(chosen.gpus), describe(found.plan->parallel).c_str(), cost.c_str());
   print(out);
-  if (!options.out.empty()) {
-    write_file_atomic(options.out, plan_to_text(*found.plan));
-    print("wrote " + options.out + "\n");
-  }
+  if (!options.out.empty()) print("wrote " + options.out + "\n");
   return report;
 }
 
-// One cluster size: the ranked table (or the plan as JSON), and the plan written.
 // The capacity factors listed, each with its best plan, its step and its dropped share.
 std::string capacity_text(const CapacityChoices& c, bool routed) {
   std::string out;
@@ -254,6 +250,7 @@ std::string capacity_text(const CapacityChoices& c, bool routed) {
   return out + "\n";
 }
 
+// One cluster size: the ranked table (or the plan as JSON), and the file the plan went to.
 SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, const ReportOptions& options,
                              const Print& print) {
   SearchReport report;
@@ -273,9 +270,8 @@ SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, cons
     report.exit_code = kExitNoPlan;
     return report;
   }
-  const std::string text = plan_to_text(*found.plan);
   if (options.json) {
-    out += text;
+    out += plan_to_text(*found.plan);
   } else {
     // Shown in this order: the table, the days and dollars, the note.
     std::string times, note, table;
@@ -287,10 +283,8 @@ SearchReport report_one_size(const SearchOutcome& found, int64_t top_shown, cons
     out += table + times + note;
   }
   print(out);
-  if (!options.out.empty()) {
-    write_file_atomic(options.out, text);
-    if (!options.json) print("\nwrote " + options.out + " (" + describe(found.plan->parallel) + ")\n");
-  }
+  if (!options.out.empty() && !options.json)
+    print("\nwrote " + options.out + " (" + describe(found.plan->parallel) + ")\n");
   return report;
 }
 
@@ -308,6 +302,9 @@ SearchReport search_and_report(const SearchRequest& request, const ReportOptions
   };
   progress.size_searched = [&](const SizeResult& size) { print(size_row_text(size, request.goal)); };
   const SearchOutcome found = plan_search(request, command, progress);
+  // The plan is written as soon as it is chosen; what is printed about it is made from the
+  // outcome afterwards, and a file that cannot be written stops the command before it.
+  if (found.plan && !options.out.empty()) write_file_atomic(options.out, plan_to_text(*found.plan));
   return gpus.is_range() ? report_sizes(found, options, print) : report_one_size(found, request.top, options, print);
 }
 

@@ -130,6 +130,21 @@ TEST_F(Cli, SearchWritesAPlanThatCheckAccepts) {
     EXPECT_EQ(entry.path().filename(), "plan.json");
 }
 
+// The plan is written as soon as it is chosen: a file that cannot be written is one line naming
+// it, exit 2, before any table is printed about a plan that went nowhere.
+TEST_F(Cli, SearchToAFolderThatIsNotThereStopsBeforeTheTable) {
+  Workdir dir;
+  const Outcome search = dir.moeplan("search --gpus 16 --out missing/plan.json");
+  EXPECT_EQ(search.exit_code, 2) << show(search);
+  ASSERT_EQ(search.err_lines().size(), 1u) << show(search);
+  EXPECT_TRUE(starts_with(search.err, "moeplan: error: missing/plan.json: ")) << show(search);
+  EXPECT_NE(search.out.find("moeplan search: mixtral-8x7b"), std::string::npos) << show(search);
+  EXPECT_EQ(search.out.find("wrote"), std::string::npos) << show(search);
+  EXPECT_EQ(search.out.find("configurations:"), std::string::npos) << show(search);
+  EXPECT_EQ(search.out.find("step(s)"), std::string::npos) << show(search);
+  EXPECT_FALSE(fs::exists(dir / "missing"));
+}
+
 // A calibrated profile's operation times hold the tensor splits it measured; the table says
 // when it shows a plan with another split, which is then estimated from FLOPs.
 TEST_F(Cli, SearchSaysWhenAPlansTensorSplitWasNotMeasured) {

@@ -28,9 +28,9 @@ struct SearchReport {
 };
 
 // Searches `request` (a range of cluster sizes: each size, then the one its objective picks),
-// writes the plan to options.out, recording `command` in it, and gives `print` all the command
-// shows on standard output: what is searched, each size of a range once searched, the ranked
-// table (or the plan as JSON) before the plan is written, and the file written. Throws
+// writes the plan to options.out, recording `command` in it, and then gives `print` what the
+// command shows on standard output: what is searched and each size of a range once searched (as
+// the search goes), the ranked table (or the plan as JSON), and the file written. Throws
 // InputError naming the flag at fault.
 SearchReport search_and_report(const SearchRequest& request, const ReportOptions& options, const std::string& command,
                                const Print& print);
