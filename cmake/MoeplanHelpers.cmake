@@ -88,17 +88,20 @@ function(moeplan_add_test)
 endfunction()
 
 # moeplan_tests_at_build_level(<source>...)
-# Where MOEPLAN_TEST_COMPILE_FLAGS lowers the test programs' optimisation (the sanitizer
-# presets), these test files keep the build type's level: their tests spend their time in code
-# the file instantiates itself (nlohmann's JSON, a fuzz loop, reference tensors), which runs up
-# to three times slower at -O0 under ASan. Sources are named relative to the calling directory.
+# Where MOEPLAN_TEST_COMPILE_FLAGS lowers the test programs' optimisation (every preset), these
+# test files keep the build type's level: their tests spend their time in code the file
+# instantiates itself (nlohmann's JSON, a fuzz loop, reference tensors), which runs up to three
+# times slower at -O0 under ASan. Only the -O option is taken from the build type's flags: its -g
+# would come after -g1 and compile full debug information. Sources are named relative to the
+# calling directory.
 function(moeplan_tests_at_build_level)
   if(NOT MOEPLAN_TEST_COMPILE_FLAGS)
     return()
   endif()
   string(TOUPPER "${CMAKE_BUILD_TYPE}" type)
-  separate_arguments(level UNIX_COMMAND "${CMAKE_CXX_FLAGS_${type}}")
-  set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS "${level}")
+  separate_arguments(flags UNIX_COMMAND "${CMAKE_CXX_FLAGS_${type}}")
+  list(FILTER flags INCLUDE REGEX "^-O")
+  set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS "${flags}")
 endfunction()
 
 # moeplan_reuse_torch_pch(<target> [SKIP <source>...])
