@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moeplan/core/parallel_config.h"
+#include "moeplan/planner/rehearsal.h"
 
 namespace moeplan::cli {
 
@@ -21,7 +22,7 @@ struct RunArgs {
   bool resume = false;
   std::string init_from;  // Hugging Face folder to start from
   bool rehearse = false;  // the plan's layout on local ranks with the model shrunk
-  int64_t shrink_width = 32, shrink_layers = 2, shrink_micro_batches = 32;
+  planner::Shrink shrink;  // --shrink-*, the planner's defaults
   std::string record_routing, replay_routing, planted_fault;  // a rehearsal's child runs (executor/run.h)
   int threads = 0;
   int64_t timeout_seconds = 60;

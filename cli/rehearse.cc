@@ -32,7 +32,7 @@ int run_rehearse(const RunArgs& args) {
   // ranks use (an OpenMP pool spinning on two cores shared with others took most of their time).
   executor::set_compute_threads(1);
   const executor::TokenDataset data = executor::TokenDataset::open(o.data_dir);
-  const Plan small = planner::rehearsal_plan(plan, {args.shrink_width, args.shrink_layers, args.shrink_micro_batches}, data.vocab_size(),
+  const Plan small = planner::rehearsal_plan(plan, args.shrink, data.vocab_size(),
                                              data.block_size(), o.steps);
   const Plan reference = planner::reference_plan(small);
   executor::check_rehearsal_plans(small, reference, data, o);

@@ -58,12 +58,12 @@ Command add_run_command(CLI::App& app, const Invocation& invocation) {
                                         "Rehearse the plan's layout on local CPU ranks with the model shrunk, against "
                                         "one rank, and give a verdict (--out is the rehearsal's folder)");
   rehearse->excludes(every)->excludes(resume)->excludes(init_from);
-  cmd->add_option("--shrink-width", run->shrink_width, "With --rehearse: divide hidden and intermediate sizes by this")
+  cmd->add_option("--shrink-width", run->shrink.width, "With --rehearse: divide hidden and intermediate sizes by this")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
-  cmd->add_option("--shrink-layers", run->shrink_layers,
+  cmd->add_option("--shrink-layers", run->shrink.layers,
                   "With --rehearse: layers kept (rounded up to a multiple of the pipeline's chunks)")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->needs(rehearse);
-  cmd->add_option("--shrink-micro-batches", run->shrink_micro_batches,
+  cmd->add_option("--shrink-micro-batches", run->shrink.micro_batches,
                   "With --rehearse: micro-batches a step at most (0: the plan's)")
       ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 20))->needs(rehearse);
   // A rehearsal's child runs (docs/executor.md, "Rehearsal"): the rehearsal passes these; hidden.

@@ -112,7 +112,7 @@ inline std::string show(const Command& c) {
 inline std::vector<std::string> fortune_files(const std::vector<std::string>& names) {
   std::vector<std::string> files;
   for (const std::string& name : names) {
-    const std::string path = std::string(kFortunesDir) + "/" + name;
+    const std::string path = (std::filesystem::path(kFortunesDir) / name).string();
     if (!std::filesystem::exists(path)) return {};
     files.push_back(path);
   }

@@ -133,8 +133,10 @@ TEST(Rehearsal, APipelineKeepsABlockForEveryChunk) {
     EXPECT_EQ(one.parallel.gradient_accumulation_steps, plan.parallel.gradient_accumulation_steps * 16 / 4);
     EXPECT_EQ(one.training.global_batch_tokens, small.training.global_batch_tokens);
   }
-  // At most --shrink-micro-batches a step, in whole rounds of P for the interleaved schedule.
+  // At most --shrink-micro-batches a step, in whole rounds of P for the interleaved schedule;
+  // 32 unless asked.
   ASSERT_GT(plan.parallel.gradient_accumulation_steps, 32);
+  EXPECT_EQ(rehearsal_plan(plan, {}, 512, 64, 2).parallel.gradient_accumulation_steps, 32);
   for (const auto& [cap, kept] : {std::pair<int64_t, int64_t>{32, 32}, {5, 6}, {1, 2}}) {
     const Plan small = rehearsal_plan(plan, {32, 2, cap}, 512, 64, 2);
     EXPECT_EQ(small.parallel.gradient_accumulation_steps, kept) << "--shrink-micro-batches " << cap;
