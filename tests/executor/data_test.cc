@@ -44,7 +44,7 @@ using test::contains;
 std::vector<std::string> fortune_files() {
   std::vector<std::string> files;
   for (const char* name : {"fortunes", "wisdom", "science", "computers"})
-    files.push_back(std::string(kFortunesDir) + "/" + name);
+    files.push_back((std::filesystem::path(kFortunesDir) / name).string());
   return files;
 }
 
