@@ -3,7 +3,7 @@
 // AdamW moment of the model put back together from the shards' slices.
 //
 // Options byte: bit 0 puts the shards' true sizes and CRC-32s into the manifest first.
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Hugging Face model folders (executor/model/hf_checkpoint.h), as `moeplan run --init-from` reads
 // one: config.json, model.safetensors.index.json and one shard, the input's three parts. With
 // no index the shard is model.safetensors, else model-00001-of-00001.safetensors.
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -7,7 +7,7 @@
 // writes OUT_DIR/<target>/<seed> for tensor_file, checkpoint and hf_checkpoint, and
 // OUT_DIR/tokens/<seed> from DATA_DIR, a folder `moeplan data prepare` wrote (the tokenizer
 // does not share a process with LibTorch). fuzz/corpus/ was made this way.
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdio>
 #include <filesystem>

@@ -1,6 +1,6 @@
 // Tensor files in the safetensors layout (executor/io/tensor_file.h): checkpoint shards and
 // Hugging Face shards. The whole file, then one tensor of it alone, as read_hf_parameters asks.
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstddef>
 #include <cstdint>

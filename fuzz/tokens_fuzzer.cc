@@ -2,7 +2,7 @@
 // input's three parts, opened as training opens one, then its first and last blocks read.
 //
 // Options byte: bit 0 puts the files' true sizes and CRC-32s into the manifest first.
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -8,7 +8,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <fstream>
 #include <string>

@@ -3,7 +3,7 @@
 // the timers, and each measurement's figures under their names. Every rank makes the same
 // calls in the same order, so that the collectives among them line up.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <algorithm>
 #include <chrono>

@@ -696,9 +696,8 @@ LossTerms mixtral_loss(const ModelSpec& spec, const MoeConfig& moe, const Forwar
   // Each position predicts the next token; the last position has none and is ignored. The
   // logits are read in place (a slice of them would be copied by the reshape).
   auto cross_entropy = [](const torch::Tensor& logits, const torch::Tensor& labels) {
-    return torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel));
+    return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}), /*weight=*/{},
+                                     at::Reduction::Mean, kIgnoreLabel, /*label_smoothing=*/0.0);
   };
   std::vector<torch::Tensor> mtp;
   for (size_t k = 0; k < out.mtp_logits.size(); ++k)

@@ -3,7 +3,7 @@
 // naming each tensor's dtype, shape and byte range, then the bytes), so checkpoint shards can be
 // read by other tools. Reading checks every header field against the file before touching data.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <map>
 #include <set>

@@ -1,7 +1,7 @@
 #pragma once
 // Reading a data folder written by prepare_data (data_prepare.h) during training.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <string>

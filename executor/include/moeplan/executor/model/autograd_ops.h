@@ -5,7 +5,7 @@
 // run the same backward graph in the same order (it does: each rank builds the same graph, and
 // the CPU autograd engine orders ready nodes by creation order).
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <functional>
 #include <string>

@@ -18,7 +18,7 @@
 // model has one), so a block whose keys all lie ahead of a query row adds nothing to it;
 // Megatron-Core skips those halves of a block, this computes them masked.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <array>
 #include <cstdint>

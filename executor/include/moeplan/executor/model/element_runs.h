@@ -3,7 +3,7 @@
 // weight decay, or parameters every tensor-parallel rank holds alike. A shard holds each
 // parameter's elements in one run, so a few runs say what a mask of one byte per element would.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <vector>

@@ -5,7 +5,7 @@
 // whole world (routing.h: update_expert_bias), so they stay equal on every rank, and
 // checkpoints them whole beside the parameters as "buffer/<name>".
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <string>
 #include <vector>

@@ -4,7 +4,7 @@
 // forward and one backward, with the same results up to the order of float sums. On a GPU they
 // defer to LibTorch's own fused kernels where it has them.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 namespace moeplan::executor {
 

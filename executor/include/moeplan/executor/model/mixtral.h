@@ -23,7 +23,7 @@
 // parameter is initialised from (seed, name) alone, so the initial weights of a run do not
 // depend on how it is later split over ranks.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <functional>

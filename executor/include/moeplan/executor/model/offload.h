@@ -6,7 +6,7 @@
 // the rank's resident set) and the saving is real and measurable. Reads can be started ahead of
 // use, which is how the backward pass prefetches `activation_loading_horizon` blocks ahead.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <chrono>
 #include <cstdint>

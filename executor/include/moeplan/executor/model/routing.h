@@ -1,7 +1,7 @@
 #pragma once
 // Token-to-expert routing and the router's auxiliary losses, with SMP's load-balancing methods.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <functional>

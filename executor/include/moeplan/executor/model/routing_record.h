@@ -12,7 +12,7 @@
 // the micro-batch's [B x T] tokens it routed, and the replay puts the parts together in the
 // reference's order.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <map>

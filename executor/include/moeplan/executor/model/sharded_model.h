@@ -33,7 +33,7 @@
 // this rank's tokens), and sinkhorn balances the whole micro-batch. With E > 1 the expert group
 // spans the context ranks (mesh.h).
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <deque>

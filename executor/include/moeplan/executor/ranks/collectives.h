@@ -11,7 +11,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <chrono>
 #include <cstdint>

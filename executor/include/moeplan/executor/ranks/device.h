@@ -4,7 +4,7 @@
 // call there (it does nothing or reports zeros).
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <chrono>
 #include <cstdint>

@@ -8,7 +8,7 @@
 // state in fp32, and differ only in how their sums are split and ordered (tensor-parallel parts,
 // shards, replicas, micro-batches, experts' token groups).
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <functional>

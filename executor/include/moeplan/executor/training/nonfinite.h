@@ -3,7 +3,7 @@
 // Counted per block (0: embedding; 1..L: decoder layer l-1; L+1: final norm and lm head, as
 // ParamInfo::block numbers them) over this rank's part of the model, then summed over the ranks.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <string>

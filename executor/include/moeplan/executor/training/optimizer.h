@@ -2,7 +2,7 @@
 // AdamW (PyTorch's formula, decoupled weight decay), global-norm gradient clipping and the
 // warmup + cosine learning-rate schedule.
 
-#include <torch/torch.h>
+#include "moeplan/executor/libtorch.h"
 
 #include <cstdint>
 #include <vector>
